@@ -1,0 +1,176 @@
+"""The engine's public, asyncio-friendly API.
+
+    engine = await Engine.start(EngineConfig(model_path=...))
+    async for event in engine.generate(GenerationRequest(prompt="Hello", max_tokens=32)):
+        ...
+    await engine.close()
+
+``submit`` validates on the caller's thread (tokenization and grammar parsing only touch the
+vocabulary), so a bad request raises :class:`~engine.errors.InvalidRequest` before it is queued.
+Events cross from the engine thread into the caller's event loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from engine.chat import ChatTemplate
+from engine.config import EngineConfig
+from engine.errors import InvalidRequest, PromptTooLong
+from engine.events import Event, Finished
+from engine.llama_model import LlamaModel
+from engine.request import GenerationRequest
+from engine.runner import PreparedRequest, Runner
+from engine.sampling import SamplerChain, build_chain, check_grammar, grammar_for
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stats import EngineCounters, EngineStats
+
+
+class RequestHandle:
+    """Events of one submitted request, as an async iterator. Leaving the iteration early
+    (``break``, an exception, task cancellation) cancels the request so its slot is freed."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
+        self.id = request.id
+        self.request = request
+        self._engine = engine
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._open_choices = request.n
+        self.finished: list[Finished] = []
+
+    def _emit_threadsafe(self, event: Event) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.id)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        try:
+            while self._open_choices:
+                event = await self._queue.get()
+                if isinstance(event, Finished):
+                    self._open_choices -= 1
+                    self.finished.append(event)
+                yield event
+        finally:
+            if self._open_choices:
+                self.cancel()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model = LlamaModel(config)
+        self.info = self.model.info
+        self.ctx_per_seq = min(config.ctx, self.info.n_ctx)
+        self.template = ChatTemplate(self.model.chat_template(), self.model.token_text(self.model.bos_token),
+                                     self.model.token_text(self.model.eos_token))
+        self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
+        self.counters = EngineCounters()
+        self.scheduler = Scheduler(SchedulerConfig(
+            n_slots=config.slots,
+            n_batch=self.info.n_batch,
+            kv_cells=self.info.n_ctx,
+            prefill_chunk=min(config.prefill_chunk, self.info.n_batch),
+            mode=config.mode,
+            prefix_cache=config.prefix_cache,
+            kv_overcommit=config.kv_overcommit,
+        ))
+        self._runner = Runner(self.model, self.scheduler, self.counters, self.ctx_per_seq)
+        self._runner.thread.start()
+        self._closed = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> Engine:
+        """Load the model off the event loop (it can take seconds) and start the engine thread."""
+        return await asyncio.to_thread(cls, config)
+
+    # ------------------------------------------------------------------ requests
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        if request.messages is not None:
+            text = self.template.render(request.messages)
+        else:
+            text = request.prompt or ""
+        tokens = self.model.tokenize(text)
+        bos = self.model.bos_token
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
+            tokens = tokens[1:]      # the template wrote BOS itself
+        return tokens
+
+    def prepare(self, request: GenerationRequest, handle: RequestHandle) -> PreparedRequest:
+        """Every check that needs the model; raises InvalidRequest naming the field and the limit."""
+        if self._closed:
+            raise InvalidRequest("the engine is closed")
+        if request.n > self.config.slots:
+            raise InvalidRequest(f"n is {request.n}; it must be <= the number of slots ({self.config.slots})", field="n")
+        tokens = self.prompt_tokens(request)
+        if not tokens:
+            raise InvalidRequest("prompt is empty after tokenization", field="prompt")
+        limit = self.ctx_per_seq
+        if len(tokens) + request.max_tokens > limit:
+            raise PromptTooLong(
+                f"prompt is {len(tokens)} tokens and max_tokens is {request.max_tokens}; "
+                f"prompt + max_tokens must be <= {limit} (per-sequence context)",
+                field="max_tokens" if len(tokens) < limit else "prompt",
+            )
+        bad = [t for t in request.resume_tokens if not 0 <= t < self.info.n_vocab]
+        if bad:
+            raise InvalidRequest(f"resume_tokens: token id {bad[0]} is outside the vocabulary (0..{self.info.n_vocab - 1})",
+                                 field="resume_tokens")
+        grammar = grammar_for(request)
+        if grammar is not None:
+            check_grammar(self.model.vocab, grammar)
+        seed = request.sampling.seed
+
+        def make_chain(choice: int) -> SamplerChain:
+            return build_chain(request, self.model.vocab, self.info.n_vocab, self._eog_tokens, grammar,
+                               seed=(seed + choice) % 0xFFFFFFFF if seed is not None else self.config.seed)
+
+        # Build one chain now so logit-bias errors surface at submit time, then free it.
+        make_chain(0).free()
+        return PreparedRequest(request, tokens, grammar, handle._emit_threadsafe, make_chain)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Validate and queue a request; iterate the returned handle for its events."""
+        handle = RequestHandle(self, request)
+        self._runner.submit(self.prepare(request, handle))
+        return handle
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        async for event in self.submit(request):
+            yield event
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a queued or running request; it ends with finish_reason 'cancelled'."""
+        self._runner.cancel(request_id)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> EngineStats:
+        c, s = self.counters, self.scheduler
+        return EngineStats(
+            model=self.info.model_name,
+            slots_total=self.config.slots,
+            slots_busy=len(s.running),
+            waiting=len(s.waiting),
+            decode_steps=c.decode_steps,
+            prompt_tokens_processed=s.prompt_tokens_computed,
+            prompt_tokens_cached=s.prompt_tokens_reused,
+            generated_tokens=c.generated,
+            kv_cells_used=s.ledger.used_cells(),
+            kv_cells_total=self.info.n_ctx,
+            avg_busy_slots_per_decode=(c.busy_slot_steps / c.decode_steps) if c.decode_steps else 0.0,
+            preemptions=s.preemptions,
+            kv_full_events=c.kv_full_events,
+            decode_seconds=c.decode_seconds,
+            finished=dict(c.finish_reasons),
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._runner.stop()
+        await asyncio.to_thread(self._runner.thread.join)
+        self.model.close()

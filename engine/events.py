@@ -1,0 +1,61 @@
+"""What the engine streams back for a request: text deltas, then one final event per choice."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"            # EOS or a stop string
+    LENGTH = "length"        # max_tokens or the per-sequence context was reached
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = Field(0, description="prompt tokens whose KV was reused, not recomputed")
+
+
+class Timings(BaseModel):
+    queue_ms: float = Field(0.0, description="submit -> admitted into a slot")
+    ttft_ms: float | None = Field(None, description="submit -> first generated token")
+    total_ms: float = 0.0
+    decode_tokens_per_s: float | None = Field(None, description="generated tokens / time after the first token")
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+    retryable: bool
+
+
+class TextDelta(BaseModel):
+    """New text for one choice. ``token_ids`` are exactly the tokens this text came from, so a
+    consumer that stores them can resume generation after a crash (prompt + delivered tokens)."""
+
+    kind: str = "delta"
+    request_id: str
+    choice: int = 0
+    text: str
+    token_ids: list[int]
+    n_tokens: int = Field(description="tokens generated so far for this choice, including these")
+
+
+class Finished(BaseModel):
+    """The last event of one choice."""
+
+    kind: str = "finished"
+    request_id: str
+    choice: int = 0
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    error: ErrorInfo | None = None
+
+
+Event = TextDelta | Finished

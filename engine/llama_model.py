@@ -1,0 +1,247 @@
+"""Everything that calls llama.cpp for the model and context (through llama-cpp-python's ctypes API).
+
+One :class:`LlamaModel` owns the model, one context with ``n_seq_max = slots`` and one reusable
+batch. Only the engine thread may call the context methods (decode, memory, logits, sampling);
+tokenization, detokenization and chat templates use only the vocabulary, which llama.h documents
+as thread-safe, so request validation can run on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+from engine.config import EngineConfig, FlashAttention, KVCacheType
+
+log = logging.getLogger(__name__)
+
+_GGML_TYPES = {
+    KVCacheType.F32: 0,     # GGML_TYPE_F32
+    KVCacheType.F16: 1,     # GGML_TYPE_F16
+    KVCacheType.Q4_0: 2,    # GGML_TYPE_Q4_0
+    KVCacheType.Q8_0: 8,    # GGML_TYPE_Q8_0
+}
+_FLASH_ATTN = {FlashAttention.AUTO: -1, FlashAttention.OFF: 0, FlashAttention.ON: 1}
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _quiet_llama_logs()
+            _backend_ready = True
+
+
+def _quiet_llama_logs() -> None:
+    """Route llama.cpp's chatter to the 'llama.cpp' logger at DEBUG instead of stderr."""
+    try:
+        from llama_cpp import _logger
+
+        _logger.set_verbose(bool(os.environ.get("SLOTQ_LLAMA_VERBOSE")))
+    except (ImportError, AttributeError):  # pragma: no cover - older bindings
+        pass
+
+
+def _set_fields(params: ctypes.Structure, **values: object) -> None:
+    """Assign struct fields, refusing names the struct does not have: ctypes silently accepts any
+    attribute, and field names move between llama-cpp-python versions."""
+    names = {f[0] for f in type(params)._fields_}
+    for name, value in values.items():
+        if name not in names:
+            raise RuntimeError(f"llama-cpp-python {llama_cpp.__version__}: {type(params).__name__} has no field {name!r}")
+        setattr(params, name, value)
+
+
+@dataclass(frozen=True)
+class ContextInfo:
+    """The sizes llama.cpp actually chose (it pads and clamps what was asked for)."""
+
+    n_ctx: int
+    n_ctx_seq: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int
+    n_threads: int
+    n_vocab: int
+    n_ctx_train: int
+    model_name: str
+    model_size_bytes: int
+
+
+class LlamaModel:
+    def __init__(self, config: EngineConfig) -> None:
+        _init_backend()
+        self.config = config
+        mp = llama_cpp.llama_model_default_params()
+        _set_fields(mp, n_gpu_layers=(999 if config.gpu_layers < 0 else config.gpu_layers))
+        self._model = llama_cpp.llama_model_load_from_file(str(config.model_path).encode(), mp)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {config.model_path} (not a GGUF, or an unsupported architecture)")
+        self.vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
+
+        threads = config.threads or os.cpu_count() or 1
+        cp = llama_cpp.llama_context_default_params()
+        _set_fields(
+            cp,
+            n_ctx=config.total_kv_cells,
+            n_batch=config.n_batch,
+            n_ubatch=min(config.n_ubatch, config.n_batch),
+            n_seq_max=config.slots,
+            n_threads=threads,
+            n_threads_batch=threads,
+            kv_unified=True,
+            swa_full=True,
+            flash_attn_type=_FLASH_ATTN[config.flash_attention],
+            type_k=_GGML_TYPES[config.kv_type],
+            type_v=_GGML_TYPES[config.kv_type],
+            no_perf=True,
+        )
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise RuntimeError(
+                f"llama.cpp could not create a context of {config.total_kv_cells} KV cells with {config.slots} slots "
+                "(out of memory? lower SLOTQ_CTX / SLOTQ_SLOTS)"
+            )
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self.info = ContextInfo(
+            n_ctx=llama_cpp.llama_n_ctx(self._ctx),
+            n_ctx_seq=llama_cpp.llama_n_ctx_seq(self._ctx),
+            n_batch=llama_cpp.llama_n_batch(self._ctx),
+            n_ubatch=llama_cpp.llama_n_ubatch(self._ctx),
+            n_seq_max=llama_cpp.llama_n_seq_max(self._ctx),
+            n_threads=threads,
+            n_vocab=self.n_vocab,
+            n_ctx_train=n_ctx_train,
+            model_name=self.metadata("general.name") or config.model_path.stem,
+            model_size_bytes=llama_cpp.llama_model_size(self._model),
+        )
+        if self.info.n_seq_max < config.slots:
+            raise RuntimeError(f"llama.cpp allows only {self.info.n_seq_max} sequences; asked for {config.slots} slots")
+        self._batch = llama_cpp.llama_batch_init(self.info.n_batch, 0, 1)
+        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self.info.n_batch,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.info.n_batch,))
+        self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.info.n_batch,))
+        self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.info.n_batch,))
+        self._nseq[:] = 1
+        self._seq_ptrs = [self._batch.seq_id[i] for i in range(self.info.n_batch)]
+        self._closed = False
+
+    # ------------------------------------------------------------ vocabulary (any thread)
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        while True:
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n >= 0:
+                return list(buf[:n])
+            if n == -(2**31):
+                raise ValueError("prompt too long to tokenize")
+            cap = -n
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token as it appears in generated text (control tokens render empty)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def token_text(self, token: int) -> str:
+        raw = llama_cpp.llama_vocab_get_text(self.vocab, token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    @property
+    def bos_token(self) -> int:
+        return llama_cpp.llama_vocab_bos(self.vocab)
+
+    @property
+    def eos_token(self) -> int:
+        return llama_cpp.llama_vocab_eos(self.vocab)
+
+    @property
+    def adds_bos(self) -> bool:
+        return bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        raw = llama_cpp.llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8", errors="replace") if raw else None
+
+    # ------------------------------------------------------------ context (engine thread only)
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+               wants_logits: Sequence[bool]) -> int:
+        """One llama_decode over the given tokens. Returns llama.cpp's code (0 ok, 1 no KV space,
+        2 aborted, <0 error). Never passes more than n_batch tokens: llama.cpp would abort the process."""
+        n = len(tokens)
+        if n == 0 or n > self.info.n_batch:
+            raise ValueError(f"batch of {n} tokens; must be 1..{self.info.n_batch}")
+        self._tok[:n] = tokens
+        self._pos[:n] = positions
+        self._logits[:n] = wants_logits
+        ptrs = self._seq_ptrs
+        for i, s in enumerate(seq_ids):
+            ptrs[i][0] = s
+        self._batch.n_tokens = n
+        return llama_cpp.llama_decode(self._ctx, self._batch)
+
+    def sample(self, sampler: llama_cpp.llama_sampler_p, batch_index: int) -> int:
+        """Sample (and accept) a token from the logits row of ``batch_index`` of the last decode."""
+        return llama_cpp.llama_sampler_sample(sampler, self._ctx, batch_index)
+
+    def kv_remove(self, seq_id: int, start: int = -1) -> None:
+        """Drop ``seq_id``'s cells from position ``start`` on (-1: all of them)."""
+        llama_cpp.llama_memory_seq_rm(self._mem, seq_id, start, -1)
+
+    def kv_copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make ``dst`` share ``src``'s cells for positions [0, n) (no copy in a unified KV cache)."""
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+
+    def kv_max_pos(self, seq_id: int) -> int:
+        return llama_cpp.llama_memory_seq_pos_max(self._mem, seq_id)
+
+    def kv_clear(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        llama_cpp.llama_batch_free(self._batch)
+        llama_cpp.llama_free(self._ctx)
+        llama_cpp.llama_model_free(self._model)
+
+    @property
+    def model_ptr(self) -> llama_cpp.llama_model_p:
+        return self._model

@@ -1,0 +1,80 @@
+"""The request schema the engine accepts.
+
+Everything that can be checked without the model is checked here by pydantic, so a bad request
+fails before it takes a slot, with the field named. Checks that need the model (prompt length in
+tokens, grammar syntax, token ids) happen in ``Engine.submit`` before the request is queued.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class SamplingParams(BaseModel):
+    """Sampling knobs, named and bounded as in llama-server / OpenAI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(0.8, ge=0.0, le=5.0, description="0 = greedy")
+    top_k: int = Field(40, ge=0, le=100_000, description="0 = disabled")
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    penalty_last_n: int = Field(64, ge=-1, le=1_000_000, description="-1 = whole context")
+    seed: int | None = Field(None, ge=0, le=2**32 - 2, description="None = random")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias; -inf bans a token")
+    grammar: str | None = Field(None, max_length=200_000, description="GBNF grammar, root rule 'root'")
+    json_schema: dict[str, Any] | None = Field(None, description="constrain output to JSON matching this schema")
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingParams:
+        if self.grammar is not None and self.json_schema is not None:
+            raise ValueError("give either grammar or json_schema, not both")
+        return self
+
+
+class GenerationRequest(BaseModel):
+    """One generation: a prompt (raw text) or chat messages, and how to continue it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    prompt: str | None = Field(None, max_length=4_000_000)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=10_000)
+    max_tokens: int = Field(256, ge=1, le=1_000_000)
+    n: int = Field(1, ge=1, le=64, description="completions of the same prompt; the prompt is processed once")
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    priority: int = Field(0, ge=-100, le=100, description="higher runs first among waiting requests")
+    deadline: float | None = Field(None, description="unix time after which generation stops (finish_reason deadline)")
+    resume_tokens: list[int] = Field(
+        default_factory=list,
+        description="tokens already delivered by an earlier attempt: prefilled after the prompt, then generation continues",
+    )
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self) -> GenerationRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(len(s) > 256 for s in self.stop):
+            raise ValueError("each stop string must be at most 256 characters")
+        if self.resume_tokens and self.n != 1:
+            raise ValueError("resume_tokens requires n = 1")
+        if len(self.resume_tokens) >= self.max_tokens:
+            raise ValueError(f"resume_tokens has {len(self.resume_tokens)} tokens; it must be < max_tokens ({self.max_tokens})")
+        return self

@@ -1,0 +1,123 @@
+"""Per-sequence sampler chains on llama.cpp's sampler API.
+
+Each sequence owns one chain (its penalty history, grammar state and RNG are its own). The chain
+order follows llama-server: logit bias -> penalties -> grammar -> greedy, or
+top-k -> top-p -> min-p -> temperature -> dist(seed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import llama_cpp
+from llama_cpp import llama_grammar
+
+from engine.errors import GrammarError, InvalidRequest
+from engine.request import GenerationRequest
+
+_grammar_lock = threading.Lock()
+# llama.cpp logs grammar parse errors but reports them only as NULL; the lock keeps concurrent
+# validations from interleaving (grammar init is not documented as thread-safe).
+
+NEG_INF_BIAS = -math.inf
+
+
+class SamplerChain:
+    """Owns one llama_sampler chain; free it exactly once."""
+
+    def __init__(self, handle: llama_cpp.llama_sampler_p) -> None:
+        self.handle = handle
+
+    def accept(self, token: int) -> None:
+        """Feed a token the chain did not sample itself (a resumed attempt's delivered tokens)."""
+        llama_cpp.llama_sampler_accept(self.handle, token)
+
+    def free(self) -> None:
+        if self.handle:
+            llama_cpp.llama_sampler_free(self.handle)
+            self.handle = None
+
+
+def grammar_for(request: GenerationRequest) -> str | None:
+    """The GBNF grammar a request asks for, converting a JSON schema if given."""
+    params = request.sampling
+    if params.json_schema is not None:
+        try:
+            return llama_grammar.json_schema_to_gbnf(json.dumps(params.json_schema))
+        except Exception as exc:  # the converter raises assorted errors on unsupported schemas
+            raise GrammarError(f"sampling.json_schema: cannot be converted to a grammar: {exc}", field="sampling.json_schema") from exc
+    return params.grammar
+
+
+def build_chain(request: GenerationRequest, vocab: llama_cpp.llama_vocab_p, n_vocab: int,
+                eog_tokens: list[int], grammar: str | None, seed: int) -> SamplerChain:
+    """A new chain for one sequence. Raises :class:`GrammarError` for a grammar llama.cpp rejects."""
+    params = request.sampling
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    result = SamplerChain(chain)
+    try:
+        bias = dict(params.logit_bias)
+        if request.ignore_eos:
+            bias.update({t: NEG_INF_BIAS for t in eog_tokens})
+        for token in bias:
+            if not 0 <= token < n_vocab:
+                raise InvalidRequest(f"sampling.logit_bias: token id {token} is outside the vocabulary (0..{n_vocab - 1})",
+                                     field="sampling.logit_bias")
+        if bias:
+            arr = (llama_cpp.llama_logit_bias * len(bias))()
+            for i, (token, value) in enumerate(bias.items()):
+                arr[i].token = token
+                arr[i].bias = value
+            _add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(bias), arr))
+        if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            _add(chain, _penalties(n_vocab, params.penalty_last_n, params.repeat_penalty,
+                                   params.frequency_penalty, params.presence_penalty))
+        if grammar is not None:
+            _add(chain, _grammar_sampler(vocab, grammar))
+        if params.temperature <= 0.0:
+            _add(chain, llama_cpp.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                _add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
+            if params.top_p < 1.0:
+                _add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                _add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+            _add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
+            _add(chain, llama_cpp.llama_sampler_init_dist(seed))
+    except BaseException:
+        result.free()
+        raise
+    return result
+
+
+def check_grammar(vocab: llama_cpp.llama_vocab_p, grammar: str) -> None:
+    """Parse a grammar once and throw it away: a bad grammar fails the request at submit time."""
+    llama_cpp.llama_sampler_free(_grammar_sampler(vocab, grammar))
+
+
+def _grammar_sampler(vocab: llama_cpp.llama_vocab_p, grammar: str) -> llama_cpp.llama_sampler_p:
+    with _grammar_lock:
+        sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+    if not sampler:
+        raise GrammarError("sampling.grammar: llama.cpp could not parse the GBNF grammar (it needs a 'root' rule)",
+                           field="sampling.grammar")
+    return sampler
+
+
+def _penalties(n_vocab: int, last_n: int, repeat: float, freq: float, present: float) -> llama_cpp.llama_sampler_p:
+    # The n_vocab first argument exists in some 0.3.x releases and not in others.
+    if len(llama_cpp.llama_sampler_init_penalties.argtypes) == 5:
+        return llama_cpp.llama_sampler_init_penalties(n_vocab, last_n, repeat, freq, present)
+    return llama_cpp.llama_sampler_init_penalties(last_n, repeat, freq, present)
+
+
+def _add(chain: llama_cpp.llama_sampler_p, sampler: llama_cpp.llama_sampler_p) -> None:
+    if not sampler:
+        raise RuntimeError("llama.cpp returned no sampler")
+    llama_cpp.llama_sampler_chain_add(chain, sampler)
+
+
+__all__ = ["SamplerChain", "build_chain", "check_grammar", "grammar_for"]

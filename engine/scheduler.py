@@ -1,0 +1,324 @@
+"""Scheduling policy: which sequences hold slots and what goes into the next decode batch.
+
+Pure Python and deterministic: it never touches llama.cpp. The runner executes a
+:class:`SchedulerOutput` (KV operations, one ``llama_decode``, sampling) and reports back with
+:meth:`Scheduler.commit` or :meth:`Scheduler.on_kv_full`. Tests drive it without a model.
+
+Policy, in order of precedence:
+
+1. Decode first: every sequence that is generating gets exactly one token in every batch, so
+   inter-token latency never waits behind someone else's prompt.
+2. Admission: waiting sequences (priority, then arrival) take free slots when their worst-case
+   KV need fits the pool (``kv_cells * overcommit``). Idle prefix caches are evicted before a
+   request is made to wait. In static mode nothing is admitted until the running batch drains.
+3. Prefill: prompt chunks of admitted sequences fill the rest of the ``n_batch`` budget, at most
+   ``prefill_chunk`` tokens per sequence per step, oldest first, so one long prompt cannot starve
+   the others.
+4. Prefix reuse: an admitted sequence starts from the longest prefix of its tokens that any slot
+   already holds in KV (a running sequence or an idle cache), copied instead of recomputed.
+5. KV full: halve the prefill budget and retry; if a batch with no prefill still does not fit,
+   preempt the youngest, lowest-priority sequence and requeue it with its progress.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from engine.kv_ledger import KVLedger
+from engine.request_queue import RequestQueue
+from engine.sequence import Sequence, SeqState
+
+
+class KVFullAction(StrEnum):
+    EVICTED_CACHE = "evicted_cache"
+    SHRUNK_PREFILL = "shrunk_prefill"
+    PREEMPTED = "preempted"
+    STUCK = "stuck"
+
+
+class BatchingMode(StrEnum):
+    CONTINUOUS = "continuous"
+    STATIC = "static"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    n_slots: int
+    n_batch: int
+    kv_cells: int
+    prefill_chunk: int
+    mode: BatchingMode = BatchingMode.CONTINUOUS
+    prefix_cache: bool = True
+    kv_overcommit: float = 1.0
+    min_reuse_tokens: int = 1
+
+
+@dataclass
+class Admission:
+    """A sequence entering slot ``seq.seq_id``. The runner first drops the slot's KV beyond
+    ``keep`` (its own cached prefix), then, if ``copy_from`` is set, copies ``n_reused`` cells
+    from that sequence id."""
+
+    seq: Sequence
+    keep: int
+    copy_from: int | None
+    n_reused: int
+
+
+@dataclass
+class BatchItem:
+    """``n_tokens`` of ``seq.tokens`` starting at position ``start``; ``sample`` when the chunk
+    reaches the end of the sequence (the logits of its last token are needed)."""
+
+    seq: Sequence
+    start: int
+    n_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    admitted: list[Admission] = field(default_factory=list)
+    evicted_caches: list[int] = field(default_factory=list)     # freed seq ids whose KV must be cleared first
+    items: list[BatchItem] = field(default_factory=list)
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (leader, sibling) after decode
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(i.n_tokens for i in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        if config.prefill_chunk < 1 or config.n_batch < config.n_slots:
+            raise ValueError("need prefill_chunk >= 1 and n_batch >= n_slots (one decode token per slot)")
+        self.config = config
+        self.waiting = RequestQueue()
+        self.running: list[Sequence] = []
+        self.ledger = KVLedger()
+        self._free_slots = list(range(config.n_slots))
+        self._cache: dict[int, list[int]] = {}          # idle seq id -> tokens its KV holds
+        self._cache_lru: list[int] = []                 # idle seq ids, least recently used first
+        self._prefill_scale = 1.0
+        self._pending_evictions: list[int] = []         # idle caches dropped, not yet cleared in KV
+        self.preemptions = 0
+        self.prompt_tokens_reused = 0
+        self.prompt_tokens_computed = 0
+
+    # ----------------------------------------------------------------- queue side
+    def add(self, seq: Sequence) -> None:
+        seq.state = SeqState.WAITING
+        self.waiting.push(seq)
+
+    def cancel(self, request_id: str) -> list[Sequence]:
+        """Remove a request's waiting sequences (the caller finishes them); running ones are
+        finished by the runner through :meth:`finish`."""
+        return self.waiting.remove_request(request_id)
+
+    # ----------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._admit(out)
+        out.evicted_caches, self._pending_evictions = self._pending_evictions, []
+        budget = self.config.n_batch
+        for seq in self.running:
+            if seq.fork_of is None and seq.is_decoding:
+                out.items.append(BatchItem(seq, seq.n_computed, 1, sample=True))
+                budget -= 1
+        chunk_cap = max(1, int(self.config.prefill_chunk * self._prefill_scale))
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            if seq.fork_of is not None or seq.is_decoding or seq.n_pending == 0:
+                continue
+            n = min(budget, chunk_cap, seq.n_pending)
+            sample = n == seq.n_pending
+            out.items.append(BatchItem(seq, seq.n_computed, n, sample))
+            budget -= n
+            if sample and seq.n_generated == 0:
+                out.forks.extend((seq, sib) for sib in self.running if sib.fork_of is seq)
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The batch was decoded: advance each sequence and mirror the KV the decode created."""
+        self._prefill_scale = 1.0
+        for item in out.items:
+            item.seq.n_computed += item.n_tokens
+            self.ledger.extend(item.seq.seq_id, item.n_tokens)
+            if item.seq.n_generated == 0 or item.n_tokens > 1:
+                self.prompt_tokens_computed += item.n_tokens
+        for leader, sib in out.forks:
+            self.ledger.copy_prefix(leader.seq_id, sib.seq_id, leader.n_computed)
+            sib.n_computed = leader.n_computed
+            sib.n_reused = leader.n_computed
+            sib.fork_of = None
+            self.prompt_tokens_reused += leader.n_computed
+
+    def on_kv_full(self, out: SchedulerOutput) -> KVFullAction:
+        """``llama_decode`` found no KV space; nothing was committed. In order: drop idle prefix
+        caches, shrink the prefill share, preempt one sequence (it is requeued with its tokens).
+        STUCK means a lone sequence cannot fit: the runner fails it (retryable)."""
+        if self._cache:
+            for seq_id in list(self._cache):
+                self._evict_cache(seq_id)
+            return KVFullAction.EVICTED_CACHE
+        had_prefill = any(not i.seq.is_decoding for i in out.items)
+        if had_prefill and self._prefill_scale * self.config.prefill_chunk > 1:
+            self._prefill_scale /= 2
+            return KVFullAction.SHRUNK_PREFILL
+        victim = self._preemption_victim()
+        if victim is None:
+            return KVFullAction.STUCK
+        self.preempt(victim)
+        return KVFullAction.PREEMPTED
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give up ``seq``'s slot and KV; it waits again with its tokens (progress is kept)."""
+        self._release_slot(seq, keep_cache=False)
+        for sib in self.running:
+            if sib.fork_of is seq:
+                sib.fork_of = None
+        seq.n_computed = 0
+        seq.n_reused = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.add(seq)
+
+    def finish(self, seq: Sequence, *, reusable: bool = True) -> None:
+        """A sequence is done: free its slot at once (its KV stays as a prefix cache when enabled
+        and ``reusable``; a failed decode's KV is not) and let unforked siblings prefill alone."""
+        if seq.state == SeqState.RUNNING:
+            self._release_slot(seq, keep_cache=self.config.prefix_cache and reusable)
+        for sib in self.running:
+            if sib.fork_of is seq:
+                sib.fork_of = None
+        for sib in self.waiting:
+            if sib.fork_of is seq:
+                sib.fork_of = None
+        seq.state = SeqState.FINISHED
+
+    # ----------------------------------------------------------------- introspection
+    @property
+    def n_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def kv_reserved(self) -> int:
+        return sum(s.kv_still_needed for s in self.running)
+
+    # ----------------------------------------------------------------- internals
+    def _admit(self, out: SchedulerOutput) -> None:
+        if self.config.mode == BatchingMode.STATIC and self.running:
+            return
+        while self.waiting and self._free_slots:
+            seq = self.waiting.peek()
+            assert seq is not None
+            source, n_reuse = self._best_prefix(seq)
+            need = seq.kv_still_needed - n_reuse
+            if not self._fits(need):
+                self._evict_caches_until(need, protect=source)
+                if source is not None and source not in self._cache and source not in self._running_ids():
+                    source, n_reuse = None, 0
+                    need = seq.kv_still_needed
+                if not self._fits(need) and self.running:
+                    return
+            self.waiting.pop()
+            out.admitted.append(self._place(seq, source, n_reuse, out))
+
+    def _fits(self, need: int) -> bool:
+        limit = self.config.kv_cells * self.config.kv_overcommit
+        return self.ledger.used_cells() + self.kv_reserved() + need <= limit
+
+    def _place(self, seq: Sequence, source: int | None, n_reuse: int, out: SchedulerOutput) -> Admission:
+        if source is not None and source in self._cache and source in self._free_slots:
+            slot = source                                   # its own cache: keep the shared prefix
+            keep, copy_from = n_reuse, None
+        else:
+            slot = self._coldest_free_slot(exclude=source)
+            keep, copy_from = 0, (source if n_reuse else None)
+        self._free_slots.remove(slot)
+        if slot in self._cache:
+            del self._cache[slot]
+            self._cache_lru.remove(slot)
+        self.ledger.truncate(slot, keep)
+        if copy_from is not None:
+            self.ledger.copy_prefix(copy_from, slot, n_reuse)
+        seq.seq_id = slot
+        seq.state = SeqState.RUNNING
+        seq.n_computed = n_reuse
+        seq.n_reused = n_reuse
+        self.prompt_tokens_reused += n_reuse
+        if seq.fork_of is not None and seq.fork_of.state != SeqState.RUNNING:
+            seq.fork_of = None
+        self.running.append(seq)
+        return Admission(seq, keep, copy_from, n_reuse)
+
+    def _best_prefix(self, seq: Sequence) -> tuple[int | None, int]:
+        """The slot whose KV shares the longest prefix with ``seq`` (capped so at least one
+        token is computed: sampling needs fresh logits)."""
+        if not self.config.prefix_cache or seq.fork_of is not None:
+            return None, 0
+        cap = len(seq.tokens) - 1
+        best, best_n = None, 0
+        candidates = [(s.seq_id, s.tokens[: s.n_computed]) for s in self.running if s.seq_id is not None]
+        candidates += list(self._cache.items())
+        for seq_id, held in candidates:
+            n = _common_prefix(held, seq.tokens, cap)
+            if n > best_n or (n == best_n and n > 0 and seq_id in self._cache):
+                best, best_n = seq_id, n
+        if best_n < self.config.min_reuse_tokens:
+            return None, 0
+        return best, best_n
+
+    def _coldest_free_slot(self, exclude: int | None) -> int:
+        uncached = [s for s in self._free_slots if s not in self._cache]
+        if uncached:
+            return uncached[0]
+        for seq_id in self._cache_lru:
+            if seq_id != exclude and seq_id in self._free_slots:
+                return seq_id
+        return self._free_slots[0]
+
+    def _evict_caches_until(self, need: int, protect: int | None) -> None:
+        for seq_id in list(self._cache_lru):
+            if self._fits(need):
+                return
+            if seq_id != protect:
+                self._evict_cache(seq_id)
+
+    def _evict_cache(self, seq_id: int) -> None:
+        del self._cache[seq_id]
+        self._cache_lru.remove(seq_id)
+        self.ledger.remove(seq_id)
+        self._pending_evictions.append(seq_id)
+
+    def _release_slot(self, seq: Sequence, keep_cache: bool) -> None:
+        slot = seq.seq_id
+        self.running.remove(seq)
+        seq.state = SeqState.WAITING
+        seq.seq_id = None
+        if slot is None:
+            return
+        if keep_cache and seq.n_computed > 0:
+            self._cache[slot] = seq.tokens[: seq.n_computed]
+            self._cache_lru.append(slot)
+        else:
+            self.ledger.remove(slot)
+            self._pending_evictions.append(slot)
+        self._free_slots.append(slot)
+
+    def _preemption_victim(self) -> Sequence | None:
+        if len(self.running) <= 1:
+            return None
+        return max(self.running, key=lambda s: (-s.priority, s.arrival))
+
+    def _running_ids(self) -> set[int]:
+        return {s.seq_id for s in self.running if s.seq_id is not None}
+
+
+def _common_prefix(a: list[int], b: list[int], cap: int) -> int:
+    n = min(len(a), len(b), cap)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

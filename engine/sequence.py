@@ -1,0 +1,59 @@
+"""A sequence: one choice of one request, as the scheduler sees it.
+
+The tokens list is the whole history the KV cache must hold: prompt (plus tokens delivered by an
+earlier attempt) followed by what this attempt generated. ``n_computed`` says how much of it is
+already in the KV cache. That single invariant makes prefill, decode, prefix reuse and preemption
+the same operation: compute ``tokens[n_computed:]``, and sample when the end is reached. A
+preempted sequence keeps its tokens and simply drops ``n_computed`` to 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+_arrival_counter = itertools.count()
+
+
+class SeqState(StrEnum):
+    WAITING = "waiting"      # in the queue, no slot
+    RUNNING = "running"      # holds a slot (prefilling or decoding)
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    tokens: list[int]
+    n_prompt: int                    # tokens given as input (prompt + resumed tokens)
+    max_new_tokens: int              # generation budget of this attempt
+    choice: int = 0
+    priority: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    state: SeqState = SeqState.WAITING
+    seq_id: int | None = None
+    n_computed: int = 0
+    n_reused: int = 0                # prompt tokens whose KV came from the prefix cache
+    fork_of: Sequence | None = None  # n > 1: copy the leader's prompt KV instead of prefilling
+    preemptions: int = 0
+    payload: Any = None              # the runner's per-sequence state (sampler, text stream, ...)
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    @property
+    def n_pending(self) -> int:
+        """Tokens that must go through llama_decode before the next sample."""
+        return len(self.tokens) - self.n_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.n_generated > 0 and self.n_pending == 1
+
+    @property
+    def kv_still_needed(self) -> int:
+        """Cells this sequence will still add to the KV cache in the worst case."""
+        return self.n_pending + max(0, self.max_new_tokens - self.n_generated - 1)
