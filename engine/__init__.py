@@ -1,17 +1,34 @@
-"""slotq's continuous-batching engine on llama.cpp. Knows nothing about Redis or queues."""
+"""slotq's continuous-batching engine on llama.cpp. Knows nothing about Redis or queues.
+
+``Engine`` (and with it llama.cpp) is imported on first use, so code that only needs the
+request and event types, such as a producer enqueueing jobs, does not load the native library.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig, FlashAttention, KVCacheType
-from engine.engine import Engine, RequestHandle
 from engine.errors import EngineError, GrammarError, InvalidRequest, KVExhausted, PromptTooLong
 from engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
 from engine.model_files import bundled_model_path, resolve_model_path
-from engine.request import ChatMessage, GenerationRequest, SamplingParams
+from engine.request import ChatMessage, GenerationParams, GenerationRequest, SamplingParams
 from engine.scheduler import BatchingMode
 from engine.stats import EngineStats
 
+if TYPE_CHECKING:
+    from engine.engine import Engine, RequestHandle
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Engine", "RequestHandle"):
+        from engine import engine as _engine_module
+
+        return getattr(_engine_module, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
 __all__ = [
     "BatchingMode", "ChatMessage", "Engine", "EngineConfig", "EngineError", "EngineStats", "ErrorInfo", "Event",
-    "FinishReason", "Finished", "FlashAttention", "GenerationRequest", "GrammarError", "InvalidRequest",
+    "FinishReason", "Finished", "FlashAttention", "GenerationParams", "GenerationRequest", "GrammarError", "InvalidRequest",
     "KVCacheType", "KVExhausted", "PromptTooLong", "RequestHandle", "SamplingParams", "TextDelta", "Timings",
     "Usage", "bundled_model_path", "resolve_model_path",
 ]

@@ -45,12 +45,12 @@ class SamplingParams(BaseModel):
         return self
 
 
-class GenerationRequest(BaseModel):
-    """One generation: a prompt (raw text) or chat messages, and how to continue it."""
+class GenerationParams(BaseModel):
+    """What to generate: a prompt (raw text) or chat messages, and how. Shared by the engine's
+    request and the job layer's request so both validate identically."""
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     prompt: str | None = Field(None, max_length=4_000_000)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=10_000)
     max_tokens: int = Field(256, ge=1, le=1_000_000)
@@ -60,19 +60,29 @@ class GenerationRequest(BaseModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = Field(0, ge=-100, le=100, description="higher runs first among waiting requests")
     deadline: float | None = Field(None, description="unix time after which generation stops (finish_reason deadline)")
-    resume_tokens: list[int] = Field(
-        default_factory=list,
-        description="tokens already delivered by an earlier attempt: prefilled after the prompt, then generation continues",
-    )
 
     @model_validator(mode="after")
-    def _prompt_xor_messages(self) -> GenerationRequest:
+    def _prompt_xor_messages(self) -> GenerationParams:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > 256 for s in self.stop):
             raise ValueError("each stop string must be at most 256 characters")
+        return self
+
+
+class GenerationRequest(GenerationParams):
+    """One generation as the engine runs it."""
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    resume_tokens: list[int] = Field(
+        default_factory=list,
+        description="tokens already delivered by an earlier attempt: prefilled after the prompt, then generation continues",
+    )
+
+    @model_validator(mode="after")
+    def _resume(self) -> GenerationRequest:
         if self.resume_tokens and self.n != 1:
             raise ValueError("resume_tokens requires n = 1")
         if len(self.resume_tokens) >= self.max_tokens:

@@ -1,0 +1,220 @@
+"""One attempt of one job inside a worker: the arq job function's body.
+
+It turns a queued payload into an engine request, resumes from what earlier attempts already
+streamed, mirrors engine events into the job's stream, and classifies every way it can end:
+success, a non-retryable error (ends at once), a retryable error (``Retry`` with backoff, or a
+dead letter when tries are exhausted), cancellation, and worker shutdown (handed back untouched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from arq.worker import Retry
+from pydantic import ValidationError
+
+from engine import (Engine, EngineError, ErrorInfo, Finished, FinishReason, GenerationRequest, TextDelta, Timings,
+                    Usage)
+from jobs import dead_letters
+from jobs.keys import stream_key
+from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, StreamEntry
+from jobs.serialization import POISON_MARKER
+from jobs.settings import Settings
+from jobs.stream import StreamWriter, decode_entry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delivered:
+    """What earlier attempts already put in the stream."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    text: dict[int, str] = field(default_factory=dict)
+    done: dict[int, StreamEntry] = field(default_factory=dict)
+    final: StreamEntry | None = None
+
+
+async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
+    delivered = Delivered()
+    for entry_id, raw in await writer.redis.xrange(stream_key(job_id)):
+        entry = decode_entry(entry_id, raw)
+        if entry.kind == EntryKind.RESTART:
+            delivered = Delivered()
+        elif entry.kind == EntryKind.CHUNK:
+            delivered.tokens.setdefault(entry.choice, []).extend(entry.token_ids)
+            delivered.text[entry.choice] = delivered.text.get(entry.choice, "") + entry.text
+        elif entry.kind == EntryKind.DONE:
+            delivered.done[entry.choice] = entry
+        if entry.final:
+            delivered.final = entry
+    return delivered
+
+
+class JobRun:
+    def __init__(self, *, engine: Engine, writer: StreamWriter, settings: Settings, worker_id: str,
+                 job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
+                 is_abort: Callable[[], bool]) -> None:
+        self.engine = engine
+        self.writer = writer
+        self.settings = settings
+        self.worker_id = worker_id
+        self.job_id = job_id
+        self.attempt = attempt
+        self.enqueued_at = enqueued_at
+        self.payload = payload
+        self.is_abort = is_abort
+        self.metadata: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ entry point
+    async def run(self) -> JobResult:
+        if isinstance(self.payload, dict) and POISON_MARKER in self.payload:
+            return await self._dead_letter(ErrorInfo(code="poison_payload", retryable=False,
+                                                     message=f"unreadable job payload: {self.payload[POISON_MARKER]}"))
+        try:
+            job = JobRequest.model_validate(self.payload)
+        except ValidationError as exc:
+            return await self._dead_letter(ErrorInfo(code="invalid_payload", retryable=False,
+                                                     message=f"job payload failed validation: {_first_error(exc)}"))
+        self.metadata = dict(job.metadata)
+        if self.attempt > self.settings.max_tries:
+            return await self._dead_letter(ErrorInfo(code="tries_exhausted", retryable=True, message=(
+                f"attempt {self.attempt} exceeds max_tries ({self.settings.max_tries}); "
+                "earlier attempts were lost (worker killed?)")))
+        delivered = await read_delivered(self.writer, self.job_id) if self.attempt > 1 else Delivered()
+        if delivered.final is not None:
+            return self._result_from_stream(delivered)   # an earlier attempt finished; only its ack was lost
+        if job.deadline is not None and time.time() >= job.deadline and not delivered.tokens:
+            return await self._fail(ErrorInfo(code="expired", retryable=False,
+                                              message="the job's deadline passed before it started"))
+        resume = delivered.tokens.get(0, []) if job.n == 1 else []
+        if job.n > 1 and delivered.tokens:
+            self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.RESTART, attempt=self.attempt))
+            delivered = Delivered()
+        if resume and len(resume) >= job.max_tokens:
+            resume = resume[: job.max_tokens - 1]     # regenerate the last token so there is a final step
+        request = GenerationRequest(id=self.job_id, resume_tokens=resume,
+                                    **job.model_dump(exclude={"idempotency_key", "metadata"}))
+        try:
+            handle = self.engine.submit(request)
+        except EngineError as exc:
+            return await self._fail(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable))
+        return await self._follow(handle, job, delivered)
+
+    # ------------------------------------------------------------------ streaming
+    async def _follow(self, handle: Any, job: JobRequest, delivered: Delivered) -> JobResult:
+        texts = {c: delivered.text.get(c, "") for c in range(job.n)}
+        finished: dict[int, Finished] = {}
+        try:
+            async for event in handle:
+                if isinstance(event, TextDelta):
+                    texts[event.choice] += event.text
+                    self.writer.add(self.job_id, StreamEntry(
+                        id="", kind=EntryKind.CHUNK, attempt=self.attempt, choice=event.choice, text=event.text,
+                        token_ids=event.token_ids, n_tokens=event.n_tokens))
+                    continue
+                finished[event.choice] = event
+                if event.error is not None:
+                    handle.cancel()
+                    return await self._on_engine_error(event.error)
+                self.writer.add(self.job_id, StreamEntry(
+                    id="", kind=EntryKind.DONE, attempt=self.attempt, choice=event.choice,
+                    finish_reason=event.finish_reason, usage=event.usage, timings=event.timings,
+                    final=len(finished) == job.n))
+        except asyncio.CancelledError:
+            if not self.is_abort():
+                await asyncio.shield(self.writer.flush())  # hand back: the next attempt resumes from here
+                raise
+            return await self._cancelled(texts, finished, job)
+        await self._flush_final()
+        return self._result(texts, finished, job)
+
+    async def _flush_final(self) -> None:
+        """The final entry was queued with the last DONE; make sure it reached Redis."""
+        while not await self.writer.flush():
+            await asyncio.sleep(0.2)
+
+    async def _cancelled(self, texts: dict[int, str], finished: dict[int, Finished], job: JobRequest) -> JobResult:
+        open_choices = [c for c in range(job.n) if c not in finished]
+        for i, choice in enumerate(open_choices):
+            self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=self.attempt, choice=choice,
+                                                     finish_reason=FinishReason.CANCELLED,
+                                                     final=i == len(open_choices) - 1))
+        await asyncio.shield(self._flush_final())
+        result = self._result(texts, finished, job)
+        result.status = JobStatus.CANCELLED
+        result.finish_reason = FinishReason.CANCELLED
+        return result
+
+    # ------------------------------------------------------------------ failures
+    async def _on_engine_error(self, error: ErrorInfo) -> JobResult:
+        if not error.retryable:
+            return await self._fail(error)
+        if self.attempt >= self.settings.max_tries:
+            return await self._dead_letter(error)
+        self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.ERROR, attempt=self.attempt, error=error))
+        await self._flush_final()
+        defer = self.settings.retry_backoff_s * 2 ** (self.attempt - 1)
+        log.warning("job %s attempt %d failed (%s); retrying in %.1fs", self.job_id, self.attempt, error.code, defer)
+        raise Retry(defer=defer)
+
+    async def _fail(self, error: ErrorInfo) -> JobResult:
+        self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.ERROR, attempt=self.attempt, error=error,
+                                                 final=True))
+        await self._flush_final()
+        return JobResult(id=self.job_id, status=JobStatus.FAILED, error=error, worker=self.worker_id,
+                         attempts=self.attempt, finish_reason=FinishReason.ERROR, metadata=self.metadata)
+
+    async def _dead_letter(self, error: ErrorInfo) -> JobResult:
+        await dead_letters.record(self.writer.redis, self.job_id, self.payload, error, self.attempt, self.enqueued_at)
+        log.error("job %s dead-lettered after %d attempts: %s", self.job_id, self.attempt, error.code)
+        return await self._fail(error)
+
+    # ------------------------------------------------------------------ results
+    def _result(self, texts: dict[int, str], finished: dict[int, Finished], job: JobRequest) -> JobResult:
+        choices = [ChoiceResult(index=c, text=texts[c], finish_reason=f.finish_reason, usage=f.usage, timings=f.timings)
+                   for c, f in sorted(finished.items())]
+        first = finished.get(0)
+        return JobResult(
+            id=self.job_id,
+            status=JobStatus.SUCCEEDED,
+            text=texts.get(0, ""),
+            finish_reason=first.finish_reason if first else None,
+            usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
+                        completion_tokens=sum(f.usage.completion_tokens for f in finished.values()),
+                        cached_prompt_tokens=sum(f.usage.cached_prompt_tokens for f in finished.values())),
+            timings=first.timings if first else None,
+            choices=choices,
+            worker=self.worker_id,
+            attempts=self.attempt,
+            metadata=self.metadata,
+        )
+
+    def _result_from_stream(self, delivered: Delivered) -> JobResult:
+        final = delivered.final
+        assert final is not None
+        if final.kind == EntryKind.ERROR:
+            return JobResult(id=self.job_id, status=JobStatus.FAILED, error=final.error, worker=self.worker_id,
+                             attempts=self.attempt, finish_reason=FinishReason.ERROR, metadata=self.metadata)
+        choices = [ChoiceResult(index=c, text=delivered.text.get(c, ""), finish_reason=d.finish_reason,
+                                usage=d.usage or Usage(), timings=d.timings or Timings())
+                   for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
+        status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED
+        first = choices[0] if choices else None
+        return JobResult(id=self.job_id, status=status, text=delivered.text.get(0, ""),
+                         finish_reason=first.finish_reason if first else final.finish_reason,
+                         usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
+                                     completion_tokens=sum(c.usage.completion_tokens for c in choices)),
+                         timings=first.timings if first else None, choices=choices, worker=self.worker_id,
+                         attempts=self.attempt, metadata=self.metadata)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "payload"
+    return f"{where}: {err['msg']}"

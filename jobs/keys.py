@@ -1,0 +1,28 @@
+"""Redis key names used by slotq (beside arq's own ``arq:job:*``, ``arq:result:*`` keys).
+
+Per-job keys put the job id in braces so a future move to Redis Cluster keeps them in one slot.
+"""
+
+from __future__ import annotations
+
+
+def stream_key(job_id: str) -> str:
+    return f"slotq:stream:{{{job_id}}}"
+
+
+def cancel_key(job_id: str) -> str:
+    return f"slotq:cancel:{{{job_id}}}"
+
+
+def dead_letter_key(job_id: str) -> str:
+    return f"slotq:dlq:{{{job_id}}}"
+
+
+JOB_FUNCTION = "generate"                # the one arq function name
+DEAD_LETTER_INDEX = "slotq:dlq"          # zset: job id -> time it was dead-lettered
+WORKER_PREFIX = "slotq:worker:"          # hash per live worker, with a TTL
+WAKE_CHANNEL = "slotq:wake"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{WORKER_PREFIX}{worker_id}"

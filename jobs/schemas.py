@@ -1,0 +1,115 @@
+"""The job layer's public types: what producers enqueue, what streams carry, what results hold."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator
+
+from engine import ErrorInfo, FinishReason, GenerationParams, Timings, Usage
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,200}$")
+
+
+class JobRequest(GenerationParams):
+    """A generation job. Validated when enqueued: a bad request raises pydantic's
+    ValidationError naming the field, and nothing is written to Redis."""
+
+    idempotency_key: str | None = Field(
+        None, description="the same key always maps to the same job (1-200 chars of A-Z a-z 0-9 . _ : -)")
+    metadata: dict[str, str | int | float | bool | None] = Field(
+        default_factory=dict, max_length=64, description="opaque data returned with the result")
+
+    @field_validator("idempotency_key")
+    @classmethod
+    def _key_chars(cls, value: str | None) -> str | None:
+        if value is not None and not _KEY_RE.match(value):
+            raise ValueError("idempotency_key must be 1-200 characters of A-Z a-z 0-9 . _ : -")
+        return value
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"          # waiting for a worker (or for its retry time)
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"    # every choice finished (stop, length, deadline)
+    FAILED = "failed"          # a non-retryable error, or tries exhausted (then also dead-lettered)
+    CANCELLED = "cancelled"
+    NOT_FOUND = "not_found"
+
+
+class ChoiceResult(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class JobResult(BaseModel):
+    id: str
+    status: JobStatus
+    text: str = Field("", description="text of choice 0")
+    finish_reason: FinishReason | None = None
+    usage: Usage = Field(default_factory=Usage, description="prompt counted once; completion summed over choices")
+    timings: Timings | None = None
+    choices: list[ChoiceResult] = Field(default_factory=list)
+    error: ErrorInfo | None = None
+    worker: str | None = None
+    attempts: int = 0
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class EntryKind(StrEnum):
+    CHUNK = "chunk"     # text and the token ids it came from
+    DONE = "done"       # one choice finished
+    ERROR = "error"     # an attempt failed; final unless retryable
+    RESTART = "restart" # a retried attempt could not resume (n > 1): discard earlier chunks
+
+
+class StreamEntry(BaseModel):
+    """One entry of ``slotq:stream:{job_id}``, as readers see it. ``id`` is the Redis stream id:
+    resume reading after it and nothing is missed or repeated."""
+
+    id: str
+    kind: EntryKind
+    attempt: int
+    choice: int = 0
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    n_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    final: bool = Field(False, description="the last entry of the job: nothing follows")
+
+
+class WorkerInfo(BaseModel):
+    id: str
+    model: str
+    slots_total: int
+    slots_busy: int
+    waiting: int
+    generated_tokens: int
+    started_at: float
+    updated_at: float
+
+
+class QueueInfo(BaseModel):
+    queue: str
+    queued: int = Field(description="jobs waiting to be picked up (including retries whose time has come)")
+    deferred: int = Field(description="jobs waiting for a retry backoff")
+    running: int
+    oldest_queued_age_s: float | None
+    workers: list[WorkerInfo]
+    dead_letters: int
+
+    @property
+    def slots_total(self) -> int:
+        return sum(w.slots_total for w in self.workers)
+
+    @property
+    def slots_busy(self) -> int:
+        return sum(w.slots_busy for w in self.workers)

@@ -1,0 +1,191 @@
+"""The slotq worker: one engine (one model, N slots) fed by arq from Redis.
+
+arq settings that are wrong for this workload and changed on purpose (see shared notes on arq):
+
+* ``max_jobs = slots``: arq never claims more jobs than the engine has slots.
+* ``poll_delay`` 5 ms instead of 0.5 s: a job enqueued while a slot is free starts at once.
+* ``queue_read_limit`` 1000: running jobs sit at the head of arq's queue, so a worker must read
+  past every running job of the fleet to see the waiting ones.
+* A heartbeat renews a short in-progress lock (``lock_ttl_s``) instead of arq's
+  job_timeout + 10 s lock: a killed worker's jobs are picked up by another within seconds, and a
+  live job's lock never lapses however long it runs.
+* ``max_tries`` is one more than the setting so the job function itself sees the exhausted
+  attempt and dead-letters it (arq would fail it without calling anything).
+* msgpack payloads, never pickle; abort enabled (``slotq cancel``).
+* SIGTERM/SIGINT: stop claiming, let running jobs finish within ``drain_grace_s``, then hand the
+  rest back without burning a try; a second signal hands everything back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from datetime import datetime
+from typing import Any
+
+from arq.constants import in_progress_key_prefix, retry_key_prefix
+from arq.worker import Function, Worker, func
+from redis.exceptions import RedisError
+
+from engine import Engine
+from jobs.connection import redis_settings
+from jobs.job_run import JobRun
+from jobs.keys import JOB_FUNCTION, worker_key
+from jobs.serialization import deserialize, serialize
+from jobs.settings import Settings
+from jobs.stream import StreamWriter
+
+log = logging.getLogger(__name__)
+
+
+class SlotqWorker:
+    """Owns the engine, the stream writer, the heartbeat and the arq worker."""
+
+    def __init__(self, settings: Settings, redis_url: str) -> None:
+        self.settings = settings
+        self.redis_url = redis_url
+        self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
+        self.engine: Engine | None = None
+        self.writer: StreamWriter | None = None
+        self.started_at = time.time()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._draining = False
+        self._handing_back: set[str] = set()
+        self.arq = Worker(
+            functions=[self._job_function()],
+            queue_name=settings.queue_name,
+            redis_settings=redis_settings(redis_url),
+            on_startup=self._on_startup,
+            on_shutdown=self._on_shutdown,
+            on_job_start=self._on_job_start,
+            handle_signals=False,
+            max_jobs=settings.slots,
+            job_timeout=settings.job_timeout_s,
+            keep_result=settings.keep_result_s,
+            poll_delay=settings.poll_delay_s,
+            queue_read_limit=settings.queue_read_limit,
+            max_tries=settings.max_tries + 1,
+            health_check_interval=max(5, settings.lock_ttl_s),
+            allow_abort_jobs=True,
+            job_serializer=serialize,
+            job_deserializer=deserialize,
+            log_results=False,
+        )
+
+    def _job_function(self) -> Function:
+        async def generate(ctx: dict[str, Any], payload: Any) -> dict[str, Any]:
+            return await self.run_job(ctx, payload)
+        return func(generate, name=JOB_FUNCTION)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _on_startup(self, ctx: dict[str, Any]) -> None:
+        config = self.settings.engine_config()
+        log.info("loading %s (%d slots, ctx %d)", config.model_path.name, config.slots, config.ctx)
+        self.engine = await Engine.start(config)
+        self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
+                                   maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s)
+        self.writer.start()
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="slotq-heartbeat")
+        log.info("worker %s ready: model %s, %d slots", self.id, self.engine.info.model_name, config.slots)
+
+    async def _on_shutdown(self, ctx: dict[str, Any]) -> None:
+        if self._heartbeat:
+            self._heartbeat.cancel()
+        if self.writer:
+            await self.writer.close()
+        try:
+            await ctx["redis"].delete(worker_key(self.id))
+        except RedisError:
+            pass
+        if self.engine:
+            await self.engine.close()
+
+    async def _on_job_start(self, ctx: dict[str, Any]) -> None:
+        # Exceptions here would crash arq's loop: never raise.
+        try:
+            await ctx["redis"].pexpire(in_progress_key_prefix + ctx["job_id"], self.settings.lock_ttl_s * 1000)
+        except RedisError as exc:
+            log.warning("could not shorten the lock of %s: %s", ctx["job_id"], exc)
+
+    async def _heartbeat_loop(self) -> None:
+        """Renew the in-progress locks of running jobs and advertise this worker."""
+        interval = self.settings.lock_ttl_s / 3
+        while True:
+            try:
+                redis = self.arq.pool
+                stats = self.engine.stats() if self.engine else None
+                async with redis.pipeline(transaction=False) as pipe:
+                    for job_id in list(self.arq.job_tasks):
+                        pipe.pexpire(in_progress_key_prefix + job_id, self.settings.lock_ttl_s * 1000)
+                    if stats is not None:
+                        pipe.hset(worker_key(self.id), mapping={
+                            "id": self.id, "model": stats.model, "slots_total": stats.slots_total,
+                            "slots_busy": stats.slots_busy, "waiting": stats.waiting,
+                            "generated_tokens": stats.generated_tokens, "started_at": self.started_at,
+                            "updated_at": time.time(), "draining": int(self._draining)})
+                        pipe.expire(worker_key(self.id), max(3, int(interval * 3)))
+                    await pipe.execute()
+            except (RedisError, OSError) as exc:
+                log.warning("heartbeat failed (%s); retrying", exc)
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------ the job function
+    async def run_job(self, ctx: dict[str, Any], payload: Any) -> dict[str, Any]:
+        assert self.engine is not None and self.writer is not None
+        job_id = ctx["job_id"]
+        enqueue_time: datetime | None = ctx.get("enqueue_time")
+        run = JobRun(engine=self.engine, writer=self.writer, settings=self.settings, worker_id=self.id,
+                     job_id=job_id, attempt=ctx["job_try"], payload=payload,
+                     enqueued_at=enqueue_time.timestamp() if enqueue_time else None,
+                     is_abort=lambda: job_id in self.arq.aborting_tasks)
+        try:
+            result = await run.run()
+        except asyncio.CancelledError:
+            if job_id in self._handing_back:
+                await asyncio.shield(self._give_back_try(ctx))
+            raise
+        self.arq.aborting_tasks.discard(job_id)
+        return result.model_dump(mode="json")
+
+    async def _give_back_try(self, ctx: dict[str, Any]) -> None:
+        """A job handed back on shutdown should not count as a failed try (arq #267)."""
+        try:
+            await ctx["redis"].decr(retry_key_prefix + ctx["job_id"])
+        except RedisError:
+            pass
+
+    # ------------------------------------------------------------------ running and draining
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self.arq.async_run()
+        finally:
+            await self.arq.close()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._draining:
+            log.warning("second %s: handing every running job back now", sig.name)
+            self._hand_back_all()
+            return
+        self._draining = True
+        log.info("%s: draining (no new jobs; up to %d s for %d running)", sig.name, self.settings.drain_grace_s,
+                 len(self.arq.job_tasks))
+        self.arq.allow_pick_jobs = False
+        asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.settings.drain_grace_s
+        while self.arq.job_tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self._hand_back_all()
+
+    def _hand_back_all(self) -> None:
+        self._handing_back.update(self.arq.job_tasks)
+        self.arq.handle_sig(signal.SIGTERM)
+
