@@ -124,6 +124,7 @@ class Runner:
                 choice=choice,
                 priority=req.priority,
                 fork_of=leader,
+                fork_len=len(base),
             )
             try:
                 chain = prepared.make_chain(choice)
@@ -199,10 +200,12 @@ class Runner:
             self._on_decode_error(out, ret)
             return
         self.scheduler.commit(out)
-        fork_index = {id(leader): idx for leader, idx in sample_at}
-        for leader, sib in out.forks:
-            self.model.kv_copy_prefix(leader.seq_id, sib.seq_id, leader.n_computed)
-            sample_at.append((sib, fork_index[id(leader)]))
+        leader_index = {id(seq): idx for seq, idx in sample_at}
+        for fork in out.forks:
+            self.model.kv_remove(fork.seq.seq_id)       # drop any partial reuse: the copy covers it
+            self.model.kv_copy_prefix(fork.leader.seq_id, fork.seq.seq_id, fork.n_tokens)
+            if fork.seq.n_pending == 0:     # an n > 1 sibling: sample from the leader's prompt logits
+                sample_at.append((fork.seq, leader_index[id(fork.leader)]))
         for seq, index in sample_at:
             if seq.state == SeqState.RUNNING:
                 self._sample(seq, index)

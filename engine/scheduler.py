@@ -15,7 +15,9 @@ Policy, in order of precedence:
    ``prefill_chunk`` tokens per sequence per step, oldest first, so one long prompt cannot starve
    the others.
 4. Prefix reuse: an admitted sequence starts from the longest prefix of its tokens that any slot
-   already holds in KV (a running sequence or an idle cache), copied instead of recomputed.
+   already holds in KV (a running sequence or an idle cache), copied instead of recomputed. If a
+   running sequence is still prefilling a longer shared prefix, the newcomer waits for it and
+   copies it when it is computed (the same mechanism forks the n completions of one prompt).
 5. KV full: halve the prefill budget and retry; if a batch with no prefill still does not fit,
    preempt the youngest, lowest-priority sequence and requeue it with its progress.
 """
@@ -52,6 +54,7 @@ class SchedulerConfig:
     prefix_cache: bool = True
     kv_overcommit: float = 1.0
     min_reuse_tokens: int = 1
+    min_wait_tokens: int = 32       # wait for a running prefill only when it saves at least this much
 
 
 @dataclass
@@ -78,11 +81,20 @@ class BatchItem:
 
 
 @dataclass
+class Fork:
+    """After the decode: copy ``leader``'s first ``n_tokens`` KV cells to ``seq``."""
+
+    leader: Sequence
+    seq: Sequence
+    n_tokens: int
+
+
+@dataclass
 class SchedulerOutput:
     admitted: list[Admission] = field(default_factory=list)
     evicted_caches: list[int] = field(default_factory=list)     # freed seq ids whose KV must be cleared first
     items: list[BatchItem] = field(default_factory=list)
-    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (leader, sibling) after decode
+    forks: list[Fork] = field(default_factory=list)     # filled by commit(): KV copies to perform
 
     @property
     def n_tokens(self) -> int:
@@ -133,11 +145,8 @@ class Scheduler:
             if seq.fork_of is not None or seq.is_decoding or seq.n_pending == 0:
                 continue
             n = min(budget, chunk_cap, seq.n_pending)
-            sample = n == seq.n_pending
-            out.items.append(BatchItem(seq, seq.n_computed, n, sample))
+            out.items.append(BatchItem(seq, seq.n_computed, n, sample=n == seq.n_pending))
             budget -= n
-            if sample and seq.n_generated == 0:
-                out.forks.extend((seq, sib) for sib in self.running if sib.fork_of is seq)
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
@@ -148,12 +157,14 @@ class Scheduler:
             self.ledger.extend(item.seq.seq_id, item.n_tokens)
             if item.seq.n_generated == 0 or item.n_tokens > 1:
                 self.prompt_tokens_computed += item.n_tokens
-        for leader, sib in out.forks:
-            self.ledger.copy_prefix(leader.seq_id, sib.seq_id, leader.n_computed)
-            sib.n_computed = leader.n_computed
-            sib.n_reused = leader.n_computed
-            sib.fork_of = None
-            self.prompt_tokens_reused += leader.n_computed
+        for seq in self.running:
+            leader = seq.fork_of
+            if leader is not None and leader.n_computed >= seq.fork_len:
+                self.ledger.copy_prefix(leader.seq_id, seq.seq_id, seq.fork_len)
+                seq.n_computed = seq.n_reused = seq.fork_len
+                seq.fork_of = None
+                self.prompt_tokens_reused += seq.fork_len
+                out.forks.append(Fork(leader, seq, seq.fork_len))
 
     def on_kv_full(self, out: SchedulerOutput) -> KVFullAction:
         """``llama_decode`` found no KV space; nothing was committed. In order: drop idle prefix
@@ -213,6 +224,9 @@ class Scheduler:
         while self.waiting and self._free_slots:
             seq = self.waiting.peek()
             assert seq is not None
+            if seq.fork_of is not None and (seq.fork_of.state != SeqState.RUNNING
+                                            or seq.fork_of.n_computed >= seq.fork_len):
+                seq.fork_of = None   # the leader is gone or already past the prompt: reuse its cache instead
             source, n_reuse = self._best_prefix(seq)
             need = seq.kv_still_needed - n_reuse
             if not self._fits(need):
@@ -223,13 +237,13 @@ class Scheduler:
                 if not self._fits(need) and self.running:
                     return
             self.waiting.pop()
-            out.admitted.append(self._place(seq, source, n_reuse, out))
+            out.admitted.append(self._place(seq, source, n_reuse))
 
     def _fits(self, need: int) -> bool:
         limit = self.config.kv_cells * self.config.kv_overcommit
         return self.ledger.used_cells() + self.kv_reserved() + need <= limit
 
-    def _place(self, seq: Sequence, source: int | None, n_reuse: int, out: SchedulerOutput) -> Admission:
+    def _place(self, seq: Sequence, source: int | None, n_reuse: int) -> Admission:
         if source is not None and source in self._cache and source in self._free_slots:
             slot = source                                   # its own cache: keep the shared prefix
             keep, copy_from = n_reuse, None
@@ -248,10 +262,24 @@ class Scheduler:
         seq.n_computed = n_reuse
         seq.n_reused = n_reuse
         self.prompt_tokens_reused += n_reuse
-        if seq.fork_of is not None and seq.fork_of.state != SeqState.RUNNING:
-            seq.fork_of = None
         self.running.append(seq)
+        if seq.fork_of is None:
+            self._wait_for_running_prefill(seq, n_reuse)
         return Admission(seq, keep, copy_from, n_reuse)
+
+    def _wait_for_running_prefill(self, seq: Sequence, n_reuse: int) -> None:
+        """Share a prefix that a running sequence is still computing instead of computing it twice."""
+        if not self.config.prefix_cache:
+            return
+        cap = len(seq.tokens) - 1
+        best, best_n = None, 0
+        for other in self.running:
+            if other is not seq:
+                n = _common_prefix(other.tokens, seq.tokens, cap)
+                if n > best_n:
+                    best, best_n = other, n
+        if best is not None and best_n - n_reuse >= self.config.min_wait_tokens and best.n_computed < best_n:
+            seq.fork_of, seq.fork_len = best, best_n
 
     def _best_prefix(self, seq: Sequence) -> tuple[int | None, int]:
         """The slot whose KV shares the longest prefix with ``seq`` (capped so at least one

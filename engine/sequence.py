@@ -36,7 +36,8 @@ class Sequence:
     seq_id: int | None = None
     n_computed: int = 0
     n_reused: int = 0                # prompt tokens whose KV came from the prefix cache
-    fork_of: Sequence | None = None  # n > 1: copy the leader's prompt KV instead of prefilling
+    fork_of: Sequence | None = None  # wait for this sequence to compute our first fork_len tokens, then copy its KV
+    fork_len: int = 0
     preemptions: int = 0
     payload: Any = None              # the runner's per-sequence state (sampler, text stream, ...)
 

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
-from jobs.keys import JOB_FUNCTION, WORKER_PREFIX, stream_key
+from jobs.keys import JOB_FUNCTION, WAKE_CHANNEL, WORKER_PREFIX, stream_key
 from jobs.schemas import EntryKind, JobRequest, JobResult, JobStatus, QueueInfo, StreamEntry, WorkerInfo
 from jobs.connection import redis_settings
 from jobs.serialization import deserialize, serialize
@@ -124,6 +124,8 @@ class SlotqClient:
                 raise QueueFull(depth, self.settings.max_queue_length)
         job = await self.redis.enqueue_job(JOB_FUNCTION, request.model_dump(mode="json", exclude_defaults=True),
                                            _job_id=job_id, _queue_name=self.settings.queue_name)
+        if job is not None:
+            await self.redis.publish(WAKE_CHANNEL, job_id)
         return JobHandle(self, job_id, created=job is not None)
 
     def job(self, job_id: str) -> JobHandle:
@@ -221,6 +223,7 @@ class SlotqClient:
         await self.redis.delete(result_key_prefix + job_id, retry_key_prefix + job_id, stream_key(job_id))
         await self.redis.enqueue_job(JOB_FUNCTION, request.model_dump(mode="json", exclude_defaults=True),
                                      _job_id=job_id, _queue_name=self.settings.queue_name)
+        await self.redis.publish(WAKE_CHANNEL, job_id)
         await dead_letters.remove(self.redis, job_id)
         return True
 

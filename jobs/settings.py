@@ -23,7 +23,7 @@ class Settings(BaseSettings):
     embedded_redis_port: int = Field(6399, ge=0, le=65535, description="port of the embedded server (0 = any free port)")
     queue_name: str = "slotq:queue"
     max_queue_length: int = Field(10_000, ge=1, description="enqueue raises QueueFull beyond this many waiting jobs")
-    poll_delay_s: float = Field(0.005, gt=0, le=5, description="worker poll interval (arq's default 0.5 s adds latency)")
+    poll_delay_s: float = Field(0.05, gt=0, le=5, description="fallback poll interval; enqueues wake workers at once")
     queue_read_limit: int = Field(1000, ge=1, description="must exceed the fleet's total slots (running jobs sit at the queue head)")
     job_timeout_s: int = Field(3600, ge=1, description="hard cap on one attempt")
     lock_ttl_s: int = Field(15, ge=3, description="in-progress lock TTL, renewed by the worker heartbeat")

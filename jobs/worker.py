@@ -3,7 +3,10 @@
 arq settings that are wrong for this workload and changed on purpose (see shared notes on arq):
 
 * ``max_jobs = slots``: arq never claims more jobs than the engine has slots.
-* ``poll_delay`` 5 ms instead of 0.5 s: a job enqueued while a slot is free starts at once.
+* Wake-ups instead of a tight poll: producers PUBLISH on ``slotq:wake`` after enqueueing and a
+  finished job wakes its own worker, which then claims at once (arq's 0.5 s poll would add up to
+  half a second to every job). ``poll_delay`` (50 ms) remains the fallback for retries whose
+  backoff has elapsed and for lost wake-ups; it also bounds how fast an abort is noticed.
 * ``queue_read_limit`` 1000: running jobs sit at the head of arq's queue, so a worker must read
   past every running job of the fleet to see the waiting ones.
 * A heartbeat renews a short in-progress lock (``lock_ttl_s``) instead of arq's
@@ -34,7 +37,7 @@ from redis.exceptions import RedisError
 from engine import Engine
 from jobs.connection import redis_settings
 from jobs.job_run import JobRun
-from jobs.keys import JOB_FUNCTION, worker_key
+from jobs.keys import JOB_FUNCTION, WAKE_CHANNEL, worker_key
 from jobs.serialization import deserialize, serialize
 from jobs.settings import Settings
 from jobs.stream import StreamWriter
@@ -52,7 +55,8 @@ class SlotqWorker:
         self.engine: Engine | None = None
         self.writer: StreamWriter | None = None
         self.started_at = time.time()
-        self._heartbeat: asyncio.Task[None] | None = None
+        self._background: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()
         self._draining = False
         self._handing_back: set[str] = set()
         self.arq = Worker(
@@ -62,6 +66,7 @@ class SlotqWorker:
             on_startup=self._on_startup,
             on_shutdown=self._on_shutdown,
             on_job_start=self._on_job_start,
+            after_job_end=self._after_job_end,
             handle_signals=False,
             max_jobs=settings.slots,
             job_timeout=settings.job_timeout_s,
@@ -89,12 +94,16 @@ class SlotqWorker:
         self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s)
         self.writer.start()
-        self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="slotq-heartbeat")
+        self._background = [
+            asyncio.create_task(self._heartbeat_loop(), name="slotq-heartbeat"),
+            asyncio.create_task(self._wake_listener(), name="slotq-wake-listener"),
+            asyncio.create_task(self._wake_loop(), name="slotq-wake-loop"),
+        ]
         log.info("worker %s ready: model %s, %d slots", self.id, self.engine.info.model_name, config.slots)
 
     async def _on_shutdown(self, ctx: dict[str, Any]) -> None:
-        if self._heartbeat:
-            self._heartbeat.cancel()
+        for task in self._background:
+            task.cancel()
         if self.writer:
             await self.writer.close()
         try:
@@ -110,6 +119,34 @@ class SlotqWorker:
             await ctx["redis"].pexpire(in_progress_key_prefix + ctx["job_id"], self.settings.lock_ttl_s * 1000)
         except RedisError as exc:
             log.warning("could not shorten the lock of %s: %s", ctx["job_id"], exc)
+
+    async def _after_job_end(self, ctx: dict[str, Any]) -> None:
+        self._wake.set()          # a slot is free: look for the next job now, not at the next poll
+
+    async def _wake_listener(self) -> None:
+        """Turn PUBLISHes on the wake channel into local wake-ups; reconnect if Redis drops."""
+        while True:
+            try:
+                async with self.arq.pool.pubsub() as pubsub:
+                    await pubsub.subscribe(WAKE_CHANNEL)
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            self._wake.set()
+            except (RedisError, OSError) as exc:
+                log.warning("wake-up channel lost (%s); relying on polling until it is back", exc)
+                await asyncio.sleep(1)
+
+    async def _wake_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0.001)   # let arq's done-callbacks release the finished job's slot
+            if not self.arq.allow_pick_jobs or self.arq.job_counter >= self.arq.max_jobs:
+                continue
+            try:
+                await self.arq._poll_iteration()   # arq 0.28 has no public "poll now"
+            except Exception as exc:  # the regular poll loop reports the same errors
+                log.debug("woken poll failed: %s", exc)
 
     async def _heartbeat_loop(self) -> None:
         """Renew the in-progress locks of running jobs and advertise this worker."""

@@ -1,0 +1,103 @@
+"""``slotq bench engine``: aggregate generated tokens/s of the batching modes on the bundled model.
+
+Workload: C closed-loop clients; each sends ``requests_per_client`` requests one after another
+(a new one as soon as its previous one finishes), with output lengths cycling through
+``LENGTHS`` (ignore_eos, so lengths are exact). Continuous batching admits a client's next
+request at the next step; static batching waits until the whole batch has drained; sequential
+is one slot. The raw ceiling is a bare llama_decode loop over C sequences with no sampling and
+no scheduling: generated tokens / decode time, what llama-batched-bench reports as S_TG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from bench.report import distinct_prompt, markdown_table, progress, write_results
+from engine import BatchingMode, Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
+from engine.llama_model import LlamaModel
+
+CONCURRENCY = [1, 2, 4, 8, 16]
+LENGTHS = [32, 64, 96]
+SLOTS = 16
+CTX = 256
+
+
+async def _closed_loop(engine: Engine, clients: int, per_client: int, lengths: list[int]) -> float:
+    """Run the workload; return generated tokens per second of wall time."""
+    generated = 0
+
+    async def client(c: int) -> None:
+        nonlocal generated
+        for r in range(per_client):
+            request = GenerationRequest(prompt=distinct_prompt(c * per_client + r), ignore_eos=True,
+                                        max_tokens=lengths[(c + r) % len(lengths)],
+                                        sampling=SamplingParams(temperature=0))
+            async for event in engine.generate(request):
+                if event.kind == "finished":
+                    generated += event.usage.completion_tokens
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    return generated / (time.perf_counter() - started)
+
+
+def _raw_ceiling(model: LlamaModel, batch: int, steps: int) -> float:
+    """Prefill ``batch`` prompts, then ``steps`` decodes of one token per sequence, no sampling."""
+    model.kv_clear()
+    prompts = [model.tokenize(distinct_prompt(i)) for i in range(batch)]
+    for seq, tokens in enumerate(prompts):
+        ret = model.decode(tokens, list(range(len(tokens))), [seq] * len(tokens), [False] * (len(tokens) - 1) + [True])
+        assert ret == 0, f"prefill failed: {ret}"
+    positions = [len(t) for t in prompts]
+    token = prompts[0][-1]
+    started = time.perf_counter()
+    for step in range(steps):
+        ret = model.decode([token] * batch, [p + step for p in positions], list(range(batch)), [True] * batch)
+        assert ret == 0, f"decode failed: {ret}"
+    return batch * steps / (time.perf_counter() - started)
+
+
+async def run(quick: bool) -> tuple[dict[str, Any], str]:
+    path = bundled_model_path()
+    concurrency = [1, 4] if quick else CONCURRENCY
+    lengths = [8, 16] if quick else LENGTHS
+    per_client = 1 if quick else 3
+    base = dict(model_path=path, ctx=CTX, prefix_cache=False)
+    engines = {
+        "continuous": await Engine.start(EngineConfig(slots=SLOTS, **base)),
+        "static": await Engine.start(EngineConfig(slots=SLOTS, mode=BatchingMode.STATIC, **base)),
+        "sequential": await Engine.start(EngineConfig(slots=1, **base)),
+    }
+    raw_model = LlamaModel(EngineConfig(slots=SLOTS, **base))
+    results: list[dict[str, Any]] = []
+    try:
+        for c in concurrency:
+            for mode, engine in engines.items():
+                progress(f"{mode} at concurrency {c}")
+                tps = await _closed_loop(engine, c, per_client, lengths)
+                results.append({"mode": mode, "concurrency": c, "tokens_per_s": round(tps, 1)})
+            progress(f"raw ceiling at batch {c}")
+            tps = _raw_ceiling(raw_model, c, sum(lengths) // len(lengths))
+            results.append({"mode": "raw", "concurrency": c, "tokens_per_s": round(tps, 1)})
+    finally:
+        for engine in engines.values():
+            await engine.close()
+        raw_model.close()
+    data = {"model": engines["continuous"].info.model_name, "results": results}
+    table = _table(results, concurrency)
+    if not quick:
+        write_results("engine", data, table, "slotq bench engine")
+    return data, table
+
+
+def _table(results: list[dict[str, Any]], concurrency: list[int]) -> str:
+    tps = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in results}
+    rows = []
+    for c in concurrency:
+        cont, raw, seq, static = (tps[(m, c)] for m in ("continuous", "raw", "sequential", "static"))
+        rows.append([str(c), f"{cont:.1f}", f"{static:.1f}", f"{seq:.1f}", f"{raw:.1f}",
+                     f"{cont / raw:.2f}", f"{cont / seq:.2f}", f"{cont / static:.2f}"])
+    return markdown_table(["concurrency", "continuous tok/s", "static tok/s", "sequential tok/s", "raw ceiling tok/s",
+                           "continuous / raw", "continuous / sequential", "continuous / static"], rows)

@@ -1,0 +1,146 @@
+"""``slotq bench queue``: what the Redis path costs over calling the engine in-process.
+
+The same closed-loop workload runs twice in one invocation: against an in-process engine, and
+through Redis to a ``slotq worker`` subprocess with the same settings (the client reads the
+job's stream). Reported: aggregate tokens/s and its ratio, time to first token p50/p95 of both
+paths and the difference, and Redis commands per generated token counted by the server
+(every client's commands; a pipeline of k commands is one round trip but counts k here, so this
+is an upper bound on round trips).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
+from jobs.client import SlotqClient
+from jobs.redis_server import EmbeddedRedis
+from jobs.schemas import EntryKind, JobRequest
+from jobs.settings import Settings
+
+SLOTS = 8
+CTX = 512
+CONCURRENCY = [1, 4, 8]
+
+
+async def _engine_path(engine: Engine, clients: int, per_client: int, max_tokens: int) -> tuple[float, list[float]]:
+    ttfts: list[float] = []
+    generated = 0
+
+    async def client(c: int) -> None:
+        nonlocal generated
+        for r in range(per_client):
+            started = time.perf_counter()
+            first = None
+            request = GenerationRequest(prompt=distinct_prompt(c * per_client + r), max_tokens=max_tokens,
+                                        ignore_eos=True, sampling=SamplingParams(temperature=0))
+            async for event in engine.generate(request):
+                if event.kind == "delta" and first is None:
+                    first = time.perf_counter() - started
+                elif event.kind == "finished":
+                    generated += event.usage.completion_tokens
+            ttfts.append(first or 0.0)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    return generated / (time.perf_counter() - started), ttfts
+
+
+async def _queue_path(client: SlotqClient, clients: int, per_client: int, max_tokens: int) -> tuple[float, list[float]]:
+    ttfts: list[float] = []
+    generated = 0
+
+    async def one_client(c: int) -> None:
+        nonlocal generated
+        for r in range(per_client):
+            started = time.perf_counter()
+            first = None
+            job = await client.enqueue(JobRequest(prompt=distinct_prompt(c * per_client + r), max_tokens=max_tokens,
+                                                  ignore_eos=True, sampling={"temperature": 0}))
+            async for entry in job.stream():
+                if entry.kind == EntryKind.CHUNK and first is None:
+                    first = time.perf_counter() - started
+                elif entry.kind == EntryKind.DONE and entry.usage:
+                    generated += entry.usage.completion_tokens
+            ttfts.append(first or 0.0)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one_client(c) for c in range(clients)))
+    return generated / (time.perf_counter() - started), ttfts
+
+
+async def _commands_processed(redis: Redis) -> int:
+    return int((await redis.info("stats"))["total_commands_processed"])
+
+
+async def run(quick: bool) -> tuple[dict[str, Any], str]:
+    concurrency = [1, 4] if quick else CONCURRENCY
+    per_client = 2 if quick else 4
+    max_tokens = 16 if quick else 64
+    model = bundled_model_path()
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp:
+        server = EmbeddedRedis(Path(tmp) / "redis")
+        url = server.start()
+        env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
+               "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false"}
+        worker = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        settings = Settings(redis_url=url)
+        client = await SlotqClient.connect(url, settings)
+        engine = await Engine.start(EngineConfig(model_path=model, slots=SLOTS, ctx=CTX, prefix_cache=False))
+        try:
+            while not (await client.queue_info()).workers:
+                await asyncio.sleep(0.2)
+            results: list[dict[str, Any]] = []
+            commands = tokens = 0
+            for c in concurrency:
+                progress(f"engine path at concurrency {c}")
+                tps, ttft = await _engine_path(engine, c, per_client, max_tokens)
+                results.append(_row("engine", c, tps, ttft))
+                progress(f"queue path at concurrency {c}")
+                before = await _commands_processed(client.redis)
+                tps, ttft = await _queue_path(client, c, per_client, max_tokens)
+                commands += await _commands_processed(client.redis) - before
+                tokens += c * per_client * max_tokens
+                results.append(_row("queue", c, tps, ttft))
+        finally:
+            await engine.close()
+            await client.close()
+            worker.terminate()
+            worker.wait(timeout=30)
+            server.stop()
+    data = {"results": results, "redis_roundtrips_per_token": round(commands / tokens, 3),
+            "redis_commands_per_token": round(commands / tokens, 3)}
+    table = _table(results, concurrency, commands / tokens)
+    if not quick:
+        write_results("queue", data, table, "slotq bench queue")
+    return data, table
+
+
+def _row(path: str, c: int, tps: float, ttfts: list[float]) -> dict[str, Any]:
+    return {"path": path, "concurrency": c, "tokens_per_s": round(tps, 1),
+            "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1), "ttft_p95_ms": round(percentile(ttfts, 95) * 1000, 1)}
+
+
+def _table(results: list[dict[str, Any]], concurrency: list[int], commands_per_token: float) -> str:
+    by = {(r["path"], r["concurrency"]): r for r in results}
+    rows = []
+    for c in concurrency:
+        e, q = by[("engine", c)], by[("queue", c)]
+        rows.append([str(c), f"{e['tokens_per_s']:.1f}", f"{q['tokens_per_s']:.1f}",
+                     f"{q['tokens_per_s'] / e['tokens_per_s']:.3f}",
+                     f"{e['ttft_p50_ms']:.1f} / {e['ttft_p95_ms']:.1f}", f"{q['ttft_p50_ms']:.1f} / {q['ttft_p95_ms']:.1f}",
+                     f"{q['ttft_p50_ms'] - e['ttft_p50_ms']:+.1f} / {q['ttft_p95_ms'] - e['ttft_p95_ms']:+.1f}"])
+    table = markdown_table(["concurrency", "engine tok/s", "queue tok/s", "queue / engine",
+                            "engine TTFT p50/p95 ms", "queue TTFT p50/p95 ms", "added TTFT p50/p95 ms"], rows)
+    return table + f"\n\nRedis commands per generated token (server count, all clients): {commands_per_token:.3f}"
