@@ -45,6 +45,17 @@ from jobs.stream import StreamWriter
 log = logging.getLogger(__name__)
 
 
+class ResilientWorker(Worker):
+    """arq's poll loop exits the worker on any Redis error; here a Redis outage only pauses it."""
+
+    async def _poll_iteration(self) -> None:
+        try:
+            await super()._poll_iteration()
+        except (RedisError, OSError) as exc:
+            log.warning("Redis unavailable (%s: %s); retrying in 1 s", type(exc).__name__, exc)
+            await asyncio.sleep(1)
+
+
 class SlotqWorker:
     """Owns the engine, the stream writer, the heartbeat and the arq worker."""
 
@@ -59,7 +70,7 @@ class SlotqWorker:
         self._wake = asyncio.Event()
         self._draining = False
         self._handing_back: set[str] = set()
-        self.arq = Worker(
+        self.arq = ResilientWorker(
             functions=[self._job_function()],
             queue_name=settings.queue_name,
             redis_settings=redis_settings(redis_url),
@@ -157,7 +168,8 @@ class SlotqWorker:
                 stats = self.engine.stats() if self.engine else None
                 async with redis.pipeline(transaction=False) as pipe:
                     for job_id in list(self.arq.job_tasks):
-                        pipe.pexpire(in_progress_key_prefix + job_id, self.settings.lock_ttl_s * 1000)
+                        # SET, not PEXPIRE: after a Redis outage longer than the TTL the key is gone
+                        pipe.set(in_progress_key_prefix + job_id, b"1", px=self.settings.lock_ttl_s * 1000)
                     if stats is not None:
                         pipe.hset(worker_key(self.id), mapping={
                             "id": self.id, "model": stats.model, "slots_total": stats.slots_total,
