@@ -162,9 +162,6 @@ class LlamaModel:
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
-
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
@@ -179,10 +176,6 @@ class LlamaModel:
     @property
     def eos_token(self) -> int:
         return llama_cpp.llama_vocab_eos(self.vocab)
-
-    @property
-    def adds_bos(self) -> bool:
-        return bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
@@ -227,9 +220,6 @@ class LlamaModel:
         """Make ``dst`` share ``src``'s cells for positions [0, n) (no copy in a unified KV cache)."""
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
 
-    def kv_max_pos(self, seq_id: int) -> int:
-        return llama_cpp.llama_memory_seq_pos_max(self._mem, seq_id)
-
     def kv_clear(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)
 
@@ -241,7 +231,3 @@ class LlamaModel:
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
         llama_cpp.llama_model_free(self._model)
-
-    @property
-    def model_ptr(self) -> llama_cpp.llama_model_p:
-        return self._model

@@ -89,7 +89,6 @@ class Runner:
                 out = self.scheduler.schedule()
                 self._apply_memory_ops(out)
                 if not out.items:
-                    self.counters.idle()
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue

@@ -21,7 +21,6 @@ class EngineCounters:
     generated: int = 0
     preemptions: int = 0
     kv_full_events: int = 0
-    idle_waits: int = 0
     finish_reasons: Counter[str] = field(default_factory=Counter)
 
     def decoded(self, n_tokens: int, n_seqs: int, seconds: float) -> None:
@@ -29,9 +28,6 @@ class EngineCounters:
         self.batch_tokens += n_tokens
         self.busy_slot_steps += n_seqs
         self.decode_seconds += seconds
-
-    def idle(self) -> None:
-        self.idle_waits += 1
 
     def finished(self, reason: FinishReason) -> None:
         self.finish_reasons[reason.value] += 1
