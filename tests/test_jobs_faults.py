@@ -1,0 +1,168 @@
+"""Failure paths of the Redis job layer: engine errors, cancellation, poison payloads.
+Real Valkey, real engine (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+from arq.constants import job_key_prefix
+
+from engine import FinishReason
+from jobs import dead_letters
+from jobs.schemas import EntryKind, JobStatus
+from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
+from jobs_fixtures import chunks, collect_stream, job_request, raw_entries
+
+
+async def _first_chunk(job) -> None:
+    async with asyncio.timeout(60):
+        async for entry in job.stream():
+            if entry.kind == EntryKind.CHUNK:
+                return
+            assert not entry.final, entry
+    raise AssertionError("stream ended without a chunk")
+
+
+async def _assert_serves(client, max_tokens: int = 6) -> None:
+    job = await client.enqueue(job_request("still alive?", max_tokens=max_tokens))
+    result = await job.result(timeout=60)
+    assert result.status == JobStatus.SUCCEEDED, result
+    assert result.usage.completion_tokens == max_tokens
+    assert result.attempts == 1
+
+
+# ---------------------------------------------------------------------- engine errors
+async def test_engine_error_fails_once_and_worker_keeps_serving(client, worker):
+    job = await client.enqueue(job_request("x" * 3000, max_tokens=20))   # ctx is 512
+    entries = await collect_stream(client, job.id)
+    result = await job.result(timeout=60)
+
+    final = entries[-1]
+    assert final.kind == EntryKind.ERROR and final.final
+    assert final.error is not None
+    assert final.error.code == "prompt_too_long"
+    assert final.error.retryable is False
+    assert not chunks(entries)
+
+    assert result.status == JobStatus.FAILED
+    assert result.error is not None and result.error.code == "prompt_too_long"
+    assert result.finish_reason == FinishReason.ERROR
+    assert result.attempts == 1
+    assert await job.status() == JobStatus.FAILED
+    # not retried, not dead-lettered
+    assert await dead_letters.count(client.redis) == 0
+    assert (await client.queue_info()).deferred == 0
+
+    await _assert_serves(client)
+    assert [e.id for e in await raw_entries(client, job.id)] == [e.id for e in entries]   # nothing appended
+
+
+# ---------------------------------------------------------------------- cancel
+async def test_cancel_running_job(client, start_worker):
+    await start_worker(ctx=4096)
+    job = await client.enqueue(job_request("cancel me", max_tokens=2000))
+    await _first_chunk(job)
+    assert await job.status() == JobStatus.RUNNING
+    assert await job.cancel() is True
+
+    entries = await collect_stream(client, job.id)
+    final = entries[-1]
+    assert final.final and final.kind == EntryKind.DONE
+    assert final.finish_reason == FinishReason.CANCELLED
+    assert sum(e.final for e in entries) == 1
+
+    result = await job.result(timeout=60)
+    assert result.status == JobStatus.CANCELLED
+    assert result.finish_reason == FinishReason.CANCELLED
+    assert await job.status() == JobStatus.CANCELLED
+    streamed = "".join(e.text for e in chunks(await raw_entries(client, job.id)))
+    assert result.text == streamed
+    assert sum(len(e.token_ids) for e in chunks(entries)) < 2000
+    # a finished job cannot be cancelled again
+    assert await job.cancel() is False
+    await _assert_serves(client)
+
+
+async def test_cancel_queued_job_without_worker_never_starts(client, start_worker):
+    job = await client.enqueue(job_request("never runs", max_tokens=8))
+    assert await job.status() == JobStatus.QUEUED
+    assert await job.cancel() is True
+    assert await job.status() == JobStatus.CANCELLED
+    assert await client.redis.zcard(client.settings.queue_name) == 0
+    assert not await client.redis.exists(job_key_prefix + job.id)
+
+    w = await start_worker()
+    await _assert_serves(client)
+
+    result = await job.result(timeout=10)
+    assert result.status == JobStatus.CANCELLED
+    assert result.finish_reason == FinishReason.CANCELLED
+    assert result.text == "" and result.usage.completion_tokens == 0
+    entries = await collect_stream(client, job.id, timeout=10)
+    assert not chunks(entries)
+    assert [(e.kind, e.finish_reason, e.final) for e in entries] == [(EntryKind.DONE, FinishReason.CANCELLED, True)]
+    assert w.arq.jobs_complete == 1      # only the liveness job ran
+
+
+async def test_cancel_queued_job_while_slots_busy_never_starts(client, start_worker):
+    w = await start_worker(slots=1, ctx=4096)
+    busy = await client.enqueue(job_request("occupy the only slot", max_tokens=2000))
+    await _first_chunk(busy)
+
+    waiting = await client.enqueue(job_request("waits for a slot", max_tokens=8))
+    assert await waiting.status() == JobStatus.QUEUED
+    assert await waiting.cancel() is True
+    # the only slot was busy the whole time, so the waiting job cannot have been claimed
+    assert await busy.status() == JobStatus.RUNNING
+    assert await waiting.status() == JobStatus.CANCELLED
+
+    assert await busy.cancel() is True
+    assert (await busy.result(timeout=60)).status == JobStatus.CANCELLED
+    await _assert_serves(client)
+
+    result = await waiting.result(timeout=10)
+    assert result.status == JobStatus.CANCELLED and result.text == ""
+    assert not chunks(await raw_entries(client, waiting.id))
+    assert w.arq.jobs_complete + w.arq.jobs_failed == 2     # busy + the liveness job; never `waiting`
+
+
+# ---------------------------------------------------------------------- poison payloads
+async def _inject(client, job_id: str, raw: bytes) -> None:
+    """Write an arq job record straight into Redis, as a foreign or buggy producer would."""
+    await client.redis.set(job_key_prefix + job_id, raw)
+    await client.redis.zadd(client.settings.queue_name, {job_id: int(time.time() * 1000)})
+
+
+@pytest.mark.parametrize(("raw", "code"), [
+    (b"\x00garbage", "poison_payload"),
+    (msgpack.packb({"t": 1, "f": "generate", "a": [{"prompt": 5}], "k": {}, "et": 0}), "invalid_payload"),
+    (msgpack.packb(["not", "a", "job"]), "poison_payload"),
+], ids=["not-msgpack", "invalid-request", "not-a-job-record"])
+async def test_bad_payload_is_dead_lettered(client, worker, raw, code):
+    job_id = f"bad-{code}"
+    await _inject(client, job_id, raw)
+
+    entries = await collect_stream(client, job_id)
+    final = entries[-1]
+    assert final.kind == EntryKind.ERROR and final.final
+    assert final.error is not None and final.error.code == code
+    assert final.error.retryable is False
+    assert not chunks(entries)
+
+    letter = await dead_letters.get(client.redis, job_id)
+    assert letter is not None
+    assert letter.error.code == code
+    assert letter.attempts == 1
+    assert job_id in await dead_letters.list_ids(client.redis)
+
+    result = await client.result(job_id, timeout=30)
+    assert result.status == JobStatus.FAILED
+    assert result.error is not None and result.error.code == code
+    assert result.attempts == 1
+
+    # the worker is unharmed and serves the next job
+    await _assert_serves(client)
+    assert await dead_letters.count(client.redis) == 1
