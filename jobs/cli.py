@@ -59,8 +59,12 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from jobs.worker import SlotqWorker
 
     settings = _settings(args)
+
+    async def run(url: str) -> None:
+        await SlotqWorker(settings, url).run()     # arq binds to the running loop: build it inside
+
     with redis_url_or_embedded(settings.redis_url, settings.data_dir, settings.embedded_redis_port) as url:
-        asyncio.run(SlotqWorker(settings, url).run())
+        asyncio.run(run(url))
 
 
 def cmd_redis(args: argparse.Namespace) -> None:

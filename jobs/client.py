@@ -114,8 +114,7 @@ class SlotqClient:
         if isinstance(request, str):
             request = JobRequest(prompt=request, **fields)
         elif fields:
-            request = request.model_copy(update=fields)
-            request = JobRequest.model_validate(request.model_dump())
+            request = JobRequest.model_validate({**request.model_dump(exclude_unset=True), **fields})
         job_id = request.idempotency_key or uuid.uuid4().hex
         depth = await self.redis.zcard(self.settings.queue_name)
         if depth >= self.settings.max_queue_length:
@@ -137,10 +136,9 @@ class SlotqClient:
         resume after a dropped connection: nothing is missed or repeated."""
 
         async def gone() -> bool:
-            status = await self.status(job_id)
-            if status in (JobStatus.QUEUED, JobStatus.RUNNING):
-                return False
-            return not await self.redis.exists(stream_key(job_id)) or status == JobStatus.NOT_FOUND
+            # The final entry is written before the result, so once the job has a terminal status
+            # a quiet stream has nothing more to give (e.g. a reader resuming after the end).
+            return await self.status(job_id) not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
         async for entry in read_stream(self.redis, job_id, last_id=last_id, block_ms=block_ms, idle_check=gone):
             yield entry

@@ -214,6 +214,10 @@ class SlotqWorker:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             await self.arq.async_run()
+        except asyncio.CancelledError:
+            if not self._draining:
+                raise
+            log.info("worker %s stopped", self.id)   # the signal path cancels arq's main task
         finally:
             await self.arq.close()
 

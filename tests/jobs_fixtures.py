@@ -161,33 +161,17 @@ def clean_env(**slotq: str) -> dict[str, str]:
     return env
 
 
-# A worker process started the way `slotq worker` should start one, but with the SlotqWorker
-# built inside the running event loop (see the xfail in test_jobs_processes.py).
-LAUNCHER = """
-import asyncio, logging, sys
-from jobs.settings import Settings
-from jobs.worker import SlotqWorker
-logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-async def main():
-    settings = Settings()
-    await SlotqWorker(settings, settings.redis_url).run()
-asyncio.run(main())
-"""
-
-WORKER_COMMANDS = {
-    "slotq-worker": [str(SLOTQ_BIN), "worker"],
-    "launcher": [sys.executable, "-c", LAUNCHER],
-}
+SLOTQ_WORKER = [str(SLOTQ_BIN), "worker"]
 
 
 class WorkerProcess:
     """A worker as a child process (``slotq worker`` by default); stop() sends SIGTERM, then SIGKILL."""
 
-    def __init__(self, name: str, env: dict[str, str], cwd: Path, command: str = "slotq-worker") -> None:
+    def __init__(self, name: str, env: dict[str, str], cwd: Path) -> None:
         self.name = name
         self.log = cwd / f"{name}.log"
         self._log_file = open(self.log, "wb")
-        self.proc = subprocess.Popen(WORKER_COMMANDS[command], env=env | {"SLOTQ_WORKER_NAME": name}, cwd=cwd,
+        self.proc = subprocess.Popen(SLOTQ_WORKER, env=env | {"SLOTQ_WORKER_NAME": name}, cwd=cwd,
                                      stdout=self._log_file, stderr=subprocess.STDOUT)
 
     def log_tail(self, n: int = 4000) -> str:

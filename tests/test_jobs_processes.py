@@ -32,16 +32,9 @@ async def _run_cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 
 
 
 # ---------------------------------------------------------------------- two worker processes
-@pytest.mark.parametrize("command", [
-    pytest.param("slotq-worker", marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "BUG: `slotq worker` exits at once: jobs/cli.py cmd_worker builds SlotqWorker before "
-        "asyncio.run() starts a loop, arq's Worker.__init__ captures asyncio.get_event_loop() (another "
-        "loop), and async_run() fails with 'got Future ... attached to a different loop'"))),
-    "launcher",      # the same worker, built inside the running loop
-])
-async def test_two_worker_processes_share_forty_jobs(client, redis_url, tiny_model_path, tmp_path, command):
+async def test_two_worker_processes_share_forty_jobs(client, redis_url, tiny_model_path, tmp_path):
     env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=4, threads=1, ctx=512)
-    procs = [WorkerProcess(name, env, tmp_path, command) for name in ("proc-w1", "proc-w2")]
+    procs = [WorkerProcess(name, env, tmp_path) for name in ("proc-w1", "proc-w2")]
     try:
         await wait_for_workers(client, {"proc-w1", "proc-w2"}, procs=procs)
         handles = [await client.enqueue(job_request(f"job number {i}", max_tokens=48)) for i in range(40)]
@@ -78,14 +71,9 @@ async def test_two_worker_processes_share_forty_jobs(client, redis_url, tiny_mod
     assert all(code is not None and code >= 0 for code in codes), [p.log_tail() for p in procs]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a worker process exits with status 1 and a CancelledError traceback on SIGTERM, even idle: "
-    "SlotqWorker._hand_back_all() (jobs/worker.py) calls arq's handle_sig(), which cancels arq's main "
-    "task, and SlotqWorker.run() lets that CancelledError escape `await self.arq.async_run()` into "
-    "asyncio.run() (jobs/cli.py cmd_worker / main() do not catch it either)."))
 async def test_worker_exits_cleanly_on_sigterm(client, redis_url, tiny_model_path, tmp_path):
     env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=2, threads=1, ctx=512)
-    proc = WorkerProcess("proc-sigterm", env, tmp_path, "launcher")
+    proc = WorkerProcess("proc-sigterm", env, tmp_path)
     try:
         await wait_for_workers(client, {"proc-sigterm"}, procs=[proc])
         job = await client.enqueue(job_request("before shutdown", max_tokens=4))

@@ -112,11 +112,6 @@ async def test_stream_reader_resumes_without_gap_or_repeat(client, start_worker)
     assert sum(len(e.token_ids) for e in chunks(first + rest)) == result.usage.completion_tokens == 1000
 
 
-@pytest.mark.xfail(strict=True, raises=TimeoutError, reason=(
-    "BUG: SlotqClient.stream(last_id=<id of the final entry>) of a finished job never returns: "
-    "gone() in jobs/client.py stream() treats a finished job whose stream still exists as 'not gone', "
-    "so read_stream blocks until the stream expires (stream_ttl_s, 1 h). An SSE client reconnecting "
-    "with Last-Event-ID = the final entry hangs."))
 async def test_resume_after_final_entry_ends_at_once(client, worker):
     job = await client.enqueue(job_request("finished", max_tokens=4))
     full = await collect_stream(client, job.id)
@@ -180,10 +175,6 @@ async def test_bad_request_fails_at_enqueue_naming_the_field(client, redis_url, 
     assert await client.redis.dbsize() == 0, await client.redis.keys("*")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: SlotqClient.enqueue(JobRequest(...), **fields) drops unknown override fields silently "
-    "(jobs/client.py enqueue: model_copy(update=fields) then model_dump() loses keys that are not "
-    "model fields, so extra='forbid' never sees them) and enqueues the job; the str path raises."))
 async def test_unknown_override_field_is_rejected(client):
     try:
         with pytest.raises(ValidationError, match="max_token"):
