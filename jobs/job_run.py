@@ -96,10 +96,10 @@ class JobRun:
         if job.n > 1 and delivered.tokens:
             self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.RESTART, attempt=self.attempt))
             delivered = Delivered()
-        if resume and len(resume) >= job.max_tokens:
-            resume = resume[: job.max_tokens - 1]     # regenerate the last token so there is a final step
-        request = GenerationRequest(id=self.job_id, resume_tokens=resume,
-                                    **job.model_dump(exclude={"idempotency_key", "metadata"}))
+        params = job.model_dump(exclude={"idempotency_key", "metadata"})
+        if len(resume) >= job.max_tokens:
+            return await self._complete_delivered(GenerationRequest(id=self.job_id, **params), delivered)
+        request = GenerationRequest(id=self.job_id, resume_tokens=resume, **params)
         try:
             handle = self.engine.submit(request)
         except EngineError as exc:
@@ -133,6 +133,16 @@ class JobRun:
             return await self._cancelled(texts, finished, job)
         await self._flush_final()
         return self._result(texts, finished, job)
+
+    async def _complete_delivered(self, request: GenerationRequest, delivered: Delivered) -> JobResult:
+        """An earlier attempt streamed every token but died before its final entry: finish the
+        stream without generating anything."""
+        usage = Usage(prompt_tokens=len(self.engine.prompt_tokens(request)), completion_tokens=len(delivered.tokens[0]))
+        finished = Finished(request_id=self.job_id, finish_reason=FinishReason.LENGTH, usage=usage, timings=Timings())
+        self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=self.attempt,
+                                                 finish_reason=FinishReason.LENGTH, usage=usage, final=True))
+        await self._flush_final()
+        return self._result({0: delivered.text.get(0, "")}, {0: finished}, JobRequest.model_validate(self.payload))
 
     async def _flush_final(self) -> None:
         """The final entry was queued with the last DONE; make sure it reached Redis."""
