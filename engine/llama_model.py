@@ -92,7 +92,7 @@ class LlamaModel:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
 
-        threads = config.threads or os.cpu_count() or 1
+        threads = config.threads or len(os.sched_getaffinity(0)) or 1   # cores this process may use
         cp = llama_cpp.llama_context_default_params()
         _set_fields(
             cp,

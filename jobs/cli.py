@@ -49,6 +49,17 @@ async def _client(settings: Settings) -> AsyncIterator[Any]:
         await client.close()
 
 
+def _init_sentry() -> None:
+    """Report worker errors to Sentry when SENTRY_DSN is set (sentry-sdk reads it itself).
+    Prompts and outputs are not sent: job payloads never appear in log messages."""
+    import os
+
+    if os.environ.get("SENTRY_DSN"):
+        import sentry_sdk
+
+        sentry_sdk.init(send_default_pii=False)
+
+
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
@@ -59,6 +70,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from jobs.worker import SlotqWorker
 
     settings = _settings(args)
+    _init_sentry()
 
     async def run(url: str) -> None:
         await SlotqWorker(settings, url).run()     # arq binds to the running loop: build it inside
@@ -261,7 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    try:
+        level = "DEBUG" if args.verbose else Settings().log_level.upper()
+    except ValidationError:
+        level = "INFO"   # the command reports the invalid settings itself
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         code = args.func(args)
