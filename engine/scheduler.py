@@ -114,6 +114,7 @@ class Scheduler:
         self._cache_lru: list[int] = []                 # idle seq ids, least recently used first
         self._prefill_scale = 1.0
         self._pending_evictions: list[int] = []         # idle caches dropped, not yet cleared in KV
+        self._hold_admissions = False                   # after a preemption, until a sequence finishes
         self.preemptions = 0
         self.prompt_tokens_reused = 0
         self.prompt_tokens_computed = 0
@@ -182,6 +183,7 @@ class Scheduler:
         if victim is None:
             return KVFullAction.STUCK
         self.preempt(victim)
+        self._hold_admissions = True     # re-admitting the victim at once would thrash (overcommit)
         return KVFullAction.PREEMPTED
 
     def preempt(self, seq: Sequence) -> None:
@@ -201,6 +203,7 @@ class Scheduler:
         and ``reusable``; a failed decode's KV is not) and let unforked siblings prefill alone."""
         if seq.state == SeqState.RUNNING:
             self._release_slot(seq, keep_cache=self.config.prefix_cache and reusable)
+            self._hold_admissions = False
         for sib in self.running:
             if sib.fork_of is seq:
                 sib.fork_of = None
@@ -219,7 +222,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- internals
     def _admit(self, out: SchedulerOutput) -> None:
-        if self.config.mode == BatchingMode.STATIC and self.running:
+        if self.running and (self._hold_admissions or self.config.mode == BatchingMode.STATIC):
             return
         while self.waiting and self._free_slots:
             seq = self.waiting.peek()

@@ -41,6 +41,10 @@ class Sequence:
     preemptions: int = 0
     payload: Any = None              # the runner's per-sequence state (sampler, text stream, ...)
 
+    def __post_init__(self) -> None:
+        if self.fork_of is not None and self.fork_len == 0:
+            self.fork_len = len(self.tokens)     # an n > 1 sibling: copy the whole prompt
+
     @property
     def n_generated(self) -> int:
         return len(self.tokens) - self.n_prompt

@@ -117,9 +117,11 @@ class Sim:
             return out
         self.s.commit(out)
         to_sample = [i.seq for i in out.items if i.sample]
-        for leader, sib in out.forks:
-            self.kv.seq_cp(leader.seq_id, sib.seq_id, leader.n_computed)
-            to_sample.append(sib)
+        for fork in out.forks:                   # as engine/runner.py: replace, then copy the prefix
+            self.kv.seq_rm(fork.seq.seq_id)
+            self.kv.seq_cp(fork.leader.seq_id, fork.seq.seq_id, fork.n_tokens)
+            if fork.seq.n_pending == 0:
+                to_sample.append(fork.seq)
         self.check()
         for seq in to_sample:
             if seq.state != SeqState.RUNNING:
@@ -429,7 +431,10 @@ def test_on_kv_full_order_evict_shrink_preempt_stuck() -> None:
     assert prefiller.state == SeqState.WAITING           # the youngest goes
     assert old.state == young.state == SeqState.RUNNING
     assert s.kv_reserved() == old.kv_still_needed + young.kv_still_needed
-    out = s.schedule()                                   # re-admitted (overcommit), still at the shrunk share
+    out = s.schedule()                                   # held back while the others run: no thrashing
+    assert out.admitted == [] and prefiller.state == SeqState.WAITING
+    s.finish(old)                                        # a finish lifts the hold
+    out = s.schedule()                                   # re-admitted, still at the shrunk share
     assert [a.seq for a in out.admitted] == [prefiller]
     assert next(i.n_tokens for i in out.items if i.seq is prefiller) == 1
     s.commit(out)                                       # a successful decode restores the full share
@@ -481,7 +486,11 @@ def test_preempted_sequence_keeps_tokens_and_resumes_from_scratch() -> None:
     assert (b.n_computed, b.preemptions, s.preemptions) == (0, 1, 1)
     assert b.tokens == tokens_before                    # progress is kept
     assert s.ledger.used_cells() == a.n_computed        # b's cells are released
-    out = sim.step()                                    # b is re-admitted and prefills everything
+    out = sim.step()                                    # b waits while a runs (no thrashing) ...
+    assert all(i.seq is not b for i in out.items) and b.state == SeqState.WAITING
+    while a.state != SeqState.FINISHED:
+        sim.step()
+    out = sim.step()                                    # ... then is re-admitted and prefills everything
     b_item = next(i for i in out.items if i.seq is b)
     assert (b_item.start, b_item.n_tokens, b_item.sample) == (0, len(tokens_before), True)
     assert b.tokens[: len(tokens_before)] == tokens_before
@@ -502,7 +511,7 @@ def test_forks_share_the_leaders_prompt() -> None:
         s.add(q)
     out = sim.step()
     assert [i.seq for i in out.items] == [leader]        # only the leader prefills
-    assert {sib for _, sib in out.forks} == set(sibs)
+    assert {f.seq for f in out.forks} == set(sibs) and all(f.leader is leader for f in out.forks)
     assert s.prompt_tokens_computed == 20 and s.prompt_tokens_reused == 40
     assert all(q.n_generated == 1 for q in [leader, *sibs])
     sim.check()
