@@ -157,5 +157,5 @@ def _summary(console: Console, views: list[JobView], solo_rate: float) -> None:
     one_at_a_time = tokens / solo_rate if solo_rate else float("nan")
     console.print(Group(table,
                         f"{len(views)} jobs, {tokens} tokens in {wall:.1f} s: [bold]{tokens / wall:.1f} tokens/s[/] aggregate",
-                        f"one at a time (measured solo rate {solo_rate:.1f} tokens/s): about {one_at_a_time:.1f} s "
-                        f"-> continuous batching was {one_at_a_time / wall:.1f}x faster"))
+                        f"one at a time (measured solo rate {solo_rate:.1f} tokens/s) these jobs would take about "
+                        f"{one_at_a_time:.1f} s: continuous batching gave {one_at_a_time / wall:.1f}x that throughput"))

@@ -70,6 +70,8 @@ class SlotqWorker:
         self._wake = asyncio.Event()
         self._draining = False
         self._handing_back: set[str] = set()
+        # arq logs every job's arguments (the prompt) at INFO; slotq logs its own prompt-free lines.
+        logging.getLogger("arq.worker").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
         self.arq = ResilientWorker(
             functions=[self._job_function()],
             queue_name=settings.queue_name,
@@ -191,13 +193,19 @@ class SlotqWorker:
                      job_id=job_id, attempt=ctx["job_try"], payload=payload,
                      enqueued_at=enqueue_time.timestamp() if enqueue_time else None,
                      is_abort=lambda: job_id in self.arq.aborting_tasks)
+        started = time.monotonic()
+        log.info("job %s attempt %d started", job_id, ctx["job_try"])
         try:
             result = await run.run()
         except asyncio.CancelledError:
             if job_id in self._handing_back:
                 await asyncio.shield(self._give_back_try(ctx))
+                log.info("job %s handed back", job_id)
             raise
         self.arq.aborting_tasks.discard(job_id)
+        log.info("job %s %s (%s) in %.2f s: %d prompt + %d completion tokens", job_id, result.status.value,
+                 result.finish_reason.value if result.finish_reason else "-", time.monotonic() - started,
+                 result.usage.prompt_tokens, result.usage.completion_tokens)
         return result.model_dump(mode="json")
 
     async def _give_back_try(self, ctx: dict[str, Any]) -> None:
