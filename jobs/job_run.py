@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from engine import (Engine, EngineError, ErrorInfo, Finished, FinishReason, GenerationRequest, TextDelta, Timings,
                     Usage)
-from jobs import dead_letters
+from jobs import dead_letters, metrics
 from jobs.keys import stream_key
 from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, StreamEntry
 from jobs.serialization import POISON_MARKER
@@ -170,6 +170,7 @@ class JobRun:
         self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.ERROR, attempt=self.attempt, error=error))
         await self._flush_final()
         defer = self.settings.retry_backoff_s * 2 ** (self.attempt - 1)
+        metrics.RETRIES.inc()
         log.warning("job %s attempt %d failed (%s); retrying in %.1fs", self.job_id, self.attempt, error.code, defer)
         raise Retry(defer=defer)
 
@@ -182,6 +183,7 @@ class JobRun:
 
     async def _dead_letter(self, error: ErrorInfo) -> JobResult:
         await dead_letters.record(self.writer.redis, self.job_id, self.payload, error, self.attempt, self.enqueued_at)
+        metrics.DEAD_LETTERS.inc()
         log.error("job %s dead-lettered after %d attempts: %s", self.job_id, self.attempt, error.code)
         return await self._fail(error)
 

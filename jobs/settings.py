@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     batching: BatchingMode = BatchingMode.CONTINUOUS
     prefix_cache: bool = True
     # --- Operations
+    metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
     log_level: str = "INFO"
 

@@ -35,6 +35,7 @@ from arq.worker import Function, Worker, func
 from redis.exceptions import RedisError
 
 from engine import Engine
+from jobs import metrics
 from jobs.connection import redis_settings
 from jobs.job_run import JobRun
 from jobs.keys import JOB_FUNCTION, WAKE_CHANNEL, worker_key
@@ -109,6 +110,7 @@ class SlotqWorker:
         self.writer.start()
         self._background = [
             asyncio.create_task(self._heartbeat_loop(), name="slotq-heartbeat"),
+            asyncio.create_task(self._metrics_loop(), name="slotq-metrics"),
             asyncio.create_task(self._wake_listener(), name="slotq-wake-listener"),
             asyncio.create_task(self._wake_loop(), name="slotq-wake-loop"),
         ]
@@ -161,6 +163,21 @@ class SlotqWorker:
             except Exception as exc:  # the regular poll loop reports the same errors
                 log.debug("woken poll failed: %s", exc)
 
+    async def _metrics_loop(self) -> None:
+        if not self.settings.metrics_port:
+            return
+        metrics.serve(self.settings.metrics_port)
+        log.info("Prometheus metrics on :%d/metrics", self.settings.metrics_port)
+        sampler = metrics.EngineSampler()
+        while True:
+            if self.engine is not None:
+                sampler.update(self.engine.stats())
+            try:
+                await metrics.sample_queue(self.arq.pool, self.settings.queue_name)
+            except (RedisError, OSError):
+                pass
+            await asyncio.sleep(1)
+
     async def _heartbeat_loop(self) -> None:
         """Renew the in-progress locks of running jobs and advertise this worker."""
         interval = self.settings.lock_ttl_s / 3
@@ -203,6 +220,7 @@ class SlotqWorker:
                 log.info("job %s handed back", job_id)
             raise
         self.arq.aborting_tasks.discard(job_id)
+        metrics.observe_result(result)
         log.info("job %s %s (%s) in %.2f s: %d prompt + %d completion tokens", job_id, result.status.value,
                  result.finish_reason.value if result.finish_reason else "-", time.monotonic() - started,
                  result.usage.prompt_tokens, result.usage.completion_tokens)

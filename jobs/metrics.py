@@ -1,0 +1,91 @@
+"""Prometheus metrics of a worker (``SLOTQ_METRICS_PORT``; 0 = off).
+
+Names mirror llama-server's where the meaning is the same (under the ``slotq_`` prefix), plus
+what llama-server lacks: queue depth and age, KV usage, TTFT and inter-token latency
+histograms, retries, dead letters and preemptions. Engine counters are sampled from
+``Engine.stats()`` once a second, so the hot path does no metric work.
+"""
+
+from __future__ import annotations
+
+import time
+
+from arq.constants import in_progress_key_prefix
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from redis.asyncio import Redis
+
+from engine import EngineStats
+from jobs.schemas import JobResult
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
+
+PROMPT_TOKENS = Counter("slotq_prompt_tokens", "Prompt tokens computed (not served from the prefix cache)")
+PROMPT_TOKENS_CACHED = Counter("slotq_prompt_tokens_cached", "Prompt tokens served from the prefix cache")
+TOKENS_PREDICTED = Counter("slotq_tokens_predicted", "Generated tokens")
+N_DECODE = Counter("slotq_n_decode", "llama_decode calls")
+PREEMPTIONS = Counter("slotq_preemptions", "Sequences preempted for lack of KV space")
+REQUESTS_PROCESSING = Gauge("slotq_requests_processing", "Sequences holding a slot")
+REQUESTS_DEFERRED = Gauge("slotq_requests_deferred", "Sequences waiting for a slot inside the engine")
+BUSY_SLOTS_PER_DECODE = Gauge("slotq_n_busy_slots_per_decode", "Average sequences per llama_decode")
+SLOTS_TOTAL = Gauge("slotq_slots_total", "Slots of this worker")
+KV_USAGE = Gauge("slotq_kv_cache_usage_ratio", "Used KV cells / total KV cells")
+QUEUE_JOBS = Gauge("slotq_queue_jobs", "Jobs in the queue sorted set (waiting, deferred and running)")
+QUEUE_OLDEST_AGE = Gauge("slotq_queue_oldest_waiting_age_seconds", "Age of the oldest job not yet claimed")
+JOBS = Counter("slotq_jobs", "Finished job attempts by status", ["status"])
+RETRIES = Counter("slotq_retries", "Attempts that failed and were scheduled for retry")
+DEAD_LETTERS = Counter("slotq_dead_letters", "Jobs dead-lettered by this worker")
+TTFT = Histogram("slotq_time_to_first_token_seconds", "Submit to first token, in the engine", buckets=LATENCY_BUCKETS)
+INTER_TOKEN = Histogram("slotq_inter_token_latency_seconds", "Mean time between tokens of a job",
+                        buckets=TOKEN_BUCKETS)
+
+
+def serve(port: int) -> None:
+    start_http_server(port)
+
+
+def observe_result(result: JobResult) -> None:
+    JOBS.labels(status=result.status.value).inc()
+    timings = result.timings
+    if timings is not None and timings.ttft_ms is not None:
+        TTFT.observe(timings.ttft_ms / 1000)
+    if timings is not None and timings.decode_tokens_per_s:
+        INTER_TOKEN.observe(1 / timings.decode_tokens_per_s)
+
+
+class EngineSampler:
+    """Turns successive ``EngineStats`` snapshots into counter increments and gauges."""
+
+    def __init__(self) -> None:
+        self._last: EngineStats | None = None
+
+    def update(self, stats: EngineStats) -> None:
+        last = self._last
+        for counter, now, before in (
+            (PROMPT_TOKENS, stats.prompt_tokens_processed, last.prompt_tokens_processed if last else 0),
+            (PROMPT_TOKENS_CACHED, stats.prompt_tokens_cached, last.prompt_tokens_cached if last else 0),
+            (TOKENS_PREDICTED, stats.generated_tokens, last.generated_tokens if last else 0),
+            (N_DECODE, stats.decode_steps, last.decode_steps if last else 0),
+            (PREEMPTIONS, stats.preemptions, last.preemptions if last else 0),
+        ):
+            counter.inc(max(0, now - before))
+        self._last = stats
+        REQUESTS_PROCESSING.set(stats.slots_busy)
+        REQUESTS_DEFERRED.set(stats.waiting)
+        BUSY_SLOTS_PER_DECODE.set(stats.avg_busy_slots_per_decode)
+        SLOTS_TOTAL.set(stats.slots_total)
+        KV_USAGE.set(stats.kv_cells_used / stats.kv_cells_total if stats.kv_cells_total else 0)
+
+
+async def sample_queue(redis: Redis, queue_name: str, scan: int = 200) -> None:
+    """Queue depth, and the age of the oldest unclaimed job among the first ``scan`` entries
+    (running jobs sit at the head of arq's queue, so they are skipped)."""
+    QUEUE_JOBS.set(await redis.zcard(queue_name))
+    now_ms = time.time() * 1000
+    head = await redis.zrange(queue_name, 0, scan - 1, withscores=True)
+    async with redis.pipeline(transaction=False) as pipe:
+        for job_id, _score in head:
+            pipe.exists(in_progress_key_prefix + job_id.decode())
+        running = await pipe.execute()
+    waiting = [score for (_id, score), busy in zip(head, running) if not busy and score <= now_ms]
+    QUEUE_OLDEST_AGE.set((now_ms - min(waiting)) / 1000 if waiting else 0)
