@@ -121,6 +121,10 @@ class Engine:
                                  field="resume_tokens")
         grammar = grammar_for(request)
         if grammar is not None:
+            if request.ignore_eos:
+                # A completed grammar allows only end-of-generation tokens; banning them leaves
+                # nothing to sample and llama.cpp's grammar aborts the process.
+                raise InvalidRequest("ignore_eos cannot be combined with grammar or json_schema", field="ignore_eos")
             check_grammar(self.model.vocab, grammar)
         seed = request.sampling.seed
 

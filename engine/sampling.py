@@ -40,14 +40,20 @@ class SamplerChain:
             self.handle = None
 
 
+# llama-cpp-python's converter lets raw control characters into JSON strings, which JSON forbids.
+_LOOSE_JSON_CHAR = 'char ::= [^"\\\\] |'
+_STRICT_JSON_CHAR = 'char ::= [^"\\\\\\x00-\\x1F\\x7F] |'
+
+
 def grammar_for(request: GenerationRequest) -> str | None:
     """The GBNF grammar a request asks for, converting a JSON schema if given."""
     params = request.sampling
     if params.json_schema is not None:
         try:
-            return llama_grammar.json_schema_to_gbnf(json.dumps(params.json_schema))
+            grammar = llama_grammar.json_schema_to_gbnf(json.dumps(params.json_schema))
         except Exception as exc:  # the converter raises assorted errors on unsupported schemas
             raise GrammarError(f"sampling.json_schema: cannot be converted to a grammar: {exc}", field="sampling.json_schema") from exc
+        return grammar.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
     return params.grammar
 
 

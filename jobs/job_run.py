@@ -59,7 +59,7 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
 class JobRun:
     def __init__(self, *, engine: Engine, writer: StreamWriter, settings: Settings, worker_id: str,
                  job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
-                 is_abort: Callable[[], bool]) -> None:
+                 is_abort: Callable[[], bool], lease_lost: Callable[[], bool]) -> None:
         self.engine = engine
         self.writer = writer
         self.settings = settings
@@ -69,6 +69,7 @@ class JobRun:
         self.enqueued_at = enqueued_at
         self.payload = payload
         self.is_abort = is_abort
+        self.lease_lost = lease_lost
         self.metadata: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ entry point
@@ -86,7 +87,8 @@ class JobRun:
             return await self._dead_letter(ErrorInfo(code="tries_exhausted", retryable=True, message=(
                 f"attempt {self.attempt} exceeds max_tries ({self.settings.max_tries}); "
                 "earlier attempts were lost (worker killed?)")))
-        delivered = await read_delivered(self.writer, self.job_id) if self.attempt > 1 else Delivered()
+        # Read even on attempt 1: a job handed back on shutdown runs again with the same try number.
+        delivered = await read_delivered(self.writer, self.job_id)
         if delivered.final is not None:
             return self._result_from_stream(delivered)   # an earlier attempt finished; only its ack was lost
         if job.deadline is not None and time.time() >= job.deadline and not delivered.tokens:
@@ -127,6 +129,9 @@ class JobRun:
                     finish_reason=event.finish_reason, usage=event.usage, timings=event.timings,
                     final=len(finished) == job.n))
         except asyncio.CancelledError:
+            if self.lease_lost():
+                self.writer.drop(self.job_id)              # another worker owns the job and its stream
+                raise
             if not self.is_abort():
                 await asyncio.shield(self.writer.flush())  # hand back: the next attempt resumes from here
                 raise
@@ -148,6 +153,8 @@ class JobRun:
         """The final entry was queued with the last DONE; make sure it reached Redis."""
         while not await self.writer.flush():
             await asyncio.sleep(0.2)
+        if self.lease_lost():
+            raise asyncio.CancelledError(f"job {self.job_id}: lease lost while finishing")
 
     async def _cancelled(self, texts: dict[int, str], finished: dict[int, Finished], job: JobRequest) -> JobResult:
         open_choices = [c for c in range(job.n) if c not in finished]

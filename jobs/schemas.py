@@ -6,9 +6,10 @@ import re
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from engine import ErrorInfo, FinishReason, GenerationParams, Timings, Usage
+from jobs.serialization import serialize
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,200}$")
 
@@ -21,6 +22,17 @@ class JobRequest(GenerationParams):
         None, description="the same key always maps to the same job (1-200 chars of A-Z a-z 0-9 . _ : -)")
     metadata: dict[str, str | int | float | bool | None] = Field(
         default_factory=dict, max_length=64, description="opaque data returned with the result")
+
+    @model_validator(mode="after")
+    def _serializable(self) -> JobRequest:
+        """What validates must also enqueue: msgpack rejects ints beyond 64 bits and strings with
+        lone surrogates, which pydantic lets through (e.g. in metadata or json_schema)."""
+        try:
+            serialize(self.model_dump(mode="json", exclude_defaults=True))
+        except Exception as exc:  # msgpack / unicode errors of several types
+            raise ValueError(f"request cannot be serialized ({type(exc).__name__}: {exc}); "
+                             "metadata ints must fit in 64 bits and text must be valid Unicode") from None
+        return self
 
     @field_validator("idempotency_key")
     @classmethod

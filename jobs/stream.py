@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -21,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine import ErrorInfo, FinishReason, Timings, Usage
 from jobs.keys import stream_key
+from jobs.lease import FENCED_XADD_SCRIPT, Lease
 from jobs.schemas import EntryKind, StreamEntry
 
 log = logging.getLogger(__name__)
@@ -63,25 +63,25 @@ def decode_entry(entry_id: bytes | str, raw: dict) -> StreamEntry:
     )
 
 
-@dataclass
-class _Pending:
-    entries: list[StreamEntry] = field(default_factory=list)
-    final: bool = False
-
-
 class StreamWriter:
     """Buffers entries per job and flushes all jobs together every ``flush_ms``.
 
     If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are
-    written, in order, once it is back; generation does not stop for a Redis blip.
+    written, in order, once it is back; generation does not stop for a Redis blip. With a
+    ``lease``, each job's entries are written only while this worker holds the job's lease (one
+    atomic script per job); a refused job's entries are dropped and ``on_fenced`` is told.
     """
 
-    def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int) -> None:
+    def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, lease: Lease | None = None,
+                 on_fenced: Callable[[str], None] | None = None) -> None:
         self.redis = redis
         self.flush_s = flush_ms / 1000
         self.maxlen = maxlen
         self.ttl_s = ttl_s
-        self._pending: dict[str, _Pending] = {}
+        self.lease = lease
+        self.on_fenced = on_fenced
+        self._script = redis.register_script(FENCED_XADD_SCRIPT)
+        self._pending: dict[str, list[StreamEntry]] = {}
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self.round_trips = 0
@@ -101,16 +101,19 @@ class StreamWriter:
 
     def add(self, job_id: str, entry: StreamEntry) -> None:
         """Queue an entry; consecutive chunks of one choice and attempt are merged."""
-        pending = self._pending.setdefault(job_id, _Pending())
-        last = pending.entries[-1] if pending.entries else None
+        entries = self._pending.setdefault(job_id, [])
+        last = entries[-1] if entries else None
         if (entry.kind == EntryKind.CHUNK and last is not None and last.kind == EntryKind.CHUNK
                 and last.choice == entry.choice and last.attempt == entry.attempt):
             last.text += entry.text
             last.token_ids.extend(entry.token_ids)
             last.n_tokens = entry.n_tokens
         else:
-            pending.entries.append(entry.model_copy(deep=True))
-        pending.final = pending.final or entry.final
+            entries.append(entry.model_copy(deep=True))
+
+    def drop(self, job_id: str) -> None:
+        """Forget a job's unwritten entries (its lease was lost)."""
+        self._pending.pop(job_id, None)
 
     async def flush(self) -> bool:
         """Write everything buffered in one pipeline. Returns False if Redis was unreachable."""
@@ -120,24 +123,39 @@ class StreamWriter:
             batch, self._pending = self._pending, {}
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for job_id, pending in batch.items():
-                        key = stream_key(job_id)
-                        for entry in pending.entries:
-                            pipe.xadd(key, encode_entry(entry), maxlen=self.maxlen, approximate=True)
-                        pipe.expire(key, self.ttl_s)
-                    await pipe.execute()
+                    for job_id, entries in batch.items():
+                        await self._script(keys=self._keys(job_id), args=self._args(job_id, entries), client=pipe)
+                    written = await pipe.execute()
             except (RedisConnectionError, RedisTimeoutError, OSError, RedisError) as exc:
-                for job_id, pending in batch.items():        # put back in front of anything newer
-                    newer = self._pending.get(job_id)
-                    if newer:
-                        pending.entries.extend(newer.entries)
-                        pending.final = pending.final or newer.final
-                    self._pending[job_id] = pending
+                for job_id, entries in batch.items():        # put back in front of anything newer
+                    self._pending[job_id] = entries + self._pending.get(job_id, [])
                 log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(self._pending))
                 return False
             self.round_trips += 1
-            self.entries_written += sum(len(p.entries) for p in batch.values())
+            for (job_id, entries), ok in zip(batch.items(), written):
+                if ok:
+                    self.entries_written += len(entries)
+                else:
+                    self._pending.pop(job_id, None)
+                    log.warning("job %s: lease held by another worker; abandoning it", job_id)
+                    if self.on_fenced is not None:
+                        self.on_fenced(job_id)
             return True
+
+    def _keys(self, job_id: str) -> list[str]:
+        queue = self.lease.queue_name if self.lease else ""
+        return [Lease.lock_key(job_id), queue, stream_key(job_id)]
+
+    def _args(self, job_id: str, entries: list[StreamEntry]) -> list[str | int]:
+        lease = self.lease
+        args: list[str | int] = [lease.token if lease else "", job_id, lease.ttl_ms if lease else 0,
+                                 self.maxlen, self.ttl_s]
+        for entry in entries:
+            fields = encode_entry(entry)
+            args.append(2 * len(fields))
+            for name, value in fields.items():
+                args += [name, value]
+        return args
 
     async def _flush_loop(self) -> None:
         backoff = self.flush_s

@@ -9,9 +9,10 @@ arq settings that are wrong for this workload and changed on purpose (see shared
   backoff has elapsed and for lost wake-ups; it also bounds how fast an abort is noticed.
 * ``queue_read_limit`` 1000: running jobs sit at the head of arq's queue, so a worker must read
   past every running job of the fleet to see the waiting ones.
-* A heartbeat renews a short in-progress lock (``lock_ttl_s``) instead of arq's
-  job_timeout + 10 s lock: a killed worker's jobs are picked up by another within seconds, and a
-  live job's lock never lapses however long it runs.
+* A heartbeat renews a short lease (``lock_ttl_s``) on arq's in-progress key instead of arq's
+  job_timeout + 10 s lock: a killed worker's jobs are picked up by another within seconds, a
+  live job's lease never lapses however long it runs, and a worker that stalled past its lease
+  while another took the job over is fenced off (see ``jobs/lease.py``).
 * ``max_tries`` is one more than the setting so the job function itself sees the exhausted
   attempt and dead-letters it (arq would fail it without calling anything).
 * msgpack payloads, never pickle; abort enabled (``slotq cancel``).
@@ -27,10 +28,11 @@ import os
 import signal
 import socket
 import time
+import uuid
 from datetime import datetime
 from typing import Any
 
-from arq.constants import in_progress_key_prefix, retry_key_prefix
+from arq.constants import retry_key_prefix
 from arq.worker import Function, Worker, func
 from redis.exceptions import RedisError
 
@@ -39,6 +41,7 @@ from jobs import metrics
 from jobs.connection import redis_settings
 from jobs.job_run import JobRun
 from jobs.keys import JOB_FUNCTION, WAKE_CHANNEL, worker_key
+from jobs.lease import RENEW_SCRIPT, Lease
 from jobs.serialization import deserialize, serialize
 from jobs.settings import Settings
 from jobs.stream import StreamWriter
@@ -47,7 +50,19 @@ log = logging.getLogger(__name__)
 
 
 class ResilientWorker(Worker):
-    """arq's poll loop exits the worker on any Redis error; here a Redis outage only pauses it."""
+    """arq's Worker with two changes: a Redis outage pauses the poll loop instead of ending the
+    worker, and a job whose lease another worker took over is left alone when it ends (arq would
+    store its result and delete the new holder's lock)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lease_lost: set[str] = set()
+
+    async def finish_job(self, job_id: str, *args: Any, **kwargs: Any) -> None:
+        if job_id in self.lease_lost:
+            self.lease_lost.discard(job_id)
+            return
+        await super().finish_job(job_id, *args, **kwargs)
 
     async def _poll_iteration(self) -> None:
         try:
@@ -64,6 +79,8 @@ class SlotqWorker:
         self.settings = settings
         self.redis_url = redis_url
         self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
+        self.lease = Lease(token=f"{self.id}:{uuid.uuid4().hex[:8]}", queue_name=settings.queue_name,
+                           ttl_ms=settings.lock_ttl_s * 1000)
         self.engine: Engine | None = None
         self.writer: StreamWriter | None = None
         self.started_at = time.time()
@@ -106,7 +123,9 @@ class SlotqWorker:
         log.info("loading %s (%d slots, ctx %d)", config.model_path.name, config.slots, config.ctx)
         self.engine = await Engine.start(config)
         self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
-                                   maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s)
+                                   maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
+                                   lease=self.lease, on_fenced=self._on_lease_lost)
+        self._renew = ctx["redis"].register_script(RENEW_SCRIPT)
         self.writer.start()
         self._background = [
             asyncio.create_task(self._heartbeat_loop(), name="slotq-heartbeat"),
@@ -131,9 +150,16 @@ class SlotqWorker:
     async def _on_job_start(self, ctx: dict[str, Any]) -> None:
         # Exceptions here would crash arq's loop: never raise.
         try:
-            await ctx["redis"].pexpire(in_progress_key_prefix + ctx["job_id"], self.settings.lock_ttl_s * 1000)
+            await ctx["redis"].set(Lease.lock_key(ctx["job_id"]), self.lease.token, px=self.lease.ttl_ms)
         except RedisError as exc:
-            log.warning("could not shorten the lock of %s: %s", ctx["job_id"], exc)
+            log.warning("could not take the lease of %s: %s", ctx["job_id"], exc)
+
+    def _on_lease_lost(self, job_id: str) -> None:
+        """Another worker holds this job now: stop generating it and let arq forget it."""
+        self.arq.lease_lost.add(job_id)
+        task = self.arq.job_tasks.get(job_id)
+        if task is not None:
+            task.cancel()
 
     async def _after_job_end(self, ctx: dict[str, Any]) -> None:
         self._wake.set()          # a slot is free: look for the next job now, not at the next poll
@@ -185,10 +211,11 @@ class SlotqWorker:
             try:
                 redis = self.arq.pool
                 stats = self.engine.stats() if self.engine else None
+                job_ids = [j for j in self.arq.job_tasks if j not in self.arq.lease_lost]
                 async with redis.pipeline(transaction=False) as pipe:
-                    for job_id in list(self.arq.job_tasks):
-                        # SET, not PEXPIRE: after a Redis outage longer than the TTL the key is gone
-                        pipe.set(in_progress_key_prefix + job_id, b"1", px=self.settings.lock_ttl_s * 1000)
+                    for job_id in job_ids:
+                        await self._renew(keys=[Lease.lock_key(job_id), self.settings.queue_name],
+                                          args=[self.lease.token, job_id, self.lease.ttl_ms], client=pipe)
                     if stats is not None:
                         pipe.hset(worker_key(self.id), mapping={
                             "id": self.id, "model": stats.model, "slots_total": stats.slots_total,
@@ -196,7 +223,11 @@ class SlotqWorker:
                             "generated_tokens": stats.generated_tokens, "started_at": self.started_at,
                             "updated_at": time.time(), "draining": int(self._draining)})
                         pipe.expire(worker_key(self.id), max(3, int(interval * 3)))
-                    await pipe.execute()
+                    renewed = await pipe.execute()
+                for job_id, ok in zip(job_ids, renewed):
+                    if not ok:
+                        log.warning("job %s: lease taken over by another worker; abandoning it", job_id)
+                        self._on_lease_lost(job_id)
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s); retrying", exc)
             await asyncio.sleep(interval)
@@ -209,7 +240,8 @@ class SlotqWorker:
         run = JobRun(engine=self.engine, writer=self.writer, settings=self.settings, worker_id=self.id,
                      job_id=job_id, attempt=ctx["job_try"], payload=payload,
                      enqueued_at=enqueue_time.timestamp() if enqueue_time else None,
-                     is_abort=lambda: job_id in self.arq.aborting_tasks)
+                     is_abort=lambda: job_id in self.arq.aborting_tasks,
+                     lease_lost=lambda: job_id in self.arq.lease_lost)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, ctx["job_try"])
         try:
