@@ -10,9 +10,11 @@ from typing import Any
 
 from engine import Engine, EngineConfig, Finished, GenerationRequest, SamplingParams, TextDelta
 
-# Small, deterministic defaults: the test machine has 2 cores, and the default per-sequence
-# context (4096) x 8 slots would allocate far more KV than any test needs.
-DEFAULT_CONFIG: dict[str, Any] = {"threads": 2, "ctx": 512}
+# Small defaults. One thread: llama.cpp's worker threads spin at barriers, so with 2 threads on a
+# 2-core machine any other busy process (or a second test run) slows every decode by orders of
+# magnitude; one thread degrades gracefully. ctx 512: the default per-sequence context (4096) x 8
+# slots would allocate far more KV than any test needs.
+DEFAULT_CONFIG: dict[str, Any] = {"threads": 1, "ctx": 512}
 
 
 @asynccontextmanager
