@@ -7,6 +7,7 @@ tokens, grammar syntax, token ids) happen in ``Engine.submit`` before the reques
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Any, Literal
 
@@ -40,6 +41,9 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _one_constraint(self) -> SamplingParams:
+        bad = [t for t, v in self.logit_bias.items() if math.isnan(v) or v == math.inf]
+        if bad:
+            raise ValueError(f"logit_bias[{bad[0]}] must be a number or -inf (bans the token), not NaN or +inf")
         if self.grammar is not None and self.json_schema is not None:
             raise ValueError("give either grammar or json_schema, not both")
         return self

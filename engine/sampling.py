@@ -8,7 +8,6 @@ top-k -> top-p -> min-p -> temperature -> dist(seed).
 from __future__ import annotations
 
 import json
-import math
 import threading
 
 import llama_cpp
@@ -21,7 +20,9 @@ _grammar_lock = threading.Lock()
 # llama.cpp logs grammar parse errors but reports them only as NULL; the lock keeps concurrent
 # validations from interleaving (grammar init is not documented as thread-safe).
 
-NEG_INF_BIAS = -math.inf
+# A "ban" is a huge finite penalty, not -inf: if a grammar allows only banned tokens, every logit
+# would be -inf, sampling would pick a token the grammar rejects, and llama.cpp aborts the process.
+BAN_BIAS = -1e30
 
 
 class SamplerChain:
@@ -64,9 +65,9 @@ def build_chain(request: GenerationRequest, vocab: llama_cpp.llama_vocab_p, n_vo
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     result = SamplerChain(chain)
     try:
-        bias = dict(params.logit_bias)
+        bias = {token: max(value, BAN_BIAS) for token, value in params.logit_bias.items()}
         if request.ignore_eos:
-            bias.update({t: NEG_INF_BIAS for t in eog_tokens})
+            bias.update({t: BAN_BIAS for t in eog_tokens})
         for token in bias:
             if not 0 <= token < n_vocab:
                 raise InvalidRequest(f"sampling.logit_bias: token id {token} is outside the vocabulary (0..{n_vocab - 1})",

@@ -162,9 +162,9 @@ class Scheduler:
             leader = seq.fork_of
             if leader is not None and leader.n_computed >= seq.fork_len:
                 self.ledger.copy_prefix(leader.seq_id, seq.seq_id, seq.fork_len)
+                self.prompt_tokens_reused += seq.fork_len - seq.n_reused   # a partial reuse was counted at admission
                 seq.n_computed = seq.n_reused = seq.fork_len
                 seq.fork_of = None
-                self.prompt_tokens_reused += seq.fork_len
                 out.forks.append(Fork(leader, seq, seq.fork_len))
 
     def on_kv_full(self, out: SchedulerOutput) -> KVFullAction:

@@ -373,10 +373,6 @@ def test_waiting_for_a_running_prefill_copies_it_when_computed() -> None:
     assert s.prompt_tokens_computed == 101 + 1           # the shared prefix was computed once
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: engine/scheduler.py Scheduler.commit() adds the whole fork_len to prompt_tokens_reused for a "
-    "sequence that waited on a running prefill, although _place() already counted the n_reuse tokens it "
-    "copied at admission: stats().prompt_tokens_cached over-counts (cached + processed > prompt tokens)"))
 def test_reuse_counters_add_up_after_waiting_for_a_running_prefill() -> None:
     s = Scheduler(config(n_slots=4, n_batch=64, prefill_chunk=32))
     sim = Sim(s)
