@@ -6,11 +6,14 @@ Workload: C closed-loop clients; each sends ``requests_per_client`` requests one
 request at the next step; static batching waits until the whole batch has drained; sequential
 is one slot. The raw ceiling is a bare llama_decode loop over C sequences with no sampling and
 no scheduling: generated tokens / decode time, what llama-batched-bench reports as S_TG.
+Each figure is the median of three rounds; within a round the modes run one after another in a
+rotated order, so a busy neighbour on a shared machine does not favour one mode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from typing import Any
 
@@ -19,6 +22,7 @@ from engine import BatchingMode, Engine, EngineConfig, GenerationRequest, Sampli
 from engine.llama_model import LlamaModel
 
 CONCURRENCY = [1, 2, 4, 8, 16]
+ROUNDS = 3          # medians of 3 interleaved rounds
 LENGTHS = [32, 64, 96]
 SLOTS = 16
 CTX = 256
@@ -63,7 +67,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     path = bundled_model_path()
     concurrency = [1, 4] if quick else CONCURRENCY
     lengths = [8, 16] if quick else LENGTHS
-    per_client = 1 if quick else 3
+    per_client = 1 if quick else 2
     base = dict(model_path=path, ctx=CTX, prefix_cache=False)
     engines = {
         "continuous": await Engine.start(EngineConfig(slots=SLOTS, **base)),
@@ -72,15 +76,20 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     }
     raw_model = LlamaModel(EngineConfig(slots=SLOTS, **base))
     results: list[dict[str, Any]] = []
+    rounds = 1 if quick else ROUNDS
     try:
         for c in concurrency:
-            for mode, engine in engines.items():
-                progress(f"{mode} at concurrency {c}")
-                tps = await _closed_loop(engine, c, per_client, lengths)
-                results.append({"mode": mode, "concurrency": c, "tokens_per_s": round(tps, 1)})
-            progress(f"raw ceiling at batch {c}")
-            tps = _raw_ceiling(raw_model, c, sum(lengths) // len(lengths))
-            results.append({"mode": "raw", "concurrency": c, "tokens_per_s": round(tps, 1)})
+            samples: dict[str, list[float]] = {mode: [] for mode in [*engines, "raw"]}
+            for r in range(rounds):            # rotate the order so drift on a shared machine hits every mode
+                order = list(samples)[r % len(samples):] + list(samples)[: r % len(samples)]
+                for mode in order:
+                    progress(f"{mode} at concurrency {c} (round {r + 1}/{rounds})")
+                    if mode == "raw":
+                        samples[mode].append(_raw_ceiling(raw_model, c, sum(lengths) // len(lengths)))
+                    else:
+                        samples[mode].append(await _closed_loop(engines[mode], c, per_client, lengths))
+            for mode, values in samples.items():
+                results.append({"mode": mode, "concurrency": c, "tokens_per_s": round(statistics.median(values), 1)})
     finally:
         for engine in engines.values():
             await engine.close()
