@@ -142,6 +142,13 @@ class Engine:
         self._runner.submit(self.prepare(request, handle))
         return handle
 
+    async def submit_async(self, request: GenerationRequest) -> RequestHandle:
+        """:meth:`submit` with validation (tokenizing a long prompt, parsing a grammar) on a worker
+        thread, so a server's event loop keeps serving meanwhile."""
+        handle = RequestHandle(self, request)
+        self._runner.submit(await asyncio.to_thread(self.prepare, request, handle))
+        return handle
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         async for event in self.submit(request):
             yield event

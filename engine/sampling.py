@@ -8,6 +8,7 @@ top-k -> top-p -> min-p -> temperature -> dist(seed).
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import llama_cpp
@@ -100,8 +101,26 @@ def build_chain(request: GenerationRequest, vocab: llama_cpp.llama_vocab_p, n_vo
     return result
 
 
+_GBNF_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*')
+_GBNF_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+MAX_GRAMMAR_REPEAT = 1000
+
+
 def check_grammar(vocab: llama_cpp.llama_vocab_p, grammar: str) -> None:
-    """Parse a grammar once and throw it away: a bad grammar fails the request at submit time."""
+    """Parse a grammar once and throw it away: a bad grammar fails the request at submit time.
+
+    Repetition counts are checked first: llama.cpp expands ``x{m,n}`` into rules, never returns
+    from an inverted range such as ``{2,1}`` (it allocates until the host runs out of memory) and
+    grows without bound with huge counts.
+    """
+    for match in _GBNF_REPEAT.finditer(_GBNF_LITERALS.sub('""', grammar)):
+        low, high = int(match.group(1)), match.group(2)
+        if high not in (None, "") and int(high) < low:
+            raise GrammarError(f"sampling.grammar: repetition {match.group(0)} has its maximum below its minimum",
+                               field="sampling.grammar")
+        if max(low, int(high or 0)) > MAX_GRAMMAR_REPEAT:
+            raise GrammarError(f"sampling.grammar: repetition {match.group(0)} exceeds {MAX_GRAMMAR_REPEAT}",
+                               field="sampling.grammar")
     llama_cpp.llama_sampler_free(_grammar_sampler(vocab, grammar))
 
 

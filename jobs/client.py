@@ -205,7 +205,7 @@ class SlotqClient:
                               ttl_s=self.settings.stream_ttl_s)
         writer.add(job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=0,
                                        finish_reason=FinishReason.CANCELLED, final=True))
-        await writer.flush()
+        await writer.write_all(job_id)
         return True
 
     async def requeue_dead_letter(self, job_id: str) -> bool:

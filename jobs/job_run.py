@@ -9,6 +9,7 @@ dead letter when tries are exhausted), cancellation, and worker shutdown (handed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -103,7 +104,7 @@ class JobRun:
             return await self._complete_delivered(GenerationRequest(id=self.job_id, **params), delivered)
         request = GenerationRequest(id=self.job_id, resume_tokens=resume, **params)
         try:
-            handle = self.engine.submit(request)
+            handle = await self.engine.submit_async(request)
         except EngineError as exc:
             return await self._fail(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable))
         return await self._follow(handle, job, delivered)
@@ -133,7 +134,10 @@ class JobRun:
                 self.writer.drop(self.job_id)              # another worker owns the job and its stream
                 raise
             if not self.is_abort():
-                await asyncio.shield(self.writer.flush())  # hand back: the next attempt resumes from here
+                # Hand back: the next attempt resumes from what reached the stream (bounded wait,
+                # so a shutdown during a Redis outage still ends).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.shield(asyncio.wait_for(self.writer.write_all(self.job_id), 10))
                 raise
             return await self._cancelled(texts, finished, job)
         await self._flush_final()
@@ -151,8 +155,7 @@ class JobRun:
 
     async def _flush_final(self) -> None:
         """The final entry was queued with the last DONE; make sure it reached Redis."""
-        while not await self.writer.flush():
-            await asyncio.sleep(0.2)
+        await self.writer.write_all(self.job_id)
         if self.lease_lost():
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost while finishing")
 

@@ -35,11 +35,15 @@ end
 return 0
 """
 
-# KEYS: lock, queue, stream; ARGV: token ('' = unfenced), job id, ttl ms, maxlen, stream ttl s,
-# then per entry: n, field, value, ... (n = 2 x fields). Returns 0 when the lease is someone else's.
+# KEYS: lock, queue, stream, write mark; ARGV: token ('' = unfenced), job id, ttl ms, maxlen,
+# stream ttl s, batch id, then per entry: n, field, value, ... (n = 2 x fields).
+# Returns 0 when the lease is someone else's, 1 when written (or already written: a batch whose
+# reply was lost and that is sent again carries the same id and is not appended twice).
 FENCED_XADD_SCRIPT = _OWNS + """
 if ARGV[1] ~= '' and not owns(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3]) then return 0 end
-local i = 6
+if redis.call('GET', KEYS[4]) == ARGV[6] then return 1 end
+redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[5])
+local i = 7
 while i <= #ARGV do
   local n = tonumber(ARGV[i])
   local cmd = {'XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*'}

@@ -9,9 +9,11 @@ gaps or repeats, and an HTTP gateway can use the entry id as the SSE event id.
 from __future__ import annotations
 
 import asyncio
-import json
+import itertools
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -19,7 +21,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine import ErrorInfo, FinishReason, Timings, Usage
-from jobs.keys import stream_key
+from jobs.keys import stream_key, write_mark_key
 from jobs.lease import FENCED_XADD_SCRIPT, Lease
 from jobs.schemas import EntryKind, StreamEntry
 
@@ -63,11 +65,19 @@ def decode_entry(entry_id: bytes | str, raw: dict) -> StreamEntry:
     )
 
 
+@dataclass
+class _Batch:
+    id: str
+    entries: list[StreamEntry]
+
+
 class StreamWriter:
     """Buffers entries per job and flushes all jobs together every ``flush_ms``.
 
     If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are
-    written, in order, once it is back; generation does not stop for a Redis blip. With a
+    written, in order, once it is back; generation does not stop for a Redis blip. A batch that
+    was sent is re-sent unchanged, under the same id, until it is acknowledged, and Redis ignores
+    an id it has already applied: a write whose reply was lost is never appended twice. With a
     ``lease``, each job's entries are written only while this worker holds the job's lease (one
     atomic script per job); a refused job's entries are dropped and ``on_fenced`` is told.
     """
@@ -81,7 +91,10 @@ class StreamWriter:
         self.lease = lease
         self.on_fenced = on_fenced
         self._script = redis.register_script(FENCED_XADD_SCRIPT)
-        self._pending: dict[str, list[StreamEntry]] = {}
+        self._writer_id = lease.token if lease else uuid.uuid4().hex
+        self._batch_numbers = itertools.count()
+        self._pending: dict[str, list[StreamEntry]] = {}    # not yet sent
+        self._inflight: dict[str, _Batch] = {}             # sent, not yet acknowledged
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self.round_trips = 0
@@ -97,7 +110,9 @@ class StreamWriter:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        await self.flush()
+        for _ in range(3):
+            if not (self._pending or self._inflight) or not await self.flush():
+                break
 
     def add(self, job_id: str, entry: StreamEntry) -> None:
         """Queue an entry; consecutive chunks of one choice and attempt are merged."""
@@ -114,27 +129,36 @@ class StreamWriter:
     def drop(self, job_id: str) -> None:
         """Forget a job's unwritten entries (its lease was lost)."""
         self._pending.pop(job_id, None)
+        self._inflight.pop(job_id, None)
+
+    async def write_all(self, job_id: str) -> None:
+        """Return once every entry of ``job_id`` added so far is in Redis (or was fenced off)."""
+        while job_id in self._pending or job_id in self._inflight:
+            if not await self.flush():
+                await asyncio.sleep(0.2)
 
     async def flush(self) -> bool:
-        """Write everything buffered in one pipeline. Returns False if Redis was unreachable."""
+        """Send one batch per job in one pipeline. Returns False if Redis was unreachable."""
         async with self._lock:
-            if not self._pending:
+            for job_id in [j for j in self._pending if j not in self._inflight]:
+                self._inflight[job_id] = _Batch(f"{self._writer_id}:{next(self._batch_numbers)}",
+                                                self._pending.pop(job_id))
+            batch = dict(self._inflight)
+            if not batch:
                 return True
-            batch, self._pending = self._pending, {}
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for job_id, entries in batch.items():
-                        await self._script(keys=self._keys(job_id), args=self._args(job_id, entries), client=pipe)
+                    for job_id, sent in batch.items():
+                        await self._script(keys=self._keys(job_id), args=self._args(job_id, sent), client=pipe)
                     written = await pipe.execute()
             except (RedisConnectionError, RedisTimeoutError, OSError, RedisError) as exc:
-                for job_id, entries in batch.items():        # put back in front of anything newer
-                    self._pending[job_id] = entries + self._pending.get(job_id, [])
-                log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(self._pending))
+                log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(self._inflight))
                 return False
             self.round_trips += 1
-            for (job_id, entries), ok in zip(batch.items(), written):
+            for (job_id, sent), ok in zip(batch.items(), written):
+                self._inflight.pop(job_id, None)
                 if ok:
-                    self.entries_written += len(entries)
+                    self.entries_written += len(sent.entries)
                 else:
                     self._pending.pop(job_id, None)
                     log.warning("job %s: lease held by another worker; abandoning it", job_id)
@@ -144,13 +168,13 @@ class StreamWriter:
 
     def _keys(self, job_id: str) -> list[str]:
         queue = self.lease.queue_name if self.lease else ""
-        return [Lease.lock_key(job_id), queue, stream_key(job_id)]
+        return [Lease.lock_key(job_id), queue, stream_key(job_id), write_mark_key(job_id)]
 
-    def _args(self, job_id: str, entries: list[StreamEntry]) -> list[str | int]:
+    def _args(self, job_id: str, sent: _Batch) -> list[str | int]:
         lease = self.lease
         args: list[str | int] = [lease.token if lease else "", job_id, lease.ttl_ms if lease else 0,
-                                 self.maxlen, self.ttl_s]
-        for entry in entries:
+                                 self.maxlen, self.ttl_s, sent.id]
+        for entry in sent.entries:
             fields = encode_entry(entry)
             args.append(2 * len(fields))
             for name, value in fields.items():

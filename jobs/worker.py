@@ -58,6 +58,12 @@ class ResilientWorker(Worker):
         super().__init__(*args, **kwargs)
         self.lease_lost: set[str] = set()
 
+    def claim_with_lease_ttl(self, ttl_s: float) -> None:
+        """arq claims a job with an in-progress key that lives job_timeout + 10 s; a worker killed
+        before its first heartbeat would leave the job locked that long. Claim with the lease
+        TTL instead (the job timeout itself is enforced separately by arq)."""
+        self.in_progress_timeout_s = ttl_s
+
     async def finish_job(self, job_id: str, *args: Any, **kwargs: Any) -> None:
         if job_id in self.lease_lost:
             self.lease_lost.discard(job_id)
@@ -111,6 +117,7 @@ class SlotqWorker:
             job_deserializer=deserialize,
             log_results=False,
         )
+        self.arq.claim_with_lease_ttl(settings.lock_ttl_s)
 
     def _job_function(self) -> Function:
         async def generate(ctx: dict[str, Any], payload: Any) -> dict[str, Any]:
