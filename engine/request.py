@@ -7,11 +7,12 @@ tokens, grammar syntax, token ids) happen in ``Engine.submit`` before the reques
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ChatMessage(BaseModel):
@@ -38,6 +39,16 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias; -inf bans a token")
     grammar: str | None = Field(None, max_length=200_000, description="GBNF grammar, root rule 'root'")
     json_schema: dict[str, Any] | None = Field(None, description="constrain output to JSON matching this schema")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _strict_json(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            try:
+                json.dumps(schema, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"must be plain JSON (no NaN/Infinity, no non-JSON types): {exc}") from None
+        return schema
 
     @model_validator(mode="after")
     def _one_constraint(self) -> SamplingParams:

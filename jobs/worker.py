@@ -299,7 +299,7 @@ class SlotqWorker:
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.settings.drain_grace_s
-        while self.arq.job_tasks and time.monotonic() < deadline:
+        while self.arq.tasks and time.monotonic() < deadline:    # arq's run_job tasks: job + result write
             await asyncio.sleep(0.1)
         self._hand_back_all()
 
