@@ -28,7 +28,7 @@ from jobs.schemas import EntryKind, JobResult, JobStatus
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
 from jobs_fixtures import job_request, raw_entries
 from faults_support import *  # noqa: F401,F403  (fixtures)
-from faults_support import (FaultyProxy, Fleet, KnownBug, check_job, entry_time, known_bug, percentile, report,
+from faults_support import (FaultyProxy, Fleet, check_job, entry_time, known_bug, percentile, report,
                             stream_summary, worker_env)
 
 pytestmark = pytest.mark.fault
@@ -207,13 +207,6 @@ async def test_sigterm_hands_back_without_using_a_try(fclient, fsync_redis, tiny
     assert s.attempts == [1]           # the hand-back did not count: both parts ran as try 1
 
 
-DRAIN_RESULT_BUG = ("BUG jobs/worker.py SlotqWorker._drain: it waits for arq.job_tasks (the job functions) to "
-                    "empty, but arq keeps running the job's run_job task after the function returns, to write the "
-                    "result (finish_job); _hand_back_all -> arq.handle_sig then cancels that task, arq.close() "
-                    "re-raises the CancelledError, and the worker exits 1 with a traceback, its finished job's result "
-                    "write cut off (seen in about one run in five with no delay at all)")
-
-
 async def test_sigterm_with_grace_finishes_running_job_on_same_worker(fclient, fsync_redis, tiny_model_path, tmp_path):
     """One SIGTERM, 60 s grace: the running job finishes where it runs; the other worker, already
     running, does not get it."""
@@ -226,10 +219,6 @@ async def test_sigterm_with_grace_finishes_running_job_on_same_worker(fclient, f
         proc.proc.terminate()
         code = await asyncio.to_thread(proc.proc.wait, 60)
         log = proc.log.read_text(errors="replace")
-        if code == 1 and "in close\n    await asyncio.gather(*self.tasks.values())" in log:
-            # the job finished during the drain a moment before its result was written: the race
-            # that test_sigterm_drain_waits_for_the_result_write reproduces every time
-            pytest.xfail(DRAIN_RESULT_BUG)
         assert code == 0, log[-3000:]
         assert "Traceback" not in log, log[-3000:]
         # the worker is gone; the result is already there
@@ -244,7 +233,6 @@ async def test_sigterm_with_grace_finishes_running_job_on_same_worker(fclient, f
         fleet.stop_all()
 
 
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=DRAIN_RESULT_BUG)
 async def test_sigterm_drain_waits_for_the_result_write(fclient, fsync_redis, tiny_model_path, tmp_path):
     """One SIGTERM, 60 s grace; the job finishes within it but its result write is slow (a proxy
     holds it for 1 s). The drain must wait for that too: exit 0, result written by this worker."""
