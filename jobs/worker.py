@@ -15,7 +15,7 @@ arq settings that are wrong for this workload and changed on purpose (see shared
   while another took the job over is fenced off (see ``jobs/lease.py``).
 * ``max_tries`` is one more than the setting so the job function itself sees the exhausted
   attempt and dead-letters it (arq would fail it without calling anything).
-* msgpack payloads, never pickle; abort enabled (``slotq cancel``).
+* msgpack payloads (data only, nothing that executes on load); abort enabled (``slotq cancel``).
 * SIGTERM/SIGINT: stop claiming, let running jobs finish within ``drain_grace_s``, then hand the
   rest back without burning a try; a second signal hands everything back at once.
 """
