@@ -65,6 +65,7 @@ class Runner:
         self._wake = threading.Event()
         self._stopping = False
         self._eog_cache: dict[int, bool] = {}
+        self._deadlines: dict[str, float] = {}      # request id -> unix time, while it has open choices
         self.thread = threading.Thread(target=self._run, name="slotq-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -138,6 +139,8 @@ class Runner:
             seq.payload = state
             leader = leader or seq
             self.scheduler.add(seq)
+        if req.deadline is not None and leader is not None:
+            self._deadlines[req.id] = req.deadline
 
     def _replay_delivered_text(self, state: _Choice, tokens: list[int]) -> None:
         """A resumed attempt rebuilds its text state from the tokens already delivered, so a
@@ -145,20 +148,21 @@ class Runner:
         for token in tokens:
             state.stops.push(state.utf8.push(self.model.token_bytes(token)))
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """End every choice of a request, queued or running."""
         for seq in self.scheduler.cancel(request_id):
-            self._finish(seq, FinishReason.CANCELLED)
+            self._finish(seq, reason)
         for seq in [s for s in self.scheduler.running if s.request_id == request_id]:
-            self._finish(seq, FinishReason.CANCELLED)
+            self._finish(seq, reason)
 
     def _expire_deadlines(self) -> None:
+        """Only requests that have a deadline are looked at, so the common case costs nothing."""
+        if not self._deadlines:
+            return
         now = time.time()
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            deadline = seq.payload.prepared.request.deadline
-            if deadline is not None and now >= deadline:
-                if seq.state == SeqState.WAITING:
-                    self.scheduler.cancel(seq.request_id)
-                self._finish(seq, FinishReason.DEADLINE)
+        for request_id in [r for r, deadline in self._deadlines.items() if now >= deadline]:
+            del self._deadlines[request_id]
+            self._cancel(request_id, FinishReason.DEADLINE)
 
     def _apply_memory_ops(self, out: SchedulerOutput) -> None:
         for seq_id in out.evicted_caches:
@@ -230,6 +234,9 @@ class Runner:
         elif seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
             self._finish(seq, FinishReason.LENGTH)
 
+    def _has_open_choices(self, request_id: str) -> bool:
+        return any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting))
+
     def _is_eog(self, token: int) -> bool:
         hit = self._eog_cache.get(token)
         if hit is None:
@@ -260,6 +267,8 @@ class Runner:
         state: _Choice = seq.payload
         request = state.prepared.request
         self.scheduler.finish(seq, reusable=reusable)
+        if request.id in self._deadlines and not self._has_open_choices(request.id):
+            del self._deadlines[request.id]
         if flush and reason != FinishReason.ERROR:
             tail = state.stops.push(state.utf8.flush()).emit + state.stops.flush()
             if tail:
