@@ -141,7 +141,7 @@ class JobRun:
                 raise
             return await self._cancelled(texts, finished, job)
         await self._flush_final()
-        return self._result(texts, finished, job)
+        return self._result(texts, finished)
 
     async def _complete_delivered(self, request: GenerationRequest, delivered: Delivered) -> JobResult:
         """An earlier attempt streamed every token but died before its final entry: finish the
@@ -151,7 +151,7 @@ class JobRun:
         self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=self.attempt,
                                                  finish_reason=FinishReason.LENGTH, usage=usage, final=True))
         await self._flush_final()
-        return self._result({0: delivered.text.get(0, "")}, {0: finished}, JobRequest.model_validate(self.payload))
+        return self._result({0: delivered.text.get(0, "")}, {0: finished})
 
     async def _flush_final(self) -> None:
         """The final entry was queued with the last DONE; make sure it reached Redis."""
@@ -166,7 +166,7 @@ class JobRun:
                                                      finish_reason=FinishReason.CANCELLED,
                                                      final=i == len(open_choices) - 1))
         await asyncio.shield(self._flush_final())
-        result = self._result(texts, finished, job)
+        result = self._result(texts, finished)
         result.status = JobStatus.CANCELLED
         result.finish_reason = FinishReason.CANCELLED
         return result
@@ -188,8 +188,7 @@ class JobRun:
         self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.ERROR, attempt=self.attempt, error=error,
                                                  final=True))
         await self._flush_final()
-        return JobResult(id=self.job_id, status=JobStatus.FAILED, error=error, worker=self.worker_id,
-                         attempts=self.attempt, finish_reason=FinishReason.ERROR, metadata=self.metadata)
+        return self._failed(error)
 
     async def _dead_letter(self, error: ErrorInfo) -> JobResult:
         await dead_letters.record(self.writer.redis, self.job_id, self.payload, error, self.attempt, self.enqueued_at)
@@ -198,42 +197,41 @@ class JobRun:
         return await self._fail(error)
 
     # ------------------------------------------------------------------ results
-    def _result(self, texts: dict[int, str], finished: dict[int, Finished], job: JobRequest) -> JobResult:
-        choices = [ChoiceResult(index=c, text=texts[c], finish_reason=f.finish_reason, usage=f.usage, timings=f.timings)
-                   for c, f in sorted(finished.items())]
-        first = finished.get(0)
-        return JobResult(
-            id=self.job_id,
-            status=JobStatus.SUCCEEDED,
-            text=texts.get(0, ""),
-            finish_reason=first.finish_reason if first else None,
-            usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
-                        completion_tokens=sum(f.usage.completion_tokens for f in finished.values()),
-                        cached_prompt_tokens=sum(f.usage.cached_prompt_tokens for f in finished.values())),
-            timings=first.timings if first else None,
-            choices=choices,
-            worker=self.worker_id,
-            attempts=self.attempt,
-            metadata=self.metadata,
-        )
+    def _result(self, texts: dict[int, str], finished: dict[int, Finished]) -> JobResult:
+        return self._summarize([ChoiceResult(index=c, text=texts[c], finish_reason=f.finish_reason, usage=f.usage,
+                                             timings=f.timings) for c, f in sorted(finished.items())],
+                               status=JobStatus.SUCCEEDED, text=texts.get(0, ""))
 
     def _result_from_stream(self, delivered: Delivered) -> JobResult:
         final = delivered.final
         assert final is not None
         if final.kind == EntryKind.ERROR:
-            return JobResult(id=self.job_id, status=JobStatus.FAILED, error=final.error, worker=self.worker_id,
-                             attempts=self.attempt, finish_reason=FinishReason.ERROR, metadata=self.metadata)
+            return self._failed(final.error)
         choices = [ChoiceResult(index=c, text=delivered.text.get(c, ""), finish_reason=d.finish_reason,
                                 usage=d.usage or Usage(), timings=d.timings or Timings())
                    for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
         status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED
-        first = choices[0] if choices else None
-        return JobResult(id=self.job_id, status=status, text=delivered.text.get(0, ""),
-                         finish_reason=first.finish_reason if first else final.finish_reason,
-                         usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
-                                     completion_tokens=sum(c.usage.completion_tokens for c in choices)),
-                         timings=first.timings if first else None, choices=choices, worker=self.worker_id,
-                         attempts=self.attempt, metadata=self.metadata)
+        return self._summarize(choices, status=status, text=delivered.text.get(0, ""),
+                               fallback_reason=final.finish_reason)
+
+    def _summarize(self, choices: list[ChoiceResult], *, status: JobStatus, text: str,
+                   fallback_reason: FinishReason | None = None) -> JobResult:
+        """One result from the per-choice outcomes: choice 0 gives text, reason and timings; the
+        prompt counts once and completions add up."""
+        first = choices[0] if choices and choices[0].index == 0 else None
+        return JobResult(
+            id=self.job_id, status=status, text=text,
+            finish_reason=first.finish_reason if first else fallback_reason,
+            usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
+                        completion_tokens=sum(c.usage.completion_tokens for c in choices),
+                        cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices)),
+            timings=first.timings if first else None,
+            choices=choices, worker=self.worker_id, attempts=self.attempt, metadata=self.metadata,
+        )
+
+    def _failed(self, error: ErrorInfo | None) -> JobResult:
+        return JobResult(id=self.job_id, status=JobStatus.FAILED, error=error, worker=self.worker_id,
+                         attempts=self.attempt, finish_reason=FinishReason.ERROR, metadata=self.metadata)
 
 
 def _first_error(exc: ValidationError) -> str:
