@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,50 +33,52 @@ CTX = 512
 CONCURRENCY = [1, 4, 8]
 
 
-async def _engine_path(engine: Engine, clients: int, per_client: int, max_tokens: int) -> tuple[float, list[float]]:
+OneRequest = Callable[[int, float], Awaitable[tuple[float, int]]]   # (index, start) -> (ttft s, tokens)
+
+
+async def _closed_loop(one: OneRequest, clients: int, per_client: int) -> tuple[float, list[float]]:
+    """C clients each send ``per_client`` requests back to back: (tokens/s, TTFTs)."""
     ttfts: list[float] = []
     generated = 0
 
     async def client(c: int) -> None:
         nonlocal generated
         for r in range(per_client):
-            started = time.perf_counter()
-            first = None
-            request = GenerationRequest(prompt=distinct_prompt(c * per_client + r), max_tokens=max_tokens,
-                                        ignore_eos=True, sampling=SamplingParams(temperature=0))
-            async for event in engine.generate(request):
-                if event.kind == "delta" and first is None:
-                    first = time.perf_counter() - started
-                elif event.kind == "finished":
-                    generated += event.usage.completion_tokens
-            ttfts.append(first or 0.0)
+            ttft, tokens = await one(c * per_client + r, time.perf_counter())
+            ttfts.append(ttft)
+            generated += tokens
 
     started = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(clients)))
     return generated / (time.perf_counter() - started), ttfts
 
 
-async def _queue_path(client: SlotqClient, clients: int, per_client: int, max_tokens: int) -> tuple[float, list[float]]:
-    ttfts: list[float] = []
-    generated = 0
+def _engine_request(engine: Engine, max_tokens: int) -> OneRequest:
+    async def one(i: int, started: float) -> tuple[float, int]:
+        first, tokens = None, 0
+        request = GenerationRequest(prompt=distinct_prompt(i), max_tokens=max_tokens, ignore_eos=True,
+                                    sampling=SamplingParams(temperature=0))
+        async for event in engine.generate(request):
+            if event.kind == "delta" and first is None:
+                first = time.perf_counter() - started
+            elif event.kind == "finished":
+                tokens = event.usage.completion_tokens
+        return first or 0.0, tokens
+    return one
 
-    async def one_client(c: int) -> None:
-        nonlocal generated
-        for r in range(per_client):
-            started = time.perf_counter()
-            first = None
-            job = await client.enqueue(JobRequest(prompt=distinct_prompt(c * per_client + r), max_tokens=max_tokens,
-                                                  ignore_eos=True, sampling={"temperature": 0}))
-            async for entry in job.stream():
-                if entry.kind == EntryKind.CHUNK and first is None:
-                    first = time.perf_counter() - started
-                elif entry.kind == EntryKind.DONE and entry.usage:
-                    generated += entry.usage.completion_tokens
-            ttfts.append(first or 0.0)
 
-    started = time.perf_counter()
-    await asyncio.gather(*(one_client(c) for c in range(clients)))
-    return generated / (time.perf_counter() - started), ttfts
+def _queue_request(client: SlotqClient, max_tokens: int) -> OneRequest:
+    async def one(i: int, started: float) -> tuple[float, int]:
+        first, tokens = None, 0
+        job = await client.enqueue(JobRequest(prompt=distinct_prompt(i), max_tokens=max_tokens, ignore_eos=True,
+                                              sampling={"temperature": 0}))
+        async for entry in job.stream():
+            if entry.kind == EntryKind.CHUNK and first is None:
+                first = time.perf_counter() - started
+            elif entry.kind == EntryKind.DONE and entry.usage:
+                tokens = entry.usage.completion_tokens
+        return first or 0.0, tokens
+    return one
 
 
 async def _server_counters(redis: Redis) -> tuple[int, int]:
@@ -107,11 +110,11 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
             commands = reads = tokens = 0
             for c in concurrency:
                 progress(f"engine path at concurrency {c}")
-                tps, ttft = await _engine_path(engine, c, per_client, max_tokens)
+                tps, ttft = await _closed_loop(_engine_request(engine, max_tokens), c, per_client)
                 results.append(_row("engine", c, tps, ttft))
                 progress(f"queue path at concurrency {c}")
                 commands_before, reads_before = await _server_counters(client.redis)
-                tps, ttft = await _queue_path(client, c, per_client, max_tokens)
+                tps, ttft = await _closed_loop(_queue_request(client, max_tokens), c, per_client)
                 commands_after, reads_after = await _server_counters(client.redis)
                 commands += commands_after - commands_before
                 reads += reads_after - reads_before

@@ -53,6 +53,16 @@ def observe_result(result: JobResult) -> None:
         INTER_TOKEN.observe(1 / timings.decode_tokens_per_s)
 
 
+# Counters fed from cumulative EngineStats fields.
+_COUNTED = (
+    (PROMPT_TOKENS, "prompt_tokens_processed"),
+    (PROMPT_TOKENS_CACHED, "prompt_tokens_cached"),
+    (TOKENS_PREDICTED, "generated_tokens"),
+    (N_DECODE, "decode_steps"),
+    (PREEMPTIONS, "preemptions"),
+)
+
+
 class EngineSampler:
     """Turns successive ``EngineStats`` snapshots into counter increments and gauges."""
 
@@ -60,15 +70,9 @@ class EngineSampler:
         self._last: EngineStats | None = None
 
     def update(self, stats: EngineStats) -> None:
-        last = self._last
-        for counter, now, before in (
-            (PROMPT_TOKENS, stats.prompt_tokens_processed, last.prompt_tokens_processed if last else 0),
-            (PROMPT_TOKENS_CACHED, stats.prompt_tokens_cached, last.prompt_tokens_cached if last else 0),
-            (TOKENS_PREDICTED, stats.generated_tokens, last.generated_tokens if last else 0),
-            (N_DECODE, stats.decode_steps, last.decode_steps if last else 0),
-            (PREEMPTIONS, stats.preemptions, last.preemptions if last else 0),
-        ):
-            counter.inc(max(0, now - before))
+        for counter, name in _COUNTED:
+            before = getattr(self._last, name) if self._last else 0
+            counter.inc(max(0, getattr(stats, name) - before))
         self._last = stats
         REQUESTS_PROCESSING.set(stats.slots_busy)
         REQUESTS_DEFERRED.set(stats.waiting)
