@@ -226,6 +226,19 @@ class SlotqClient:
         return True
 
     # ------------------------------------------------------------------ fleet
+    def for_queue(self, queue_name: str) -> SlotqClient:
+        """A client for another queue on the same connection pool (close only the original)."""
+        return SlotqClient(self.redis, self.settings.model_copy(update={"queue_name": queue_name}))
+
+    async def workers(self) -> list[WorkerInfo]:
+        """Every live worker (heartbeat not expired), whatever queue it serves, sorted by id."""
+        workers = []
+        async for key in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=100):
+            raw = await self.redis.hgetall(key)
+            if raw:
+                workers.append(WorkerInfo.model_validate({k.decode(): v.decode() for k, v in raw.items()}))
+        return sorted(workers, key=lambda w: w.id)
+
     async def queue_info(self) -> QueueInfo:
         now_ms = time.time() * 1000
         entries = await self.redis.zrange(self.settings.queue_name, 0, 9999, withscores=True)
@@ -234,18 +247,14 @@ class SlotqClient:
                 pipe.exists(in_progress_key_prefix + job_id.decode())
             in_progress = await pipe.execute()
         queued_scores = [s for (j, s), busy in zip(entries, in_progress) if not busy and s <= now_ms]
-        workers = []
-        async for key in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=100):
-            raw = await self.redis.hgetall(key)
-            if raw:
-                workers.append(WorkerInfo.model_validate({k.decode(): v.decode() for k, v in raw.items()}))
+        workers = [w for w in await self.workers() if w.queue == self.settings.queue_name]
         return QueueInfo(
             queue=self.settings.queue_name,
             queued=len(queued_scores),
             deferred=sum(1 for (j, s), busy in zip(entries, in_progress) if not busy and s > now_ms),
             running=sum(1 for busy in in_progress if busy),
             oldest_queued_age_s=(now_ms - min(queued_scores)) / 1000 if queued_scores else None,
-            workers=sorted(workers, key=lambda w: w.id),
+            workers=workers,
             dead_letters=await dead_letters.count(self.redis),
         )
 

@@ -100,7 +100,8 @@ class StreamEntry(BaseModel):
 
 class WorkerInfo(BaseModel):
     id: str
-    model: str
+    model: str = Field(description="the served model name (SLOTQ_MODEL_NAME, default the GGUF's name)")
+    queue: str = Field(description="the queue this worker serves")
     slots_total: int
     slots_busy: int
     waiting: int

@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     stream_flush_ms: float = Field(10.0, gt=0, le=1000, description="coalesce chunks for this long before XADD")
     # --- Engine
     model: str | None = Field(None, description="path to a GGUF file; unset = the bundled SmolLM2-135M-Instruct")
+    model_name: str | None = Field(None, description="the name the model is served under (the gateway's `model`); default the GGUF's name")
     slots: int = Field(8, ge=1, le=256)
     ctx: int = Field(4096, ge=64, description="per-sequence context (prompt + output)")
     kv_cells: int | None = Field(None, ge=64, description="total KV cells shared by all slots; default slots * ctx")

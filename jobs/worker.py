@@ -237,7 +237,8 @@ class SlotqWorker:
                                           args=[self.lease.token, job_id, self.lease.ttl_ms], client=pipe)
                     if stats is not None:
                         pipe.hset(worker_key(self.id), mapping={
-                            "id": self.id, "model": stats.model, "slots_total": stats.slots_total,
+                            "id": self.id, "model": self.settings.model_name or stats.model,
+                            "queue": self.settings.queue_name, "slots_total": stats.slots_total,
                             "slots_busy": stats.slots_busy, "waiting": stats.waiting,
                             "generated_tokens": stats.generated_tokens, "started_at": self.started_at,
                             "updated_at": time.time(), "draining": int(self._draining)})
