@@ -79,6 +79,13 @@ def cmd_worker(args: argparse.Namespace) -> None:
         asyncio.run(run(url))
 
 
+def cmd_gateway(args: argparse.Namespace) -> None:
+    from jobs.gateway.server import serve
+    from jobs.gateway.settings import GatewaySettings
+
+    serve(GatewaySettings(**({"redis_url": args.redis_url} if args.redis_url else {})), host=args.host, port=args.port)
+
+
 def cmd_redis(args: argparse.Namespace) -> None:
     import signal
     import threading
@@ -220,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="GGUF file (SLOTQ_MODEL, default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--ctx", type=int, help="per-sequence context in tokens (SLOTQ_CTX, default 4096)")
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("gateway", help="HTTP gateway: OpenAI-compatible API, background jobs, dashboard at /")
+    p.add_argument("--host", help="address to bind (SLOTQ_GATEWAY_HOST, default 127.0.0.1; others need SLOTQ_API_KEYS)")
+    p.add_argument("--port", type=int, help="SLOTQ_GATEWAY_PORT, default 8000")
+    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("enqueue", help="enqueue one prompt; prints the job id")
     p.add_argument("prompt")

@@ -1,0 +1,9 @@
+"""slotq's HTTP gateway: an OpenAI-compatible API, background jobs and a dashboard, all on the
+producer client (``jobs.client``). It never touches the engine or llama.cpp.
+
+Modules: ``settings`` (GatewaySettings), ``wire`` (OpenAI's request/response shapes),
+``translate`` (requests -> JobRequest, results -> responses), ``chunks`` (stream entries -> SSE
+events), ``sse`` (serving streams, disconnects), ``service`` (per-queue clients, job records),
+``routing`` (model -> queue from heartbeats), ``routes_*`` (the HTTP endpoints), ``app`` and
+``server`` (the ASGI app and ``slotq gateway``), ``static/`` (the dashboard).
+"""

@@ -1,0 +1,41 @@
+"""The gateway's ASGI app: OpenAI's API, background jobs, health, metrics and the dashboard."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
+
+from jobs.client import SlotqClient
+from jobs.gateway import errors, routes_jobs, routes_openai, routes_ops
+from jobs.gateway.metrics import MetricsMiddleware
+from jobs.gateway.service import Gateway
+from jobs.gateway.settings import GatewaySettings
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.gateway = Gateway(await SlotqClient.connect(redis_url, settings), settings)
+        try:
+            yield
+        finally:
+            await app.state.gateway.close()
+
+    app = FastAPI(title="slotq gateway", summary="OpenAI-compatible API on a durable llama.cpp job queue",
+                  lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    errors.install(app)
+    for router in (routes_openai.router, routes_jobs.router, routes_ops.router, routes_ops.api):
+        app.include_router(router)
+    app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Slotq-Job-Id", "Retry-After"])
+    app.add_middleware(MetricsMiddleware)
+    return app

@@ -1,0 +1,175 @@
+"""One job's stream entries as SSE events: OpenAI's streaming chunks, or slotq's own entries
+(pure: no I/O, testable without Redis).
+
+Each stream entry becomes one SSE event whose ``id`` is the entry's Redis stream id, so a client
+that reconnects with ``Last-Event-ID`` gets exactly the events after it. The renderer always reads
+the job's stream from the start and suppresses what the client already has: usage and the
+per-choice state stay right however many times a stream is resumed.
+
+Events without an id: the opening role chunks (only when not resuming), and after the final entry
+the usage chunk and ``data: [DONE]`` (sent again to a client that resumes from the final entry).
+A stream ends early with an ``error`` event when the job fails, is cancelled, passes its deadline,
+or restarts (a retried ``n > 1`` job whose earlier text is void: the job goes on, and its result is
+at ``GET /v1/jobs/{id}``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from engine import FinishReason, Usage
+from jobs.gateway.errors import ApiError
+from jobs.gateway.translate import Kind, completion_id, finish_reason, usage_out
+from jobs.gateway.wire import ChatChunkChoice, ChatCompletionChunk, Delta, TextChoice, TextCompletionChunk
+from jobs.schemas import EntryKind, StreamEntry
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(data: str, *, id: str | None = None, event: str | None = None) -> str:
+    head = (f"event: {event}\n" if event else "") + (f"id: {id}\n" if id else "")
+    return f"{head}data: {data}\n\n"
+
+
+def comment(text: str) -> str:
+    return f": {text}\n\n"
+
+
+def parse_stream_id(value: str) -> tuple[int, int]:
+    """A Redis stream id ``ms-seq`` as a comparable pair; ValueError if it is not one."""
+    ms, _, seq = value.partition("-")
+    if not (ms.isdigit() and seq.isdigit()):
+        raise ValueError(f"{value!r} is not a stream event id (expected digits-digits, e.g. 1733000000000-0)")
+    return int(ms), int(seq)
+
+
+class ChunkRenderer:
+    def __init__(self, kind: Kind, job_id: str, model: str, created: int, *, n: int, include_usage: bool,
+                 after: str | None = None) -> None:
+        self.kind = kind
+        self.job_id = job_id
+        self.model = model
+        self.created = created
+        self.n = n
+        self.include_usage = include_usage
+        self.after = parse_stream_id(after) if after else None
+        self.finished = False
+        self._usage: dict[int, Usage] = {}
+
+    def opening(self) -> list[str]:
+        if self.after is not None or self.kind != "chat":
+            return []
+        return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in range(self.n)]
+
+    def feed(self, entry: StreamEntry) -> list[str]:
+        """The events for one entry that the client has not seen yet."""
+        position = parse_stream_id(entry.id)
+        new = self.after is None or position > self.after
+        events: list[str] = []
+        if entry.kind == EntryKind.CHUNK:
+            if new:
+                events.append(self._chunk([self._choice(entry.choice, text=entry.text)], id=entry.id))
+        elif entry.kind == EntryKind.DONE:
+            if entry.usage is not None:
+                self._usage[entry.choice] = entry.usage
+            if entry.finish_reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
+                return self._end_with(self._unfinished(entry.finish_reason), entry.id, show=new)
+            if new:
+                events.append(self._chunk([self._choice(entry.choice, reason=finish_reason(entry.finish_reason))],
+                                          id=entry.id))
+            if entry.final:
+                self.finished = True
+                if self.after is None or position >= self.after:
+                    events += [self._usage_chunk()] if self.include_usage else []
+                    events.append(DONE)
+        elif entry.kind == EntryKind.ERROR:
+            if entry.final:
+                return self._end_with(ApiError.from_job_error(entry.error, self.job_id), entry.id, show=new)
+            if new and entry.error is not None:
+                events.append(comment(f"attempt {entry.attempt} failed ({entry.error.code}); the job is retried "
+                                      "and the stream continues"))
+        elif entry.kind == EntryKind.RESTART:
+            self._usage.clear()
+            return self._end_with(ApiError(
+                500, f"job {self.job_id} was retried from the start on another worker (n > 1 cannot resume); "
+                     f"the text streamed so far is void. The job goes on: its result will be at /v1/jobs/{self.job_id}",
+                type="server_error", code="stream_restarted"), entry.id)
+        return events
+
+    def gone(self) -> list[str]:
+        """The stream ended without a final entry (it expired, or the job vanished)."""
+        return self._end_with(stream_gone(self.job_id), None)
+
+    def first_error(self, entry: StreamEntry) -> ApiError | None:
+        """A fresh stream whose first entry already ends the job (rejected by the worker, expired,
+        cancelled): answered as an HTTP error instead of a stream."""
+        if self.after is not None or not entry.final:
+            return None
+        if entry.kind == EntryKind.ERROR:
+            return ApiError.from_job_error(entry.error, self.job_id)
+        if entry.kind == EntryKind.DONE and entry.finish_reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
+            return self._unfinished(entry.finish_reason)
+        return None
+
+    # ------------------------------------------------------------------ building events
+    def _end_with(self, error: ApiError, id: str | None, *, show: bool = True) -> list[str]:
+        self.finished = True
+        return [error_event(error, id=id)] if show else []
+
+    def _unfinished(self, reason: FinishReason) -> ApiError:
+        if reason == FinishReason.DEADLINE:
+            return ApiError.deadline(f"job {self.job_id}: the deadline passed; the partial result is at /v1/jobs/{self.job_id}")
+        return ApiError(409, f"job {self.job_id} was cancelled", code="job_cancelled")
+
+    def _choice(self, index: int, *, text: str | None = None, reason: str | None = None) -> ChatChunkChoice | TextChoice:
+        if self.kind == "chat":
+            return ChatChunkChoice(index=index, delta=Delta(content=text), finish_reason=reason)
+        return TextChoice(index=index, text=text or "", finish_reason=reason)
+
+    def _usage_chunk(self) -> str:
+        first = self._usage.get(0) or next(iter(self._usage.values()), Usage())
+        total = Usage(prompt_tokens=first.prompt_tokens,
+                      completion_tokens=sum(u.completion_tokens for u in self._usage.values()),
+                      cached_prompt_tokens=sum(u.cached_prompt_tokens for u in self._usage.values()))
+        return self._chunk([], usage=total)
+
+    def _chunk(self, choices: list, *, id: str | None = None, usage: Usage | None = None) -> str:
+        cls = ChatCompletionChunk if self.kind == "chat" else TextCompletionChunk
+        chunk = cls(id=completion_id(self.kind, self.job_id), created=self.created, model=self.model, choices=choices,
+                    usage=usage_out(usage) if usage is not None else None)
+        return sse(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}), id=id)
+
+
+class NativeRenderer:
+    """slotq's own events for ``GET /v1/jobs/{id}/events``: ``event:`` is the entry kind (chunk,
+    done, error, restart), ``data:`` the entry as JSON, ``id:`` its stream id. Like the chunk
+    renderer it reads from the start and skips what the client has, so a client resuming after
+    the final entry gets a clean end rather than a wait."""
+
+    def __init__(self, job_id: str, after: str | None = None) -> None:
+        self.job_id = job_id
+        self.after = parse_stream_id(after) if after else None
+        self.finished = False
+
+    def opening(self) -> list[str]:
+        return []
+
+    def feed(self, entry: StreamEntry) -> list[str]:
+        self.finished = entry.final
+        if self.after is not None and parse_stream_id(entry.id) <= self.after:
+            return []
+        return [sse(entry.model_dump_json(exclude={"id"}), id=entry.id, event=entry.kind.value)]
+
+    def gone(self) -> list[str]:
+        self.finished = True
+        return [error_event(stream_gone(self.job_id), event="gateway_error")]
+
+
+def stream_gone(job_id: str) -> ApiError:
+    return ApiError(404, f"job {job_id}: its stream ended without a final event (expired or deleted)",
+                    code="stream_gone")
+
+
+def error_event(error: ApiError, *, id: str | None = None, event: str | None = None) -> str:
+    """OpenAI's SDKs raise ``APIError`` when a stream carries ``{"error": {...}}``."""
+    return sse(json.dumps(error.body()), id=id, event=event)

@@ -1,0 +1,114 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure the gateway reports goes through :class:`ApiError`, so clients written for the
+OpenAI API (the official SDKs map the HTTP status to an exception class) see what they expect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from engine import ErrorInfo
+
+# Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
+BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    # ------------------------------------------------------------------ the common cases
+    @classmethod
+    def invalid(cls, message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+        return cls(400, message, param=param, code=code)
+
+    @classmethod
+    def job_not_found(cls, job_id: str) -> ApiError:
+        return cls(404, f"no job {job_id!r} (never created, or its result expired)", param="job_id",
+                   code="job_not_found")
+
+    @classmethod
+    def deadline(cls, message: str) -> ApiError:
+        return cls(504, message, type="timeout", code="deadline_exceeded")
+
+    @classmethod
+    def from_job_error(cls, error: ErrorInfo | None, job_id: str) -> ApiError:
+        """A job that ended with an error: the request's fault (400), its deadline (504), or ours (500)."""
+        if error is None:
+            return cls(500, f"job {job_id} failed", type="server_error", code="job_failed")
+        if error.code in BAD_REQUEST_CODES:
+            return cls(400, error.message, code=error.code)
+        if error.code == "expired":
+            return cls.deadline(f"job {job_id}: {error.message}")
+        return cls(500, f"job {job_id} failed: {error.message}", type="server_error", code=error.code)
+
+
+def param_path(loc: Sequence[str | int]) -> str | None:
+    """pydantic's error location as an OpenAI ``param``: ``messages[0].content``."""
+    out = ""
+    for part in loc:
+        if part == "[key]":              # pydantic's marker for a bad dict key; the key itself precedes it
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def from_validation(exc: ValidationError | RequestValidationError,
+                    rename: Callable[[tuple[str | int, ...]], tuple[str | int, ...]] = lambda loc: loc) -> ApiError:
+    """The first validation error as a 400 naming the parameter and the limit. ``rename`` maps a
+    location in the model that failed (e.g. slotq's JobRequest) to the request's own names."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    if loc and loc[0] == "body":             # FastAPI prefixes the request body
+        loc = loc[1:]
+    param = param_path(rename(loc))
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return ApiError.invalid(f"{param}: not supported by slotq", param, code="unsupported_parameter")
+    if err["type"] == "missing":
+        return ApiError.invalid(f"{param}: required", param, code="missing_required_parameter")
+    value = err.get("input")
+    shown = f" (got {value!r})" if isinstance(value, int | float | bool | str) and len(repr(value)) < 80 else ""
+    return ApiError.invalid(f"{param}: {msg}{shown}" if param else f"{msg}{shown}", param)
+
+
+def install(app: FastAPI) -> None:
+    """Every error response in OpenAI's shape, FastAPI's own (bad JSON, 404, 405) included."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":
+            return ApiError.invalid(f"the request body is not valid JSON: {err.get('msg')}", None,
+                                    code="invalid_json").response()
+        return from_validation(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()

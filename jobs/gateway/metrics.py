@@ -1,0 +1,47 @@
+"""Prometheus metrics of the gateway (``GET /metrics``), named ``slotq_gateway_*``.
+
+Requests are counted and timed per route template (never per job id, so the label set stays
+small); a streamed response is timed until its last event.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from jobs.metrics import LATENCY_BUCKETS
+
+REQUESTS = Counter("slotq_gateway_requests", "HTTP requests by route, method and status", ["route", "method", "status"])
+REQUEST_SECONDS = Histogram("slotq_gateway_request_duration_seconds", "Request start to the end of the response",
+                            ["route"], buckets=LATENCY_BUCKETS)
+STREAMS_ACTIVE = Gauge("slotq_gateway_streams_active", "SSE responses being served now")
+DISCONNECT_CANCELS = Counter("slotq_gateway_disconnect_cancels", "Jobs cancelled because their client disconnected")
+
+
+class MetricsMiddleware:
+    """Pure ASGI (no buffering of streamed bodies)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or ("static" if status < 400 else "unmatched")
+            REQUESTS.labels(route=route, method=scope["method"], status=str(status)).inc()
+            REQUEST_SECONDS.labels(route=route).observe(time.perf_counter() - started)

@@ -1,0 +1,107 @@
+"""``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``: OpenAI's API on the queue.
+
+A request becomes one job on the queue of the worker fleet that serves its ``model``. Streaming
+requests are answered from the job's Redis stream (SSE ids = stream ids, so ``Last-Event-ID``
+resumes); the others wait for the job's result. Either way the job is durable: retried on another
+worker if one dies, and cancelled when its client leaves unless ``keep_on_disconnect`` is set.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from jobs.client import JobTimeout
+from jobs.gateway.auth import require_key
+from jobs.gateway.chunks import ChunkRenderer, parse_stream_id
+from jobs.gateway.errors import ApiError
+from jobs.gateway.service import Gateway
+from jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
+from jobs.gateway.translate import WireRequest, kind_of, to_job_request, to_response, unfinished_error
+from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from jobs.schemas import JobStatus
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+@router.get("/models")
+async def list_models(request: Request) -> ModelList:
+    routes = await gateway_of(request).router.routes()
+    return ModelList(data=[
+        ModelCard(id=model, created=int(min(w.started_at for w in r.workers)), queue=r.queue, workers=len(r.workers),
+                  slots_total=r.slots_total, slots_busy=r.slots_busy)
+        for model, r in sorted(routes.items())])
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await complete(request, body)
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await complete(request, body)
+
+
+async def complete(request: Request, body: WireRequest) -> Response:
+    gateway = gateway_of(request)
+    kind = kind_of(body)
+    if body.stream and request.headers.get("last-event-id"):
+        return await _resume(request, gateway, body)
+    job = to_job_request(body, idempotency_key=request.headers.get("idempotency-key"))
+    handle, record = await gateway.submit(job, body.model, kind)
+    keep = body.keep_on_disconnect if body.keep_on_disconnect is not None else gateway.settings.gateway_keep_on_disconnect
+    owner_cancels = handle.created and not keep       # only the request that created a job cancels it
+    headers = {"X-Slotq-Job-Id": handle.id}
+    if body.stream:
+        renderer = ChunkRenderer(kind, handle.id, record.model, record.created, n=job.n,
+                                 include_usage=body.include_usage)
+        return await open_stream(request, gateway, handle.client, handle.id, renderer,
+                                 cancel_on_disconnect=owner_cancels, deadline=job.deadline, headers=headers,
+                                 first_error=renderer.first_error)
+    timeout = None if job.deadline is None else max(0.0, job.deadline - time.time()) + DEADLINE_GRACE_S
+    try:
+        result = await until_disconnected(request, handle.result(timeout=timeout))
+    except ClientGone:
+        if owner_cancels:
+            gateway.cancel_soon(handle.client, handle.id)
+        return Response(status_code=499)
+    except JobTimeout:
+        gateway.cancel_soon(handle.client, handle.id)
+        raise ApiError.deadline(f"job {handle.id}: the deadline passed before it finished") from None
+    except KeyError:
+        raise ApiError.job_not_found(handle.id) from None
+    error = unfinished_error(result)
+    if error is not None:
+        error.headers |= headers
+        raise error
+    return Response(to_response(kind, result, record.model, record.created).model_dump_json(),
+                    media_type="application/json", headers=headers)
+
+
+async def _resume(request: Request, gateway: Gateway, body: WireRequest) -> Response:
+    """``Last-Event-ID`` on a streaming request: continue the stream of the job created under the
+    same idempotency key, after that event. Never creates a job."""
+    last_id = request.headers["last-event-id"].strip()
+    try:
+        parse_stream_id(last_id)
+    except ValueError as exc:
+        raise ApiError.invalid(f"Last-Event-ID: {exc}", "Last-Event-ID") from None
+    job_id = body.idempotency_key or request.headers.get("idempotency-key")
+    if not job_id:
+        raise ApiError.invalid("Last-Event-ID resumes the job created under the same idempotency key, and this request "
+                               "has none: send the original request's idempotency_key (or read GET /v1/jobs/{id}/events)",
+                               "idempotency_key", code="missing_idempotency_key")
+    client, record = await gateway.find(job_id)
+    if await client.status(job_id) == JobStatus.NOT_FOUND:
+        raise ApiError.job_not_found(job_id)
+    renderer = ChunkRenderer(kind_of(body), job_id, record.model if record else body.model,
+                             record.created if record else int(time.time()), n=body.n or 1,
+                             include_usage=body.include_usage, after=last_id)
+    return await open_stream(request, gateway, client, job_id, renderer, cancel_on_disconnect=False,
+                             deadline=body.deadline, headers={"X-Slotq-Job-Id": job_id})

@@ -1,0 +1,89 @@
+"""Which queue serves a model: read from the live workers' heartbeats.
+
+Each worker serves one model (its ``SLOTQ_MODEL_NAME``) on one queue. The map is rebuilt from
+heartbeats at most every ``gateway_routing_ttl_s``, so a request costs no Redis round trip for
+routing. Models seen recently are remembered in Redis (shared by every gateway replica), so a
+model whose workers are all gone is a 503 (come back later), while a name never served is a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from jobs.client import SlotqClient
+from jobs.gateway.errors import ApiError
+from jobs.schemas import WorkerInfo
+
+MODELS_SEEN_KEY = "slotq:gateway:models"     # hash: served model name -> unix time last seen live
+_REMEMBER_EVERY_S = 60
+
+
+@dataclass
+class ModelRoute:
+    model: str
+    queue: str
+    workers: list[WorkerInfo] = field(default_factory=list)
+
+    @property
+    def slots_total(self) -> int:
+        return sum(w.slots_total for w in self.workers)
+
+    @property
+    def slots_busy(self) -> int:
+        return sum(w.slots_busy for w in self.workers)
+
+
+def routes_from(workers: list[WorkerInfo]) -> dict[str, ModelRoute]:
+    """model -> the queue to use. Several queues serving one model name: the one with the most
+    free slots right now (ties by name, so every replica agrees)."""
+    by_model: dict[str, dict[str, list[WorkerInfo]]] = defaultdict(lambda: defaultdict(list))
+    for w in workers:
+        by_model[w.model][w.queue].append(w)
+    routes = {}
+    for model, queues in by_model.items():
+        candidates = [ModelRoute(model, queue, ws) for queue, ws in sorted(queues.items())]
+        routes[model] = max(candidates, key=lambda r: r.slots_total - r.slots_busy)
+    return routes
+
+
+class ModelRouter:
+    def __init__(self, client: SlotqClient, *, ttl_s: float, memory_s: int) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+        self.memory_s = memory_s
+        self._routes: dict[str, ModelRoute] = {}
+        self._fetched_at = float("-inf")
+        self._remembered: dict[str, float] = {}
+        self._lock = asyncio.Lock()
+
+    async def routes(self) -> dict[str, ModelRoute]:
+        if time.monotonic() - self._fetched_at < self.ttl_s:
+            return self._routes
+        async with self._lock:                     # one refresh for all the requests waiting on it
+            if time.monotonic() - self._fetched_at >= self.ttl_s:
+                self._routes = routes_from(await self.client.workers())
+                self._fetched_at = time.monotonic()
+                await self._remember(list(self._routes))
+        return self._routes
+
+    async def route(self, model: str) -> ModelRoute:
+        route = (await self.routes()).get(model)
+        if route is not None:
+            return route
+        seen = await self.client.redis.hget(MODELS_SEEN_KEY, model)
+        if seen is not None and time.time() - float(seen) < self.memory_s:
+            raise ApiError(503, f"no live worker serves model {model!r} right now; try again later",
+                           type="server_error", param="model", code="model_unavailable")
+        served = ", ".join(sorted(self._routes)) or "none"
+        raise ApiError(404, f"the model {model!r} does not exist (served now: {served})", param="model",
+                       code="model_not_found")
+
+    async def _remember(self, models: list[str]) -> None:
+        now = time.time()
+        due = {m: now for m in models if now - self._remembered.get(m, 0) > _REMEMBER_EVERY_S}
+        if due:
+            await self.client.redis.hset(MODELS_SEEN_KEY, mapping=due)
+            self._remembered |= due

@@ -1,0 +1,39 @@
+"""``slotq gateway``: check the binding rules, find Redis, run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from jobs.gateway.app import create_app
+from jobs.gateway.settings import GatewaySettings
+from jobs.redis_server import port_is_serving
+
+log = logging.getLogger("slotq.gateway")
+
+
+def redis_url_for(settings: GatewaySettings) -> str:
+    """The configured Redis, or the embedded one that `slotq redis` / `slotq worker` started. A
+    gateway never starts a Redis of its own: it would be a queue no worker reads."""
+    if settings.redis_url:
+        return settings.redis_url
+    if not port_is_serving(settings.embedded_redis_port):
+        raise SystemExit(f"no Redis: set SLOTQ_REDIS_URL, or start one with `slotq redis` or `slotq worker` "
+                         f"(embedded, port {settings.embedded_redis_port})")
+    return f"redis://127.0.0.1:{settings.embedded_redis_port}/0"
+
+
+def serve(settings: GatewaySettings, host: str | None = None, port: int | None = None) -> None:
+    host = host or settings.gateway_host
+    port = settings.gateway_port if port is None else port
+    refusal = settings.bind_error(host)
+    if refusal:
+        raise SystemExit(refusal)
+    if not settings.api_keys:
+        log.warning("no API keys configured (SLOTQ_API_KEYS): every request is let in, so the gateway serves %s only",
+                    host)
+    url = redis_url_for(settings)
+    log.info("slotq gateway on http://%s:%d (dashboard at /, OpenAI API at /v1)", host, port)
+    uvicorn.run(create_app(settings, url), host=host, port=port, log_level=settings.log_level.lower(),
+                timeout_graceful_shutdown=5)

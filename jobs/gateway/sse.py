@@ -1,0 +1,161 @@
+"""Serving a job's stream over Server-Sent Events, and noticing clients that leave.
+
+A feed task reads the job's Redis stream through the client API into a small queue, so the HTTP
+side can wait with a timeout (and send keep-alive comments) without cancelling the read. When the
+client disconnects, Starlette cancels the response body (uvicorn reports the disconnect at once),
+and the job is cancelled unless the request asked to keep it; a request that only reads an
+existing job (a resume, a second reader) never cancels it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from jobs.client import SlotqClient
+from jobs.gateway import metrics
+from jobs.gateway.chunks import comment, error_event
+from jobs.gateway.errors import ApiError
+from jobs.gateway.service import Gateway
+from jobs.schemas import StreamEntry
+
+T = TypeVar("T")
+DEADLINE_GRACE_S = 2.0       # after a request's deadline, the worker's final event gets this long to arrive
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while the gateway was waiting."""
+
+
+class Renderer(Protocol):
+    finished: bool
+
+    def opening(self) -> list[str]: ...
+    def feed(self, entry: StreamEntry) -> list[str]: ...
+    def gone(self) -> list[str]: ...
+
+
+class EntryFeed:
+    """The job's stream entries, read from the start by a background task."""
+
+    END = object()      # returned by next() once the stream has ended
+
+    def __init__(self, client: SlotqClient, job_id: str) -> None:
+        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=256)
+        self._task = asyncio.create_task(self._pump(client, job_id), name=f"slotq-sse-{job_id}")
+
+    async def _pump(self, client: SlotqClient, job_id: str) -> None:
+        try:
+            async for entry in client.stream(job_id):
+                await self._queue.put(entry)
+            await self._queue.put(self.END)
+        except Exception as exc:  # handed to the reader, who reports it
+            await self._queue.put(exc)
+
+    async def next(self, timeout: float) -> StreamEntry | object | None:
+        """The next entry, ``END`` after the last one, or None if none came within ``timeout``.
+        Raises what the read raised (Redis unreachable beyond the client's retries)."""
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``; raise ClientGone (and cancel it) if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        raise ClientGone
+    return work.result()
+
+
+async def open_stream(request: Request, gateway: Gateway, client: SlotqClient, job_id: str, renderer: Renderer, *,
+                      cancel_on_disconnect: bool, deadline: float | None,
+                      headers: dict[str, str], first_error: Callable[[StreamEntry], ApiError | None] | None = None,
+                      ) -> Response:
+    """Start reading the job's stream (from its start: the renderer skips what the client already
+    has, see ``chunks``) and answer with SSE. Up to one keep-alive interval is spent
+    waiting for the first entry before the status line goes out, so a job that fails at once (a
+    prompt too long for the model, say) is answered with a proper HTTP error via ``first_error``."""
+    feed = EntryFeed(client, job_id)
+    try:
+        first = await until_disconnected(request, feed.next(gateway.settings.gateway_keepalive_s))
+    except ClientGone:
+        feed.close()
+        if cancel_on_disconnect:
+            metrics.DISCONNECT_CANCELS.inc()
+            gateway.cancel_soon(client, job_id)
+        return Response(status_code=499)
+    except Exception:
+        feed.close()
+        raise
+    error = first_error(first) if first_error is not None and isinstance(first, StreamEntry) else None
+    if error is not None:
+        feed.close()
+        raise error
+    return StreamingResponse(_events(gateway, client, job_id, renderer, feed, first, cancel_on_disconnect, deadline),
+                             media_type="text/event-stream", headers=SSE_HEADERS | headers)
+
+
+async def _events(gateway: Gateway, client: SlotqClient, job_id: str, renderer: Renderer, feed: EntryFeed,
+                  first: StreamEntry | object | None, cancel_on_disconnect: bool,
+                  deadline: float | None) -> AsyncIterator[str]:
+    """The response body: the events for ``first`` and every later entry, a comment every
+    ``gateway_keepalive_s`` while the stream is quiet."""
+    keepalive = gateway.settings.gateway_keepalive_s
+    completed = False
+    metrics.STREAMS_ACTIVE.inc()
+    try:
+        for event in renderer.opening():
+            yield event
+        item = first
+        while not renderer.finished:
+            if item is None:
+                try:
+                    item = await feed.next(keepalive)
+                except Exception as exc:  # Redis unreachable beyond the client's retries
+                    yield error_event(ApiError(503, f"lost the job's stream ({type(exc).__name__}: {exc}); resume "
+                                                    "with Last-Event-ID", type="server_error", code="stream_unavailable"))
+                    break
+            if item is None:
+                if deadline is not None and time.time() > deadline + DEADLINE_GRACE_S:
+                    gateway.cancel_soon(client, job_id)
+                    yield error_event(ApiError.deadline(f"job {job_id}: the deadline passed before it finished"))
+                    break
+                yield comment("keep-alive")
+                continue
+            events = renderer.gone() if item is EntryFeed.END else renderer.feed(item)  # type: ignore[arg-type]
+            for event in events:
+                yield event
+            item = None
+        completed = True
+    finally:
+        metrics.STREAMS_ACTIVE.dec()
+        feed.close()
+        if not completed and cancel_on_disconnect:
+            metrics.DISCONNECT_CANCELS.inc()
+            gateway.cancel_soon(client, job_id)

@@ -1,0 +1,245 @@
+// slotq dashboard: polls the gateway's small JSON API and runs a chat playground whose stream
+// survives a page reload (the last SSE event id is kept in localStorage and sent back as
+// Last-Event-ID). No build step, no dependencies.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+const PLAY_KEY = "slotq.playground";
+const API_KEY = "slotq.apiKey";
+
+// ------------------------------------------------------------------ HTTP
+function headers(extra = {}) {
+  const key = localStorage.getItem(API_KEY);
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
+
+async function api(path, options = {}) {
+  const response = await fetch(path, { ...options, headers: headers(options.headers || {}) });
+  if (response.status === 401) {
+    $("#key-form").hidden = false;
+    throw new Error("API key needed");
+  }
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+  return body;
+}
+
+$("#key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  localStorage.setItem(API_KEY, $("#key").value.trim());
+  $("#key-form").hidden = true;
+  refresh();
+});
+
+// ------------------------------------------------------------------ formatting
+const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+const ago = (seconds) => seconds == null ? "–" : seconds < 1 ? "now" : seconds < 90 ? `${seconds.toFixed(0)} s` : `${(seconds / 60).toFixed(0)} min`;
+const bar = (used, total, cls = "") => {
+  const pct = total ? Math.min(100, (100 * used) / total) : 0;
+  return `<span class="bar ${cls}"><span style="width:${pct}%"></span></span>`;
+};
+
+// ------------------------------------------------------------------ fleet
+let previous = {};   // worker id -> {t, generated}: tokens/s from successive heartbeats
+
+function tokensPerSecond(w, now) {
+  if (w.tokens_per_s != null) return w.tokens_per_s;          // when the heartbeat carries it
+  const before = previous[w.id];
+  previous[w.id] = { t: w.updated_at, generated: w.generated_tokens, rate: before ? before.rate : null };
+  if (before && w.updated_at > before.t) {
+    previous[w.id].rate = (w.generated_tokens - before.generated) / (w.updated_at - before.t);
+  }
+  return previous[w.id].rate;
+}
+
+function renderFleet(fleet) {
+  $("#queues tbody").innerHTML = fleet.queues.map((q) => `
+    <tr data-queue="${esc(q.queue)}"><td>${esc(q.queue)}</td><td>${esc(q.models.join(", ") || "–")}</td>
+      <td class="num">${q.workers}</td><td>${bar(q.slots_busy, q.slots_total)}${q.slots_busy} / ${q.slots_total}</td>
+      <td class="num">${q.queued}</td><td class="num">${q.running}</td><td class="num">${q.deferred}</td>
+      <td class="num">${ago(q.oldest_queued_age_s)}</td></tr>`).join("");
+  $("#workers tbody").innerHTML = fleet.workers.map((w) => {
+    const rate = tokensPerSecond(w, fleet.time);
+    const kv = w.kv_cells_total ? `${bar(w.kv_cells_used, w.kv_cells_total, "kv")}${((100 * w.kv_cells_used) / w.kv_cells_total).toFixed(0)} %` : "–";
+    return `<tr data-worker="${esc(w.id)}"><td>${esc(w.id)}</td><td>${esc(w.model)}</td><td>${esc(w.queue)}</td>
+      <td class="slots">${bar(w.slots_busy, w.slots_total)}${w.slots_busy} / ${w.slots_total}</td><td>${kv}</td>
+      <td class="num">${rate == null ? "–" : rate.toFixed(1)}</td><td class="num">${w.generated_tokens}</td>
+      <td class="num">${w.waiting}</td><td class="num">${ago(fleet.time - w.updated_at)}</td></tr>`;
+  }).join("");
+  $("#no-workers").hidden = fleet.workers.length > 0;
+  const badge = $("#dlq-count");
+  badge.textContent = fleet.dead_letters;
+  badge.className = fleet.dead_letters ? "badge bad" : "badge";
+}
+
+async function refreshDeadLetters() {
+  const { data } = await api("/api/dead-letters");
+  $("#dead-letters tbody").innerHTML = data.map((d) => `
+    <tr data-job="${esc(d.job_id)}"><td><code>${esc(d.job_id)}</code></td>
+      <td class="err">${esc(d.error.code)}: ${esc(d.error.message)}</td><td class="num">${d.attempts}</td>
+      <td>${ago(Date.now() / 1000 - d.dead_at)}</td>
+      <td><button class="secondary requeue" data-job="${esc(d.job_id)}">Requeue</button></td></tr>`).join("");
+  $("#no-dead-letters").hidden = data.length > 0;
+}
+
+$("#dead-letters").addEventListener("click", async (event) => {
+  const button = event.target.closest("button.requeue");
+  if (!button) return;
+  button.disabled = true;
+  try {
+    await api(`/api/dead-letters/${encodeURIComponent(button.dataset.job)}/requeue`, { method: "POST" });
+  } catch (err) {
+    alert(`requeue failed: ${err.message}`);
+  }
+  refreshDeadLetters();
+});
+
+async function refreshModels() {
+  const { data } = await api("/v1/models");
+  const select = $("#play-model");
+  const chosen = select.value;
+  select.innerHTML = data.map((m) => `<option>${esc(m.id)}</option>`).join("");
+  if (data.some((m) => m.id === chosen)) select.value = chosen;
+}
+
+async function refresh() {
+  const conn = $("#conn");
+  try {
+    renderFleet(await api("/api/fleet"));
+    conn.textContent = `live · ${new Date().toLocaleTimeString()}`;
+    conn.className = "conn ok";
+  } catch (err) {
+    conn.textContent = `gateway unreachable: ${err.message}`;
+    conn.className = "conn bad";
+  }
+}
+
+// ------------------------------------------------------------------ playground
+// State kept in localStorage after every event: the request, the text so far and the id of the
+// last event it includes. Text and id are written together, so a reload resumes exactly there.
+const load = () => JSON.parse(localStorage.getItem(PLAY_KEY) || "null");
+const save = (state) => localStorage.setItem(PLAY_KEY, JSON.stringify(state));
+
+function status(text) { $("#play-status").textContent = text; }
+
+function busy(on) {
+  $("#play-send").disabled = on;
+  $("#play-stop").disabled = !on;
+}
+
+// Minimal SSE parsing over fetch (EventSource cannot POST or send an Authorization header).
+async function* sseEvents(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const event = { id: null, data: [] };
+      for (const line of block.split("\n")) {
+        if (line.startsWith(":")) continue;                 // keep-alive comment
+        const colon = line.indexOf(":");
+        const field = colon < 0 ? line : line.slice(0, colon);
+        const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+        if (field === "id") event.id = value;
+        else if (field === "data") event.data.push(value);
+      }
+      if (event.data.length) yield { id: event.id, data: event.data.join("\n") };
+    }
+  }
+}
+
+async function runStream(state) {
+  busy(true);
+  const output = $("#play-output");
+  output.textContent = state.text;
+  const extra = { "Content-Type": "application/json" };
+  if (state.lastId) extra["Last-Event-ID"] = state.lastId;
+  try {
+    const response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(extra), body: JSON.stringify(state.request) });
+    if (!response.ok) {
+      const body = await response.json();
+      throw new Error(body.error ? body.error.message : response.statusText);
+    }
+    for await (const event of sseEvents(response)) {
+      if (event.data === "[DONE]") {
+        state.done = true;
+        break;
+      }
+      const chunk = JSON.parse(event.data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      for (const choice of chunk.choices) {
+        if (choice.delta.content) state.text += choice.delta.content;
+        if (choice.finish_reason) state.finish = choice.finish_reason;
+      }
+      if (chunk.usage) state.usage = chunk.usage;
+      if (event.id) state.lastId = event.id;
+      output.textContent = state.text;
+      save(state);
+      status(`job ${state.request.idempotency_key} · event ${state.lastId || "–"}${state.resumed ? " · resumed after reload" : ""}`);
+    }
+    if (!state.done) throw new Error("the stream ended early; reload to resume");
+    const usage = state.usage ? ` · ${state.usage.completion_tokens} tokens` : "";
+    status(`done (${state.finish})${usage} · job ${state.request.idempotency_key}${state.resumed ? " · resumed after reload" : ""}`);
+  } catch (err) {
+    state.done = true;
+    status(`error: ${err.message}`);
+  } finally {
+    save(state);
+    busy(false);
+  }
+}
+
+$("#play-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const key = `play-${Date.now()}-${Math.random().toString(36).slice(2, 10)}`;
+  const state = {
+    request: {
+      model: $("#play-model").value,
+      messages: [{ role: "user", content: $("#play-prompt").value }],
+      max_tokens: Number($("#play-max").value),
+      temperature: Number($("#play-temp").value),
+      stream: true,
+      stream_options: { include_usage: true },
+      keep_on_disconnect: true,          // a reload must not cancel the job
+      idempotency_key: key,              // ... and Last-Event-ID finds it again by this key
+    },
+    text: "", lastId: null, done: false, resumed: false,
+  };
+  save(state);
+  status(`job ${key} queued`);
+  runStream(state);
+});
+
+$("#play-stop").addEventListener("click", async () => {
+  const state = load();
+  if (state) await api(`/v1/jobs/${encodeURIComponent(state.request.idempotency_key)}`, { method: "DELETE" });
+});
+
+// ------------------------------------------------------------------ start
+function start() {
+  refresh();
+  refreshModels().catch(() => {});
+  refreshDeadLetters().catch(() => {});
+  setInterval(refresh, 1000);
+  setInterval(() => refreshModels().catch(() => {}), 5000);
+  setInterval(() => refreshDeadLetters().catch(() => {}), 3000);
+  const state = load();
+  if (state) {
+    $("#play-prompt").value = state.request.messages[0].content;
+    if (!state.done) {
+      state.resumed = true;
+      status(`resuming job ${state.request.idempotency_key} after event ${state.lastId || "(start)"}`);
+      runStream(state);
+    } else {
+      $("#play-output").textContent = state.text;
+    }
+  }
+}
+
+start();

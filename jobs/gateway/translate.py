@@ -1,0 +1,119 @@
+"""OpenAI requests -> slotq ``JobRequest``; slotq results -> OpenAI response objects.
+
+Finish reasons: ``stop`` and ``length`` pass through. A job that was cancelled or whose deadline
+passed did not finish its reply, so OpenAI's ``finish_reason`` has no honest value for it: the
+gateway reports it as an error instead (409 ``job_cancelled`` / 504 ``deadline_exceeded``, or an
+``error`` event in a stream), and the partial text stays available at ``GET /v1/jobs/{id}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from engine import FinishReason, Usage
+from jobs.gateway.errors import ApiError, from_validation
+from jobs.gateway.wire import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, CompletionRequest,
+                               PromptTokensDetails, SlotqInfo, TextChoice, TextCompletion, UsageOut)
+from jobs.schemas import JobRequest, JobResult, JobStatus
+
+Kind = Literal["chat", "text"]
+WireRequest = ChatCompletionRequest | CompletionRequest
+
+# JobRequest.sampling field -> the request parameter that sets it, where the names differ.
+_SAMPLING_PARAM = {"penalty_last_n": "repeat_last_n"}
+
+
+def kind_of(request: WireRequest) -> Kind:
+    return "chat" if isinstance(request, ChatCompletionRequest) else "text"
+
+
+def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> JobRequest:
+    """Build the job; its validation errors come back as a 400 under the request's parameter names."""
+    sampling = {
+        "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
+        "seed": request.seed, "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty, "repeat_penalty": request.repeat_penalty,
+        "penalty_last_n": request.repeat_last_n, "logit_bias": request.logit_bias, "grammar": request.grammar,
+        "json_schema": request.json_schema,
+    }
+    fields: dict[str, Any] = {
+        "max_tokens": request.max_tokens, "n": request.n, "stop": request.stop_list, "ignore_eos": request.ignore_eos,
+        "priority": request.priority, "deadline": request.deadline, "metadata": request.metadata,
+        "idempotency_key": request.idempotency_key or idempotency_key,
+    }
+    schema_param = "json_schema"
+    if isinstance(request, ChatCompletionRequest):
+        fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+                              for m in request.messages]
+        if request.max_completion_tokens is not None:
+            fields["max_tokens"] = request.max_completion_tokens
+        fmt = request.response_format
+        if fmt is not None and fmt.type != "text":
+            if request.json_schema is not None or request.grammar is not None:
+                raise ApiError.invalid("response_format: give response_format, json_schema or grammar, not several",
+                                       "response_format")
+            sampling["json_schema"] = fmt.json_schema.schema_ if fmt.json_schema else {"type": "object"}
+            schema_param = "response_format"
+    else:
+        fields["prompt"] = request.prompt_text
+
+    def rename(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+        if loc[:1] == ("sampling",) and len(loc) > 1:
+            name = loc[1]
+            if name == "json_schema":
+                return (schema_param,)
+            return (_SAMPLING_PARAM.get(str(name), name), *loc[2:])
+        if loc == ("max_tokens",) and isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+            return ("max_completion_tokens",)
+        return loc
+
+    fields["sampling"] = {k: v for k, v in sampling.items() if v is not None}
+    try:
+        return JobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise from_validation(exc, rename) from None
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    """OpenAI's name for a finish reason that ends a reply normally (see the module docstring)."""
+    return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+
+
+def usage_out(usage: Usage) -> UsageOut:
+    return UsageOut(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                    total_tokens=usage.prompt_tokens + usage.completion_tokens,
+                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens))
+
+
+def unfinished_error(result: JobResult) -> ApiError | None:
+    """Why a job's result is not a reply: failed, cancelled, past its deadline, or gone."""
+    if result.status == JobStatus.FAILED:
+        return ApiError.from_job_error(result.error, result.id)
+    if result.status == JobStatus.CANCELLED:
+        return ApiError(409, f"job {result.id} was cancelled; its partial result is at /v1/jobs/{result.id}",
+                        type="invalid_request_error", code="job_cancelled")
+    if result.status == JobStatus.NOT_FOUND:
+        return ApiError.job_not_found(result.id)
+    if any(c.finish_reason == FinishReason.DEADLINE for c in result.choices) or result.finish_reason == FinishReason.DEADLINE:
+        return ApiError.deadline(f"job {result.id}: the deadline passed after {result.usage.completion_tokens} "
+                                 f"tokens; the partial result is at /v1/jobs/{result.id}")
+    return None
+
+
+def completion_id(kind: Kind, job_id: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
+
+
+def to_response(kind: Kind, result: JobResult, model: str, created: int) -> ChatCompletion | TextCompletion:
+    """A finished job as OpenAI's ``chat.completion`` or ``text_completion`` object."""
+    slotq = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
+    usage = usage_out(result.usage)
+    rid = completion_id(kind, result.id)
+    if kind == "chat":
+        return ChatCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
+            ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=finish_reason(c.finish_reason))
+            for c in result.choices])
+    return TextCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
+        TextChoice(index=c.index, text=c.text, finish_reason=finish_reason(c.finish_reason)) for c in result.choices])

@@ -1,0 +1,286 @@
+"""OpenAI's wire format as pydantic models: the request bodies slotq accepts and the objects it
+returns (completions, chunks, models, usage).
+
+Requests are checked here only for shape and type. Limits (temperature range, max_tokens, stop
+strings, ...) are the job layer's: translation builds a ``JobRequest`` and reports its errors under
+these names, so the bounds live in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+
+from jobs.schemas import JobResult, JobStatus
+
+# Parameters of OpenAI's API that slotq cannot honour. Sent with an "off" value (null, false, "",
+# [], tool_choice "none"/"auto", best_of 1) they are dropped; any other value is a 400 naming them.
+_OFF_VALUES: tuple[Any, ...] = (None, False, "", [], {})
+_OFF_SPECIAL: dict[str, tuple[Any, ...]] = {"tool_choice": ("none", "auto"), "best_of": (1,), "top_logprobs": (0,)}
+_DROPPED_WHEN_OFF = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                     "parallel_tool_calls", "echo", "suffix", "best_of", "modalities", "audio", "prediction",
+                     "web_search_options", "reasoning_effort")
+_IGNORED = ("user", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+
+
+def _is_off(key: str, value: Any) -> bool:
+    return any(value is off or (type(value) is type(off) and value == off)
+               for off in _OFF_VALUES + _OFF_SPECIAL.get(key, ()))
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    include_obfuscation: bool | None = None      # sent by newer SDKs; nothing to obfuscate here
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with a schema")
+        return self
+
+
+class _Generation(BaseModel):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = Field(None, description="token id -> bias added to its logit")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # llama-server's extras that the engine has
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    ignore_eos: bool | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    # slotq's own
+    priority: int | None = None
+    deadline: float | None = Field(None, description="unix time after which generation stops")
+    idempotency_key: str | None = None
+    metadata: dict[str, Any] | None = None
+    keep_on_disconnect: bool | None = Field(
+        None, description="keep the job running if a streaming client disconnects (default: the gateway setting)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_off_values(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items()
+                    if k not in _IGNORED and not (k in _DROPPED_WHEN_OFF and _is_off(k, v))}
+        return data
+
+    @property
+    def stop_list(self) -> list[str] | None:
+        return [self.stop] if isinstance(self.stop, str) else self.stop
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class WireMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")     # name, refusal, annotations, ... of echoed messages
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        """Content parts are joined when they are all text; images and audio are not supported."""
+        if isinstance(value, list):
+            texts = []
+            for i, part in enumerate(value):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"content part {i} is {kind!r}; slotq serves text models, only 'text' parts are supported")
+                texts.append(part["text"])
+            return "".join(texts)
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool calls are not supported by slotq")
+        return value
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[WireMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError(f"give one prompt per request ({len(value)} given); send several requests instead")
+        return value
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+# ---------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class SlotqInfo(BaseModel):
+    """slotq's own fields on a response (the SDKs keep unknown fields: ``response.model_extra``)."""
+
+    job_id: str
+    worker: str | None = None
+    attempts: int = 0
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+    system_fingerprint: str | None = None
+    slotq: SlotqInfo
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: UsageOut
+    system_fingerprint: str | None = None
+    slotq: SlotqInfo
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+    @field_serializer("delta")
+    def _only_present(self, delta: Delta) -> dict[str, Any]:
+        return delta.model_dump(exclude_none=True)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: UsageOut | None = None
+
+
+class TextCompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[TextChoice]
+    usage: UsageOut | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "slotq"
+    queue: str
+    workers: int
+    slots_total: int
+    slots_busy: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class JobObject(BaseModel):
+    """slotq's background job (``/v1/jobs``): its status, and once finished its result, both as
+    slotq reports it and as the OpenAI completion object a synchronous request would have got."""
+
+    id: str
+    object: Literal["slotq.job"] = "slotq.job"
+    status: JobStatus
+    model: str | None = None
+    queue: str
+    created: int | None = None
+    result: JobResult | None = None
+    response: ChatCompletion | TextCompletion | None = None
+    cancelled: bool | None = Field(None, description="DELETE only: whether this call cancelled the job")
