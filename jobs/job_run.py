@@ -25,7 +25,7 @@ from jobs import dead_letters, metrics
 from jobs.keys import stream_key
 from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, StreamEntry
 from jobs.serialization import POISON_MARKER
-from jobs.settings import Settings
+from jobs.settings import WorkerSettings
 from jobs.stream import StreamWriter, decode_entry
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
 
 
 class JobRun:
-    def __init__(self, *, engine: Engine, writer: StreamWriter, settings: Settings, worker_id: str,
+    def __init__(self, *, engine: Engine, writer: StreamWriter, settings: WorkerSettings, worker_id: str,
                  job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
                  is_abort: Callable[[], bool], lease_lost: Callable[[], bool]) -> None:
         self.engine = engine
