@@ -21,13 +21,12 @@ from arq.connections import ArqRedis
 from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, result_key_prefix, retry_key_prefix
 from arq.jobs import Job, JobStatus as ArqJobStatus, serialize_result
 
-from pydantic import ValidationError
-
 from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
 from jobs.keys import JOB_FUNCTION, WAKE_CHANNEL, WORKER_PREFIX, stream_key
 from jobs.connection import connect
 from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull
+from jobs.payload import decode_payload, encode_payload
 from jobs.schemas import EntryKind, JobRequest, JobResult, JobStatus, QueueInfo, StreamEntry, WorkerInfo
 from jobs.serialization import deserialize, serialize
 from jobs.settings import ClientSettings
@@ -134,7 +133,7 @@ class SlotqClient:
             existing = await self.redis.exists(job_key_prefix + job_id, result_key_prefix + job_id)
             if not existing:
                 raise QueueFull(depth, self.settings.max_queue_length)
-        job = await self.redis.enqueue_job(JOB_FUNCTION, request.model_dump(mode="json", exclude_defaults=True),
+        job = await self.redis.enqueue_job(JOB_FUNCTION, encode_payload(request),
                                            _job_id=job_id, _queue_name=self.settings.queue_name)
         if job is not None:
             await self.redis.publish(WAKE_CHANNEL, job_id)
@@ -227,12 +226,11 @@ class SlotqClient:
         letter = await dead_letters.get(self.redis, job_id)
         if letter is None or letter.payload is None:
             return False
-        try:
-            request = JobRequest.model_validate(letter.payload)
-        except ValidationError:
+        request = decode_payload(letter.payload).request
+        if request is None:
             return False
         await self.redis.delete(result_key_prefix + job_id, retry_key_prefix + job_id, stream_key(job_id))
-        await self.redis.enqueue_job(JOB_FUNCTION, request.model_dump(mode="json", exclude_defaults=True),
+        await self.redis.enqueue_job(JOB_FUNCTION, encode_payload(request),
                                      _job_id=job_id, _queue_name=self.settings.queue_name)
         await self.redis.publish(WAKE_CHANNEL, job_id)
         await dead_letters.remove(self.redis, job_id)
