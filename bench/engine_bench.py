@@ -71,7 +71,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     base = dict(model_path=path, ctx=CTX, prefix_cache=False)
     engines = {
         "continuous": await Engine.start(EngineConfig(slots=SLOTS, **base)),
-        "static": await Engine.start(EngineConfig(slots=SLOTS, mode=BatchingMode.STATIC, **base)),
+        "static": await Engine.start(EngineConfig(slots=SLOTS, batching=BatchingMode.STATIC, **base)),
         "sequential": await Engine.start(EngineConfig(slots=1, **base)),
     }
     raw_model = LlamaModel(EngineConfig(slots=SLOTS, **base))

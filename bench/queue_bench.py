@@ -26,7 +26,7 @@ from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bund
 from jobs.client import SlotqClient
 from jobs.redis_server import EmbeddedRedis
 from jobs.schemas import EntryKind, JobRequest
-from jobs.settings import Settings
+from jobs.settings import WorkerSettings
 
 SLOTS = 8
 CTX = 512
@@ -100,7 +100,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
                "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false"}
         worker = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        settings = Settings(redis_url=url)
+        settings = WorkerSettings(redis_url=url)
         client = await SlotqClient.connect(url, settings)
         engine = await Engine.start(EngineConfig(model_path=model, slots=SLOTS, ctx=CTX, prefix_cache=False))
         try:

@@ -1,4 +1,10 @@
-"""Engine configuration: what to load and how to size the llama.cpp context."""
+"""Engine configuration: what to load and how to size the llama.cpp context.
+
+:class:`EngineKnobs` is the one definition of every engine tunable (names, defaults, bounds,
+descriptions). The job layer's worker settings inherit it, so ``SLOTQ_<NAME>`` environment
+variables and ``slotq worker --<name>`` flags come from these fields and can never drift from what
+the engine accepts.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ class FlashAttention(StrEnum):
     OFF = "off"
 
 
-class EngineConfig(BaseModel):
+class EngineKnobs(BaseModel):
     """Sizes follow llama-server's meaning where one exists.
 
     ``ctx`` is the per-sequence context (prompt + generated tokens of one request). The KV pool is
@@ -32,32 +38,42 @@ class EngineConfig(BaseModel):
     admission then waits for room and preemption handles overflow (see the scheduler).
     """
 
+    slots: int = Field(8, ge=1, le=256, description="concurrent sequences = jobs a worker runs at once")
+    ctx: int = Field(4096, ge=64, le=1_048_576, description="per-sequence context in tokens (prompt + output)")
+    kv_cells: int | None = Field(None, ge=64, description="total KV cells shared by the slots; unset = slots x ctx")
+    batch: int = Field(512, ge=1, le=65_536, description="max tokens in one llama_decode (llama.cpp n_batch); >= slots")
+    ubatch: int = Field(512, ge=1, le=65_536, description="llama.cpp n_ubatch (physical micro-batch)")
+    prefill_chunk: int = Field(256, ge=1, description="max prompt tokens of one sequence per decode step")
+    threads: int | None = Field(None, ge=1, le=1024, description="llama.cpp threads; unset = every core this process may use")
+    gpu_layers: int = Field(0, ge=-1, description="layers offloaded to the GPU; -1 = all (needs a CUDA build)")
+    flash_attention: FlashAttention = Field(FlashAttention.AUTO, description="llama.cpp flash attention")
+    kv_type: KVCacheType = Field(KVCacheType.F16, description="KV cache element type")
+    batching: BatchingMode = Field(BatchingMode.CONTINUOUS, description="static exists for comparison")
+    prefix_cache: bool = Field(True, description="reuse the KV of shared prompt prefixes across slots")
+    kv_overcommit: float = Field(1.0, ge=0.1, le=16.0, description="admit while reserved KV <= kv_cells x this")
+    seed: int = Field(0xFFFFFFFF, ge=0, le=0xFFFFFFFF,
+                      description="sampler seed of requests that give none; 4294967295 = random")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> EngineKnobs:
+        if self.batch < self.slots:
+            raise ValueError(f"batch ({self.batch}) must be >= slots ({self.slots}): every slot decodes one token per step")
+        if self.kv_cells is not None and self.kv_cells < self.ctx:
+            raise ValueError(f"kv_cells ({self.kv_cells}) must be >= ctx ({self.ctx}) so one sequence can reach its full context")
+        return self
+
+
+class EngineConfig(EngineKnobs):
+    """The knobs plus the model file to load."""
+
     model_config = ConfigDict(extra="forbid")
 
     model_path: Path
-    slots: int = Field(8, ge=1, le=256)
-    ctx: int = Field(4096, ge=64, le=1_048_576, description="per-sequence context in tokens")
-    kv_cells: int | None = Field(None, ge=64, description="total KV cells; default slots * ctx")
-    n_batch: int = Field(512, ge=1, le=65_536, description="max tokens in one llama_decode")
-    n_ubatch: int = Field(512, ge=1, le=65_536)
-    prefill_chunk: int = Field(256, ge=1, description="max prompt tokens of one sequence per step")
-    threads: int | None = Field(None, ge=1, le=1024, description="None = all cores")
-    gpu_layers: int = Field(0, ge=-1, description="-1 = all layers on the GPU")
-    flash_attention: FlashAttention = FlashAttention.AUTO
-    kv_type: KVCacheType = KVCacheType.F16
-    mode: BatchingMode = BatchingMode.CONTINUOUS
-    prefix_cache: bool = True
-    kv_overcommit: float = Field(1.0, ge=0.1, le=16.0, description="admit while reserved KV <= cells * this")
-    seed: int = Field(0xFFFFFFFF, ge=0, le=0xFFFFFFFF, description="default sampler seed; 0xFFFFFFFF = random")
 
     @model_validator(mode="after")
-    def _sizes(self) -> EngineConfig:
+    def _model_file(self) -> EngineConfig:
         if not self.model_path.is_file():
             raise ValueError(f"model_path: no such file: {self.model_path}")
-        if self.n_batch < self.slots:
-            raise ValueError(f"n_batch ({self.n_batch}) must be >= slots ({self.slots}): every slot decodes one token per step")
-        if self.kv_cells is not None and self.kv_cells < self.ctx:
-            raise ValueError(f"kv_cells ({self.kv_cells}) must be >= ctx ({self.ctx}) so one sequence can reach its full context")
         return self
 
     @property

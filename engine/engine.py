@@ -74,7 +74,7 @@ class Engine:
             n_batch=self.info.n_batch,
             kv_cells=self.info.n_ctx,
             prefill_chunk=min(config.prefill_chunk, self.info.n_batch),
-            mode=config.mode,
+            mode=config.batching,
             prefix_cache=config.prefix_cache,
             kv_overcommit=config.kv_overcommit,
         ))

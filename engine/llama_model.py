@@ -97,8 +97,8 @@ class LlamaModel:
         _set_fields(
             cp,
             n_ctx=config.total_kv_cells,
-            n_batch=config.n_batch,
-            n_ubatch=min(config.n_ubatch, config.n_batch),
+            n_batch=config.batch,
+            n_ubatch=min(config.ubatch, config.batch),
             n_seq_max=config.slots,
             n_threads=threads,
             n_threads_batch=threads,

@@ -1,4 +1,11 @@
-"""The ``slotq`` command line. ``slotq --help`` and ``slotq COMMAND --help`` explain each command."""
+"""The ``slotq`` command line. ``slotq --help`` and ``slotq COMMAND --help`` explain each command.
+
+Settings flags (``--slots``, ``--queue-name``, ...) are generated from the settings classes, so each
+command accepts exactly the settings it uses, with the same bounds and the same names as the
+``SLOTQ_*`` environment variables. Errors a user can fix are printed as one line, with a non-zero
+exit code: 1 for a failed job or a slotq error (Redis unreachable, no such job, queue full), 2 for
+invalid input or settings.
+"""
 
 from __future__ import annotations
 
@@ -13,24 +20,26 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobs.settings import Settings
+from jobs.errors import SlotqError
+from jobs.settings import ClientSettings, WorkerSettings, add_settings_flags, from_command_line
 
 log = logging.getLogger("slotq")
 
+EXIT_FAILED = 1
+EXIT_INVALID = 2
+
 
 # ---------------------------------------------------------------------- helpers
-def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {k: v for k, v in {
-        "redis_url": getattr(args, "redis_url", None),
-        "model": getattr(args, "model", None),
-        "slots": getattr(args, "slots", None),
-        "ctx": getattr(args, "ctx", None),
-    }.items() if v is not None}
-    return Settings(**overrides)
+def _client_settings(args: argparse.Namespace) -> ClientSettings:
+    return from_command_line(ClientSettings, args, args.settings_source)
+
+
+def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    return from_command_line(WorkerSettings, args, args.settings_source)
 
 
 @contextlib.asynccontextmanager
-async def _client(settings: Settings) -> AsyncIterator[Any]:
+async def _client(settings: ClientSettings) -> AsyncIterator[Any]:
     """A client on the configured Redis, or on an embedded one that `slotq redis`/`slotq worker`
     already started; commands that only talk to Redis never start a server of their own."""
     from jobs.client import SlotqClient
@@ -64,12 +73,22 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
+def _describe(exc: ValidationError) -> str:
+    """One line per problem, naming the field: ``slots: Input should be ... (got '0')``."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or exc.title
+        got = f" (got {err['input']!r})" if err.get("type") != "missing" and not isinstance(err.get("input"), dict) else ""
+        lines.append(f"{where}: {err['msg']}{got}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- commands
 def cmd_worker(args: argparse.Namespace) -> None:
     from jobs.redis_server import redis_url_or_embedded
     from jobs.worker import SlotqWorker
 
-    settings = _settings(args)
+    settings = _worker_settings(args)
     _init_sentry()
 
     async def run(url: str) -> None:
@@ -83,7 +102,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     from jobs.gateway.server import serve
     from jobs.gateway.settings import GatewaySettings
 
-    serve(GatewaySettings(**({"redis_url": args.redis_url} if args.redis_url else {})), host=args.host, port=args.port)
+    serve(from_command_line(GatewaySettings, args, args.settings_source))
 
 
 def cmd_redis(args: argparse.Namespace) -> None:
@@ -92,7 +111,7 @@ def cmd_redis(args: argparse.Namespace) -> None:
 
     from jobs.redis_server import EmbeddedRedis
 
-    settings = _settings(args)
+    settings = from_command_line(ClientSettings, args, None)
     server = EmbeddedRedis(settings.data_dir / "redis", args.port or settings.embedded_redis_port)
     url = server.start()
     print(f"embedded Redis (Valkey) listening on {url}; data in {server.data_dir}. Ctrl-C to stop.", flush=True)
@@ -106,45 +125,51 @@ def cmd_redis(args: argparse.Namespace) -> None:
 async def _enqueue(args: argparse.Namespace) -> int:
     from jobs.schemas import JobRequest
 
-    settings = _settings(args)
+    settings = _client_settings(args)
+    text: dict[str, Any]
+    if args.raw:
+        text = {"prompt": args.text}
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        text = {"messages": [*system, {"role": "user", "content": args.text}]}
     try:
-        request = JobRequest(prompt=args.prompt, max_tokens=args.max_tokens, stop=args.stop or [],
+        request = JobRequest(**text, max_tokens=args.max_tokens, stop=args.stop or [],
                              idempotency_key=args.idempotency_key, priority=args.priority,
                              sampling={"temperature": args.temperature, **({"seed": args.seed} if args.seed is not None else {})})
     except ValidationError as exc:
-        print(f"invalid request: {exc}", file=sys.stderr)
-        return 2
+        print(f"invalid request:\n{_describe(exc)}", file=sys.stderr)
+        return EXIT_INVALID
     async with _client(settings) as client:
         job = await client.enqueue(request)
         if not args.json:
             print(job.id, flush=True)
         if args.stream:
-            async for text in job.text():
-                print(text, end="", flush=True)
+            async for chunk in job.text():
+                print(chunk, end="", flush=True)
             print()
         if args.json:
             result = await job.result(timeout=args.timeout)
             _print_json(result.model_dump(mode="json"))
-            return 0 if result.status.value == "succeeded" else 1
+            return 0 if result.status.value == "succeeded" else EXIT_FAILED
     return 0
 
 
 async def _result(args: argparse.Namespace) -> int:
-    async with _client(_settings(args)) as client:
+    async with _client(_client_settings(args)) as client:
         result = await client.result(args.job_id, timeout=args.timeout)
         _print_json(result.model_dump(mode="json"))
         return 0
 
 
 async def _cancel(args: argparse.Namespace) -> int:
-    async with _client(_settings(args)) as client:
+    async with _client(_client_settings(args)) as client:
         done = await client.cancel(args.job_id)
         print("cancelled" if done else "not cancelled: the job already finished or does not exist")
-        return 0 if done else 1
+        return 0 if done else EXIT_FAILED
 
 
 async def _status(args: argparse.Namespace) -> int:
-    async with _client(_settings(args)) as client:
+    async with _client(_client_settings(args)) as client:
         info = await client.queue_info()
     if args.json:
         _print_json(info.model_dump(mode="json") | {"slots_total": info.slots_total, "slots_busy": info.slots_busy})
@@ -167,7 +192,7 @@ async def _status(args: argparse.Namespace) -> int:
 async def _dlq(args: argparse.Namespace) -> int:
     from jobs import dead_letters
 
-    async with _client(_settings(args)) as client:
+    async with _client(_client_settings(args)) as client:
         redis = client.redis
         if args.action == "list":
             for job_id in await dead_letters.list_ids(redis):
@@ -178,7 +203,7 @@ async def _dlq(args: argparse.Namespace) -> int:
             letter = await dead_letters.get(redis, args.job_id or "")
             if letter is None:
                 print(f"no dead letter {args.job_id}", file=sys.stderr)
-                return 1
+                return EXIT_FAILED
             _print_json(letter.model_dump(mode="json"))
         elif args.action == "requeue":
             ids = await dead_letters.list_ids(redis) if args.all else [args.job_id]
@@ -196,7 +221,7 @@ async def _dlq(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> None:
     from jobs.demo import run_demo
 
-    asyncio.run(run_demo(_settings(args), n_jobs=args.jobs, max_tokens=args.max_tokens))
+    asyncio.run(run_demo(_worker_settings(args), n_jobs=args.jobs, max_tokens=args.max_tokens))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -214,27 +239,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slotq",
         description="Serve llama.cpp models behind a durable Redis queue with continuous batching. "
-                    "Settings come from SLOTQ_* environment variables or a .env file; with no "
+                    "Settings come from flags, SLOTQ_* environment variables or ./.env; with no "
                     "SLOTQ_REDIS_URL an embedded Redis (Valkey) is used, with no SLOTQ_MODEL the "
                     "bundled SmolLM2-135M-Instruct.",
     )
-    parser.add_argument("--redis-url", help="Redis URL (overrides SLOTQ_REDIS_URL)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("worker", help="run a worker: load the model, pull as many jobs as it has free slots")
-    p.add_argument("--slots", type=int, help="concurrent sequences (SLOTQ_SLOTS, default 8)")
-    p.add_argument("--model", help="GGUF file (SLOTQ_MODEL, default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--ctx", type=int, help="per-sequence context in tokens (SLOTQ_CTX, default 4096)")
+    def command(name: str, help: str, settings_cls: type[ClientSettings] | None = ClientSettings,
+                **kwargs: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, **kwargs)
+        p.set_defaults(settings_source=add_settings_flags(p, settings_cls) if settings_cls else None)
+        return p
+
+    p = command("worker", "run a worker: load the model, pull as many jobs as it has free slots", WorkerSettings)
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("gateway", help="HTTP gateway: OpenAI-compatible API, background jobs, dashboard at /")
-    p.add_argument("--host", help="address to bind (SLOTQ_GATEWAY_HOST, default 127.0.0.1; others need SLOTQ_API_KEYS)")
-    p.add_argument("--port", type=int, help="SLOTQ_GATEWAY_PORT, default 8000")
+    from jobs.gateway.settings import GatewaySettings
+
+    p = command("gateway", "HTTP gateway: OpenAI-compatible API, background jobs, dashboard at /", GatewaySettings)
+    p.add_argument("--host", dest="gateway_host", default=argparse.SUPPRESS, help="short for --gateway-host")
+    p.add_argument("--port", dest="gateway_port", default=argparse.SUPPRESS, help="short for --gateway-port")
     p.set_defaults(func=cmd_gateway)
 
-    p = sub.add_parser("enqueue", help="enqueue one prompt; prints the job id")
-    p.add_argument("prompt")
+    p = command("enqueue", "enqueue one job; prints its id (or its result with --json)")
+    p.add_argument("text", help="the user's message (the model's chat template applies), or with --raw a raw prompt")
+    p.add_argument("--raw", action="store_true", help="send TEXT as a plain completion prompt, without the chat template")
+    p.add_argument("--system", help="a system message before TEXT (not with --raw)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int)
@@ -246,36 +277,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait with --json")
     p.set_defaults(func=_async(_enqueue))
 
-    p = sub.add_parser("result", help="wait for a job's result and print it as JSON")
+    p = command("result", "wait for a job's result and print it as JSON")
     p.add_argument("job_id")
     p.add_argument("--timeout", type=float, default=600)
     p.set_defaults(func=_async(_result))
 
-    p = sub.add_parser("cancel", help="cancel a queued or running job")
+    p = command("cancel", "cancel a queued or running job")
     p.add_argument("job_id")
     p.set_defaults(func=_async(_cancel))
 
-    p = sub.add_parser("status", help="queue depth, workers seen, slots busy/total")
+    p = command("status", "queue depth, workers seen, slots busy/total")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_async(_status))
 
-    p = sub.add_parser("dlq", help="dead letters: jobs that exhausted their tries or could not be read")
+    p = command("dlq", "dead letters: jobs that exhausted their tries or could not be read")
     p.add_argument("action", choices=["list", "show", "requeue", "purge"])
     p.add_argument("job_id", nargs="?")
     p.add_argument("--all", action="store_true", help="with requeue/purge: every dead letter")
     p.set_defaults(func=_async(_dlq))
 
-    p = sub.add_parser("redis", help="run the embedded Redis (Valkey) in the foreground for other slotq processes")
+    p = command("redis", "run the embedded Redis (Valkey) in the foreground for other slotq processes", None)
     p.add_argument("--port", type=int, help="default SLOTQ_EMBEDDED_REDIS_PORT (6399)")
     p.set_defaults(func=cmd_redis)
 
-    p = sub.add_parser("demo", help="zero-config demo: embedded Redis, one worker, a dozen streamed jobs")
-    p.add_argument("--jobs", type=int, default=12)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--slots", type=int, default=8)
+    p = command("demo", "zero-config demo: embedded Redis, one worker, a dozen streamed jobs", WorkerSettings)
+    p.add_argument("--jobs", type=int, default=12, help="jobs to enqueue")
+    p.add_argument("--max-tokens", type=int, default=48, help="max tokens per job")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse)")
+    p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse)", None)
     p.add_argument("which", choices=["engine", "queue", "prefix"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
@@ -286,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        level = "DEBUG" if args.verbose else Settings().log_level.upper()
+        level = "DEBUG" if args.verbose else (getattr(args, "log_level", None)
+                                              or from_command_line(ClientSettings, args, None).log_level).upper()
     except ValidationError:
         level = "INFO"   # the command reports the invalid settings itself
     logging.basicConfig(level=level,
@@ -294,8 +325,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         code = args.func(args)
     except ValidationError as exc:
-        print(f"invalid settings: {exc}", file=sys.stderr)
-        code = 2
+        print(f"invalid settings:\n{_describe(exc)}", file=sys.stderr)
+        code = EXIT_INVALID
+    except SlotqError as exc:
+        print(f"slotq: {exc}", file=sys.stderr)
+        code = EXIT_INVALID if isinstance(exc, ValueError) else EXIT_FAILED
     except KeyboardInterrupt:
         code = 130
     sys.exit(code or 0)

@@ -17,33 +17,24 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from arq.connections import ArqRedis, create_pool
+from arq.connections import ArqRedis
 from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, result_key_prefix, retry_key_prefix
 from arq.jobs import Job, JobStatus as ArqJobStatus, serialize_result
-
-from pydantic import ValidationError
 
 from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
 from jobs.keys import JOB_FUNCTION, WAKE_CHANNEL, WORKER_PREFIX, stream_key
+from jobs.connection import connect
+from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull
+from jobs.payload import decode_payload, encode_payload
 from jobs.schemas import EntryKind, JobRequest, JobResult, JobStatus, QueueInfo, StreamEntry, WorkerInfo
-from jobs.connection import redis_settings
 from jobs.serialization import deserialize, serialize
-from jobs.settings import Settings
+from jobs.settings import ClientSettings
 from jobs.stream import StreamWriter, read_stream
 
+__all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "SlotqClient"]
 
-class QueueFull(Exception):
-    """The queue holds ``max_queue_length`` jobs; nothing was enqueued. Retry later (HTTP 429)."""
-
-    def __init__(self, depth: int, limit: int) -> None:
-        super().__init__(f"queue is full: {depth} jobs waiting or running, limit {limit} (SLOTQ_MAX_QUEUE_LENGTH)")
-        self.depth = depth
-        self.limit = limit
-
-
-class JobTimeout(TimeoutError):
-    pass
+WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
 
 
 # Atomically take a job that no worker has claimed out of the queue. Touching the in-progress
@@ -86,20 +77,33 @@ class JobHandle:
 
 
 class SlotqClient:
-    def __init__(self, redis: ArqRedis, settings: Settings) -> None:
+    """A producer's view of one queue. ``for_queue`` gives a client of another queue (another
+    model) on the same connections; only the client that connected closes them."""
+
+    def __init__(self, redis: ArqRedis, settings: ClientSettings, *, owns_connection: bool = True) -> None:
         self.redis = redis
         self.settings = settings
+        self._owns_connection = owns_connection
         self._cancel_script = redis.register_script(_CANCEL_QUEUED)
+        self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
 
     @classmethod
-    async def connect(cls, redis_url: str, settings: Settings | None = None) -> SlotqClient:
-        settings = settings or Settings()
-        pool = await create_pool(redis_settings(redis_url), job_serializer=serialize, job_deserializer=deserialize,
-                                 default_queue_name=settings.queue_name)
+    async def connect(cls, redis_url: str, settings: ClientSettings | None = None) -> SlotqClient:
+        """Connect and check that Redis answers; raises RedisUnavailable within
+        ``redis_connect_timeout_s`` when it does not."""
+        settings = settings or ClientSettings()
+        pool = await connect(redis_url, patient=False, connect_timeout_s=settings.redis_connect_timeout_s,
+                             queue_name=settings.queue_name)
         return cls(pool, settings)
 
+    def for_queue(self, queue_name: str) -> SlotqClient:
+        """A client of ``queue_name`` sharing this client's connections."""
+        return SlotqClient(self.redis, self.settings.model_copy(update={"queue_name": queue_name}),
+                           owns_connection=False)
+
     async def close(self) -> None:
-        await self.redis.aclose()
+        if self._owns_connection:
+            await self.redis.aclose()
 
     async def __aenter__(self) -> SlotqClient:
         return self
@@ -109,19 +113,27 @@ class SlotqClient:
 
     # ------------------------------------------------------------------ enqueue
     async def enqueue(self, request: JobRequest | str, **fields: Any) -> JobHandle:
-        """Queue a job. ``request`` is a JobRequest, or a prompt string plus JobRequest fields.
-        Raises pydantic.ValidationError (field named) or QueueFull; nothing is queued then."""
+        """Queue a job. ``request`` is a JobRequest, or a text plus JobRequest fields; the text is
+        sent as the user's chat message (the model's chat template applies, as in llama.cpp's
+        conversation mode). For a raw completion prompt pass ``JobRequest(prompt=...)``.
+
+        Raises pydantic.ValidationError (field named), JobRejected (a limit the workers of this
+        queue advertise, e.g. max_tokens beyond their context) or QueueFull; nothing is queued then.
+        """
         if isinstance(request, str):
-            request = JobRequest(prompt=request, **fields)
+            if "messages" in fields:
+                raise TypeError("enqueue() got a text and messages=; give one of them")
+            request = JobRequest(messages=[{"role": "user", "content": request}], **fields)
         elif fields:
             request = JobRequest.model_validate({**request.model_dump(exclude_unset=True), **fields})
+        await self._check_fits(request)
         job_id = request.idempotency_key or uuid.uuid4().hex
         depth = await self.redis.zcard(self.settings.queue_name)
         if depth >= self.settings.max_queue_length:
             existing = await self.redis.exists(job_key_prefix + job_id, result_key_prefix + job_id)
             if not existing:
                 raise QueueFull(depth, self.settings.max_queue_length)
-        job = await self.redis.enqueue_job(JOB_FUNCTION, request.model_dump(mode="json", exclude_defaults=True),
+        job = await self.redis.enqueue_job(JOB_FUNCTION, encode_payload(request),
                                            _job_id=job_id, _queue_name=self.settings.queue_name)
         if job is not None:
             await self.redis.publish(WAKE_CHANNEL, job_id)
@@ -162,7 +174,7 @@ class SlotqClient:
                 return _to_job_result(job_id, info.success, info.result, info.job_try)
             missing = missing + 1 if await job.status() == ArqJobStatus.not_found else 0
             if missing >= 3:   # not a momentary gap (e.g. a cancel between its two writes)
-                raise KeyError(f"no job {job_id!r} (never enqueued, or its result expired)")
+                raise JobNotFound(job_id)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise JobTimeout(f"job {job_id} did not finish within {timeout} s")
@@ -214,30 +226,39 @@ class SlotqClient:
         letter = await dead_letters.get(self.redis, job_id)
         if letter is None or letter.payload is None:
             return False
-        try:
-            request = JobRequest.model_validate(letter.payload)
-        except ValidationError:
+        request = decode_payload(letter.payload).request
+        if request is None:
             return False
         await self.redis.delete(result_key_prefix + job_id, retry_key_prefix + job_id, stream_key(job_id))
-        await self.redis.enqueue_job(JOB_FUNCTION, request.model_dump(mode="json", exclude_defaults=True),
+        await self.redis.enqueue_job(JOB_FUNCTION, encode_payload(request),
                                      _job_id=job_id, _queue_name=self.settings.queue_name)
         await self.redis.publish(WAKE_CHANNEL, job_id)
         await dead_letters.remove(self.redis, job_id)
         return True
 
     # ------------------------------------------------------------------ fleet
-    def for_queue(self, queue_name: str) -> SlotqClient:
-        """A client for another queue on the same connection pool (close only the original)."""
-        return SlotqClient(self.redis, self.settings.model_copy(update={"queue_name": queue_name}))
-
     async def workers(self) -> list[WorkerInfo]:
-        """Every live worker (heartbeat not expired), whatever queue it serves, sorted by id."""
+        """Every live worker on this Redis (all queues), from their heartbeats."""
         workers = []
         async for key in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=100):
             raw = await self.redis.hgetall(key)
             if raw:
                 workers.append(WorkerInfo.model_validate({k.decode(): v.decode() for k, v in raw.items()}))
         return sorted(workers, key=lambda w: w.id)
+
+    async def _check_fits(self, request: JobRequest) -> None:
+        """Refuse what no live worker of this queue could ever run. The prompt's token count is
+        only known to a worker, so the check is ``max_tokens`` against the largest per-sequence
+        context advertised (the prompt takes at least one token). With no live worker, accept."""
+        now = time.monotonic()
+        if self._workers_cache is None or now - self._workers_cache[0] > WORKERS_CACHE_S:
+            self._workers_cache = (now, await self.workers())
+        contexts = [w.ctx for w in self._workers_cache[1] if w.queue == self.settings.queue_name and w.ctx]
+        if contexts and request.max_tokens >= max(contexts):
+            raise JobRejected(
+                f"max_tokens is {request.max_tokens}; the workers of queue {self.settings.queue_name!r} have a "
+                f"per-sequence context of {max(contexts)} tokens, which must hold the prompt and max_tokens",
+                field="max_tokens")
 
     async def queue_info(self) -> QueueInfo:
         now_ms = time.time() * 1000

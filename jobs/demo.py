@@ -21,7 +21,7 @@ from rich.table import Table
 from jobs.client import SlotqClient
 from jobs.redis_server import EmbeddedRedis
 from jobs.schemas import EntryKind, JobRequest
-from jobs.settings import Settings
+from jobs.settings import WorkerSettings
 from jobs.worker import SlotqWorker
 
 PROMPTS = [
@@ -81,7 +81,7 @@ async def _follow(client: SlotqClient, view: JobView) -> None:
             view.status = entry.finish_reason.value if entry.finish_reason else entry.kind.value
 
 
-async def run_demo(settings: Settings, *, n_jobs: int = 12, max_tokens: int = 48, stagger_s: float = 0.25) -> None:
+async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: int = 48, stagger_s: float = 0.25) -> None:
     console = Console()
     with contextlib.ExitStack() as stack:
         url = settings.redis_url

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arq.worker import Retry
-from pydantic import ValidationError
 
 from engine import (Engine, EngineError, ErrorInfo, Finished, FinishReason, GenerationRequest, TextDelta, Timings,
                     Usage)
 from jobs import dead_letters, metrics
 from jobs.keys import stream_key
+from jobs.payload import decode_payload
 from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, StreamEntry
 from jobs.serialization import POISON_MARKER
-from jobs.settings import Settings
+from jobs.settings import WorkerSettings
 from jobs.stream import StreamWriter, decode_entry
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
 
 
 class JobRun:
-    def __init__(self, *, engine: Engine, writer: StreamWriter, settings: Settings, worker_id: str,
+    def __init__(self, *, engine: Engine, writer: StreamWriter, settings: WorkerSettings, worker_id: str,
                  job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
                  is_abort: Callable[[], bool], lease_lost: Callable[[], bool]) -> None:
         self.engine = engine
@@ -78,11 +78,11 @@ class JobRun:
         if isinstance(self.payload, dict) and POISON_MARKER in self.payload:
             return await self._dead_letter(ErrorInfo(code="poison_payload", retryable=False,
                                                      message=f"unreadable job payload: {self.payload[POISON_MARKER]}"))
-        try:
-            job = JobRequest.model_validate(self.payload)
-        except ValidationError as exc:
-            return await self._dead_letter(ErrorInfo(code="invalid_payload", retryable=False,
-                                                     message=f"job payload failed validation: {_first_error(exc)}"))
+        decoded = decode_payload(self.payload)
+        if decoded.request is None:
+            assert decoded.error is not None
+            return await self._dead_letter(decoded.error)
+        job = decoded.request
         self.metadata = dict(job.metadata)
         if self.attempt > self.settings.max_tries:
             return await self._dead_letter(ErrorInfo(code="tries_exhausted", retryable=True, message=(
@@ -233,8 +233,3 @@ class JobRun:
         return JobResult(id=self.job_id, status=JobStatus.FAILED, error=error, worker=self.worker_id,
                          attempts=self.attempt, finish_reason=FinishReason.ERROR, metadata=self.metadata)
 
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "payload"
-    return f"{where}: {err['msg']}"

@@ -99,9 +99,12 @@ class StreamEntry(BaseModel):
 
 
 class WorkerInfo(BaseModel):
+    """A live worker, as its heartbeat advertises it."""
+
     id: str
-    model: str = Field(description="the served model name (SLOTQ_MODEL_NAME, default the GGUF's name)")
-    queue: str = Field(description="the queue this worker serves")
+    queue: str = Field("", description="the queue it serves")
+    model: str = Field(description="the model name it serves (what the gateway's `model` matches)")
+    ctx: int = Field(0, description="per-sequence context: prompt + max_tokens must fit")
     slots_total: int
     slots_busy: int
     waiting: int

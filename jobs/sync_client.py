@@ -19,13 +19,13 @@ from typing import Any, TypeVar
 
 from jobs.client import SlotqClient
 from jobs.schemas import JobRequest, JobResult, JobStatus, QueueInfo, StreamEntry
-from jobs.settings import Settings
+from jobs.settings import ClientSettings
 
 T = TypeVar("T")
 
 
 class SyncSlotqClient:
-    def __init__(self, redis_url: str, settings: Settings | None = None) -> None:
+    def __init__(self, redis_url: str, settings: ClientSettings | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="slotq-client", daemon=True)
         self._thread.start()

@@ -43,7 +43,7 @@ from jobs.job_run import JobRun
 from jobs.keys import JOB_FUNCTION, WAKE_CHANNEL, worker_key
 from jobs.lease import RENEW_SCRIPT, Lease
 from jobs.serialization import deserialize, serialize
-from jobs.settings import Settings
+from jobs.settings import WorkerSettings
 from jobs.stream import StreamWriter
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class ResilientWorker(Worker):
 class SlotqWorker:
     """Owns the engine, the stream writer, the heartbeat and the arq worker."""
 
-    def __init__(self, settings: Settings, redis_url: str) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str) -> None:
         self.settings = settings
         self.redis_url = redis_url
         self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
@@ -237,8 +237,8 @@ class SlotqWorker:
                                           args=[self.lease.token, job_id, self.lease.ttl_ms], client=pipe)
                     if stats is not None:
                         pipe.hset(worker_key(self.id), mapping={
-                            "id": self.id, "model": self.settings.model_name or stats.model,
-                            "queue": self.settings.queue_name, "slots_total": stats.slots_total,
+                            "id": self.id, "queue": self.settings.queue_name, "ctx": self.engine.ctx_per_seq,
+                            "model": self.settings.model_name or stats.model, "slots_total": stats.slots_total,
                             "slots_busy": stats.slots_busy, "waiting": stats.waiting,
                             "generated_tokens": stats.generated_tokens, "started_at": self.started_at,
                             "updated_at": time.time(), "draining": int(self._draining)})

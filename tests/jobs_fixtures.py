@@ -25,7 +25,7 @@ from jobs.client import SlotqClient
 from jobs.keys import stream_key
 from jobs.redis_server import EmbeddedRedis
 from jobs.schemas import EntryKind, JobRequest, StreamEntry
-from jobs.settings import Settings
+from jobs.settings import WorkerSettings
 from jobs.stream import decode_entry
 from jobs.worker import SlotqWorker
 
@@ -37,10 +37,11 @@ __all__ = [
 SLOTQ_BIN = Path(sys.executable).parent / "slotq"
 
 
-def settings_for(url: str, **overrides: Any) -> Settings:
-    """Settings for tests: never read a .env file, small engine, one thread (2-core machine)."""
+def settings_for(url: str, **overrides: Any) -> WorkerSettings:
+    """Worker settings for tests: small engine, one thread (2-core machine). Library settings
+    never read .env; the environment still applies, so subprocess tests pass theirs explicitly."""
     base: dict[str, Any] = {"redis_url": url, "slots": 4, "ctx": 512, "threads": 1}
-    return Settings(_env_file=None, **(base | overrides))
+    return WorkerSettings(**(base | overrides))
 
 
 def job_request(prompt: str = "hello world", max_tokens: int = 16, **fields: Any) -> JobRequest:

@@ -117,7 +117,7 @@ async def test_late_request_starts_while_others_generate(tiny_model_path: Path) 
 
 async def test_static_mode_late_request_waits_for_the_batch(tiny_model_path: Path) -> None:
     log = EventLog()
-    async with running_engine(tiny_model_path, slots=4, ctx=1024, mode=BatchingMode.STATIC) as engine:
+    async with running_engine(tiny_model_path, slots=4, ctx=1024, batching=BatchingMode.STATIC) as engine:
         # One request with n=3: its three sequences are queued atomically, so they form one batch.
         batch = engine.submit(greedy("long request", 600, n=3))
         task = asyncio.create_task(log.consume("batch", batch))

@@ -358,7 +358,7 @@ CHAOS_PROMPTS = [f"chaos prompt {i}: {w}" for i, w in enumerate(
 
 async def _greedy_references(model_path, max_tokens: int) -> dict[str, list[int]]:
     """Uninterrupted greedy tokens of every chaos prompt, computed in-process with the workers' settings."""
-    engine = await Engine.start(EngineConfig(model_path=model_path, slots=1, ctx=CHAOS_CTX, threads=1, n_ubatch=1))
+    engine = await Engine.start(EngineConfig(model_path=model_path, slots=1, ctx=CHAOS_CTX, threads=1, ubatch=1))
     try:
         out = {}
         for prompt in CHAOS_PROMPTS:

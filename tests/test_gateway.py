@@ -409,10 +409,16 @@ def test_400_from_the_worker_and_through_the_sdk(stack):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny-a", messages=PROMPT, temperature=7)
     assert _error(caught.value)["param"] == "temperature"
-    # too long for worker B's 512-token context: only the worker can tell; stream or not, a 400
+    # max_tokens beyond the context that worker B advertises: refused before it is queued
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny-b", messages=PROMPT, max_completion_tokens=600)
+    error = _error(caught.value)
+    assert (error["param"], error["code"]) == ("max_completion_tokens", "context_length_exceeded")
+    # a prompt too long for worker B's 512-token context: only the worker can count its tokens;
+    # streaming or not, the answer is a 400
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as caught:
-            client.completions.create(model="tiny-b", prompt="x", max_tokens=600, stream=stream)
+            client.completions.create(model="tiny-b", prompt="x" * 3000, max_tokens=10, stream=stream)
         assert _error(caught.value)["code"] == "prompt_too_long"
     response = httpx.post(f"{stack.url}/v1/chat/completions", json=stream_request("k1"),
                           headers={"Last-Event-ID": "yesterday"}, timeout=30)
@@ -531,7 +537,7 @@ def test_quiet_streams_get_keepalives_and_a_model_without_workers_is_503(stack):
     comments: list[str] = []
 
     def cancel_first_later() -> None:
-        time.sleep(1.5)
+        time.sleep(2.0)
         httpx.delete(f"{stack.url}/v1/jobs/{ids[0]}", timeout=10)
 
     threading.Thread(target=cancel_first_later).start()

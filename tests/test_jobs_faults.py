@@ -166,3 +166,60 @@ async def test_bad_payload_is_dead_lettered(client, worker, raw, code):
     # the worker is unharmed and serves the next job
     await _assert_serves(client)
     assert await dead_letters.count(client.redis) == 1
+
+
+# ---------------------------------------------------------------------- payload versions
+def _record(payload: dict) -> bytes:
+    return msgpack.packb({"t": 1, "f": "generate", "a": [payload], "k": {}, "et": int(time.time() * 1000)})
+
+
+async def test_newer_minor_payload_runs_with_unknown_fields_ignored(client, worker, caplog):
+    """A producer upgraded before its workers sends fields this worker does not know."""
+    payload = {"schema_version": "1.7", "prompt": "hello", "max_tokens": 4, "ignore_eos": True,
+               "shiny_new_option": True, "sampling": {"temperature": 0, "new_sampler_knob": 0.5},
+               "messages_style": {"x": 1}}
+    await _inject(client, "newer-minor", _record(payload))
+    result = await client.result("newer-minor", timeout=30)
+    assert result.status == JobStatus.SUCCEEDED, result
+    assert result.usage.completion_tokens == 4
+    assert await dead_letters.count(client.redis) == 0
+    warnings = [r.getMessage() for r in caplog.records if "newer than this worker" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "shiny_new_option" in warnings[0] and "sampling.new_sampler_knob" in warnings[0]
+
+    await _inject(client, "newer-minor-2", _record(payload))       # the same fields again: logged once
+    assert (await client.result("newer-minor-2", timeout=30)).status == JobStatus.SUCCEEDED
+    assert len([r for r in caplog.records if "newer than this worker" in r.getMessage()]) == 1
+
+
+async def test_newer_major_payload_is_dead_lettered_with_its_reason(client, worker):
+    await _inject(client, "newer-major", _record({"schema_version": "2.0", "prompt": "hello", "max_tokens": 4}))
+    result = await client.result("newer-major", timeout=30)
+    assert result.status == JobStatus.FAILED
+    assert result.error is not None and result.error.code == "unsupported_payload_version"
+    assert "2.0" in result.error.message and "upgrade the workers" in result.error.message
+    letter = await dead_letters.get(client.redis, "newer-major")
+    assert letter is not None and letter.error.code == "unsupported_payload_version"
+    await _assert_serves(client)                                    # the worker carries on
+
+
+@pytest.mark.parametrize("payload", [
+    {"prompt": "hello", "max_tokens": 4},                             # a producer older than versioning
+    {"schema_version": "1.0", "prompt": "hello", "max_tokens": 4},
+], ids=["unversioned", "same-version"])
+async def test_older_and_current_payloads_run_and_stay_strict(client, worker, payload):
+    await _inject(client, "old-producer", _record(payload))
+    assert (await client.result("old-producer", timeout=30)).status == JobStatus.SUCCEEDED
+    await _inject(client, "old-typo", _record({**payload, "max_token": 5}))   # at our version an unknown field is a bug
+    result = await client.result("old-typo", timeout=30)
+    assert result.error is not None and result.error.code == "invalid_payload"
+    assert "max_token" in result.error.message
+
+
+async def test_enqueued_payloads_carry_the_schema_version(client):
+    from jobs.payload import SCHEMA_VERSION
+    from jobs.serialization import deserialize
+
+    job = await client.enqueue(job_request("hello"))
+    stored = deserialize(await client.redis.get(job_key_prefix + job.id))["a"][0]
+    assert stored["schema_version"] == "%d.%d" % SCHEMA_VERSION

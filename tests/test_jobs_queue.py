@@ -185,6 +185,8 @@ async def test_unknown_override_field_is_rejected(client):
 
 async def test_request_needs_exactly_one_of_prompt_or_messages(client):
     with pytest.raises(ValidationError, match="prompt or messages"):
+        await client.enqueue("a", prompt="b")      # a text is a user message: with a prompt, both are given
+    with pytest.raises(TypeError, match="messages"):
         await client.enqueue("a", messages=[{"role": "user", "content": "b"}])
     with pytest.raises(ValidationError, match="prompt or messages"):
         await client.enqueue(JobRequest(prompt="a"), prompt=None)

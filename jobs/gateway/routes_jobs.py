@@ -17,7 +17,7 @@ from jobs.gateway.errors import ApiError, from_validation
 from jobs.gateway.routes_openai import gateway_of
 from jobs.gateway.service import JobRecord
 from jobs.gateway.sse import open_stream
-from jobs.gateway.translate import kind_of, to_job_request, to_response, unfinished_error
+from jobs.gateway.translate import kind_of, to_job_request, to_response, unfinished_error, wire_param
 from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, JobObject
 from jobs.schemas import JobStatus
 
@@ -36,7 +36,7 @@ async def create_job(request: Request, response: Response, payload: dict[str, An
         raise ApiError.invalid("stream: a background job is read with GET /v1/jobs/{id}/events", "stream")
     gateway = gateway_of(request)
     job = to_job_request(body, idempotency_key=request.headers.get("idempotency-key"))
-    handle, record = await gateway.submit(job, body.model, kind_of(body))
+    handle, record = await gateway.submit(job, body.model, kind_of(body), wire_param(body))
     response.headers["Location"] = f"/v1/jobs/{handle.id}"
     return JobObject(id=handle.id, status=await handle.status(), model=record.model, queue=record.queue,
                      created=record.created)

@@ -12,13 +12,13 @@ import time
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from jobs.client import JobTimeout
+from jobs.client import JobNotFound, JobTimeout
 from jobs.gateway.auth import require_key
 from jobs.gateway.chunks import ChunkRenderer, parse_stream_id
 from jobs.gateway.errors import ApiError
 from jobs.gateway.service import Gateway
 from jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
-from jobs.gateway.translate import WireRequest, kind_of, to_job_request, to_response, unfinished_error
+from jobs.gateway.translate import WireRequest, kind_of, to_job_request, to_response, unfinished_error, wire_param
 from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from jobs.schemas import JobStatus
 
@@ -54,7 +54,7 @@ async def complete(request: Request, body: WireRequest) -> Response:
     if body.stream and request.headers.get("last-event-id"):
         return await _resume(request, gateway, body)
     job = to_job_request(body, idempotency_key=request.headers.get("idempotency-key"))
-    handle, record = await gateway.submit(job, body.model, kind)
+    handle, record = await gateway.submit(job, body.model, kind, wire_param(body))
     keep = body.keep_on_disconnect if body.keep_on_disconnect is not None else gateway.settings.gateway_keep_on_disconnect
     owner_cancels = handle.created and not keep       # only the request that created a job cancels it
     headers = {"X-Slotq-Job-Id": handle.id}
@@ -74,7 +74,7 @@ async def complete(request: Request, body: WireRequest) -> Response:
     except JobTimeout:
         gateway.cancel_soon(handle.client, handle.id)
         raise ApiError.deadline(f"job {handle.id}: the deadline passed before it finished") from None
-    except KeyError:
+    except JobNotFound:
         raise ApiError.job_not_found(handle.id) from None
     error = unfinished_error(result)
     if error is not None:

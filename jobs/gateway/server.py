@@ -24,9 +24,8 @@ def redis_url_for(settings: GatewaySettings) -> str:
     return f"redis://127.0.0.1:{settings.embedded_redis_port}/0"
 
 
-def serve(settings: GatewaySettings, host: str | None = None, port: int | None = None) -> None:
-    host = host or settings.gateway_host
-    port = settings.gateway_port if port is None else port
+def serve(settings: GatewaySettings) -> None:
+    host, port = settings.gateway_host, settings.gateway_port
     refusal = settings.bind_error(host)
     if refusal:
         raise SystemExit(refusal)

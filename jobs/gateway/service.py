@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel
 
-from jobs.client import JobHandle, QueueFull, SlotqClient
+from jobs.client import JobHandle, JobRejected, QueueFull, SlotqClient
 from jobs.gateway.errors import ApiError
 from jobs.gateway.routing import ModelRouter
 from jobs.gateway.settings import GatewaySettings
@@ -44,12 +45,16 @@ class Gateway:
             self._queues[name] = self.client.for_queue(name)
         return self._queues[name]
 
-    async def submit(self, job: JobRequest, model: str, kind: Literal["chat", "text"]) -> tuple[JobHandle, JobRecord]:
+    async def submit(self, job: JobRequest, model: str, kind: Literal["chat", "text"],
+                     param: Callable[[str], str] = str) -> tuple[JobHandle, JobRecord]:
         """Route by model and enqueue. With an idempotency key that matches a live job, that job
-        (and the record of the request that created it) is returned instead."""
+        (and the record of the request that created it) is returned instead. ``param`` names a
+        JobRequest field as the request called it (for errors)."""
         route = await self.router.route(model)
         try:
             handle = await self.queue(route.queue).enqueue(job)
+        except JobRejected as exc:
+            raise ApiError.invalid(str(exc), param(exc.field), code="context_length_exceeded") from None
         except QueueFull as exc:
             raise ApiError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
                            headers={"Retry-After": str(self.settings.gateway_retry_after_s)}) from None

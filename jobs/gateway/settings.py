@@ -7,12 +7,12 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from jobs.settings import Settings
+from jobs.settings import ClientSettings
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-class GatewaySettings(Settings):
+class GatewaySettings(ClientSettings):
     gateway_host: str = Field("127.0.0.1", description="address to bind; anything but loopback needs SLOTQ_API_KEYS")
     gateway_port: int = Field(8000, ge=0, le=65535)
     api_keys: Annotated[list[str], NoDecode] = Field(

@@ -132,26 +132,25 @@ async def _events(gateway: Gateway, client: SlotqClient, job_id: str, renderer: 
     try:
         for event in renderer.opening():
             yield event
-        item = first
-        while not renderer.finished:
-            if item is None:
-                try:
-                    item = await feed.next(keepalive)
-                except Exception as exc:  # Redis unreachable beyond the client's retries
-                    yield error_event(ApiError(503, f"lost the job's stream ({type(exc).__name__}: {exc}); resume "
-                                                    "with Last-Event-ID", type="server_error", code="stream_unavailable"))
-                    break
+        item = first           # an entry, END, or None: the stream was quiet for a keep-alive interval
+        while True:
             if item is None:
                 if deadline is not None and time.time() > deadline + DEADLINE_GRACE_S:
                     gateway.cancel_soon(client, job_id)
                     yield error_event(ApiError.deadline(f"job {job_id}: the deadline passed before it finished"))
                     break
                 yield comment("keep-alive")
-                continue
-            events = renderer.gone() if item is EntryFeed.END else renderer.feed(item)  # type: ignore[arg-type]
-            for event in events:
-                yield event
-            item = None
+            else:
+                for event in renderer.gone() if item is EntryFeed.END else renderer.feed(item):  # type: ignore[arg-type]
+                    yield event
+                if renderer.finished:
+                    break
+            try:
+                item = await feed.next(keepalive)
+            except Exception as exc:  # Redis unreachable beyond the client's retries
+                yield error_event(ApiError(503, f"lost the job's stream ({type(exc).__name__}: {exc}); resume "
+                                                "with Last-Event-ID", type="server_error", code="stream_unavailable"))
+                break
         completed = True
     finally:
         metrics.STREAMS_ACTIVE.dec()

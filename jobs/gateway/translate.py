@@ -8,6 +8,7 @@ gateway reports it as an error instead (409 ``job_cancelled`` / 504 ``deadline_e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import ValidationError
@@ -65,8 +66,8 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> 
             if name == "json_schema":
                 return (schema_param,)
             return (_SAMPLING_PARAM.get(str(name), name), *loc[2:])
-        if loc == ("max_tokens",) and isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-            return ("max_completion_tokens",)
+        if loc == ("max_tokens",):
+            return (wire_param(request)("max_tokens"),)
         return loc
 
     fields["sampling"] = {k: v for k, v in sampling.items() if v is not None}
@@ -74,6 +75,16 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> 
         return JobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
         raise from_validation(exc, rename) from None
+
+
+def wire_param(request: WireRequest) -> Callable[[str], str]:
+    """A JobRequest field's name as this request spelled it (``max_completion_tokens`` for a chat
+    request that used it)."""
+    def name(field: str) -> str:
+        if field == "max_tokens" and isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return field
+    return name
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:

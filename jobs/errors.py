@@ -1,0 +1,45 @@
+"""Errors the job layer raises to producers. Each says what happened and what to do about it.
+
+They share :class:`SlotqError`, so a web app can catch everything slotq raises in one place; the
+``slotq`` commands print the message as one line and exit non-zero instead of a traceback.
+"""
+
+from __future__ import annotations
+
+
+class SlotqError(Exception):
+    """Base class of slotq's own errors."""
+
+
+class RedisUnavailable(SlotqError, ConnectionError):
+    """Redis could not be reached (nothing listening, wrong password, TLS or DNS failure)."""
+
+
+class QueueFull(SlotqError):
+    """The queue holds ``max_queue_length`` jobs; nothing was enqueued. Retry later (HTTP 429)."""
+
+    def __init__(self, depth: int, limit: int) -> None:
+        super().__init__(f"queue is full: {depth} jobs waiting, limit {limit} (SLOTQ_MAX_QUEUE_LENGTH)")
+        self.depth = depth
+        self.limit = limit
+
+
+class JobRejected(SlotqError, ValueError):
+    """The request cannot run on the workers that serve this queue; nothing was enqueued.
+    ``field`` names the offending request field."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class JobNotFound(SlotqError, LookupError):
+    """No such job: never enqueued, or its result expired."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r} (never enqueued, or its result expired)")
+        self.job_id = job_id
+
+
+class JobTimeout(SlotqError, TimeoutError):
+    """The job did not finish within the time the caller was willing to wait (it keeps running)."""
