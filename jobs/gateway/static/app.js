@@ -42,7 +42,7 @@ const bar = (used, total, cls = "") => {
 // ------------------------------------------------------------------ fleet
 let previous = {};   // worker id -> {t, generated}: tokens/s from successive heartbeats
 
-function tokensPerSecond(w, now) {
+function tokensPerSecond(w) {
   if (w.tokens_per_s != null) return w.tokens_per_s;          // when the heartbeat carries it
   const before = previous[w.id];
   previous[w.id] = { t: w.updated_at, generated: w.generated_tokens, rate: before ? before.rate : null };
@@ -59,7 +59,7 @@ function renderFleet(fleet) {
       <td class="num">${q.queued}</td><td class="num">${q.running}</td><td class="num">${q.deferred}</td>
       <td class="num">${ago(q.oldest_queued_age_s)}</td></tr>`).join("");
   $("#workers tbody").innerHTML = fleet.workers.map((w) => {
-    const rate = tokensPerSecond(w, fleet.time);
+    const rate = tokensPerSecond(w);
     const kv = w.kv_cells_total ? `${bar(w.kv_cells_used, w.kv_cells_total, "kv")}${((100 * w.kv_cells_used) / w.kv_cells_total).toFixed(0)} %` : "–";
     return `<tr data-worker="${esc(w.id)}"><td>${esc(w.id)}</td><td>${esc(w.model)}</td><td>${esc(w.queue)}</td>
       <td class="slots">${bar(w.slots_busy, w.slots_total)}${w.slots_busy} / ${w.slots_total}</td><td>${kv}</td>
@@ -204,6 +204,7 @@ $("#play-form").addEventListener("submit", (event) => {
       messages: [{ role: "user", content: $("#play-prompt").value }],
       max_tokens: Number($("#play-max").value),
       temperature: Number($("#play-temp").value),
+      ignore_eos: $("#play-ignore-eos").checked,
       stream: true,
       stream_options: { include_usage: true },
       keep_on_disconnect: true,          // a reload must not cancel the job

@@ -1,0 +1,158 @@
+"""The dashboard in a real headless Chromium (Debian's ``chromium``, driven by Playwright) against
+a real gateway, worker and Redis: the fleet table shows the worker, a dead letter is requeued
+with its button, a playground reply streams in, and a reply survives a page reload mid-stream.
+
+``make test`` installs Chromium (``make test-deps``). Without it the test fails in CI (``CI=true``)
+and is skipped elsewhere, saying why. ``SLOTQ_SCREENSHOT_TO=docs/dashboard.png`` runs it on the
+bundled model instead of the tiny one and saves the README's screenshot there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from engine import ErrorInfo, bundled_model_path
+from jobs import dead_letters
+from jobs.redis_server import EmbeddedRedis
+from gateway_fixtures import Stack
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
+
+CHROMIUM = Path(os.environ.get("SLOTQ_CHROMIUM", "/usr/bin/chromium"))
+# The machine has no internet: background networking (updates, safe browsing, sync) makes Chromium hang.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+SCREENSHOT_TO = os.environ.get("SLOTQ_SCREENSHOT_TO")
+MODEL_NAME = "smollm2" if SCREENSHOT_TO else "tiny"
+
+
+def _require_chromium() -> None:
+    if CHROMIUM.exists():
+        return
+    reason = (f"Chromium not found at {CHROMIUM}: install Debian's package (`apt-get install chromium`, which "
+              "`make test-deps` does as root) or set SLOTQ_CHROMIUM")
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
+    _require_chromium()
+    cwd = tmp_path_factory.mktemp("dashboard")
+    redis = EmbeddedRedis(cwd / "redis", port=0, fsync="no")
+    redis.start()
+    s = Stack(redis, cwd, bundled_model_path() if SCREENSHOT_TO else tiny_model_path)
+    try:
+        engine = {"ctx": 2048, "threads": 2} if SCREENSHOT_TO else {"ctx": 16_384}
+        s.start_worker("browser-worker", MODEL_NAME, slots=2, **engine)
+        s.start_gateway("browser-gateway").wait_ready()
+        s.wait_for_models({MODEL_NAME})
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def page(stack: Stack, tmp_path: Path) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            tmp_path / "profile", executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1280, "height": 900})
+        try:
+            page = context.new_page()
+            page.set_default_timeout(60_000)
+            yield page
+        finally:
+            context.close()
+
+
+def _job(stack: Stack, job_id: str) -> dict[str, Any]:
+    return httpx.get(f"{stack.url}/v1/jobs/{job_id}", timeout=10).json()
+
+
+def _send(page: Any, prompt: str, max_tokens: int, *, ignore_eos: bool = False) -> None:
+    page.fill("#play-prompt", prompt)
+    page.fill("#play-max", str(max_tokens))
+    page.fill("#play-temp", "0")
+    page.set_checked("#play-ignore-eos", ignore_eos)
+    page.click("#play-send")
+
+
+def _playground(page: Any) -> dict[str, Any]:
+    return page.evaluate("JSON.parse(localStorage.getItem('slotq.playground'))")
+
+
+def test_dashboard_fleet_dead_letters_and_playground(stack, page, tmp_path):
+    # a dead letter, as a worker records one when a job has exhausted its tries
+    letter_id = f"dead-{uuid.uuid4().hex[:8]}"
+
+    async def record() -> None:
+        redis = Redis.from_url(stack.redis.url)
+        await dead_letters.record(redis, letter_id, {"prompt": "requeue me", "max_tokens": 4},
+                                  ErrorInfo(code="tries_exhausted", message="worker lost 5 times", retryable=True),
+                                  5, time.time())
+        await redis.aclose()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:      # Playwright's sync API holds this thread's loop
+        pool.submit(asyncio.run, record()).result()
+
+    page.goto(stack.url)
+    # the fleet: the worker and its queue, live
+    row = page.wait_for_selector('#workers tbody tr[data-worker="browser-worker"]')
+    assert MODEL_NAME in row.inner_text() and "/ 2" in row.inner_text()
+    assert page.inner_text('#queues tbody tr[data-queue="slotq:queue"]').startswith("slotq:queue")
+    assert "live" in page.inner_text("#conn")
+
+    # dead letters: listed, and requeued with the button
+    button = page.wait_for_selector(f'#dead-letters button.requeue[data-job="{letter_id}"]')
+    button.click()
+    page.wait_for_selector(f'#dead-letters tr[data-job="{letter_id}"]', state="detached")
+    deadline = time.monotonic() + 60
+    while _job(stack, letter_id).get("status") != "succeeded" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _job(stack, letter_id)["status"] == "succeeded"
+
+    # the playground: a reply streams in, and it is exactly the job's result
+    page.wait_for_selector(f'#play-model option:text-is("{MODEL_NAME}")', state="attached")
+    _send(page, "Write one sentence about queues.", 48)
+    page.wait_for_function("document.querySelector('#play-status').textContent.startsWith('done')")
+    state = _playground(page)
+    result = _job(stack, state["request"]["idempotency_key"])["result"]
+    assert page.inner_text("#play-output") != "" and state["text"] == result["text"]
+    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+    if SCREENSHOT_TO:
+        shutil.copy(tmp_path / "dashboard.png", SCREENSHOT_TO)
+
+
+def test_playground_reply_survives_a_reload_mid_stream(stack, page):
+    page.goto(stack.url)
+    page.wait_for_selector(f'#play-model option:text-is("{MODEL_NAME}")', state="attached")
+    _send(page, "Tell me a long story.", 300 if SCREENSHOT_TO else 4000, ignore_eos=True)
+    page.wait_for_function("(JSON.parse(localStorage.getItem('slotq.playground')) || {}).lastId")
+    job_id = _playground(page)["request"]["idempotency_key"]
+    assert _job(stack, job_id)["status"] == "running"            # reloading mid-stream, not after the end
+    before = _playground(page)
+    page.reload()
+    page.wait_for_function("document.querySelector('#play-status').textContent.startsWith('done')",
+                           timeout=120_000)
+    after = _playground(page)
+    assert "resumed after reload" in page.inner_text("#play-status")
+    assert after["text"].startswith(before["text"])
+    job = _job(stack, job_id)
+    assert job["status"] == "succeeded" and job["result"]["attempts"] == 1     # the reload did not cancel it
+    assert after["text"] == job["result"]["text"]                # nothing lost, nothing repeated
