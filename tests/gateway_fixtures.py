@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from jobs_fixtures import SLOTQ_BIN, WorkerProcess, clean_env
 
 from jobs.redis_server import EmbeddedRedis
-from jobs_fixtures import SLOTQ_BIN, WorkerProcess, clean_env
 
 LOCK_TTL_S = 3      # heartbeat every second: routing and slot counts follow the fleet quickly
 

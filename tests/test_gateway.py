@@ -22,14 +22,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from gateway_fixtures import Event, Stack, chunk_text, free_port, sse_events
+from jobs_fixtures import SLOTQ_BIN, clean_env
 from openai import AsyncOpenAI, OpenAI
 from redis.asyncio import Redis
 
 from engine import ErrorInfo
 from jobs import dead_letters
 from jobs.redis_server import EmbeddedRedis
-from jobs_fixtures import SLOTQ_BIN, clean_env
-from gateway_fixtures import Event, Stack, chunk_text, free_port, sse_events
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -488,10 +488,9 @@ def test_504_when_the_deadline_passes(stack):
     # streaming: the chunks so far, then an error event the SDK raises
     stream = client.chat.completions.create(model="tiny-a", messages=PROMPT, max_tokens=LONG, stream=True,
                                             extra_body=greedy(deadline=time.time() + 0.5))
-    received = []
+    received: list[Any] = []
     with pytest.raises(openai.APIError) as caught:
-        for chunk in stream:
-            received.append(chunk)
+        received.extend(stream)
     assert caught.value.body["code"] == "deadline_exceeded"
     assert any(c.choices and c.choices[0].delta.content for c in received)
 
@@ -599,19 +598,23 @@ def test_health_metrics_and_fleet(stack):
     assert {w["id"] for w in state["workers"]} >= {"gw-worker-a", "gw-worker-b"}
 
 
-async def test_dead_letters_listed_and_requeued(stack):
+def test_dead_letters_listed_and_requeued(stack):
     """A dead letter as the worker records it when a job exhausts its tries; requeued from the API,
     it runs again for real on the queue it came from."""
     key = f"dead-{uuid.uuid4().hex}"
     reply = sdk(stack.url).completions.create(model="tiny-b", prompt="dead letter", max_tokens=4,
                                               extra_body=greedy(idempotency_key=key))
     assert reply.choices[0].finish_reason == "length"
-    redis = Redis.from_url(stack.redis.url)
-    try:
-        await dead_letters.record(redis, key, {"prompt": "dead letter", "max_tokens": 4, "ignore_eos": True},
-                                  ErrorInfo(code="tries_exhausted", message="test", retryable=True), 5, time.time())
-    finally:
-        await redis.aclose()
+
+    async def record() -> None:
+        redis = Redis.from_url(stack.redis.url)
+        try:
+            await dead_letters.record(redis, key, {"prompt": "dead letter", "max_tokens": 4, "ignore_eos": True},
+                                      ErrorInfo(code="tries_exhausted", message="test", retryable=True), 5, time.time())
+        finally:
+            await redis.aclose()
+
+    asyncio.run(record())
     listed = httpx.get(f"{stack.url}/api/dead-letters", timeout=10).json()["data"]
     assert [d["job_id"] for d in listed] == [key]
     assert fleet(stack.url)["dead_letters"] == 1
@@ -629,6 +632,6 @@ def test_refuses_to_bind_beyond_loopback_without_keys(tmp_path):
 
     proc = subprocess.run([str(SLOTQ_BIN), "gateway", "--host", "0.0.0.0", "--port", str(free_port())],
                           env=clean_env(redis_url="redis://127.0.0.1:1/0"), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, check=False)
     assert proc.returncode != 0
     assert "SLOTQ_API_KEYS" in proc.stderr and "0.0.0.0" in proc.stderr

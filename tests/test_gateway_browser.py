@@ -21,12 +21,12 @@ from typing import Any
 
 import httpx
 import pytest
+from gateway_fixtures import Stack
 from redis.asyncio import Redis
 
 from engine import ErrorInfo, bundled_model_path
 from jobs import dead_letters
 from jobs.redis_server import EmbeddedRedis
-from gateway_fixtures import Stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 

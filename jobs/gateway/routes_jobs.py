@@ -5,7 +5,7 @@ A background job never depends on a client staying connected."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import ValidationError
@@ -25,7 +25,7 @@ router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_key)])
 
 
 @router.post("", status_code=202)
-async def create_job(request: Request, response: Response, payload: dict[str, Any] = Body(...)) -> JobObject:
+async def create_job(request: Request, response: Response, payload: Annotated[dict[str, Any], Body()]) -> JobObject:
     """The body of a chat completion (``messages``) or a completion (``prompt``) request."""
     model = ChatCompletionRequest if "messages" in payload else CompletionRequest
     try:

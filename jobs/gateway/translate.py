@@ -15,8 +15,18 @@ from pydantic import ValidationError
 
 from engine import FinishReason, Usage
 from jobs.gateway.errors import ApiError, from_validation
-from jobs.gateway.wire import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, CompletionRequest,
-                               PromptTokensDetails, SlotqInfo, TextChoice, TextCompletion, UsageOut)
+from jobs.gateway.wire import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensDetails,
+    SlotqInfo,
+    TextChoice,
+    TextCompletion,
+    UsageOut,
+)
 from jobs.schemas import JobRequest, JobResult, JobStatus
 
 Kind = Literal["chat", "text"]
@@ -61,7 +71,9 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> 
         fields["prompt"] = request.prompt_text
 
     def rename(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
-        if loc[:1] == ("sampling",) and len(loc) > 1:
+        if loc == ("sampling",):               # a rule across sampling fields: no single parameter
+            return ()
+        if loc[:1] == ("sampling",):
             name = loc[1]
             if name == "json_schema":
                 return (schema_param,)

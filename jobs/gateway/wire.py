@@ -18,10 +18,10 @@ from jobs.schemas import JobResult, JobStatus
 # [], tool_choice "none"/"auto", best_of 1) they are dropped; any other value is a 400 naming them.
 _OFF_VALUES: tuple[Any, ...] = (None, False, "", [], {})
 _OFF_SPECIAL: dict[str, tuple[Any, ...]] = {"tool_choice": ("none", "auto"), "best_of": (1,), "top_logprobs": (0,)}
-_DROPPED_WHEN_OFF = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-                     "parallel_tool_calls", "echo", "suffix", "best_of", "modalities", "audio", "prediction",
+_DROPPED_WHEN_OFF = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "echo",
+                     "suffix", "best_of", "modalities", "audio", "prediction",
                      "web_search_options", "reasoning_effort")
-_IGNORED = ("user", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+_IGNORED = ("user", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
 
 
 def _is_off(key: str, value: Any) -> bool:
