@@ -178,7 +178,7 @@ def test_chat_stream_sync_with_include_usage(stack):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert all(c.usage is None for c in chunks[:-1])
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == job(stack.url, chunks[0].id.removeprefix("chatcmpl-"))["result"]["text"]
+    assert text == wait_job(stack.url, chunks[0].id.removeprefix("chatcmpl-"))["result"]["text"]
 
 
 def test_completions_stream_and_not(stack):
@@ -276,7 +276,7 @@ def test_n_choices_stream_and_not(stack):
             if choice.finish_reason:
                 reasons[choice.index] = choice.finish_reason
     assert reasons == {0: "length", 1: "length"}
-    stored = job(stack.url, chunks[0].id.removeprefix("chatcmpl-"))["result"]["choices"]
+    stored = wait_job(stack.url, chunks[0].id.removeprefix("chatcmpl-"))["result"]["choices"]
     assert {c["index"]: c["text"] for c in stored} == texts
 
 
@@ -527,7 +527,7 @@ def _wait_exists(url: str, job_id: str, timeout: float = 10) -> bool:
 def test_quiet_streams_get_keepalives_and_a_model_without_workers_is_503(stack):
     """Worker C (one slot) serves tiny-c: a job queued behind a long one gets keep-alive comments
     while it waits; once worker C is gone, tiny-c is a 503 (seen recently), not a 404."""
-    worker = stack.start_worker("gw-worker-c", "tiny-c", queue="slotq:queue:c", slots=1, ctx=16_384)
+    stack.start_worker("gw-worker-c", "tiny-c", queue="slotq:queue:c", slots=1, ctx=16_384)
     stack.wait_for_models({"tiny-c"})
     ids = [httpx.post(f"{stack.url}/v1/jobs", timeout=30, json={
         "model": "tiny-c", "prompt": f"c {i}", "max_tokens": LONG if i == 0 else 4, "ignore_eos": True}).json()["id"]
@@ -544,7 +544,7 @@ def test_quiet_streams_get_keepalives_and_a_model_without_workers_is_503(stack):
     assert len(comments) >= 2 and all(c == ": keep-alive" for c in comments)      # gateway 1: every 0.5 s
     assert events[-1].json()["final"] and events[-1].json()["finish_reason"] == "length"
 
-    worker.stop()
+    stack.workers.pop("gw-worker-c").stop()
     deadline = time.monotonic() + 10
     while "tiny-c" in {m.id for m in sdk(stack.url).models.list()} and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -586,6 +586,7 @@ def test_two_models_on_two_workers_are_routed_by_model(stack):
 
 # ---------------------------------------------------------------------- operations
 def test_health_metrics_and_fleet(stack):
+    sdk(stack.url).chat.completions.create(model="tiny-b", messages=PROMPT, max_tokens=2)
     health = httpx.get(f"{stack.url}/health", timeout=10).json()
     assert health["status"] == "ok" and health["redis"] == "ok"
     tiny_b = health["models"]["tiny-b"]
@@ -635,3 +636,32 @@ def test_refuses_to_bind_beyond_loopback_without_keys(tmp_path):
                           text=True, timeout=60, check=False)
     assert proc.returncode != 0
     assert "SLOTQ_API_KEYS" in proc.stderr and "0.0.0.0" in proc.stderr
+
+
+@pytest.mark.fault
+def test_a_worker_killed_mid_stream_is_invisible_to_the_sse_client(stack):
+    """SIGKILL the worker generating a streamed reply; another worker of the same model takes the
+    job over when its lease lapses and resumes it: the client's one stream carries one seamless
+    text (the failed attempt shows at most as an SSE comment)."""
+    first = stack.start_worker("gw-worker-r1", "tiny-r", queue="slotq:queue:r", slots=1, ctx=16_384)
+    stack.wait_for_models({"tiny-r"})
+    key = f"killed-{uuid.uuid4().hex}"
+    body = stream_request(key, max_tokens=8000) | {"model": "tiny-r"}
+    events: list[Event] = []
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for item in sse_events(response.iter_lines()):
+            if isinstance(item, str):
+                continue
+            events.append(item)
+            if len(events) == 5:
+                first.proc.kill()                                  # mid-reply, no goodbye
+                stack.start_worker("gw-worker-r2", "tiny-r", queue="slotq:queue:r", slots=1, ctx=16_384)
+    assert events[-1].data == "[DONE]"
+    assert not any(e.data.startswith('{"error"') for e in events)
+    result = wait_job(stack.url, key)["result"]
+    assert result["attempts"] == 2 and result["worker"] == "gw-worker-r2"
+    assert result["usage"]["completion_tokens"] == 8000
+    assert chunk_text(events) == result["text"]
+    stack.workers.pop("gw-worker-r2").stop()
+    stack.workers.pop("gw-worker-r1").stop()

@@ -85,6 +85,14 @@ def _job(stack: Stack, job_id: str) -> dict[str, Any]:
     return httpx.get(f"{stack.url}/v1/jobs/{job_id}", timeout=10).json()
 
 
+def _finished(stack: Stack, job_id: str, timeout: float = 60) -> dict[str, Any]:
+    """The job once its result is stored (a moment after its stream's last event)."""
+    deadline = time.monotonic() + timeout
+    while (job := _job(stack, job_id)).get("status") in ("queued", "running", None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return job
+
+
 def _send(page: Any, prompt: str, max_tokens: int, *, ignore_eos: bool = False) -> None:
     page.fill("#play-prompt", prompt)
     page.fill("#play-max", str(max_tokens))
@@ -122,17 +130,14 @@ def test_dashboard_fleet_dead_letters_and_playground(stack, page, tmp_path):
     button = page.wait_for_selector(f'#dead-letters button.requeue[data-job="{letter_id}"]')
     button.click()
     page.wait_for_selector(f'#dead-letters tr[data-job="{letter_id}"]', state="detached")
-    deadline = time.monotonic() + 60
-    while _job(stack, letter_id).get("status") != "succeeded" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _job(stack, letter_id)["status"] == "succeeded"
+    assert _finished(stack, letter_id)["status"] == "succeeded"
 
     # the playground: a reply streams in, and it is exactly the job's result
     page.wait_for_selector(f'#play-model option:text-is("{MODEL_NAME}")', state="attached")
     _send(page, "Write one sentence about queues.", 48)
     page.wait_for_function("document.querySelector('#play-status').textContent.startsWith('done')")
     state = _playground(page)
-    result = _job(stack, state["request"]["idempotency_key"])["result"]
+    result = _finished(stack, state["request"]["idempotency_key"])["result"]
     assert page.inner_text("#play-output") != "" and state["text"] == result["text"]
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     if SCREENSHOT_TO:
@@ -153,6 +158,6 @@ def test_playground_reply_survives_a_reload_mid_stream(stack, page):
     after = _playground(page)
     assert "resumed after reload" in page.inner_text("#play-status")
     assert after["text"].startswith(before["text"])
-    job = _job(stack, job_id)
+    job = _finished(stack, job_id)
     assert job["status"] == "succeeded" and job["result"]["attempts"] == 1     # the reload did not cancel it
     assert after["text"] == job["result"]["text"]                # nothing lost, nothing repeated

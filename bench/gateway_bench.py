@@ -1,0 +1,184 @@
+"""``slotq bench gateway``: what the HTTP gateway adds over the Python client.
+
+One worker subprocess (bundled model, 16 slots) and one ``slotq gateway`` subprocess on the same
+Redis. The same closed-loop workload as ``slotq bench queue`` runs through the Python client
+(enqueue, read the job's stream) and through the gateway (``POST /v1/completions`` with
+``stream: true`` over HTTP, SSE parsed as it arrives), at 8 and 16 concurrent streams, in two
+rounds with the order of the paths swapped. Reported: aggregate tokens/s and TTFT p50 of both
+paths, their ratio and the difference. The run stops at once, with the child's exit code and log
+tail, if the worker or the gateway dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.queue_bench import OneRequest, _closed_loop, _queue_request
+from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
+from engine import bundled_model_path
+from jobs.client import SlotqClient
+from jobs.redis_server import EmbeddedRedis
+from jobs.settings import ClientSettings
+
+SLOTS = 16
+CTX = 512
+CONCURRENCY = [8, 16]
+MODEL_NAME = "bench"
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+class Child:
+    """A ``slotq`` subprocess whose output goes to a log file, for the post-mortem."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], env=env, stdout=log,
+                                         stderr=subprocess.STDOUT)
+
+    def check(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            tail = self.log.read_text(errors="replace")[-3000:]
+            raise ChildDied(f"the {self.name} exited with code {code}; last lines of its log:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def _watched(coro: Any, children: list[Child]) -> Any:
+    """Run ``coro`` but fail fast when a child process dies under it."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while not task.done():
+            for child in children:
+                child.check()
+            await asyncio.wait({task}, timeout=0.5)
+        return task.result()
+    finally:
+        task.cancel()
+
+
+def _gateway_request(http: httpx.AsyncClient, max_tokens: int) -> OneRequest:
+    body = {"model": MODEL_NAME, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def one(i: int, started: float) -> tuple[float, int]:
+        first, tokens = None, 0
+        async with http.stream("POST", "/v1/completions", json=body | {"prompt": distinct_prompt(i)}) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                    first = time.perf_counter() - started
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return first or 0.0, tokens
+    return one
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _measure(paths: dict[str, OneRequest], concurrency: list[int], per_client: int,
+                   children: list[Child]) -> list[dict[str, Any]]:
+    samples: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+    for round_ in range(2):
+        for c in concurrency:
+            order = list(paths) if round_ == 0 else list(reversed(paths))
+            for path in order:
+                progress(f"round {round_ + 1}: {path} path at concurrency {c}")
+                tps, ttfts = await _watched(_closed_loop(paths[path], c, per_client), children)
+                rates, all_ttfts = samples.setdefault((path, c), ([], []))
+                rates.append(tps)
+                all_ttfts.extend(ttfts)
+    return [{"path": path, "concurrency": c, "tokens_per_s": round(sum(rates) / len(rates), 1),
+             "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1)}
+            for (path, c), (rates, ttfts) in samples.items()]
+
+
+async def run(quick: bool) -> tuple[dict[str, Any], str]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # one INFO line per request otherwise
+    concurrency = [4] if quick else CONCURRENCY
+    per_client = 1 if quick else 4
+    max_tokens = 16 if quick else 64
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp:
+        server = EmbeddedRedis(Path(tmp) / "redis")
+        url = server.start()
+        port = _free_port()
+        env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(bundled_model_path()),
+               "SLOTQ_MODEL_NAME": MODEL_NAME, "SLOTQ_SLOTS": str(SLOTS), "SLOTQ_CTX": str(CTX),
+               "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_LOG_LEVEL": "WARNING"}
+        children = [Child("worker", ["worker"], env, Path(tmp)),
+                    Child("gateway", ["gateway", "--port", str(port)], env, Path(tmp))]
+        client = await SlotqClient.connect(url, ClientSettings(redis_url=url))
+        http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120,
+                                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        try:
+            progress("waiting for the worker and the gateway")
+            await _watched(_ready(client, http), children)
+            paths = {"client": _queue_request(client, max_tokens), "gateway": _gateway_request(http, max_tokens)}
+            await _watched(asyncio.gather(*(paths[p](i, time.perf_counter()) for p in paths for i in range(4))),
+                           children)   # warm-up
+            results = await _measure(paths, concurrency, per_client, children)
+        finally:
+            await http.aclose()
+            await client.close()
+            for child in children:
+                child.stop()
+            server.stop()
+    data = {"results": results}
+    table = _table(results, concurrency)
+    if not quick:
+        write_results("gateway", data, table, "slotq bench gateway")
+    return data, table
+
+
+async def _ready(client: SlotqClient, http: httpx.AsyncClient) -> None:
+    while not (await client.queue_info()).workers:
+        await asyncio.sleep(0.2)
+    while True:
+        try:
+            if MODEL_NAME in (await http.get("/health")).json()["models"]:
+                return
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.2)
+
+
+def _table(results: list[dict[str, Any]], concurrency: list[int]) -> str:
+    by = {(r["path"], r["concurrency"]): r for r in results}
+    rows = []
+    for c in concurrency:
+        cl, gw = by[("client", c)], by[("gateway", c)]
+        rows.append([str(c), f"{cl['tokens_per_s']:.1f}", f"{gw['tokens_per_s']:.1f}",
+                     f"{gw['tokens_per_s'] / cl['tokens_per_s']:.3f}", f"{cl['ttft_p50_ms']:.1f}",
+                     f"{gw['ttft_p50_ms']:.1f}", f"{gw['ttft_p50_ms'] - cl['ttft_p50_ms']:+.1f}"])
+    return markdown_table(["concurrent streams", "client tok/s", "gateway tok/s", "gateway / client",
+                           "client TTFT p50 ms", "gateway TTFT p50 ms", "added TTFT p50 ms"], rows)
