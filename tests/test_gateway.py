@@ -49,7 +49,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
         s.start_worker("gw-worker-b", "tiny-b", queue="slotq:queue:b", slots=2)
         s.start_gateway("gateway-1", gateway_keepalive_s=0.5)
         s.start_gateway("gateway-2")
-        s.start_gateway("gateway-3", api_keys=",".join(KEYS), max_queue_length=2)
+        s.start_gateway("gateway-3", api_keys=",".join(KEYS), max_queue_length=2, cors_origins="https://app.example")
         for gateway in s.gateways:
             gateway.wait_ready()
         s.wait_for_models({"tiny-a", "tiny-b"})
@@ -450,6 +450,19 @@ def test_401_without_a_valid_key(stack):
     assert {m.id for m in sdk(url, api_key=KEYS[1]).models.list()} == {"tiny-a", "tiny-b"}
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200      # probes need no key
     assert httpx.get(f"{url}/", timeout=10).status_code == 200            # the page itself holds no data
+
+
+def test_cors_for_the_configured_origins_only(stack):
+    url = stack.gateways[2].url              # SLOTQ_CORS_ORIGINS=https://app.example
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "https://app.example"} | preflight)
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    refused = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "https://evil.example"} | preflight)
+    assert "access-control-allow-origin" not in refused.headers
+    reply = httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example", "Authorization": f"Bearer {KEYS[0]}"})
+    assert reply.headers["access-control-allow-origin"] == "https://app.example"
+    assert "access-control-allow-origin" not in httpx.get(f"{stack.url}/health", headers={"Origin": "https://app.example"}).headers
 
 
 def test_429_with_retry_after_when_the_queue_is_full(stack):

@@ -5,6 +5,7 @@ the bind rule."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from jobs.gateway.settings import GatewaySettings
 from jobs.gateway.translate import to_job_request
 from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest
 from jobs.schemas import EntryKind, StreamEntry, WorkerInfo
+from jobs.settings import ClientSettings
 
 
 # ---------------------------------------------------------------------- translation
@@ -206,3 +208,13 @@ def test_bind_rule_and_comma_lists():
     keyed = GatewaySettings(_env_file=None, api_keys="a, b,", cors_origins="https://x.example")
     assert keyed.api_keys == ["a", "b"] and keyed.cors_origins == ["https://x.example"]
     assert keyed.bind_error("0.0.0.0") is None
+
+
+def test_every_gateway_setting_is_documented():
+    root = Path(__file__).parent.parent
+    example = (root / "deploy/slotq.env.example").read_text()
+    readme = (root / "README.md").read_text()
+    for name in set(GatewaySettings.model_fields) - set(ClientSettings.model_fields):
+        var = f"SLOTQ_{name.upper()}"
+        assert f"{var}=" in example, f"{var} missing from deploy/slotq.env.example"
+        assert var in readme, f"{var} missing from README.md"
