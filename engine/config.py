@@ -23,6 +23,14 @@ class FlashAttention(StrEnum):
     OFF = "off"
 
 
+class CpuRepack(StrEnum):
+    """Whether llama.cpp may repack CPU weights into its faster layouts (see engine/cpu_features.py)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 class EngineConfig(BaseModel):
     """Sizes follow llama-server's meaning where one exists.
 
@@ -48,6 +56,10 @@ class EngineConfig(BaseModel):
     mode: BatchingMode = BatchingMode.CONTINUOUS
     prefix_cache: bool = True
     kv_overcommit: float = Field(1.0, ge=0.1, le=16.0, description="admit while reserved KV <= cells * this")
+    cpu_repack: CpuRepack = Field(
+        CpuRepack.AUTO,
+        description="repack CPU weights into llama.cpp's faster layouts (AVX2/AVX-512, AMX): auto = on unless the "
+                    "CPU has AMX, whose repacked kernels crash llama.cpp (llama.cpp #20824); on; off")
     seed: int = Field(0xFFFFFFFF, ge=0, le=0xFFFFFFFF, description="default sampler seed; 0xFFFFFFFF = random")
 
     @model_validator(mode="after")
