@@ -14,8 +14,7 @@ from helpers import greedy, run_one, running_engine
 from pydantic import ValidationError
 from tiny_model import write_tiny_llama
 
-from engine import ChatMessage, CpuRepack, EngineConfig, GenerationRequest, SamplingParams
-from engine import llama_model
+from engine import ChatMessage, CpuRepack, EngineConfig, GenerationRequest, SamplingParams, llama_model
 from engine.cpu_features import AMX_FLAG, decide_repack, parse_cpuinfo, this_cpu_flags
 from engine.llama_model import LlamaModel
 
