@@ -6,7 +6,7 @@ request and event types, such as a producer enqueueing jobs, does not load the n
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig, EngineKnobs, FlashAttention, KVCacheType
+from engine.config import CpuRepack, EngineConfig, EngineKnobs, FlashAttention, KVCacheType
 from engine.errors import EngineError, GrammarError, InvalidRequest, KVExhausted, PromptTooLong
 from engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
 from engine.model_files import bundled_model_path, resolve_model_path
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BatchingMode", "ChatMessage", "Engine", "EngineConfig", "EngineError", "EngineKnobs", "EngineStats", "ErrorInfo", "Event",
+    "BatchingMode", "ChatMessage", "CpuRepack", "Engine", "EngineConfig", "EngineError", "EngineKnobs", "EngineStats", "ErrorInfo", "Event",
     "FinishReason", "Finished", "FlashAttention", "GenerationParams", "GenerationRequest", "GrammarError", "InvalidRequest",
     "KVCacheType", "KVExhausted", "PromptTooLong", "RequestHandle", "SamplingParams", "TextDelta", "Timings",
     "Usage", "bundled_model_path", "resolve_model_path",

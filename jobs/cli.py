@@ -98,21 +98,34 @@ def cmd_worker(args: argparse.Namespace) -> None:
         asyncio.run(run(url))
 
 
-def cmd_redis(args: argparse.Namespace) -> None:
+def cmd_redis(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from jobs.redis_server import EmbeddedRedis
+    from jobs.redis_server import EmbeddedRedis, EmbeddedRedisError, port_data_dir
+    from jobs.watch import describe_returncode, log_tail
 
     settings = from_command_line(ClientSettings, args, None)
-    server = EmbeddedRedis(settings.data_dir / "redis", args.port or settings.embedded_redis_port)
-    url = server.start()
+    port = settings.embedded_redis_port if args.port is None else args.port
+    server = EmbeddedRedis(port_data_dir(settings.data_dir, port), port)
+    try:
+        url = server.start()
+    except EmbeddedRedisError as exc:
+        print(f"slotq redis: {exc}", file=sys.stderr)
+        return 1
     print(f"embedded Redis (Valkey) listening on {url}; data in {server.data_dir}. Ctrl-C to stop.", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.5):          # also watch the server: if it dies, say so and exit (systemd restarts)
+        code = server.exit_code()
+        if code is not None:
+            print(f"slotq redis: Valkey stopped ({describe_returncode(code)}); last lines of {server.log_path}:\n"
+                  f"{log_tail(server.log_path)}", file=sys.stderr)
+            server.stop()
+            return 1
     server.stop()
+    return 0
 
 
 async def _enqueue(args: argparse.Namespace) -> int:
@@ -283,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_async(_dlq))
 
     p = command("redis", "run the embedded Redis (Valkey) in the foreground for other slotq processes", None)
-    p.add_argument("--port", type=int, help="default SLOTQ_EMBEDDED_REDIS_PORT (6399)")
+    p.add_argument("--port", type=int, help="default SLOTQ_EMBEDDED_REDIS_PORT (6399); data in SLOTQ_DATA_DIR/redis-PORT")
     p.set_defaults(func=cmd_redis)
 
     p = command("demo", "zero-config demo: embedded Redis, one worker, a dozen streamed jobs", WorkerSettings)
