@@ -270,7 +270,8 @@ class Runner:
         if request.id in self._deadlines and not self._has_open_choices(request.id):
             del self._deadlines[request.id]
         if flush and reason != FinishReason.ERROR:
-            tail = state.stops.push(state.utf8.flush()).emit + state.stops.flush()
+            # Held partial stop matches are text; a held incomplete character is dropped (Utf8Stream).
+            tail = state.stops.flush()
             if tail:
                 state.prepared.emit(TextDelta(request_id=seq.request_id, choice=seq.choice, text=tail, token_ids=[],
                                               n_tokens=seq.n_generated))
