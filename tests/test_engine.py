@@ -25,6 +25,8 @@ from engine import (
     BatchingMode,
     Engine,
     EngineConfig,
+    EngineState,
+    EngineStopped,
     Finished,
     FinishReason,
     GenerationRequest,
@@ -371,8 +373,9 @@ async def test_close_finishes_inflight_requests_with_a_retryable_error(tiny_mode
     _, _, fin = await collect(waiting)
     assert fin[0].finish_reason == FinishReason.ERROR
     assert fin[0].error is not None and fin[0].error.code == "engine_stopped" and fin[0].error.retryable
-    with pytest.raises(InvalidRequest, match="closed"):
+    with pytest.raises(EngineStopped, match="closed") as info:
         engine.submit(greedy("after close", 3))
+    assert info.value.retryable and engine.state == EngineState.CLOSED and engine.failure is None
 
 
 async def test_deadline_in_the_past_finishes_at_once(tiny_model_path: Path) -> None:
