@@ -127,8 +127,8 @@ REQUEST = st.one_of(
 
 # What the job path answers a bad request with: the engine's error codes and the job layer's own.
 KNOWN_ERROR_CODES = {"invalid_request", "prompt_too_long", "invalid_grammar", "kv_exhausted", "decode_failed",
-                     "engine_error", "engine_stopped", "expired", "invalid_payload", "poison_payload", "tries_exhausted",
-                     "unsupported_payload_version"}
+                     "engine_error", "engine_stopped", "engine_dead", "request_failed", "expired", "invalid_payload",
+                     "poison_payload", "tries_exhausted", "unsupported_payload_version"}
 
 
 def _validate(payload: Any) -> JobRequest | None:
