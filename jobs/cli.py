@@ -84,18 +84,19 @@ def _describe(exc: ValidationError) -> str:
 
 
 # ---------------------------------------------------------------------- commands
-def cmd_worker(args: argparse.Namespace) -> None:
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Exit code 0 after a drain; 70 when the engine died (its supervisor should restart it)."""
     from jobs.redis_server import redis_url_or_embedded
     from jobs.worker import SlotqWorker
 
     settings = _worker_settings(args)
     _init_sentry()
 
-    async def run(url: str) -> None:
-        await SlotqWorker(settings, url).run()     # arq binds to the running loop: build it inside
+    async def run(url: str) -> int:
+        return await SlotqWorker(settings, url).run()     # arq binds to the running loop: build it inside
 
     with redis_url_or_embedded(settings.redis_url, settings.data_dir, settings.embedded_redis_port) as url:
-        asyncio.run(run(url))
+        return asyncio.run(run(url))
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
@@ -140,7 +141,7 @@ async def _enqueue(args: argparse.Namespace) -> int:
         text = {"messages": [*system, {"role": "user", "content": args.text}]}
     try:
         request = JobRequest(**text, max_tokens=args.max_tokens, stop=args.stop or [],
-                             idempotency_key=args.idempotency_key, priority=args.priority,
+                             idempotency_key=args.idempotency_key, priority=args.priority, lane=args.lane,
                              sampling={"temperature": args.temperature, **({"seed": args.seed} if args.seed is not None else {})})
     except ValidationError as exc:
         print(f"invalid request:\n{_describe(exc)}", file=sys.stderr)
@@ -184,14 +185,19 @@ async def _status(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    age = f"{info.oldest_queued_age_s:.1f} s" if info.oldest_queued_age_s is not None else "-"
-    console.print(f"queue [bold]{info.queue}[/]: {info.queued} queued (oldest {age}), {info.deferred} deferred, "
-                  f"{info.running} running, {info.dead_letters} dead letters")
-    table = Table("worker", "model", "slots busy/total", "waiting", "generated tokens")
+    lanes = Table("lane", "queued", "oldest wait", "deferred", "running", title=f"queue {info.queue}")
+    for lane in info.lanes:
+        age = f"{lane.oldest_queued_age_s:.1f} s" if lane.oldest_queued_age_s is not None else "-"
+        lanes.add_row(lane.lane, str(lane.queued), age, str(lane.deferred), str(lane.running))
+    console.print(lanes)
+    table = Table("worker", "model", "slots busy/total", "KV used", "tokens/s", "state")
     for w in info.workers:
-        table.add_row(w.id, w.model, f"{w.slots_busy}/{w.slots_total}", str(w.waiting), str(w.generated_tokens))
+        kv = f"{w.kv_cells_used / w.kv_cells_total:.0%}" if w.kv_cells_total else "-"
+        table.add_row(w.id, w.model, f"{w.slots_busy}/{w.slots_total}", kv, f"{w.tokens_per_s:.1f}",
+                      "draining" if w.draining else "serving")
     console.print(table)
-    console.print(f"fleet: {info.slots_busy}/{info.slots_total} slots busy across {len(info.workers)} workers")
+    console.print(f"fleet: {info.slots_busy}/{info.slots_total} slots busy across {len(info.workers)} workers, "
+                  f"{info.dead_letters} dead letters")
     return 0
 
 
@@ -269,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--priority", type=int, default=0, help="-100..100; higher runs first")
+    p.add_argument("--priority", type=int, default=0, help="-100..100; higher is admitted first inside a worker")
+    p.add_argument("--lane", default="interactive", help="priority lane of the queue (SLOTQ_LANES), e.g. bulk")
     p.add_argument("--idempotency-key", help="the same key always maps to the same job")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--json", action="store_true", help="wait and print the result as one JSON object")

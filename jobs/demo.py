@@ -96,7 +96,7 @@ async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: in
         settings = settings.model_copy(update={"ctx": min(settings.ctx, 1024), "redis_url": url})
         worker = SlotqWorker(settings, url)
         console.print(f"[dim]loading {settings.engine_config().model_path.name} with {settings.slots} slots...[/]")
-        worker_task = asyncio.create_task(worker.arq.async_run())
+        worker_task = asyncio.create_task(worker.run(handle_signals=False))
         client = await SlotqClient.connect(url, settings)
         try:
             views, solo_rate = await run_watched(_demo_body(worker, client, console, n_jobs, max_tokens, stagger_s),
@@ -106,16 +106,15 @@ async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: in
             raise SystemExit(1) from exc
         finally:
             await client.close()
-            worker_task.cancel()
+            if not worker_task.done():
+                worker.request_stop("demo finished", grace_s=0)
             await asyncio.gather(worker_task, return_exceptions=True)     # its error, if any, was reported
-            await worker.arq.close()
     _summary(console, views, solo_rate)
 
 
 async def _demo_body(worker: SlotqWorker, client: SlotqClient, console: Console, n_jobs: int, max_tokens: int,
                      stagger_s: float) -> tuple[list[JobView], float]:
-    while worker.engine is None:
-        await asyncio.sleep(0.05)
+    await worker.ready.wait()
     views = await _run_jobs(client, console, n_jobs, max_tokens, stagger_s)
     return views, await _solo_rate(client, max_tokens)
 

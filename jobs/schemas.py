@@ -18,6 +18,8 @@ class JobRequest(GenerationParams):
     """A generation job. Validated when enqueued: a bad request raises pydantic's
     ValidationError naming the field, and nothing is written to Redis."""
 
+    lane: str = Field("interactive", pattern=r"^[a-z][a-z0-9_-]{0,31}$",
+                      description="priority lane (SLOTQ_LANES); e.g. 'bulk' runs only on slots no higher lane needs")
     idempotency_key: str | None = Field(
         None, description="the same key always maps to the same job (1-200 chars of A-Z a-z 0-9 . _ : -)")
     metadata: dict[str, str | int | float | bool | None] = Field(
@@ -109,16 +111,29 @@ class WorkerInfo(BaseModel):
     slots_busy: int
     waiting: int
     generated_tokens: int
+    tokens_per_s: float = 0.0
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
     started_at: float
     updated_at: float
+    draining: bool = False
+
+
+class LaneInfo(BaseModel):
+    lane: str
+    queued: int = Field(description="jobs waiting to be claimed")
+    deferred: int = Field(description="jobs waiting out a retry backoff")
+    running: int
+    oldest_queued_age_s: float | None
 
 
 class QueueInfo(BaseModel):
     queue: str
-    queued: int = Field(description="jobs waiting to be picked up (including retries whose time has come)")
-    deferred: int = Field(description="jobs waiting for a retry backoff")
+    queued: int = Field(description="jobs waiting to be claimed, all lanes")
+    deferred: int = Field(description="jobs waiting out a retry backoff, all lanes")
     running: int
     oldest_queued_age_s: float | None
+    lanes: list[LaneInfo]
     workers: list[WorkerInfo]
     dead_letters: int
 
