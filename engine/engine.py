@@ -202,9 +202,10 @@ class Engine:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
         """The engine's counters at the end of its latest step: an immutable snapshot published by
-        the engine thread (never read from live structures), copied into a model of your own.
+        the engine thread (never read from live structures), with a ``finished`` dict of your own.
         It includes every event already delivered to you."""
-        return self._runner.stats.to_stats()
+        snapshot = self._runner.stats
+        return snapshot.model_copy(update={"finished": dict(snapshot.finished)})
 
     async def close(self) -> None:
         """Stop the engine thread (requests still running end with the retryable

@@ -41,7 +41,7 @@ from engine.sampling import SamplerChain
 from engine.scheduler import KVFullAction, Scheduler, SchedulerOutput
 from engine.sequence import SeqState, Sequence
 from engine.state import EngineState, Lifecycle
-from engine.stats import EngineCounters, StatsSnapshot
+from engine.stats import EngineCounters, EngineStats
 from engine.text import StopMatcher, Utf8Stream
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class Runner:
         self.lifecycle = lifecycle
         self.faults = faults
         self.counters = EngineCounters()
-        self.stats: StatsSnapshot = self.counters.snapshot(scheduler, model.info.model_name)   # replaced, never mutated
+        self.stats: EngineStats = self.counters.snapshot(scheduler, model.info.model_name)   # replaced, never mutated
         self._outbox = Outbox()
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -179,7 +179,7 @@ async def _status(args: argparse.Namespace) -> int:
     async with _client(_client_settings(args)) as client:
         info = await client.queue_info()
     if args.json:
-        _print_json(info.model_dump(mode="json") | {"slots_total": info.slots_total, "slots_busy": info.slots_busy})
+        _print_json(info.model_dump(mode="json"))
         return 0
     from rich.console import Console
     from rich.table import Table
