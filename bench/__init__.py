@@ -1,6 +1,11 @@
 """Benchmarks (``slotq bench engine|queue|prefix|gateway``). Each measures its variants side by side in
 one run, prints a table with ratios (or one JSON object with ``--json``) and writes the table to
-``bench/results/<name>.md`` for the README."""
+``bench/results/<name>.md`` for the README.
+
+A benchmark that depends on a child (the queue benchmark's ``slotq worker``) runs under
+:func:`jobs.watch.run_watched`: if the child dies, the benchmark stops at once with its exit code
+and log tail. The engine and prefix benchmarks run everything in this process, so a model that
+does not load raises at once and a crash inside llama.cpp ends the process itself."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from jobs.watch import ChildExited
 
 
 def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> dict[str, Any]:
@@ -19,7 +26,10 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         "prefix": prefix_bench.run,
         "gateway": gateway_bench.run,
     }
-    data, table = asyncio.run(runners[which](quick))
+    try:
+        data, table = asyncio.run(runners[which](quick))
+    except ChildExited as exc:          # a child the benchmark needs has died: say how, do not hang
+        raise SystemExit(f"slotq bench {which} stopped: {exc}") from exc
     if as_json:
         print(json.dumps(data))
     else:

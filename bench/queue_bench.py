@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,8 @@ from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bund
 from jobs.client import SlotqClient
 from jobs.redis_server import EmbeddedRedis
 from jobs.schemas import EntryKind, JobRequest
-from jobs.settings import WorkerSettings
+from jobs.settings import ClientSettings
+from jobs.watch import ChildProcess, run_watched
 
 SLOTS = 8
 CTX = 512
@@ -98,33 +98,13 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         url = server.start()
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
                "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false"}
-        worker = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker"], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        settings = WorkerSettings(redis_url=url)
-        client = await SlotqClient.connect(url, settings)
-        engine = await Engine.start(EngineConfig(model_path=model, slots=SLOTS, ctx=CTX, prefix_cache=False))
+        worker = ChildProcess("the benchmark's worker (slotq worker)", [sys.executable, "-m", "jobs.cli", "worker"],
+                              env=env, log_path=Path(tmp) / "worker.log")
         try:
-            while not (await client.queue_info()).workers:
-                await asyncio.sleep(0.2)
-            results: list[dict[str, Any]] = []
-            commands = reads = tokens = 0
-            for c in concurrency:
-                progress(f"engine path at concurrency {c}")
-                tps, ttft = await _closed_loop(_engine_request(engine, max_tokens), c, per_client)
-                results.append(_row("engine", c, tps, ttft))
-                progress(f"queue path at concurrency {c}")
-                commands_before, reads_before = await _server_counters(client.redis)
-                tps, ttft = await _closed_loop(_queue_request(client, max_tokens), c, per_client)
-                commands_after, reads_after = await _server_counters(client.redis)
-                commands += commands_after - commands_before
-                reads += reads_after - reads_before
-                tokens += c * per_client * max_tokens
-                results.append(_row("queue", c, tps, ttft))
+            results, reads, commands, tokens = await run_watched(
+                _measure(url, model, concurrency, per_client, max_tokens), worker)
         finally:
-            await engine.close()
-            await client.close()
-            worker.terminate()
-            worker.wait(timeout=30)
+            worker.stop()
             server.stop()
     data = {"results": results, "redis_roundtrips_per_token": round(reads / tokens, 3),
             "redis_commands_per_token": round(commands / tokens, 3)}
@@ -132,6 +112,35 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     if not quick:
         write_results("queue", data, table, "slotq bench queue")
     return data, table
+
+
+async def _measure(url: str, model: Path, concurrency: list[int], per_client: int,
+                   max_tokens: int) -> tuple[list[dict[str, Any]], int, int, int]:
+    """Both paths at each concurrency: (rows, Redis reads, Redis commands, generated tokens)."""
+    client = await SlotqClient.connect(url, ClientSettings(redis_url=url))
+    engine = await Engine.start(EngineConfig(model_path=model, slots=SLOTS, ctx=CTX, prefix_cache=False))
+    try:
+        progress("waiting for the worker to load the model")
+        while not (await client.queue_info()).workers:
+            await asyncio.sleep(0.2)
+        results: list[dict[str, Any]] = []
+        commands = reads = tokens = 0
+        for c in concurrency:
+            progress(f"engine path at concurrency {c}")
+            tps, ttft = await _closed_loop(_engine_request(engine, max_tokens), c, per_client)
+            results.append(_row("engine", c, tps, ttft))
+            progress(f"queue path at concurrency {c}")
+            commands_before, reads_before = await _server_counters(client.redis)
+            tps, ttft = await _closed_loop(_queue_request(client, max_tokens), c, per_client)
+            commands_after, reads_after = await _server_counters(client.redis)
+            commands += commands_after - commands_before
+            reads += reads_after - reads_before
+            tokens += c * per_client * max_tokens
+            results.append(_row("queue", c, tps, ttft))
+        return results, reads, commands, tokens
+    finally:
+        await engine.close()
+        await client.close()
 
 
 def _row(path: str, c: int, tps: float, ttfts: list[float]) -> dict[str, Any]:

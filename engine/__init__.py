@@ -6,12 +6,22 @@ request and event types, such as a producer enqueueing jobs, does not load the n
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig, EngineKnobs, FlashAttention, KVCacheType
-from engine.errors import EngineError, GrammarError, InvalidRequest, KVExhausted, PromptTooLong
+from engine.config import CpuRepack, EngineConfig, EngineKnobs, FlashAttention, KVCacheType
+from engine.errors import (
+    EngineDead,
+    EngineError,
+    EngineStopped,
+    GrammarError,
+    InvalidRequest,
+    KVExhausted,
+    PromptTooLong,
+    RequestFailed,
+)
 from engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
 from engine.model_files import bundled_model_path, resolve_model_path
 from engine.request import ChatMessage, GenerationParams, GenerationRequest, SamplingParams
 from engine.scheduler import BatchingMode
+from engine.state import EngineState
 from engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -27,8 +37,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BatchingMode", "ChatMessage", "Engine", "EngineConfig", "EngineError", "EngineKnobs", "EngineStats", "ErrorInfo", "Event",
-    "FinishReason", "Finished", "FlashAttention", "GenerationParams", "GenerationRequest", "GrammarError", "InvalidRequest",
-    "KVCacheType", "KVExhausted", "PromptTooLong", "RequestHandle", "SamplingParams", "TextDelta", "Timings",
-    "Usage", "bundled_model_path", "resolve_model_path",
+    "BatchingMode", "ChatMessage", "CpuRepack", "Engine", "EngineConfig", "EngineDead", "EngineError", "EngineKnobs",
+    "EngineState", "EngineStats",
+    "EngineStopped", "ErrorInfo", "Event", "FinishReason", "Finished", "FlashAttention", "GenerationParams",
+    "GenerationRequest", "GrammarError", "InvalidRequest", "KVCacheType", "KVExhausted", "PromptTooLong",
+    "RequestFailed", "RequestHandle", "SamplingParams", "TextDelta", "Timings", "Usage", "bundled_model_path",
+    "resolve_model_path",
 ]

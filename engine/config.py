@@ -29,6 +29,14 @@ class FlashAttention(StrEnum):
     OFF = "off"
 
 
+class CpuRepack(StrEnum):
+    """Whether llama.cpp may repack CPU weights into its faster layouts (see engine/cpu_features.py)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 class EngineKnobs(BaseModel):
     """Sizes follow llama-server's meaning where one exists.
 
@@ -51,6 +59,10 @@ class EngineKnobs(BaseModel):
     batching: BatchingMode = Field(BatchingMode.CONTINUOUS, description="static exists for comparison")
     prefix_cache: bool = Field(True, description="reuse the KV of shared prompt prefixes across slots")
     kv_overcommit: float = Field(1.0, ge=0.1, le=16.0, description="admit while reserved KV <= kv_cells x this")
+    cpu_repack: CpuRepack = Field(
+        CpuRepack.AUTO,
+        description="repack CPU weights into llama.cpp's faster layouts (AVX2/AVX-512, AMX): auto = on unless the "
+                    "CPU has AMX, whose repacked kernels crash llama.cpp (llama.cpp #20824); on; off")
     seed: int = Field(0xFFFFFFFF, ge=0, le=0xFFFFFFFF,
                       description="sampler seed of requests that give none; 4294967295 = random")
 

@@ -7,7 +7,11 @@
 
 ``submit`` validates on the caller's thread (tokenization and grammar parsing only touch the
 vocabulary), so a bad request raises :class:`~engine.errors.InvalidRequest` before it is queued.
-Events cross from the engine thread into the caller's event loop with ``call_soon_threadsafe``.
+Events cross from the engine thread into the caller's event loop once per decode step (see
+``engine.outbox``).
+
+An engine is RUNNING, FAILED (its thread crashed) or CLOSED (see ``engine.state``). The owner of
+an engine -- the worker -- watches for a crash with :meth:`Engine.wait_failed` rather than polling.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from engine.chat import ChatTemplate
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, PromptTooLong
 from engine.events import Event, Finished
+from engine.fault_injection import EngineFaults
 from engine.llama_model import LlamaModel
+from engine.outbox import Sink
 from engine.request import GenerationRequest
 from engine.runner import PreparedRequest, Runner
 from engine.sampling import SamplerChain, build_chain, check_grammar, grammar_for
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.stats import EngineCounters, EngineStats
+from engine.state import EngineState, Lifecycle
+from engine.stats import EngineStats
 
 
 class RequestHandle:
@@ -36,12 +43,9 @@ class RequestHandle:
         self.request = request
         self._engine = engine
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
+        self.sink = Sink(asyncio.get_running_loop(), self._queue.put_nowait)
         self._open_choices = request.n
         self.finished: list[Finished] = []
-
-    def _emit_threadsafe(self, event: Event) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     def cancel(self) -> None:
         self._engine.cancel(self.id)
@@ -68,7 +72,6 @@ class Engine:
         self.template = ChatTemplate(self.model.chat_template(), self.model.token_text(self.model.bos_token),
                                      self.model.token_text(self.model.eos_token))
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
-        self.counters = EngineCounters()
         self.scheduler = Scheduler(SchedulerConfig(
             n_slots=config.slots,
             n_batch=self.info.n_batch,
@@ -78,7 +81,9 @@ class Engine:
             prefix_cache=config.prefix_cache,
             kv_overcommit=config.kv_overcommit,
         ))
-        self._runner = Runner(self.model, self.scheduler, self.counters, self.ctx_per_seq)
+        self._lifecycle = Lifecycle()
+        self._runner = Runner(self.model, self.scheduler, self.ctx_per_seq,
+                              lifecycle=self._lifecycle, faults=EngineFaults.from_env())
         self._runner.thread.start()
         self._closed = False
 
@@ -100,9 +105,9 @@ class Engine:
         return tokens
 
     def prepare(self, request: GenerationRequest, handle: RequestHandle) -> PreparedRequest:
-        """Every check that needs the model; raises InvalidRequest naming the field and the limit."""
-        if self._closed:
-            raise InvalidRequest("the engine is closed")
+        """Every check that needs the model; raises InvalidRequest naming the field and the limit
+        (or EngineDead / EngineStopped when the engine cannot run requests any more)."""
+        self._lifecycle.raise_unless_running()
         if request.n > self.config.slots:
             raise InvalidRequest(f"n is {request.n}; it must be <= the number of slots ({self.config.slots})", field="n")
         tokens = self.prompt_tokens(request)
@@ -134,10 +139,16 @@ class Engine:
 
         # Build one chain now so logit-bias errors surface at submit time, then free it.
         make_chain(0).free()
-        return PreparedRequest(request, tokens, grammar, handle._emit_threadsafe, make_chain)
+        return PreparedRequest(request, tokens, grammar, handle.sink, make_chain)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Validate and queue a request; iterate the returned handle for its events."""
+        """Validate and queue a request; iterate the returned handle for its events.
+
+        Raises :class:`~engine.errors.InvalidRequest` (not retryable) for a bad request,
+        :class:`~engine.errors.EngineDead` (retryable) at once if the engine thread has crashed,
+        :class:`~engine.errors.EngineStopped` (retryable) after :meth:`close`. A request accepted
+        here always ends with a ``Finished`` event per choice, even if the engine dies meanwhile
+        (then with the retryable error ``engine_dead``)."""
         handle = RequestHandle(self, request)
         self._runner.submit(self.prepare(request, handle))
         return handle
@@ -157,28 +168,48 @@ class Engine:
         """Cancel a queued or running request; it ends with finish_reason 'cancelled'."""
         self._runner.cancel(request_id)
 
+    # ------------------------------------------------------------------ health
+    @property
+    def state(self) -> EngineState:
+        return self._lifecycle.state
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception that killed the engine thread, or None. Stays set after :meth:`close`."""
+        return self._lifecycle.failure
+
+    async def wait_failed(self) -> BaseException:
+        """Wait until the engine thread dies, and return the exception that killed it.
+
+        The contract the worker relies on:
+
+        * It returns at once if the engine has already failed; otherwise it is woken from the
+          engine thread (``call_soon_threadsafe`` on the awaiting task's own event loop) as the
+          thread dies, without polling. Any number of tasks may wait.
+        * By then the engine is FAILED: ``submit``/``submit_async`` raise ``EngineDead`` at once.
+        * Every request the engine held ends with a ``Finished`` event whose error has code
+          ``engine_dead`` and ``retryable=True``. Those events and this wake-up race (a task
+          already running may read its event first), so a job that sees ``engine_dead`` should
+          be handed back like one cancelled by the owner, not counted as a failed try.
+        * A clean :meth:`close` is not a failure: this then never returns (cancel the waiting task
+          when you close the engine).
+
+        The worker uses it to stop claiming jobs, hand its running jobs back and exit non-zero
+        so its supervisor restarts it.
+        """
+        return await self._lifecycle.wait_failed()
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
-        c, s = self.counters, self.scheduler
-        return EngineStats(
-            model=self.info.model_name,
-            slots_total=self.config.slots,
-            slots_busy=len(s.running),
-            waiting=len(s.waiting),
-            decode_steps=c.decode_steps,
-            prompt_tokens_processed=s.prompt_tokens_computed,
-            prompt_tokens_cached=s.prompt_tokens_reused,
-            generated_tokens=c.generated,
-            kv_cells_used=s.ledger.used_cells(),
-            kv_cells_total=self.info.n_ctx,
-            avg_busy_slots_per_decode=(c.busy_slot_steps / c.decode_steps) if c.decode_steps else 0.0,
-            preemptions=s.preemptions,
-            kv_full_events=c.kv_full_events,
-            decode_seconds=c.decode_seconds,
-            finished=dict(c.finish_reasons),
-        )
+        """The engine's counters at the end of its latest step: an immutable snapshot published by
+        the engine thread (never read from live structures), with a ``finished`` dict of your own.
+        It includes every event already delivered to you."""
+        snapshot = self._runner.stats
+        return snapshot.model_copy(update={"finished": dict(snapshot.finished)})
 
     async def close(self) -> None:
+        """Stop the engine thread (requests still running end with the retryable
+        ``engine_stopped``) and free the model. Safe after a failure; idempotent."""
         if self._closed:
             return
         self._closed = True

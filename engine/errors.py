@@ -48,6 +48,32 @@ class DecodeFailed(EngineError):
 
 
 class EngineStopped(EngineError):
-    """The engine shut down before the request finished (e.g. the worker is draining)."""
+    """The engine shut down before the request finished (e.g. the worker is draining), or a
+    request arrived after :meth:`Engine.close`."""
 
     code = "engine_stopped"
+
+
+class EngineDead(EngineError):
+    """The engine thread crashed. Nothing more will run on this engine: every request it held
+    ends with this error and new ones are refused at once. Retryable: another worker (or this
+    one, restarted) can run the request."""
+
+    code = "engine_dead"
+
+    @classmethod
+    def from_crash(cls, exc: BaseException) -> EngineDead:
+        return cls(f"the engine thread crashed ({type(exc).__name__}: {exc}); this engine runs no more requests")
+
+
+class RequestFailed(EngineError):
+    """An unexpected error while setting up or sampling one request (not a bad request: those
+    are :class:`InvalidRequest`). Only that request fails; the engine keeps running. Retryable,
+    because the cause may be transient (e.g. an allocation); ``max_tries`` bounds the retries
+    of one that is not."""
+
+    code = "request_failed"
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, stage: str) -> RequestFailed:
+        return cls(f"the engine failed while {stage} this request ({type(exc).__name__}: {exc})")

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from engine.config import EngineConfig, FlashAttention, KVCacheType
+from engine.config import CpuRepack, EngineConfig, FlashAttention, KVCacheType
+from engine.cpu_features import RepackDecision, decide_repack, this_cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ _FLASH_ATTN = {FlashAttention.AUTO: -1, FlashAttention.OFF: 0, FlashAttention.ON
 
 _backend_lock = threading.Lock()
 _backend_ready = False
+_repack_logged: set[RepackDecision] = set()
 
 
 def _init_backend() -> None:
@@ -51,6 +53,17 @@ def _quiet_llama_logs() -> None:
         _logger.set_verbose(bool(os.environ.get("SLOTQ_LLAMA_VERBOSE")))
     except (ImportError, AttributeError):  # pragma: no cover - older bindings
         pass
+
+
+def _repack_decision(mode: CpuRepack) -> RepackDecision:
+    """Decide from this CPU's flags; log each distinct decision once per process (at start-up,
+    since every model load asks), so a crash report shows whether repacking was on."""
+    decision = decide_repack(mode, this_cpu_flags())
+    with _backend_lock:
+        if decision not in _repack_logged:
+            _repack_logged.add(decision)
+            log.info("%s", decision.describe())
+    return decision
 
 
 def _set_fields(params: ctypes.Structure, **values: object) -> None:
@@ -84,7 +97,8 @@ class LlamaModel:
         _init_backend()
         self.config = config
         mp = llama_cpp.llama_model_default_params()
-        _set_fields(mp, n_gpu_layers=(999 if config.gpu_layers < 0 else config.gpu_layers))
+        _set_fields(mp, n_gpu_layers=(999 if config.gpu_layers < 0 else config.gpu_layers),
+                    use_extra_bufts=_repack_decision(config.cpu_repack).repack)
         self._model = llama_cpp.llama_model_load_from_file(str(config.model_path).encode(), mp)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {config.model_path} (not a GGUF, or an unsupported architecture)")

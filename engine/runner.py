@@ -3,8 +3,23 @@
 This is the only code that touches the llama_context after start-up. It turns scheduler output
 into KV operations and one ``llama_decode``, samples every sequence that reached the end of its
 pending tokens, turns tokens into text (UTF-8 safe, stop strings held back), and reports events
-through each request's ``emit`` callback. A failure is contained to the sequences involved: the
-thread itself only stops when told to.
+through an :class:`~engine.outbox.Outbox` that leaves the thread once per step, right after the
+step's stats snapshot is published (so a caller that has seen an event sees stats that include it).
+
+What fails one request, and what kills the engine:
+
+* **One request.** Anything raised while admitting a request -- building its sampler chains,
+  feeding them the tokens an earlier attempt delivered, replaying their text -- touches only that
+  request's new objects, so only that request fails: an :class:`EngineError` as it is, anything
+  else as a retryable :class:`RequestFailed`. llama_decode's error codes are not exceptions either:
+  a failed decode fails the sequences of that batch (``DecodeFailed``) and the engine goes on, and
+  so does a sequence the KV cache can never hold (``KVExhausted``).
+* **The engine.** An exception anywhere else in the loop (scheduler, KV ledger, KV operations,
+  decode, sampling, cancellation, event delivery) may leave the Python-side bookkeeping out of step
+  with llama.cpp's KV cache; going on could hand one request another's cells. The thread then
+  fails the engine (``EngineState.FAILED``, which refuses new requests at once), ends every request
+  it holds -- running, waiting, or still in its command queue -- with a retryable
+  :class:`EngineDead`, and stops. The owner learns of it from ``Engine.wait_failed()``.
 """
 
 from __future__ import annotations
@@ -16,29 +31,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import DecodeFailed, EngineError, EngineStopped, KVExhausted
+from engine.errors import DecodeFailed, EngineDead, EngineError, EngineStopped, KVExhausted, RequestFailed
 from engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
+from engine.fault_injection import EngineFaults
 from engine.llama_model import LlamaModel
+from engine.outbox import Outbox, Sink
 from engine.request import GenerationRequest
 from engine.sampling import SamplerChain
 from engine.scheduler import KVFullAction, Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SeqState
-from engine.stats import EngineCounters
+from engine.sequence import SeqState, Sequence
+from engine.state import EngineState, Lifecycle
+from engine.stats import EngineCounters, EngineStats
 from engine.text import StopMatcher, Utf8Stream
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[Event], None]
 
-
-@dataclass
+@dataclass(eq=False)
 class PreparedRequest:
     """A validated request, ready for the engine thread: tokens are known, the grammar parses."""
 
     request: GenerationRequest
     prompt_tokens: list[int]
     grammar: str | None
-    emit: Emit
+    sink: Sink
     make_chain: Callable[[int], SamplerChain]     # choice index -> a fresh sampler chain
     submitted_at: float = field(default_factory=time.monotonic)
 
@@ -56,21 +72,27 @@ class _Choice:
 
 
 class Runner:
-    def __init__(self, model: LlamaModel, scheduler: Scheduler, counters: EngineCounters, ctx_per_seq: int) -> None:
+    def __init__(self, model: LlamaModel, scheduler: Scheduler, ctx_per_seq: int, *,
+                 lifecycle: Lifecycle, faults: EngineFaults) -> None:
         self.model = model
         self.scheduler = scheduler
-        self.counters = counters
         self.ctx_per_seq = ctx_per_seq
+        self.lifecycle = lifecycle
+        self.faults = faults
+        self.counters = EngineCounters()
+        self.stats: EngineStats = self.counters.snapshot(scheduler, model.info.model_name)   # replaced, never mutated
+        self._outbox = Outbox()
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._stopping = False
         self._eog_cache: dict[int, bool] = {}
         self._deadlines: dict[str, float] = {}      # request id -> unix time, while it has open choices
+        self._open: dict[PreparedRequest, set[int]] = {}    # admitted requests -> choices without a Finished yet
         self.thread = threading.Thread(target=self._run, name="slotq-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
     def submit(self, prepared: PreparedRequest) -> None:
-        self._commands.put(("submit", prepared))
+        """Queue a request; raises EngineDead / EngineStopped unless the engine is running."""
+        self.lifecycle.while_running(lambda: self._commands.put(("submit", prepared)))
         self._wake.set()
 
     def cancel(self, request_id: str) -> None:
@@ -78,29 +100,52 @@ class Runner:
         self._wake.set()
 
     def stop(self) -> None:
-        self._stopping = True
+        self.lifecycle.close()
         self._wake.set()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
-            while not self._stopping:
-                self._drain_commands()
-                self._expire_deadlines()
-                out = self.scheduler.schedule()
-                self._apply_memory_ops(out)
-                if not out.items:
-                    self._wake.wait(timeout=0.05)
-                    self._wake.clear()
-                    continue
-                self._step(out)
-        except Exception:  # pragma: no cover - a bug in the engine itself
-            log.exception("engine thread crashed; failing all requests")
-            raise
-        finally:
-            self._fail_everything(EngineStopped("the engine stopped before this request finished"))
+            while self.lifecycle.state is EngineState.RUNNING:
+                self._iterate()
+        except BaseException as exc:        # see the module docstring: fatal, but never silent
+            log.critical("engine thread crashed; every request on it ends with engine_dead", exc_info=exc)
+            self.lifecycle.fail(exc)        # refuse new requests before the queue is drained
+            self._end_all(EngineDead.from_crash(exc))
+        else:
+            self._end_all(EngineStopped("the engine stopped before this request finished"))
+
+    def _iterate(self) -> None:
+        self._wake.clear()                  # before draining: a command queued after this wakes the wait below
+        self._drain_commands()
+        self._expire_deadlines()
+        out = self.scheduler.schedule()
+        self._apply_memory_ops(out)
+        if out.items:
+            self._step(out)
+            self.faults.after_decode_step(self.counters.decode_steps)
+        for request_id in self._publish():
+            log.warning("request %s: its event loop is closed; cancelling it", request_id)
+            self._cancel(request_id)
+        if not out.items:
+            self._wake.wait(timeout=0.05)
+
+    def _publish(self) -> set[str]:
+        """Stats first, then the step's events. Returns requests whose event loop is closed."""
+        self.stats = self.counters.snapshot(self.scheduler, self.model.info.model_name)
+        return self._outbox.flush()
+
+    def _emit(self, prepared: PreparedRequest, event: Event) -> None:
+        if isinstance(event, Finished):
+            choices = self._open.get(prepared)
+            if choices is not None:
+                choices.discard(event.choice)
+                if not choices:
+                    del self._open[prepared]
+        self._outbox.put(prepared.sink, event)
 
     def _drain_commands(self) -> None:
+        """One command at a time: after a crash, what was not taken is still in the queue."""
         while True:
             try:
                 kind, arg = self._commands.get_nowait()
@@ -113,10 +158,20 @@ class Runner:
 
     def _enqueue(self, prepared: PreparedRequest) -> None:
         req = prepared.request
+        self._open[prepared] = set(range(req.n))
         # Resumed tokens count as generated (n_prompt excludes them): they are part of the output.
         base = prepared.prompt_tokens + list(req.resume_tokens)
         leader: Sequence | None = None
         for choice in range(req.n):
+            try:
+                state = self._new_choice(prepared, choice)
+            except EngineError as exc:
+                self._fail_unstarted(prepared, choice, exc)
+                continue
+            except Exception as exc:            # contained: see the module docstring
+                log.exception("request %s: admission failed; failing this request only", req.id)
+                self._fail_unstarted(prepared, choice, RequestFailed.from_exception(exc, "admitting"))
+                continue
             seq = Sequence(
                 request_id=req.id,
                 tokens=list(base),
@@ -126,21 +181,26 @@ class Runner:
                 priority=req.priority,
                 fork_of=leader,
                 fork_len=len(base),
+                payload=state,
             )
-            try:
-                chain = prepared.make_chain(choice)
-            except EngineError as exc:
-                self._finish_unstarted(seq, prepared, exc)
-                continue
-            for token in req.resume_tokens:
-                chain.accept(token)
-            state = _Choice(prepared, chain, stops=StopMatcher(list(req.stop)))
-            self._replay_delivered_text(state, req.resume_tokens)
-            seq.payload = state
             leader = leader or seq
             self.scheduler.add(seq)
         if req.deadline is not None and leader is not None:
             self._deadlines[req.id] = req.deadline
+
+    def _new_choice(self, prepared: PreparedRequest, choice: int) -> _Choice:
+        """Everything one choice needs before it can be scheduled; touches no shared state."""
+        self.faults.on_admission(prepared.request)
+        chain = prepared.make_chain(choice)
+        try:
+            for token in prepared.request.resume_tokens:
+                chain.accept(token)
+            state = _Choice(prepared, chain, stops=StopMatcher(list(prepared.request.stop)))
+            self._replay_delivered_text(state, prepared.request.resume_tokens)
+        except BaseException:
+            chain.free()
+            raise
+        return state
 
     def _replay_delivered_text(self, state: _Choice, tokens: list[int]) -> None:
         """A resumed attempt rebuilds its text state from the tokens already delivered, so a
@@ -227,8 +287,8 @@ class Runner:
             self._finish(seq, FinishReason.STOP)
             return
         match = state.stops.push(state.utf8.push(self.model.token_bytes(token)))
-        state.prepared.emit(TextDelta(request_id=seq.request_id, choice=seq.choice, text=match.emit,
-                                      token_ids=[token], n_tokens=seq.n_generated))
+        self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=match.emit,
+                                             token_ids=[token], n_tokens=seq.n_generated))
         if match.stopped:
             self._finish(seq, FinishReason.STOP, flush=False)
         elif seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
@@ -270,10 +330,11 @@ class Runner:
         if request.id in self._deadlines and not self._has_open_choices(request.id):
             del self._deadlines[request.id]
         if flush and reason != FinishReason.ERROR:
-            tail = state.stops.push(state.utf8.flush()).emit + state.stops.flush()
+            # Held partial stop matches are text; a held incomplete character is dropped (Utf8Stream).
+            tail = state.stops.flush()
             if tail:
-                state.prepared.emit(TextDelta(request_id=seq.request_id, choice=seq.choice, text=tail, token_ids=[],
-                                              n_tokens=seq.n_generated))
+                self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=tail,
+                                                     token_ids=[], n_tokens=seq.n_generated))
         state.chain.free()
         now = time.monotonic()
         n_new = max(0, seq.n_generated)
@@ -286,20 +347,45 @@ class Runner:
                                  if state.first_token_at and fresh > 1 and now > state.first_token_at else None),
         )
         usage = Usage(prompt_tokens=seq.n_prompt, completion_tokens=n_new, cached_prompt_tokens=seq.n_reused)
-        info = ErrorInfo(code=error.code, message=error.message, retryable=error.retryable) if error else None
         self.counters.finished(reason)
-        state.prepared.emit(Finished(request_id=seq.request_id, choice=seq.choice, finish_reason=reason,
-                                     usage=usage, timings=timings, error=info))
+        self._emit(state.prepared, Finished(request_id=seq.request_id, choice=seq.choice, finish_reason=reason,
+                                            usage=usage, timings=timings, error=_error_info(error)))
 
-    def _finish_unstarted(self, seq: Sequence, prepared: PreparedRequest, error: EngineError) -> None:
-        seq.state = SeqState.FINISHED
-        prepared.emit(Finished(request_id=seq.request_id, choice=seq.choice, finish_reason=FinishReason.ERROR,
-                               usage=Usage(prompt_tokens=seq.n_prompt), timings=Timings(),
-                               error=ErrorInfo(code=error.code, message=error.message, retryable=error.retryable)))
+    def _fail_unstarted(self, prepared: PreparedRequest, choice: int, error: EngineError) -> None:
+        """End a choice that holds no sequence state (never admitted, or its state is unusable)."""
+        self.counters.finished(FinishReason.ERROR)
+        self._emit(prepared, Finished(request_id=prepared.request.id, choice=choice, finish_reason=FinishReason.ERROR,
+                                      usage=Usage(prompt_tokens=len(prepared.prompt_tokens)), timings=Timings(),
+                                      error=_error_info(error)))
 
-    def _fail_everything(self, error: EngineError) -> None:
-        self._drain_commands()
+    def _end_all(self, error: EngineError) -> None:
+        """The thread is ending: every request it holds, running, waiting or still in the command
+        queue, ends with ``error``. After a crash the scheduler may be inconsistent (or the crash
+        came half-way through admitting a request), so every choice still open in ``_open`` gets
+        its final event even when its sequence cannot be finished normally."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":        # never admitted; cancels need nothing: every request ends here
+                self._open[arg] = set(range(arg.request.n))  # type: ignore[attr-defined,index]
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.state == SeqState.WAITING:
-                self.scheduler.cancel(seq.request_id)
-            self._finish(seq, FinishReason.ERROR, error=error, reusable=False)
+            try:
+                if seq.state == SeqState.WAITING:
+                    self.scheduler.cancel(seq.request_id)
+                self._finish(seq, FinishReason.ERROR, error=error, reusable=False)
+            except Exception:
+                log.exception("request %s: could not be ended cleanly; reporting %s anyway", seq.request_id, error.code)
+        for prepared, choices in list(self._open.items()):
+            for choice in sorted(choices):
+                self._fail_unstarted(prepared, choice, error)
+        try:
+            self.stats = self.counters.snapshot(self.scheduler, self.model.info.model_name)
+        except Exception:
+            log.exception("could not publish the final engine stats")
+        self._outbox.flush()
+
+
+def _error_info(error: EngineError | None) -> ErrorInfo | None:
+    return ErrorInfo(code=error.code, message=error.message, retryable=error.retryable) if error else None

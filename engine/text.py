@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 class Utf8Stream:
     """Turns a stream of byte pieces into text without ever splitting a character.
 
-    An incomplete multi-byte sequence at the end is held until the next piece completes it;
-    invalid bytes become U+FFFD rather than an exception.
+    An incomplete multi-byte sequence at the end is held until the next piece completes it.
+    Invalid bytes become U+FFFD rather than an exception: they are real garbage in the output.
+    There is no flush: when generation ends (a length limit, a stop, a cancellation) whatever is
+    still held is the start of a character the model never finished, and it is dropped rather
+    than emitted as U+FFFD. The tokens that carried it still count as generated; their ids are
+    still delivered, so a resumed attempt that replays them completes the character seamlessly.
     """
 
     def __init__(self) -> None:
@@ -23,9 +27,6 @@ class Utf8Stream:
 
     def push(self, piece: bytes) -> str:
         return self._decoder.decode(piece)
-
-    def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
 
 
 @dataclass

@@ -84,18 +84,19 @@ def _describe(exc: ValidationError) -> str:
 
 
 # ---------------------------------------------------------------------- commands
-def cmd_worker(args: argparse.Namespace) -> None:
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Exit code 0 after a drain; 70 when the engine died (its supervisor should restart it)."""
     from jobs.redis_server import redis_url_or_embedded
     from jobs.worker import SlotqWorker
 
     settings = _worker_settings(args)
     _init_sentry()
 
-    async def run(url: str) -> None:
-        await SlotqWorker(settings, url).run()     # arq binds to the running loop: build it inside
+    async def run(url: str) -> int:
+        return await SlotqWorker(settings, url).run()     # arq binds to the running loop: build it inside
 
     with redis_url_or_embedded(settings.redis_url, settings.data_dir, settings.embedded_redis_port) as url:
-        asyncio.run(run(url))
+        return asyncio.run(run(url))
 
 
 def cmd_gateway(args: argparse.Namespace) -> None:
@@ -105,21 +106,34 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     serve(from_command_line(GatewaySettings, args, args.settings_source))
 
 
-def cmd_redis(args: argparse.Namespace) -> None:
+def cmd_redis(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from jobs.redis_server import EmbeddedRedis
+    from jobs.redis_server import EmbeddedRedis, EmbeddedRedisError, port_data_dir
+    from jobs.watch import describe_returncode, log_tail
 
     settings = from_command_line(ClientSettings, args, None)
-    server = EmbeddedRedis(settings.data_dir / "redis", args.port or settings.embedded_redis_port)
-    url = server.start()
+    port = settings.embedded_redis_port if args.port is None else args.port
+    server = EmbeddedRedis(port_data_dir(settings.data_dir, port), port)
+    try:
+        url = server.start()
+    except EmbeddedRedisError as exc:
+        print(f"slotq redis: {exc}", file=sys.stderr)
+        return 1
     print(f"embedded Redis (Valkey) listening on {url}; data in {server.data_dir}. Ctrl-C to stop.", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.5):          # also watch the server: if it dies, say so and exit (systemd restarts)
+        code = server.exit_code()
+        if code is not None:
+            print(f"slotq redis: Valkey stopped ({describe_returncode(code)}); last lines of {server.log_path}:\n"
+                  f"{log_tail(server.log_path)}", file=sys.stderr)
+            server.stop()
+            return 1
     server.stop()
+    return 0
 
 
 async def _enqueue(args: argparse.Namespace) -> int:
@@ -134,7 +148,7 @@ async def _enqueue(args: argparse.Namespace) -> int:
         text = {"messages": [*system, {"role": "user", "content": args.text}]}
     try:
         request = JobRequest(**text, max_tokens=args.max_tokens, stop=args.stop or [],
-                             idempotency_key=args.idempotency_key, priority=args.priority,
+                             idempotency_key=args.idempotency_key, priority=args.priority, lane=args.lane,
                              sampling={"temperature": args.temperature, **({"seed": args.seed} if args.seed is not None else {})})
     except ValidationError as exc:
         print(f"invalid request:\n{_describe(exc)}", file=sys.stderr)
@@ -172,20 +186,25 @@ async def _status(args: argparse.Namespace) -> int:
     async with _client(_client_settings(args)) as client:
         info = await client.queue_info()
     if args.json:
-        _print_json(info.model_dump(mode="json") | {"slots_total": info.slots_total, "slots_busy": info.slots_busy})
+        _print_json(info.model_dump(mode="json"))
         return 0
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    age = f"{info.oldest_queued_age_s:.1f} s" if info.oldest_queued_age_s is not None else "-"
-    console.print(f"queue [bold]{info.queue}[/]: {info.queued} queued (oldest {age}), {info.deferred} deferred, "
-                  f"{info.running} running, {info.dead_letters} dead letters")
-    table = Table("worker", "model", "slots busy/total", "waiting", "generated tokens")
+    lanes = Table("lane", "queued", "oldest wait", "deferred", "running", title=f"queue {info.queue}")
+    for lane in info.lanes:
+        age = f"{lane.oldest_queued_age_s:.1f} s" if lane.oldest_queued_age_s is not None else "-"
+        lanes.add_row(lane.lane, str(lane.queued), age, str(lane.deferred), str(lane.running))
+    console.print(lanes)
+    table = Table("worker", "model", "slots busy/total", "KV used", "tokens/s", "state")
     for w in info.workers:
-        table.add_row(w.id, w.model, f"{w.slots_busy}/{w.slots_total}", str(w.waiting), str(w.generated_tokens))
+        kv = f"{w.kv_cells_used / w.kv_cells_total:.0%}" if w.kv_cells_total else "-"
+        table.add_row(w.id, w.model, f"{w.slots_busy}/{w.slots_total}", kv, f"{w.tokens_per_s:.1f}",
+                      "draining" if w.draining else "serving")
     console.print(table)
-    console.print(f"fleet: {info.slots_busy}/{info.slots_total} slots busy across {len(info.workers)} workers")
+    console.print(f"fleet: {info.slots_busy}/{info.slots_total} slots busy across {len(info.workers)} workers, "
+                  f"{info.dead_letters} dead letters")
     return 0
 
 
@@ -270,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--priority", type=int, default=0, help="-100..100; higher runs first")
+    p.add_argument("--priority", type=int, default=0, help="-100..100; higher is admitted first inside a worker")
+    p.add_argument("--lane", default="interactive", help="priority lane of the queue (SLOTQ_LANES), e.g. bulk")
     p.add_argument("--idempotency-key", help="the same key always maps to the same job")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--json", action="store_true", help="wait and print the result as one JSON object")
@@ -297,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_async(_dlq))
 
     p = command("redis", "run the embedded Redis (Valkey) in the foreground for other slotq processes", None)
-    p.add_argument("--port", type=int, help="default SLOTQ_EMBEDDED_REDIS_PORT (6399)")
+    p.add_argument("--port", type=int, help="default SLOTQ_EMBEDDED_REDIS_PORT (6399); data in SLOTQ_DATA_DIR/redis-PORT")
     p.set_defaults(func=cmd_redis)
 
     p = command("demo", "zero-config demo: embedded Redis, one worker, a dozen streamed jobs", WorkerSettings)

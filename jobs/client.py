@@ -18,16 +18,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from arq.connections import ArqRedis
-from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, result_key_prefix, retry_key_prefix
-from arq.jobs import Job, JobStatus as ArqJobStatus, serialize_result
+from arq.jobs import serialize_result
 
 from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
-from jobs.keys import JOB_FUNCTION, WAKE_CHANNEL, WORKER_PREFIX, stream_key
 from jobs.connection import connect
 from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull
+from jobs.keys import JOB_FUNCTION, WORKER_PREFIX, stream_key
 from jobs.payload import decode_payload, encode_payload
-from jobs.schemas import EntryKind, JobRequest, JobResult, JobStatus, QueueInfo, StreamEntry, WorkerInfo
+from jobs.queue.keys import result_key, retry_counter_key
+from jobs.queue.redis_queue import Enqueued, RedisQueue
+from jobs.schemas import (EntryKind, JobRequest, JobResult, JobStatus, LaneInfo, QueueInfo, StreamEntry,
+                          WorkerInfo)
 from jobs.serialization import deserialize, serialize
 from jobs.settings import ClientSettings
 from jobs.stream import StreamWriter, read_stream
@@ -35,18 +37,6 @@ from jobs.stream import StreamWriter, read_stream
 __all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "SlotqClient"]
 
 WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
-
-
-# Atomically take a job that no worker has claimed out of the queue. Touching the in-progress
-# key also breaks the WATCH of a worker that is claiming it at this very moment.
-_CANCEL_QUEUED = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
-if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
-redis.call('SET', KEYS[1], 'cancelled', 'PX', 10000)
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('DEL', KEYS[3])
-return 1
-"""
 
 
 class JobHandle:
@@ -83,8 +73,8 @@ class SlotqClient:
     def __init__(self, redis: ArqRedis, settings: ClientSettings, *, owns_connection: bool = True) -> None:
         self.redis = redis
         self.settings = settings
+        self.queue = RedisQueue(redis, settings.queue_name, settings.lanes)
         self._owns_connection = owns_connection
-        self._cancel_script = redis.register_script(_CANCEL_QUEUED)
         self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
 
     @classmethod
@@ -117,8 +107,9 @@ class SlotqClient:
         sent as the user's chat message (the model's chat template applies, as in llama.cpp's
         conversation mode). For a raw completion prompt pass ``JobRequest(prompt=...)``.
 
-        Raises pydantic.ValidationError (field named), JobRejected (a limit the workers of this
-        queue advertise, e.g. max_tokens beyond their context) or QueueFull; nothing is queued then.
+        Raises pydantic.ValidationError (field named), JobRejected (an unknown lane, or a limit the
+        workers of this queue advertise, e.g. max_tokens beyond their context) or QueueFull;
+        nothing is queued then. One enqueue wakes at most one idle worker.
         """
         if isinstance(request, str):
             if "messages" in fields:
@@ -126,18 +117,17 @@ class SlotqClient:
             request = JobRequest(messages=[{"role": "user", "content": request}], **fields)
         elif fields:
             request = JobRequest.model_validate({**request.model_dump(exclude_unset=True), **fields})
+        if request.lane not in self.settings.lanes:
+            raise JobRejected(f"lane {request.lane!r} is not one of this queue's lanes {self.settings.lanes} "
+                              "(SLOTQ_LANES)", field="lane")
         await self._check_fits(request)
         job_id = request.idempotency_key or uuid.uuid4().hex
-        depth = await self.redis.zcard(self.settings.queue_name)
-        if depth >= self.settings.max_queue_length:
-            existing = await self.redis.exists(job_key_prefix + job_id, result_key_prefix + job_id)
-            if not existing:
-                raise QueueFull(depth, self.settings.max_queue_length)
-        job = await self.redis.enqueue_job(JOB_FUNCTION, encode_payload(request),
-                                           _job_id=job_id, _queue_name=self.settings.queue_name)
-        if job is not None:
-            await self.redis.publish(WAKE_CHANNEL, job_id)
-        return JobHandle(self, job_id, created=job is not None)
+        outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
+                                           max_waiting=self.settings.max_queue_length, serializer=serialize)
+        if outcome == Enqueued.FULL:
+            counts = await self.queue.counts()
+            raise QueueFull(sum(c.waiting + c.deferred for c in counts), self.settings.max_queue_length)
+        return JobHandle(self, job_id, created=outcome == Enqueued.CREATED)
 
     def job(self, job_id: str) -> JobHandle:
         return JobHandle(self, job_id, created=False)
@@ -165,14 +155,14 @@ class SlotqClient:
         """Wait for the job's result. The job's stream doubles as the wake-up signal, so waiting
         costs one blocked XREAD, not a poll loop."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        job = Job(job_id, self.redis, _queue_name=self.settings.queue_name, _deserializer=deserialize)
         last_id = "0-0"
         missing = 0
         while True:
-            info = await job.result_info()
-            if info is not None:
-                return _to_job_result(job_id, info.success, info.result, info.job_try)
-            missing = missing + 1 if await job.status() == ArqJobStatus.not_found else 0
+            result = await self._stored_result(job_id)
+            if result is not None:
+                return result
+            lane, _running = await self.queue.place(job_id)
+            missing = missing + 1 if lane is None else 0
             if missing >= 3:   # not a momentary gap (e.g. a cancel between its two writes)
                 raise JobNotFound(job_id)
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -186,31 +176,30 @@ class SlotqClient:
                     await asyncio.sleep(0.002)   # the result lands right after the final entry
 
     async def status(self, job_id: str) -> JobStatus:
-        job = Job(job_id, self.redis, _queue_name=self.settings.queue_name, _deserializer=deserialize)
-        arq_status = await job.status()
-        if arq_status == ArqJobStatus.complete:
-            info = await job.result_info()
-            return _to_job_result(job_id, info.success, info.result, info.job_try).status if info else JobStatus.NOT_FOUND
-        return {
-            ArqJobStatus.in_progress: JobStatus.RUNNING,
-            ArqJobStatus.queued: JobStatus.QUEUED,
-            ArqJobStatus.deferred: JobStatus.QUEUED,
-        }.get(arq_status, JobStatus.NOT_FOUND)
+        result = await self._stored_result(job_id)
+        if result is not None:
+            return result.status
+        lane, running = await self.queue.place(job_id)
+        if lane is None:
+            return JobStatus.NOT_FOUND
+        return JobStatus.RUNNING if running else JobStatus.QUEUED
+
+    async def _stored_result(self, job_id: str) -> JobResult | None:
+        record = await self.queue.result_record(job_id, deserialize)
+        return None if record is None else _to_job_result(job_id, record.success, record.result, record.job_try)
 
     # ------------------------------------------------------------------ cancel
     async def cancel(self, job_id: str) -> bool:
         """Cancel a job. A queued job never starts; a running one stops at the next decode step
         and its stream ends with finish_reason 'cancelled'. False if it had already finished."""
-        taken = await self._cancel_script(
-            keys=[in_progress_key_prefix + job_id, self.settings.queue_name, job_key_prefix + job_id], args=[job_id])
+        taken = await self.queue.cancel(job_id)
         if taken == -1:
-            await self.redis.zadd(abort_jobs_ss, {job_id: int(time.time() * 1000)})
-            return True
+            return True          # running: its worker was told, and it ends the stream itself
         if taken == 0:
             return False
         result = JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED)
         now_ms = int(time.time() * 1000)
-        await self.redis.psetex(result_key_prefix + job_id, self.settings.keep_result_s * 1000, serialize_result(
+        await self.redis.psetex(result_key(job_id), self.settings.keep_result_s * 1000, serialize_result(
             JOB_FUNCTION, (), {}, 0, now_ms, True, result.model_dump(mode="json"), now_ms, now_ms, job_id,
             self.settings.queue_name, job_id, serializer=serialize))
         writer = StreamWriter(self.redis, flush_ms=1, maxlen=self.settings.stream_maxlen,
@@ -229,10 +218,9 @@ class SlotqClient:
         request = decode_payload(letter.payload).request
         if request is None:
             return False
-        await self.redis.delete(result_key_prefix + job_id, retry_key_prefix + job_id, stream_key(job_id))
-        await self.redis.enqueue_job(JOB_FUNCTION, encode_payload(request),
-                                     _job_id=job_id, _queue_name=self.settings.queue_name)
-        await self.redis.publish(WAKE_CHANNEL, job_id)
+        await self.redis.delete(result_key(job_id), retry_counter_key(job_id), stream_key(job_id))
+        await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
+                                 max_waiting=None, serializer=serialize)     # an operator's requeue is never refused
         await dead_letters.remove(self.redis, job_id)
         return True
 
@@ -261,21 +249,16 @@ class SlotqClient:
                 field="max_tokens")
 
     async def queue_info(self) -> QueueInfo:
+        """Counts per lane (each O(1)), the oldest waiting job, live workers, dead letters."""
         now_ms = time.time() * 1000
-        entries = await self.redis.zrange(self.settings.queue_name, 0, 9999, withscores=True)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id, _score in entries:
-                pipe.exists(in_progress_key_prefix + job_id.decode())
-            in_progress = await pipe.execute()
-        queued_scores = [s for (j, s), busy in zip(entries, in_progress) if not busy and s <= now_ms]
-        workers = [w for w in await self.workers() if w.queue == self.settings.queue_name]
+        lanes = [LaneInfo(lane=c.lane, queued=c.waiting, deferred=c.deferred, running=c.running,
+                          oldest_queued_age_s=max(0.0, (now_ms - c.oldest_waiting_ms) / 1000)
+                          if c.oldest_waiting_ms is not None else None)
+                 for c in await self.queue.counts()]
         return QueueInfo(
             queue=self.settings.queue_name,
-            queued=len(queued_scores),
-            deferred=sum(1 for (j, s), busy in zip(entries, in_progress) if not busy and s > now_ms),
-            running=sum(1 for busy in in_progress if busy),
-            oldest_queued_age_s=(now_ms - min(queued_scores)) / 1000 if queued_scores else None,
-            workers=workers,
+            lanes=lanes,
+            workers=[w for w in await self.workers() if w.queue == self.settings.queue_name],
             dead_letters=await dead_letters.count(self.redis),
         )
 

@@ -16,12 +16,14 @@ from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from jobs.client import SlotqClient
 from jobs.redis_server import EmbeddedRedis
 from jobs.schemas import EntryKind, JobRequest
 from jobs.settings import WorkerSettings
+from jobs.watch import ChildExited, WatchedTask, run_watched
 from jobs.worker import SlotqWorker
 
 PROMPTS = [
@@ -94,20 +96,27 @@ async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: in
         settings = settings.model_copy(update={"ctx": min(settings.ctx, 1024), "redis_url": url})
         worker = SlotqWorker(settings, url)
         console.print(f"[dim]loading {settings.engine_config().model_path.name} with {settings.slots} slots...[/]")
-        worker_task = asyncio.create_task(worker.arq.async_run())
+        worker_task = asyncio.create_task(worker.run(handle_signals=False))
         client = await SlotqClient.connect(url, settings)
         try:
-            while worker.engine is None:
-                await asyncio.sleep(0.05)
-            views = await _run_jobs(client, console, n_jobs, max_tokens, stagger_s)
-            solo_rate = await _solo_rate(client, max_tokens)
+            views, solo_rate = await run_watched(_demo_body(worker, client, console, n_jobs, max_tokens, stagger_s),
+                                                 WatchedTask("the demo's worker", worker_task))
+        except ChildExited as exc:
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]slotq demo stopped:[/] {escape(str(exc))}")
+            raise SystemExit(1) from exc
         finally:
             await client.close()
-            worker_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await worker_task
-            await worker.arq.close()
+            if not worker_task.done():
+                worker.request_stop("demo finished", grace_s=0)
+            await asyncio.gather(worker_task, return_exceptions=True)     # its error, if any, was reported
     _summary(console, views, solo_rate)
+
+
+async def _demo_body(worker: SlotqWorker, client: SlotqClient, console: Console, n_jobs: int, max_tokens: int,
+                     stagger_s: float) -> tuple[list[JobView], float]:
+    await worker.ready.wait()
+    views = await _run_jobs(client, console, n_jobs, max_tokens, stagger_s)
+    return views, await _solo_rate(client, max_tokens)
 
 
 async def _run_jobs(client: SlotqClient, console: Console, n_jobs: int, max_tokens: int, stagger_s: float) -> list[JobView]:

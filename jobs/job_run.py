@@ -3,7 +3,8 @@
 It turns a queued payload into an engine request, resumes from what earlier attempts already
 streamed, mirrors engine events into the job's stream, and classifies every way it can end:
 success, a non-retryable error (ends at once), a retryable error (``Retry`` with backoff, or a
-dead letter when tries are exhausted), cancellation, and worker shutdown (handed back untouched).
+dead letter when tries are exhausted), cancellation, and the two ways a job is handed back
+without using a try: worker shutdown (cancelled) and a dead engine (``RetryJob``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from arq.worker import Retry
+from arq.worker import Retry, RetryJob
 
-from engine import (Engine, EngineError, ErrorInfo, Finished, FinishReason, GenerationRequest, TextDelta, Timings,
-                    Usage)
+from engine import (Engine, EngineDead, EngineError, ErrorInfo, Finished, FinishReason, GenerationParams,
+                    GenerationRequest, TextDelta, Timings, Usage)
 from jobs import dead_letters, metrics
 from jobs.keys import stream_key
 from jobs.payload import decode_payload
@@ -29,6 +30,8 @@ from jobs.settings import WorkerSettings
 from jobs.stream import StreamWriter, decode_entry
 
 log = logging.getLogger(__name__)
+
+ENGINE_DEAD = EngineDead.code
 
 
 @dataclass
@@ -99,13 +102,15 @@ class JobRun:
         if job.n > 1 and delivered.tokens:
             self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.RESTART, attempt=self.attempt))
             delivered = Delivered()
-        params = job.model_dump(exclude={"idempotency_key", "metadata"})
+        params = job.model_dump(include=set(GenerationParams.model_fields))     # the job layer's own fields stay here
         if len(resume) >= job.max_tokens:
             return await self._complete_delivered(GenerationRequest(id=self.job_id, **params), delivered)
         request = GenerationRequest(id=self.job_id, resume_tokens=resume, **params)
         try:
             handle = await self.engine.submit_async(request)
         except EngineError as exc:
+            if exc.code == ENGINE_DEAD:
+                raise RetryJob() from exc          # hand back: not this job's fault, no try used
             return await self._fail(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable))
         return await self._follow(handle, job, delivered)
 
@@ -173,6 +178,11 @@ class JobRun:
 
     # ------------------------------------------------------------------ failures
     async def _on_engine_error(self, error: ErrorInfo) -> JobResult:
+        if error.code == ENGINE_DEAD:
+            # The worker's engine died under this job: keep what streamed, hand the job back
+            # without using a try (the worker exits; another resumes it).
+            await self._flush_final()
+            raise RetryJob()
         if not error.retryable:
             return await self._fail(error)
         if self.attempt >= self.settings.max_tries:

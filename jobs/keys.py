@@ -1,4 +1,5 @@
-"""Redis key names used by slotq (beside arq's own ``arq:job:*``, ``arq:result:*`` keys).
+"""Redis key names of streams, dead letters and workers (the queue's own keys, arq's records
+included, are in ``jobs/queue/keys.py``).
 
 Per-job keys put the job id in braces so a future move to Redis Cluster keeps them in one slot.
 """
@@ -22,7 +23,6 @@ def dead_letter_key(job_id: str) -> str:
 JOB_FUNCTION = "generate"                # the one arq function name
 DEAD_LETTER_INDEX = "slotq:dlq"          # zset: job id -> time it was dead-lettered
 WORKER_PREFIX = "slotq:worker:"          # hash per live worker, with a TTL
-WAKE_CHANNEL = "slotq:wake"
 
 
 def worker_key(worker_id: str) -> str:

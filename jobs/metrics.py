@@ -9,12 +9,12 @@ histograms, retries, dead letters and preemptions. Engine counters are sampled f
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from arq.constants import in_progress_key_prefix
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
-from redis.asyncio import Redis
 
 from engine import EngineStats
+from jobs.queue.redis_queue import LaneCounts
 from jobs.schemas import JobResult
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -30,8 +30,12 @@ REQUESTS_DEFERRED = Gauge("slotq_requests_deferred", "Sequences waiting for a sl
 BUSY_SLOTS_PER_DECODE = Gauge("slotq_n_busy_slots_per_decode", "Average sequences per llama_decode")
 SLOTS_TOTAL = Gauge("slotq_slots_total", "Slots of this worker")
 KV_USAGE = Gauge("slotq_kv_cache_usage_ratio", "Used KV cells / total KV cells")
-QUEUE_JOBS = Gauge("slotq_queue_jobs", "Jobs in the queue sorted set (waiting, deferred and running)")
-QUEUE_OLDEST_AGE = Gauge("slotq_queue_oldest_waiting_age_seconds", "Age of the oldest job not yet claimed")
+QUEUE_WAITING = Gauge("slotq_queue_waiting", "Jobs waiting to be claimed", ["lane"])
+QUEUE_DEFERRED = Gauge("slotq_queue_deferred", "Jobs waiting out a retry backoff", ["lane"])
+QUEUE_RUNNING = Gauge("slotq_queue_running", "Jobs claimed by a worker (whole fleet)", ["lane"])
+QUEUE_OLDEST_AGE = Gauge("slotq_queue_oldest_waiting_age_seconds", "Age of the oldest job not yet claimed", ["lane"])
+PICKUP = Histogram("slotq_queue_pickup_seconds", "Enqueue (or retry due) to claim by this worker", ["lane"],
+                   buckets=LATENCY_BUCKETS)
 JOBS = Counter("slotq_jobs", "Finished job attempts by status", ["status"])
 RETRIES = Counter("slotq_retries", "Attempts that failed and were scheduled for retry")
 DEAD_LETTERS = Counter("slotq_dead_letters", "Jobs dead-lettered by this worker")
@@ -81,15 +85,12 @@ class EngineSampler:
         KV_USAGE.set(stats.kv_cells_used / stats.kv_cells_total if stats.kv_cells_total else 0)
 
 
-async def sample_queue(redis: Redis, queue_name: str, scan: int = 200) -> None:
-    """Queue depth, and the age of the oldest unclaimed job among the first ``scan`` entries
-    (running jobs sit at the head of arq's queue, so they are skipped)."""
-    QUEUE_JOBS.set(await redis.zcard(queue_name))
-    now_ms = time.time() * 1000
-    head = await redis.zrange(queue_name, 0, scan - 1, withscores=True)
-    async with redis.pipeline(transaction=False) as pipe:
-        for job_id, _score in head:
-            pipe.exists(in_progress_key_prefix + job_id.decode())
-        running = await pipe.execute()
-    waiting = [score for (_id, score), busy in zip(head, running) if not busy and score <= now_ms]
-    QUEUE_OLDEST_AGE.set((now_ms - min(waiting)) / 1000 if waiting else 0)
+def sample_queue(counts: Sequence[LaneCounts], now_ms: float | None = None) -> None:
+    """Per-lane queue gauges from :meth:`RedisQueue.counts` (each O(1) in Redis)."""
+    now_ms = time.time() * 1000 if now_ms is None else now_ms
+    for c in counts:
+        QUEUE_WAITING.labels(lane=c.lane).set(c.waiting)
+        QUEUE_DEFERRED.labels(lane=c.lane).set(c.deferred)
+        QUEUE_RUNNING.labels(lane=c.lane).set(c.running)
+        age = (now_ms - c.oldest_waiting_ms) / 1000 if c.oldest_waiting_ms is not None else 0.0
+        QUEUE_OLDEST_AGE.labels(lane=c.lane).set(max(0.0, age))

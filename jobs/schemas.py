@@ -6,7 +6,7 @@ import re
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
 from engine import ErrorInfo, FinishReason, GenerationParams, Timings, Usage
 from jobs.serialization import serialize
@@ -18,6 +18,8 @@ class JobRequest(GenerationParams):
     """A generation job. Validated when enqueued: a bad request raises pydantic's
     ValidationError naming the field, and nothing is written to Redis."""
 
+    lane: str = Field("interactive", pattern=r"^[a-z][a-z0-9_-]{0,31}$",
+                      description="priority lane (SLOTQ_LANES); e.g. 'bulk' runs only on slots no higher lane needs")
     idempotency_key: str | None = Field(
         None, description="the same key always maps to the same job (1-200 chars of A-Z a-z 0-9 . _ : -)")
     metadata: dict[str, str | int | float | bool | None] = Field(
@@ -109,23 +111,52 @@ class WorkerInfo(BaseModel):
     slots_busy: int
     waiting: int
     generated_tokens: int
+    tokens_per_s: float = 0.0
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
     started_at: float
     updated_at: float
+    draining: bool = False
+
+
+class LaneInfo(BaseModel):
+    lane: str
+    queued: int = Field(description="jobs waiting to be claimed")
+    deferred: int = Field(description="jobs waiting out a retry backoff")
+    running: int
+    oldest_queued_age_s: float | None
 
 
 class QueueInfo(BaseModel):
+    """One queue: its lanes (counts are O(1) reads), live workers and dead letters; the totals
+    over lanes and workers are derived (and included in JSON)."""
+
     queue: str
-    queued: int = Field(description="jobs waiting to be picked up (including retries whose time has come)")
-    deferred: int = Field(description="jobs waiting for a retry backoff")
-    running: int
-    oldest_queued_age_s: float | None
+    lanes: list[LaneInfo]
     workers: list[WorkerInfo]
     dead_letters: int
 
-    @property
+    @computed_field
+    def queued(self) -> int:
+        return sum(lane.queued for lane in self.lanes)
+
+    @computed_field
+    def deferred(self) -> int:
+        return sum(lane.deferred for lane in self.lanes)
+
+    @computed_field
+    def running(self) -> int:
+        return sum(lane.running for lane in self.lanes)
+
+    @computed_field
+    def oldest_queued_age_s(self) -> float | None:
+        ages = [lane.oldest_queued_age_s for lane in self.lanes if lane.oldest_queued_age_s is not None]
+        return max(ages) if ages else None
+
+    @computed_field
     def slots_total(self) -> int:
         return sum(w.slots_total for w in self.workers)
 
-    @property
+    @computed_field
     def slots_busy(self) -> int:
         return sum(w.slots_busy for w in self.workers)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 
 from engine import EngineConfig, EngineKnobs, resolve_model_path
 
@@ -43,11 +43,30 @@ class ClientSettings(BaseSettings):
                            description="data of the embedded Redis (append-only file)")
     embedded_redis_port: int = Field(6399, ge=0, le=65535,
                                      description="port of the embedded Redis (0 = any free port)")
+    lanes: Annotated[list[str], NoDecode] = Field(
+        ["interactive", "bulk"], min_length=1,
+        description="priority lanes of the queue, highest first, comma-separated; a worker claims from a lower "
+                    "lane only when the higher ones are empty (producers and workers must agree)")
     max_queue_length: int = Field(10_000, ge=1, description="enqueue raises QueueFull beyond this many waiting jobs")
     keep_result_s: int = Field(86_400, ge=1, description="how long a finished job's result is kept")
     stream_ttl_s: int = Field(3600, ge=1, description="how long a job's output stream lives after its final event")
     stream_maxlen: int = Field(100_000, ge=100, description="cap on entries per output stream")
     log_level: str = Field("INFO", description="log level of slotq commands (DEBUG, INFO, WARNING, ...)")
+
+    @field_validator("lanes", mode="before")
+    @classmethod
+    def _split_lanes(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [lane.strip() for lane in value.split(",") if lane.strip()]
+        return value
+
+    @field_validator("lanes")
+    @classmethod
+    def _valid_lanes(cls, lanes: list[str]) -> list[str]:
+        from jobs.queue.keys import QueueKeys
+
+        QueueKeys("check", tuple(lanes))      # raises ValueError naming a bad lane
+        return lanes
 
 
 class WorkerSettings(ClientSettings, EngineKnobs):
@@ -55,9 +74,8 @@ class WorkerSettings(ClientSettings, EngineKnobs):
 
     model: str | None = Field(None, description="path to a GGUF file; unset = the bundled SmolLM2-135M-Instruct")
     model_name: str | None = Field(None, description="the name clients ask for (the gateway's `model`); unset = the GGUF's own name")
-    poll_delay_s: float = Field(0.05, gt=0, le=5, description="fallback poll interval; enqueues wake workers at once")
-    queue_read_limit: int = Field(
-        1000, ge=1, description="must exceed the fleet's total slots (running jobs sit at the queue head)")
+    poll_delay_s: float = Field(
+        1.0, gt=0, le=60, description="fallback tick: reap expired leases, promote due retries; enqueues wake workers at once")
     job_timeout_s: int = Field(3600, ge=1, description="hard cap on one attempt")
     lock_ttl_s: int = Field(15, ge=3, description="job lease TTL, renewed by the heartbeat; bounds crash recovery")
     max_tries: int = Field(5, ge=1, le=100, description="attempts of a job that fails for transient reasons")

@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine import ErrorInfo, FinishReason, Timings, Usage
 from jobs.keys import stream_key, write_mark_key
-from jobs.lease import FENCED_XADD_SCRIPT, Lease
+from jobs.queue.scripts import FENCED_XADD
 from jobs.schemas import EntryKind, StreamEntry
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,14 @@ def decode_entry(entry_id: bytes | str, raw: dict) -> StreamEntry:
     )
 
 
+@dataclass(frozen=True)
+class Fence:
+    """Write a job's entries only while ``token`` owns the job in the queue's ``owners`` hash."""
+
+    owners_key: str
+    token: str
+
+
 @dataclass
 class _Batch:
     id: str
@@ -78,20 +86,20 @@ class StreamWriter:
     written, in order, once it is back; generation does not stop for a Redis blip. A batch that
     was sent is re-sent unchanged, under the same id, until it is acknowledged, and Redis ignores
     an id it has already applied: a write whose reply was lost is never appended twice. With a
-    ``lease``, each job's entries are written only while this worker holds the job's lease (one
-    atomic script per job); a refused job's entries are dropped and ``on_fenced`` is told.
+    ``fence``, each job's entries are written only while this worker owns the job (one atomic
+    script per job); a refused job's entries are dropped and ``on_fenced`` is told.
     """
 
-    def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, lease: Lease | None = None,
+    def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, fence: Fence | None = None,
                  on_fenced: Callable[[str], None] | None = None) -> None:
         self.redis = redis
         self.flush_s = flush_ms / 1000
         self.maxlen = maxlen
         self.ttl_s = ttl_s
-        self.lease = lease
+        self.fence = fence
         self.on_fenced = on_fenced
-        self._script = redis.register_script(FENCED_XADD_SCRIPT)
-        self._writer_id = lease.token if lease else uuid.uuid4().hex
+        self._script = redis.register_script(FENCED_XADD)
+        self._writer_id = fence.token if fence else uuid.uuid4().hex
         self._batch_numbers = itertools.count()
         self._pending: dict[str, list[StreamEntry]] = {}    # not yet sent
         self._inflight: dict[str, _Batch] = {}             # sent, not yet acknowledged
@@ -167,13 +175,10 @@ class StreamWriter:
             return True
 
     def _keys(self, job_id: str) -> list[str]:
-        queue = self.lease.queue_name if self.lease else ""
-        return [Lease.lock_key(job_id), queue, stream_key(job_id), write_mark_key(job_id)]
+        return [self.fence.owners_key if self.fence else "", stream_key(job_id), write_mark_key(job_id)]
 
     def _args(self, job_id: str, sent: _Batch) -> list[str | int]:
-        lease = self.lease
-        args: list[str | int] = [lease.token if lease else "", job_id, lease.ttl_ms if lease else 0,
-                                 self.maxlen, self.ttl_s, sent.id]
+        args: list[str | int] = [self.fence.token if self.fence else "", job_id, self.maxlen, self.ttl_s, sent.id]
         for entry in sent.entries:
             fields = encode_entry(entry)
             args.append(2 * len(fields))

@@ -216,12 +216,16 @@ class FaultyProxy:
     * ``"freeze"``: that connection passes nothing more either way (the client hangs on the reply),
       as if its process froze right after the request;
     * ``"delay"``: the request reaches Redis ``delay_s`` late (a slow round trip), then all is normal.
+
+    With ``on="reply"`` the needle is looked for in Redis's replies instead (``freeze`` only): the
+    request was executed, and its reply and everything after it never reach the client.
     """
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.needle: bytes | None = None
         self.mode = "drop_reply"
+        self.on = "request"
         self.delay_s = 1.0
         self.fired = asyncio.Event()
         self.port: int | None = None
@@ -232,9 +236,10 @@ class FaultyProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def arm(self, needle: bytes, mode: str = "drop_reply", delay_s: float = 1.0) -> None:
-        assert mode in ("drop_reply", "freeze", "delay")
-        self.needle, self.mode, self.delay_s = needle, mode, delay_s
+    def arm(self, needle: bytes, mode: str = "drop_reply", delay_s: float = 1.0, on: str = "request") -> None:
+        assert mode in ("drop_reply", "freeze", "delay") and on in ("request", "reply")
+        assert on == "request" or mode == "freeze"
+        self.needle, self.mode, self.delay_s, self.on = needle, mode, delay_s, on
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -260,6 +265,10 @@ class FaultyProxy:
 
         async def upstream_to_client() -> None:
             while data := await up_r.read(65536):
+                if self.on == "reply" and self.needle is not None and self.needle in data:
+                    self.needle = None
+                    cut.set()
+                    self.fired.set()
                 if cut.is_set():
                     continue                        # read from Redis, never passed on
                 client_w.write(data)
@@ -268,11 +277,14 @@ class FaultyProxy:
         back = asyncio.create_task(upstream_to_client())
         try:
             while data := await client_r.read(65536):
-                if self.needle is not None and self.needle in data and self.mode == "delay":
+                if cut.is_set():                    # a reply needle froze this connection
+                    await asyncio.Event().wait()        # until close() cancels us
+                armed = self.on == "request" and self.needle is not None and self.needle in data
+                if armed and self.mode == "delay":
                     self.needle = None
                     self.fired.set()
                     await asyncio.sleep(self.delay_s)
-                elif self.needle is not None and self.needle in data:
+                elif armed:
                     self.needle = None
                     cut.set()
                     up_w.write(data)

@@ -23,6 +23,7 @@ import redis as sync_redis
 
 from jobs.client import SlotqClient
 from jobs.keys import stream_key
+from jobs.queue.keys import job_record_key
 from jobs.redis_server import EmbeddedRedis
 from jobs.schemas import EntryKind, JobRequest, StreamEntry
 from jobs.settings import WorkerSettings
@@ -30,8 +31,9 @@ from jobs.stream import decode_entry
 from jobs.worker import SlotqWorker
 
 __all__ = [
-    "SLOTQ_BIN", "WorkerProcess", "chunks", "clean_env", "client", "collect_stream", "job_request", "raw_entries",
-    "redis_server", "redis_url", "settings_for", "start_worker", "wait_for_workers", "worker",
+    "SLOTQ_BIN", "WorkerProcess", "chunks", "clean_env", "client", "collect_stream", "inject_raw_job", "job_request",
+    "jobs_in_queue", "raw_entries", "redis_server", "redis_url", "settings_for", "start_worker", "wait_for_workers",
+    "worker",
 ]
 
 SLOTQ_BIN = Path(sys.executable).parent / "slotq"
@@ -88,16 +90,16 @@ async def client(redis_url: str) -> AsyncIterator[SlotqClient]:
 async def start_worker(redis_url: str, tiny_model_path: Path) -> AsyncIterator[Callable[..., Awaitable[SlotqWorker]]]:
     """``w = await start_worker(slots=1, ctx=4096)``: an in-process SlotqWorker on the tiny model,
     ready (engine loaded) when returned, shut down at teardown."""
-    started: list[tuple[SlotqWorker, asyncio.Task[None]]] = []
+    started: list[tuple[SlotqWorker, asyncio.Task[int]]] = []
 
     async def start(**overrides: Any) -> SlotqWorker:
         overrides.setdefault("model", str(tiny_model_path))
         overrides.setdefault("worker_name", f"inproc-{len(started) + 1}")
         w = SlotqWorker(settings_for(redis_url, **overrides), redis_url)
-        task = asyncio.create_task(w.arq.async_run())
+        task = asyncio.create_task(w.run(handle_signals=False))
         started.append((w, task))
         async with asyncio.timeout(60):
-            while w.engine is None or w.writer is None:
+            while not w.ready.is_set():
                 if task.done():
                     task.result()      # raise the startup error
                     raise RuntimeError("worker stopped during startup")
@@ -108,11 +110,11 @@ async def start_worker(redis_url: str, tiny_model_path: Path) -> AsyncIterator[C
         yield start
     finally:
         for w, task in reversed(started):
-            task.cancel()
+            if not task.done():
+                w.request_stop("test teardown", grace_s=0)
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            with contextlib.suppress(Exception):
-                await w.arq.close()
+                async with asyncio.timeout(30):
+                    await task
 
 
 @pytest.fixture
@@ -131,6 +133,23 @@ async def collect_stream(client: SlotqClient, job_id: str, last_id: str = "0-0",
 async def raw_entries(client: SlotqClient, job_id: str) -> list[StreamEntry]:
     """What the job's stream holds right now (XRANGE, no waiting)."""
     return [decode_entry(i, raw) for i, raw in await client.redis.xrange(stream_key(job_id))]
+
+
+async def jobs_in_queue(client: SlotqClient) -> int:
+    """Jobs enqueued and not finished (waiting, deferred or running), all lanes."""
+    return await client.redis.hlen(client.queue.keys.jobs)
+
+
+async def inject_raw_job(client: SlotqClient, job_id: str, record: bytes, lane: str = "interactive") -> None:
+    """Put a job record straight into the queue, as a foreign or buggy producer would."""
+    keys = client.queue.keys
+    now_ms = int(time.time() * 1000)
+    async with client.redis.pipeline(transaction=True) as pipe:
+        pipe.set(job_record_key(job_id), record)
+        pipe.hset(keys.jobs, job_id, f"{lane}\t{now_ms}")
+        pipe.zadd(keys.waiting(lane), {job_id: now_ms})
+        pipe.rpush(keys.wake, "1")
+        await pipe.execute()
 
 
 def chunks(entries: list[StreamEntry]) -> list[StreamEntry]:

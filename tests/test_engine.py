@@ -25,6 +25,8 @@ from engine import (
     BatchingMode,
     Engine,
     EngineConfig,
+    EngineState,
+    EngineStopped,
     Finished,
     FinishReason,
     GenerationRequest,
@@ -244,6 +246,33 @@ async def test_max_tokens_gives_length(tiny_model_path: Path) -> None:
     assert [d.n_tokens for d in deltas if d.token_ids] == list(range(1, 14))
 
 
+async def test_a_length_stop_inside_a_character_holds_it_back(tiny_model_path: Path) -> None:
+    """The tiny model writes random bytes, so many max_tokens cuts fall inside a multi-byte
+    character. The cut text is then the complete characters only (no U+FFFD for the unfinished
+    one), a prefix of what a longer run writes, and the cut tokens still count in usage. A crashed
+    attempt resumed from such a cut completes the character: one seamless text."""
+    prompts, n = ["héllo wörld", "日本語", "Привет"], 40
+    async with running_engine(tiny_model_path, slots=8, prefix_cache=False) as engine:
+        held_back: list[tuple[str, int, str]] = []
+        fulls: dict[str, tuple[str, list[int], list[Finished]]] = {}
+        for prompt in prompts:
+            full_text, full_tokens, _ = fulls[prompt] = await run_one(engine, greedy(prompt, n))
+            cuts = await asyncio.gather(*(run_one(engine, greedy(prompt, k)) for k in range(1, n)))
+            for k, (text, tokens, fin) in enumerate(cuts, start=1):
+                assert tokens == full_tokens[:k] and fin[0].usage.completion_tokens == k
+                assert full_text.startswith(text), (k, text, full_text)
+                every_byte = b"".join(engine.model.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+                if every_byte != text:                  # the cut fell inside a character
+                    assert every_byte == text + "\ufffd"
+                    held_back.append((prompt, k, text))
+        assert len(held_back) >= 3, "no cut fell inside a character: the test proves nothing"
+        resumed = await asyncio.gather(*(run_one(engine, greedy(prompt, n, resume_tokens=fulls[prompt][1][:k]))
+                                         for prompt, k, _ in held_back))
+    for (prompt, k, text), (more, more_tokens, _) in zip(held_back, resumed):
+        assert more_tokens == fulls[prompt][1][k:]
+        assert text + more == fulls[prompt][0]
+
+
 async def test_ignore_eos(tiny_model_path: Path) -> None:
     async with running_engine(tiny_model_path, slots=2) as engine:
         eos = engine.model.eos_token
@@ -344,8 +373,9 @@ async def test_close_finishes_inflight_requests_with_a_retryable_error(tiny_mode
     _, _, fin = await collect(waiting)
     assert fin[0].finish_reason == FinishReason.ERROR
     assert fin[0].error is not None and fin[0].error.code == "engine_stopped" and fin[0].error.retryable
-    with pytest.raises(InvalidRequest, match="closed"):
+    with pytest.raises(EngineStopped, match="closed") as info:
         engine.submit(greedy("after close", 3))
+    assert info.value.retryable and engine.state == EngineState.CLOSED and engine.failure is None
 
 
 async def test_deadline_in_the_past_finishes_at_once(tiny_model_path: Path) -> None:

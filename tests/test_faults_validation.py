@@ -23,7 +23,7 @@ from jobs.client import SlotqClient
 from jobs.schemas import JobRequest, JobStatus
 from jobs.serialization import deserialize, serialize
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
-from jobs_fixtures import raw_entries, settings_for
+from jobs_fixtures import jobs_in_queue, raw_entries, settings_for
 from faults_support import *  # noqa: F401,F403  (fixtures)
 from faults_support import Fleet, known_bug, worker_env
 
@@ -127,8 +127,8 @@ REQUEST = st.one_of(
 
 # What the job path answers a bad request with: the engine's error codes and the job layer's own.
 KNOWN_ERROR_CODES = {"invalid_request", "prompt_too_long", "invalid_grammar", "kv_exhausted", "decode_failed",
-                     "engine_error", "engine_stopped", "expired", "invalid_payload", "poison_payload", "tries_exhausted",
-                     "unsupported_payload_version"}
+                     "engine_error", "engine_stopped", "engine_dead", "request_failed", "expired", "invalid_payload",
+                     "poison_payload", "tries_exhausted", "unsupported_payload_version"}
 
 
 def _validate(payload: Any) -> JobRequest | None:
@@ -198,7 +198,7 @@ async def test_unserializable_request_fails_validation_and_queues_nothing(client
     fields = {k: v for k, v in payload.items() if k != "prompt"}
     with pytest.raises(ValidationError):
         await client.enqueue(payload["prompt"], **fields)
-    assert await client.redis.zcard(client.settings.queue_name) == 0
+    assert await jobs_in_queue(client) == 0
     assert await client.redis.keys("arq:job:*") == []
 
 

@@ -24,11 +24,12 @@ from collections import Counter
 import pytest
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TextDelta
+from jobs.queue.keys import job_record_key, result_key, retry_counter_key
 from jobs.schemas import EntryKind, JobResult, JobStatus
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
 from jobs_fixtures import job_request, raw_entries
 from faults_support import *  # noqa: F401,F403  (fixtures)
-from faults_support import (FaultyProxy, Fleet, check_job, entry_time, known_bug, percentile, report,
+from faults_support import (LOCK_TTL_S, FaultyProxy, Fleet, check_job, entry_time, known_bug, percentile, report,
                             stream_summary, worker_env)
 
 pytestmark = pytest.mark.fault
@@ -245,7 +246,7 @@ async def test_sigterm_drain_waits_for_the_result_write(fclient, fsync_redis, ti
         await fleet.wait_ready("d1")
         job = await client.enqueue(job_request("slow goodbye", max_tokens=1000))
         await _tokens_streamed(client, job.id, at_least=50)
-        proxy.arm(f"arq:result:{job.id}".encode(), "delay", delay_s=1.0)
+        proxy.arm(result_key(job.id).encode(), "delay", delay_s=1.0)
         proc = fleet.procs["d1"]
         proc.proc.terminate()
         code = await asyncio.to_thread(proc.proc.wait, 60)
@@ -304,9 +305,9 @@ async def test_worker_stalled_longer_than_lock_does_not_run_job_twice(fclient, f
 # ---------------------------------------------------------------------- killed right after a claim
 async def test_worker_killed_right_after_claiming_a_job_frees_it_within_lock_ttl(fclient, fsync_redis,
                                                                                  tiny_model_path, tmp_path):
-    """c1 reaches Redis through a proxy that freezes its connection right after arq's claim (the
-    MULTI/PSETEX of the in-progress key) has been executed; c1 is then SIGKILLed. The claim must
-    lapse like any other lease, and c2 run the job within a few seconds."""
+    """c1 reaches Redis through a proxy that freezes its connection right after its claim of the
+    job has been executed in Redis (the claim's reply, which names the job, never reaches it); c1
+    is then SIGKILLed. The claim must lapse like any other lease, and c2 run the job within seconds."""
     client = fclient
     proxy = FaultyProxy(fsync_redis.port)
     await proxy.start()
@@ -315,8 +316,7 @@ async def test_worker_killed_right_after_claiming_a_job_frees_it_within_lock_ttl
     try:
         await fleet.wait_ready("c1", "c2")
         job_id = "claim-window-1"
-        key = f"arq:in-progress:{job_id}".encode()
-        proxy.arm(b"PSETEX\r\n$%d\r\n%s" % (len(key), key), "freeze")
+        proxy.arm(job_id.encode(), "freeze", on="reply")
         fleet.pause("c2")
         try:
             job = await client.enqueue(job_request("claimed, then gone", max_tokens=16, idempotency_key=job_id))
@@ -324,18 +324,17 @@ async def test_worker_killed_right_after_claiming_a_job_frees_it_within_lock_ttl
                 async with asyncio.timeout(30):
                     await proxy.fired.wait()
             except TimeoutError:
-                raise AssertionError("no claim of the form MULTI/PSETEX arq:in-progress:<id> went through the "
-                                     "proxy: update the needle to how workers claim jobs now") from None
+                raise AssertionError("c1 never received a reply naming the job: did it claim it?") from None
+            assert await client.status(job_id) == JobStatus.RUNNING      # claimed in Redis, by c1
             killed_at = time.monotonic()
             await asyncio.to_thread(fleet.kill, "c1")
         finally:
             fleet.resume("c2")
         try:
-            result = await job.result(timeout=10)
+            result = await job.result(timeout=LOCK_TTL_S + 7)
         except TimeoutError:
-            lock, pttl = await client.redis.get(key), await client.redis.pttl(key)
-            raise AssertionError(f"the job is still locked {time.monotonic() - killed_at:.0f} s after the kill: "
-                                 f"{key.decode()} = {lock!r}, expires in {pttl / 1000:.0f} s") from None
+            raise AssertionError(f"the job is still claimed {time.monotonic() - killed_at:.0f} s after the kill: "
+                                 f"status {await client.status(job_id)}") from None
         assert result.status == JobStatus.SUCCEEDED and result.worker == "c2", result
         await check_job(client, result, max_tokens=16)
     finally:
@@ -390,13 +389,16 @@ async def _dump_stuck(client, handles, fleet, kills, redis_restarts) -> None:
     with open("/tmp/slotq_chaos_failures.txt", "a") as f:
         f.write(f"\n=== chaos timed out; kills={[round(k, 3) for k in kills]} redis_outages={redis_restarts} "
                 f"alive={fleet.alive()}\n")
+        keys = client.queue.keys
         for h in handles:
-            if await r.exists(f"arq:result:{h.id}"):
+            if await r.exists(result_key(h.id)):
                 continue
             entries = await raw_entries(client, h.id)
-            f.write(f"  {h.id} status={await client.status(h.id)} score={await r.zscore(client.settings.queue_name, h.id)} "
-                    f"lock={await r.get(f'arq:in-progress:{h.id}')!r} pttl={await r.pttl(f'arq:in-progress:{h.id}')} "
-                    f"retry={await r.get(f'arq:retry:{h.id}')!r} job={await r.exists(f'arq:job:{h.id}')} "
+            lane, _ = await client.queue.place(h.id)
+            deadline = await r.zscore(keys.running(lane), h.id) if lane else None
+            f.write(f"  {h.id} status={await client.status(h.id)} lane={lane} owner={await r.hget(keys.owners, h.id)!r} "
+                    f"lease_deadline_in_s={(deadline / 1000 - time.time()) if deadline else None} "
+                    f"retry={await r.get(retry_counter_key(h.id))!r} job={await r.exists(job_record_key(h.id))} "
                     f"entries={[(e.kind.value, e.attempt, len(e.token_ids), e.final) for e in entries]}\n")
         f.write(fleet.logs() + "\n")
 
@@ -408,8 +410,8 @@ async def test_chaos_kill9_workers_nothing_lost(fclient, fsync_redis, tiny_model
     client = fclient
     rng = random.Random(CHAOS_SEED)
     references = await _greedy_references(tiny_model_path, CHAOS_MAX_TOKENS)
-    # job_timeout 20 s: should a claim ever keep arq's job_timeout + 10 s lock again (a worker killed
-    # right after claiming; see the test above), the job is stuck 30 s, not an hour; max_tries 20: a job may be hit by several kills in a row -- the retry budget is not under test
+    # job_timeout 20 s: a job that hangs for any reason fails in 20 s, not an hour; max_tries 20: a job
+    # may be hit by several kills in a row -- the retry budget is not under test
     fleet = Fleet(client, worker_env(fsync_redis.url, tiny_model_path, slots=4, ctx=CHAOS_CTX, ubatch=1, job_timeout_s=20,
                                      max_tries=20), tmp_path)
     names = [fleet.spawn().name for _ in range(CHAOS_WORKERS)]
@@ -445,21 +447,16 @@ async def test_chaos_kill9_workers_nothing_lost(fclient, fsync_redis, tiny_model
             return await asyncio.gather(*waiters)
 
         async def watch_claims(stop: asyncio.Event) -> None:
-            """Count jobs left holding arq's raw claim (b'1', not a lease token) for over 3 s."""
-            seen: dict[str, float] = {}
+            """Count jobs whose lease expired over 3 s ago and that no reaper requeued (every
+            worker reaps once per poll_delay_s, 1 s)."""
+            running = client.queue.keys.running("interactive")
             while not stop.is_set():
                 await asyncio.sleep(0.5)
-                for job_id in list(pending):
-                    try:
-                        raw = await client.redis.get(f"arq:in-progress:{job_id}")
-                    except Exception:
-                        break                                # Redis is down for a moment
-                    if raw == b"1":
-                        first = seen.setdefault(job_id, time.monotonic())
-                        if time.monotonic() - first > 3:
-                            stuck_claims.add(job_id)
-                    else:
-                        seen.pop(job_id, None)
+                try:
+                    late = await client.redis.zrangebyscore(running, "-inf", time.time() * 1000 - 3000)
+                except Exception:
+                    continue                                 # Redis is down for a moment
+                stuck_claims.update(job_id.decode() for job_id in late)
 
         async def chaos(stop: asyncio.Event) -> None:
             while not stop.is_set() and len(kills) < CHAOS_MAX_KILLS:
@@ -553,7 +550,7 @@ async def test_chaos_kill9_workers_nothing_lost(fclient, fsync_redis, tiny_model
                f"lease_takeovers={takeovers} stuck_claims={len(stuck_claims)} wall_s={wall:.1f}")
         assert not lost, lost[:3]
         assert not duplicated and not missing, (duplicated[:3], missing[:3])
-        # the arq queue is empty, no job is left running or dead-lettered
+        # the queue is empty, no job is left running or dead-lettered
         assert info.queued == info.running == info.deferred == 0, info
         assert info.dead_letters == 0
         assert len(kills) >= 5, "the chaos loop should have killed several workers"

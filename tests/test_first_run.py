@@ -20,7 +20,7 @@ from jobs.serialization import deserialize
 from jobs.settings import ClientSettings, WorkerSettings, from_command_line
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
 from jobs_fixtures import SLOTQ_BIN, clean_env
-from arq.constants import job_key_prefix
+from jobs.queue.keys import job_record_key
 
 
 async def _run_cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> tuple[int, str, str]:
@@ -81,13 +81,13 @@ async def test_enqueue_text_is_a_user_message_and_raw_is_a_prompt(redis_url, tmp
     assert code2 == 0, err2
     client = await SlotqClient.connect(redis_url)
     try:
-        chat = deserialize(await client.redis.get(job_key_prefix + out.strip()))["a"][0]
-        raw = deserialize(await client.redis.get(job_key_prefix + out2.strip()))["a"][0]
+        chat = deserialize(await client.redis.get(job_record_key(out.strip())))["a"][0]
+        raw = deserialize(await client.redis.get(job_record_key(out2.strip())))["a"][0]
         assert chat["messages"] == [{"role": "user", "content": "Write a short poem about the number 4."}]
         assert "prompt" not in chat
         assert raw["prompt"] == "Once upon a time" and "messages" not in raw
         handle = await client.enqueue("Hi there", max_tokens=8)          # the client's string shortcut too
-        payload = deserialize(await client.redis.get(job_key_prefix + handle.id))["a"][0]
+        payload = deserialize(await client.redis.get(job_record_key(handle.id)))["a"][0]
         assert payload["messages"] == [{"role": "user", "content": "Hi there"}]
     finally:
         await client.close()

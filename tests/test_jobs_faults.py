@@ -8,13 +8,13 @@ import time
 
 import msgpack
 import pytest
-from arq.constants import job_key_prefix
+from jobs.queue.keys import job_record_key
 
 from engine import FinishReason
 from jobs import dead_letters
 from jobs.schemas import EntryKind, JobStatus
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
-from jobs_fixtures import chunks, collect_stream, job_request, raw_entries
+from jobs_fixtures import chunks, collect_stream, inject_raw_job, job_request, jobs_in_queue, raw_entries
 
 
 async def _first_chunk(job) -> None:
@@ -91,8 +91,8 @@ async def test_cancel_queued_job_without_worker_never_starts(client, start_worke
     assert await job.status() == JobStatus.QUEUED
     assert await job.cancel() is True
     assert await job.status() == JobStatus.CANCELLED
-    assert await client.redis.zcard(client.settings.queue_name) == 0
-    assert not await client.redis.exists(job_key_prefix + job.id)
+    assert await jobs_in_queue(client) == 0
+    assert not await client.redis.exists(job_record_key(job.id))
 
     w = await start_worker()
     await _assert_serves(client)
@@ -104,7 +104,7 @@ async def test_cancel_queued_job_without_worker_never_starts(client, start_worke
     entries = await collect_stream(client, job.id, timeout=10)
     assert not chunks(entries)
     assert [(e.kind, e.finish_reason, e.final) for e in entries] == [(EntryKind.DONE, FinishReason.CANCELLED, True)]
-    assert w.arq.jobs_complete == 1      # only the liveness job ran
+    assert w.runtime.jobs_complete == 1      # only the liveness job ran
 
 
 async def test_cancel_queued_job_while_slots_busy_never_starts(client, start_worker):
@@ -126,14 +126,12 @@ async def test_cancel_queued_job_while_slots_busy_never_starts(client, start_wor
     result = await waiting.result(timeout=10)
     assert result.status == JobStatus.CANCELLED and result.text == ""
     assert not chunks(await raw_entries(client, waiting.id))
-    assert w.arq.jobs_complete + w.arq.jobs_failed == 2     # busy + the liveness job; never `waiting`
+    assert w.runtime.jobs_complete + w.runtime.jobs_failed == 2     # busy + the liveness job; never `waiting`
 
 
 # ---------------------------------------------------------------------- poison payloads
 async def _inject(client, job_id: str, raw: bytes) -> None:
-    """Write an arq job record straight into Redis, as a foreign or buggy producer would."""
-    await client.redis.set(job_key_prefix + job_id, raw)
-    await client.redis.zadd(client.settings.queue_name, {job_id: int(time.time() * 1000)})
+    await inject_raw_job(client, job_id, raw)
 
 
 @pytest.mark.parametrize(("raw", "code"), [
@@ -221,5 +219,5 @@ async def test_enqueued_payloads_carry_the_schema_version(client):
     from jobs.serialization import deserialize
 
     job = await client.enqueue(job_request("hello"))
-    stored = deserialize(await client.redis.get(job_key_prefix + job.id))["a"][0]
+    stored = deserialize(await client.redis.get(job_record_key(job.id)))["a"][0]
     assert stored["schema_version"] == "%d.%d" % SCHEMA_VERSION

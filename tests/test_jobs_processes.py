@@ -14,7 +14,7 @@ import pytest
 from engine import FinishReason
 from jobs.schemas import EntryKind, JobStatus
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
-from jobs_fixtures import SLOTQ_BIN, WorkerProcess, clean_env, job_request, raw_entries, wait_for_workers
+from jobs_fixtures import SLOTQ_BIN, WorkerProcess, clean_env, job_request, jobs_in_queue, raw_entries, wait_for_workers
 
 
 async def _run_cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> tuple[int, str, str]:
@@ -64,7 +64,7 @@ async def test_two_worker_processes_share_forty_jobs(client, redis_url, tiny_mod
         info = await client.queue_info()
         assert info.queued == info.running == info.deferred == 0
         assert info.dead_letters == 0
-        assert await client.redis.zcard(client.settings.queue_name) == 0
+        assert await jobs_in_queue(client) == 0
     finally:
         codes = [p.stop() for p in procs]
     # both left on SIGTERM by themselves (the exit status is checked in test_worker_exits_cleanly_on_sigterm)
@@ -128,7 +128,7 @@ async def test_cli_enqueue_rejects_bad_request(client, redis_url, tmp_path):
                                     env=clean_env(redis_url=redis_url), cwd=tmp_path, timeout=60)
     assert code == 2
     assert "max_tokens" in err
-    assert await client.redis.zcard(client.settings.queue_name) == 0
+    assert await jobs_in_queue(client) == 0
 
 
 # ---------------------------------------------------------------------- demo

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from arq.constants import job_key_prefix
+from jobs.queue.keys import job_record_key
 from pydantic import ValidationError
 
 from engine import FinishReason
@@ -14,7 +14,7 @@ from jobs.client import QueueFull, SlotqClient
 from jobs.keys import stream_key
 from jobs.schemas import EntryKind, JobRequest, JobStatus
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
-from jobs_fixtures import chunks, collect_stream, job_request, raw_entries, settings_for
+from jobs_fixtures import chunks, collect_stream, job_request, jobs_in_queue, raw_entries, settings_for
 
 
 async def test_enqueue_stream_result_end_to_end(client, worker):
@@ -127,7 +127,7 @@ async def test_idempotent_enqueue(client, start_worker):
     assert first.id == second.id == "order-42:v1"
     assert first.created is True
     assert second.created is False
-    assert await client.redis.zcard(client.settings.queue_name) == 1
+    assert await jobs_in_queue(client) == 1
 
     w = await start_worker()
     result = await first.result(timeout=60)
@@ -141,7 +141,7 @@ async def test_idempotent_enqueue(client, start_worker):
     # give the worker a moment to (wrongly) run anything else, then check it ran once
     marker = await client.enqueue(job_request("marker", max_tokens=2))
     await marker.result(timeout=60)
-    assert w.arq.jobs_complete == 2          # the idempotent job + the marker
+    assert w.runtime.jobs_complete == 2          # the idempotent job + the marker
     entries = await raw_entries(client, first.id)
     assert sum(e.final for e in entries) == 1
     assert {e.attempt for e in entries} == {1}
@@ -171,7 +171,7 @@ async def test_bad_request_fails_at_enqueue_naming_the_field(client, redis_url, 
             await client.enqueue(JobRequest(prompt="hello"), **fields)
         assert field in str(info.value)
 
-    assert await client.redis.zcard(queue) == 0
+    assert await jobs_in_queue(client) == 0
     assert await client.redis.dbsize() == 0, await client.redis.keys("*")
 
 
@@ -180,7 +180,7 @@ async def test_unknown_override_field_is_rejected(client):
         with pytest.raises(ValidationError, match="max_token"):
             await client.enqueue(JobRequest(prompt="hello"), max_token=5)   # typo of max_tokens
     finally:
-        assert await client.redis.zcard(client.settings.queue_name) == 0
+        assert await jobs_in_queue(client) == 0
 
 
 async def test_request_needs_exactly_one_of_prompt_or_messages(client):
@@ -198,16 +198,16 @@ async def test_backpressure_queue_full(redis_url):
     async with await SlotqClient.connect(redis_url, settings) as client:
         queue = settings.queue_name
         handles = [await client.enqueue(job_request(f"job {i}", idempotency_key=f"bp-{i}")) for i in range(3)]
-        assert await client.redis.zcard(queue) == 3
+        assert await jobs_in_queue(client) == 3
 
         with pytest.raises(QueueFull) as info:
             await client.enqueue(job_request("one too many", idempotency_key="bp-3"))
         assert info.value.limit == 3 and info.value.depth == 3
-        assert await client.redis.zcard(queue) == 3
-        assert not await client.redis.exists(job_key_prefix + "bp-3", stream_key("bp-3"))
+        assert await jobs_in_queue(client) == 3
+        assert not await client.redis.exists(job_record_key("bp-3"), stream_key("bp-3"))
         assert await client.status("bp-3") == JobStatus.NOT_FOUND
 
         # an idempotent re-enqueue of a job already queued is not new work: no QueueFull
         again = await client.enqueue(job_request("job 0", idempotency_key="bp-0"))
         assert again.id == handles[0].id and again.created is False
-        assert await client.redis.zcard(queue) == 3
+        assert await jobs_in_queue(client) == 3

@@ -44,3 +44,25 @@ async def test_batched_equals_alone_on_the_real_model(real_model_path: Path) -> 
         # when the prompts' KV came from a differently shaped batch).
         assert b_tokens[:8] == a_tokens[:8], (prompt, a_text, b_text)
         assert b_text and not b_text.isspace()
+
+
+async def test_replies_cut_inside_a_character_never_contain_a_replacement_char(real_model_path: Path) -> None:
+    """Japanese and Russian replies cut by max_tokens at every length: most Japanese characters
+    take two or three tokens here, so many cuts fall inside one. No U+FFFD, ever: the unfinished
+    character is held back, the complete ones all come out, and the tokens still count."""
+    prompts = ["Say hello in Japanese, Chinese and Russian.", "Напиши короткое стихотворение о зиме."]
+    requests = [GenerationRequest(messages=[ChatMessage(role="user", content=p)], max_tokens=k, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.0))
+                for p in prompts for k in range(1, 25)]
+    async with running_engine(real_model_path, slots=8, ctx=512) as engine:
+        results = await asyncio.gather(*(run_one(engine, r) for r in requests))
+        held_back = 0
+        for request, (text, tokens, fin) in zip(requests, results):
+            assert "\ufffd" not in text, (request.max_tokens, text)
+            assert fin[0].usage.completion_tokens == len(tokens) == request.max_tokens
+            every_byte = b"".join(engine.model.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+            if every_byte != text:
+                assert every_byte == text + "\ufffd"        # only the unfinished last character is missing
+                held_back += 1
+    assert any(any(ord(c) > 0x3000 for c in text) for text, _, _ in results)     # it did write Japanese
+    assert held_back >= 5, held_back

@@ -32,7 +32,6 @@ def test_utf8_multibyte_split_across_pieces_is_held_until_complete() -> None:
     assert s.push(b"a" + euro[:1]) == "a"
     assert s.push(euro[1:2]) == ""
     assert s.push(euro[2:] + b"b") == "€b"
-    assert s.flush() == ""
 
 
 def test_utf8_four_byte_char_one_byte_at_a_time() -> None:
@@ -40,15 +39,16 @@ def test_utf8_four_byte_char_one_byte_at_a_time() -> None:
     data = "x🦙y".encode()
     out = [s.push(data[i:i + 1]) for i in range(len(data))]
     assert out == ["x", "", "", "", "🦙", "y"]
-    assert s.flush() == ""
 
 
-def test_utf8_invalid_bytes_become_replacement_char_not_exception() -> None:
+def test_utf8_invalid_bytes_in_the_text_become_replacement_chars_not_exceptions() -> None:
     s = Utf8Stream()
     assert s.push(b"ok\xff") == "ok\ufffd"
-    # A truncated sequence at the very end is released as U+FFFD by flush.
+    # A truncated sequence followed by more text is garbage in the middle: replaced.
     assert s.push(b"\xe2\x82") == ""
-    assert s.flush() == "\ufffd"
+    assert s.push(b"A") == "\ufffdA"
+    # A truncated sequence at the very end is held and never comes out as U+FFFD.
+    assert s.push("Пр".encode()[:3]) == "П"
 
 
 @settings(max_examples=200, deadline=None)
@@ -58,9 +58,29 @@ def test_utf8_any_split_reassembles_exactly_and_never_breaks_a_char(text: str, c
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
     s = Utf8Stream()
     parts = [s.push(data[a:b]) for a, b in zip(points, points[1:])]
-    parts.append(s.flush())
     assert "".join(parts) == text
     assert all("\ufffd" not in p for p in parts) or "\ufffd" in text
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(min_size=1), stop_at=st.integers(min_value=0, max_value=10_000),
+       cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_utf8_stopping_mid_character_emits_the_complete_characters_only(text: str, stop_at: int,
+                                                                       cuts: list[int]) -> None:
+    """Generation cut at any byte (a length stop between the tokens of one character): the
+    output is exactly the characters that were complete, with no U+FFFD for the unfinished one."""
+    data = text.encode("utf-8")
+    end = stop_at % (len(data) + 1)
+    points = sorted({c % (end + 1) for c in cuts} | {0, end})
+    s = Utf8Stream()
+    out = "".join(s.push(data[a:b]) for a, b in zip(points, points[1:]))
+    complete, size = "", 0
+    for char in text:
+        size += len(char.encode("utf-8"))
+        if size > end:
+            break
+        complete += char
+    assert out == complete
 
 
 # ----------------------------------------------------------------------------- StopMatcher

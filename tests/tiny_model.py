@@ -20,7 +20,9 @@ CHATML_TEMPLATE = (
 
 
 def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: int = 128, n_layer: int = 2,
-                     n_ctx_train: int = 8192) -> Path:
+                     n_ctx_train: int = 8192, quant: gguf.GGMLQuantizationType | None = None) -> Path:
+    """``quant`` (e.g. Q4_0) quantizes the matrices that feed matrix multiplications, so llama.cpp
+    has something to repack; the default keeps every weight F32."""
     rng = np.random.default_rng(seed)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + list(LETTERS)
     types = [2, 3, 3] + [6] * 256 + [1] * 27
@@ -39,7 +41,7 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(0)
+    w.add_file_type(0 if quant is None else gguf.LlamaFileType[f"MOSTLY_{quant.name}"])
     w.add_vocab_size(n_vocab)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -54,22 +56,29 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
+    def matrix(name: str, rows: int, cols: int) -> None:
+        data = rand(rows, cols)
+        if quant is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
+
     def ones(n: int) -> np.ndarray:
         return np.ones(n, np.float32)
 
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
     w.add_tensor("output_norm.weight", ones(n_embd))
-    w.add_tensor("output.weight", rand(n_vocab, n_embd))
+    matrix("output.weight", n_vocab, n_embd)
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", ones(n_embd))
-        w.add_tensor(f"blk.{i}.attn_q.weight", rand(n_head * head_dim, n_embd))
-        w.add_tensor(f"blk.{i}.attn_k.weight", rand(n_head_kv * head_dim, n_embd))
-        w.add_tensor(f"blk.{i}.attn_v.weight", rand(n_head_kv * head_dim, n_embd))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand(n_embd, n_head * head_dim))
+        matrix(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", ones(n_embd))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
+        matrix(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        matrix(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        matrix(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,174 @@
+"""slotq's queue on Redis: enqueue, claim, lease renewal, finish/retry/hand-back, reaping, cancel,
+and O(1) counts. Producers and workers both use it; it knows Redis, not the engine.
+
+Why slotq claims jobs itself instead of arq's poll: arq keeps running jobs at the head of its
+queue's sorted set, so every poll re-reads every running job (``queue_read_limit``), each enqueue
+woke every worker, and each claim cost several round trips per candidate. Here waiting, deferred
+and running jobs live in separate sets per lane, one script claims up to k jobs in one round trip
+whatever else is running, an idle worker waits on a blocking pop of a wake token (one enqueue
+wakes one worker), and a reaper returns expired leases. arq stays the runtime that runs a claimed
+job (its ``run_job``: the job record, the attempt counter, timeouts, abort, the result record); see
+:mod:`jobs.queue.runtime`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from arq.jobs import deserialize_result, serialize_job
+from redis.asyncio import Redis
+
+from jobs.queue import scripts
+from jobs.queue.keys import ABORTS, QueueKeys, job_record_key, result_key, retry_counter_key
+
+WAKE_CAP = 10_000              # wake tokens kept at most (one per waiting job below that)
+PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
+REAP_LIMIT = 100               # expired leases requeued per lane per reap
+RECORD_TTL_MS = 7 * 86_400_000  # a job not claimed within a week expires (arq fails it as "job expired")
+
+
+class Enqueued(Enum):
+    CREATED = 1
+    EXISTS = 0        # the id is taken: a job still in the queue, or a kept result (idempotency)
+    FULL = -1
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    id: str
+    lane: str
+    ready_ms: int
+
+
+@dataclass(frozen=True)
+class LaneCounts:
+    lane: str
+    waiting: int
+    deferred: int
+    running: int
+    oldest_waiting_ms: float | None      # ready time of the job next in line
+
+
+class RedisQueue:
+    def __init__(self, redis: Redis, name: str, lanes: Sequence[str]) -> None:
+        self.redis = redis
+        self.keys = QueueKeys(name, tuple(lanes))
+        self._scripts = {name: redis.register_script(getattr(scripts, name))
+                         for name in ("ENQUEUE", "CLAIM", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK", "REAP", "CANCEL")}
+
+    def lane_of(self, index: int) -> str:
+        return self.keys.lanes[index]
+
+    # ------------------------------------------------------------------ producers
+    async def enqueue(self, job_id: str, function: str, payload: dict[str, Any], *, lane: str,
+                      max_waiting: int | None, serializer: Any) -> Enqueued:
+        """Write the job record (arq's format) and put the job in its lane; wake one idle worker.
+        FULL when ``max_waiting`` jobs already wait (None: no limit)."""
+        now_ms = int(time.time() * 1000)
+        record = serialize_job(function, (payload,), {}, None, now_ms, serializer=serializer)
+        k = self.keys
+        counted = [key for lane_ in k.lanes for key in (k.waiting(lane_), k.deferred(lane_))]
+        code = await self._scripts["ENQUEUE"](
+            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.waiting(lane), k.wake, *counted],
+            args=[job_id, record, RECORD_TTL_MS, now_ms, lane, max_waiting if max_waiting is not None else 2**53, WAKE_CAP])
+        return Enqueued(int(code))
+
+    async def cancel(self, job_id: str) -> int:
+        """1: removed before it started; -1: running, abort requested (its worker is told at once);
+        0: not in the queue (finished, or never enqueued)."""
+        k = self.keys
+        counted = [key for lane in k.lanes for key in (k.waiting(lane), k.deferred(lane))]
+        return int(await self._scripts["CANCEL"](
+            keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, *counted],
+            args=[job_id, int(time.time() * 1000), k.abort_channel("")]))
+
+    async def result_record(self, job_id: str, deserializer: Any) -> Any | None:
+        """arq's result record of a finished job, or None."""
+        raw = await self.redis.get(result_key(job_id))
+        return None if raw is None else deserialize_result(raw, deserializer=deserializer)
+
+    async def place(self, job_id: str) -> tuple[str | None, bool]:
+        """(lane, running) of a job still in the queue; (None, False) when it is not."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.jobs, job_id)
+            pipe.hexists(self.keys.owners, job_id)
+            entry, owned = await pipe.execute()
+        if entry is None:
+            return None, False
+        return entry.decode().split("\t", 1)[0], bool(owned)
+
+    async def counts(self) -> list[LaneCounts]:
+        """Waiting, deferred and running jobs of each lane: O(1) per lane, one round trip."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane in k.lanes:
+                pipe.zcard(k.waiting(lane))
+                pipe.zcard(k.deferred(lane))
+                pipe.zcard(k.running(lane))
+                pipe.zrange(k.waiting(lane), 0, 0, withscores=True)
+            raw = await pipe.execute()
+        out = []
+        for i, lane in enumerate(k.lanes):
+            waiting, deferred, running, head = raw[4 * i: 4 * i + 4]
+            out.append(LaneCounts(lane, waiting, deferred, running, head[0][1] if head else None))
+        return out
+
+    # ------------------------------------------------------------------ workers
+    async def claim(self, max_jobs: int, token: str, lease_ms: int) -> list[ClaimedJob]:
+        """Up to ``max_jobs`` jobs, highest lane first, oldest first within a lane; each is owned
+        by ``token`` until its lease deadline (renew it) and starts its next attempt."""
+        k = self.keys
+        flat = await self._scripts["CLAIM"](
+            keys=[k.jobs, k.owners, k.wake, *k.lane_triples()],
+            args=[int(time.time() * 1000), max_jobs, lease_ms, token, WAKE_CAP, PROMOTE_LIMIT])
+        return [ClaimedJob(flat[i].decode(), self.lane_of(int(flat[i + 1])), int(float(flat[i + 2])))
+                for i in range(0, len(flat), 3)]
+
+    async def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until a wake token arrives (one enqueue wakes one waiting worker) or the timeout."""
+        return await self.redis.blpop([self.keys.wake], timeout=timeout_s) is not None
+
+    async def return_wake_token(self) -> None:
+        """A token this worker cannot use (its slots filled meanwhile): pass it on."""
+        await self.redis.rpush(self.keys.wake, "1")
+
+    async def renew(self, jobs: Sequence[ClaimedJob], token: str, lease_ms: int) -> list[bool]:
+        """Extend the leases of ``jobs``; False for each job this worker no longer owns."""
+        if not jobs:
+            return []
+        deadline = int(time.time() * 1000) + lease_ms
+        owned = await self._scripts["RENEW"](
+            keys=[self.keys.owners, *(self.keys.running(j.lane) for j in jobs)],
+            args=[token, deadline, *(j.id for j in jobs)])
+        return [bool(x) for x in owned]
+
+    async def finish(self, job: ClaimedJob, token: str, result: bytes | None, result_ttl_ms: int) -> bool:
+        """Store the result and remove the job from the queue. False: not ours (left alone)."""
+        k = self.keys
+        return bool(await self._scripts["FINISH"](
+            keys=[k.owners, k.jobs, k.running(job.lane), job_record_key(job.id), retry_counter_key(job.id),
+                  result_key(job.id), ABORTS],
+            args=[token, job.id, result or b"", result_ttl_ms]))
+
+    async def retry_later(self, job: ClaimedJob, token: str, run_at_ms: int) -> bool:
+        k = self.keys
+        return bool(await self._scripts["RETRY_LATER"](
+            keys=[k.owners, k.running(job.lane), k.deferred(job.lane)], args=[token, job.id, run_at_ms]))
+
+    async def hand_back(self, job: ClaimedJob, token: str) -> bool:
+        """Return a job to its place in line without using a try (worker shutdown, dead engine)."""
+        k = self.keys
+        return bool(await self._scripts["HAND_BACK"](
+            keys=[k.owners, k.jobs, k.running(job.lane), k.waiting(job.lane), retry_counter_key(job.id), k.wake],
+            args=[token, job.id, WAKE_CAP]))
+
+    async def reap(self) -> int:
+        """Requeue jobs whose lease expired (their worker died or stalled); promote due retries."""
+        k = self.keys
+        return int(await self._scripts["REAP"](
+            keys=[k.owners, k.jobs, k.wake, *k.lane_triples()],
+            args=[int(time.time() * 1000), REAP_LIMIT, WAKE_CAP]))

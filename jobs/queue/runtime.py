@@ -1,0 +1,203 @@
+"""arq's job runtime, fed by slotq's claim path.
+
+:class:`QueueRuntime` keeps what arq does well for a claimed job -- ``Worker.run_job``: read the
+job record, count the attempt, honour an abort requested before the start, run the job function
+under ``job_timeout``, classify the outcome (``Retry``, abort, cancellation, failure, success) and
+build the result record -- and replaces everything around it that cannot scale or cannot be made
+safe: the polling loop and its head-of-queue scan, the per-job WATCH/MULTI claim, the lock that is
+never renewed, and the finishing writes, which here are fenced scripts of :mod:`jobs.queue.scripts`.
+
+Its loop: claim as many jobs as there are free slots; with nothing to claim, wait for whichever
+comes first -- a slot freed by a finishing job, a wake token (one enqueue wakes one idle worker), or
+the fallback tick (``poll_delay_s``), which also reaps expired leases and re-checks aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from arq.worker import Worker
+
+from jobs.queue.redis_queue import ClaimedJob, RedisQueue
+
+log = logging.getLogger(__name__)
+
+
+class QueueRuntime(Worker):
+    """An arq ``Worker`` whose jobs come from :class:`RedisQueue`. ``max_jobs`` is the number of
+    slots; ``allow_pick_jobs = False`` stops claiming (draining)."""
+
+    def __init__(self, *args: Any, queue: RedisQueue, token: str, lease_ms: int,
+                 may_claim: Callable[[], bool] = lambda: True,
+                 on_job_started: Callable[[ClaimedJob], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, handle_signals=False, **kwargs)
+        self.queue = queue
+        self.token = token
+        self.lease_ms = lease_ms
+        self.claimed: dict[str, ClaimedJob] = {}
+        self.lease_lost: set[str] = set()
+        self.may_claim = may_claim
+        self.on_job_started = on_job_started
+        self._slot_freed = asyncio.Event()
+        self._wake_task: asyncio.Task[bool] | None = None
+        self.claims = 0          # claim round trips, for benchmarks
+        self.wakeups = 0
+
+    # ------------------------------------------------------------------ the loop
+    async def main(self) -> None:
+        self.ctx["redis"] = self.pool
+        if self.on_startup:
+            await self.on_startup(self.ctx)
+        next_tick = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_tick:
+                await self._tick()
+                next_tick = now + self.poll_delay_s
+            free = self.max_jobs - self.job_counter
+            if self._can_claim() and free > 0:
+                claimed = await self._claim(free)
+                if len(claimed) == free:
+                    continue                  # took all it could; look again when a slot frees
+            await self._wait(max(0.0, next_tick - time.monotonic()))
+
+    async def _claim(self, free: int) -> list[ClaimedJob]:
+        try:
+            claimed = await self.queue.claim(free, self.token, self.lease_ms)
+        except Exception as exc:  # Redis down: the next tick tries again (commands already retried ~30 s)
+            log.warning("claim failed (%s: %s); retrying", type(exc).__name__, exc)
+            await asyncio.sleep(1)
+            return []
+        self.claims += 1
+        for job in claimed:
+            await self._start(job)
+        return claimed
+
+    async def _start(self, job: ClaimedJob) -> None:
+        await self.sem.acquire()          # arq's bookkeeping: never blocks below max_jobs
+        self.job_counter += 1
+        self.claimed[job.id] = job
+        task = self.loop.create_task(self.run_job(job.id, job.ready_ms))
+        task.add_done_callback(lambda _t, job_id=job.id: self._job_done(job_id))
+        self.tasks[job.id] = task
+        if self.on_job_started is not None:
+            self.on_job_started(job)
+
+    def _job_done(self, job_id: str) -> None:
+        self.job_counter -= 1
+        self.sem.release()
+        self.claimed.pop(job_id, None)
+        self.lease_lost.discard(job_id)
+        self._slot_freed.set()
+
+    async def _wait(self, timeout: float) -> None:
+        """Until a slot frees, a wake token arrives (only while slots are free) or ``timeout``."""
+        self._slot_freed.clear()
+        waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._slot_freed.wait())}
+        if self._can_claim() and self._wake_task is None:
+            self._wake_task = asyncio.create_task(self.queue.wait_for_work(self.poll_delay_s), name="slotq-wake")
+        if self._wake_task is not None:
+            waiters.add(self._wake_task)
+        done, pending = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for fut in pending:
+            if fut is not self._wake_task:
+                fut.cancel()
+        if self._wake_task is not None and self._wake_task.done():
+            task, self._wake_task = self._wake_task, None
+            if task.cancelled():
+                return
+            if task.exception() is not None:
+                await asyncio.sleep(0.5)          # Redis unreachable: the next tick reports it; do not spin
+                return
+            if task.result():
+                self.wakeups += 1
+                if not self._can_claim():
+                    with contextlib.suppress(Exception):
+                        await self.queue.return_wake_token()   # full meanwhile: pass it on
+
+    def _can_claim(self) -> bool:
+        return self.allow_pick_jobs and self.job_counter < self.max_jobs and self.may_claim()
+
+    def nudge(self) -> None:
+        """Look for work now (e.g. the claim gate just opened)."""
+        self._slot_freed.set()
+
+    async def _tick(self) -> None:
+        """Fallback work, once per ``poll_delay_s``: requeue expired leases (any worker may reap any
+        job), act on aborts whose notification was missed, and surface crashed job tasks."""
+        try:
+            reaped = await self.queue.reap()
+            if reaped:
+                log.warning("requeued %d jobs whose worker stopped renewing their lease", reaped)
+            await self._cancel_aborted_jobs()
+        except Exception as exc:
+            log.warning("queue maintenance failed (%s: %s)", type(exc).__name__, exc)
+        for job_id, task in list(self.tasks.items()):
+            if task.done():
+                del self.tasks[job_id]
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("job %s: the runtime failed around it: %r", job_id, task.exception())
+
+    async def abort_now(self) -> None:
+        """Act on pending aborts now (a cancel notification arrived)."""
+        await self._cancel_aborted_jobs()
+
+    # ------------------------------------------------------------------ how a job leaves this worker
+    async def finish_job(self, job_id: str, finish: bool, result_data: bytes | None, result_timeout_s: float | None,
+                         keep_result_forever: bool, incr_score: int | None, keep_in_progress: float | None) -> None:
+        """arq's outcome, as one fenced script: finished (result stored), retried later (Retry),
+        or handed back (cancelled by a shutdown or a dead engine: no try is used)."""
+        job = self.claimed.get(job_id)
+        if job is None:
+            return
+        if finish:
+            ttl_ms = int(1000 * (result_timeout_s or self.keep_result_s))
+            done = await self.queue.finish(job, self.token, result_data, ttl_ms)
+        elif incr_score:
+            done = await self.queue.retry_later(job, self.token, job.ready_ms + incr_score)
+        else:
+            done = await self.queue.hand_back(job, self.token)
+        if not done and job_id not in self.lease_lost:
+            log.warning("job %s is no longer this worker's (its lease expired and it was requeued); left alone", job_id)
+
+    async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
+        """arq failed the job without running it (record expired, unreadable, aborted before start,
+        attempts exhausted): store its result and remove it from the queue."""
+        job = self.claimed.get(job_id)
+        if job is not None:
+            await self.queue.finish(job, self.token, result_data, int(self.keep_result_s * 1000))
+
+    def hand_back_all(self) -> None:
+        """Stop claiming and cancel every running job function once; :meth:`finish_job` then hands
+        each back. A job still in run_job's prelude is cancelled by the next call, once it started."""
+        self.allow_pick_jobs = False
+        for task in list(self.job_tasks.values()):
+            if not task.cancelling():
+                task.cancel()
+
+    async def hand_back_and_wait(self, timeout_s: float = 15.0) -> None:
+        """Hand every job back and wait (up to ``timeout_s``) until each has left the worker."""
+        deadline = time.monotonic() + timeout_s
+        while any(not t.done() for t in self.tasks.values()) and time.monotonic() < deadline:
+            self.hand_back_all()
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        """Unlike arq's ``close``, never cancels run_job tasks (that would release a job before its
+        hand-back wrote its stream); call :meth:`hand_back_and_wait` first."""
+        if self._wake_task is not None:
+            self._wake_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._wake_task
+        if self._pool is None:
+            return
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self.on_shutdown:
+            await self.on_shutdown(self.ctx)
+        await self.pool.aclose()
+        self._pool = None

@@ -1,0 +1,203 @@
+"""The queue's Lua scripts. Each runs atomically in Redis, so no claim, hand-back, retry or reap
+can interleave with another: that is what makes "exactly one worker owns a running job" hold.
+
+A worker *owns* a job while ``Q:owners[id]`` holds its lease token. Only the claim script sets it;
+only finishing, retrying, handing back or reaping the job clears it, each in the same script that
+moves the job. Every write a worker makes for a job (stream batches included) first checks it still
+owns the job, so a worker that stalled past its lease and was reaped can never write again.
+
+Costs: enqueue O(lanes), claim O(lanes + k log N) for k jobs, renew O(jobs renewed), reap
+O(lanes + expired), everything else O(1) or O(lanes). Nothing scans running jobs.
+"""
+
+from __future__ import annotations
+
+# KEYS: record, result, jobs, waiting (the lane's), wake, then waiting + deferred of every lane
+# ARGV: job id, record, record ttl ms, ready ms, lane, max waiting, wake cap
+# Returns 1 enqueued, 0 the id exists (a queued/running job or a kept result), -1 queue full.
+ENQUEUE = """
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1
+   or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
+  return 0
+end
+local waiting = 0
+for i = 6, #KEYS do waiting = waiting + redis.call('ZCARD', KEYS[i]) end
+if waiting >= tonumber(ARGV[6]) then return -1 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[5] .. '\\t' .. ARGV[4])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+if redis.call('LLEN', KEYS[5]) < tonumber(ARGV[7]) then redis.call('RPUSH', KEYS[5], '1') end
+return 1
+"""
+
+# Moves due retries (deferred -> waiting) of one lane; used by CLAIM and REAP.
+_PROMOTE = """
+local function promote(deferred, waiting, now, limit)
+  local due = redis.call('ZRANGEBYSCORE', deferred, '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
+  for j = 1, #due, 2 do
+    redis.call('ZREM', deferred, due[j])
+    redis.call('ZADD', waiting, due[j + 1], due[j])
+  end
+end
+"""
+
+# Keeps one wake token per waiting job (capped), so a wake-up is never wasted on an empty queue
+# for long and a lost one is restored at the next claim.
+_SYNC_WAKE = """
+local function sync_wake(wake, waiting, cap)
+  local target = math.min(waiting, cap)
+  local tokens = redis.call('LLEN', wake)
+  if tokens > target then
+    if target == 0 then redis.call('DEL', wake) else redis.call('LTRIM', wake, 0, target - 1) end
+  else
+    for _ = tokens + 1, target do redis.call('RPUSH', wake, '1') end
+  end
+end
+"""
+
+# KEYS: jobs, owners, wake, then waiting/deferred/running of every lane (highest priority first)
+# ARGV: now ms, max jobs, lease ms, token, wake cap, promote limit
+# Returns a flat list: id, lane index (0-based), ready ms, ... for each claimed job.
+CLAIM = _PROMOTE + _SYNC_WAKE + """
+local now = tonumber(ARGV[1])
+local want = tonumber(ARGV[2])
+local deadline = now + tonumber(ARGV[3])
+local out = {}
+local claimed = 0
+local waiting_left = 0
+for i = 4, #KEYS, 3 do
+  local waiting, running = KEYS[i], KEYS[i + 2]
+  promote(KEYS[i + 1], waiting, now, tonumber(ARGV[6]))
+  if claimed < want then
+    local popped = redis.call('ZPOPMIN', waiting, want - claimed)
+    for j = 1, #popped, 2 do
+      redis.call('ZADD', running, deadline, popped[j])
+      redis.call('HSET', KEYS[2], popped[j], ARGV[4])
+      out[#out + 1] = popped[j]
+      out[#out + 1] = (i - 4) / 3
+      out[#out + 1] = popped[j + 1]
+      claimed = claimed + 1
+    end
+  end
+  waiting_left = waiting_left + redis.call('ZCARD', waiting)
+end
+sync_wake(KEYS[3], waiting_left, tonumber(ARGV[5]))
+return out
+"""
+
+# KEYS: owners, then the running set of each job (same order as the ids)
+# ARGV: token, new deadline ms, job ids...
+# Returns one 1/0 per job: 0 = the job is no longer this worker's (reaped, finished elsewhere).
+RENEW = """
+local out = {}
+for i = 3, #ARGV do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then
+    redis.call('ZADD', KEYS[i - 1], 'XX', ARGV[2], ARGV[i])
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+# KEYS: owners, jobs, running, record, retry counter, result, aborts
+# ARGV: token, job id, result record ('' = none), result ttl ms
+FINISH = """
+if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[2], ARGV[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[7], ARGV[2])
+redis.call('DEL', KEYS[4], KEYS[5])
+if ARGV[3] ~= '' then redis.call('SET', KEYS[6], ARGV[3], 'PX', ARGV[4]) end
+return 1
+"""
+
+# KEYS: owners, running, deferred; ARGV: token, job id, run-at ms
+RETRY_LATER = """
+if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+return 1
+"""
+
+# KEYS: owners, jobs, running, waiting, retry counter, wake; ARGV: token, job id, wake cap
+# The attempt is given back in the same step that makes the job claimable again, so the next
+# claim can never count it (the hand-back race of arq #267 style DECRs done afterwards).
+HAND_BACK = """
+if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
+local entry = redis.call('HGET', KEYS[2], ARGV[2])
+local ready = entry and string.match(entry, '\\t(.+)$') or '0'
+redis.call('HDEL', KEYS[1], ARGV[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZADD', KEYS[4], ready, ARGV[2])
+if tonumber(redis.call('GET', KEYS[5]) or '0') > 0 then redis.call('DECR', KEYS[5]) end
+if redis.call('LLEN', KEYS[6]) < tonumber(ARGV[3]) then redis.call('RPUSH', KEYS[6], '1') end
+return 1
+"""
+
+# KEYS: owners, jobs, wake, then waiting/deferred/running of every lane
+# ARGV: now ms, limit per lane, wake cap
+# Requeues jobs whose lease deadline passed (their worker died or stalled) at their old place in
+# line, and promotes due retries. Returns the number of jobs requeued.
+REAP = _PROMOTE + """
+local now = tonumber(ARGV[1])
+local reaped = 0
+for i = 4, #KEYS, 3 do
+  local waiting, running = KEYS[i], KEYS[i + 2]
+  promote(KEYS[i + 1], waiting, now, tonumber(ARGV[2]))
+  local expired = redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT', 0, ARGV[2])
+  for _, id in ipairs(expired) do
+    local entry = redis.call('HGET', KEYS[2], id)
+    redis.call('ZREM', running, id)
+    redis.call('HDEL', KEYS[1], id)
+    if entry then
+      redis.call('ZADD', waiting, string.match(entry, '\\t(.+)$') or now, id)
+      reaped = reaped + 1
+    end
+  end
+end
+local room = tonumber(ARGV[3]) - redis.call('LLEN', KEYS[3])
+for _ = 1, math.min(reaped, room) do redis.call('RPUSH', KEYS[3], '1') end
+return reaped
+"""
+
+# KEYS: jobs, owners, record, aborts, then waiting + deferred of every lane
+# ARGV: job id, now ms, abort channel prefix
+# Returns 1 removed before it started, -1 running (abort requested), 0 not in the queue.
+CANCEL = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+for i = 5, #KEYS do
+  if redis.call('ZREM', KEYS[i], ARGV[1]) == 1 then
+    redis.call('HDEL', KEYS[1], ARGV[1])
+    redis.call('DEL', KEYS[3])
+    return 1
+  end
+end
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+local owner = redis.call('HGET', KEYS[2], ARGV[1])
+if owner then redis.call('PUBLISH', ARGV[3] .. owner, ARGV[1]) end
+return -1
+"""
+
+# KEYS: owners, stream, write mark; ARGV: token ('' = not fenced), job id, maxlen, stream ttl s,
+# batch id, then per entry: n, field, value, ... (n = 2 x fields).
+# Returns 0 when the job is not this worker's, 1 when written (or already written: a batch whose
+# reply was lost and that is sent again carries the same id and is not appended twice).
+FENCED_XADD = """
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
+if redis.call('GET', KEYS[3]) == ARGV[5] then return 1 end
+redis.call('SET', KEYS[3], ARGV[5], 'EX', ARGV[4])
+local i = 6
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  local cmd = {'XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*'}
+  for j = 1, n do cmd[#cmd + 1] = ARGV[i + j] end
+  redis.call(unpack(cmd))
+  i = i + n + 1
+end
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return 1
+"""

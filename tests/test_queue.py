@@ -1,0 +1,198 @@
+"""The queue's claim path on a real Valkey, without a model: lanes, leases, the reaper, hand-back,
+cancel, wake-ups and O(1) counts (jobs/queue/)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from jobs.queue.keys import ABORTS, QueueKeys, job_record_key, retry_counter_key
+from jobs.queue.redis_queue import Enqueued, RedisQueue
+from jobs.serialization import serialize
+from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
+
+LEASE_MS = 60_000
+
+
+@pytest.fixture
+async def redis(redis_url):
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        yield r
+    finally:
+        await r.aclose()
+
+
+@pytest.fixture
+def queue(redis) -> RedisQueue:
+    return RedisQueue(redis, "test:q", ["interactive", "bulk"])
+
+
+async def put(queue: RedisQueue, job_id: str, lane: str = "interactive", max_waiting: int | None = None) -> Enqueued:
+    return await queue.enqueue(job_id, "generate", {"prompt": job_id}, lane=lane, max_waiting=max_waiting,
+                               serializer=serialize)
+
+
+async def test_claim_takes_higher_lanes_first_then_oldest(queue):
+    for i in range(3):
+        await put(queue, f"bulk-{i}", "bulk")
+        await asyncio.sleep(0.002)
+    await put(queue, "chat-0")
+    claimed = await queue.claim(2, "w1", LEASE_MS)
+    assert [(j.id, j.lane) for j in claimed] == [("chat-0", "interactive"), ("bulk-0", "bulk")]
+    rest = await queue.claim(10, "w2", LEASE_MS)
+    assert [j.id for j in rest] == ["bulk-1", "bulk-2"]
+    assert await queue.claim(10, "w3", LEASE_MS) == []
+    counts = {c.lane: c for c in await queue.counts()}
+    assert (counts["interactive"].waiting, counts["interactive"].running) == (0, 1)
+    assert (counts["bulk"].waiting, counts["bulk"].running) == (0, 3)
+
+
+async def test_enqueue_is_idempotent_and_bounded(queue):
+    assert await put(queue, "a", max_waiting=2) == Enqueued.CREATED
+    assert await put(queue, "a", max_waiting=2) == Enqueued.EXISTS
+    assert await put(queue, "b", "bulk", max_waiting=2) == Enqueued.CREATED
+    assert await put(queue, "c", max_waiting=2) == Enqueued.FULL           # waiting counts across lanes
+    await queue.claim(1, "w1", LEASE_MS)
+    assert await put(queue, "c", max_waiting=2) == Enqueued.CREATED        # running jobs do not count
+    assert await put(queue, "a", max_waiting=2) == Enqueued.EXISTS         # still running: same id refused
+
+
+async def test_wake_tokens_never_exceed_waiting_jobs(queue, redis):
+    for i in range(5):
+        await put(queue, f"j{i}")
+    assert await redis.llen(queue.keys.wake) == 5
+    await queue.claim(3, "w1", LEASE_MS)
+    assert await redis.llen(queue.keys.wake) == 2
+    await queue.claim(3, "w1", LEASE_MS)
+    assert await redis.llen(queue.keys.wake) == 0
+
+
+async def test_one_enqueue_wakes_exactly_one_idle_worker(queue, redis_url):
+    """No stampede: five idle workers block on the wake list; one enqueue wakes one of them."""
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(5)]
+    try:
+        waiters = [RedisQueue(c, "test:q", ["interactive", "bulk"]) for c in clients]
+        tasks = [asyncio.create_task(w.wait_for_work(2.0)) for w in waiters]
+        await asyncio.sleep(0.2)                      # all five are blocked in BLPOP
+        started = time.monotonic()
+        await put(queue, "only-one")
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        woke_after = time.monotonic() - started
+        results = await asyncio.gather(*tasks)
+        assert sorted(results) == [False, False, False, False, True]
+        assert woke_after < 1.0
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_renew_finish_and_fencing(queue, redis):
+    await put(queue, "job")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    assert await queue.renew([job], "w1", LEASE_MS) == [True]
+    assert await queue.renew([job], "intruder", LEASE_MS) == [False]
+    assert not await queue.finish(job, "intruder", b"result", 60_000)      # not the owner: left alone
+    assert await queue.finish(job, "w1", b"result", 60_000)
+    assert await redis.get("arq:result:job") == b"result"
+    assert not await redis.exists(job_record_key("job"))
+    assert await redis.hlen(queue.keys.jobs) == 0 and await redis.hlen(queue.keys.owners) == 0
+    assert await queue.place("job") == (None, False)
+    assert not await queue.finish(job, "w1", b"again", 60_000)              # only once
+
+
+async def test_reaper_requeues_expired_leases_at_their_place_and_fences_the_old_owner(queue, redis):
+    await put(queue, "old")
+    await asyncio.sleep(0.005)
+    await put(queue, "young")
+    [old] = await queue.claim(1, "dead-worker", lease_ms=50)
+    await asyncio.sleep(0.1)
+    assert await queue.reap() == 1
+    assert await queue.place("old") == ("interactive", False)
+    [again] = await queue.claim(1, "w2", LEASE_MS)
+    assert again.id == "old" and again.ready_ms == old.ready_ms              # back at the head of the line
+    # the reaped worker wakes up: it can neither renew, nor finish, nor hand back
+    assert await queue.renew([old], "dead-worker", LEASE_MS) == [False]
+    assert not await queue.hand_back(old, "dead-worker")
+    assert not await queue.finish(old, "dead-worker", b"x", 1000)
+    assert await queue.reap() == 0                                          # a live lease is left alone
+
+
+async def test_hand_back_gives_the_try_back_atomically(queue, redis):
+    await put(queue, "handed")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    await redis.incr(retry_counter_key("handed"))                           # arq's run_job counted attempt 1
+    assert await queue.hand_back(job, "w1")
+    assert await redis.get(retry_counter_key("handed")) == b"0"
+    assert await queue.place("handed") == ("interactive", False)
+    assert await redis.llen(queue.keys.wake) == 1                          # an idle worker is woken for it
+    [again] = await queue.claim(1, "w2", LEASE_MS)
+    assert again.ready_ms == job.ready_ms
+
+
+async def test_retry_later_waits_out_its_backoff(queue):
+    await put(queue, "flaky")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    assert await queue.retry_later(job, "w1", int(time.time() * 1000) + 150)
+    assert {c.lane: c.deferred for c in await queue.counts()}["interactive"] == 1
+    assert await queue.claim(1, "w1", LEASE_MS) == []                       # not yet
+    await asyncio.sleep(0.2)
+    [again] = await queue.claim(1, "w1", LEASE_MS)                          # promoted when due
+    assert again.id == "flaky"
+
+
+async def test_cancel_queued_and_running(queue, redis):
+    await put(queue, "running")
+    assert [j.id for j in await queue.claim(1, "w1", LEASE_MS)] == ["running"]
+    await put(queue, "queued2")
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(queue.keys.abort_channel("w1"))
+    await pubsub.get_message(timeout=1)                                     # the subscribe confirmation
+    try:
+        assert await queue.cancel("queued2") == 1
+        assert await queue.place("queued2") == (None, False)
+        assert not await redis.exists(job_record_key("queued2"))
+        assert await queue.cancel("running") == -1
+        assert await redis.zscore(ABORTS, "running") is not None
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+        assert message is not None and message["data"] == b"running"     # told the owner, and only it
+        assert await queue.cancel("never-enqueued") == 0
+    finally:
+        await pubsub.aclose()
+
+
+async def test_claim_cost_does_not_grow_with_running_jobs(queue, redis):
+    """Beyond arq's old queue_read_limit (1000 running jobs, after which waiting ones became
+    invisible): a new job is claimed at once, in one script whose command count stays small."""
+    n = 1500
+    async with redis.pipeline(transaction=False) as pipe:
+        for i in range(n):
+            await queue._scripts["ENQUEUE"](
+                keys=[job_record_key(f"r{i}"), f"arq:result:r{i}", queue.keys.jobs, queue.keys.waiting("interactive"),
+                      queue.keys.wake, queue.keys.waiting("interactive")],
+                args=[f"r{i}", b"x", 60_000, i, "interactive", 10**9, 10_000], client=pipe)
+        await pipe.execute()
+    claimed = 0
+    while claimed < n:
+        claimed += len(await queue.claim(500, f"w{claimed}", LEASE_MS))
+    assert {c.lane: c.running for c in await queue.counts()}["interactive"] == n
+
+    await redis.config_resetstat()
+    await put(queue, "newcomer")
+    [job] = await queue.claim(4, "free-worker", LEASE_MS)
+    assert job.id == "newcomer"
+    stats = await redis.info("commandstats")
+    inner = sum(v["calls"] for k, v in stats.items() if not k.startswith(("cmdstat_evalsha", "cmdstat_eval",
+                                                                          "cmdstat_config", "cmdstat_info")))
+    assert inner < 40, stats            # enqueue + claim of one job: a few dozen commands, not thousands
+
+
+def test_lane_names_are_checked():
+    with pytest.raises(ValueError, match="lane 'Bulk'"):
+        QueueKeys("q", ("interactive", "Bulk"))
+    with pytest.raises(ValueError, match="distinct"):
+        QueueKeys("q", ("a", "a"))
+
