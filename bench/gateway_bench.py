@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,53 +30,12 @@ from engine import bundled_model_path
 from jobs.client import SlotqClient
 from jobs.redis_server import EmbeddedRedis
 from jobs.settings import ClientSettings
+from jobs.watch import ChildProcess, run_watched
 
 SLOTS = 16
 CTX = 512
 CONCURRENCY = [8, 16]
 MODEL_NAME = "bench"
-
-
-class ChildDied(RuntimeError):
-    pass
-
-
-class Child:
-    """A ``slotq`` subprocess whose output goes to a log file, for the post-mortem."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], env=env, stdout=log,
-                                         stderr=subprocess.STDOUT)
-
-    def check(self) -> None:
-        code = self.proc.poll()
-        if code is not None:
-            tail = self.log.read_text(errors="replace")[-3000:]
-            raise ChildDied(f"the {self.name} exited with code {code}; last lines of its log:\n{tail}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-async def _watched(coro: Any, children: list[Child]) -> Any:
-    """Run ``coro`` but fail fast when a child process dies under it."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while not task.done():
-            for child in children:
-                child.check()
-            await asyncio.wait({task}, timeout=0.5)
-        return task.result()
-    finally:
-        task.cancel()
 
 
 def _gateway_request(http: httpx.AsyncClient, max_tokens: int) -> OneRequest:
@@ -106,15 +64,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _measure(paths: dict[str, OneRequest], concurrency: list[int], per_client: int,
-                   children: list[Child]) -> list[dict[str, Any]]:
+async def _measure(paths: dict[str, OneRequest], concurrency: list[int], per_client: int) -> list[dict[str, Any]]:
+    """Both paths at each concurrency, two rounds with the order swapped: mean tokens/s, pooled TTFTs."""
     samples: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
     for round_ in range(2):
         for c in concurrency:
             order = list(paths) if round_ == 0 else list(reversed(paths))
             for path in order:
                 progress(f"round {round_ + 1}: {path} path at concurrency {c}")
-                tps, ttfts = await _watched(_closed_loop(paths[path], c, per_client), children)
+                tps, ttfts = await _closed_loop(paths[path], c, per_client)
                 rates, all_ttfts = samples.setdefault((path, c), ([], []))
                 rates.append(tps)
                 all_ttfts.extend(ttfts)
@@ -135,21 +93,12 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(bundled_model_path()),
                "SLOTQ_MODEL_NAME": MODEL_NAME, "SLOTQ_SLOTS": str(SLOTS), "SLOTQ_CTX": str(CTX),
                "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_LOG_LEVEL": "WARNING"}
-        children = [Child("worker", ["worker"], env, Path(tmp)),
-                    Child("gateway", ["gateway", "--port", str(port)], env, Path(tmp))]
-        client = await SlotqClient.connect(url, ClientSettings(redis_url=url))
-        http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120,
-                                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        children = [ChildProcess(f"the benchmark's {name} (slotq {name})", [sys.executable, "-m", "jobs.cli", *argv],
+                                 env=env, log_path=Path(tmp) / f"{name}.log")
+                    for name, argv in (("worker", ["worker"]), ("gateway", ["gateway", "--port", str(port)]))]
         try:
-            progress("waiting for the worker and the gateway")
-            await _watched(_ready(client, http), children)
-            paths = {"client": _queue_request(client, max_tokens), "gateway": _gateway_request(http, max_tokens)}
-            await _watched(asyncio.gather(*(paths[p](i, time.perf_counter()) for p in paths for i in range(4))),
-                           children)   # warm-up
-            results = await _measure(paths, concurrency, per_client, children)
+            results = await run_watched(_both_paths(url, port, concurrency, per_client, max_tokens), *children)
         finally:
-            await http.aclose()
-            await client.close()
             for child in children:
                 child.stop()
             server.stop()
@@ -158,6 +107,22 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     if not quick:
         write_results("gateway", data, table, "slotq bench gateway")
     return data, table
+
+
+async def _both_paths(url: str, port: int, concurrency: list[int], per_client: int,
+                      max_tokens: int) -> list[dict[str, Any]]:
+    client = await SlotqClient.connect(url, ClientSettings(redis_url=url))
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120,
+                             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    try:
+        progress("waiting for the worker and the gateway")
+        await _ready(client, http)
+        paths = {"client": _queue_request(client, max_tokens), "gateway": _gateway_request(http, max_tokens)}
+        await asyncio.gather(*(paths[p](i, time.perf_counter()) for p in paths for i in range(4)))   # warm-up
+        return await _measure(paths, concurrency, per_client)
+    finally:
+        await http.aclose()
+        await client.close()
 
 
 async def _ready(client: SlotqClient, http: httpx.AsyncClient) -> None:

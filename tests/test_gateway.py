@@ -184,7 +184,7 @@ def test_chat_stream_sync_with_include_usage(stack):
 def test_completions_stream_and_not(stack):
     client = sdk(stack.url)
     whole = client.completions.create(model="tiny-a", prompt="Once upon a time", max_tokens=10, temperature=0,
-                                      extra_body=greedy())
+                                      extra_body=greedy(lane="bulk"))
     assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 10
     parts = list(client.completions.create(model="tiny-a", prompt="Once upon a time", max_tokens=10, temperature=0,
@@ -393,6 +393,8 @@ def _error(exc: openai.APIStatusError) -> dict[str, Any]:
      "messages[0].content"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"idempotency_key": "bad key!"}, "idempotency_key"),
+    ({"lane": "Not A Lane"}, "lane"),
+    ({"lane": "overnight"}, "lane"),          # well formed, but not one of the queue's lanes
 ])
 def test_400_names_the_parameter(stack, extra, param):
     body = {"model": "tiny-a", "messages": PROMPT} | extra
@@ -466,12 +468,19 @@ def test_cors_for_the_configured_origins_only(stack):
 
 
 def test_429_with_retry_after_when_the_queue_is_full(stack):
+    """Gateway 3 allows 2 waiting jobs per queue: with worker A's 4 slots busy and 2 jobs waiting,
+    the next request is refused with Retry-After."""
     url = stack.gateways[2].url              # SLOTQ_MAX_QUEUE_LENGTH=2
     client = sdk(url, api_key=KEYS[0])
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
-    held = [httpx.post(f"{url}/v1/jobs", headers=headers, timeout=30, json={
-        "model": "tiny-a", "prompt": f"hold {i}", "max_tokens": LONG, "ignore_eos": True}).json()["id"] for i in range(2)]
+    wait_idle(stack.url, "gw-worker-a")
+    held = []
     try:
+        for i in range(6):
+            held.append(httpx.post(f"{url}/v1/jobs", headers=headers, timeout=30, json={
+                "model": "tiny-a", "prompt": f"hold {i}", "max_tokens": LONG, "ignore_eos": True}).json()["id"])
+            if i < 4:
+                wait_job(stack.url, held[-1], "running")           # the 4 slots fill, then 2 wait
         with pytest.raises(openai.RateLimitError) as caught:
             client.completions.create(model="tiny-a", prompt="one too many", max_tokens=4)
         assert caught.value.response.headers["retry-after"] == "2"

@@ -50,9 +50,8 @@ async def fleet(request: Request) -> dict[str, Any]:
     workers = await gateway.client.workers()
     names = sorted({w.queue for w in workers} | {gateway.settings.queue_name})
     infos = await asyncio.gather(*(gateway.queue(name).queue_info() for name in names))
-    queues = [{"queue": i.queue, "models": sorted({w.model for w in i.workers}), "queued": i.queued,
-               "deferred": i.deferred, "running": i.running, "oldest_queued_age_s": i.oldest_queued_age_s,
-               "workers": len(i.workers), "slots_busy": i.slots_busy, "slots_total": i.slots_total} for i in infos]
+    queues = [i.model_dump(mode="json", exclude={"workers"}) | {"models": sorted({w.model for w in i.workers}),
+                                                                "workers": len(i.workers)} for i in infos]
     return {"time": time.time(), "queues": queues, "workers": [w.model_dump() for w in workers],
             "dead_letters": await dead_letters.count(gateway.client.redis)}
 

@@ -54,7 +54,8 @@ class Gateway:
         try:
             handle = await self.queue(route.queue).enqueue(job)
         except JobRejected as exc:
-            raise ApiError.invalid(str(exc), param(exc.field), code="context_length_exceeded") from None
+            code = "context_length_exceeded" if exc.field == "max_tokens" else "invalid_value"
+            raise ApiError.invalid(str(exc), param(exc.field), code=code) from None
         except QueueFull as exc:
             raise ApiError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
                            headers={"Retry-After": str(self.settings.gateway_retry_after_s)}) from None

@@ -51,7 +51,7 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> 
     }
     fields: dict[str, Any] = {
         "max_tokens": request.max_tokens, "n": request.n, "stop": request.stop_list, "ignore_eos": request.ignore_eos,
-        "priority": request.priority, "deadline": request.deadline, "metadata": request.metadata,
+        "lane": request.lane, "priority": request.priority, "deadline": request.deadline, "metadata": request.metadata,
         "idempotency_key": request.idempotency_key or idempotency_key,
     }
     schema_param = "json_schema"

@@ -84,6 +84,7 @@ class _Generation(BaseModel):
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     # slotq's own
+    lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
     priority: int | None = None
     deadline: float | None = Field(None, description="unix time after which generation stops")
     idempotency_key: str | None = None

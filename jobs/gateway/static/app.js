@@ -40,30 +40,18 @@ const bar = (used, total, cls = "") => {
 };
 
 // ------------------------------------------------------------------ fleet
-let previous = {};   // worker id -> {t, generated}: tokens/s from successive heartbeats
-
-function tokensPerSecond(w) {
-  if (w.tokens_per_s != null) return w.tokens_per_s;          // when the heartbeat carries it
-  const before = previous[w.id];
-  previous[w.id] = { t: w.updated_at, generated: w.generated_tokens, rate: before ? before.rate : null };
-  if (before && w.updated_at > before.t) {
-    previous[w.id].rate = (w.generated_tokens - before.generated) / (w.updated_at - before.t);
-  }
-  return previous[w.id].rate;
-}
-
 function renderFleet(fleet) {
+  const lanes = (q) => q.lanes.map((l) => `<span class="lane">${esc(l.lane)} ${l.queued}·${l.running}</span>`).join(" ");
   $("#queues tbody").innerHTML = fleet.queues.map((q) => `
     <tr data-queue="${esc(q.queue)}"><td>${esc(q.queue)}</td><td>${esc(q.models.join(", ") || "–")}</td>
       <td class="num">${q.workers}</td><td>${bar(q.slots_busy, q.slots_total)}${q.slots_busy} / ${q.slots_total}</td>
       <td class="num">${q.queued}</td><td class="num">${q.running}</td><td class="num">${q.deferred}</td>
-      <td class="num">${ago(q.oldest_queued_age_s)}</td></tr>`).join("");
+      <td class="num">${ago(q.oldest_queued_age_s)}</td><td>${lanes(q)}</td></tr>`).join("");
   $("#workers tbody").innerHTML = fleet.workers.map((w) => {
-    const rate = tokensPerSecond(w);
     const kv = w.kv_cells_total ? `${bar(w.kv_cells_used, w.kv_cells_total, "kv")}${((100 * w.kv_cells_used) / w.kv_cells_total).toFixed(0)} %` : "–";
     return `<tr data-worker="${esc(w.id)}"><td>${esc(w.id)}</td><td>${esc(w.model)}</td><td>${esc(w.queue)}</td>
       <td class="slots">${bar(w.slots_busy, w.slots_total)}${w.slots_busy} / ${w.slots_total}</td><td>${kv}</td>
-      <td class="num">${rate == null ? "–" : rate.toFixed(1)}</td><td class="num">${w.generated_tokens}</td>
+      <td class="num">${w.tokens_per_s.toFixed(1)}</td><td class="num">${w.generated_tokens}</td>
       <td class="num">${w.waiting}</td><td class="num">${ago(fleet.time - w.updated_at)}</td></tr>`;
   }).join("");
   $("#no-workers").hidden = fleet.workers.length > 0;
