@@ -69,7 +69,7 @@ async def complete(request: Request, body: WireRequest) -> Response:
         result = await until_disconnected(request, handle.result(timeout=timeout))
     except ClientGone:
         if owner_cancels:
-            gateway.cancel_soon(handle.client, handle.id)
+            gateway.client_left(handle.client, handle.id)
         return Response(status_code=499)
     except JobTimeout:
         gateway.cancel_soon(handle.client, handle.id)

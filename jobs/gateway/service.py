@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from jobs.client import JobHandle, JobRejected, QueueFull, SlotqClient
+from jobs.gateway import metrics
 from jobs.gateway.errors import ApiError
 from jobs.gateway.routing import ModelRouter
 from jobs.gateway.settings import GatewaySettings
@@ -75,12 +76,17 @@ class Gateway:
         record = JobRecord.model_validate_json(raw) if raw else None
         return self.queue(record.queue if record else self.settings.queue_name), record
 
+    def client_left(self, client: SlotqClient, job_id: str) -> None:
+        """The client of the request that created this job disconnected: cancel the job."""
+        metrics.DISCONNECT_CANCELS.inc()
+        self.cancel_soon(client, job_id)
+
     def cancel_soon(self, client: SlotqClient, job_id: str) -> None:
         """Cancel outside the request's task: a disconnected request is being torn down."""
         async def cancel() -> None:
             try:
                 await client.cancel(job_id)
-                log.info("job %s cancelled: its client disconnected", job_id)
+                log.info("job %s cancelled by the gateway", job_id)
             except Exception as exc:  # logged, never raised into the server
                 log.warning("could not cancel job %s after its client left: %s", job_id, exc)
 

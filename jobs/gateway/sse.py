@@ -107,8 +107,7 @@ async def open_stream(request: Request, gateway: Gateway, client: SlotqClient, j
     except ClientGone:
         feed.close()
         if cancel_on_disconnect:
-            metrics.DISCONNECT_CANCELS.inc()
-            gateway.cancel_soon(client, job_id)
+            gateway.client_left(client, job_id)
         return Response(status_code=499)
     except Exception:
         feed.close()
@@ -156,5 +155,4 @@ async def _events(gateway: Gateway, client: SlotqClient, job_id: str, renderer: 
         metrics.STREAMS_ACTIVE.dec()
         feed.close()
         if not completed and cancel_on_disconnect:
-            metrics.DISCONNECT_CANCELS.inc()
-            gateway.cancel_soon(client, job_id)
+            gateway.client_left(client, job_id)
