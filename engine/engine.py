@@ -28,7 +28,7 @@ from engine.llama_model import LlamaModel
 from engine.outbox import Sink
 from engine.request import GenerationRequest
 from engine.runner import PreparedRequest, Runner
-from engine.sampling import SamplerChain, build_chain, check_grammar, grammar_for
+from engine.sampling import SamplerChain, build_chain, check_grammar, check_resume_tokens, grammar_for
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.state import EngineState, Lifecycle
 from engine.stats import EngineStats
@@ -131,6 +131,8 @@ class Engine:
                 # nothing to sample and llama.cpp's grammar aborts the process.
                 raise InvalidRequest("ignore_eos cannot be combined with grammar or json_schema", field="ignore_eos")
             check_grammar(self.model.vocab, grammar)
+            if request.resume_tokens:
+                check_resume_tokens(self.model.vocab, grammar, request.resume_tokens)
         seed = request.sampling.seed
 
         def make_chain(choice: int) -> SamplerChain:

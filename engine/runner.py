@@ -125,8 +125,9 @@ class Runner:
             self._step(out)
             self.faults.after_decode_step(self.counters.decode_steps)
         for request_id in self._publish():
-            log.warning("request %s: its event loop is closed; cancelling it", request_id)
-            self._cancel(request_id)
+            if self._has_open_choices(request_id):     # (its own final events come back here once more)
+                log.warning("request %s: its event loop is closed; cancelling it", request_id)
+                self._cancel(request_id)
         if not out.items:
             self._wake.wait(timeout=0.05)
 
