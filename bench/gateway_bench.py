@@ -4,7 +4,7 @@ One worker subprocess (bundled model, 16 slots) and one ``slotq gateway`` subpro
 Redis. The same closed-loop workload as ``slotq bench queue`` runs through the Python client
 (enqueue, read the job's stream) and through the gateway (``POST /v1/completions`` with
 ``stream: true`` over HTTP, SSE parsed as it arrives), at 8 and 16 concurrent streams, in two
-rounds with the order of the paths swapped. Reported: aggregate tokens/s and TTFT p50 of both
+rounds with the order of the paths swapped (each client sends 2 requests of 64 tokens back to back). Reported: aggregate tokens/s and TTFT p50 of both
 paths, their ratio and the difference. The run stops at once, with the child's exit code and log
 tail, if the worker or the gateway dies.
 """
@@ -35,6 +35,8 @@ from jobs.watch import ChildProcess, run_watched
 SLOTS = 16
 CTX = 512
 CONCURRENCY = [8, 16]
+ROUNDS = 2              # the order of the paths is swapped in every other round
+PER_CLIENT = 2          # requests each closed-loop client sends back to back
 MODEL_NAME = "bench"
 
 
@@ -65,11 +67,11 @@ def _free_port() -> int:
 
 
 async def _measure(paths: dict[str, OneRequest], concurrency: list[int], per_client: int) -> list[dict[str, Any]]:
-    """Both paths at each concurrency, two rounds with the order swapped: mean tokens/s, pooled TTFTs."""
+    """Both paths at each concurrency, ``ROUNDS`` rounds with the order swapped: mean tokens/s, pooled TTFTs."""
     samples: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
-    for round_ in range(2):
+    for round_ in range(ROUNDS):
         for c in concurrency:
-            order = list(paths) if round_ == 0 else list(reversed(paths))
+            order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
             for path in order:
                 progress(f"round {round_ + 1}: {path} path at concurrency {c}")
                 tps, ttfts = await _closed_loop(paths[path], c, per_client)
@@ -84,7 +86,7 @@ async def _measure(paths: dict[str, OneRequest], concurrency: list[int], per_cli
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
     logging.getLogger("httpx").setLevel(logging.WARNING)      # one INFO line per request otherwise
     concurrency = [4] if quick else CONCURRENCY
-    per_client = 1 if quick else 4
+    per_client = 1 if quick else PER_CLIENT
     max_tokens = 16 if quick else 64
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp:
         server = EmbeddedRedis(Path(tmp) / "redis")
