@@ -3,15 +3,25 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PIP     = $(VENV)/bin/pip
-STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# GPU=cuda builds llama-cpp-python with CUDA (needs the CUDA toolkit: nvcc on PATH); empty = CPU.
+GPU    ?=
+STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)$(if $(GPU),-$(GPU))
+LLAMA_CPP = $(shell sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
+CMAKE_ARGS_cuda = -DGGML_CUDA=on
 
-.PHONY: demo test test-fast bench install
+.PHONY: demo test test-fast test-deps bench install
 
 $(STAMP): pyproject.toml
+	@if [ -n "$(GPU)" ] && [ -z "$(CMAKE_ARGS_$(GPU))" ]; then echo "GPU=$(GPU): unknown; use GPU=cuda, or CMAKE_ARGS for another backend"; exit 2; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	@echo "installing slotq (llama-cpp-python compiles from source the first time: ~6 min on 2 cores)"
 	$(PIP) install --quiet -e '.[test]'
+ifneq ($(GPU),)
+	@echo "rebuilding $(LLAMA_CPP) for GPU=$(GPU) (CMAKE_ARGS=$(CMAKE_ARGS_$(GPU))); not from pip's cache, which holds the CPU build"
+	CMAKE_ARGS="$(CMAKE_ARGS_$(GPU))" $(PIP) install --quiet --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python '$(LLAMA_CPP)'
+endif
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -20,8 +30,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/slotq demo
 
+## test-deps: tools the tests use beyond Python: promtool (Debian's prometheus package), installed
+## with apt-get when missing and running as root; otherwise the alert-rule tests skip (fail with CI=true)
+test-deps:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing promtool (Debian package prometheus, no recommends)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+	      || echo "WARNING: could not install prometheus (promtool); the alert-rule tests will fail under CI=true"; \
+	  else \
+	    echo "note: promtool not found (apt-get install prometheus as root); the alert-rule tests will skip"; \
+	  fi; }
+
 ## test: install, then run the whole test suite (starts its own Redis servers on free ports)
-test: $(STAMP)
+test: $(STAMP) test-deps
 	$(VENV)/bin/python -m pytest -q -ra
 
 ## test-fast: skip the tests on the real bundled model and the fault-injection tests

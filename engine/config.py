@@ -55,8 +55,9 @@ class EngineKnobs(BaseModel):
     prefill_chunk: int = Field(256, ge=1, description="max prompt tokens of one sequence per decode step")
     threads: int | None = Field(None, ge=1, le=1024, description="llama.cpp threads; unset = every core this process may use")
     gpu_layers: Annotated[int, Field(ge=-1)] | Literal["auto"] = Field(
-        0, description="layers offloaded to the GPU; -1 = all; auto = as many as fit in gpu_memory_fraction of the "
-                       "free GPU memory with the KV cache of every slot (0 without a GPU); needs a GPU build")
+        "auto", description="layers offloaded to the GPU; -1 = all; auto = as many as fit in gpu_memory_fraction of "
+                            "the free GPU memory with the KV cache of every slot (0 on a CPU-only build or without a "
+                            "GPU)")
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1,
                                        description="with gpu_layers=auto: the share of free GPU memory to fill")
     flash_attention: FlashAttention = Field(FlashAttention.AUTO, description="llama.cpp flash attention")

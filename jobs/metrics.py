@@ -33,6 +33,9 @@ SLOTS_TOTAL = Gauge("slotq_slots_total", "Slots of this worker")
 KV_USAGE = Gauge("slotq_kv_cache_usage_ratio",
                  "KV cells held for running sequences / total KV cells (idle prefix caches, dropped when space "
                  "is needed, do not count)")
+BATCH_LIMIT = Gauge("slotq_batch_limit_tokens", "Token budget of one llama_decode now (smaller while degraded)")
+PREFILL_CHUNK_LIMIT = Gauge("slotq_prefill_chunk_limit_tokens",
+                            "Prompt tokens of one sequence per decode step now (smaller while degraded)")
 KV_CACHED = Gauge("slotq_kv_cache_cached_ratio", "KV cells only idle prefix caches hold / total KV cells")
 QUEUE_WAITING = Gauge("slotq_queue_waiting", "Jobs waiting to be claimed", ["lane"])
 QUEUE_DEFERRED = Gauge("slotq_queue_deferred", "Jobs waiting out a retry backoff", ["lane"])
@@ -82,6 +85,8 @@ class EngineSampler:
         REQUESTS_DEFERRED.set(stats.waiting)
         BUSY_SLOTS_PER_DECODE.set(stats.avg_busy_slots_per_decode)
         SLOTS_TOTAL.set(stats.slots_total)
+        BATCH_LIMIT.set(stats.batch_limit)
+        PREFILL_CHUNK_LIMIT.set(stats.prefill_chunk_limit)
         KV_USAGE.set(stats.kv_active_ratio)
         KV_CACHED.set(stats.kv_cells_cached / stats.kv_cells_total if stats.kv_cells_total else 0)
 

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -77,6 +78,7 @@ class SlotqWorker:
             on_restart=lambda name: elastic_metrics.LOOP_RESTARTS.labels(loop=name).inc())
         self._draining = False
         self._hand_back_now = asyncio.Event()
+        self._beat_now = asyncio.Event()
         self._heartbeat_ok_at = 0.0
         self._main: asyncio.Task[None] | None = None
         self._tokens_seen: tuple[float, int] | None = None
@@ -171,6 +173,7 @@ class SlotqWorker:
             await asyncio.sleep(self._faults.warmup_delay_s)
         self.supervisor.start("elastic", self.elastic.run)
         self.ready.set()
+        self._beat_now.set()
         self.runtime.nudge()
         log.info("worker %s ready (warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s", self.id, warm_s,
                  self.engine.info.model_name, config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
@@ -194,6 +197,7 @@ class SlotqWorker:
             self._hand_back_now.set()
             return
         self._draining = True
+        self._beat_now.set()                 # advertise "draining" at once
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         if self.runtime is not None:
             self.runtime.allow_pick_jobs = False
@@ -225,9 +229,12 @@ class SlotqWorker:
 
     # ------------------------------------------------------------------ background loops
     async def _heartbeat_loop(self) -> None:
+        """Every third of the lease, or at once when the worker's state changes (e.g. it became ready)."""
         while True:
+            self._beat_now.clear()
             await self._heartbeat_once()
-            await asyncio.sleep(self.settings.lock_ttl_s / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.settings.lock_ttl_s / 3)
 
     async def _heartbeat_once(self) -> None:
         """Renew the leases of running jobs and advertise this worker."""

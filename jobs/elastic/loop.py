@@ -44,11 +44,13 @@ class ElasticLoop:
         self.memory_limit = resolve_memory_limit(knobs.memory_limit_mb)
         self.last: Observation | None = None
         self._speed_mark: tuple[int, float] | None = None
+        floor = knobs.min_stream_tokens_per_s
         log.info("elastic slots %s: %d..%d active slots; memory limit %.2f GiB (%s); shrink at memory %.0f%%, "
-                 "KV %.0f%%, streams under %g tokens/s; refuse new jobs at memory %.0f%%",
+                 "KV %.0f%%, %s; refuse new jobs at memory %.0f%%",
                  "on" if knobs.elastic else "off (fixed slots)", knobs.min_slots, engine.config.slots,
                  self.memory_limit.bytes / (1 << 30), self.memory_limit.source, knobs.memory_high * 100,
-                 knobs.kv_high * 100, knobs.min_stream_tokens_per_s, knobs.memory_refuse * 100)
+                 knobs.kv_high * 100, f"streams under {floor:g} tokens/s" if floor else "no decode-speed floor",
+                 knobs.memory_refuse * 100)
         metrics.applied(self.controller.target_slots, self.controller.level)
 
     # ------------------------------------------------------------------ the loop
