@@ -28,9 +28,10 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from arq.connections import ArqRedis, RedisSettings, create_pool
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -158,6 +159,31 @@ async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, qu
         ) from exc
 
 
+class _SentinelConnection(SentinelManagedConnection):
+    """Connects once per try to the primary the sentinels name now.
+
+    redis-py nests the connection's retry policy: the command retries, its connect retries, and the
+    connect to a given address retries again, all with the same policy. After a failover that kept
+    a worker knocking at the dead primary's address for the whole policy (~30 s) before it asked
+    the sentinels again. Here each connect is one try; the command's retry asks the sentinels anew
+    each time, so a command resumes as soon as a replica is promoted."""
+
+    _ONCE = Retry(NoBackoff(), 0)
+
+    async def connect(self) -> None:
+        if self.is_connected:
+            return
+        policy, self.retry = self.retry, self._ONCE
+        try:
+            await super().connect()
+        finally:
+            self.retry = policy
+
+
+class _SentinelSSLConnection(_SentinelConnection, SSLConnection):
+    pass
+
+
 async def _sentinel_pool(settings: RedisSettings, queue_name: str, sentinel_password: str | None) -> ArqRedis:
     """arq's ``create_pool`` for Sentinel, with what arq's own Sentinel path leaves out: the retry
     policy, timeouts and CA file reach the primary's connections, and sentinels get their own
@@ -171,7 +197,9 @@ async def _sentinel_pool(settings: RedisSettings, queue_name: str, sentinel_pass
         db=settings.database, username=settings.username, password=settings.password, **tls)
     attempt = 0
     while True:
-        redis: ArqRedis = sentinel.master_for(settings.sentinel_master, redis_class=ArqRedis)
+        redis: ArqRedis = sentinel.master_for(
+            settings.sentinel_master, redis_class=ArqRedis,
+            connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection)
         redis.job_serializer = serialize
         redis.job_deserializer = deserialize
         redis.default_queue_name = queue_name

@@ -75,6 +75,13 @@ class QueueRuntime(Worker):
             return []
         self.claims += 1
         for job in claimed:
+            if job.id in self.claimed:
+                # Still running here: Redis was unreachable longer than the lease (an outage, a
+                # failover), so a reaper requeued the job and this claim took it back. The lease is
+                # ours again; a second attempt beside the first would write the stream twice.
+                log.warning("job %s: reclaimed while its attempt still runs here (lease expired during a Redis "
+                            "outage); keeping that attempt", job.id)
+                continue
             await self._start(job)
         return claimed
 
