@@ -39,7 +39,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from jobs.errors import RedisUnavailable
 from jobs.serialization import deserialize, serialize
 
-
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}     # scheme -> TLS
 SENTINEL_PORT = 26379
 
@@ -206,7 +205,7 @@ async def _sentinel_pool(settings: RedisSettings, queue_name: str, sentinel_pass
         try:
             await redis.ping()
             return redis
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, RedisError, OSError):
             await redis.aclose()
             if attempt >= settings.conn_retries:
                 raise

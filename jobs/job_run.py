@@ -21,8 +21,19 @@ from typing import Any, NoReturn
 
 from arq.worker import Retry, RetryJob
 
-from engine import (Engine, EngineDead, EngineError, ErrorInfo, Finished, FinishReason, GenerationParams,
-                    GenerationRequest, TextDelta, Timings, Usage)
+from engine import (
+    Engine,
+    EngineDead,
+    EngineError,
+    ErrorInfo,
+    Finished,
+    FinishReason,
+    GenerationParams,
+    GenerationRequest,
+    TextDelta,
+    Timings,
+    Usage,
+)
 from jobs import dead_letters, metrics
 from jobs.elastic.admission import Verdict
 from jobs.keys import stream_key

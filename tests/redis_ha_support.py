@@ -121,7 +121,7 @@ class SentinelCluster:
 
 def make_ca_and_server_cert(directory: Path) -> tuple[Path, Path, Path]:
     """A throwaway CA, and a certificate for 127.0.0.1/localhost signed by it: (ca, cert, key)."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "slotq test CA")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())

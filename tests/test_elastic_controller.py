@@ -72,7 +72,7 @@ def test_grows_back_when_jobs_wait_and_every_active_slot_is_busy() -> None:
 def test_degradation_steps_in_order_under_sustained_memory_pressure_and_back() -> None:
     c = SlotController(knobs(min_slots=1), max_slots=2)
     levels = []
-    for t in range(0, 40):
+    for t in range(40):
         for ch in c.observe(obs(t, mem=0.85)):
             levels.append((t, ch.kind, ch.new))
     assert [(k, n) for _, k, n in levels] == [("slots", 1), ("degradation", 1), ("degradation", 2), ("degradation", 3)]
@@ -105,7 +105,7 @@ def test_kv_counts_only_when_it_stays_high() -> None:
     assert run(c, 0, 4, kv=0.95) == []                  # high for 4 s: not yet
     assert run(c, 5, 5, kv=0.95)[0].startswith("active slots 4 -> 3: KV cache at 95% >= 90% for 5 s")
     c2 = SlotController(knobs(kv_high_for_s=5), max_slots=4)
-    for t in range(0, 20):
+    for t in range(20):
         assert c2.observe(obs(t, kv=0.95 if t % 4 else 0.5)) == []        # dips reset the clock
 
 
@@ -170,3 +170,22 @@ def test_limit_is_the_smallest_and_rss_is_real() -> None:
     ballast = b"\x01" * (64 * MIB)
     assert process_rss_bytes() - before >= 60 * MIB
     del ballast
+
+
+# ---------------------------------------------------------------------- what a job gets
+def test_verdicts_per_degradation_step() -> None:
+    from jobs.elastic.admission import RUN_AS_ASKED, WORKER_OVERLOADED, verdict
+
+    def v(level: Degradation, max_tokens: int = 512, resuming: bool = False):
+        return verdict(level, max_tokens=max_tokens, resuming=resuming, cap_tokens=128, worker_id="w1",
+                       why="memory at 93%")
+
+    assert v(Degradation.NONE) is RUN_AS_ASKED and v(Degradation.SMALL_BATCH) is RUN_AS_ASKED
+    capped = v(Degradation.CAP_TOKENS)
+    assert capped.cap is not None and (capped.cap.requested, capped.cap.applied) == (512, 128)
+    assert "memory at 93%" in capped.cap.reason
+    assert v(Degradation.CAP_TOKENS, max_tokens=100) is RUN_AS_ASKED           # already under the cap
+    refused = v(Degradation.REFUSE)
+    assert refused.refuse is not None and refused.refuse.code == WORKER_OVERLOADED and refused.refuse.retryable
+    assert "back to the queue" in refused.refuse.message
+    assert v(Degradation.REFUSE, resuming=True) is RUN_AS_ASKED                # a started job is finished

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from arq.worker import RetryJob
 from jobs_fixtures import *  # noqa: F403
 from jobs_fixtures import WorkerProcess, clean_env, job_request, raw_entries
 from prometheus_client.parser import text_string_to_metric_families
 from test_observability import _free_port
 
-from arq.worker import RetryJob
 from engine import Engine, EngineConfig, ErrorInfo
 from jobs.client import SlotqClient
 from jobs.elastic.admission import WORKER_OVERLOADED, Verdict

@@ -72,6 +72,6 @@ async def test_auto_without_a_gpu_means_zero_and_says_so(tiny_model_path: Path, 
     caplog.set_level(logging.INFO, logger="engine.llama_devices")
     async with running_engine(tiny_model_path, slots=2, gpu_layers="auto") as engine:
         assert engine.model.gpu_layers == 0
-        text, tokens, finished = await run_one(engine, greedy("abc", 4))
+        _text, tokens, finished = await run_one(engine, greedy("abc", 4))
         assert len(tokens) == 4 and finished[0].error is None
     assert "GPU layers: auto -> 0" in caplog.text

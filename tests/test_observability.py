@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -51,7 +52,7 @@ def promtool() -> str:
 
 
 def test_alert_rules_load(promtool: str) -> None:
-    out = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
+    out = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"SUCCESS: {len(ALERTS)} rules found" in out.stdout
 
@@ -61,7 +62,7 @@ def test_every_alert_fires_on_its_series(promtool: str) -> None:
     fired = set(re.findall(r"alertname: (\w+)\n\s+exp_alerts:\n\s+- exp_labels", tests))
     assert fired == ALERTS                                      # each alert has a firing case
     out = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], capture_output=True, text=True,
-                         cwd=RULE_TESTS.parent)
+                         cwd=RULE_TESTS.parent, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
 
@@ -129,13 +130,13 @@ async def test_rules_and_dashboard_use_only_metrics_a_real_worker_serves(
             except (urllib.error.URLError, ConnectionError):
                 pass
             assert worker.proc.poll() is None and time.monotonic() < deadline, worker.log_tail()
-            time.sleep(0.2)
+            await asyncio.sleep(0.2)
         ready = json.loads(body)
         assert ready == ready | {"ok": True, "state": "ready", "worker": "obs1", "slots_active": 2, "degradation": "none"}
         assert _get(f"http://127.0.0.1:{port}/live")[0] == 200
         job = await client.enqueue(job_request(max_tokens=8))
         assert (await job.result(timeout=60)).status == JobStatus.SUCCEEDED
-        time.sleep(1.5)                                   # one metrics sample after the job
+        await asyncio.sleep(1.5)                          # one metrics sample after the job
         status, text = _get(f"http://127.0.0.1:{port}/metrics")
         assert status == 200
     finally:
@@ -146,3 +147,25 @@ async def test_rules_and_dashboard_use_only_metrics_a_real_worker_serves(
         missing = sorted(names - exported)
         assert not missing, f"{where} use metrics no worker serves: {missing}"
     assert "slotq_slots_active 2.0" in text and "slotq_worker_ready 1.0" in text
+
+
+def test_live_fails_when_the_event_loop_stops_stamping_and_ready_says_why() -> None:
+    from jobs.health import Health, serve
+
+    state = {"ok": False}
+    health = Health(stuck_after_s=0.3, ready_check=lambda: (state["ok"], {"state": "ready" if state["ok"] else "warming_up"}))
+    port = _free_port()
+    server = serve(port, health, addr="127.0.0.1")
+    try:
+        assert _get(f"http://127.0.0.1:{port}/live")[0] == 200
+        assert _get(f"http://127.0.0.1:{port}/ready") == (503, '{"ok": false, "state": "warming_up"}')
+        state["ok"] = True
+        assert _get(f"http://127.0.0.1:{port}/ready")[0] == 200
+        time.sleep(0.5)                                  # nobody called tick(): a stuck loop
+        status, body = _get(f"http://127.0.0.1:{port}/live")
+        assert status == 503 and json.loads(body)["event_loop_idle_s"] >= 0.3
+        health.tick()
+        assert _get(f"http://127.0.0.1:{port}/live")[0] == 200
+        assert "# TYPE" in _get(f"http://127.0.0.1:{port}/metrics")[1]
+    finally:
+        server.shutdown()
