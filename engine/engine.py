@@ -29,7 +29,7 @@ from engine.llama_model import LlamaModel
 from engine.outbox import Sink
 from engine.request import GenerationRequest, SamplingParams
 from engine.runner import PreparedRequest, Runner
-from engine.sampling import SamplerChain, build_chain, check_grammar, grammar_for
+from engine.sampling import SamplerChain, build_chain, check_grammar, check_resume_tokens, grammar_for
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerLimits
 from engine.state import EngineState, Lifecycle
 from engine.stats import EngineStats
@@ -133,6 +133,8 @@ class Engine:
                 # nothing to sample and llama.cpp's grammar aborts the process.
                 raise InvalidRequest("ignore_eos cannot be combined with grammar or json_schema", field="ignore_eos")
             check_grammar(self.model.vocab, grammar)
+            if request.resume_tokens:
+                check_resume_tokens(self.model.vocab, grammar, request.resume_tokens)
         seed = request.sampling.seed
 
         def make_chain(choice: int) -> SamplerChain:
@@ -240,9 +242,10 @@ class Engine:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
         """The engine's counters at the end of its latest step: an immutable snapshot published by
-        the engine thread (never read from live structures), copied into a model of your own.
+        the engine thread (never read from live structures), with a ``finished`` dict of your own.
         It includes every event already delivered to you."""
-        return self._runner.stats.to_stats()
+        snapshot = self._runner.stats
+        return snapshot.model_copy(update={"finished": dict(snapshot.finished)})
 
     async def close(self) -> None:
         """Stop the engine thread (requests still running end with the retryable

@@ -41,7 +41,7 @@ from engine.sampling import SamplerChain
 from engine.scheduler import KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
 from engine.sequence import SeqState, Sequence
 from engine.state import EngineState, Lifecycle
-from engine.stats import EngineCounters, StatsSnapshot
+from engine.stats import EngineCounters, EngineStats
 from engine.text import StopMatcher, Utf8Stream
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class Runner:
         self.lifecycle = lifecycle
         self.faults = faults
         self.counters = EngineCounters()
-        self.stats: StatsSnapshot = self.counters.snapshot(scheduler, model.info.model_name)   # replaced, never mutated
+        self.stats: EngineStats = self.counters.snapshot(scheduler, model.info.model_name)   # replaced, never mutated
         self._outbox = Outbox()
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -130,8 +130,9 @@ class Runner:
             self._step(out)
             self.faults.after_decode_step(self.counters.decode_steps)
         for request_id in self._publish():
-            log.warning("request %s: its event loop is closed; cancelling it", request_id)
-            self._cancel(request_id)
+            if self._has_open_choices(request_id):     # (its own final events come back here once more)
+                log.warning("request %s: its event loop is closed; cancelling it", request_id)
+                self._cancel(request_id)
         if not out.items:
             self._wake.wait(timeout=0.05)
 

@@ -7,7 +7,9 @@ top-k -> top-p -> min-p -> temperature -> dist(seed).
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import re
 import threading
 
@@ -124,6 +126,25 @@ def check_grammar(vocab: llama_cpp.llama_vocab_p, grammar: str) -> None:
     llama_cpp.llama_sampler_free(_grammar_sampler(vocab, grammar))
 
 
+def check_resume_tokens(vocab: llama_cpp.llama_vocab_p, grammar: str, tokens: list[int]) -> None:
+    """Walk the grammar through an earlier attempt's tokens before the engine replays them:
+    llama.cpp throws a C++ exception (the process aborts) when a sampler chain is made to accept
+    a token its grammar forbids, so a forbidden one must be refused here, as a bad request."""
+    sampler = _grammar_sampler(vocab, grammar)
+    try:
+        candidate = llama_cpp.llama_token_data()
+        candidates = llama_cpp.llama_token_data_array(data=ctypes.pointer(candidate), size=1, selected=-1, sorted=False)
+        for i, token in enumerate(tokens):
+            candidate.id, candidate.logit, candidate.p = token, 0.0, 0.0
+            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(candidates))
+            if math.isinf(candidate.logit):
+                raise InvalidRequest(f"resume_tokens: token {token} at position {i} is not allowed by the grammar",
+                                     field="resume_tokens")
+            llama_cpp.llama_sampler_accept(sampler, token)
+    finally:
+        llama_cpp.llama_sampler_free(sampler)
+
+
 def _grammar_sampler(vocab: llama_cpp.llama_vocab_p, grammar: str) -> llama_cpp.llama_sampler_p:
     with _grammar_lock:
         sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
@@ -146,4 +167,4 @@ def _add(chain: llama_cpp.llama_sampler_p, sampler: llama_cpp.llama_sampler_p) -
     llama_cpp.llama_sampler_chain_add(chain, sampler)
 
 
-__all__ = ["SamplerChain", "build_chain", "check_grammar", "grammar_for"]
+__all__ = ["SamplerChain", "build_chain", "check_grammar", "check_resume_tokens", "grammar_for"]

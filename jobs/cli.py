@@ -186,7 +186,7 @@ async def _status(args: argparse.Namespace) -> int:
             return 0
         info = await client.queue_info()
     if args.json:
-        _print_json(info.model_dump(mode="json") | {"slots_total": info.slots_total, "slots_busy": info.slots_busy})
+        _print_json(info.model_dump(mode="json"))
         return 0
     Console().print(render(info))
     return 0

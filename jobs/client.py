@@ -267,13 +267,8 @@ class SlotqClient:
                           oldest_queued_age_s=max(0.0, (now_ms - c.oldest_waiting_ms) / 1000)
                           if c.oldest_waiting_ms is not None else None)
                  for c in await self.queue.counts()]
-        ages = [lane.oldest_queued_age_s for lane in lanes if lane.oldest_queued_age_s is not None]
         return QueueInfo(
             queue=self.settings.queue_name,
-            queued=sum(lane.queued for lane in lanes),
-            deferred=sum(lane.deferred for lane in lanes),
-            running=sum(lane.running for lane in lanes),
-            oldest_queued_age_s=max(ages) if ages else None,
             lanes=lanes,
             workers=[w for w in await self.workers() if w.queue == self.settings.queue_name],
             dead_letters=await dead_letters.count(self.redis),

@@ -11,9 +11,9 @@ def stream_key(job_id: str) -> str:
     return f"slotq:stream:{{{job_id}}}"
 
 
-def write_mark_key(job_id: str) -> str:
-    """The id of the last stream batch written for a job (makes re-sent batches idempotent)."""
-    return f"slotq:stream-mark:{{{job_id}}}"
+def write_mark_key(writer_id: str) -> str:
+    """The last flush a stream writer applied, and its answer (makes a re-sent flush idempotent)."""
+    return f"slotq:stream-mark:{writer_id}"
 
 
 def dead_letter_key(job_id: str) -> str:

@@ -6,7 +6,7 @@ import re
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
 from engine import ErrorInfo, FinishReason, GenerationParams, Timings, Usage
 from jobs.serialization import serialize
@@ -144,19 +144,35 @@ class LaneInfo(BaseModel):
 
 
 class QueueInfo(BaseModel):
+    """One queue: its lanes (counts are O(1) reads), live workers and dead letters; the totals
+    over lanes and workers are derived (and included in JSON)."""
+
     queue: str
-    queued: int = Field(description="jobs waiting to be claimed, all lanes")
-    deferred: int = Field(description="jobs waiting out a retry backoff, all lanes")
-    running: int
-    oldest_queued_age_s: float | None
     lanes: list[LaneInfo]
     workers: list[WorkerInfo]
     dead_letters: int
 
-    @property
+    @computed_field
+    def queued(self) -> int:
+        return sum(lane.queued for lane in self.lanes)
+
+    @computed_field
+    def deferred(self) -> int:
+        return sum(lane.deferred for lane in self.lanes)
+
+    @computed_field
+    def running(self) -> int:
+        return sum(lane.running for lane in self.lanes)
+
+    @computed_field
+    def oldest_queued_age_s(self) -> float | None:
+        ages = [lane.oldest_queued_age_s for lane in self.lanes if lane.oldest_queued_age_s is not None]
+        return max(ages) if ages else None
+
+    @computed_field
     def slots_total(self) -> int:
         return sum(w.slots_total for w in self.workers)
 
-    @property
+    @computed_field
     def slots_busy(self) -> int:
         return sum(w.slots_busy for w in self.workers)

@@ -1,7 +1,7 @@
 """The per-job output stream ``slotq:stream:{job_id}``: writing it in batches, reading it resumably.
 
-Writers coalesce chunks for a few milliseconds and send every job's pending entries in one
-pipelined round trip, so Redis traffic grows with time, not with tokens. Readers use plain XREAD
+Writers coalesce chunks for ``stream_flush_ms`` and send every job's pending entries in one
+script, so Redis traffic grows with time, not with tokens. Readers use plain XREAD
 from their last id (no consumer groups): any number of readers, each can drop and resume without
 gaps or repeats, and an HTTP gateway can use the entry id as the SSE event id.
 """
@@ -9,11 +9,13 @@ gaps or repeats, and an HTTP gateway can use the entry id as the SSE event id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import IntEnum
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -22,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine import ErrorInfo, FinishReason, Timings, Usage
 from jobs.keys import stream_key, write_mark_key
-from jobs.queue.scripts import FENCED_XADD
+from jobs.queue.scripts import STREAM_FLUSH
 from jobs.schemas import EntryKind, StreamEntry
 
 log = logging.getLogger(__name__)
@@ -73,36 +75,58 @@ class Fence:
     token: str
 
 
+class TTL(IntEnum):
+    """What a flush does to a job's stream expiry (only where it changes: not on every chunk)."""
+
+    KEEP = 0
+    LIVE = 1      # the first write of this writer: the stream outlives any attempt (ttl_live_s)
+    FINAL = 2     # the final entry: the stream now lives ttl_s
+
+
 @dataclass
-class _Batch:
+class _JobBatch:
+    entries: list[StreamEntry] = field(default_factory=list)
+    ttl: TTL = TTL.KEEP
+
+
+@dataclass
+class _Flush:
     id: str
-    entries: list[StreamEntry]
+    jobs: list[tuple[str, _JobBatch]]
 
 
 class StreamWriter:
-    """Buffers entries per job and flushes all jobs together every ``flush_ms``.
+    """Buffers entries per job and writes every job's entries in ONE script per flush.
 
-    If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are
-    written, in order, once it is back; generation does not stop for a Redis blip. A batch that
-    was sent is re-sent unchanged, under the same id, until it is acknowledged, and Redis ignores
-    an id it has already applied: a write whose reply was lost is never appended twice. With a
-    ``fence``, each job's entries are written only while this worker owns the job (one atomic
-    script per job); a refused job's entries are dropped and ``on_fenced`` is told.
+    A flush goes out every ``flush_ms``, or at once when a job's first entry or a final entry is
+    waiting (time to first token and to the result are not delayed). The script checks each job's
+    fence, appends its entries and touches its expiry only on the first and the final write, so a
+    flush costs one round trip and about two commands per job.
+
+    If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are written,
+    in order, once it is back; generation does not stop for a Redis blip. A flush that was sent is
+    re-sent unchanged, under the same id, until it is acknowledged, and Redis answers an id it has
+    already applied from its record: a write whose reply was lost is never appended twice. With a
+    ``fence``, a job's entries are written only while this worker owns the job; a refused job's
+    entries are dropped and ``on_fenced`` is told.
     """
 
-    def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, fence: Fence | None = None,
-                 on_fenced: Callable[[str], None] | None = None) -> None:
+    def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
+                 fence: Fence | None = None, on_fenced: Callable[[str], None] | None = None) -> None:
         self.redis = redis
         self.flush_s = flush_ms / 1000
         self.maxlen = maxlen
         self.ttl_s = ttl_s
+        self.ttl_live_s = ttl_live_s or ttl_s
         self.fence = fence
         self.on_fenced = on_fenced
-        self._script = redis.register_script(FENCED_XADD)
+        self._script = redis.register_script(STREAM_FLUSH)
         self._writer_id = fence.token if fence else uuid.uuid4().hex
-        self._batch_numbers = itertools.count()
-        self._pending: dict[str, list[StreamEntry]] = {}    # not yet sent
-        self._inflight: dict[str, _Batch] = {}             # sent, not yet acknowledged
+        self._flush_numbers = itertools.count()
+        self._pending: dict[str, _JobBatch] = {}       # not yet sent
+        self._inflight: _Flush | None = None           # sent, not yet acknowledged
+        self._started: set[str] = set()                # jobs this writer has written to (expiry set)
+        self._urgent = asyncio.Event()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self.round_trips = 0
@@ -124,72 +148,91 @@ class StreamWriter:
 
     def add(self, job_id: str, entry: StreamEntry) -> None:
         """Queue an entry; consecutive chunks of one choice and attempt are merged."""
-        entries = self._pending.setdefault(job_id, [])
-        last = entries[-1] if entries else None
+        batch = self._pending.get(job_id)
+        if batch is None:
+            batch = self._pending[job_id] = _JobBatch()
+            if job_id not in self._started:
+                self._started.add(job_id)
+                batch.ttl = TTL.LIVE
+                self._urgent.set()                # the job's first entry: do not make its reader wait
+        last = batch.entries[-1] if batch.entries else None
         if (entry.kind == EntryKind.CHUNK and last is not None and last.kind == EntryKind.CHUNK
                 and last.choice == entry.choice and last.attempt == entry.attempt):
             last.text += entry.text
             last.token_ids.extend(entry.token_ids)
             last.n_tokens = entry.n_tokens
-        else:
-            entries.append(entry.model_copy(deep=True))
+            return
+        batch.entries.append(entry.model_copy(deep=True))
+        if entry.final:
+            batch.ttl = TTL.FINAL
+            self._started.discard(job_id)
+            self._urgent.set()
+        elif entry.kind != EntryKind.CHUNK:
+            self._urgent.set()
 
     def drop(self, job_id: str) -> None:
-        """Forget a job's unwritten entries (its lease was lost)."""
+        """Forget a job's unwritten entries (its lease was lost; a flush in flight is fenced off)."""
         self._pending.pop(job_id, None)
-        self._inflight.pop(job_id, None)
+        self._started.discard(job_id)
 
     async def write_all(self, job_id: str) -> None:
         """Return once every entry of ``job_id`` added so far is in Redis (or was fenced off)."""
-        while job_id in self._pending or job_id in self._inflight:
+        while job_id in self._pending or (self._inflight and any(j == job_id for j, _ in self._inflight.jobs)):
             if not await self.flush():
                 await asyncio.sleep(0.2)
 
     async def flush(self) -> bool:
-        """Send one batch per job in one pipeline. Returns False if Redis was unreachable."""
+        """Send the flush in flight again, or every pending job's entries as a new one. Returns
+        False if Redis was unreachable (the same flush is sent again next time)."""
         async with self._lock:
-            for job_id in [j for j in self._pending if j not in self._inflight]:
-                self._inflight[job_id] = _Batch(f"{self._writer_id}:{next(self._batch_numbers)}",
-                                                self._pending.pop(job_id))
-            batch = dict(self._inflight)
-            if not batch:
-                return True
+            if self._inflight is None:
+                if not self._pending:
+                    return True
+                self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", list(self._pending.items()))
+                self._pending = {}
+            sent = self._inflight
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for job_id, sent in batch.items():
-                        await self._script(keys=self._keys(job_id), args=self._args(job_id, sent), client=pipe)
-                    written = await pipe.execute()
+                written = await self._script(keys=self._keys(sent), args=self._args(sent))
             except (RedisConnectionError, RedisTimeoutError, OSError, RedisError) as exc:
-                log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(self._inflight))
+                log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(sent.jobs))
                 return False
+            self._inflight = None
             self.round_trips += 1
-            for (job_id, sent), ok in zip(batch.items(), written):
-                self._inflight.pop(job_id, None)
-                if ok:
-                    self.entries_written += len(sent.entries)
-                else:
-                    self._pending.pop(job_id, None)
-                    log.warning("job %s: lease held by another worker; abandoning it", job_id)
-                    if self.on_fenced is not None:
-                        self.on_fenced(job_id)
+            for (job_id, batch), ok in zip(sent.jobs, written.decode() if isinstance(written, bytes) else written):
+                if ok == "1":
+                    self.entries_written += len(batch.entries)
+                    continue
+                self._pending.pop(job_id, None)
+                self._started.discard(job_id)
+                log.warning("job %s: no longer this worker's; abandoning it", job_id)
+                if self.on_fenced is not None:
+                    self.on_fenced(job_id)
             return True
 
-    def _keys(self, job_id: str) -> list[str]:
-        return [self.fence.owners_key if self.fence else "", stream_key(job_id), write_mark_key(job_id)]
+    def _keys(self, sent: _Flush) -> list[str]:
+        owners = self.fence.owners_key if self.fence else ""
+        return [owners, write_mark_key(self._writer_id), *(stream_key(job_id) for job_id, _ in sent.jobs)]
 
-    def _args(self, job_id: str, sent: _Batch) -> list[str | int]:
-        args: list[str | int] = [self.fence.token if self.fence else "", job_id, self.maxlen, self.ttl_s, sent.id]
-        for entry in sent.entries:
-            fields = encode_entry(entry)
-            args.append(2 * len(fields))
-            for name, value in fields.items():
-                args += [name, value]
+    def _args(self, sent: _Flush) -> list[str | int]:
+        args: list[str | int] = [self.fence.token if self.fence else "", sent.id, self.maxlen, self.ttl_live_s,
+                                 self.ttl_s]
+        for job_id, batch in sent.jobs:
+            args += [job_id, int(batch.ttl), len(batch.entries)]
+            for entry in batch.entries:
+                fields = encode_entry(entry)
+                args.append(2 * len(fields))
+                for name, value in fields.items():
+                    args += [name, value]
         return args
 
     async def _flush_loop(self) -> None:
+        """Every ``flush_s``, or at once for a first or final entry; back off while Redis is down."""
         backoff = self.flush_s
         while True:
-            await asyncio.sleep(backoff)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):
+                    await self._urgent.wait()
+            self._urgent.clear()
             ok = await self.flush()
             backoff = self.flush_s if ok else min(max(backoff * 2, 0.1), 2.0)
 

@@ -158,6 +158,7 @@ class SlotqWorker:
         assert self.queue is not None
         self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
+                                   ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
                                    fence=Fence(self.queue.keys.owners, self.token), on_fenced=self._on_lease_lost)
         self.writer.start()
         self.supervisor.start("heartbeat", self._heartbeat_loop)

@@ -435,7 +435,12 @@ _NOTHING_LEFT_TO_SAMPLE = textwrap.dedent("""
             sampling = SamplingParams(temperature=0, grammar='root ::= "ab"',
                                       logit_bias={t: float("-inf") for t in b_tokens})
             ignore_eos = False
-        request = GenerationRequest(prompt="x", max_tokens=8, ignore_eos=ignore_eos, sampling=sampling)
+        resume = []
+        if variant == "resume_outside_grammar":  # an earlier attempt's tokens that the grammar forbids
+            sampling, ignore_eos = SamplingParams(temperature=0, grammar='root ::= "a"+'), False
+            resume = [t for t in range(engine.info.n_vocab) if engine.model.token_bytes(t) == b"b"]
+        request = GenerationRequest(prompt="x", max_tokens=8, ignore_eos=ignore_eos, sampling=sampling,
+                                    resume_tokens=resume)
         try:
             handle = engine.submit(request)
         except InvalidRequest as exc:
@@ -453,6 +458,7 @@ _NOTHING_LEFT_TO_SAMPLE = textwrap.dedent("""
     "ignore_eos",                # refused at submit since b3bdf4a
     "eos_banned",                # bans are a huge finite penalty, so the grammar always has a token
     "grammar_token_banned",
+    "resume_outside_grammar",    # replaying it aborted the process (a C++ exception in llama.cpp)
 ])
 def test_constraints_leaving_nothing_to_sample_do_not_kill_the_process(tiny_model_path: Path, variant: str) -> None:
     """Run in a subprocess: the failure mode is an abort of the whole interpreter. Either refusing
@@ -461,6 +467,8 @@ def test_constraints_leaving_nothing_to_sample_do_not_kill_the_process(tiny_mode
                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(("REJECTED", "FINISHED")), proc.stdout
+    if variant == "resume_outside_grammar":
+        assert proc.stdout.startswith("REJECTED resume_tokens"), proc.stdout
 
 
 # ----------------------------------------------------------------------------- many requests, KV bookkeeping

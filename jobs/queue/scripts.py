@@ -182,22 +182,39 @@ if owner then redis.call('PUBLISH', ARGV[3] .. owner, ARGV[1]) end
 return -1
 """
 
-# KEYS: owners, stream, write mark; ARGV: token ('' = not fenced), job id, maxlen, stream ttl s,
-# batch id, then per entry: n, field, value, ... (n = 2 x fields).
-# Returns 0 when the job is not this worker's, 1 when written (or already written: a batch whose
-# reply was lost and that is sent again carries the same id and is not appended twice).
-FENCED_XADD = """
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
-if redis.call('GET', KEYS[3]) == ARGV[5] then return 1 end
-redis.call('SET', KEYS[3], ARGV[5], 'EX', ARGV[4])
+# One flush of a worker's stream writer: every job's pending entries in one call.
+# KEYS: owners, the writer's flush mark, then one stream per job (in ARGV's order)
+# ARGV: token ('' = not fenced), flush id, maxlen, live ttl s, final ttl s, then per job: job id,
+# ttl (0 keep, 1 live, 2 final), entry count, then per entry: n, field, value, ... (n = 2 x fields).
+# Returns one '1'/'0' per job ('0': the job is not this worker's, nothing written). A flush id
+# already applied (re-sent because its reply was lost) gets its first answer again, unwritten.
+STREAM_FLUSH = """
+local mark = redis.call('GET', KEYS[2])
+local prefix = ARGV[2] .. '|'
+if mark and string.sub(mark, 1, #prefix) == prefix then return string.sub(mark, #prefix + 1) end
+local out = {}
 local i = 6
+local job = 0
 while i <= #ARGV do
-  local n = tonumber(ARGV[i])
-  local cmd = {'XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*'}
-  for j = 1, n do cmd[#cmd + 1] = ARGV[i + j] end
-  redis.call(unpack(cmd))
-  i = i + n + 1
+  job = job + 1
+  local stream = KEYS[2 + job]
+  local ttl, count = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local ok = ARGV[1] == '' or redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1]
+  i = i + 3
+  for _ = 1, count do
+    local n = tonumber(ARGV[i])
+    if ok then
+      local cmd = {'XADD', stream, 'MAXLEN', '~', ARGV[3], '*'}
+      for j = 1, n do cmd[#cmd + 1] = ARGV[i + j] end
+      redis.call(unpack(cmd))
+    end
+    i = i + n + 1
+  end
+  if ok and ttl == 1 then redis.call('EXPIRE', stream, ARGV[4]) end
+  if ok and ttl == 2 then redis.call('EXPIRE', stream, ARGV[5]) end
+  out[job] = ok and '1' or '0'
 end
-redis.call('EXPIRE', KEYS[2], ARGV[4])
-return 1
+local answer = table.concat(out)
+redis.call('SET', KEYS[2], prefix .. answer, 'EX', ARGV[5])
+return answer
 """
