@@ -31,6 +31,7 @@ import time
 import uuid
 from datetime import datetime
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import sentry_sdk
 from arq.worker import Function, func
@@ -79,6 +80,7 @@ class SlotqWorker:
         self._draining = False
         self._hand_back_now = asyncio.Event()
         self._beat_now = asyncio.Event()
+        self._http: WSGIServer | None = None
         self._heartbeat_ok_at = 0.0
         self._main: asyncio.Task[None] | None = None
         self._tokens_seen: tuple[float, int] | None = None
@@ -89,6 +91,11 @@ class SlotqWorker:
     # ------------------------------------------------------------------ running
     async def run(self, *, handle_signals: bool = True) -> int:
         """Serve until stopped; returns the process exit code (0, or 70 if the engine died)."""
+        self.supervisor.start("liveness", self._liveness_loop)
+        if self.settings.metrics_port:          # probes answer from the start, even while Redis is unreachable
+            self._http = health.serve(self.settings.metrics_port, self.health)
+            log.info("Prometheus metrics on :%d/metrics, readiness on /ready, liveness on /live",
+                     self.settings.metrics_port)
         redis = await connect(self.redis_url, patient=True, queue_name=self.settings.queue_name,
                               ca_file=self.settings.redis_ca_file)
         self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes)
@@ -128,7 +135,9 @@ class SlotqWorker:
     def _readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready = warmed up, heartbeat current, engine alive, not draining (``/ready``, heartbeat)."""
         fresh = time.monotonic() - self._heartbeat_ok_at < self.settings.lock_ttl_s / 2
-        if self.engine is None:
+        if self.runtime is None:
+            state = "connecting_to_redis"
+        elif self.engine is None:
             state = "loading_model"
         elif self.engine.failure is not None:
             state = "engine_failed"
@@ -148,11 +157,6 @@ class SlotqWorker:
     # ------------------------------------------------------------------ lifecycle
     async def _on_startup(self, ctx: dict[str, Any]) -> None:
         config = self.settings.engine_config()
-        self.supervisor.start("liveness", self._liveness_loop)
-        if self.settings.metrics_port:
-            health.serve(self.settings.metrics_port, self.health)
-            log.info("Prometheus metrics on :%d/metrics, readiness on /ready, liveness on /live",
-                     self.settings.metrics_port)
         log.info("loading %s (%d slots, ctx %d)", config.model_path.name, config.slots, config.ctx)
         self.engine = await Engine.start(config)
         assert self.queue is not None
@@ -189,6 +193,9 @@ class SlotqWorker:
             pass
         if self.engine:
             await self.engine.close()
+        if self._http is not None:
+            await asyncio.to_thread(self._http.shutdown)
+            self._http.server_close()
 
     def request_stop(self, reason: str = "stop requested", *, grace_s: float | None = None) -> None:
         """Drain: no new jobs, running ones get ``grace_s`` (default ``drain_grace_s``) to finish,
