@@ -39,7 +39,7 @@ class GpuDevice:
 
 
 def _ggml_base() -> ctypes.CDLL:
-    """libggml-base (already loaded by llama-cpp-python): where the gguf_* functions live."""
+    """libggml-base (already loaded by llama-cpp-python, Linux file name): where the gguf_* functions live."""
     return ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
 
 
@@ -48,7 +48,6 @@ def gpu_devices() -> list[GpuDevice]:
     CPU-only build (llama-cpp-python from PyPI without ``CMAKE_ARGS="-DGGML_CUDA=on"``)."""
     if not llama_cpp.llama_supports_gpu_offload():
         return []
-    llama_cpp.llama_backend_init()
     lib = libggml
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]

@@ -218,12 +218,14 @@ async def test_no_job_is_claimed_before_the_warm_up_is_done(
     jobs = [await client.enqueue(job_request(f"early {i}", max_tokens=4)) for i in range(3)]
     w = spawn("el3", slots=2, fault_warmup_delay_s=3)
     states = set()
-    while w.ready_state() != "ready":
-        state = w.ready_state()
-        states.add(state)
+    while True:
         counts = (await client.queue.counts())[0]
-        assert (counts.waiting, counts.running) == (3, 0), f"claimed while {state}"
         workers = (await client.queue_info()).workers
+        state = w.ready_state()          # read last: not ready now means not ready when the above was read
+        states.add(state)
+        if state == "ready":
+            break
+        assert (counts.waiting, counts.running) == (3, 0), f"claimed while {state}"
         assert all(not info.ready for info in workers), workers
         assert w.proc.proc.poll() is None, w.proc.log_tail()
         await asyncio.sleep(0.05)
