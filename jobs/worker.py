@@ -134,7 +134,8 @@ class SlotqWorker:
 
     def _readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready = warmed up, heartbeat current, engine alive, not draining (``/ready``, heartbeat)."""
-        fresh = time.monotonic() - self._heartbeat_ok_at < self.settings.lock_ttl_s / 2
+        # Two beats may be late (a loaded machine) before claiming stops; leases last three beats.
+        fresh = time.monotonic() - self._heartbeat_ok_at < self.settings.lock_ttl_s * 2 / 3
         if self.runtime is None:
             state = "connecting_to_redis"
         elif self.engine is None:
@@ -248,10 +249,11 @@ class SlotqWorker:
         """Renew the leases of running jobs and advertise this worker."""
         assert self.runtime is not None and self.queue is not None and self.engine is not None
         self._faults.on_heartbeat()
-        jobs = [j for j in self.runtime.claimed.values() if j.id not in self.runtime.lease_lost]
+        runtime = self.runtime
+        jobs = [j for j in runtime.claimed.values() if j.id not in runtime.lease_lost and j.id not in runtime.leaving]
         owned = await self.queue.renew(jobs, self.token, self.lease_ms)
         for job, ok in zip(jobs, owned):
-            if not ok:
+            if not ok and job.id in runtime.claimed and job.id not in runtime.leaving:   # not just finished
                 log.warning("job %s: no longer this worker's (its lease expired and it was requeued); abandoning it",
                             job.id)
                 self._on_lease_lost(job.id)
