@@ -3,17 +3,27 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PIP     = $(VENV)/bin/pip
-STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# GPU=cuda builds llama-cpp-python with CUDA (needs the CUDA toolkit: nvcc on PATH); empty = CPU.
+GPU    ?=
+STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)$(if $(GPU),-$(GPU))
+LLAMA_CPP = $(shell sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
+CMAKE_ARGS_cuda = -DGGML_CUDA=on
 
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: demo test test-deps test-fast bench install
+.PHONY: demo test test-fast test-deps bench install
 
 $(STAMP): pyproject.toml
+	@if [ -n "$(GPU)" ] && [ -z "$(CMAKE_ARGS_$(GPU))" ]; then echo "GPU=$(GPU): unknown; use GPU=cuda, or CMAKE_ARGS for another backend"; exit 2; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	@echo "installing slotq (llama-cpp-python compiles from source the first time: ~6 min on 2 cores)"
 	$(PIP) install --quiet -e '.[test]'
+ifneq ($(GPU),)
+	@echo "rebuilding $(LLAMA_CPP) for GPU=$(GPU) (CMAKE_ARGS=$(CMAKE_ARGS_$(GPU))); not from pip's cache, which holds the CPU build"
+	CMAKE_ARGS="$(CMAKE_ARGS_$(GPU))" $(PIP) install --quiet --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python '$(LLAMA_CPP)'
+endif
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,19 +32,26 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/slotq demo
 
-## test-deps: Debian's chromium for the dashboard test, installed when missing and run as root.
-## If it cannot be installed the suite still runs: the browser test then fails in CI (CI=true)
-## and is skipped, saying why, elsewhere.
+## test-deps: tools the tests use beyond Python, installed with apt-get when missing and running as
+## root: promtool (Debian's prometheus package) for the alert-rule tests, chromium for the dashboard
+## test. If one cannot be installed the suite still runs: its tests fail under CI=true, skip elsewhere.
 test-deps:
-	@if [ ! -x "$(CHROMIUM)" ]; then \
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing promtool (Debian package prometheus, no recommends)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+	      || echo "WARNING: could not install prometheus (promtool); the alert-rule tests will fail under CI=true"; \
+	  else \
+	    echo "note: promtool not found (apt-get install prometheus as root); the alert-rule tests will skip"; \
+	  fi; }
+	@[ -x "$(CHROMIUM)" ] || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing Debian's chromium for the dashboard test"; \
-	    ( apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null ) \
-	      || echo "WARNING: could not install chromium: the browser test will fail in CI, be skipped elsewhere"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "WARNING: could not install chromium; the dashboard test will fail under CI=true"; \
 	  else \
-	    echo "NOTE: $(CHROMIUM) is missing and this is not root: install chromium for the browser test"; \
-	  fi; \
-	fi
+	    echo "note: $(CHROMIUM) not found (apt-get install chromium as root); the dashboard test will skip"; \
+	  fi; }
 
 ## test: install, then run the whole test suite (starts its own Redis servers on free ports)
 test: $(STAMP) test-deps

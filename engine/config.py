@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -53,7 +54,12 @@ class EngineKnobs(BaseModel):
     ubatch: int = Field(512, ge=1, le=65_536, description="llama.cpp n_ubatch (physical micro-batch)")
     prefill_chunk: int = Field(256, ge=1, description="max prompt tokens of one sequence per decode step")
     threads: int | None = Field(None, ge=1, le=1024, description="llama.cpp threads; unset = every core this process may use")
-    gpu_layers: int = Field(0, ge=-1, description="layers offloaded to the GPU; -1 = all (needs a CUDA build)")
+    gpu_layers: Annotated[int, Field(ge=-1)] | Literal["auto"] = Field(
+        "auto", description="layers offloaded to the GPU; -1 = all; auto = as many as fit in gpu_memory_fraction of "
+                            "the free GPU memory with the KV cache of every slot (0 on a CPU-only build or without a "
+                            "GPU)")
+    gpu_memory_fraction: float = Field(0.9, gt=0, le=1,
+                                       description="with gpu_layers=auto: the share of free GPU memory to fill")
     flash_attention: FlashAttention = Field(FlashAttention.AUTO, description="llama.cpp flash attention")
     kv_type: KVCacheType = Field(KVCacheType.F16, description="KV cache element type")
     batching: BatchingMode = Field(BatchingMode.CONTINUOUS, description="static exists for comparison")

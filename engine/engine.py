@@ -17,19 +17,20 @@ an engine -- the worker -- watches for a crash with :meth:`Engine.wait_failed` r
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from engine.chat import ChatTemplate
 from engine.config import EngineConfig
-from engine.errors import InvalidRequest, PromptTooLong
+from engine.errors import EngineError, InvalidRequest, PromptTooLong
 from engine.events import Event, Finished
 from engine.fault_injection import EngineFaults
 from engine.llama_model import LlamaModel
 from engine.outbox import Sink
-from engine.request import GenerationRequest
+from engine.request import GenerationRequest, SamplingParams
 from engine.runner import PreparedRequest, Runner
 from engine.sampling import SamplerChain, build_chain, check_grammar, check_resume_tokens, grammar_for
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerLimits
 from engine.state import EngineState, Lifecycle
 from engine.stats import EngineStats
 
@@ -81,6 +82,7 @@ class Engine:
             prefix_cache=config.prefix_cache,
             kv_overcommit=config.kv_overcommit,
         ))
+        self._limits = SchedulerLimits.full(self.scheduler.config)
         self._lifecycle = Lifecycle()
         self._runner = Runner(self.model, self.scheduler, self.ctx_per_seq,
                               lifecycle=self._lifecycle, faults=EngineFaults.from_env())
@@ -169,6 +171,42 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         """Cancel a queued or running request; it ends with finish_reason 'cancelled'."""
         self._runner.cancel(request_id)
+
+    # ------------------------------------------------------------------ runtime limits
+    def set_limits(self, *, active_slots: int | None = None, n_batch: int | None = None,
+                   prefill_chunk: int | None = None) -> SchedulerLimits:
+        """Change, while running, how many sequences may hold a slot (1..slots), the token budget of
+        one decode (1..batch) and the prefill chunk (1..prefill_chunk); None keeps a value. Values
+        are clamped to the configured sizes, which stay the ceiling; the result says what applies
+        from the next step on. Lowering ``active_slots`` never stops a running sequence: no new one
+        is admitted until enough have finished."""
+        current = self._limits
+        self._limits = SchedulerLimits(
+            active_slots=current.active_slots if active_slots is None else active_slots,
+            n_batch=current.n_batch if n_batch is None else n_batch,
+            prefill_chunk=current.prefill_chunk if prefill_chunk is None else prefill_chunk,
+        ).clamped(self.scheduler.config)
+        self._runner.set_limits(self._limits)
+        return self._limits
+
+    @property
+    def full_limits(self) -> SchedulerLimits:
+        """The configured sizes: the ceiling of :meth:`set_limits`."""
+        return SchedulerLimits.full(self.scheduler.config)
+
+    async def warm_up(self) -> float:
+        """Run one real request (a one-token greedy generation) through the whole path -- admission,
+        ``llama_decode``, sampling -- so the first job does not pay for first-touch costs (page faults
+        on the mmapped weights, compute buffers, GPU kernels). Returns the seconds it took; raises
+        the engine's error if it failed."""
+        started = time.perf_counter()
+        request = GenerationRequest(prompt="Hello", max_tokens=1, ignore_eos=True,
+                                    sampling=SamplingParams(temperature=0.0))
+        handle = await self.submit_async(request)
+        async for event in handle:
+            if isinstance(event, Finished) and event.error is not None:
+                raise EngineError(f"warm-up failed: {event.error.code}: {event.error.message}")
+        return time.perf_counter() - started
 
     # ------------------------------------------------------------------ health
     @property

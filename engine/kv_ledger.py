@@ -11,6 +11,7 @@ any sequence still references.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -72,9 +73,12 @@ class KVLedger:
     def remove(self, seq_id: int) -> None:
         self.truncate(seq_id, 0)
 
-    def used_cells(self) -> int:
+    def used_cells(self, exclude: Collection[int] = ()) -> int:
+        """Cells referenced by any sequence (but those in ``exclude``)."""
         longest: dict[int, int] = {}
-        for segs in self._segments.values():
+        for seq_id, segs in self._segments.items():
+            if seq_id in exclude:
+                continue
             for seg in segs:
                 longest[seg.block] = max(longest.get(seg.block, 0), seg.length)
         return sum(longest.values())

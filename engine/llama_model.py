@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.config import CpuRepack, EngineConfig, FlashAttention, KVCacheType
 from engine.cpu_features import RepackDecision, decide_repack, this_cpu_flags
+from engine.llama_devices import resolve_gpu_layers
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class LlamaModel:
         _init_backend()
         self.config = config
         mp = llama_cpp.llama_model_default_params()
-        _set_fields(mp, n_gpu_layers=(999 if config.gpu_layers < 0 else config.gpu_layers),
+        self.gpu_layers = resolve_gpu_layers(config)
+        _set_fields(mp, n_gpu_layers=self.gpu_layers,
                     use_extra_bufts=_repack_decision(config.cpu_repack).repack)
         self._model = llama_cpp.llama_model_load_from_file(str(config.model_path).encode(), mp)
         if not self._model:

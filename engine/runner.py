@@ -38,7 +38,7 @@ from engine.llama_model import LlamaModel
 from engine.outbox import Outbox, Sink
 from engine.request import GenerationRequest
 from engine.sampling import SamplerChain
-from engine.scheduler import KVFullAction, Scheduler, SchedulerOutput
+from engine.scheduler import KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
 from engine.sequence import SeqState, Sequence
 from engine.state import EngineState, Lifecycle
 from engine.stats import EngineCounters, EngineStats
@@ -99,6 +99,11 @@ class Runner:
         self._commands.put(("cancel", request_id))
         self._wake.set()
 
+    def set_limits(self, limits: SchedulerLimits) -> None:
+        """Takes effect at the start of the next step (see ``Scheduler.set_limits``)."""
+        self._commands.put(("limits", limits))
+        self._wake.set()
+
     def stop(self) -> None:
         self.lifecycle.close()
         self._wake.set()
@@ -156,6 +161,8 @@ class Runner:
                 self._enqueue(arg)  # type: ignore[arg-type]
             elif kind == "cancel":
                 self._cancel(arg)  # type: ignore[arg-type]
+            elif kind == "limits":
+                self.scheduler.set_limits(arg)  # type: ignore[arg-type]
 
     def _enqueue(self, prepared: PreparedRequest) -> None:
         req = prepared.request
@@ -245,6 +252,8 @@ class Runner:
         seq_ids: list[int] = []
         wants: list[bool] = []
         sample_at: list[tuple[Sequence, int]] = []
+        step_started = time.perf_counter()
+        generating = any(item.seq.is_decoding for item in out.items)    # someone gets a token this step
         for item in out.items:
             seq = item.seq
             for j in range(item.n_tokens):
@@ -274,6 +283,8 @@ class Runner:
         for seq, index in sample_at:
             if seq.state == SeqState.RUNNING:
                 self._sample(seq, index)
+        if generating:
+            self.counters.generating_step(time.perf_counter() - step_started)
 
     def _sample(self, seq: Sequence, batch_index: int) -> None:
         state: _Choice = seq.payload

@@ -20,6 +20,10 @@ Policy, in order of precedence:
    copies it when it is computed (the same mechanism forks the n completions of one prompt).
 5. KV full: halve the prefill budget and retry; if a batch with no prefill still does not fit,
    preempt the youngest, lowest-priority sequence and requeue it with its progress.
+6. Runtime limits (:class:`SchedulerLimits`, set by the owner while it runs, e.g. an elastic worker):
+   at most ``active_slots`` sequences hold a slot, and the batch and prefill chunk may be smaller
+   than configured. Lowering ``active_slots`` never stops a running sequence: no new one is
+   admitted until enough have finished. Decode tokens are never cut by a smaller batch.
 """
 
 from __future__ import annotations
@@ -55,6 +59,26 @@ class SchedulerConfig:
     kv_overcommit: float = 1.0
     min_reuse_tokens: int = 1
     min_wait_tokens: int = 32       # wait for a running prefill only when it saves at least this much
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """What the owner may change while the engine runs, within the configured sizes: active slots
+    (1..n_slots), the token budget of one batch (>= 1; decode tokens always go in) and the prefill
+    chunk per sequence per step (>= 1)."""
+
+    active_slots: int
+    n_batch: int
+    prefill_chunk: int
+
+    @classmethod
+    def full(cls, config: SchedulerConfig) -> SchedulerLimits:
+        return cls(config.n_slots, config.n_batch, config.prefill_chunk)
+
+    def clamped(self, config: SchedulerConfig) -> SchedulerLimits:
+        return SchedulerLimits(active_slots=min(max(1, self.active_slots), config.n_slots),
+                               n_batch=min(max(1, self.n_batch), config.n_batch),
+                               prefill_chunk=min(max(1, self.prefill_chunk), config.prefill_chunk))
 
 
 @dataclass
@@ -106,6 +130,7 @@ class Scheduler:
         if config.prefill_chunk < 1 or config.n_batch < config.n_slots:
             raise ValueError("need prefill_chunk >= 1 and n_batch >= n_slots (one decode token per slot)")
         self.config = config
+        self.limits = SchedulerLimits.full(config)
         self.waiting = RequestQueue()
         self.running: list[Sequence] = []
         self.ledger = KVLedger()
@@ -129,17 +154,22 @@ class Scheduler:
         finished by the runner through :meth:`finish`."""
         return self.waiting.remove_request(request_id)
 
+    def set_limits(self, limits: SchedulerLimits) -> SchedulerLimits:
+        """Apply new runtime limits (clamped to the configured sizes); returns what applies."""
+        self.limits = limits.clamped(self.config)
+        return self.limits
+
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._admit(out)
         out.evicted_caches, self._pending_evictions = self._pending_evictions, []
-        budget = self.config.n_batch
+        budget = self.limits.n_batch
         for seq in self.running:
             if seq.fork_of is None and seq.is_decoding:
                 out.items.append(BatchItem(seq, seq.n_computed, 1, sample=True))
                 budget -= 1
-        chunk_cap = max(1, int(self.config.prefill_chunk * self._prefill_scale))
+        chunk_cap = max(1, int(self.limits.prefill_chunk * self._prefill_scale))
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if budget <= 0:
                 break
@@ -176,7 +206,7 @@ class Scheduler:
                 self._evict_cache(seq_id)
             return KVFullAction.EVICTED_CACHE
         had_prefill = any(not i.seq.is_decoding for i in out.items)
-        if had_prefill and self._prefill_scale * self.config.prefill_chunk > 1:
+        if had_prefill and self._prefill_scale * self.limits.prefill_chunk > 1:
             self._prefill_scale /= 2
             return KVFullAction.SHRUNK_PREFILL
         victim = self._preemption_victim()
@@ -217,6 +247,10 @@ class Scheduler:
     def n_free_slots(self) -> int:
         return len(self._free_slots)
 
+    def idle_cache_ids(self) -> frozenset[int]:
+        """Free slots whose KV is kept as a prefix cache (evicted first when space is needed)."""
+        return frozenset(self._cache)
+
     def kv_reserved(self) -> int:
         return sum(s.kv_still_needed for s in self.running)
 
@@ -224,7 +258,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput) -> None:
         if self.running and (self._hold_admissions or self.config.mode == BatchingMode.STATIC):
             return
-        while self.waiting and self._free_slots:
+        while self.waiting and self._free_slots and len(self.running) < self.limits.active_slots:
             seq = self.waiting.peek()
             assert seq is not None
             if seq.fork_of is not None and (seq.fork_of.state != SeqState.RUNNING

@@ -32,6 +32,8 @@ class EngineCounters:
     generated: int = 0
     preemptions: int = 0
     kv_full_events: int = 0
+    generating_steps: int = 0         # steps in which at least one sequence generated a token
+    generating_seconds: float = 0.0   # their wall time, sampling included
     finish_reasons: Counter[str] = field(default_factory=Counter)
 
     def decoded(self, n_tokens: int, n_seqs: int, seconds: float) -> None:
@@ -40,27 +42,39 @@ class EngineCounters:
         self.busy_slot_steps += n_seqs
         self.decode_seconds += seconds
 
+    def generating_step(self, seconds: float) -> None:
+        self.generating_steps += 1
+        self.generating_seconds += seconds
+
     def finished(self, reason: FinishReason) -> None:
         self.finish_reasons[reason.value] += 1
 
     def snapshot(self, scheduler: Scheduler, model: str) -> EngineStats:
         """Engine thread only: the state of this moment, safe to hand to any thread."""
         s = self.decode_steps
+        limits = scheduler.limits
+        kv_used = scheduler.ledger.used_cells()
         return EngineStats(
             model=model,
             slots_total=scheduler.config.n_slots,
+            slots_active=limits.active_slots,
             slots_busy=len(scheduler.running),
             waiting=len(scheduler.waiting),
             decode_steps=s,
             prompt_tokens_processed=scheduler.prompt_tokens_computed,
             prompt_tokens_cached=scheduler.prompt_tokens_reused,
             generated_tokens=self.generated,
-            kv_cells_used=scheduler.ledger.used_cells(),
+            kv_cells_used=kv_used,
+            kv_cells_cached=kv_used - scheduler.ledger.used_cells(exclude=scheduler.idle_cache_ids()),
             kv_cells_total=scheduler.config.kv_cells,
             avg_busy_slots_per_decode=self.busy_slot_steps / s if s else 0.0,
             preemptions=scheduler.preemptions,
             kv_full_events=self.kv_full_events,
             decode_seconds=self.decode_seconds,
+            generating_steps=self.generating_steps,
+            generating_seconds=self.generating_seconds,
+            batch_limit=limits.n_batch,
+            prefill_chunk_limit=limits.prefill_chunk,
             finished=dict(self.finish_reasons),
         )
 
@@ -71,17 +85,30 @@ class EngineStats(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     model: str
-    slots_total: int
+    slots_total: int = Field(description="n_seq_max: the most sequences the context can hold")
+    slots_active: int = Field(description="the runtime cap on sequences holding a slot (Engine.set_limits)")
     slots_busy: int
     waiting: int = Field(description="sequences waiting for a slot")
     decode_steps: int
     prompt_tokens_processed: int
     prompt_tokens_cached: int = Field(description="prompt tokens served from the prefix cache instead of computed")
     generated_tokens: int
-    kv_cells_used: int
+    kv_cells_used: int = Field(description="cells referenced by any sequence, idle prefix caches included")
+    kv_cells_cached: int = Field(description="cells only idle prefix caches hold: dropped as soon as space is needed")
     kv_cells_total: int
     avg_busy_slots_per_decode: float
     preemptions: int
     kv_full_events: int
     decode_seconds: float
+    generating_steps: int = Field(description="steps in which at least one sequence generated a token")
+    generating_seconds: float = Field(
+        description="wall time of those steps: each generating sequence gets one token per step, so "
+                    "generating_steps / generating_seconds is the decode speed of every stream")
+    batch_limit: int = Field(description="token budget of one llama_decode now (<= n_batch)")
+    prefill_chunk_limit: int = Field(description="prompt tokens of one sequence per step now (<= prefill_chunk)")
     finished: dict[str, int]
+
+    @property
+    def kv_active_ratio(self) -> float:
+        """KV cells held for running sequences / all cells (idle prefix caches do not count)."""
+        return (self.kv_cells_used - self.kv_cells_cached) / self.kv_cells_total if self.kv_cells_total else 0.0

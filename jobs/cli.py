@@ -183,28 +183,19 @@ async def _cancel(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from jobs.status_view import render, watch
+
     async with _client(_client_settings(args)) as client:
+        if args.watch:
+            await watch(client.queue_info, interval_s=args.interval)     # until Ctrl-C
+            return 0
         info = await client.queue_info()
     if args.json:
         _print_json(info.model_dump(mode="json"))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    lanes = Table("lane", "queued", "oldest wait", "deferred", "running", title=f"queue {info.queue}")
-    for lane in info.lanes:
-        age = f"{lane.oldest_queued_age_s:.1f} s" if lane.oldest_queued_age_s is not None else "-"
-        lanes.add_row(lane.lane, str(lane.queued), age, str(lane.deferred), str(lane.running))
-    console.print(lanes)
-    table = Table("worker", "model", "slots busy/total", "KV used", "tokens/s", "state")
-    for w in info.workers:
-        kv = f"{w.kv_cells_used / w.kv_cells_total:.0%}" if w.kv_cells_total else "-"
-        table.add_row(w.id, w.model, f"{w.slots_busy}/{w.slots_total}", kv, f"{w.tokens_per_s:.1f}",
-                      "draining" if w.draining else "serving")
-    console.print(table)
-    console.print(f"fleet: {info.slots_busy}/{info.slots_total} slots busy across {len(info.workers)} workers, "
-                  f"{info.dead_letters} dead letters")
+    Console().print(render(info))
     return 0
 
 
@@ -306,8 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     p.set_defaults(func=_async(_cancel))
 
-    p = command("status", "queue depth, workers seen, slots busy/total")
+    p = command("status", "queue depth and oldest wait per lane; workers: state, busy/active/max slots, KV, "
+                          "tokens/s, memory, degradation")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", action="store_true", help="a live view, refreshed in place until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     p.set_defaults(func=_async(_status))
 
     p = command("dlq", "dead letters: jobs that exhausted their tries or could not be read")

@@ -23,7 +23,7 @@ from arq.jobs import serialize_result
 from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
 from jobs.connection import connect
-from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull
+from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, RedisUnavailable
 from jobs.keys import JOB_FUNCTION, WORKER_PREFIX, stream_key
 from jobs.payload import decode_payload, encode_payload
 from jobs.queue.keys import result_key, retry_counter_key
@@ -83,7 +83,7 @@ class SlotqClient:
         ``redis_connect_timeout_s`` when it does not."""
         settings = settings or ClientSettings()
         pool = await connect(redis_url, patient=False, connect_timeout_s=settings.redis_connect_timeout_s,
-                             queue_name=settings.queue_name)
+                             queue_name=settings.queue_name, ca_file=settings.redis_ca_file)
         return cls(pool, settings)
 
     def for_queue(self, queue_name: str) -> SlotqClient:
@@ -127,7 +127,19 @@ class SlotqClient:
         if outcome == Enqueued.FULL:
             counts = await self.queue.counts()
             raise QueueFull(sum(c.waiting + c.deferred for c in counts), self.settings.max_queue_length)
+        if self.settings.redis_wait_replicas:
+            await self._wait_replicas(job_id)
         return JobHandle(self, job_id, created=outcome == Enqueued.CREATED)
+
+    async def _wait_replicas(self, job_id: str) -> None:
+        """Redis replicates asynchronously: a failover right after an enqueue could lose the job.
+        WAIT until ``redis_wait_replicas`` replicas have it (bounded by the connect timeout)."""
+        want = self.settings.redis_wait_replicas
+        got = await self.redis.execute_command("WAIT", want, int(self.settings.redis_connect_timeout_s * 1000))
+        if int(got) < want:
+            raise RedisUnavailable(f"job {job_id} was enqueued, but only {got} of {want} replicas acknowledged it "
+                                   f"within {self.settings.redis_connect_timeout_s:g} s (SLOTQ_REDIS_WAIT_REPLICAS); "
+                                   "a failover now could lose it")
 
     def job(self, job_id: str) -> JobHandle:
         return JobHandle(self, job_id, created=False)

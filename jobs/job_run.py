@@ -3,8 +3,10 @@
 It turns a queued payload into an engine request, resumes from what earlier attempts already
 streamed, mirrors engine events into the job's stream, and classifies every way it can end:
 success, a non-retryable error (ends at once), a retryable error (``Retry`` with backoff, or a
-dead letter when tries are exhausted), cancellation, and the two ways a job is handed back
-without using a try: worker shutdown (cancelled) and a dead engine (``RetryJob``).
+dead letter when tries are exhausted), cancellation, and the three ways a job is handed back
+without using a try: worker shutdown (cancelled), a dead engine and a worker that refuses new jobs
+under memory pressure (``RetryJob``). A degraded worker may also cap ``max_tokens``; the result
+says so (``max_tokens_cap``).
 """
 
 from __future__ import annotations
@@ -15,16 +17,28 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from arq.worker import Retry, RetryJob
 
-from engine import (Engine, EngineDead, EngineError, ErrorInfo, Finished, FinishReason, GenerationParams,
-                    GenerationRequest, TextDelta, Timings, Usage)
+from engine import (
+    Engine,
+    EngineDead,
+    EngineError,
+    ErrorInfo,
+    Finished,
+    FinishReason,
+    GenerationParams,
+    GenerationRequest,
+    TextDelta,
+    Timings,
+    Usage,
+)
 from jobs import dead_letters, metrics
+from jobs.elastic.admission import Verdict
 from jobs.keys import stream_key
 from jobs.payload import decode_payload
-from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, StreamEntry
+from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, MaxTokensCap, StreamEntry
 from jobs.serialization import POISON_MARKER
 from jobs.settings import WorkerSettings
 from jobs.stream import StreamWriter, decode_entry
@@ -63,7 +77,8 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
 class JobRun:
     def __init__(self, *, engine: Engine, writer: StreamWriter, settings: WorkerSettings, worker_id: str,
                  job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
-                 is_abort: Callable[[], bool], lease_lost: Callable[[], bool]) -> None:
+                 is_abort: Callable[[], bool], lease_lost: Callable[[], bool],
+                 verdict: Callable[..., Verdict] | None = None) -> None:
         self.engine = engine
         self.writer = writer
         self.settings = settings
@@ -74,7 +89,9 @@ class JobRun:
         self.payload = payload
         self.is_abort = is_abort
         self.lease_lost = lease_lost
+        self.verdict = verdict
         self.metadata: dict[str, Any] = {}
+        self.cap: MaxTokensCap | None = None
 
     # ------------------------------------------------------------------ entry point
     async def run(self) -> JobResult:
@@ -103,6 +120,13 @@ class JobRun:
             self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.RESTART, attempt=self.attempt))
             delivered = Delivered()
         params = job.model_dump(include=set(GenerationParams.model_fields))     # the job layer's own fields stay here
+        if self.verdict is not None:
+            verdict = self.verdict(max_tokens=job.max_tokens, resuming=bool(delivered.tokens))
+            if verdict.refuse is not None:
+                await self._hand_back_refused(verdict.refuse)
+            if verdict.cap is not None:
+                self.cap = verdict.cap
+                params["max_tokens"] = verdict.cap.applied
         if len(resume) >= job.max_tokens:
             return await self._complete_delivered(GenerationRequest(id=self.job_id, **params), delivered)
         request = GenerationRequest(id=self.job_id, resume_tokens=resume, **params)
@@ -194,6 +218,14 @@ class JobRun:
         log.warning("job %s attempt %d failed (%s); retrying in %.1fs", self.job_id, self.attempt, error.code, defer)
         raise Retry(defer=defer)
 
+    async def _hand_back_refused(self, error: ErrorInfo) -> NoReturn:
+        """The worker refuses new jobs: say why in the stream (a retryable error, not final), and
+        hand the job back unstarted without using a try; another worker claims it."""
+        self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.ERROR, attempt=self.attempt, error=error))
+        await self._flush_final()
+        log.warning("job %s refused and handed back: %s", self.job_id, error.message)
+        raise RetryJob()
+
     async def _fail(self, error: ErrorInfo) -> JobResult:
         self.writer.add(self.job_id, StreamEntry(id="", kind=EntryKind.ERROR, attempt=self.attempt, error=error,
                                                  final=True))
@@ -237,6 +269,7 @@ class JobRun:
                         cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices)),
             timings=first.timings if first else None,
             choices=choices, worker=self.worker_id, attempts=self.attempt, metadata=self.metadata,
+            max_tokens_cap=self.cap,
         )
 
     def _failed(self, error: ErrorInfo | None) -> JobResult:

@@ -2,7 +2,8 @@
 
 Names mirror llama-server's where the meaning is the same (under the ``slotq_`` prefix), plus
 what llama-server lacks: queue depth and age, KV usage, TTFT and inter-token latency
-histograms, retries, dead letters and preemptions. Engine counters are sampled from
+histograms, retries, dead letters and preemptions. They are served, with /ready and /live, by
+:mod:`jobs.health`; the elastic worker's own metrics are in :mod:`jobs.elastic.metrics`. Engine counters are sampled from
 ``Engine.stats()`` once a second, so the hot path does no metric work.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 from engine import EngineStats
 from jobs.queue.redis_queue import LaneCounts
@@ -29,7 +30,13 @@ REQUESTS_PROCESSING = Gauge("slotq_requests_processing", "Sequences holding a sl
 REQUESTS_DEFERRED = Gauge("slotq_requests_deferred", "Sequences waiting for a slot inside the engine")
 BUSY_SLOTS_PER_DECODE = Gauge("slotq_n_busy_slots_per_decode", "Average sequences per llama_decode")
 SLOTS_TOTAL = Gauge("slotq_slots_total", "Slots of this worker")
-KV_USAGE = Gauge("slotq_kv_cache_usage_ratio", "Used KV cells / total KV cells")
+KV_USAGE = Gauge("slotq_kv_cache_usage_ratio",
+                 "KV cells held for running sequences / total KV cells (idle prefix caches, dropped when space "
+                 "is needed, do not count)")
+BATCH_LIMIT = Gauge("slotq_batch_limit_tokens", "Token budget of one llama_decode now (smaller while degraded)")
+PREFILL_CHUNK_LIMIT = Gauge("slotq_prefill_chunk_limit_tokens",
+                            "Prompt tokens of one sequence per decode step now (smaller while degraded)")
+KV_CACHED = Gauge("slotq_kv_cache_cached_ratio", "KV cells only idle prefix caches hold / total KV cells")
 QUEUE_WAITING = Gauge("slotq_queue_waiting", "Jobs waiting to be claimed", ["lane"])
 QUEUE_DEFERRED = Gauge("slotq_queue_deferred", "Jobs waiting out a retry backoff", ["lane"])
 QUEUE_RUNNING = Gauge("slotq_queue_running", "Jobs claimed by a worker (whole fleet)", ["lane"])
@@ -42,10 +49,6 @@ DEAD_LETTERS = Counter("slotq_dead_letters", "Jobs dead-lettered by this worker"
 TTFT = Histogram("slotq_time_to_first_token_seconds", "Submit to first token, in the engine", buckets=LATENCY_BUCKETS)
 INTER_TOKEN = Histogram("slotq_inter_token_latency_seconds", "Mean time between tokens of a job",
                         buckets=TOKEN_BUCKETS)
-
-
-def serve(port: int) -> None:
-    start_http_server(port)
 
 
 def observe_result(result: JobResult) -> None:
@@ -82,7 +85,10 @@ class EngineSampler:
         REQUESTS_DEFERRED.set(stats.waiting)
         BUSY_SLOTS_PER_DECODE.set(stats.avg_busy_slots_per_decode)
         SLOTS_TOTAL.set(stats.slots_total)
-        KV_USAGE.set(stats.kv_cells_used / stats.kv_cells_total if stats.kv_cells_total else 0)
+        BATCH_LIMIT.set(stats.batch_limit)
+        PREFILL_CHUNK_LIMIT.set(stats.prefill_chunk_limit)
+        KV_USAGE.set(stats.kv_active_ratio)
+        KV_CACHED.set(stats.kv_cells_cached / stats.kv_cells_total if stats.kv_cells_total else 0)
 
 
 def sample_queue(counts: Sequence[LaneCounts], now_ms: float | None = None) -> None:

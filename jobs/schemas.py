@@ -61,6 +61,14 @@ class ChoiceResult(BaseModel):
     timings: Timings
 
 
+class MaxTokensCap(BaseModel):
+    """A degraded worker ran the job with fewer tokens than asked (see SLOTQ_DEGRADED_MAX_TOKENS)."""
+
+    requested: int
+    applied: int
+    reason: str
+
+
 class JobResult(BaseModel):
     id: str
     status: JobStatus
@@ -73,6 +81,8 @@ class JobResult(BaseModel):
     worker: str | None = None
     attempts: int = 0
     metadata: dict[str, Any] = Field(default_factory=dict)
+    max_tokens_cap: MaxTokensCap | None = Field(
+        None, description="set when a degraded worker capped max_tokens; finish_reason is then 'length' at the cap")
 
 
 class EntryKind(StrEnum):
@@ -113,10 +123,16 @@ class WorkerInfo(BaseModel):
     generated_tokens: int
     tokens_per_s: float = 0.0
     kv_cells_used: int = 0
+    kv_cells_cached: int = Field(0, description="of kv_cells_used, cells only idle prefix caches hold (reclaimable)")
     kv_cells_total: int = 0
     started_at: float
     updated_at: float
     draining: bool = False
+    ready: bool = Field(True, description="warmed up and claiming jobs (false while warming up or draining)")
+    slots_active: int | None = Field(None, description="active slots now (elastic); None from older workers")
+    degradation: str = Field("none", description="none, small_batch, cap_tokens or refuse")
+    memory_ratio: float | None = Field(None, description="resident memory / the worker's memory limit")
+    stream_tokens_per_s: float | None = Field(None, description="decode speed of each generating stream")
 
 
 class LaneInfo(BaseModel):

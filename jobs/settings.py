@@ -24,6 +24,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 
 from engine import EngineConfig, EngineKnobs, resolve_model_path
+from jobs.elastic.knobs import ElasticKnobs
 
 DOTENV = ".env"
 
@@ -34,7 +35,14 @@ class ClientSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SLOTQ_", env_file=None, extra="ignore")
 
     redis_url: str | None = Field(
-        None, description="redis:// or rediss:// URL (password in the URL); unset = the embedded Valkey server")
+        None, description="redis://, rediss:// (TLS) or redis+sentinel://[:password@]host:port[,host:port...]/"
+                          "service/db URL (password in the URL); unset = the embedded Valkey server")
+    redis_ca_file: Path | None = Field(
+        None, description="CA certificate(s) (PEM) that sign the server's certificate, for rediss:// and "
+                          "rediss+sentinel://; unset = the system's CAs")
+    redis_wait_replicas: int = Field(
+        0, ge=0, le=16, description="after each enqueue, wait until this many replicas have the job (Redis WAIT), so "
+                                    "a failover right after cannot lose it; 0 = do not wait")
     redis_connect_timeout_s: float = Field(
         5.0, gt=0, le=300, description="a producer gives up reaching Redis after this long, with a clear error")
     queue_name: str = Field("slotq:queue", min_length=1, max_length=200,
@@ -69,8 +77,9 @@ class ClientSettings(BaseSettings):
         return lanes
 
 
-class WorkerSettings(ClientSettings, EngineKnobs):
-    """A worker: the client settings, every engine knob, and how jobs are run."""
+class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
+    """A worker: the client settings, every engine knob, the elastic controller's thresholds, and
+    how jobs are run."""
 
     model: str | None = Field(None, description="path to a GGUF file; unset = the bundled SmolLM2-135M-Instruct")
     model_name: str | None = Field(None, description="the name clients ask for (the gateway's `model`); unset = the GGUF's own name")

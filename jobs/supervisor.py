@@ -3,6 +3,7 @@
 A loop that raises is logged with its traceback, reported to Sentry (when ``SENTRY_DSN`` is set;
 ``capture_exception`` is a no-op otherwise) and restarted after a short backoff. A loop that
 returns is restarted too: background loops are meant to run for the life of the worker.
+``on_restart`` (e.g. a metric) is told the loop's name at each restart.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ Loop = Callable[[], Awaitable[None]]
 
 
 class Supervisor:
-    def __init__(self, *, restart_delay_s: float = 1.0, max_delay_s: float = 30.0) -> None:
+    def __init__(self, *, restart_delay_s: float = 1.0, max_delay_s: float = 30.0,
+                 on_restart: Callable[[str], None] | None = None) -> None:
+        self.on_restart = on_restart
         self.restart_delay_s = restart_delay_s
         self.max_delay_s = max_delay_s
         self.restarts: dict[str, int] = {}
@@ -45,6 +48,8 @@ class Supervisor:
                               name, type(exc).__name__, exc, delay)
                 sentry_sdk.capture_exception(exc)
             self.restarts[name] += 1
+            if self.on_restart is not None:
+                self.on_restart(name)
             if time.monotonic() - started > 60:
                 delay = self.restart_delay_s          # it ran well for a while: not a crash loop
             await asyncio.sleep(delay)

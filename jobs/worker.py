@@ -8,6 +8,10 @@
   reaper once their lease expires; a worker that stalled past its lease is fenced off.
 * The heartbeat, the cancel listener and the metrics loop run under a :class:`Supervisor`: an
   unexpected exception is logged, sent to Sentry, and the loop restarted.
+* Before it claims anything it runs one warm-up decode; only then is it ready (heartbeat field
+  ``ready``, HTTP ``/ready`` next to ``/metrics``; ``/live`` for liveness, see :mod:`jobs.health`).
+* Its active slots follow memory, KV use, decode speed and waiting work, and it degrades in steps
+  under sustained pressure (:mod:`jobs.elastic`): it holds at most as many jobs as active slots.
 * SIGTERM/SIGINT: stop claiming, let running jobs finish within ``drain_grace_s``, then hand the
   rest back without using a try; a second signal hands everything back at once.
 * If the engine thread dies, the worker stops claiming, hands its jobs back (no try used: they
@@ -18,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -26,14 +31,17 @@ import time
 import uuid
 from datetime import datetime
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import sentry_sdk
 from arq.worker import Function, func
 from redis.exceptions import RedisError
 
 from engine import Engine
-from jobs import metrics
+from jobs import health, metrics
 from jobs.connection import connect
+from jobs.elastic import metrics as elastic_metrics
+from jobs.elastic.loop import ElasticLoop
 from jobs.fault_injection import WorkerFaults
 from jobs.job_run import JobRun
 from jobs.keys import JOB_FUNCTION, worker_key
@@ -64,10 +72,15 @@ class SlotqWorker:
         self.queue: RedisQueue | None = None
         self.started_at = time.time()
         self.exit_code = 0
-        self.ready = asyncio.Event()
-        self.supervisor = Supervisor()
+        self.ready = asyncio.Event()         # set once warmed up: jobs may be claimed
+        self.elastic: ElasticLoop | None = None
+        self.health = health.Health(ready_check=self._readiness)
+        self.supervisor = Supervisor(
+            on_restart=lambda name: elastic_metrics.LOOP_RESTARTS.labels(loop=name).inc())
         self._draining = False
         self._hand_back_now = asyncio.Event()
+        self._beat_now = asyncio.Event()
+        self._http: WSGIServer | None = None
         self._heartbeat_ok_at = 0.0
         self._main: asyncio.Task[None] | None = None
         self._tokens_seen: tuple[float, int] | None = None
@@ -78,7 +91,13 @@ class SlotqWorker:
     # ------------------------------------------------------------------ running
     async def run(self, *, handle_signals: bool = True) -> int:
         """Serve until stopped; returns the process exit code (0, or 70 if the engine died)."""
-        redis = await connect(self.redis_url, patient=True, queue_name=self.settings.queue_name)
+        self.supervisor.start("liveness", self._liveness_loop)
+        if self.settings.metrics_port:          # probes answer from the start, even while Redis is unreachable
+            self._http = health.serve(self.settings.metrics_port, self.health)
+            log.info("Prometheus metrics on :%d/metrics, readiness on /ready, liveness on /live",
+                     self.settings.metrics_port)
+        redis = await connect(self.redis_url, patient=True, queue_name=self.settings.queue_name,
+                              ca_file=self.settings.redis_ca_file)
         self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes)
         self.runtime = QueueRuntime(
             functions=[self._job_function()], queue_name=self.settings.queue_name, redis_pool=redis,
@@ -109,9 +128,32 @@ class SlotqWorker:
         return func(generate, name=JOB_FUNCTION)
 
     def _may_claim(self) -> bool:
-        """Claim only while the heartbeat renews leases and the engine runs."""
-        fresh = time.monotonic() - self._heartbeat_ok_at < self.settings.lock_ttl_s / 2
-        return fresh and not self._draining and self.engine is not None and self.engine.failure is None
+        """Claim only once warmed up, while the heartbeat renews leases, the engine runs and the
+        elastic controller is not refusing new jobs."""
+        return self._readiness()[0] and (self.elastic is None or self.elastic.accepting)
+
+    def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready = warmed up, heartbeat current, engine alive, not draining (``/ready``, heartbeat)."""
+        # Two beats may be late (a loaded machine) before claiming stops; leases last three beats.
+        fresh = time.monotonic() - self._heartbeat_ok_at < self.settings.lock_ttl_s * 2 / 3
+        if self.runtime is None:
+            state = "connecting_to_redis"
+        elif self.engine is None:
+            state = "loading_model"
+        elif self.engine.failure is not None:
+            state = "engine_failed"
+        elif not self.ready.is_set():
+            state = "warming_up"
+        elif self._draining:
+            state = "draining"
+        elif not fresh:
+            state = "redis_unreachable"
+        else:
+            state = "ready"
+        detail: dict[str, Any] = {"state": state, "worker": self.id}
+        if self.elastic is not None:
+            detail |= self.elastic.heartbeat_fields()
+        return state == "ready", detail
 
     # ------------------------------------------------------------------ lifecycle
     async def _on_startup(self, ctx: dict[str, Any]) -> None:
@@ -128,12 +170,19 @@ class SlotqWorker:
         self.supervisor.start("cancel-listener", self._cancel_listener)
         self.supervisor.start("engine-watch", self._engine_watch)
         if self.settings.metrics_port:
-            metrics.serve(self.settings.metrics_port)
-            log.info("Prometheus metrics on :%d/metrics", self.settings.metrics_port)
             self.supervisor.start("metrics", self._metrics_loop)
+        assert self.runtime is not None
+        self.elastic = ElasticLoop(self.settings, engine=self.engine, runtime=self.runtime, queue=self.queue,
+                                   faults=self._faults, worker_id=self.id)
+        warm_s = await self.engine.warm_up()
+        if self._faults.warmup_delay_s:
+            await asyncio.sleep(self._faults.warmup_delay_s)
+        self.supervisor.start("elastic", self.elastic.run)
         self.ready.set()
-        log.info("worker %s ready: model %s, %d slots, queue %s, lanes %s", self.id, self.engine.info.model_name,
-                 config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
+        self._beat_now.set()
+        self.runtime.nudge()
+        log.info("worker %s ready (warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s", self.id, warm_s,
+                 self.engine.info.model_name, config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
 
     async def _on_shutdown(self, ctx: dict[str, Any]) -> None:
         await self.supervisor.stop()
@@ -145,6 +194,9 @@ class SlotqWorker:
             pass
         if self.engine:
             await self.engine.close()
+        if self._http is not None:
+            await asyncio.to_thread(self._http.shutdown)
+            self._http.server_close()
 
     def request_stop(self, reason: str = "stop requested", *, grace_s: float | None = None) -> None:
         """Drain: no new jobs, running ones get ``grace_s`` (default ``drain_grace_s``) to finish,
@@ -154,6 +206,7 @@ class SlotqWorker:
             self._hand_back_now.set()
             return
         self._draining = True
+        self._beat_now.set()                 # advertise "draining" at once
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         if self.runtime is not None:
             self.runtime.allow_pick_jobs = False
@@ -185,18 +238,22 @@ class SlotqWorker:
 
     # ------------------------------------------------------------------ background loops
     async def _heartbeat_loop(self) -> None:
+        """Every third of the lease, or at once when the worker's state changes (e.g. it became ready)."""
         while True:
+            self._beat_now.clear()
             await self._heartbeat_once()
-            await asyncio.sleep(self.settings.lock_ttl_s / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.settings.lock_ttl_s / 3)
 
     async def _heartbeat_once(self) -> None:
         """Renew the leases of running jobs and advertise this worker."""
         assert self.runtime is not None and self.queue is not None and self.engine is not None
         self._faults.on_heartbeat()
-        jobs = [j for j in self.runtime.claimed.values() if j.id not in self.runtime.lease_lost]
+        runtime = self.runtime
+        jobs = [j for j in runtime.claimed.values() if j.id not in runtime.lease_lost and j.id not in runtime.leaving]
         owned = await self.queue.renew(jobs, self.token, self.lease_ms)
         for job, ok in zip(jobs, owned):
-            if not ok:
+            if not ok and job.id in runtime.claimed and job.id not in runtime.leaving:   # not just finished
                 log.warning("job %s: no longer this worker's (its lease expired and it was requeued); abandoning it",
                             job.id)
                 self._on_lease_lost(job.id)
@@ -213,8 +270,10 @@ class SlotqWorker:
                 "ctx": self.engine.ctx_per_seq, "slots_total": stats.slots_total, "slots_busy": stats.slots_busy,
                 "waiting": stats.waiting, "generated_tokens": stats.generated_tokens,
                 "tokens_per_s": round(rate, 1), "kv_cells_used": stats.kv_cells_used,
+                "kv_cells_cached": stats.kv_cells_cached,
                 "kv_cells_total": stats.kv_cells_total, "started_at": self.started_at, "updated_at": now,
-                "draining": int(self._draining)})
+                "draining": int(self._draining), "ready": int(self.ready.is_set() and not self._draining),
+                **(self.elastic.heartbeat_fields() if self.elastic else {})})
             pipe.expire(worker_key(self.id), max(3, int(interval * 3)))
             await pipe.execute()
         was_stale = not self._may_claim()
@@ -236,7 +295,14 @@ class SlotqWorker:
         sampler = metrics.EngineSampler()
         while True:
             sampler.update(self.engine.stats())
+            elastic_metrics.WORKER_READY.set(int(self._readiness()[0]))
             metrics.sample_queue(await self.queue.counts())
+            await asyncio.sleep(1)
+
+    async def _liveness_loop(self) -> None:
+        """Stamps the time every second: ``/live`` fails if the event loop stops running it."""
+        while True:
+            self.health.tick()
             await asyncio.sleep(1)
 
     def _observe_pickup(self, job: ClaimedJob) -> None:
@@ -260,7 +326,8 @@ class SlotqWorker:
                      job_id=job_id, attempt=ctx["job_try"], payload=payload,
                      enqueued_at=enqueue_time.timestamp() if enqueue_time else None,
                      is_abort=lambda: job_id in runtime.aborting_tasks,
-                     lease_lost=lambda: job_id in runtime.lease_lost)
+                     lease_lost=lambda: job_id in runtime.lease_lost,
+                     verdict=self.elastic.verdict if self.elastic else None)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, ctx["job_try"])
         try:

@@ -316,7 +316,8 @@ async def test_worker_killed_right_after_claiming_a_job_frees_it_within_lock_ttl
     try:
         await fleet.wait_ready("c1", "c2")
         job_id = "claim-window-1"
-        proxy.arm(job_id.encode(), "freeze", on="reply")
+        # the claim script's reply: the job id, then its lane index (an integer: 0 = interactive)
+        proxy.arm(job_id.encode() + b"\r\n:0\r\n", "freeze", on="reply")
         fleet.pause("c2")
         try:
             job = await client.enqueue(job_request("claimed, then gone", max_tokens=16, idempotency_key=job_id))
@@ -470,9 +471,13 @@ async def test_chaos_kill9_workers_nothing_lost(fclient, fsync_redis, tiny_model
                     await asyncio.to_thread(fsync_redis.restart)
                     redis_restarts.append(time.monotonic() - t)
                     continue
-                alive = fleet.alive()
-                if alive:
-                    kills.append(fleet.kill(rng.choice(alive)))
+                try:
+                    ready = {w.id for w in (await client.queue_info()).workers if w.ready}
+                except Exception:
+                    continue                                 # Redis is down for a moment
+                serving = sorted(ready & set(fleet.alive()))  # kill workers that serve, not ones still starting
+                if serving:
+                    kills.append(fleet.kill(rng.choice(serving)))
                     fleet.spawn()                           # a replacement, starting up while jobs wait
 
         stop = asyncio.Event()

@@ -41,30 +41,35 @@ class QueueRuntime(Worker):
         self.lease_ms = lease_ms
         self.claimed: dict[str, ClaimedJob] = {}
         self.lease_lost: set[str] = set()
+        self.leaving: set[str] = set()          # finishing, retrying or being handed back right now
         self.may_claim = may_claim
         self.on_job_started = on_job_started
         self._slot_freed = asyncio.Event()
         self._wake_task: asyncio.Task[bool] | None = None
+        self._maintenance: asyncio.Task[None] | None = None
         self.claims = 0          # claim round trips, for benchmarks
         self.wakeups = 0
 
     # ------------------------------------------------------------------ the loop
     async def main(self) -> None:
+        """Maintenance starts at once -- a worker still loading a large model already reaps the
+        jobs of dead workers -- and claiming once ``on_startup`` (the model load) is done."""
         self.ctx["redis"] = self.pool
+        self._maintenance = asyncio.create_task(self._maintain(), name="slotq-queue-maintenance")
         if self.on_startup:
             await self.on_startup(self.ctx)
-        next_tick = 0.0
         while True:
-            now = time.monotonic()
-            if now >= next_tick:
-                await self._tick()
-                next_tick = now + self.poll_delay_s
             free = self.max_jobs - self.job_counter
             if self._can_claim() and free > 0:
                 claimed = await self._claim(free)
                 if len(claimed) == free:
                     continue                  # took all it could; look again when a slot frees
-            await self._wait(max(0.0, next_tick - time.monotonic()))
+            await self._wait(self.poll_delay_s)
+
+    async def _maintain(self) -> None:
+        while True:
+            await self._tick()
+            await asyncio.sleep(self.poll_delay_s)
 
     async def _claim(self, free: int) -> list[ClaimedJob]:
         try:
@@ -75,6 +80,13 @@ class QueueRuntime(Worker):
             return []
         self.claims += 1
         for job in claimed:
+            if job.id in self.claimed:
+                # Still running here: Redis was unreachable longer than the lease (an outage, a
+                # failover), so a reaper requeued the job and this claim took it back. The lease is
+                # ours again; a second attempt beside the first would write the stream twice.
+                log.warning("job %s: reclaimed while its attempt still runs here (lease expired during a Redis "
+                            "outage); keeping that attempt", job.id)
+                continue
             await self._start(job)
         return claimed
 
@@ -93,6 +105,7 @@ class QueueRuntime(Worker):
         self.sem.release()
         self.claimed.pop(job_id, None)
         self.lease_lost.discard(job_id)
+        self.leaving.discard(job_id)
         self._slot_freed.set()
 
     async def _wait(self, timeout: float) -> None:
@@ -155,6 +168,7 @@ class QueueRuntime(Worker):
         job = self.claimed.get(job_id)
         if job is None:
             return
+        self.leaving.add(job_id)            # its lease ends here: the heartbeat stops renewing it
         if finish:
             ttl_ms = int(1000 * (result_timeout_s or self.keep_result_s))
             done = await self.queue.finish(job, self.token, result_data, ttl_ms)
@@ -170,6 +184,7 @@ class QueueRuntime(Worker):
         attempts exhausted): store its result and remove it from the queue."""
         job = self.claimed.get(job_id)
         if job is not None:
+            self.leaving.add(job_id)
             await self.queue.finish(job, self.token, result_data, int(self.keep_result_s * 1000))
 
     def hand_back_all(self) -> None:
@@ -190,6 +205,10 @@ class QueueRuntime(Worker):
     async def close(self) -> None:
         """Unlike arq's ``close``, never cancels run_job tasks (that would release a job before its
         hand-back wrote its stream); call :meth:`hand_back_and_wait` first."""
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(BaseException):
+                await self._maintenance
         if self._wake_task is not None:
             self._wake_task.cancel()
             with contextlib.suppress(BaseException):
