@@ -32,6 +32,7 @@ class ErrorInfo(BaseModel):
     code: str
     message: str
     retryable: bool
+    field: str | None = Field(None, description="the request field at fault, when one is (e.g. max_tokens)")
 
 
 class TextDelta(BaseModel):

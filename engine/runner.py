@@ -400,4 +400,4 @@ class Runner:
 
 
 def _error_info(error: EngineError | None) -> ErrorInfo | None:
-    return ErrorInfo(code=error.code, message=error.message, retryable=error.retryable) if error else None
+    return ErrorInfo(code=error.code, message=error.message, retryable=error.retryable, field=error.field) if error else None

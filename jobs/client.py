@@ -222,16 +222,17 @@ class SlotqClient:
         return True
 
     async def requeue_dead_letter(self, job_id: str) -> bool:
-        """Run a dead-lettered job again under the same id, from scratch (its old result and
-        stream are removed). False when the record holds no valid request."""
+        """Run a dead-lettered job again under the same id, from scratch, on the queue it ran on
+        (its old result and stream are removed). False when the record holds no valid request."""
         letter = await dead_letters.get(self.redis, job_id)
         if letter is None or letter.payload is None:
             return False
         request = decode_payload(letter.payload).request
         if request is None:
             return False
+        queue = self.queue if letter.queue in (None, self.settings.queue_name) else self.for_queue(letter.queue).queue
         await self.redis.delete(result_key(job_id), retry_counter_key(job_id), stream_key(job_id))
-        await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
+        await queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
                                  max_waiting=None, serializer=serialize)     # an operator's requeue is never refused
         await dead_letters.remove(self.redis, job_id)
         return True

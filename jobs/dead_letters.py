@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from engine import ErrorInfo
@@ -20,6 +20,7 @@ from jobs.keys import DEAD_LETTER_INDEX, dead_letter_key
 
 class DeadLetter(BaseModel):
     job_id: str
+    queue: str | None = Field(None, description="the queue it ran on (requeued there); None = the caller's queue")
     error: ErrorInfo
     attempts: int
     enqueued_at: float | None
@@ -28,11 +29,12 @@ class DeadLetter(BaseModel):
 
 
 async def record(redis: Redis, job_id: str, payload: Any, error: ErrorInfo, attempts: int,
-                 enqueued_at: float | None) -> None:
+                 enqueued_at: float | None, queue: str | None = None) -> None:
     now = time.time()
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(dead_letter_key(job_id), mapping={
             "job_id": job_id,
+            "queue": queue or "",
             "error": error.model_dump_json(),
             "attempts": attempts,
             "enqueued_at": "" if enqueued_at is None else enqueued_at,
@@ -50,6 +52,7 @@ async def get(redis: Redis, job_id: str) -> DeadLetter | None:
     f = {k.decode(): v.decode() for k, v in raw.items()}
     return DeadLetter(
         job_id=f["job_id"],
+        queue=f.get("queue") or None,
         error=ErrorInfo.model_validate_json(f["error"]),
         attempts=int(f["attempts"]),
         enqueued_at=float(f["enqueued_at"]) if f.get("enqueued_at") else None,

@@ -135,7 +135,8 @@ class JobRun:
         except EngineError as exc:
             if exc.code == ENGINE_DEAD:
                 raise RetryJob() from exc          # hand back: not this job's fault, no try used
-            return await self._fail(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable))
+            return await self._fail(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable,
+                                              field=exc.field))
         return await self._follow(handle, job, delivered)
 
     # ------------------------------------------------------------------ streaming
@@ -233,7 +234,8 @@ class JobRun:
         return self._failed(error)
 
     async def _dead_letter(self, error: ErrorInfo) -> JobResult:
-        await dead_letters.record(self.writer.redis, self.job_id, self.payload, error, self.attempt, self.enqueued_at)
+        await dead_letters.record(self.writer.redis, self.job_id, self.payload, error, self.attempt, self.enqueued_at,
+                                  queue=self.settings.queue_name)
         metrics.DEAD_LETTERS.inc()
         log.error("job %s dead-lettered after %d attempts: %s", self.job_id, self.attempt, error.code)
         return await self._fail(error)

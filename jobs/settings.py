@@ -17,6 +17,7 @@ sentry-sdk itself.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -27,6 +28,7 @@ from engine import EngineConfig, EngineKnobs, resolve_model_path
 from jobs.elastic.knobs import ElasticKnobs
 
 DOTENV = ".env"
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[Ff](?:16|32)|BF16|bf16)$")
 
 
 class ClientSettings(BaseSettings):
@@ -82,7 +84,9 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
     how jobs are run."""
 
     model: str | None = Field(None, description="path to a GGUF file; unset = the bundled SmolLM2-135M-Instruct")
-    model_name: str | None = Field(None, description="the name clients ask for (the gateway's `model`); unset = the GGUF's own name")
+    model_name: str | None = Field(
+        None, description="the name clients ask for (the gateway's `model`); unset = the model file's name without "
+                          "its quantization suffix, e.g. SmolLM2-135M-Instruct for SmolLM2-135M-Instruct.Q4_1.gguf")
     poll_delay_s: float = Field(
         1.0, gt=0, le=60, description="fallback tick: reap expired leases, promote due retries; enqueues wake workers at once")
     job_timeout_s: int = Field(3600, ge=1, description="hard cap on one attempt")
@@ -93,6 +97,13 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
     stream_flush_ms: float = Field(10.0, gt=0, le=1000, description="coalesce output chunks this long before writing")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
+
+    def served_model_name(self, model_path: Path) -> str:
+        """What this worker advertises as its model: ``model_name``, else the file's stem without a
+        quantization suffix (``.Q4_1``, ``-Q4_K_M``, ``.f16``), the name people type."""
+        if self.model_name:
+            return self.model_name
+        return _QUANT_SUFFIX.sub("", model_path.stem) or model_path.stem
 
     def engine_config(self) -> EngineConfig:
         knobs = {name: getattr(self, name) for name in EngineKnobs.model_fields}

@@ -67,6 +67,7 @@ class SlotqWorker:
         self.token = f"{self.id}:{uuid.uuid4().hex[:8]}"
         self.lease_ms = settings.lock_ttl_s * 1000
         self.engine: Engine | None = None
+        self.served_model = ""
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -158,7 +159,9 @@ class SlotqWorker:
     # ------------------------------------------------------------------ lifecycle
     async def _on_startup(self, ctx: dict[str, Any]) -> None:
         config = self.settings.engine_config()
-        log.info("loading %s (%d slots, ctx %d)", config.model_path.name, config.slots, config.ctx)
+        self.served_model = self.settings.served_model_name(config.model_path)
+        log.info("loading %s as %r (%d slots, ctx %d)", config.model_path.name, self.served_model, config.slots,
+                 config.ctx)
         self.engine = await Engine.start(config)
         assert self.queue is not None
         self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
@@ -266,7 +269,7 @@ class SlotqWorker:
         interval = self.settings.lock_ttl_s / 3
         async with self.queue.redis.pipeline(transaction=False) as pipe:
             pipe.hset(worker_key(self.id), mapping={
-                "id": self.id, "queue": self.settings.queue_name, "model": self.settings.model_name or stats.model,
+                "id": self.id, "queue": self.settings.queue_name, "model": self.served_model,
                 "ctx": self.engine.ctx_per_seq, "slots_total": stats.slots_total, "slots_busy": stats.slots_busy,
                 "waiting": stats.waiting, "generated_tokens": stats.generated_tokens,
                 "tokens_per_s": round(rate, 1), "kv_cells_used": stats.kv_cells_used,

@@ -177,3 +177,15 @@ def test_every_setting_is_documented():
         var = f"SLOTQ_{name.upper()}"
         assert f"{var}=" in example, f"{var} missing from deploy/slotq.env.example"
         assert var in readme, f"{var} missing from README.md"
+
+
+@pytest.mark.parametrize(("file", "served"), [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ("Meta-Llama-3-8B-Instruct-Q4_K_M.gguf", "Meta-Llama-3-8B-Instruct"),
+    ("qwen2.5-0.5b-instruct-fp16.gguf", "qwen2.5-0.5b-instruct-fp16"),
+    ("tiny.gguf", "tiny"),
+    ("phi-3-mini.f16.gguf", "phi-3-mini"),
+])
+def test_served_model_name_defaults_to_the_file_name_without_its_quantization(file, served):
+    assert WorkerSettings().served_model_name(Path(file)) == served
+    assert WorkerSettings(model_name="custom").served_model_name(Path(file)) == "custom"

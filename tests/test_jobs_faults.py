@@ -10,9 +10,9 @@ import msgpack
 import pytest
 from jobs.queue.keys import job_record_key
 
-from engine import FinishReason
+from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
-from jobs.schemas import EntryKind, JobStatus
+from jobs.schemas import EntryKind, JobRequest, JobStatus
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
 from jobs_fixtures import chunks, collect_stream, inject_raw_job, job_request, jobs_in_queue, raw_entries
 
@@ -221,3 +221,21 @@ async def test_enqueued_payloads_carry_the_schema_version(client):
     job = await client.enqueue(job_request("hello"))
     stored = deserialize(await client.redis.get(job_record_key(job.id)))["a"][0]
     assert stored["schema_version"] == "%d.%d" % SCHEMA_VERSION
+
+
+async def test_a_dead_letter_is_requeued_on_the_queue_it_ran_on(client):
+    await dead_letters.record(client.redis, "dl-other", {"prompt": "hello", "max_tokens": 4},
+                              ErrorInfo(code="tries_exhausted", message="test", retryable=True), 5, time.time(),
+                              queue="slotq:other-model")
+    assert await client.requeue_dead_letter("dl-other")
+    other = client.for_queue("slotq:other-model")
+    assert await other.status("dl-other") == JobStatus.QUEUED
+    assert await client.queue.place("dl-other") == (None, False)       # not on the caller's queue
+    assert await dead_letters.get(client.redis, "dl-other") is None
+
+
+async def test_an_engine_error_names_its_field(client, worker):
+    job = await client.enqueue(JobRequest(prompt="word " * 600, max_tokens=8))   # > the 512-token context
+    result = await job.result(timeout=30)
+    assert result.error is not None and result.error.code == "prompt_too_long"
+    assert result.error.field == "prompt"

@@ -58,7 +58,7 @@ class ApiError(Exception):
         if error is None:
             return cls(500, f"job {job_id} failed", type="server_error", code="job_failed")
         if error.code in BAD_REQUEST_CODES:
-            return cls(400, error.message, code=error.code)
+            return cls(400, error.message, param=error.field, code=error.code)
         if error.code == "expired":
             return cls.deadline(f"job {job_id}: {error.message}")
         return cls(500, f"job {job_id} failed: {error.message}", type="server_error", code=error.code)
