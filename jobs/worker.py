@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 from engine import Engine
 from jobs import metrics
 from jobs.connection import connect
+from jobs.engine_api import EngineFactory, JobEngine
 from jobs.fault_injection import WorkerFaults
 from jobs.job_run import JobRun
 from jobs.keys import JOB_FUNCTION, worker_key
@@ -52,13 +53,14 @@ EXIT_ENGINE_DIED = 70        # EX_SOFTWARE: restart me
 class SlotqWorker:
     """Owns the engine, the stream writer, the heartbeat and the queue runtime."""
 
-    def __init__(self, settings: WorkerSettings, redis_url: str) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory = Engine.start) -> None:
         self.settings = settings
         self.redis_url = redis_url
+        self.engine_factory = engine_factory     # the fleet benchmark passes a simulated engine
         self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.token = f"{self.id}:{uuid.uuid4().hex[:8]}"
         self.lease_ms = settings.lock_ttl_s * 1000
-        self.engine: Engine | None = None
+        self.engine: JobEngine | None = None
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -117,7 +119,7 @@ class SlotqWorker:
     async def _on_startup(self, ctx: dict[str, Any]) -> None:
         config = self.settings.engine_config()
         log.info("loading %s (%d slots, ctx %d)", config.model_path.name, config.slots, config.ctx)
-        self.engine = await Engine.start(config)
+        self.engine = await self.engine_factory(config)
         assert self.queue is not None
         self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
