@@ -26,6 +26,7 @@ benchmark with its exit code and log tail.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import sys
@@ -65,8 +66,8 @@ class FleetSettings(BaseModel):
     """What the simulation holds fixed (stated in the table's caption)."""
 
     job_tokens: int = 200                                  # 4 s per job at 50 tokens/s
-    sim: SimulationParams = SimulationParams(tokens_per_s=50, step_s=0.5)
-    stream_flush_ms: float = 500
+    sim: SimulationParams = SimulationParams(tokens_per_s=50, step_s=1.0)
+    stream_flush_ms: float = 1000
 
 
 class Plan(BaseModel):
@@ -92,8 +93,8 @@ STREAMING_SLOTS = 100
 STREAMING_RATE = 12.5
 GPU_WORKER_SLOTS = 64
 
-FULL = Plan(sizes=(100, 1_000, 10_000), warmup_s=6, window_s=10, min_jobs=200, max_window_s=30, tail_s=1,
-            up=(2, 3, 4), down=(0.5, 0.25, 0.1))
+FULL = Plan(sizes=(100, 1_000, 10_000), warmup_s=6, window_s=10, min_jobs=150, max_window_s=20, tail_s=1,
+            up=(2, 4), down=(0.5, 0.2))
 QUICK = Plan(sizes=(100, 1_000), warmup_s=5, window_s=4, min_jobs=0, max_window_s=4, tail_s=1, up=(2,), down=(0.5,))
 DESIGNS: tuple[Design, ...] = ("slotq", "baseline")
 DESIGN_LABEL = {"slotq": "slotq (claim script)", "baseline": "arq poll (before)"}
@@ -251,12 +252,14 @@ def _row(rate: float, jobs: dict[str, Enqueued], records: list[RecordReader], st
         "pickup_p99_ms": round(percentile(waits, 99), 1),
         "unclaimed_jobs": unclaimed,
         "jobs_measured": len(in_window),
+        "window_s": round(w.seconds, 2),
         "running_jobs": round(_mean_busy_slots(records, start_ms / 1000, end_ms / 1000)),
         "redis_commands_per_job": round(w.total_commands / n_jobs, 1),
         "redis_commands_per_token": round(w.total_commands / (tokens_per_s * w.seconds), 3) if tokens_per_s else None,
         "tokens_per_s": round(tokens_per_s),
         "valkey_cpu_cores": round(w.valkey_cores, 3),
         "simulator_cpu_cores": round(w.python_cores, 2),
+        "simulator_cpu_ms_per_job": round(1000 * w.python_cores / max(1e-9, len(in_window) / w.seconds), 2),
         "machine_busy_cores": round(w.machine_busy_cores, 2),
         "fleet_loop_lag_max_ms": round(max((s.lag_max_ms for r in records for s in r.samples
                                             if start_ms / 1000 <= s.at <= end_ms / 1000), default=0.0), 1),
@@ -289,18 +292,32 @@ def passes(row: dict[str, Any]) -> bool:
 
 
 async def search(design: Design, slots: int, plan: Plan, settings: FleetSettings, workdir: Path) -> list[dict[str, Any]]:
-    """The base rate first, then up while p99 stays under the limit (or down until it does)."""
+    """The base rate first, then up while p99 stays under the limit (or down until it does).
+
+    A step that fails while the simulator ran out of CPU says nothing about the claim path (on a
+    shared machine, another process may have taken the cores), so it is measured once more; both
+    attempts are kept, the first marked ``superseded``."""
     base = RATE_PER_SLOT * slots
     rows: list[dict[str, Any]] = []
 
-    async def step(multiple: float) -> dict[str, Any]:
-        progress(f"{DESIGN_LABEL[design]}, {slots} slots: {base * multiple:g} enqueues/s")
-        row = await measure_step(design, slots, base * multiple, plan, settings, workdir / f"{design}-{slots}-{multiple:g}")
+    async def measure(multiple: float, attempt: int) -> dict[str, Any]:
+        progress(f"{DESIGN_LABEL[design]}, {slots} slots: {base * multiple:g} enqueues/s"
+                 + (" (again: the simulator ran out of CPU)" if attempt > 1 else ""))
+        row = await measure_step(design, slots, base * multiple, plan, settings,
+                                 workdir / f"{design}-{slots}-{multiple:g}-{attempt}")
+        row = {**row, "base_rate_multiple": multiple, "ran_out": ran_out(row), "superseded": False}
         progress(f"  pickup p50 {row['pickup_p50_ms']} ms, p99 {row['pickup_p99_ms']} ms, "
                  f"{row['redis_commands_per_job']} commands/job, Valkey {row['valkey_cpu_cores']} cores, "
-                 f"simulator {row['simulator_cpu_cores']} cores, loop lag max {row['fleet_loop_lag_max_ms']} ms (fleet) / "
-                 f"{row['driver_loop_lag_max_ms']} ms (producers)")
-        rows.append({**row, "base_rate_multiple": multiple})
+                 f"simulator {row['simulator_cpu_cores']} cores, loop lag max {row['fleet_loop_lag_max_ms']} ms "
+                 f"(fleet) / {row['driver_loop_lag_max_ms']} ms (producers)")
+        rows.append(row)
+        return row
+
+    async def step(multiple: float) -> dict[str, Any]:
+        row = await measure(multiple, 1)
+        if not passes(row) and row["ran_out"] == "simulator CPU":
+            row["superseded"] = True
+            row = await measure(multiple, 2)
         return row
 
     going_up = passes(await step(1))
@@ -311,8 +328,21 @@ async def search(design: Design, slots: int, plan: Plan, settings: FleetSettings
 
 
 def best_rate(rows: list[dict[str, Any]]) -> float | None:
-    ok = [r["enqueue_per_s"] for r in rows if passes(r)]
+    ok = [r["enqueue_per_s"] for r in rows if passes(r) and not r["superseded"]]
     return max(ok) if ok else None
+
+
+def ran_out(row: dict[str, Any]) -> str | None:
+    """What ran out of CPU in a step, if anything: Valkey, or the simulator's Python side (its event
+    loops late by the whole pickup budget, or the producers unable to keep the rate). A pickup
+    limit crossed while the simulator ran out is the simulator's limit, not the claim path's."""
+    if row["valkey_cpu_cores"] >= 0.9:
+        return "Valkey CPU"
+    expected = row["target_enqueue_per_s"] * row["window_s"]            # Poisson: sd = sqrt(expected)
+    if (max(row["fleet_loop_lag_max_ms"], row["driver_loop_lag_max_ms"]) >= PICKUP_P99_LIMIT_MS
+            or row["jobs_measured"] < expected - 4 * math.sqrt(expected) or row["enqueues_unanswered_at_end"]):
+        return "simulator CPU"
+    return None
 
 
 # ---------------------------------------------------------------------- the run
@@ -326,8 +356,11 @@ async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | N
             for design in DESIGNS:
                 rows = await search(design, slots, plan, settings, Path(tmp))
                 steps += rows
-                summary[design].append({**rows[0], "max_enqueue_per_s_p99_under_100ms": best_rate(rows),
-                                        "rates_tried": [r["enqueue_per_s"] for r in rows]})
+                decisive = [r for r in rows if not r["superseded"]]
+                failing = [r for r in decisive if not passes(r)]
+                summary[design].append({**decisive[0], "max_enqueue_per_s_p99_under_100ms": best_rate(rows),
+                                        "rates_tried": [r["enqueue_per_s"] for r in decisive],
+                                        "ran_out_at_first_failure": failing[0]["ran_out"] if failing else None})
         streaming = []
         for stream_settings in STREAMING:
             progress(f"streaming at a GPU's pace: {STREAMING_SLOTS} slots, {STREAMING_RATE:g} enqueues/s, "
@@ -387,15 +420,18 @@ def _table(summary: dict[Design, list[dict[str, Any]]], settings: FleetSettings)
             best = r["max_enqueue_per_s_p99_under_100ms"]
             tried_max = max(r["rates_tried"])
             best_text = "none tried" if best is None else (f"≥ {best:g}" if best >= tried_max else f"{best:g}")
+            if r["ran_out_at_first_failure"]:
+                best_text += f" ({r['ran_out_at_first_failure']} ran out)"
             rows.append([f"{r['slots']:,}", DESIGN_LABEL[r["design"]], f"{r['enqueue_per_s']:g}",
                          f"{r['running_jobs']:,}", f"{r['pickup_p50_ms']:g} / {r['pickup_p99_ms']:g}"
                          + (f" ({r['unclaimed_jobs']} unclaimed)" if r["unclaimed_jobs"] else ""),
                          f"{r['redis_commands_per_job']:g}", f"{r['redis_commands_per_token']}",
-                         f"{r['valkey_cpu_cores']:.2f}", f"{r['simulator_cpu_cores']:.2f} / {r['machine_busy_cores']:.2f}",
-                         f"{r['fleet_loop_lag_max_ms']:g} / {r['driver_loop_lag_max_ms']:g}", best_text])
+                         f"{r['valkey_cpu_cores']:.2f} / {r['simulator_cpu_cores']:.2f} / {r['machine_busy_cores']:.2f}",
+                         f"{r['fleet_loop_lag_max_ms']:g} / {r['driver_loop_lag_max_ms']:g}", r["ran_out"] or "-",
+                         best_text])
     table = markdown_table(["slots", "claim path", "enqueues/s", "running", "pickup p50 / p99 ms",
-                            "commands / job", "commands / token", "Valkey cores", "simulator / machine cores",
-                            "loop lag max ms: fleet / producers", "max enqueues/s with p99 < 100 ms"], rows)
+                            "commands / job", "commands / token", "CPU cores: Valkey / simulator / machine",
+                            "loop lag max ms: fleet / producers", "ran out", "max enqueues/s with p99 < 100 ms"], rows)
     sim = settings.sim
     caption = (
         f"{SLOTS_PER_WORKER} slots per worker, workers spread over {HOSTS} processes; each job generates "

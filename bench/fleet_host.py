@@ -7,7 +7,7 @@ loop -- :class:`~jobs.worker.SlotqWorker` (design ``slotq``) or the old claim pa
 what only it can see by appending lines to ``record_path`` (a file, so nothing it reports adds
 Redis traffic):
 
-* ``READY <workers>`` once every worker can claim;
+* ``READY <workers>`` once every worker has started (its engine is up);
 * ``P <job id> <ready ms> <claimed ms>`` for each claim (the pickup: enqueue -> claim);
 * ``S <unix time> <generated tokens> <busy slots> <event loop lag max ms>`` twice a second.
 
@@ -25,17 +25,17 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Literal, Protocol
 
 from pydantic import BaseModel
 
 from bench.arq_baseline import BaselineWorker
 from bench.fleet_counters import LagProbe
 from bench.sim_engine import SimulatedEngine, SimulationParams
-from jobs.engine_api import JobEngine
+from jobs.engine_api import EngineFactory, JobEngine
 from jobs.queue.redis_queue import ClaimedJob
 from jobs.settings import WorkerSettings
 from jobs.worker import SlotqWorker
@@ -117,32 +117,35 @@ class RecordReader:
                 self.ready = True
 
 
-class _Member:
-    """One worker of either design, seen the same way: start, ready, engine, stop."""
+class _Member(Protocol):
+    """One worker of either design, seen the same way."""
 
-    def __init__(self, config: HostConfig, index: int, recorder: Recorder) -> None:
-        settings = WorkerSettings(redis_url=config.redis_url, queue_name=config.queue_name, slots=config.slots,
-                                  ctx=4096, worker_name=f"{config.name_prefix}-{index}",
-                                  stream_flush_ms=config.stream_flush_ms)
-        factory = SimulatedEngine.factory(config.sim)
+    ready: asyncio.Event
+
+    def run(self) -> Awaitable[object]: ...
+
+    def engine(self) -> JobEngine | None: ...
+
+    def observe_pickups(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class _SlotqMember:
+    def __init__(self, settings: WorkerSettings, factory: EngineFactory, recorder: Recorder) -> None:
+        self.worker = SlotqWorker(settings, settings.redis_url or "", engine_factory=factory)
+        self.ready = self.worker.ready
         self.recorder = recorder
-        self.slotq: SlotqWorker | None = None
-        self.baseline: BaselineWorker | None = None
-        self.run: Callable[[], Awaitable[object]]
-        if config.design == "slotq":
-            self.slotq = SlotqWorker(settings, config.redis_url, engine_factory=factory)
-            self.run = lambda: self.slotq.run(handle_signals=False)  # type: ignore[union-attr]
-            self.ready = self.slotq.ready
-        else:
-            self.baseline = BaselineWorker(settings, config.redis_url, factory, recorder.pickup)
-            self.run = self.baseline.run
-            self.ready = self.baseline.ready
+
+    def run(self) -> Awaitable[object]:
+        return self.worker.run(handle_signals=False)
+
+    def engine(self) -> JobEngine | None:
+        return self.worker.engine
 
     def observe_pickups(self) -> None:
-        """The current worker reports claims through its runtime's ``on_job_started`` hook."""
-        if self.slotq is None:
-            return                  # the baseline reports from its run_job (see arq_baseline)
-        runtime = self.slotq.runtime
+        """Claims are reported through the runtime's ``on_job_started`` hook (the pickup metric's)."""
+        runtime = self.worker.runtime
         assert runtime is not None
         observed = runtime.on_job_started
         record = self.recorder.pickup
@@ -154,21 +157,38 @@ class _Member:
 
         runtime.on_job_started = on_job_started
 
-    @property
+    def stop(self) -> None:
+        self.worker.request_stop("benchmark step over", grace_s=0)
+
+
+class _BaselineMember:
+    def __init__(self, settings: WorkerSettings, factory: EngineFactory, recorder: Recorder) -> None:
+        self.worker = BaselineWorker(settings, settings.redis_url or "", factory, recorder.pickup)
+        self.ready = self.worker.ready
+
+    def run(self) -> Awaitable[object]:
+        return self.worker.run()
+
     def engine(self) -> JobEngine | None:
-        return self.slotq.engine if self.slotq is not None else self.baseline.engine  # type: ignore[union-attr]
+        return self.worker.engine
+
+    def observe_pickups(self) -> None:
+        """Already wired: the baseline reports each claim from its ``run_job``."""
 
     def stop(self) -> None:
-        if self.slotq is not None:
-            self.slotq.request_stop("benchmark step over", grace_s=0)
-        else:
-            assert self.baseline is not None
-            self.baseline.request_stop()
+        self.worker.request_stop()
+
+
+def _member(config: HostConfig, index: int, recorder: Recorder) -> _Member:
+    settings = WorkerSettings(redis_url=config.redis_url, queue_name=config.queue_name, slots=config.slots, ctx=4096,
+                              worker_name=f"{config.name_prefix}-{index}", stream_flush_ms=config.stream_flush_ms)
+    kind = _SlotqMember if config.design == "slotq" else _BaselineMember
+    return kind(settings, SimulatedEngine.factory(config.sim), recorder)
 
 
 async def serve(config: HostConfig) -> int:
     recorder = Recorder(config.record_path)
-    members = [_Member(config, i, recorder) for i in range(config.workers)]
+    members = [_member(config, i, recorder) for i in range(config.workers)]
     tasks = [asyncio.create_task(m.run(), name=f"worker-{i}") for i, m in enumerate(members)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -212,7 +232,7 @@ def _failed(tasks: list[asyncio.Task[object]]) -> int:
 async def _report(members: list[_Member], recorder: Recorder, lag: LagProbe) -> None:
     while True:
         await asyncio.sleep(REPORT_EVERY_S)
-        stats = [m.engine.stats() for m in members if m.engine is not None]
+        stats = [engine.stats() for engine in (m.engine() for m in members) if engine is not None]
         tokens = sum(s.generated_tokens for s in stats)
         busy = sum(s.slots_busy for s in stats)
         recorder.line(f"S {time.time():.3f} {tokens} {busy} {lag.take_max_ms():.1f}")
