@@ -93,6 +93,8 @@ class SlotqClient:
                            owns_connection=False)
 
     async def close(self) -> None:
+        if self._workers_read is not None:
+            self._workers_read.cancel()
         if self._owns_connection:
             await self.redis.aclose()
 
@@ -253,14 +255,11 @@ class SlotqClient:
         now = time.monotonic()
         if self._workers_cache is not None and now - self._workers_cache[0] <= WORKERS_CACHE_S:
             return self._workers_cache[1]
-        if self._workers_read is None:
+        if self._workers_read is None or self._workers_read.done():
             self._workers_read = asyncio.ensure_future(self.workers())
-        read = self._workers_read
-        try:
-            workers = await asyncio.shield(read)       # a cancelled enqueue leaves the read to the others
-        finally:
-            if read.done() and self._workers_read is read:
-                self._workers_read = None
+            # Its waiters may all be cancelled; an error nobody awaited then is not worth a log line.
+            self._workers_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+        workers = await asyncio.shield(self._workers_read)   # a cancelled enqueue leaves the read to the others
         self._workers_cache = (now, workers)
         return workers
 
