@@ -54,7 +54,8 @@ from jobs.watch import ChildProcess, run_watched
 
 QUEUE = "slotq:queue"
 SLOTS_PER_WORKER = 50        # a GPU node runs 32 to 64
-HOSTS = 2                    # fleet processes: one per core
+# Fleet processes: one per core, leaving one core to Valkey and one to the producers (at least 2).
+HOSTS = max(2, min(16, (os.cpu_count() or 2) - 2))
 PRODUCERS = 4                # producer clients (connections) in the driver
 READ_EVERY = 10              # one job in 10 is followed by a stream reader
 RATE_PER_SLOT = 0.05         # the base rate: enqueues per second per slot (500/s at 10,000 slots)
@@ -94,7 +95,7 @@ STREAMING_RATE = 12.5
 GPU_WORKER_SLOTS = 64
 
 FULL = Plan(sizes=(100, 1_000, 10_000), warmup_s=6, window_s=10, min_jobs=150, max_window_s=20, tail_s=1,
-            up=(2, 4), down=(0.5, 0.2))
+            up=(2, 3), down=(0.5, 0.2))
 QUICK = Plan(sizes=(100, 1_000), warmup_s=5, window_s=4, min_jobs=0, max_window_s=4, tail_s=1, up=(2,), down=(0.5,))
 DESIGNS: tuple[Design, ...] = ("slotq", "baseline")
 DESIGN_LABEL = {"slotq": "slotq (claim script)", "baseline": "arq poll (before)"}
@@ -334,11 +335,14 @@ def best_rate(rows: list[dict[str, Any]]) -> float | None:
 
 
 def ran_out(row: dict[str, Any]) -> str | None:
-    """What ran out of CPU in a step, if anything: Valkey, or the simulator's Python side (its event
-    loops late by the whole pickup budget, or the producers unable to keep the rate). A pickup
-    limit crossed while the simulator ran out is the simulator's limit, not the claim path's."""
+    """What ran out in a step, if anything: Valkey's CPU, the fleet's slots, or the simulator's
+    Python side (its event loops late by the whole pickup budget, or the producers unable to keep
+    the rate). A pickup limit crossed while the simulator ran out is the simulator's limit, not the
+    claim path's."""
     if row["valkey_cpu_cores"] >= 0.9:
         return "Valkey CPU"
+    if row["running_jobs"] >= 0.95 * row["slots"]:
+        return "free slots"
     expected = row["target_enqueue_per_s"] * row["window_s"]            # Poisson: sd = sqrt(expected)
     if (max(row["fleet_loop_lag_max_ms"], row["driver_loop_lag_max_ms"]) >= PICKUP_P99_LIMIT_MS
             or row["jobs_measured"] < expected - 4 * math.sqrt(expected) or row["enqueues_unanswered_after_1s"]):

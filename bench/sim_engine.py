@@ -140,6 +140,7 @@ class SimulatedEngine:
         self._by_request[request.id] = seqs
         self._waiting.extend(seqs)
         self._prompt_tokens += n_prompt
+        self._admit(now)
         return handle
 
     def cancel(self, request_id: str) -> None:
@@ -163,12 +164,17 @@ class SimulatedEngine:
                 next_at = now
             self._step(now)
 
-    def _step(self, now: float) -> None:
-        self._steps += 1
+    def _admit(self, now: float) -> None:
+        """Into a free slot at once (a GPU admits at its next step, milliseconds away); the first
+        token leaves with the next simulated step."""
         while self._waiting and len(self._running) < self.config.slots:
             seq = self._waiting.popleft()
             seq.admitted_at = now
             self._running.append(seq)
+
+    def _step(self, now: float) -> None:
+        self._steps += 1
+        self._admit(now)
         self._busy_slot_steps += len(self._running)
         rate = self.params.tokens_per_s
         still: list[_Sequence] = []
