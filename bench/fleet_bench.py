@@ -70,6 +70,10 @@ class FleetSettings(BaseModel):
     sim: SimulationParams = SimulationParams(tokens_per_s=50, step_s=1.0)
     stream_flush_ms: float = 1000
 
+    @property
+    def job_seconds(self) -> float:
+        return self.job_tokens / self.sim.tokens_per_s
+
 
 class Plan(BaseModel):
     sizes: tuple[int, ...]
@@ -93,6 +97,13 @@ STREAMING = [FleetSettings(sim=SimulationParams(tokens_per_s=50, step_s=0.02), s
 STREAMING_SLOTS = 100
 STREAMING_RATE = 12.5
 GPU_WORKER_SLOTS = 64
+
+# More jobs running than arq's old queue_read_limit (1000) at a lower rate: 10,000 slots, 100
+# enqueues/s of 12-s jobs (about 1,200 running), the simulated engine stepping every 3 s so that a job
+# costs the simulator no more events than the 4-s jobs above.
+OVER_LIMIT_SLOTS = 10_000
+OVER_LIMIT_RATE = 100
+OVER_LIMIT = FleetSettings(job_tokens=600, sim=SimulationParams(tokens_per_s=50, step_s=3.0), stream_flush_ms=3000)
 
 FULL = Plan(sizes=(100, 1_000, 10_000), warmup_s=6, window_s=10, min_jobs=150, max_window_s=20, tail_s=1,
             up=(2, 3), down=(0.5, 0.2))
@@ -149,7 +160,8 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
     try:
         await _wait_ready(producers[0], records, workers)
         producing = asyncio.create_task(_produce(producers, stream_redis, rate, settings, jobs, reader_tasks))
-        await _sleep_polling(plan.warmup_s, records)
+        # until the jobs enqueued first have finished: the number running is then steady
+        await _sleep_polling(max(plan.warmup_s, settings.job_seconds + 2), records)
         lag = LagProbe()
         probing = asyncio.create_task(lag.run())
         start = await fleet_counters.read(stats_redis, pids)
@@ -366,6 +378,13 @@ async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | N
                 summary[design].append({**decisive[0], "max_enqueue_per_s_p99_under_100ms": best_rate(rows),
                                         "rates_tried": [r["enqueue_per_s"] for r in decisive],
                                         "ran_out_at_first_failure": failing[0]["ran_out"] if failing else None})
+        over_limit = []
+        for design in DESIGNS:
+            progress(f"{DESIGN_LABEL[design]}, beyond the old read limit: {OVER_LIMIT_SLOTS} slots, "
+                     f"{OVER_LIMIT_RATE} enqueues/s of {OVER_LIMIT.job_seconds:g}-s jobs")
+            row = await measure_step(design, OVER_LIMIT_SLOTS, OVER_LIMIT_RATE, plan, OVER_LIMIT,
+                                     Path(tmp) / f"over-limit-{design}")
+            over_limit.append({**row, "ran_out": ran_out(row)})
         streaming = []
         for stream_settings in STREAMING:
             progress(f"streaming at a GPU's pace: {STREAMING_SLOTS} slots, {STREAMING_RATE:g} enqueues/s, "
@@ -373,9 +392,10 @@ async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | N
             row = await measure_step("slotq", STREAMING_SLOTS, STREAMING_RATE, plan, stream_settings,
                                      Path(tmp) / f"streaming-{stream_settings.stream_flush_ms:g}")
             streaming.append({**row, "stream_flush_ms": stream_settings.stream_flush_ms, **_capacity(row)})
-    data = {"results": summary["slotq"], "baseline": summary["baseline"], "steps": steps, "streaming": streaming,
-            "settings": settings.model_dump(), "plan": plan.model_dump(), "targets": _targets(summary["slotq"])}
-    table = _table(summary, settings) + "\n\n" + _streaming_table(streaming)
+    data = {"results": summary["slotq"], "baseline": summary["baseline"], "steps": steps,
+            "beyond_old_read_limit": over_limit, "streaming": streaming, "settings": settings.model_dump(),
+            "plan": plan.model_dump(), "targets": _targets(summary["slotq"])}
+    table = "\n\n".join([_table(summary, settings), _over_limit_table(over_limit), _streaming_table(streaming)])
     if not quick:
         write_results("fleet", data, table, "slotq bench fleet")
     return data, table
@@ -386,6 +406,21 @@ def _capacity(row: dict[str, Any]) -> dict[str, Any]:
     """Busy GPU slots (and workers of 64) one Valkey core serves at a streaming step's cost."""
     slots = row["running_jobs"] / row["valkey_cpu_cores"]
     return {"busy_slots_per_valkey_core": round(slots), "gpu_workers_per_valkey_core": round(slots / GPU_WORKER_SLOTS, 1)}
+
+
+def _over_limit_table(rows: list[dict[str, Any]]) -> str:
+    table = markdown_table(
+        ["slots", "claim path", "enqueues/s", "running", "pickup p50 / p99 ms", "commands / job",
+         "CPU cores: Valkey / simulator / machine", "ran out"],
+        [[f"{r['slots']:,}", DESIGN_LABEL[r["design"]], f"{r['enqueue_per_s']:g}", f"{r['running_jobs']:,}",
+          f"{r['pickup_p50_ms']:g} / {r['pickup_p99_ms']:g}"
+          + (f" ({r['unclaimed_jobs']} unclaimed)" if r["unclaimed_jobs"] else ""),
+          f"{r['redis_commands_per_job']:g}",
+          f"{r['valkey_cpu_cores']:.2f} / {r['simulator_cpu_cores']:.2f} / {r['machine_busy_cores']:.2f}",
+          r["ran_out"] or "-"] for r in rows])
+    return (f"{table}\n\nMore jobs running than arq's old queue_read_limit (1000): {OVER_LIMIT_SLOTS:,} slots, "
+            f"{OVER_LIMIT_RATE} enqueues/s of {OVER_LIMIT.job_tokens}-token jobs ({OVER_LIMIT.job_seconds:g} s), "
+            f"simulated steps and stream flushes every {OVER_LIMIT.sim.step_s:g} s, otherwise as above.")
 
 
 def _streaming_table(rows: list[dict[str, Any]]) -> str:
