@@ -460,7 +460,7 @@ def _table(summary: dict[Design, list[dict[str, Any]]], settings: FleetSettings)
         for r in (new, old):
             best = r["max_enqueue_per_s_p99_under_100ms"]
             tried_max = max(r["rates_tried"])
-            best_text = "none tried" if best is None else (f"≥ {best:g}" if best >= tried_max else f"{best:g}")
+            best_text = "none of those tried" if best is None else (f"≥ {best:g}" if best >= tried_max else f"{best:g}")
             if r["ran_out_at_first_failure"]:
                 best_text += f" ({r['ran_out_at_first_failure']} ran out)"
             rows.append([f"{r['slots']:,}", DESIGN_LABEL[r["design"]], f"{r['enqueue_per_s']:g}",
