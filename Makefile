@@ -67,3 +67,4 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench queue
 	$(VENV)/bin/slotq bench prefix
 	$(VENV)/bin/slotq bench gateway
+	$(VENV)/bin/slotq bench fleet

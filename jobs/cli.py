@@ -320,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse), "
-                         "gateway (HTTP overhead)", None)
-    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway"])
+                         "gateway (HTTP overhead), fleet (the claim path at 100 to 10,000 simulated slots)", None)
+    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "fleet"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
     p.set_defaults(func=cmd_bench)

@@ -76,6 +76,7 @@ class SlotqClient:
         self.queue = RedisQueue(redis, settings.queue_name, settings.lanes)
         self._owns_connection = owns_connection
         self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
+        self._workers_read: asyncio.Future[list[WorkerInfo]] | None = None
 
     @classmethod
     async def connect(cls, redis_url: str, settings: ClientSettings | None = None) -> SlotqClient:
@@ -92,6 +93,8 @@ class SlotqClient:
                            owns_connection=False)
 
     async def close(self) -> None:
+        if self._workers_read is not None:
+            self._workers_read.cancel()
         if self._owns_connection:
             await self.redis.aclose()
 
@@ -251,15 +254,27 @@ class SlotqClient:
         """Refuse what no live worker of this queue could ever run. The prompt's token count is
         only known to a worker, so the check is ``max_tokens`` against the largest per-sequence
         context advertised (the prompt takes at least one token). With no live worker, accept."""
-        now = time.monotonic()
-        if self._workers_cache is None or now - self._workers_cache[0] > WORKERS_CACHE_S:
-            self._workers_cache = (now, await self.workers())
-        contexts = [w.ctx for w in self._workers_cache[1] if w.queue == self.settings.queue_name and w.ctx]
+        contexts = [w.ctx for w in await self._cached_workers() if w.queue == self.settings.queue_name and w.ctx]
         if contexts and request.max_tokens >= max(contexts):
             raise JobRejected(
                 f"max_tokens is {request.max_tokens}; the workers of queue {self.settings.queue_name!r} have a "
                 f"per-sequence context of {max(contexts)} tokens, which must hold the prompt and max_tokens",
                 field="max_tokens")
+
+    async def _cached_workers(self) -> list[WorkerInfo]:
+        """The live workers, re-read at most every WORKERS_CACHE_S. Enqueues that find the cache
+        stale at the same time share one read: at hundreds of enqueues a second, each starting
+        its own read stampeded Redis with SCANs (found by ``slotq bench fleet``)."""
+        now = time.monotonic()
+        if self._workers_cache is not None and now - self._workers_cache[0] <= WORKERS_CACHE_S:
+            return self._workers_cache[1]
+        if self._workers_read is None or self._workers_read.done():
+            self._workers_read = asyncio.ensure_future(self.workers())
+            # Its waiters may all be cancelled; an error nobody awaited then is not worth a log line.
+            self._workers_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+        workers = await asyncio.shield(self._workers_read)   # a cancelled enqueue leaves the read to the others
+        self._workers_cache = (now, workers)
+        return workers
 
     async def queue_info(self) -> QueueInfo:
         """Counts per lane (each O(1)), the oldest waiting job, live workers, dead letters."""

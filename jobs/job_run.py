@@ -22,7 +22,6 @@ from typing import Any, NoReturn
 from arq.worker import Retry, RetryJob
 
 from engine import (
-    Engine,
     EngineDead,
     EngineError,
     ErrorInfo,
@@ -36,6 +35,7 @@ from engine import (
 )
 from jobs import dead_letters, metrics
 from jobs.elastic.admission import Verdict
+from jobs.engine_api import JobEngine, RunningRequest
 from jobs.keys import stream_key
 from jobs.payload import decode_payload
 from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, MaxTokensCap, StreamEntry
@@ -75,7 +75,7 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
 
 
 class JobRun:
-    def __init__(self, *, engine: Engine, writer: StreamWriter, settings: WorkerSettings, worker_id: str,
+    def __init__(self, *, engine: JobEngine, writer: StreamWriter, settings: WorkerSettings, worker_id: str,
                  job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
                  is_abort: Callable[[], bool], lease_lost: Callable[[], bool],
                  verdict: Callable[..., Verdict] | None = None) -> None:
@@ -140,7 +140,7 @@ class JobRun:
         return await self._follow(handle, job, delivered)
 
     # ------------------------------------------------------------------ streaming
-    async def _follow(self, handle: Any, job: JobRequest, delivered: Delivered) -> JobResult:
+    async def _follow(self, handle: RunningRequest, job: JobRequest, delivered: Delivered) -> JobResult:
         texts = {c: delivered.text.get(c, "") for c in range(job.n)}
         finished: dict[int, Finished] = {}
         try:

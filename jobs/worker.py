@@ -42,6 +42,7 @@ from jobs import health, metrics
 from jobs.connection import connect
 from jobs.elastic import metrics as elastic_metrics
 from jobs.elastic.loop import ElasticLoop
+from jobs.engine_api import EngineFactory, JobEngine
 from jobs.fault_injection import WorkerFaults
 from jobs.job_run import JobRun
 from jobs.keys import JOB_FUNCTION, worker_key
@@ -60,13 +61,14 @@ EXIT_ENGINE_DIED = 70        # EX_SOFTWARE: restart me
 class SlotqWorker:
     """Owns the engine, the stream writer, the heartbeat and the queue runtime."""
 
-    def __init__(self, settings: WorkerSettings, redis_url: str) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory = Engine.start) -> None:
         self.settings = settings
         self.redis_url = redis_url
+        self.engine_factory = engine_factory     # the fleet benchmark passes a simulated engine
         self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.token = f"{self.id}:{uuid.uuid4().hex[:8]}"
         self.lease_ms = settings.lock_ttl_s * 1000
-        self.engine: Engine | None = None
+        self.engine: JobEngine | None = None
         self.served_model = ""
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
@@ -162,7 +164,7 @@ class SlotqWorker:
         self.served_model = self.settings.served_model_name(config.model_path)
         log.info("loading %s as %r (%d slots, ctx %d)", config.model_path.name, self.served_model, config.slots,
                  config.ctx)
-        self.engine = await Engine.start(config)
+        self.engine = await self.engine_factory(config)
         assert self.queue is not None
         self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,

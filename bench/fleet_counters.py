@@ -1,0 +1,96 @@
+"""What the fleet benchmark reads at the start and end of each measured window: Valkey's own
+counters (``INFO commandstats``: commands run inside Lua scripts count, each under its own name;
+``INFO cpu``) and the CPU time of the benchmark's processes and of the whole machine (``/proc``),
+so a result can say whether Valkey or the simulator's Python side ran out of CPU first, and how
+late each process's event loop ran."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+NOT_COUNTED = {"info"}           # the benchmark's own reads of these counters
+
+
+@dataclass(frozen=True)
+class Counters:
+    wall: float
+    commands: dict[str, int]     # command name -> calls
+    valkey_cpu_s: float
+    python_cpu_s: float          # the benchmark's Python processes (driver and fleet hosts)
+    machine_busy_s: float        # every process on the machine, summed over cores
+
+
+@dataclass(frozen=True)
+class Window:
+    seconds: float
+    commands: dict[str, int]
+    valkey_cores: float
+    python_cores: float
+    machine_busy_cores: float
+
+    @property
+    def total_commands(self) -> int:
+        return sum(self.commands.values())
+
+
+async def read(redis: Redis, python_pids: list[int]) -> Counters:
+    stats = await redis.info("commandstats")
+    cpu = await redis.info("cpu")
+    commands = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+    return Counters(wall=time.monotonic(), commands=commands,
+                    valkey_cpu_s=float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+                    python_cpu_s=sum(_process_cpu_s(pid) for pid in python_pids), machine_busy_s=_machine_busy_s())
+
+
+def window(start: Counters, end: Counters) -> Window:
+    seconds = end.wall - start.wall
+    commands = {name: calls - start.commands.get(name, 0) for name, calls in end.commands.items()
+                if name not in NOT_COUNTED and calls > start.commands.get(name, 0)}
+    return Window(seconds=seconds, commands=commands,
+                  valkey_cores=(end.valkey_cpu_s - start.valkey_cpu_s) / seconds,
+                  python_cores=(end.python_cpu_s - start.python_cpu_s) / seconds,
+                  machine_busy_cores=(end.machine_busy_s - start.machine_busy_s) / seconds)
+
+
+class LagProbe:
+    """How late this process's event loop runs a timer: the delay every claim, enqueue and write
+    of the process waits on top of Redis. Run :meth:`run` as a task; :meth:`take_max_ms` returns
+    the worst lag since the previous call."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        self.period_s = period_s
+        self._max_s = 0.0
+
+    async def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            await asyncio.sleep(self.period_s)
+            self._max_s = max(self._max_s, time.monotonic() - started - self.period_s)
+
+    def take_max_ms(self) -> float:
+        worst, self._max_s = self._max_s, 0.0
+        return worst * 1000
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (0 once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS      # utime, stime (fields 14 and 15)
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the machine spent busy (not idle or waiting for I/O), all cores."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]
+    return (sum(values[:8]) - idle) / CLOCK_TICKS
