@@ -24,7 +24,7 @@ from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
 from jobs.connection import connect
 from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, RedisUnavailable
-from jobs.keys import JOB_FUNCTION, WORKER_PREFIX, stream_key
+from jobs.keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key
 from jobs.payload import decode_payload, encode_payload
 from jobs.queue.keys import result_key, retry_counter_key
 from jobs.queue.redis_queue import Enqueued, RedisQueue
@@ -36,6 +36,7 @@ from jobs.stream import StreamWriter, read_stream
 
 __all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "SlotqClient"]
 
+WORKERS_RECENT_S = 120.0  # the worker index is read this far back (heartbeats come every few seconds)
 WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
 
 
@@ -242,12 +243,15 @@ class SlotqClient:
 
     # ------------------------------------------------------------------ fleet
     async def workers(self) -> list[WorkerInfo]:
-        """Every live worker on this Redis (all queues), from their heartbeats."""
-        workers = []
-        async for key in self.redis.scan_iter(match=f"{WORKER_PREFIX}*", count=100):
-            raw = await self.redis.hgetall(key)
-            if raw:
-                workers.append(WorkerInfo.model_validate({k.decode(): v.decode() for k, v in raw.items()}))
+        """Every live worker on this Redis (all queues), from their heartbeats: the worker index
+        names those heard from lately (O(workers), never a scan of the keyspace), and a worker's
+        own heartbeat hash, which expires three beats after its last, says it is alive."""
+        ids = await self.redis.zrangebyscore(WORKER_INDEX, (time.time() - WORKERS_RECENT_S) * 1000, "+inf")
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                pipe.hgetall(worker_key(worker_id.decode()))
+            hashes = await pipe.execute()
+        workers = [WorkerInfo.model_validate({k.decode(): v.decode() for k, v in raw.items()}) for raw in hashes if raw]
         return sorted(workers, key=lambda w: w.id)
 
     async def _check_fits(self, request: JobRequest) -> None:

@@ -23,6 +23,7 @@ def dead_letter_key(job_id: str) -> str:
 JOB_FUNCTION = "generate"                # the one arq function name
 DEAD_LETTER_INDEX = "slotq:dlq"          # zset: job id -> time it was dead-lettered
 WORKER_PREFIX = "slotq:worker:"          # hash per live worker, with a TTL
+WORKER_INDEX = "slotq:workers"           # zset: worker id -> time of its last heartbeat (ms)
 
 
 def worker_key(worker_id: str) -> str:

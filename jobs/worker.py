@@ -45,7 +45,7 @@ from jobs.elastic.loop import ElasticLoop
 from jobs.engine_api import EngineFactory, JobEngine
 from jobs.fault_injection import WorkerFaults
 from jobs.job_run import JobRun
-from jobs.keys import JOB_FUNCTION, worker_key
+from jobs.keys import JOB_FUNCTION, WORKER_INDEX, worker_key
 from jobs.queue.redis_queue import ClaimedJob, RedisQueue
 from jobs.queue.runtime import QueueRuntime
 from jobs.serialization import deserialize, serialize
@@ -55,7 +55,8 @@ from jobs.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
-EXIT_ENGINE_DIED = 70        # EX_SOFTWARE: restart me
+EXIT_ENGINE_DIED = 70
+WORKER_INDEX_KEEP_S = 3600       # a worker silent this long leaves the worker index        # EX_SOFTWARE: restart me
 
 
 class SlotqWorker:
@@ -195,6 +196,7 @@ class SlotqWorker:
             await self.writer.close()
         try:
             await ctx["redis"].delete(worker_key(self.id))
+            await ctx["redis"].zrem(WORKER_INDEX, self.id)
         except RedisError:
             pass
         if self.engine:
@@ -280,6 +282,8 @@ class SlotqWorker:
                 "draining": int(self._draining), "ready": int(self.ready.is_set() and not self._draining),
                 **(self.elastic.heartbeat_fields() if self.elastic else {})})
             pipe.expire(worker_key(self.id), max(3, int(interval * 3)))
+            pipe.zadd(WORKER_INDEX, {self.id: int(now * 1000)})
+            pipe.zremrangebyscore(WORKER_INDEX, "-inf", int((now - WORKER_INDEX_KEEP_S) * 1000))   # long gone
             await pipe.execute()
         was_stale = not self._may_claim()
         self._heartbeat_ok_at = time.monotonic()

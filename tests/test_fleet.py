@@ -95,8 +95,10 @@ async def test_a_new_job_is_claimed_at_once_with_more_running_than_the_old_read_
 async def test_concurrent_enqueues_share_one_read_of_the_workers(client: SlotqClient) -> None:
     """Each enqueue checks max_tokens against the workers' advertised context, read at most every
     few seconds. Enqueues that find that read stale together share one read: at hundreds of
-    enqueues a second, each starting its own SCAN stampeded Redis."""
+    enqueues a second, each starting its own read stampeded Redis. The read itself is one range of
+    the worker index, never a scan of the keyspace."""
     await client.redis.config_resetstat()
     await asyncio.gather(*(client.enqueue(job_request(f"job {i}")) for i in range(200)))
     stats = await client.redis.info("commandstats")
-    assert stats["cmdstat_scan"]["calls"] == 1          # an empty fleet: one SCAN round, not 200
+    assert stats["cmdstat_zrangebyscore"]["calls"] == 1     # one read of the worker index, not 200
+    assert "cmdstat_scan" not in stats
