@@ -182,6 +182,15 @@ if owner then redis.call('PUBLISH', ARGV[3] .. owner, ARGV[1]) end
 return -1
 """
 
+# KEYS: jobs, result, then the job's other keys to remove (its stream, ...); ARGV: job id
+# Removes a finished job's result and output now instead of when they expire. Returns 0 (and
+# removes nothing) while the job is still queued or running.
+FORGET = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+redis.call('DEL', unpack(KEYS, 2))
+return 1
+"""
+
 # KEYS: owners, stream, write mark; ARGV: token ('' = not fenced), job id, maxlen, stream ttl s,
 # batch id, then per entry: n, field, value, ... (n = 2 x fields).
 # Returns 0 when the job is not this worker's, 1 when written (or already written: a batch whose
