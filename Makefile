@@ -28,8 +28,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not real_model and not fault"
 
-## bench: the three benchmarks, tables written to bench/results/
+## bench: the benchmarks, tables written to bench/results/
 bench: $(STAMP)
 	$(VENV)/bin/slotq bench engine
 	$(VENV)/bin/slotq bench queue
 	$(VENV)/bin/slotq bench prefix
+	$(VENV)/bin/slotq bench bulk

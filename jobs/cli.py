@@ -350,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48, help="max tokens per job")
     p.set_defaults(func=cmd_demo)
 
-    p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse)", None)
-    p.add_argument("which", choices=["engine", "queue", "prefix"])
+    p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse), "
+                         "bulk (bulk runs beside interactive jobs)", None)
+    p.add_argument("which", choices=["engine", "queue", "prefix", "bulk"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
     p.set_defaults(func=cmd_bench)

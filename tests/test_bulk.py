@@ -8,6 +8,7 @@ many times each line was generated, across runs of the bulk command.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
 import signal
@@ -46,13 +47,15 @@ def starts(procs: list[WorkerProcess]) -> list[tuple[str, int]]:
 
 async def bulk_process(*args: str, env: dict[str, str], cwd: Path) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(str(SLOTQ_BIN), "bulk", *args, env=env, cwd=cwd,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                                                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
 
 
-async def run_bulk_cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 180) -> tuple[int, str, str]:
+async def run_bulk_cli(*args: str, env: dict[str, str], cwd: Path, stdin: bytes = b"",
+                       timeout: float = 180) -> tuple[int, str, str]:
     proc = await bulk_process(*args, env=env, cwd=cwd)
     async with asyncio.timeout(timeout):
-        out, err = await proc.communicate()
+        out, err = await proc.communicate(stdin)
     return proc.returncode or 0, out.decode(), err.decode()
 
 
@@ -163,16 +166,28 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
         chat("huge", max_tokens=600),                                          # line 12: refused at enqueue
     ]
     inp = write_jsonl(tmp_path / "batch.jsonl", lines)
+    env = clean_env(redis_url=redis_url)
     procs = fleet(("batch-w1",), redis_url, tiny_model_path, tmp_path)
     try:
         await wait_for_workers(client, {"batch-w1"}, procs=procs)
-        code, out, err = await run_bulk_cli(str(inp), "-o", "out.jsonl", "--errors", "bad.jsonl", "--quiet",
-                                            env=clean_env(redis_url=redis_url), cwd=tmp_path)
+        code, out, err = await run_bulk_cli("-", "-o", "out.jsonl", "--errors", "bad.jsonl", "--quiet",  # gzip on stdin
+                                            stdin=gzip.compress(inp.read_bytes()), env=env, cwd=tmp_path)
+        assert code == 1, err                 # not every line succeeded
+        assert out == ""                      # --quiet
+        assert list(tmp_path.glob(".slotq-bulk-stdin-*")) == []       # the spooled copy of stdin is gone
+        # the same text from the plain file is the same run: finished lines are done, failed ones are retried
+        again, out, err = await run_bulk_cli(str(inp), "-o", "out.jsonl", "--errors", "bad.jsonl", "--json",
+                                             env=env, cwd=tmp_path)
+        assert again == 1, err
+        assert {k: json.loads(out)[k] for k in ("total", "done_before", "succeeded", "failed")} == {
+            "total": 11, "done_before": 4, "succeeded": 0, "failed": 7}
+        # an output file of another input is refused
+        other = write_jsonl(tmp_path / "other.jsonl", slotq_lines(2))
+        refused, _, err = await run_bulk_cli(str(other), "-o", "out.jsonl", env=env, cwd=tmp_path)
+        assert refused == 2 and "another input" in err, err
     finally:
         for p in procs:
             p.stop()
-    assert code == 1, err                     # not every line succeeded
-    assert out == ""                          # --quiet
     records = {r.get("custom_id", r.get("id")): r for r in read_jsonl(tmp_path / "out.jsonl")}
     assert set(records) == {"c1", "t1", "10", "c4"}
     c1 = records["c1"]

@@ -50,6 +50,7 @@ T = TypeVar("T")
 
 MISSING_CHECK_S = 5.0       # how often in-flight jobs are checked for having vanished from Redis
 REDIS_PATIENCE_S = 60.0     # a Redis outage longer than this ends the run (a rerun resumes it)
+REJECTED_BACKLOG = 1000     # records of bad lines held before the feeder waits for the collector to write them
 
 
 class BulkOptions(BaseModel):
@@ -87,6 +88,19 @@ class BulkSummary(BaseModel):
     @property
     def tokens_per_s(self) -> float:
         return round(self.completion_tokens / self.wall_s, 1) if self.wall_s > 0 else 0.0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux's VmHWM, which starts afresh at exec; ru_maxrss
+    would also count the parent's memory at the fork that started this process."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 class BulkObserver(Protocol):
@@ -162,7 +176,7 @@ class BulkRun:
             input=self.names[0], output=self.names[1], errors=self.names[2], identity=scan.identity,
             total=scan.requests, done_before=done_before, **self._counts, wall_s=round(time.monotonic() - started, 3),
             interrupted=self._stop.is_set() and not self._cancelling, left_in_queue=len(self._inflight),
-            peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+            peak_rss_mb=peak_rss_mb())
         if self.observer:
             self.observer.stopped(summary)
         return summary
@@ -188,6 +202,8 @@ class BulkRun:
                 self._check_unique(scan, line)
             except LineError as exc:
                 self._reject(number, exc.error, exc.format, exc.key)
+                while len(self._rejected) >= REJECTED_BACKLOG:     # a file of bad lines: let the collector write
+                    await asyncio.sleep(self.options.poll_s)
                 continue
             await self._window.acquire()
             if self._stop.is_set():
