@@ -66,8 +66,13 @@ class OutputFiles:
     def __init__(self, output: Path, errors: Path | None = None) -> None:
         self.output = Path(output)
         self.errors = Path(errors) if errors is not None else default_errors_path(self.output)
+        if str(output) == "-":
+            raise OutputError("the output must be a file: running the command again reads it back to resume")
         if self.errors.resolve() == self.output.resolve():
             raise OutputError(f"the errors file must differ from the output file ({self.output})")
+        for path in (self.output, self.errors):
+            if not path.resolve().parent.is_dir():
+                raise OutputError(f"{path}: no such directory {path.resolve().parent}")
         self.recent_job_ids: list[str] = []
         self._done = bytearray()
         self._out: IO[bytes] | None = None
@@ -75,9 +80,12 @@ class OutputFiles:
 
     async def open(self, scan: InputScan) -> int:
         self._done = bytearray(scan.lines // 8 + 1)
-        done = await asyncio.to_thread(self._read_back, scan)
-        self._out = open(self.output, "ab")  # noqa: SIM115 - held for the run, closed in close()
-        self._err = open(self.errors, "wb")  # noqa: SIM115
+        try:
+            done = await asyncio.to_thread(self._read_back, scan)
+            self._out = open(self.output, "ab")  # noqa: SIM115 - held for the run, closed in close()
+            self._err = open(self.errors, "wb")  # noqa: SIM115
+        except OSError as exc:
+            raise OutputError(f"cannot write {exc.filename}: {exc.strerror}") from None
         return done
 
     def _read_back(self, scan: InputScan) -> int:
