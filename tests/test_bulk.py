@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from jobs.bulk import BulkOptions, run_bulk
+from jobs.bulk import BulkOptions, open_bulk, run_bulk
 from jobs.keys import stream_key
 from jobs.queue.keys import result_key
 from jobs.schemas import JobRequest, JobStatus
@@ -106,7 +106,7 @@ async def test_500_lines_on_two_workers(client, redis_url, tiny_model_path, tmp_
 # ---------------------------------------------------------------------- interrupted twice, then finished
 async def test_interrupted_runs_resume_without_regenerating(client, redis_url, tiny_model_path, tmp_path):
     n = 400
-    inp = write_jsonl(tmp_path / "in.jsonl", slotq_lines(n, max_tokens=8))
+    inp = write_jsonl(tmp_path / "in.jsonl", slotq_lines(n, max_tokens=24))      # long enough to interrupt
     out = tmp_path / "out.jsonl"
     env = clean_env(redis_url=redis_url)
     procs = fleet(("resume-w1", "resume-w2"), redis_url, tiny_model_path, tmp_path)
@@ -264,3 +264,28 @@ async def test_forget_removes_a_finished_job_only(client, worker):
     assert not await client.redis.exists(result_key(done.id), stream_key(done.id))
     assert await client.finished([done.id, queued.id]) == {}
     assert (await client.status(queued.id)) == JobStatus.QUEUED
+
+
+# ---------------------------------------------------------------------- cancel (the Batch API's cancel)
+async def test_cancel_ends_the_lines_in_flight_as_cancelled(client, redis_url, tiny_model_path, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", slotq_lines(60, max_tokens=400))     # slow enough to cancel
+    procs = fleet(("cancel-w1",), redis_url, tiny_model_path, tmp_path, slots=2)
+    try:
+        await wait_for_workers(client, {"cancel-w1"}, procs=procs)
+        async with open_bulk(client, inp, tmp_path / "out.jsonl", options=BulkOptions(window=8)) as run:
+            task = asyncio.create_task(run.run())
+            async with asyncio.timeout(60):
+                while not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").read_text().count("\n") < 2:
+                    await asyncio.sleep(0.01)
+            await run.cancel()
+            summary = await asyncio.wait_for(task, 60)
+    finally:
+        for p in procs:
+            p.stop()
+    assert not summary.interrupted and not summary.all_succeeded and summary.left_in_queue == 0
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert len(errors) == summary.failed > 0 and {e["error"]["code"] for e in errors} == {"cancelled"}
+    done = {r["line"] for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert len(done) == summary.succeeded and done.isdisjoint(e["line"] for e in errors)
+    assert summary.succeeded + summary.failed < 60                  # the rest were never enqueued
+    assert (await client.queue_info()).queued == 0 and await leftover_keys(client) == []
