@@ -106,7 +106,7 @@ class InputFile:
 
     def _scan(self, key_of: Callable[[bytes], str | None]) -> InputScan:
         hasher = new_hasher(self.queue_name)
-        keys, key_lines = array.array("Q"), array.array("I")   # 12 bytes per line that carries an id
+        keys = array.array("Q")           # 8 bytes per line that carries an id, for this pass only
         lines = requests = 0
         for lines, raw in self._numbered():
             hasher.update(raw + b"\n")
@@ -115,8 +115,17 @@ class InputFile:
                 key = key_of(raw)
                 if key is not None:
                     keys.append(key_hash(key))
-                    key_lines.append(lines)
-        return InputScan(identity_of(hasher), lines, requests, _repeated(keys, key_lines))
+        repeated = _repeated(keys)
+        del keys
+        if repeated:                      # rare: read again for the first line of each repeated id
+            first: dict[int, int] = {}
+            for number, raw in self._numbered():
+                key = key_of(raw) if raw.strip() else None
+                h = key_hash(key) if key is not None else None
+                if h in repeated and h not in first:
+                    first[h] = number
+            return InputScan(identity_of(hasher), lines, requests, first)
+        return InputScan(identity_of(hasher), lines, requests)
 
     async def lines(self) -> AsyncIterator[tuple[int, bytes]]:
         """Non-blank lines with their numbers."""
@@ -132,13 +141,10 @@ class InputFile:
                 self._spooled.unlink()
 
 
-def _repeated(keys: array.array, lines: array.array) -> dict[int, int]:
-    """Hashes that occur more than once, each with the first line it is on."""
+def _repeated(keys: array.array) -> set[int]:
+    """Hashes that occur more than once (sorted in place: no copy of the array)."""
     if len(keys) < 2:
-        return {}
+        return set()
     hashes = np.frombuffer(keys, dtype=np.uint64)
-    order = np.argsort(hashes, kind="stable")            # equal hashes keep their line order
-    ordered = hashes[order]
-    starts = np.flatnonzero((ordered[1:] == ordered[:-1]) & np.r_[True, ordered[1:-1] != ordered[:-2]])
-    line_numbers = np.frombuffer(lines, dtype=np.uint32)
-    return {int(ordered[i]): int(line_numbers[order[i]]) for i in starts}
+    hashes.sort()
+    return {int(h) for h in np.unique(hashes[1:][hashes[1:] == hashes[:-1]])}
