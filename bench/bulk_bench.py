@@ -8,7 +8,8 @@ One invocation, the bundled model, a ``slotq worker`` subprocess with ``SLOTS`` 
   subprocess). Rounds alternate the two, so a busy neighbour on a shared machine does not favour
   one; medians are reported. Target: bulk >= 0.95 x the engine.
 * **interactive TTFT**: one interactive job at a time (enqueue to first streamed token), on the
-  idle fleet and while a bulk run keeps every slot busy with jobs still waiting in the bulk lane.
+  idle fleet and while a bulk run (output lengths spread over a quarter to all of ``max_tokens``)
+  keeps every slot busy with jobs still waiting in the bulk lane.
 * **memory**: a ``slotq bulk`` run of ``RSS_LINES`` one-token lines: the command's peak RSS (it
   reports its own ``ru_maxrss``) and Redis ``used_memory`` sampled throughout, at its peak.
 """
@@ -31,7 +32,7 @@ from jobs.bulk import BulkOptions
 from jobs.client import SlotqClient
 from jobs.redis_server import EmbeddedRedis
 from jobs.schemas import EntryKind, JobRequest
-from jobs.settings import ClientSettings
+from jobs.settings import ClientSettings, WorkerSettings
 from jobs.watch import ChildExited, ChildProcess, run_watched
 
 SLOTS = 8
@@ -43,10 +44,14 @@ def _request(i: int, max_tokens: int) -> dict[str, Any]:
     return {"prompt": distinct_prompt(i), "max_tokens": max_tokens, "ignore_eos": True, "sampling": {"temperature": 0}}
 
 
-def _write_input(path: Path, first: int, count: int, max_tokens: int) -> Path:
+def _write_input(path: Path, first: int, count: int, max_tokens: int, *, varied: bool = False) -> Path:
+    """``varied``: output lengths spread over max_tokens/4 .. max_tokens, as real bulk work ends at EOS
+    at different lengths, so slots free one at a time rather than all together."""
+    low = max(1, max_tokens // 4)
     with open(path, "w") as f:
         for i in range(first, first + count):
-            f.write(json.dumps(_request(i, max_tokens)) + "\n")
+            length = low + (i * 37) % (max_tokens - low + 1) if varied else max_tokens
+            f.write(json.dumps(_request(i, length)) + "\n")
     return path
 
 
@@ -75,14 +80,19 @@ class _Bulk:
     def __init__(self, env: dict[str, str], tmp: Path) -> None:
         self.env = env
         self.tmp = tmp
-        self.runs = 0
+        self.children: list[ChildProcess] = []
 
     def start(self, inp: Path) -> ChildProcess:
-        self.runs += 1
-        out = self.tmp / f"bulk-{self.runs}.out.jsonl"
-        return ChildProcess(f"slotq bulk ({inp.name})",
-                            [sys.executable, "-m", "jobs.cli", "bulk", str(inp), "-o", str(out), "--json"],
-                            env=self.env, log_path=self.tmp / f"bulk-{self.runs}.log")
+        n = len(self.children) + 1
+        child = ChildProcess(f"slotq bulk ({inp.name})", [sys.executable, "-m", "jobs.cli", "bulk", str(inp), "-o",
+                                                          str(self.tmp / f"bulk-{n}.out.jsonl"), "--json"],
+                             env=self.env, log_path=self.tmp / f"bulk-{n}.log")
+        self.children.append(child)
+        return child
+
+    def stop_all(self) -> None:
+        for child in self.children:
+            child.stop()
 
     async def finish(self, child: ChildProcess) -> dict[str, Any]:
         """The run's JSON summary (its last line of output)."""
@@ -114,7 +124,9 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     rss_lines = 500 if quick else RSS_LINES
     probes = 3 if quick else 8
     model = bundled_model_path()
-    config = EngineConfig(model_path=model, slots=SLOTS, ctx=CTX, prefix_cache=False)
+    # The worker's settings, read as the worker reads them (SLOTQ_THREADS etc. from the environment),
+    # so the in-process engine runs with exactly the worker's engine configuration.
+    config = WorkerSettings(model=str(model), slots=SLOTS, ctx=CTX, prefix_cache=False).engine_config()
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp_name:
         tmp = Path(tmp_name)
         server = EmbeddedRedis(tmp / "redis")
@@ -157,7 +169,7 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, round
         idle = [await _ttft_ms(client, i) for i in range(probes)]
 
         progress("interactive TTFT while a bulk run saturates the fleet")
-        child = bulk.start(_write_input(tmp / "saturate.jsonl", 100_000, 12 * SLOTS, max_tokens))
+        child = bulk.start(_write_input(tmp / "saturate.jsonl", 100_000, 12 * SLOTS, max_tokens, varied=True))
         while (await _bulk_lane(client))[0] < SLOTS:
             await asyncio.sleep(0.02)
         saturated = []
@@ -170,6 +182,7 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, round
         progress(f"memory: slotq bulk on {rss_lines:,} one-token lines")
         rss_run = await _memory_run(client, bulk, _write_short_lines(tmp / "rss.jsonl", rss_lines))
     finally:
+        bulk.stop_all()
         await engine.close()
         await client.close()
     return {

@@ -108,7 +108,8 @@ class InputFile:
         hasher = new_hasher(self.queue_name)
         keys = array.array("Q")           # 8 bytes per line that carries an id, for this pass only
         lines = requests = 0
-        for lines, raw in self._numbered():
+        for number, raw in self._numbered():
+            lines = number
             hasher.update(raw + b"\n")
             if raw.strip():
                 requests += 1
