@@ -68,3 +68,4 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench prefix
 	$(VENV)/bin/slotq bench gateway
 	$(VENV)/bin/slotq bench fleet
+	$(VENV)/bin/slotq bench bulk

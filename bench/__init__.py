@@ -1,9 +1,9 @@
-"""Benchmarks (``slotq bench engine|queue|prefix|gateway|fleet``). Each measures its variants side by side in
+"""Benchmarks (``slotq bench engine|queue|prefix|gateway|fleet|bulk``). Each measures its variants side by side in
 one run, prints a table with ratios (or one JSON object with ``--json``) and writes the table to
 ``bench/results/<name>.md`` for the README.
 
-A benchmark that depends on a child (the queue benchmark's ``slotq worker``, the fleet
-benchmark's fleet processes) runs under
+A benchmark that depends on a child (the queue and bulk benchmarks'
+``slotq worker``, the fleet benchmark's fleet processes) runs under
 :func:`jobs.watch.run_watched`: if the child dies, the benchmark stops at once with its exit code
 and log tail. The engine and prefix benchmarks run everything in this process, so a model that
 does not load raises at once and a crash inside llama.cpp ends the process itself."""
@@ -19,7 +19,7 @@ from jobs.watch import ChildExited
 
 
 def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> dict[str, Any]:
-    from bench import engine_bench, fleet_bench, gateway_bench, prefix_bench, queue_bench
+    from bench import bulk_bench, engine_bench, fleet_bench, gateway_bench, prefix_bench, queue_bench
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
         "engine": engine_bench.run,
@@ -27,6 +27,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         "prefix": prefix_bench.run,
         "gateway": gateway_bench.run,
         "fleet": fleet_bench.run,
+        "bulk": bulk_bench.run,
     }
     try:
         data, table = asyncio.run(runners[which](quick))

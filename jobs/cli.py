@@ -228,6 +228,35 @@ async def _dlq(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _bulk(args: argparse.Namespace) -> int:
+    """Exit code 0: every line has its output; 1: some lines are in the errors file; 130: interrupted."""
+    import signal
+
+    from jobs.bulk import BulkOptions, open_bulk
+    from jobs.bulk.progress import RichProgress, summary_table
+
+    options = BulkOptions(window=args.window, lane=args.lane)
+    async with _client(_client_settings(args)) as client, open_bulk(
+            client, args.input, args.output, errors=args.errors, options=options,
+            observer=None if args.quiet or args.json else RichProgress()) as run:
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:          # the first Ctrl-C leaves cleanly; the second is a plain KeyboardInterrupt
+            run.stop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        summary = await run.run()
+    if args.json:
+        _print_json(summary.model_dump(mode="json"))
+    elif not args.quiet:
+        from rich.console import Console
+
+        Console().print(summary_table(summary))
+    return 130 if summary.interrupted else 0 if summary.all_succeeded else EXIT_FAILED
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from jobs.demo import run_demo
 
@@ -310,6 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="with requeue/purge: every dead letter")
     p.set_defaults(func=_async(_dlq))
 
+    p = command("bulk", "run a JSONL file of requests (slotq or OpenAI Batch lines) through the queue, resumably")
+    p.add_argument("input", help="JSONL input, gzip-compressed or not; - reads stdin")
+    p.add_argument("-o", "--output", required=True, help="JSONL output; running again resumes into it")
+    p.add_argument("--errors", help="failed lines (default: OUTPUT with .errors.jsonl)")
+    p.add_argument("--window", type=int, default=256, help="lines in Redis at once (keep above the fleet's slots)")
+    p.add_argument("--lane", default="bulk", help="queue lane of the lines (SLOTQ_LANES)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary; the exit code tells")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(func=_async(_bulk))
+
     p = command("redis", "run the embedded Redis (Valkey) in the foreground for other slotq processes", None)
     p.add_argument("--port", type=int, help="default SLOTQ_EMBEDDED_REDIS_PORT (6399); data in SLOTQ_DATA_DIR/redis-PORT")
     p.set_defaults(func=cmd_redis)
@@ -320,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse), "
-                         "gateway (HTTP overhead), fleet (the claim path at 100 to 10,000 simulated slots)", None)
-    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "fleet"])
+                         "gateway (HTTP overhead), fleet (the claim path at 100 to 10,000 simulated slots), "
+                         "bulk (bulk runs beside interactive jobs)", None)
+    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "fleet", "bulk"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
     p.set_defaults(func=cmd_bench)

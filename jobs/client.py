@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from arq.connections import ArqRedis
@@ -24,7 +24,7 @@ from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
 from jobs.connection import connect
 from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, RedisUnavailable
-from jobs.keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key
+from jobs.keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key, write_mark_key
 from jobs.payload import decode_payload, encode_payload
 from jobs.queue.keys import result_key, retry_counter_key
 from jobs.queue.redis_queue import Enqueued, RedisQueue
@@ -199,6 +199,18 @@ class SlotqClient:
         if lane is None:
             return JobStatus.NOT_FOUND
         return JobStatus.RUNNING if running else JobStatus.QUEUED
+
+    async def finished(self, job_ids: Sequence[str]) -> dict[str, JobResult]:
+        """The results of those of ``job_ids`` that have finished, in one round trip (no waiting)."""
+        records = await self.queue.result_records(job_ids, deserialize)
+        return {job_id: _to_job_result(job_id, r.success, r.result, r.job_try) for job_id, r in records.items()}
+
+    async def forget(self, job_ids: Sequence[str]) -> int:
+        """Remove finished jobs' results and output streams now rather than when they expire
+        (``keep_result_s``, ``stream_ttl_s``): a bulk run calls it once a line's output is safely
+        written, so Redis holds no more than the run's window. A job still queued or running is
+        left alone. Returns how many jobs were removed."""
+        return await self.queue.forget(job_ids, lambda job_id: (stream_key(job_id), write_mark_key(job_id)))
 
     async def _stored_result(self, job_id: str) -> JobResult | None:
         record = await self.queue.result_record(job_id, deserialize)

@@ -160,7 +160,6 @@ async def test_idempotent_enqueue(client, start_worker):
     ("bogus_field", {"bogus_field": 1}),
 ])
 async def test_bad_request_fails_at_enqueue_naming_the_field(client, redis_url, field, fields):
-    queue = client.settings.queue_name
     with pytest.raises(ValidationError) as info:
         await client.enqueue("hello", **fields)
     assert field in str(info.value)
@@ -196,7 +195,6 @@ async def test_request_needs_exactly_one_of_prompt_or_messages(client):
 async def test_backpressure_queue_full(redis_url):
     settings = settings_for(redis_url, max_queue_length=3)
     async with await SlotqClient.connect(redis_url, settings) as client:
-        queue = settings.queue_name
         handles = [await client.enqueue(job_request(f"job {i}", idempotency_key=f"bp-{i}")) for i in range(3)]
         assert await jobs_in_queue(client) == 3
 

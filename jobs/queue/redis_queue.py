@@ -14,7 +14,7 @@ job (its ``run_job``: the job record, the attempt counter, timeouts, abort, the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -58,7 +58,8 @@ class RedisQueue:
         self.redis = redis
         self.keys = QueueKeys(name, tuple(lanes))
         self._scripts = {name: redis.register_script(getattr(scripts, name))
-                         for name in ("ENQUEUE", "CLAIM", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK", "REAP", "CANCEL")}
+                         for name in ("ENQUEUE", "CLAIM", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK", "REAP", "CANCEL",
+                                     "FORGET")}
 
     def lane_of(self, index: int) -> str:
         return self.keys.lanes[index]
@@ -90,6 +91,32 @@ class RedisQueue:
         """arq's result record of a finished job, or None."""
         raw = await self.redis.get(result_key(job_id))
         return None if raw is None else deserialize_result(raw, deserializer=deserializer)
+
+    async def result_records(self, job_ids: Sequence[str], deserializer: Any) -> dict[str, Any]:
+        """arq's result records of those of ``job_ids`` that have finished: one MGET, so a producer
+        with many jobs in flight (a bulk run) checks them all in one round trip."""
+        if not job_ids:
+            return {}
+        raw = await self.redis.mget([result_key(job_id) for job_id in job_ids])
+        return {job_id: deserialize_result(value, deserializer=deserializer)
+                for job_id, value in zip(job_ids, raw) if value is not None}
+
+    async def forget(self, job_ids: Sequence[str], other_keys: Callable[[str], Sequence[str]]) -> int:
+        """Remove the result (and ``other_keys(job_id)``, e.g. its stream) of each finished job;
+        jobs still queued or running are left alone. Returns how many were removed."""
+        if not job_ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                await self._scripts["FORGET"](keys=[self.keys.jobs, result_key(job_id), retry_counter_key(job_id),
+                                                    *other_keys(job_id)], args=[job_id], client=pipe)
+            return sum(int(x) for x in await pipe.execute())
+
+    async def in_queue(self, job_ids: Sequence[str]) -> list[bool]:
+        """Whether each job is still queued, deferred or running (one HMGET)."""
+        if not job_ids:
+            return []
+        return [entry is not None for entry in await self.redis.hmget(self.keys.jobs, list(job_ids))]
 
     async def place(self, job_id: str) -> tuple[str | None, bool]:
         """(lane, running) of a job still in the queue; (None, False) when it is not."""

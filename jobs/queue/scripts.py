@@ -114,6 +114,15 @@ if ARGV[3] ~= '' then redis.call('SET', KEYS[6], ARGV[3], 'PX', ARGV[4]) end
 return 1
 """
 
+# KEYS: jobs, result, then the job's other keys to remove (its stream, ...); ARGV: job id
+# Removes a finished job's result and output now instead of when they expire. Returns 0 (and
+# removes nothing) while the job is still queued or running.
+FORGET = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+redis.call('DEL', unpack(KEYS, 2))
+return 1
+"""
+
 # KEYS: owners, running, deferred; ARGV: token, job id, run-at ms
 RETRY_LATER = """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end

@@ -1,0 +1,60 @@
+"""Offline bulk processing: JSONL in, JSONL out, resumable, in a lower-priority lane.
+
+    async with await SlotqClient.connect(url) as client:
+        summary = await run_bulk(client, "prompts.jsonl", "out.jsonl")
+        print(summary.succeeded, summary.failed, summary.all_succeeded)
+
+    summary = bulk("prompts.jsonl.gz", "out.jsonl", redis_url="redis://...")   # blocking, for scripts
+
+Running the same call again after an interruption finishes the remaining lines: the output file
+says which lines are done, and jobs still in Redis are collected rather than generated again.
+The modules: :mod:`~jobs.bulk.source` (input and its identity), :mod:`~jobs.bulk.formats` (slotq and
+OpenAI Batch lines, output records), :mod:`~jobs.bulk.output` (output and errors files),
+:mod:`~jobs.bulk.runner` (the bounded window), :mod:`~jobs.bulk.progress` (the CLI's bar and table).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from jobs.bulk.output import OutputError, OutputFiles
+from jobs.bulk.runner import BulkObserver, BulkOptions, BulkRun, BulkSummary
+from jobs.bulk.source import STDIN, InputError, InputFile
+from jobs.client import SlotqClient
+from jobs.settings import ClientSettings
+
+__all__ = ["BulkObserver", "BulkOptions", "BulkRun", "BulkSummary", "InputError", "OutputError", "bulk", "open_bulk",
+           "run_bulk"]
+
+
+@contextlib.asynccontextmanager
+async def open_bulk(client: SlotqClient, input: str | Path, output: str | Path, *, errors: str | Path | None = None,
+                    options: BulkOptions | None = None, observer: BulkObserver | None = None) -> AsyncIterator[BulkRun]:
+    """A run of ``input`` (a path, gzip or not, or ``"-"`` for stdin) into ``output``; await its
+    ``run()``. Call ``stop()`` (e.g. on Ctrl-C) to leave early, ``cancel()`` to cancel what is in flight."""
+    sink = OutputFiles(Path(output), Path(errors) if errors is not None else None)
+    source = InputFile(input, client.settings.queue_name, spool_dir=sink.output.resolve().parent)
+    try:
+        yield BulkRun(client, source, sink, options=options or BulkOptions(), observer=observer,
+                      names=("<stdin>" if str(input) == STDIN else str(input), str(sink.output), str(sink.errors)))
+    finally:
+        source.close()
+
+
+async def run_bulk(client: SlotqClient, input: str | Path, output: str | Path, *, errors: str | Path | None = None,
+                   options: BulkOptions | None = None, observer: BulkObserver | None = None) -> BulkSummary:
+    async with open_bulk(client, input, output, errors=errors, options=options, observer=observer) as run:
+        return await run.run()
+
+
+def bulk(input: str | Path, output: str | Path, *, redis_url: str, settings: ClientSettings | None = None,
+         errors: str | Path | None = None, **options: Any) -> BulkSummary:
+    """Blocking :func:`run_bulk` for scripts; ``options`` are :class:`BulkOptions` fields."""
+    async def main() -> BulkSummary:
+        async with await SlotqClient.connect(redis_url, settings) as client:
+            return await run_bulk(client, input, output, errors=errors, options=BulkOptions(**options))
+    return asyncio.run(main())
