@@ -24,7 +24,7 @@ from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
 from jobs.connection import connect
 from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, RedisUnavailable
-from jobs.keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key, write_mark_key
+from jobs.keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key
 from jobs.payload import decode_payload, encode_payload
 from jobs.queue.keys import result_key, retry_counter_key
 from jobs.queue.redis_queue import Enqueued, RedisQueue
@@ -32,7 +32,8 @@ from jobs.schemas import (EntryKind, JobRequest, JobResult, JobStatus, LaneInfo,
                           WorkerInfo)
 from jobs.serialization import deserialize, serialize
 from jobs.settings import ClientSettings
-from jobs.stream import StreamWriter, read_stream
+from jobs.stream import StreamWriter
+from jobs.stream_reader import StreamReader
 
 __all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "SlotqClient"]
 
@@ -71,10 +72,12 @@ class SlotqClient:
     """A producer's view of one queue. ``for_queue`` gives a client of another queue (another
     model) on the same connections; only the client that connected closes them."""
 
-    def __init__(self, redis: ArqRedis, settings: ClientSettings, *, owns_connection: bool = True) -> None:
+    def __init__(self, redis: ArqRedis, settings: ClientSettings, *, owns_connection: bool = True,
+                 reader: StreamReader | None = None) -> None:
         self.redis = redis
         self.settings = settings
         self.queue = RedisQueue(redis, settings.queue_name, settings.lanes)
+        self.reader = reader or StreamReader(redis)    # one XREAD for every stream this client follows
         self._owns_connection = owns_connection
         self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
         self._workers_read: asyncio.Future[list[WorkerInfo]] | None = None
@@ -91,12 +94,13 @@ class SlotqClient:
     def for_queue(self, queue_name: str) -> SlotqClient:
         """A client of ``queue_name`` sharing this client's connections."""
         return SlotqClient(self.redis, self.settings.model_copy(update={"queue_name": queue_name}),
-                           owns_connection=False)
+                           owns_connection=False, reader=self.reader)
 
     async def close(self) -> None:
         if self._workers_read is not None:
             self._workers_read.cancel()
         if self._owns_connection:
+            await self.reader.close()
             await self.redis.aclose()
 
     async def __aenter__(self) -> SlotqClient:
@@ -151,14 +155,15 @@ class SlotqClient:
     # ------------------------------------------------------------------ reading
     async def stream(self, job_id: str, *, last_id: str = "0-0", block_ms: int = 1000) -> AsyncIterator[StreamEntry]:
         """Every stream entry after ``last_id`` until the final one. Pass the last id you saw to
-        resume after a dropped connection: nothing is missed or repeated."""
+        resume after a dropped connection: nothing is missed or repeated. All streams a client
+        follows at once share one blocking read (:class:`~jobs.stream_reader.StreamReader`)."""
 
         async def gone() -> bool:
             # The final entry is written before the result, so once the job has a terminal status
             # a quiet stream has nothing more to give (e.g. a reader resuming after the end).
             return await self.status(job_id) not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
-        async for entry in read_stream(self.redis, job_id, last_id=last_id, block_ms=block_ms, idle_check=gone):
+        async for entry in self.reader.follow(job_id, last_id=last_id, idle_ms=block_ms, idle_check=gone):
             yield entry
 
     async def text(self, job_id: str) -> AsyncIterator[str]:
@@ -210,7 +215,7 @@ class SlotqClient:
         (``keep_result_s``, ``stream_ttl_s``): a bulk run calls it once a line's output is safely
         written, so Redis holds no more than the run's window. A job still queued or running is
         left alone. Returns how many jobs were removed."""
-        return await self.queue.forget(job_ids, lambda job_id: (stream_key(job_id), write_mark_key(job_id)))
+        return await self.queue.forget(job_ids, lambda job_id: (stream_key(job_id),))
 
     async def _stored_result(self, job_id: str) -> JobResult | None:
         record = await self.queue.result_record(job_id, deserialize)

@@ -147,9 +147,8 @@ class JobRun:
             async for event in handle:
                 if isinstance(event, TextDelta):
                     texts[event.choice] += event.text
-                    self.writer.add(self.job_id, StreamEntry(
-                        id="", kind=EntryKind.CHUNK, attempt=self.attempt, choice=event.choice, text=event.text,
-                        token_ids=event.token_ids, n_tokens=event.n_tokens))
+                    self.writer.add_chunk(self.job_id, attempt=self.attempt, choice=event.choice, text=event.text,
+                                          token_ids=event.token_ids, n_tokens=event.n_tokens)
                     continue
                 finished[event.choice] = event
                 if event.error is not None:

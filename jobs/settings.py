@@ -94,7 +94,10 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
     max_tries: int = Field(5, ge=1, le=100, description="attempts of a job that fails for transient reasons")
     retry_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each try")
     drain_grace_s: int = Field(25, ge=0, description="on SIGTERM, let running jobs finish this long (Heroku allows 30 s)")
-    stream_flush_ms: float = Field(10.0, gt=0, le=1000, description="coalesce output chunks this long before writing")
+    stream_flush_ms: float = Field(
+        100.0, gt=0, le=1000, description="generated text waits at most this long before it is written to the job's "
+                                          "stream; earlier once a write carries more tokens than it costs Redis "
+                                          "commands (a job's first entry and final entries go at once)")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
 

@@ -2,8 +2,8 @@
 
 Writers coalesce chunks for ``stream_flush_ms`` and send every job's pending entries in one
 script, so Redis traffic grows with time, not with tokens. Readers use plain XREAD
-from their last id (no consumer groups): any number of readers, each can drop and resume without
-gaps or repeats, and an HTTP gateway can use the entry id as the SSE event id.
+from their last id (no consumer groups; :mod:`jobs.stream_reader`): any number of readers, each can
+drop and resume without gaps or repeats, and an HTTP gateway can use the entry id as the SSE event id.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -83,9 +84,25 @@ class TTL(IntEnum):
     FINAL = 2     # the final entry: the stream now lives ttl_s
 
 
+@dataclass(slots=True)
+class _Chunk:
+    """Consecutive text of one choice and attempt, merged while it waits for a flush (no pydantic
+    object per token: this is the worker's per-token path)."""
+
+    attempt: int
+    choice: int
+    texts: list[str]
+    token_ids: list[int]
+    n_tokens: int
+
+    def fields(self) -> dict[str, str]:
+        return {"k": EntryKind.CHUNK.value, "a": str(self.attempt), "c": str(self.choice), "t": "".join(self.texts),
+                "ids": " ".join(map(str, self.token_ids)), "n": str(self.n_tokens)}
+
+
 @dataclass
 class _JobBatch:
-    entries: list[StreamEntry] = field(default_factory=list)
+    entries: list[_Chunk | StreamEntry] = field(default_factory=list)
     ttl: TTL = TTL.KEEP
 
 
@@ -95,13 +112,37 @@ class _Flush:
     jobs: list[tuple[str, _JobBatch]]
 
 
+@dataclass(frozen=True)
+class FlushPolicy:
+    """When the pending entries are worth a flush.
+
+    A flush costs Redis a fixed handful of commands (the script call, the fence, the flush mark)
+    plus one XADD per entry, and costs every reader of the flushed streams a read. Sent per decode
+    step, with one token per job, that is more commands than tokens. So a flush waits until its
+    tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS + entries`` -- or until
+    its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
+    flush every few tokens, many slow ones every step or two, and no text waits longer than
+    ``max_delay_s``. A job's first entry, a final entry and errors go at once: time to first
+    token and to the result are never delayed.
+    """
+
+    max_delay_s: float
+    FIXED_COMMANDS = 5      # EVALSHA, GET + SET of the flush mark, HMGET of the fences; one reader's XREAD
+
+    def due_in(self, *, waited_s: float, tokens: int, entries: int, urgent: bool) -> float:
+        """Seconds until the pending entries should be flushed (0 = now)."""
+        if urgent or tokens >= self.FIXED_COMMANDS + entries:
+            return 0.0
+        return max(0.0, self.max_delay_s - waited_s)
+
+
 class StreamWriter:
     """Buffers entries per job and writes every job's entries in ONE script per flush.
 
-    A flush goes out every ``flush_ms``, or at once when a job's first entry or a final entry is
-    waiting (time to first token and to the result are not delayed). The script checks each job's
-    fence, appends its entries and touches its expiry only on the first and the final write, so a
-    flush costs one round trip and about two commands per job.
+    When a flush goes out is :class:`FlushPolicy`'s call (at the latest ``flush_ms`` after the
+    oldest waiting entry; at once for a job's first entry, final entries and errors). The script
+    checks every job's fence with one HMGET, appends each job's entries and touches a stream's
+    expiry only on its first and its final write.
 
     If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are written,
     in order, once it is back; generation does not stop for a Redis blip. A flush that was sent is
@@ -114,7 +155,7 @@ class StreamWriter:
     def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
                  fence: Fence | None = None, on_fenced: Callable[[str], None] | None = None) -> None:
         self.redis = redis
-        self.flush_s = flush_ms / 1000
+        self.policy = FlushPolicy(max_delay_s=flush_ms / 1000)
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.ttl_live_s = ttl_live_s or ttl_s
@@ -126,7 +167,11 @@ class StreamWriter:
         self._pending: dict[str, _JobBatch] = {}       # not yet sent
         self._inflight: _Flush | None = None           # sent, not yet acknowledged
         self._started: set[str] = set()                # jobs this writer has written to (expiry set)
-        self._urgent = asyncio.Event()
+        self._tokens = 0                               # in _pending: chunk tokens, entries, oldest add
+        self._entries = 0
+        self._since: float | None = None
+        self._urgent = False
+        self._wake = asyncio.Event()                   # the flush loop re-checks the policy
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self.round_trips = 0
@@ -146,33 +191,61 @@ class StreamWriter:
             if not (self._pending or self._inflight) or not await self.flush():
                 break
 
+    def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
+                  n_tokens: int) -> None:
+        """Queue generated text; consecutive chunks of one choice and attempt merge into one entry."""
+        batch = self._batch(job_id)
+        last = batch.entries[-1] if batch.entries else None
+        if isinstance(last, _Chunk) and last.choice == choice and last.attempt == attempt:
+            last.texts.append(text)
+            last.token_ids.extend(token_ids)
+            last.n_tokens = n_tokens
+        else:
+            batch.entries.append(_Chunk(attempt, choice, [text], list(token_ids), n_tokens))
+            self._entries += 1
+        self._tokens += len(token_ids)
+        self._added()
+
     def add(self, job_id: str, entry: StreamEntry) -> None:
-        """Queue an entry; consecutive chunks of one choice and attempt are merged."""
+        """Queue an entry (a chunk merges with the one before it, as :meth:`add_chunk`)."""
+        if entry.kind == EntryKind.CHUNK:
+            self.add_chunk(job_id, attempt=entry.attempt, choice=entry.choice, text=entry.text,
+                           token_ids=entry.token_ids, n_tokens=entry.n_tokens)
+            return
+        batch = self._batch(job_id)
+        batch.entries.append(entry)
+        self._entries += 1
+        if entry.final:
+            batch.ttl = TTL.FINAL
+            self._started.discard(job_id)
+        self._urgent = True                    # a final entry or an error: the reader is waiting for it
+        self._added()
+
+    def _batch(self, job_id: str) -> _JobBatch:
         batch = self._pending.get(job_id)
         if batch is None:
             batch = self._pending[job_id] = _JobBatch()
             if job_id not in self._started:
                 self._started.add(job_id)
                 batch.ttl = TTL.LIVE
-                self._urgent.set()                # the job's first entry: do not make its reader wait
-        last = batch.entries[-1] if batch.entries else None
-        if (entry.kind == EntryKind.CHUNK and last is not None and last.kind == EntryKind.CHUNK
-                and last.choice == entry.choice and last.attempt == entry.attempt):
-            last.text += entry.text
-            last.token_ids.extend(entry.token_ids)
-            last.n_tokens = entry.n_tokens
-            return
-        batch.entries.append(entry.model_copy(deep=True))
-        if entry.final:
-            batch.ttl = TTL.FINAL
-            self._started.discard(job_id)
-            self._urgent.set()
-        elif entry.kind != EntryKind.CHUNK:
-            self._urgent.set()
+                self._urgent = True            # the job's first entry: do not make its reader wait
+        return batch
+
+    def _added(self) -> None:
+        """Wake the flush loop only when the policy's answer may have changed to "now", or to arm
+        its timer for the first entry after a flush: not once per token."""
+        if self._since is None:
+            self._since = time.monotonic()
+            self._wake.set()
+        elif self._urgent or self._tokens >= FlushPolicy.FIXED_COMMANDS + self._entries:
+            self._wake.set()
 
     def drop(self, job_id: str) -> None:
         """Forget a job's unwritten entries (its lease was lost; a flush in flight is fenced off)."""
-        self._pending.pop(job_id, None)
+        batch = self._pending.pop(job_id, None)
+        if batch is not None:
+            self._entries -= len(batch.entries)
+            self._tokens -= sum(len(e.token_ids) for e in batch.entries if isinstance(e, _Chunk))
         self._started.discard(job_id)
 
     async def write_all(self, job_id: str) -> None:
@@ -190,6 +263,9 @@ class StreamWriter:
                     return True
                 self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", list(self._pending.items()))
                 self._pending = {}
+                self._tokens = self._entries = 0
+                self._since = None
+                self._urgent = False
             sent = self._inflight
             try:
                 written = await self._script(keys=self._keys(sent), args=self._args(sent))
@@ -202,8 +278,7 @@ class StreamWriter:
                 if ok == "1":
                     self.entries_written += len(batch.entries)
                     continue
-                self._pending.pop(job_id, None)
-                self._started.discard(job_id)
+                self.drop(job_id)
                 log.warning("job %s: no longer this worker's; abandoning it", job_id)
                 if self.on_fenced is not None:
                     self.on_fenced(job_id)
@@ -219,42 +294,31 @@ class StreamWriter:
         for job_id, batch in sent.jobs:
             args += [job_id, int(batch.ttl), len(batch.entries)]
             for entry in batch.entries:
-                fields = encode_entry(entry)
+                fields = entry.fields() if isinstance(entry, _Chunk) else encode_entry(entry)
                 args.append(2 * len(fields))
                 for name, value in fields.items():
                     args += [name, value]
         return args
 
     async def _flush_loop(self) -> None:
-        """Every ``flush_s``, or at once for a first or final entry; back off while Redis is down."""
-        backoff = self.flush_s
+        """Sleeps while nothing waits; flushes when the policy says so; backs off while Redis is down."""
+        backoff = 0.0
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(backoff):
-                    await self._urgent.wait()
-            self._urgent.clear()
+            if backoff:
+                await asyncio.sleep(backoff)
+            elif self._inflight is None and not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            else:
+                delay = self.policy.due_in(waited_s=time.monotonic() - (self._since or time.monotonic()),
+                                           tokens=self._tokens, entries=self._entries,
+                                           urgent=self._urgent or self._inflight is not None)
+                if delay > 0:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await self._wake.wait()
+                    continue
             ok = await self.flush()
-            backoff = self.flush_s if ok else min(max(backoff * 2, 0.1), 2.0)
-
-
-async def read_stream(redis: Redis, job_id: str, *, last_id: str = "0-0", block_ms: int = 1000,
-                      idle_check: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEntry]:
-    """Yield the job's entries after ``last_id`` until its final entry.
-
-    ``idle_check`` is awaited whenever nothing arrives for ``block_ms``; returning True ends the
-    iteration (e.g. the job is gone and will never write again).
-    """
-    key = stream_key(job_id)
-    while True:
-        response = await redis.xread({key: last_id}, count=512, block=block_ms)
-        if not response:
-            if idle_check is not None and await idle_check():
-                return
-            continue
-        for _key, entries in response:
-            for entry_id, raw in entries:
-                entry = decode_entry(entry_id, raw)
-                last_id = entry.id
-                yield entry
-                if entry.final:
-                    return
+            backoff = 0.0 if ok else min(max(backoff * 2, 0.1), 2.0)

@@ -67,9 +67,9 @@ async def wait_for_lines(path: Path, at_least: int, proc: asyncio.subprocess.Pro
 
 
 async def leftover_keys(client) -> list[bytes]:
-    """Results and streams left in Redis."""
+    """Results and streams left in Redis (each worker's one flush mark is not a job's)."""
     return [k async for k in client.redis.scan_iter(match="arq:result:*")] + \
-        [k async for k in client.redis.scan_iter(match="slotq:stream*")]
+        [k async for k in client.redis.scan_iter(match="slotq:stream:*")]
 
 
 def fleet(names: tuple[str, ...], redis_url: str, model: Path, cwd: Path, **env: Any) -> list[WorkerProcess]:
@@ -247,7 +247,10 @@ async def test_interactive_job_starts_before_queued_bulk_jobs(client, redis_url,
     assert summary.all_succeeded and summary.succeeded == 40
     order = [job_id for job_id, _ in starts(procs)]           # one worker: its log is the claim order
     position = order.index(job.id)
-    assert all(order.index(b) > position for b in waiting_bulk), (position, order)
+    # Jobs claimed by one claim call (both slots freed by the same step) log their start in either
+    # order, so one bulk job claimed beside the interactive job may log first; no more than that.
+    logged_first = [b for b in waiting_bulk if order.index(b) < position]
+    assert len(logged_first) <= 1, (position, order)
     # within one slot turnover: at most the 2 slots' worth of bulk jobs, claimed as it arrived, went first
     overtaken = [j for j in order[:position] if j.encode() in waiting_before]
     assert len(overtaken) <= 2, overtaken
