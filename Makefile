@@ -63,9 +63,11 @@ test-fast: $(STAMP)
 
 ## bench: the benchmarks, tables written to bench/results/
 bench: $(STAMP)
+	$(PIP) install --quiet -e '.[test,bench]'
 	$(VENV)/bin/slotq bench engine
 	$(VENV)/bin/slotq bench queue
 	$(VENV)/bin/slotq bench prefix
 	$(VENV)/bin/slotq bench gateway
 	$(VENV)/bin/slotq bench fleet
 	$(VENV)/bin/slotq bench bulk
+	$(VENV)/bin/slotq bench peers

@@ -49,7 +49,7 @@ from jobs.client import SlotqClient
 from jobs.redis_server import EmbeddedRedis
 from jobs.schemas import JobRequest
 from jobs.settings import ClientSettings
-from jobs.stream import read_stream
+from jobs.stream_reader import StreamReader
 from jobs.watch import ChildProcess, run_watched
 
 QUEUE = "slotq:queue"
@@ -154,13 +154,14 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
     client_cls = BaselineClient if design == "baseline" else SlotqClient
     producers = [await client_cls.connect(url, client_settings) for _ in range(PRODUCERS)]
     stream_redis = Redis.from_url(url)
+    reader = StreamReader(stream_redis)      # every followed stream on one XREAD, as SlotqClient does
     stats_redis = Redis.from_url(url)
     pids = [h.proc.pid for h in hosts] + [os.getpid()]
     jobs: dict[str, Enqueued] = {}
     reader_tasks: set[asyncio.Task[None]] = set()
     try:
         await _wait_ready(producers[0], records, workers)
-        producing = asyncio.create_task(_produce(producers, stream_redis, rate, settings, jobs, reader_tasks))
+        producing = asyncio.create_task(_produce(producers, reader, rate, settings, jobs, reader_tasks))
         # until the jobs enqueued first have finished: the number running is then steady
         await _sleep_polling(max(plan.warmup_s, settings.job_seconds + 2), records)
         lag = LagProbe()
@@ -191,6 +192,7 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
         await asyncio.gather(*leftovers, return_exceptions=True)
         for p in producers:
             await p.close()
+        await reader.close()
         await stream_redis.aclose()
         await stats_redis.aclose()
 
@@ -216,7 +218,7 @@ async def _sleep_polling(seconds: float, records: list[RecordReader]) -> None:
             r.poll()
 
 
-async def _produce(producers: list[SlotqClient], stream_redis: Redis, rate: float, settings: FleetSettings,
+async def _produce(producers: list[SlotqClient], reader: StreamReader, rate: float, settings: FleetSettings,
                    jobs: dict[str, Enqueued], reader_tasks: set[asyncio.Task[None]]) -> None:
     """Poisson arrivals at ``rate``; each enqueue is its own task, so a slow reply never slows the rate."""
     rng = random.Random(13)
@@ -230,15 +232,15 @@ async def _produce(producers: list[SlotqClient], stream_redis: Redis, rate: floa
         task = asyncio.create_task(producers[i % len(producers)].enqueue(request))
         jobs[job_id] = Enqueued(time.time() * 1000, task)
         if i % READ_EVERY == 0:
-            reader = asyncio.create_task(_follow(stream_redis, job_id))
+            reader = asyncio.create_task(_follow(reader, job_id))
             reader_tasks.add(reader)
             reader.add_done_callback(reader_tasks.discard)
         i += 1
 
 
-async def _follow(redis: Redis, job_id: str) -> None:
-    """A stream reader: every entry until the final one (the same XREAD loop SlotqClient.stream uses)."""
-    async for _entry in read_stream(redis, job_id, block_ms=5000):
+async def _follow(reader: StreamReader, job_id: str) -> None:
+    """A stream reader: every entry until the final one (SlotqClient.stream's shared XREAD)."""
+    async for _entry in reader.follow(job_id, idle_ms=5000):
         pass
 
 

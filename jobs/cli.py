@@ -360,8 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse), "
                          "gateway (HTTP overhead), fleet (the claim path at 100 to 10,000 simulated slots), "
-                         "bulk (bulk runs beside interactive jobs)", None)
-    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "fleet", "bulk"])
+                         "bulk (bulk runs beside interactive jobs), peers (slotq beside llama-server and "
+                         "llama-cpp-python's server)", None)
+    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "fleet", "bulk", "peers"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
     p.set_defaults(func=cmd_bench)
