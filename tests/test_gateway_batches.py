@@ -67,9 +67,9 @@ def sdk(url: str) -> OpenAI:
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def batch_line(i: int, max_tokens: int = 4, **body: Any) -> dict[str, Any]:
+def batch_line(i: int, max_tokens: int = 4, model: str = MODEL, **body: Any) -> dict[str, Any]:
     return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"question {i}"}],
+            "body": {"model": model, "messages": [{"role": "user", "content": f"question {i}"}],
                      "max_tokens": max_tokens, "temperature": 0, **body}}
 
 
@@ -131,6 +131,10 @@ def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayP
     assert errors[3]["custom_id"] is None and errors[3]["error"]["code"] == "invalid_json"
     assert errors[7]["custom_id"] == "req-99" and "body.temperature" in errors[7]["error"]["message"]
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    assert file_id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.delete(file_id).deleted                       # the batch is finished: its input may go
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file_id)
 
 
 def test_bad_requests_name_the_parameter(gateway: GatewayProcess, tmp_path: Path) -> None:
@@ -151,6 +155,13 @@ def test_bad_requests_name_the_parameter(gateway: GatewayProcess, tmp_path: Path
     with pytest.raises(openai.NotFoundError) as exc:
         client.batches.retrieve("batch_nope")
     assert exc.value.body["param"] == "batch_id"
+    path.write_text(json.dumps(batch_line(1, model="no-such-model")) + "\n")
+    with open(path, "rb") as f:
+        unknown = client.files.create(file=f, purpose="batch").id
+    batch = client.batches.create(input_file_id=unknown, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = wait_batch(client, batch.id, lambda b: b.status != "validating", timeout=60)
+    assert failed.status == "failed" and failed.failed_at
+    assert [(e.code, e.param, e.line) for e in failed.errors.data] == [("model_not_found", "body.model", 1)]
     response = httpx.post(f"{gateway.url}/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
                                                              "completion_window": "1h"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "completion_window"
@@ -197,6 +208,8 @@ def test_cancel_goes_cancelling_then_cancelled(stack: Stack, gateway: GatewayPro
     file_id = upload(client, tmp_path, [batch_line(i, max_tokens=48) for i in range(1, n + 1)])
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_batch(client, batch.id, lambda b: b.request_counts and b.request_counts.completed >= 2)
+    with pytest.raises(openai.ConflictError):
+        client.files.delete(file_id)                                  # a running batch reads it
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     done = wait_batch(client, batch.id, lambda b: b.status != "cancelling", timeout=60)

@@ -223,8 +223,8 @@ class _BatchRun:
                         log.info("batch %s: %s; cancelling its lines in flight", batch.id, self.ending)
                         await bulk.cancel()
             except (RedisError, OSError) as exc:
-                if time.monotonic() - renewed > self.driver.lease_s:
-                    self._lose(f"Redis unreachable for a whole lease ({type(exc).__name__})")
+                if time.monotonic() - renewed > self.driver.lease_s * 2 / 3:     # stop before another may start
+                    self._lose(f"Redis unreachable for most of a lease ({type(exc).__name__})")
                     return
 
     def _lose(self, why: str) -> None:
