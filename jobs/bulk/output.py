@@ -43,7 +43,7 @@ def encode(record: dict[str, Any]) -> bytes:
 
 
 class ResultSink(Protocol):
-    """What a bulk run writes to: files here; the gateway's Batch API keeps its output in Redis."""
+    """What a bulk run writes to (:class:`OutputFiles`, for ``slotq bulk`` and the gateway's Batch API alike)."""
 
     recent_job_ids: list[str]     # set by open(): jobs whose output an earlier run wrote last
 

@@ -37,6 +37,7 @@ from engine import ErrorInfo
 from jobs.bulk import identity
 from jobs.bulk.formats import (BulkLine, LineError, LineFormat, error_record, failure_of, output_record, parse_line,
                                raw_key)
+from jobs.bulk.openai_batch import Endpoint
 from jobs.bulk.output import ResultSink
 from jobs.bulk.source import InputScan, LineSource
 from jobs.client import SlotqClient
@@ -60,6 +61,11 @@ class BulkOptions(BaseModel):
     lane: str = Field("bulk", pattern=LANE_RE.pattern, description="the queue lane the lines go to (SLOTQ_LANES)")
     poll_s: float = Field(0.05, gt=0, le=10, description="how often finished jobs are collected")
     commit_s: float = Field(0.5, gt=0, le=60, description="how often written lines are fsynced and removed from Redis")
+    endpoint: Endpoint | None = Field(None, description=(
+        "accept only OpenAI Batch lines to this endpoint (the gateway's Batch API: a batch has one endpoint)"))
+    model: str | None = Field(None, description=(
+        "accept only OpenAI Batch lines whose body names this model (the gateway's Batch API: a batch runs on the "
+        "queue of one model)"))
 
 
 class BulkSummary(BaseModel):
@@ -199,6 +205,7 @@ class BulkRun:
                 continue
             try:
                 line = parse_line(raw, number, lane=self.options.lane)
+                self._check_expected(line)
                 self._check_unique(scan, line)
             except LineError as exc:
                 self._reject(number, exc.error, exc.format, exc.key)
@@ -216,6 +223,16 @@ class BulkRun:
                 self._window.release()
                 self._reject(number, ErrorInfo(code="rejected", message=str(exc), retryable=False), line.format,
                              line.key)
+
+    def _check_expected(self, line: BulkLine) -> None:
+        endpoint, model = self.options.endpoint, self.options.model
+        if endpoint is not None and line.endpoint != endpoint:
+            got = f"url {line.endpoint.value!r}" if line.endpoint else "a slotq request"
+            raise LineError("invalid_request", f"url: this batch runs {endpoint.value} lines (got {got})",
+                            format=line.format, key=line.key)
+        if model is not None and line.model != model:
+            raise LineError("invalid_request", f"body.model: this batch runs model {model!r} (got {line.model!r}); "
+                            "one batch, one model", format=line.format, key=line.key)
 
     @staticmethod
     def _check_unique(scan: InputScan, line: BulkLine) -> None:
@@ -239,6 +256,8 @@ class BulkRun:
         self._inflight[job_id] = _InFlight(line, job_id)
 
     def _reject(self, number: int, error: ErrorInfo, format: LineFormat, key: str | None) -> None:
+        if self.options.endpoint is not None:      # a Batch API run: every error record in OpenAI's shape
+            format = LineFormat.OPENAI
         self._rejected.append(error_record(number, error, format=format, key=key, job_id=None))
         self._counts["failed"] += 1
         if self.observer:

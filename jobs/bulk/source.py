@@ -55,7 +55,7 @@ class InputScan:
 
 
 class LineSource(Protocol):
-    """What a bulk run reads: a file here; the gateway's Batch API reads a file held in Redis."""
+    """What a bulk run reads (an :class:`InputFile`, for ``slotq bulk`` and the gateway's Batch API alike)."""
 
     async def scan(self, key_of: Callable[[bytes], str | None]) -> InputScan: ...
 

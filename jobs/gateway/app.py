@@ -1,4 +1,4 @@
-"""The gateway's ASGI app: OpenAI's API, background jobs, health, metrics and the dashboard."""
+"""The gateway's ASGI app: OpenAI's API (Batch API included), background jobs, health, metrics and the dashboard."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
 from jobs.client import SlotqClient
-from jobs.gateway import errors, routes_jobs, routes_openai, routes_ops
+from jobs.gateway import errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
+from jobs.gateway.batch_driver import BatchDriver
+from jobs.gateway.batches import BatchStore
+from jobs.gateway.files import FileStore
 from jobs.gateway.metrics import MetricsMiddleware
 from jobs.gateway.service import Gateway
 from jobs.gateway.settings import GatewaySettings
@@ -22,16 +25,23 @@ STATIC_DIR = Path(__file__).parent / "static"
 def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.gateway = Gateway(await SlotqClient.connect(redis_url, settings), settings)
+        app.state.gateway = gateway = Gateway(await SlotqClient.connect(redis_url, settings), settings)
+        app.state.files = FileStore(gateway.client.redis, settings.files_dir,
+                                    max_bytes=settings.gateway_max_file_mb << 20)
+        app.state.batches = BatchStore(gateway.client.redis, lease_s=settings.gateway_batch_lease_s)
+        app.state.batch_driver = driver = BatchDriver(gateway, app.state.batches, app.state.files)
+        driver.start()
         try:
             yield
         finally:
-            await app.state.gateway.close()
+            await driver.close()
+            await gateway.close()
 
     app = FastAPI(title="slotq gateway", summary="OpenAI-compatible API on a durable llama.cpp job queue",
                   lifespan=lifespan, docs_url="/docs", redoc_url=None)
     errors.install(app)
-    for router in (routes_openai.router, routes_jobs.router, routes_ops.router, routes_ops.api):
+    for router in (routes_openai.router, routes_jobs.router, routes_files.router, routes_batches.router,
+                   routes_ops.router, routes_ops.api):
         app.include_router(router)
     app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
     if settings.cors_origins:

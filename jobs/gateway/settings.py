@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator
@@ -26,6 +27,17 @@ class GatewaySettings(ClientSettings):
     gateway_routing_ttl_s: float = Field(1.0, gt=0, le=60, description="how long the model -> queue map from heartbeats is reused")
     gateway_model_memory_s: int = Field(
         86_400, ge=0, description="a model seen this recently but with no live worker is a 503, not a 404")
+    gateway_files_dir: Path | None = Field(
+        None, description="where uploaded files and batch outputs are kept (a volume every replica shares); "
+                          "unset = <SLOTQ_DATA_DIR>/gateway-files")
+    gateway_max_file_mb: int = Field(200, ge=1, description="largest file POST /v1/files accepts (OpenAI's batch limit)")
+    gateway_batch_lease_s: float = Field(
+        30.0, ge=1, le=3600, description="a batch whose gateway stopped renewing its lease this long is resumed by another")
+    gateway_batch_window: int = Field(256, ge=1, le=100_000, description="lines of one batch in Redis at once")
+
+    @property
+    def files_dir(self) -> Path:
+        return self.gateway_files_dir or self.data_dir / "gateway-files"
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -1,0 +1,231 @@
+"""Batch API state in Redis: the batch objects, the index for listing, and the per-batch lease.
+
+A batch is a hash (one JSON value per field of OpenAI's batch object, plus the queue it runs on),
+so that the driver's progress writes and a cancel from any replica touch different fields and never
+overwrite each other. Status changes go through one script that checks the current status first
+(``transition``): a batch being cancelled cannot be marked completed by a driver that had not
+noticed yet, and the other way round.
+
+The lease (``slotq:gateway:batch-lease:{id}``, a token with a TTL) says which gateway drives a
+batch; the driver renews it while it runs (:mod:`jobs.gateway.batch_driver`). Batches not yet
+finished are also in a set, which every gateway scans for batches whose lease has expired.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from redis.asyncio import Redis
+
+from jobs.bulk.openai_batch import Endpoint
+from jobs.gateway.errors import ApiError
+
+BATCHES_INDEX_KEY = "slotq:gateway:batches"            # zset: batch id -> created (ms)
+ACTIVE_BATCHES_KEY = "slotq:gateway:batches:active"    # set: batches not finished yet
+COMPLETION_WINDOW_S = 24 * 3600
+
+BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                      "cancelled"]
+FINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
+
+
+def batch_key(batch_id: str) -> str:
+    return f"slotq:gateway:batch:{{{batch_id}}}"
+
+
+def lease_key(batch_id: str) -> str:
+    return f"slotq:gateway:batch-lease:{{{batch_id}}}"
+
+
+def output_file_id(batch_id: str) -> str:
+    return f"file-{batch_id.removeprefix('batch_')}-output"
+
+
+def error_file_id(batch_id: str) -> str:
+    return f"file-{batch_id.removeprefix('batch_')}-errors"
+
+
+class CreateBatch(BaseModel):
+    """The body of ``POST /v1/batches``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1)
+    endpoint: Endpoint
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_sizes(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, item in (value or {}).items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError(f"key {key[:70]!r}: keys are at most 64 characters, values at most 512")
+        return value
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class Batch(BaseModel):
+    """OpenAI's batch object (``queue``, slotq's own, is kept in Redis but not sent)."""
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: Endpoint
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str = "24h"
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+    queue: str | None = Field(None, exclude=True)
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+def _encode(fields: dict[str, Any]) -> dict[str, str]:
+    return {name: json.dumps(value.model_dump(mode="json") if isinstance(value, BaseModel) else value)
+            for name, value in fields.items()}
+
+
+# KEYS[1] the batch; ARGV[1] n, ARGV[2..n+1] the statuses (JSON) it may leave, then field, value, ...
+_TRANSITION = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return -1 end
+local n = tonumber(ARGV[1])
+for i = 2, n + 1 do
+  if ARGV[i] == current then
+    redis.call('HSET', KEYS[1], unpack(ARGV, n + 2))
+    return 1
+  end
+end
+return 0
+"""
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class BatchStore:
+    def __init__(self, redis: Redis, *, lease_s: float) -> None:
+        self.redis = redis
+        self.lease_ms = int(lease_s * 1000)
+        self._transition = redis.register_script(_TRANSITION)
+        self._renew = redis.register_script(_RENEW)
+        self._release = redis.register_script(_RELEASE)
+
+    # ------------------------------------------------------------------ the objects
+    async def create(self, request: CreateBatch) -> Batch:
+        now = int(time.time())
+        batch = Batch(id="batch_" + secrets.token_hex(12), endpoint=request.endpoint, input_file_id=request.input_file_id,
+                      status="validating", created_at=now, expires_at=now + COMPLETION_WINDOW_S,
+                      metadata=request.metadata)
+        fields = {name: getattr(batch, name) for name in Batch.model_fields}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(batch_key(batch.id), mapping=_encode(fields))
+            pipe.zadd(BATCHES_INDEX_KEY, {batch.id: now * 1000})
+            pipe.sadd(ACTIVE_BATCHES_KEY, batch.id)
+            await pipe.execute()
+        return batch
+
+    async def find(self, batch_id: str) -> Batch | None:
+        raw = await self.redis.hgetall(batch_key(batch_id))
+        if not raw:
+            return None
+        return Batch.model_validate({k.decode(): json.loads(v) for k, v in raw.items()})
+
+    async def get(self, batch_id: str) -> Batch:
+        batch = await self.find(batch_id)
+        if batch is None:
+            raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
+        return batch
+
+    async def status(self, batch_id: str) -> BatchStatus | None:
+        raw = await self.redis.hget(batch_key(batch_id), "status")
+        return json.loads(raw) if raw else None
+
+    async def list(self, *, limit: int, after: str | None) -> BatchList:
+        """Newest first, after the batch ``after``."""
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(BATCHES_INDEX_KEY, after)
+            if rank is None:
+                raise ApiError.invalid(f"after: no batch {after!r}", "after")
+            start = rank + 1
+        ids = await self.redis.zrange(BATCHES_INDEX_KEY, start, start + limit, desc=True)
+        found = [b for b in [await self.find(i.decode()) for i in ids] if b is not None]
+        data = found[:limit]
+        return BatchList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                         has_more=len(ids) > limit)
+
+    async def update(self, batch_id: str, **fields: Any) -> None:
+        """Fields only the batch's driver writes (progress, model, queue)."""
+        await self.redis.hset(batch_key(batch_id), mapping=_encode(fields))
+
+    async def transition(self, batch_id: str, leaving: set[str], status: BatchStatus, **fields: Any) -> bool:
+        """Set ``status`` (and ``<status>_at`` and ``fields``) if the batch's status is one of ``leaving``."""
+        fields = {"status": status, f"{status}_at": int(time.time()), **fields}
+        args = [len(leaving), *(json.dumps(s) for s in leaving)]
+        for name, value in _encode(fields).items():
+            args += [name, value]
+        return await self._transition(keys=[batch_key(batch_id)], args=args) == 1
+
+    # ------------------------------------------------------------------ who drives it
+    async def active_ids(self) -> list[str]:
+        return sorted(i.decode() for i in await self.redis.smembers(ACTIVE_BATCHES_KEY))
+
+    async def retire(self, batch_id: str) -> None:
+        """The batch is finished: no gateway needs to look at it again."""
+        await self.redis.srem(ACTIVE_BATCHES_KEY, batch_id)
+
+    async def acquire(self, batch_id: str, token: str) -> bool:
+        return bool(await self.redis.set(lease_key(batch_id), token, px=self.lease_ms, nx=True))
+
+    async def renew(self, batch_id: str, token: str) -> bool:
+        return await self._renew(keys=[lease_key(batch_id)], args=[token, self.lease_ms]) == 1
+
+    async def release(self, batch_id: str, token: str) -> None:
+        await self._release(keys=[lease_key(batch_id)], args=[token])

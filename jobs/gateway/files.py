@@ -1,0 +1,162 @@
+"""Files for the Batch API: metadata in Redis, contents in a directory every replica shares.
+
+Contents are not put in Redis: a batch input of 100,000 lines is hundreds of megabytes, and a Redis
+that fills up (``noeviction``) stops the whole fleet. A directory (``SLOTQ_GATEWAY_FILES_DIR``, a
+volume shared by the replicas) holds them instead, and the bulk runner reads and appends them in
+place, as ``slotq bulk`` does with local files. Redis holds a small record per file (what
+``GET /v1/files/{id}`` returns) and an index by creation for listing, so any replica can answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import IO, Literal
+
+from pydantic import BaseModel
+from redis.asyncio import Redis
+
+from jobs.gateway.errors import ApiError
+
+FILES_INDEX_KEY = "slotq:gateway:files"        # zset: file id -> created (ms)
+
+FILE_ID_RE = re.compile(r"file-[0-9A-Za-z_-]{1,100}")
+
+Purpose = Literal["batch", "batch_output"]
+
+
+def file_key(file_id: str) -> str:
+    return f"slotq:gateway:file:{{{file_id}}}"
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+class FileObject(BaseModel):
+    """OpenAI's file object."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Purpose
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class FileStore:
+    def __init__(self, redis: Redis, directory: Path, *, max_bytes: int) -> None:
+        self.redis = redis
+        self.directory = directory
+        self.max_bytes = max_bytes
+
+    def path(self, file_id: str) -> Path:
+        if not FILE_ID_RE.fullmatch(file_id):           # never a path outside the directory
+            raise ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+        return self.directory / file_id
+
+    def size(self, file_id: str) -> int:
+        """Bytes in the file's contents; 0 when there are none."""
+        try:
+            return self.path(file_id).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    async def upload(self, source: IO[bytes], filename: str, purpose: Purpose) -> FileObject:
+        """Copy an upload into the directory (refusing it past ``max_bytes``) and record it."""
+        file_id = new_file_id()
+        size = await asyncio.to_thread(self._copy, source, file_id)
+        return await self.register(file_id, filename, purpose, size)
+
+    def _copy(self, source: IO[bytes], file_id: str) -> int:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        partial = self.directory / f".upload-{file_id}"
+        size = 0
+        try:
+            with open(partial, "wb") as out:
+                while chunk := source.read(1 << 20):
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise ApiError.invalid(f"file: larger than the limit of {self.max_bytes // (1 << 20)} MB "
+                                               "(SLOTQ_GATEWAY_MAX_FILE_MB)", "file", code="file_too_large")
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            partial.rename(self.path(file_id))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
+        return size
+
+    async def register(self, file_id: str, filename: str, purpose: Purpose, size: int | None = None) -> FileObject:
+        """Record a file already in the directory (an upload, or a batch's output)."""
+        if size is None:
+            size = self.path(file_id).stat().st_size
+        now = time.time()
+        obj = FileObject(id=file_id, bytes=size, created_at=int(now), filename=filename, purpose=purpose)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(file_key(file_id), obj.model_dump_json())
+            pipe.zadd(FILES_INDEX_KEY, {file_id: int(now * 1000)})
+            await pipe.execute()
+        return obj
+
+    async def get(self, file_id: str) -> FileObject:
+        raw = await self.redis.get(file_key(file_id))
+        if raw is None:
+            raise ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+        return FileObject.model_validate_json(raw)
+
+    async def list(self, *, purpose: str | None, limit: int, after: str | None, order: str) -> FileList:
+        """Newest first (``order=desc``, OpenAI's default) or oldest first, after the file ``after``."""
+        start = 0
+        if after is not None:
+            rank = await (self.redis.zrevrank if order == "desc" else self.redis.zrank)(FILES_INDEX_KEY, after)
+            if rank is None:
+                raise ApiError.invalid(f"after: no file {after!r}", "after")
+            start = rank + 1
+        found: list[FileObject] = []
+        page = max(limit, 100)
+        while len(found) <= limit:
+            ids = await self.redis.zrange(FILES_INDEX_KEY, start, start + page - 1, desc=order == "desc")
+            if not ids:
+                break
+            start += len(ids)
+            for raw in await self.redis.mget([file_key(i.decode()) for i in ids]):
+                if raw is not None:
+                    obj = FileObject.model_validate_json(raw)
+                    if purpose is None or obj.purpose == purpose:
+                        found.append(obj)
+        data = found[:limit]
+        return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                        has_more=len(found) > limit)
+
+    async def delete(self, file_id: str) -> FileDeleted:
+        await self.get(file_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(file_key(file_id))
+            pipe.zrem(FILES_INDEX_KEY, file_id)
+            await pipe.execute()
+        await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
+        return FileDeleted(id=file_id)
