@@ -5,6 +5,13 @@ through Redis to a ``slotq worker`` subprocess with the same settings (the clien
 job's stream). Reported: aggregate tokens/s and its ratio, time to first token p50/p95 of both
 paths and the difference, and Redis round trips per generated token as the server counts them
 (requests received from every client: the worker, the producers and the stream readers).
+
+Added TTFT is also given in decode steps (a step at concurrency C lasts C / engine tokens/s). A
+request that arrives mid-step waits for that step to end before it joins the batch -- half a step
+on average -- on both paths alike, so that wait is inside both TTFTs and not in their difference:
+the added TTFT is the queue's own cost (enqueue, the worker's wake-up and claim, the first stream
+write and the reader's wake-up), and a difference below one step means a queued job usually joins
+the same step the in-process request would have.
 """
 
 from __future__ import annotations
@@ -148,18 +155,28 @@ def _row(path: str, c: int, tps: float, ttfts: list[float]) -> dict[str, Any]:
             "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1), "ttft_p95_ms": round(percentile(ttfts, 95) * 1000, 1)}
 
 
+def decode_step_ms(concurrency: int, engine_tokens_per_s: float) -> float:
+    """One decode step of the in-process engine at this concurrency: each step gives every one of
+    the ``concurrency`` busy slots one token (prefills aside), so a step lasts C / tokens-per-s."""
+    return 1000 * concurrency / engine_tokens_per_s
+
+
 def _table(results: list[dict[str, Any]], concurrency: list[int], reads_per_token: float,
            commands_per_token: float) -> str:
     by = {(r["path"], r["concurrency"]): r for r in results}
     rows = []
     for c in concurrency:
         e, q = by[("engine", c)], by[("queue", c)]
+        step_ms = decode_step_ms(c, e["tokens_per_s"])
+        added = q['ttft_p50_ms'] - e['ttft_p50_ms']
         rows.append([str(c), f"{e['tokens_per_s']:.1f}", f"{q['tokens_per_s']:.1f}",
                      f"{q['tokens_per_s'] / e['tokens_per_s']:.3f}",
                      f"{e['ttft_p50_ms']:.1f} / {e['ttft_p95_ms']:.1f}", f"{q['ttft_p50_ms']:.1f} / {q['ttft_p95_ms']:.1f}",
-                     f"{q['ttft_p50_ms'] - e['ttft_p50_ms']:+.1f} / {q['ttft_p95_ms'] - e['ttft_p95_ms']:+.1f}"])
+                     f"{added:+.1f} / {q['ttft_p95_ms'] - e['ttft_p95_ms']:+.1f}", f"{step_ms:.1f}",
+                     f"{added / step_ms:+.2f}"])
     table = markdown_table(["concurrency", "engine tok/s", "queue tok/s", "queue / engine",
-                            "engine TTFT p50/p95 ms", "queue TTFT p50/p95 ms", "added TTFT p50/p95 ms"], rows)
+                            "engine TTFT p50/p95 ms", "queue TTFT p50/p95 ms", "added TTFT p50/p95 ms",
+                            "decode step ms", "added TTFT p50 in steps"], rows)
     return table + (f"\n\nRedis round trips per generated token (requests received by the server, all clients: "
                     f"worker, producers and stream readers): {reads_per_token:.2f}; commands per token, counting "
                     f"those inside Lua scripts: {commands_per_token:.2f}")
