@@ -277,9 +277,10 @@ def _own_peak_rss_mb() -> float:
 async def _at_concurrency(fleet: Fleet, url: str, c: int, rounds: int, quick: bool, raw: IsolatedProcess,
                           measured: dict[tuple[str, int], Measured]) -> None:
     per_client = max(2, 8 // c) if not quick else 1
-    # idle connections are dropped after 2 s, before a server's own keep-alive timeout (llama-server's
-    # is 5 s) can close one under a request that reuses it
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0)
+    # A new connection per request, for every HTTP system alike (a local connect costs well under a
+    # millisecond): llama-server's HTTP library closes a kept-alive connection after a few requests,
+    # and a request sent on it just then gets "Server disconnected without sending a response".
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     clients = [await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=q)) for q in ("peers", "peers-static")]
     https = {system: httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits)
              for system, port in [("slotq-gateway", fleet.gateway_port), *fleet.ports.items()]}
