@@ -40,13 +40,14 @@ from bench import llama_server
 from bench.engine_bench import raw_ceiling, raw_process
 from bench.isolated import IsolatedProcess
 from bench.peers_report import plot, table
+from bench.queue_bench import timed_job
 from bench.report import TOPICS, percentile, progress, write_results
 from engine import EngineConfig, bundled_model_path
 from engine.config import CpuRepack
 from engine.cpu_features import decide_repack, this_cpu_flags
 from jobs.client import SlotqClient
 from jobs.redis_server import EmbeddedRedis
-from jobs.schemas import EntryKind, JobRequest
+from jobs.schemas import JobRequest
 from jobs.settings import ClientSettings
 from jobs.watch import ChildProcess, run_watched
 
@@ -123,14 +124,8 @@ def http_completion(http: httpx.AsyncClient, model: str, extra: dict[str, Any] |
 def slotq_completion(client: SlotqClient) -> OneRequest:
     async def one(i: int) -> Sample:
         started = time.perf_counter()
-        first, tokens = None, 0
-        job = await client.enqueue(JobRequest(prompt=peer_prompt(i), max_tokens=MAX_TOKENS, ignore_eos=True,
-                                              sampling={"temperature": 0}))
-        async for entry in job.stream():
-            if entry.kind == EntryKind.CHUNK and first is None:
-                first = time.perf_counter() - started
-            elif entry.kind == EntryKind.DONE and entry.usage:
-                tokens = entry.usage.completion_tokens
+        first, tokens = await timed_job(client, JobRequest(prompt=peer_prompt(i), max_tokens=MAX_TOKENS,
+                                                           ignore_eos=True, sampling={"temperature": 0}), started)
         return Sample(first if first is not None else float("nan"), time.perf_counter() - started, tokens)
     return one
 

@@ -74,16 +74,23 @@ def _engine_request(engine: Engine, max_tokens: int) -> OneRequest:
     return one
 
 
+async def timed_job(client: SlotqClient, request: JobRequest, started: float) -> tuple[float | None, int]:
+    """Enqueue ``request`` and read its stream to the end: (seconds from ``started`` to the first
+    chunk, None if none came; completion tokens)."""
+    first, tokens = None, 0
+    job = await client.enqueue(request)
+    async for entry in job.stream():
+        if entry.kind == EntryKind.CHUNK and first is None:
+            first = time.perf_counter() - started
+        elif entry.kind == EntryKind.DONE and entry.usage:
+            tokens = entry.usage.completion_tokens
+    return first, tokens
+
+
 def _queue_request(client: SlotqClient, max_tokens: int) -> OneRequest:
     async def one(i: int, started: float) -> tuple[float, int]:
-        first, tokens = None, 0
-        job = await client.enqueue(JobRequest(prompt=distinct_prompt(i), max_tokens=max_tokens, ignore_eos=True,
-                                              sampling={"temperature": 0}))
-        async for entry in job.stream():
-            if entry.kind == EntryKind.CHUNK and first is None:
-                first = time.perf_counter() - started
-            elif entry.kind == EntryKind.DONE and entry.usage:
-                tokens = entry.usage.completion_tokens
+        first, tokens = await timed_job(client, JobRequest(prompt=distinct_prompt(i), max_tokens=max_tokens,
+                                                           ignore_eos=True, sampling={"temperature": 0}), started)
         return first or 0.0, tokens
     return one
 
