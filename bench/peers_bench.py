@@ -13,8 +13,9 @@ Systems (each serves with as many slots as there are concurrent clients, ``C``):
 - ``raw``: the bare ``llama_decode`` loop over C sequences, no sampling, no scheduling: the ceiling.
 
 Workload: C closed-loop clients, each sending its requests back to back; prompts of three
-lengths (about 30, 100 and 300 tokens) that share no prefix, greedy, ``max_tokens`` generated
-exactly (``ignore_eos``). Every HTTP system gets the same client code. Each system runs in its own
+lengths (about 30, 100 and 300 tokens) that share no prefix and are never sent twice, greedy,
+``max_tokens`` generated exactly (``ignore_eos``); every system runs with its own defaults (prompt
+caches on), which unique prompts leave nothing to reuse. Every HTTP system gets the same client code. Each system runs in its own
 processes and is measured in every round, in a rotated order (the machine is shared and noisy);
 tokens/s is the mean of the rounds, TTFT and latency percentiles pool every request. Peak RSS is
 each system's processes' high-water mark (Redis, shared by the slotq systems, not counted).
@@ -86,12 +87,14 @@ class Measured:
     peak_rss_mb: float = 0.0
 
 
-async def closed_loop(one: OneRequest, clients: int, per_client: int) -> tuple[float, list[Sample]]:
+async def closed_loop(one: OneRequest, clients: int, per_client: int, first: int) -> tuple[float, list[Sample]]:
+    """Prompts ``first``, ``first + 1``, ...: every system gets the same ones in a round, and no prompt
+    is ever sent twice (llama-server keeps finished prompts in a RAM cache and would skip their prefill)."""
     samples: list[Sample] = []
 
     async def client(c: int) -> None:
         for r in range(per_client):
-            samples.append(await one(c * per_client + r))
+            samples.append(await one(first + c * per_client + r))
 
     started = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(clients)))
@@ -159,7 +162,7 @@ class Fleet:
         self.children: dict[str, list[ChildProcess]] = {}
         self.ports: dict[str, int] = {}
         base = {**os.environ, "SLOTQ_REDIS_URL": redis_url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(slots),
-                "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS), "SLOTQ_PREFIX_CACHE": "false",
+                "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS),
                 "SLOTQ_CPU_REPACK": "on" if repack else "off", "SLOTQ_LOG_LEVEL": "WARNING",
                 "SLOTQ_ELASTIC": "false"}     # fixed slots, as llama-server's --parallel
         worker = self._child("slotq-redis", "slotq worker", [sys.executable, "-m", "jobs.cli", "worker"],
@@ -296,8 +299,8 @@ async def _at_concurrency(fleet: Fleet, url: str, c: int, rounds: int, quick: bo
             # it has no ignore_eos: the end-of-text token's logit is pushed down instead
             paths["llama-cpp-python-server"] = http_completion(https["llama-cpp-python-server"], "model",
                                                                {"logit_bias": {str(_eos_id(fleet.model)): -100}})
-        for one in paths.values():           # warm-up: one request each, not measured
-            await one(10_000)
+        for n, one in enumerate(paths.values()):           # warm-up: one request each, not measured
+            await one(900_000 + c * 100 + n)
         systems = [s for s in SYSTEMS if s in paths or s == "raw"]
         for r in range(rounds):
             for system in systems[r % len(systems):] + systems[:r % len(systems)]:
@@ -306,7 +309,7 @@ async def _at_concurrency(fleet: Fleet, url: str, c: int, rounds: int, quick: bo
                 if system == "raw":
                     m.rates.append(await asyncio.to_thread(raw.call, raw_ceiling, c, MAX_TOKENS if not quick else 16))
                     continue
-                rate, samples = await closed_loop(paths[system], c, per_client)
+                rate, samples = await closed_loop(paths[system], c, per_client, first=(c * ROUNDS + r) * 1000)
                 m.rates.append(rate)
                 m.samples.extend(samples)
     finally:
