@@ -22,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from engine import (EngineConfig, EngineStats, EngineStopped, ErrorInfo, Event, Finished, FinishReason,
-                    GenerationRequest, InvalidRequest, PromptTooLong, TextDelta, Timings, Usage)
+from engine import (EngineConfig, EngineStats, EngineStopped, ErrorInfo, Finished, FinishReason,
+                    GenerationRequest, InvalidRequest, PromptTooLong, RequestHandle, TextDelta, Timings, Usage)
 from engine.scheduler import SchedulerLimits
 from jobs.engine_api import EngineFactory
 
@@ -49,36 +48,9 @@ class SimulatedModel:
     model_name: str = "simulated"
 
 
-class SimulatedRequest:
-    """Events of one request, as an async iterator (the real engine's ``RequestHandle``)."""
-
-    def __init__(self, engine: SimulatedEngine, request: GenerationRequest) -> None:
-        self.id = request.id
-        self._engine = engine
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._open_choices = request.n
-
-    def cancel(self) -> None:
-        self._engine.cancel(self.id)
-
-    def deliver(self, event: Event) -> None:
-        self._queue.put_nowait(event)
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        try:
-            while self._open_choices:
-                event = await self._queue.get()
-                if isinstance(event, Finished):
-                    self._open_choices -= 1
-                yield event
-        finally:
-            if self._open_choices:
-                self.cancel()
-
-
 @dataclass(eq=False)
 class _Sequence:
-    handle: SimulatedRequest
+    handle: RequestHandle
     request_id: str
     choice: int
     n_prompt: int
@@ -125,7 +97,7 @@ class SimulatedEngine:
         n = max(1, len(text or "") // CHARS_PER_PROMPT_TOKEN)
         return [i % VOCAB for i in range(n)]
 
-    async def submit_async(self, request: GenerationRequest) -> SimulatedRequest:
+    async def submit_async(self, request: GenerationRequest) -> RequestHandle:
         if self._closed:
             raise EngineStopped("the simulated engine is closed")
         if request.n > self.config.slots:
@@ -134,7 +106,7 @@ class SimulatedEngine:
         if n_prompt + request.max_tokens > self.ctx_per_seq:
             raise PromptTooLong(f"prompt is {n_prompt} tokens and max_tokens is {request.max_tokens}; prompt + "
                                 f"max_tokens must be <= {self.ctx_per_seq} (per-sequence context)", field="max_tokens")
-        handle = SimulatedRequest(self, request)
+        handle = RequestHandle(self, request)   # the real engine's handle: events in, cancel out
         now = time.monotonic()
         resumed = len(request.resume_tokens)
         seqs = [_Sequence(handle, request.id, choice, n_prompt, request.max_tokens, resumed, resumed, now)
@@ -191,7 +163,7 @@ class SimulatedEngine:
                 seq.generated = due
                 self._generated += new
                 seq.first_token_at = seq.first_token_at or now
-                seq.handle.deliver(TextDelta(request_id=seq.request_id, choice=seq.choice,
+                seq.handle.sink.deliver(TextDelta(request_id=seq.request_id, choice=seq.choice,
                                              text="".join(WORDS[i % VOCAB] for i in range(first, due)),
                                              token_ids=[i % VOCAB for i in range(first, due)], n_tokens=due))
             if seq.generated >= seq.max_new:
@@ -207,7 +179,7 @@ class SimulatedEngine:
             self._by_request.pop(seq.request_id, None)
         fresh = seq.generated - seq.resumed
         first = seq.first_token_at
-        seq.handle.deliver(Finished(
+        seq.handle.sink.deliver(Finished(
             request_id=seq.request_id, choice=seq.choice, finish_reason=reason, error=error,
             usage=Usage(prompt_tokens=seq.n_prompt, completion_tokens=seq.generated),
             timings=Timings(queue_ms=(seq.admitted_at - seq.submitted_at) * 1000 if seq.admitted_at else 0.0,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from engine.chat import ChatTemplate
 from engine.config import EngineConfig
@@ -35,11 +36,17 @@ from engine.state import EngineState, Lifecycle
 from engine.stats import EngineStats
 
 
+class CancelsRequests(Protocol):
+    def cancel(self, request_id: str) -> None: ...
+
+
 class RequestHandle:
     """Events of one submitted request, as an async iterator. Leaving the iteration early
-    (``break``, an exception, task cancellation) cancels the request so its slot is freed."""
+    (``break``, an exception, task cancellation) cancels the request so its slot is freed.
+    Whoever produces the events calls ``sink.deliver`` on the request's event loop (the engine
+    thread through its outbox; ``bench/sim_engine.py`` directly)."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
+    def __init__(self, engine: CancelsRequests, request: GenerationRequest) -> None:
         self.id = request.id
         self.request = request
         self._engine = engine
