@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from arq.connections import ArqRedis, RedisSettings, create_pool
 from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -183,6 +183,22 @@ class _SentinelSSLConnection(_SentinelConnection, SSLConnection):
     pass
 
 
+class _SentinelPool(SentinelConnectionPool):
+    """Hands out a connection even when it cannot connect it yet.
+
+    redis-py connects a pooled connection in ``get_connection``, outside the command's retry. With
+    one try per connect (above), a command that found its pooled connection dead right after a
+    failover, while the sentinels were still settling on the new primary, failed at once with
+    "No master found". Here such a connection is handed out disconnected: the command's retry
+    connects it, asking the sentinels again on each try with the usual backoff."""
+
+    async def ensure_connection(self, connection) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super().ensure_connection(connection)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            await connection.disconnect()
+
+
 async def _sentinel_pool(settings: RedisSettings, queue_name: str, sentinel_password: str | None) -> ArqRedis:
     """arq's ``create_pool`` for Sentinel, with what arq's own Sentinel path leaves out: the retry
     policy, timeouts and CA file reach the primary's connections, and sentinels get their own
@@ -197,7 +213,7 @@ async def _sentinel_pool(settings: RedisSettings, queue_name: str, sentinel_pass
     attempt = 0
     while True:
         redis: ArqRedis = sentinel.master_for(
-            settings.sentinel_master, redis_class=ArqRedis,
+            settings.sentinel_master, redis_class=ArqRedis, connection_pool_class=_SentinelPool,
             connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection)
         redis.job_serializer = serialize
         redis.job_deserializer = deserialize

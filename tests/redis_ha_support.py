@@ -94,6 +94,23 @@ class SentinelCluster:
             host, port = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
         return host.decode(), int(port)
 
+    def forget_primary(self) -> None:
+        """Every sentinel stops monitoring the service: for a while nobody names a primary, as
+        in the moments of a failover when the sentinels are still settling."""
+        for port in self.sentinel_ports:
+            with sync_redis.Redis(port=port) as sentinel:
+                sentinel.execute_command("SENTINEL", "REMOVE", SERVICE)
+
+    def monitor_primary(self) -> None:
+        for port in self.sentinel_ports:
+            with sync_redis.Redis(port=port) as sentinel:
+                sentinel.execute_command("SENTINEL", "MONITOR", SERVICE, "127.0.0.1", self.primary_port, 2)
+
+    def drop_clients(self) -> None:
+        """The primary closes every normal client connection (pooled connections go stale)."""
+        with sync_redis.Redis(port=self.primary_port) as primary:
+            primary.client_kill_filter(_type="normal", skipme=True)
+
     def kill_primary(self) -> None:
         proc = self.procs["primary"]
         proc.send_signal(signal.SIGKILL)

@@ -62,6 +62,23 @@ def sentinel_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
         cluster.stop()
 
 
+async def test_a_command_waits_while_no_sentinel_names_a_primary(sentinel_cluster: SentinelCluster) -> None:
+    """A pooled connection found dead while the sentinels name no primary (as just after a
+    failover) is reconnected inside the command's retry, not failed at once."""
+    client = await SlotqClient.connect(sentinel_cluster.url, ClientSettings(redis_connect_timeout_s=10))
+    try:
+        await client.redis.set("slotq:test:key", "kept")
+        sentinel_cluster.forget_primary()
+        sentinel_cluster.drop_clients()
+        await asyncio.sleep(0.2)                           # the pooled connection sees the close
+        asyncio.get_running_loop().call_later(1.0, sentinel_cluster.monitor_primary)
+        started = time.monotonic()
+        assert await client.redis.get("slotq:test:key") == b"kept"
+        assert time.monotonic() - started >= 0.9          # it did wait for a primary to be named
+    finally:
+        await client.close()
+
+
 @pytest.mark.fault
 async def test_sentinel_failover_during_a_run_loses_no_job(
         sentinel_cluster: SentinelCluster, tiny_model_path: Path, tmp_path: Path) -> None:
