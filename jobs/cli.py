@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -182,6 +183,19 @@ async def _cancel(args: argparse.Namespace) -> int:
         return 0 if done else EXIT_FAILED
 
 
+def _stop_on_interrupt(stop: Callable[[], None]) -> None:
+    """The first Ctrl-C (or SIGTERM) calls ``stop`` and the command ends cleanly; a second one is
+    a plain KeyboardInterrupt."""
+    loop = asyncio.get_running_loop()
+
+    def first() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        stop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, first)
+
+
 async def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -189,8 +203,10 @@ async def _status(args: argparse.Namespace) -> int:
 
     async with _client(_client_settings(args)) as client:
         if args.watch:
-            await watch(client.queue_info, interval_s=args.interval)     # until Ctrl-C
-            return 0
+            stop = asyncio.Event()
+            _stop_on_interrupt(stop.set)
+            await watch(client.queue_info, interval_s=args.interval, stop=stop)
+            return 130
         info = await client.queue_info()
     if args.json:
         _print_json(info.model_dump(mode="json"))
@@ -230,8 +246,6 @@ async def _dlq(args: argparse.Namespace) -> int:
 
 async def _bulk(args: argparse.Namespace) -> int:
     """Exit code 0: every line has its output; 1: some lines are in the errors file; 130: interrupted."""
-    import signal
-
     from jobs.bulk import BulkOptions, open_bulk
     from jobs.bulk.progress import RichProgress, summary_table
 
@@ -239,14 +253,7 @@ async def _bulk(args: argparse.Namespace) -> int:
     async with _client(_client_settings(args)) as client, open_bulk(
             client, args.input, args.output, errors=args.errors, options=options,
             observer=None if args.quiet or args.json else RichProgress()) as run:
-        loop = asyncio.get_running_loop()
-
-        def stop() -> None:          # the first Ctrl-C leaves cleanly; the second is a plain KeyboardInterrupt
-            run.stop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop)
+        _stop_on_interrupt(run.stop)
         summary = await run.run()
     if args.json:
         _print_json(summary.model_dump(mode="json"))

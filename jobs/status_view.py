@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -51,13 +52,21 @@ def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
 
 
 async def watch(read: Callable[[], Awaitable[QueueInfo]], *, interval_s: float, console: Console | None = None,
-                rounds: int | None = None) -> None:
-    """Redraw the view in place every ``interval_s`` until interrupted (or after ``rounds``)."""
+                rounds: int | None = None, stop: asyncio.Event | None = None) -> None:
+    """Redraw the view in place every ``interval_s`` until ``stop`` is set (or after ``rounds``).
+
+    The command sets ``stop`` from its Ctrl-C handler rather than letting asyncio cancel the
+    loop: a cancellation that lands inside a Redis read's own timeout can be swallowed (Python
+    3.11), which left the view running after Ctrl-C."""
     console = console or Console()
+    stop = stop or asyncio.Event()
     with Live(render(await read(), at=time.time()), console=console, auto_refresh=False,
               redirect_stderr=False) as live:
         done = 1
         while rounds is None or done < rounds:
-            await asyncio.sleep(interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            if stop.is_set():
+                return
             live.update(render(await read(), at=time.time()), refresh=True)
             done += 1
