@@ -108,6 +108,8 @@ class JobRun:
             return await self._dead_letter(ErrorInfo(code="tries_exhausted", retryable=True, message=(
                 f"attempt {self.attempt} exceeds max_tries ({self.settings.max_tries}); "
                 "earlier attempts were lost (worker killed?)")))
+        if self.lease_lost():          # claimed again before this attempt got going
+            raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
         # Read even on attempt 1: a job handed back on shutdown runs again with the same try number.
         delivered = await read_delivered(self.writer, self.job_id)
         if delivered.final is not None:

@@ -68,14 +68,6 @@ def decode_entry(entry_id: bytes | str, raw: dict) -> StreamEntry:
     )
 
 
-@dataclass(frozen=True)
-class Fence:
-    """Write a job's entries only while ``token`` owns the job in the queue's ``owners`` hash."""
-
-    owners_key: str
-    token: str
-
-
 class TTL(IntEnum):
     """What a flush does to a job's stream expiry (only where it changes: not on every chunk)."""
 
@@ -102,6 +94,7 @@ class _Chunk:
 
 @dataclass
 class _JobBatch:
+    lease: str                     # the claim these entries were written under ('' = not fenced)
     entries: list[_Chunk | StreamEntry] = field(default_factory=list)
     ttl: TTL = TTL.KEEP
 
@@ -147,23 +140,28 @@ class StreamWriter:
     If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are written,
     in order, once it is back; generation does not stop for a Redis blip. A flush that was sent is
     re-sent unchanged, under the same id, until it is acknowledged, and Redis answers an id it has
-    already applied from its record: a write whose reply was lost is never appended twice. With a
-    ``fence``, a job's entries are written only while this worker owns the job; a refused job's
-    entries are dropped and ``on_fenced`` is told.
+    already applied from its record: a write whose reply was lost is never appended twice.
+
+    With ``owners_key`` (the queue's owners hash), a job's entries are written only while the lease
+    they were added under (:meth:`bind`) still owns the job. Each entry keeps its lease until it is
+    written, so entries an attempt left buffered are refused once the job is claimed again, even by
+    this worker. A refused job's pending entries are dropped and ``on_fenced(job_id, lease)`` is told.
     """
 
     def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
-                 fence: Fence | None = None, on_fenced: Callable[[str], None] | None = None) -> None:
+                 owners_key: str | None = None, writer_id: str | None = None,
+                 on_fenced: Callable[[str, str], None] | None = None) -> None:
         self.redis = redis
         self.policy = FlushPolicy(max_delay_s=flush_ms / 1000)
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.ttl_live_s = ttl_live_s or ttl_s
-        self.fence = fence
+        self.owners_key = owners_key
         self.on_fenced = on_fenced
         self._script = redis.register_script(STREAM_FLUSH)
-        self._writer_id = fence.token if fence else uuid.uuid4().hex
+        self._writer_id = writer_id or uuid.uuid4().hex
         self._flush_numbers = itertools.count()
+        self._leases: dict[str, str] = {}              # job id -> the lease its new entries are written under
         self._pending: dict[str, _JobBatch] = {}       # not yet sent
         self._inflight: _Flush | None = None           # sent, not yet acknowledged
         self._started: set[str] = set()                # jobs this writer has written to (expiry set)
@@ -190,6 +188,19 @@ class StreamWriter:
         for _ in range(3):
             if not (self._pending or self._inflight) or not await self.flush():
                 break
+
+    def bind(self, job_id: str, lease: str) -> None:
+        """Entries of ``job_id`` added from now on are written only while ``lease`` owns the job.
+        Entries still pending under an earlier lease are dropped: a newer claim exists, so the
+        fence would refuse them anyway."""
+        self._leases[job_id] = lease
+        batch = self._pending.get(job_id)
+        if batch is not None and batch.lease != lease:
+            self.drop(job_id)
+
+    def unbind(self, job_id: str) -> None:
+        """The attempt is over (entries it already added keep their lease until written)."""
+        self._leases.pop(job_id, None)
 
     def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
                   n_tokens: int) -> None:
@@ -224,7 +235,7 @@ class StreamWriter:
     def _batch(self, job_id: str) -> _JobBatch:
         batch = self._pending.get(job_id)
         if batch is None:
-            batch = self._pending[job_id] = _JobBatch()
+            batch = self._pending[job_id] = _JobBatch(lease=self._leases.get(job_id, ""))
             if job_id not in self._started:
                 self._started.add(job_id)
                 batch.ttl = TTL.LIVE
@@ -278,21 +289,21 @@ class StreamWriter:
                 if ok == "1":
                     self.entries_written += len(batch.entries)
                     continue
-                self.drop(job_id)
-                log.warning("job %s: no longer this worker's; abandoning it", job_id)
+                pending = self._pending.get(job_id)
+                if pending is not None and pending.lease == batch.lease:
+                    self.drop(job_id)
+                log.warning("job %s: its lease %s no longer owns it; its entries are dropped", job_id, batch.lease)
                 if self.on_fenced is not None:
-                    self.on_fenced(job_id)
+                    self.on_fenced(job_id, batch.lease)
             return True
 
     def _keys(self, sent: _Flush) -> list[str]:
-        owners = self.fence.owners_key if self.fence else ""
-        return [owners, write_mark_key(self._writer_id), *(stream_key(job_id) for job_id, _ in sent.jobs)]
+        return [self.owners_key or "", write_mark_key(self._writer_id), *(stream_key(job_id) for job_id, _ in sent.jobs)]
 
     def _args(self, sent: _Flush) -> list[str | int]:
-        args: list[str | int] = [self.fence.token if self.fence else "", sent.id, self.maxlen, self.ttl_live_s,
-                                 self.ttl_s]
+        args: list[str | int] = ["1" if self.owners_key else "", sent.id, self.maxlen, self.ttl_live_s, self.ttl_s]
         for job_id, batch in sent.jobs:
-            args += [job_id, int(batch.ttl), len(batch.entries)]
+            args += [job_id, batch.lease, int(batch.ttl), len(batch.entries)]
             for entry in batch.entries:
                 fields = entry.fields() if isinstance(entry, _Chunk) else encode_entry(entry)
                 args.append(2 * len(fields))

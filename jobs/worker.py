@@ -50,7 +50,7 @@ from jobs.queue.redis_queue import ClaimedJob, RedisQueue
 from jobs.queue.runtime import QueueRuntime
 from jobs.serialization import deserialize, serialize
 from jobs.settings import WorkerSettings
-from jobs.stream import Fence, StreamWriter
+from jobs.stream import StreamWriter
 from jobs.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,8 @@ class SlotqWorker:
         self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
                                    ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
-                                   fence=Fence(self.queue.keys.owners, self.token), on_fenced=self._on_lease_lost)
+                                   owners_key=self.queue.keys.owners, writer_id=self.token,
+                                   on_fenced=self._on_fenced)
         self.writer.start()
         self.supervisor.start("heartbeat", self._heartbeat_loop)
         self.supervisor.start("cancel-listener", self._cancel_listener)
@@ -257,13 +258,12 @@ class SlotqWorker:
         assert self.runtime is not None and self.queue is not None and self.engine is not None
         self._faults.on_heartbeat()
         runtime = self.runtime
-        jobs = [j for j in runtime.claimed.values() if j.id not in runtime.lease_lost and j.id not in runtime.leaving]
-        owned = await self.queue.renew(jobs, self.token, self.lease_ms)
+        jobs = runtime.leases()
+        owned = await self.queue.renew(jobs, self.lease_ms)
         for job, ok in zip(jobs, owned):
-            if not ok and job.id in runtime.claimed and job.id not in runtime.leaving:   # not just finished
-                log.warning("job %s: no longer this worker's (its lease expired and it was requeued); abandoning it",
-                            job.id)
-                self._on_lease_lost(job.id)
+            if not ok and job.id not in runtime.leaving:   # not just finished
+                log.warning("job %s: its lease expired and the job was requeued; abandoning this attempt", job.id)
+                runtime.lose_lease(job.id, job.lease)
         stats = self.engine.stats()
         now = time.time()
         rate = 0.0
@@ -317,19 +317,17 @@ class SlotqWorker:
     def _observe_pickup(self, job: ClaimedJob) -> None:
         metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, time.time() - job.ready_ms / 1000))
 
-    def _on_lease_lost(self, job_id: str) -> None:
-        """Another worker owns this job now: stop generating it; its finish is fenced off."""
+    def _on_fenced(self, job_id: str, lease: str) -> None:
+        """A stream write of ``lease`` was refused: that attempt no longer owns the job."""
         assert self.runtime is not None
-        self.runtime.lease_lost.add(job_id)
-        task = self.runtime.job_tasks.get(job_id)
-        if task is not None:
-            task.cancel()
+        self.runtime.lose_lease(job_id, lease)
 
     # ------------------------------------------------------------------ the job function
     async def run_job(self, ctx: dict[str, Any], payload: Any) -> dict[str, Any]:
         assert self.engine is not None and self.writer is not None and self.runtime is not None
         runtime = self.runtime
         job_id = ctx["job_id"]
+        claim = runtime.claimed[job_id]
         enqueue_time: datetime | None = ctx.get("enqueue_time")
         run = JobRun(engine=self.engine, writer=self.writer, settings=self.settings, worker_id=self.id,
                      job_id=job_id, attempt=ctx["job_try"], payload=payload,
@@ -339,11 +337,14 @@ class SlotqWorker:
                      verdict=self.elastic.verdict if self.elastic else None)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, ctx["job_try"])
+        self.writer.bind(job_id, claim.lease)
         try:
             result = await run.run()
         except asyncio.CancelledError:
-            log.info("job %s handed back", job_id)
+            log.info("job %s %s", job_id, "abandoned (lease lost)" if job_id in runtime.lease_lost else "handed back")
             raise
+        finally:
+            self.writer.unbind(job_id)
         runtime.aborting_tasks.discard(job_id)
         metrics.observe_result(result)
         log.info("job %s %s (%s) in %.2f s: %d prompt + %d completion tokens", job_id, result.status.value,

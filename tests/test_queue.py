@@ -4,6 +4,7 @@ cancel, wake-ups and O(1) counts (jobs/queue/)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -93,15 +94,17 @@ async def test_one_enqueue_wakes_exactly_one_idle_worker(queue, redis_url):
 async def test_renew_finish_and_fencing(queue, redis):
     await put(queue, "job")
     [job] = await queue.claim(1, "w1", LEASE_MS)
-    assert await queue.renew([job], "w1", LEASE_MS) == [True]
-    assert await queue.renew([job], "intruder", LEASE_MS) == [False]
-    assert not await queue.finish(job, "intruder", b"result", 60_000)      # not the owner: left alone
-    assert await queue.finish(job, "w1", b"result", 60_000)
+    assert job.lease.startswith("w1#")
+    intruder = dataclasses.replace(job, lease="intruder#1")
+    assert await queue.renew([job], LEASE_MS) == [True]
+    assert await queue.renew([intruder], LEASE_MS) == [False]
+    assert not await queue.finish(intruder, b"result", 60_000)              # not the owner: left alone
+    assert await queue.finish(job, b"result", 60_000)
     assert await redis.get("arq:result:job") == b"result"
     assert not await redis.exists(job_record_key("job"))
     assert await redis.hlen(queue.keys.jobs) == 0 and await redis.hlen(queue.keys.owners) == 0
     assert await queue.place("job") == (None, False)
-    assert not await queue.finish(job, "w1", b"again", 60_000)              # only once
+    assert not await queue.finish(job, b"again", 60_000)                    # only once
 
 
 async def test_reaper_requeues_expired_leases_at_their_place_and_fences_the_old_owner(queue, redis):
@@ -115,17 +118,31 @@ async def test_reaper_requeues_expired_leases_at_their_place_and_fences_the_old_
     [again] = await queue.claim(1, "w2", LEASE_MS)
     assert again.id == "old" and again.ready_ms == old.ready_ms              # back at the head of the line
     # the reaped worker wakes up: it can neither renew, nor finish, nor hand back
-    assert await queue.renew([old], "dead-worker", LEASE_MS) == [False]
-    assert not await queue.hand_back(old, "dead-worker")
-    assert not await queue.finish(old, "dead-worker", b"x", 1000)
+    assert await queue.renew([old], LEASE_MS) == [False]
+    assert not await queue.hand_back(old)
+    assert not await queue.finish(old, b"x", 1000)
     assert await queue.reap() == 0                                          # a live lease is left alone
+
+
+async def test_a_worker_that_claims_its_own_reaped_job_again_fences_its_old_attempt(queue):
+    """Leases are per claim, not per worker: after a Redis outage longer than the lease, a worker
+    may claim its own job again; the attempt it still runs must be shut out like anyone else's."""
+    await put(queue, "job")
+    [first] = await queue.claim(1, "w1", lease_ms=50)
+    await asyncio.sleep(0.1)
+    assert await queue.reap() == 1
+    [second] = await queue.claim(1, "w1", LEASE_MS)
+    assert second.id == "job" and second.lease != first.lease
+    assert await queue.renew([first, second], LEASE_MS) == [False, True]
+    assert not await queue.finish(first, b"x", 1000)
+    assert await queue.finish(second, b"x", 1000)
 
 
 async def test_hand_back_gives_the_try_back_atomically(queue, redis):
     await put(queue, "handed")
     [job] = await queue.claim(1, "w1", LEASE_MS)
     await redis.incr(retry_counter_key("handed"))                           # arq's run_job counted attempt 1
-    assert await queue.hand_back(job, "w1")
+    assert await queue.hand_back(job)
     assert await redis.get(retry_counter_key("handed")) == b"0"
     assert await queue.place("handed") == ("interactive", False)
     assert await redis.llen(queue.keys.wake) == 1                          # an idle worker is woken for it
@@ -136,7 +153,7 @@ async def test_hand_back_gives_the_try_back_atomically(queue, redis):
 async def test_retry_later_waits_out_its_backoff(queue):
     await put(queue, "flaky")
     [job] = await queue.claim(1, "w1", LEASE_MS)
-    assert await queue.retry_later(job, "w1", int(time.time() * 1000) + 150)
+    assert await queue.retry_later(job, int(time.time() * 1000) + 150)
     assert {c.lane: c.deferred for c in await queue.counts()}["interactive"] == 1
     assert await queue.claim(1, "w1", LEASE_MS) == []                       # not yet
     await asyncio.sleep(0.2)

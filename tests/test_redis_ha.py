@@ -146,7 +146,9 @@ async def test_rediss_with_a_ca_file(tls_redis: tuple[TlsProxy, Path], tiny_mode
 async def test_a_job_reclaimed_while_its_attempt_still_runs_here_is_not_run_twice(
         start_worker: Any, client: SlotqClient) -> None:
     """What a Redis outage longer than the lease (or a slow failover) does: the lease expires in
-    Redis, a reaper requeues the job, and the worker that still runs it claims it back."""
+    Redis, a reaper requeues the job, and the worker that still runs it claims it back. The old
+    attempt stops (its lease is void, its buffered writes are refused) and a new one resumes from
+    the stream: every token streamed once, text equal to the result."""
     w = await start_worker(slots=2, ctx=4096)
     job = await client.enqueue(job_request("long", max_tokens=3000))
     async with asyncio.timeout(30):
@@ -157,5 +159,5 @@ async def test_a_job_reclaimed_while_its_attempt_still_runs_here_is_not_run_twic
     assert await client.queue.reap() == 1
     result = await job.result(timeout=120)
     checked = await check_job(client, result, max_tokens=3000)
-    assert checked.attempts == [1]                       # one attempt wrote the stream, start to end
+    assert checked.attempts == [1, 2]                    # the second resumed where the first stopped
     assert w.runtime is not None and not w.runtime.claimed

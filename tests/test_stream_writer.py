@@ -9,7 +9,8 @@ from redis.asyncio import Redis
 from engine import FinishReason
 from jobs.keys import stream_key
 from jobs.schemas import EntryKind, StreamEntry
-from jobs.stream import Fence, FlushPolicy, StreamWriter, decode_entry
+from jobs.redis_server import EmbeddedRedis
+from jobs.stream import FlushPolicy, StreamWriter, decode_entry
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
 
 POLICY = FlushPolicy(max_delay_s=0.1)
@@ -60,22 +61,57 @@ async def test_consecutive_chunks_merge_into_one_entry_per_flush(redis) -> None:
 
 
 async def test_one_flush_writes_the_jobs_it_owns_and_reports_the_one_it_lost(redis) -> None:
-    await redis.hset("owners", mapping={"mine": "tok", "also-mine": "tok", "lost": "someone-else"})
-    lost: list[str] = []
-    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, fence=Fence("owners", "tok"),
-                          on_fenced=lost.append)
-    for job in ("mine", "lost", "also-mine"):
+    await redis.hset("owners", mapping={"mine": "w#1", "also-mine": "w#2", "lost": "other#3"})
+    lost: list[tuple[str, str]] = []
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, owners_key="owners",
+                          on_fenced=lambda job, lease: lost.append((job, lease)))
+    for job, lease in (("mine", "w#1"), ("lost", "w#3"), ("also-mine", "w#2")):
+        writer.bind(job, lease)
         writer.add_chunk(job, attempt=1, choice=0, text=job, token_ids=[1], n_tokens=1)
     assert await writer.flush()
     assert writer.round_trips == 1
     assert [e.text for e in await entries(redis, "mine")] == ["mine"]
     assert [e.text for e in await entries(redis, "also-mine")] == ["also-mine"]
     assert await entries(redis, "lost") == []
-    assert lost == ["lost"]
+    assert lost == [("lost", "w#3")]
     # what the lost job adds afterwards is still refused; the others go on
     writer.add_chunk("lost", attempt=1, choice=0, text="again", token_ids=[2], n_tokens=2)
     writer.add_chunk("mine", attempt=1, choice=0, text="+", token_ids=[2], n_tokens=2)
     assert await writer.flush()
     assert await entries(redis, "lost") == []
     assert [e.text for e in await entries(redis, "mine")] == ["mine", "+"]
-    assert lost == ["lost", "lost"]
+    assert lost == [("lost", "w#3"), ("lost", "w#3")]
+
+
+async def test_entries_buffered_by_an_attempt_are_refused_once_the_same_worker_claims_the_job_again(
+        tmp_path) -> None:
+    """A Redis outage longer than the lease: the reaper requeues a running job and its own worker
+    claims it again, with a new lease. The old attempt's flush, still waiting to be re-sent, must
+    not land behind the stream the new attempt resumed from (that wrote tokens twice)."""
+    server = EmbeddedRedis(tmp_path / "redis", port=0, fsync="always")
+    server.start()
+    redis = Redis.from_url(server.url, socket_timeout=2)
+    lost: list[tuple[str, str]] = []
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, owners_key="owners", writer_id="w",
+                          on_fenced=lambda job, lease: lost.append((job, lease)))
+    try:
+        await redis.hset("owners", "j", "w#1")
+        writer.bind("j", "w#1")
+        writer.add_chunk("j", attempt=1, choice=0, text="a", token_ids=[1], n_tokens=1)
+        assert await writer.flush()
+        writer.add_chunk("j", attempt=1, choice=0, text="b", token_ids=[2], n_tokens=2)
+        server.kill()
+        assert not await writer.flush()                 # "b" stays in flight, to be re-sent
+        server.restart()
+        await redis.hset("owners", "j", "w#2")         # reaped and claimed again by this worker
+        writer.unbind("j")
+        writer.bind("j", "w#2")
+        writer.add_chunk("j", attempt=2, choice=0, text="b", token_ids=[2], n_tokens=2)   # resumed after "a"
+        assert await writer.flush()                     # the old flight: refused
+        assert await writer.flush()                     # the new attempt's entry
+        got = await entries(redis, "j")
+        assert [(e.attempt, e.text) for e in got] == [(1, "a"), (2, "b")]
+        assert lost == [("j", "w#1")]
+    finally:
+        await redis.aclose()
+        server.stop()

@@ -7,7 +7,7 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:deferred:L``                  ZSET    job id -> run-at time (ms) of a retry waiting out its backoff
 ``Q:running:L``                   ZSET    job id -> lease deadline (ms); the reaper requeues expired ones
 ``Q:jobs``                        HASH    job id -> ``lane<TAB>ready time`` for every job in the queue
-``Q:owners``                      HASH    job id -> lease token of the worker running it
+``Q:owners``                      HASH    job id -> lease of the attempt running it (``<worker token>#<claim number>``)
 ``Q:wake``                        LIST    one token per waiting job (capped): an idle worker BLPOPs one
 ``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
 ``arq:job:<id>``                  STRING  the job record in arq's format (function, payload, enqueue time)

@@ -13,6 +13,7 @@ job (its ``run_job``: the job record, the attempt counter, timeouts, abort, the 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,9 +40,14 @@ class Enqueued(Enum):
 
 @dataclass(frozen=True)
 class ClaimedJob:
+    """One claim of a job: ``lease`` (``<worker token>#<claim number>``) fences every write the
+    attempt makes, so a later claim of the same job -- by any worker, this one included -- shuts
+    this attempt out."""
+
     id: str
     lane: str
     ready_ms: int
+    lease: str
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class RedisQueue:
     def __init__(self, redis: Redis, name: str, lanes: Sequence[str]) -> None:
         self.redis = redis
         self.keys = QueueKeys(name, tuple(lanes))
+        self._claim_numbers = itertools.count(1)     # makes each claim's lease unique
         self._scripts = {name: redis.register_script(getattr(scripts, name))
                          for name in ("ENQUEUE", "CLAIM", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK", "REAP", "CANCEL",
                                      "FORGET")}
@@ -147,12 +154,14 @@ class RedisQueue:
     # ------------------------------------------------------------------ workers
     async def claim(self, max_jobs: int, token: str, lease_ms: int) -> list[ClaimedJob]:
         """Up to ``max_jobs`` jobs, highest lane first, oldest first within a lane; each is owned
-        by ``token`` until its lease deadline (renew it) and starts its next attempt."""
+        by this claim's lease (``token#n``, fresh for every claim) until its lease deadline (renew
+        it), and starts its next attempt."""
         k = self.keys
+        lease = f"{token}#{next(self._claim_numbers)}"
         flat = await self._scripts["CLAIM"](
             keys=[k.jobs, k.owners, k.wake, *k.lane_triples()],
-            args=[int(time.time() * 1000), max_jobs, lease_ms, token, WAKE_CAP, PROMOTE_LIMIT])
-        return [ClaimedJob(flat[i].decode(), self.lane_of(int(flat[i + 1])), int(float(flat[i + 2])))
+            args=[int(time.time() * 1000), max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT])
+        return [ClaimedJob(flat[i].decode(), self.lane_of(int(flat[i + 1])), int(float(flat[i + 2])), lease)
                 for i in range(0, len(flat), 3)]
 
     async def wait_for_work(self, timeout_s: float) -> bool:
@@ -163,35 +172,35 @@ class RedisQueue:
         """A token this worker cannot use (its slots filled meanwhile): pass it on."""
         await self.redis.rpush(self.keys.wake, "1")
 
-    async def renew(self, jobs: Sequence[ClaimedJob], token: str, lease_ms: int) -> list[bool]:
-        """Extend the leases of ``jobs``; False for each job this worker no longer owns."""
+    async def renew(self, jobs: Sequence[ClaimedJob], lease_ms: int) -> list[bool]:
+        """Extend the leases of ``jobs``; False for each job its lease no longer owns."""
         if not jobs:
             return []
         deadline = int(time.time() * 1000) + lease_ms
         owned = await self._scripts["RENEW"](
             keys=[self.keys.owners, *(self.keys.running(j.lane) for j in jobs)],
-            args=[token, deadline, *(j.id for j in jobs)])
+            args=[deadline, *(x for j in jobs for x in (j.id, j.lease))])
         return [bool(x) for x in owned]
 
-    async def finish(self, job: ClaimedJob, token: str, result: bytes | None, result_ttl_ms: int) -> bool:
+    async def finish(self, job: ClaimedJob, result: bytes | None, result_ttl_ms: int) -> bool:
         """Store the result and remove the job from the queue. False: not ours (left alone)."""
         k = self.keys
         return bool(await self._scripts["FINISH"](
             keys=[k.owners, k.jobs, k.running(job.lane), job_record_key(job.id), retry_counter_key(job.id),
                   result_key(job.id), ABORTS],
-            args=[token, job.id, result or b"", result_ttl_ms]))
+            args=[job.lease, job.id, result or b"", result_ttl_ms]))
 
-    async def retry_later(self, job: ClaimedJob, token: str, run_at_ms: int) -> bool:
+    async def retry_later(self, job: ClaimedJob, run_at_ms: int) -> bool:
         k = self.keys
         return bool(await self._scripts["RETRY_LATER"](
-            keys=[k.owners, k.running(job.lane), k.deferred(job.lane)], args=[token, job.id, run_at_ms]))
+            keys=[k.owners, k.running(job.lane), k.deferred(job.lane)], args=[job.lease, job.id, run_at_ms]))
 
-    async def hand_back(self, job: ClaimedJob, token: str) -> bool:
+    async def hand_back(self, job: ClaimedJob) -> bool:
         """Return a job to its place in line without using a try (worker shutdown, dead engine)."""
         k = self.keys
         return bool(await self._scripts["HAND_BACK"](
             keys=[k.owners, k.jobs, k.running(job.lane), k.waiting(job.lane), retry_counter_key(job.id), k.wake],
-            args=[token, job.id, WAKE_CAP]))
+            args=[job.lease, job.id, WAKE_CAP]))
 
     async def reap(self) -> int:
         """Requeue jobs whose lease expired (their worker died or stalled); promote due retries."""

@@ -40,6 +40,7 @@ class QueueRuntime(Worker):
         self.token = token
         self.lease_ms = lease_ms
         self.claimed: dict[str, ClaimedJob] = {}
+        self.successors: dict[str, ClaimedJob] = {}  # claimed again while the lost attempt still ends here
         self.lease_lost: set[str] = set()
         self.leaving: set[str] = set()          # finishing, retrying or being handed back right now
         self.may_claim = may_claim
@@ -80,19 +81,26 @@ class QueueRuntime(Worker):
             return []
         self.claims += 1
         for job in claimed:
-            if job.id in self.claimed:
-                # Still running here: Redis was unreachable longer than the lease (an outage, a
-                # failover), so a reaper requeued the job and this claim took it back. The lease is
-                # ours again; a second attempt beside the first would write the stream twice.
-                log.warning("job %s: reclaimed while its attempt still runs here (lease expired during a Redis "
-                            "outage); keeping that attempt", job.id)
+            running = self.claimed.get(job.id)
+            if running is None:
+                await self._start(job)
                 continue
-            await self._start(job)
+            # Still running here: Redis was unreachable longer than the lease (an outage, a
+            # failover), so a reaper requeued the job and this claim took it back. The running
+            # attempt's lease is void (its buffered stream writes are refused); it stops, and the
+            # new attempt takes over its slot and resumes from what reached the stream.
+            log.warning("job %s: claimed again while its attempt still runs here (its lease expired while Redis "
+                        "was unreachable); that attempt stops and a new one resumes from its stream", job.id)
+            self.successors[job.id] = job
+            self.lose_lease(running.id, running.lease)
         return claimed
 
     async def _start(self, job: ClaimedJob) -> None:
         await self.sem.acquire()          # arq's bookkeeping: never blocks below max_jobs
         self.job_counter += 1
+        self._launch(job)
+
+    def _launch(self, job: ClaimedJob) -> None:
         self.claimed[job.id] = job
         task = self.loop.create_task(self.run_job(job.id, job.ready_ms))
         task.add_done_callback(lambda _t, job_id=job.id: self._job_done(job_id))
@@ -101,12 +109,37 @@ class QueueRuntime(Worker):
             self.on_job_started(job)
 
     def _job_done(self, job_id: str) -> None:
+        self.lease_lost.discard(job_id)
+        self.leaving.discard(job_id)
+        successor = self.successors.pop(job_id, None)
+        if successor is not None:
+            self._launch(successor)       # the slot passes straight to the new attempt
+            return
         self.job_counter -= 1
         self.sem.release()
         self.claimed.pop(job_id, None)
-        self.lease_lost.discard(job_id)
-        self.leaving.discard(job_id)
         self._slot_freed.set()
+
+    def lose_lease(self, job_id: str, lease: str) -> None:
+        """``lease`` no longer owns the job (reaped, or claimed again): stop that attempt (its
+        writes are fenced off already). A report about another claim of the job is ignored."""
+        successor = self.successors.get(job_id)
+        if successor is not None and successor.lease == lease:
+            del self.successors[job_id]           # lost before it could start
+            return
+        job = self.claimed.get(job_id)
+        if job is None or job.lease != lease or job_id in self.lease_lost:
+            return
+        self.lease_lost.add(job_id)
+        task = self.job_tasks.get(job_id)
+        if task is not None:
+            task.cancel()                         # not started yet: the job function checks lease_lost
+
+    def leases(self) -> list[ClaimedJob]:
+        """The claims whose leases the heartbeat renews: every running attempt not yet lost or
+        leaving, and the claims waiting for a lost attempt to end."""
+        running = [j for j in self.claimed.values() if j.id not in self.lease_lost and j.id not in self.leaving]
+        return running + list(self.successors.values())
 
     async def _wait(self, timeout: float) -> None:
         """Until a slot frees, a wake token arrives (only while slots are free) or ``timeout``."""
@@ -171,11 +204,11 @@ class QueueRuntime(Worker):
         self.leaving.add(job_id)            # its lease ends here: the heartbeat stops renewing it
         if finish:
             ttl_ms = int(1000 * (result_timeout_s or self.keep_result_s))
-            done = await self.queue.finish(job, self.token, result_data, ttl_ms)
+            done = await self.queue.finish(job, result_data, ttl_ms)
         elif incr_score:
-            done = await self.queue.retry_later(job, self.token, job.ready_ms + incr_score)
+            done = await self.queue.retry_later(job, job.ready_ms + incr_score)
         else:
-            done = await self.queue.hand_back(job, self.token)
+            done = await self.queue.hand_back(job)
         if not done and job_id not in self.lease_lost:
             log.warning("job %s is no longer this worker's (its lease expired and it was requeued); left alone", job_id)
 
@@ -185,7 +218,7 @@ class QueueRuntime(Worker):
         job = self.claimed.get(job_id)
         if job is not None:
             self.leaving.add(job_id)
-            await self.queue.finish(job, self.token, result_data, int(self.keep_result_s * 1000))
+            await self.queue.finish(job, result_data, int(self.keep_result_s * 1000))
 
     def hand_back_all(self) -> None:
         """Stop claiming and cancel every running job function once; :meth:`finish_job` then hands

@@ -1,10 +1,13 @@
 """The queue's Lua scripts. Each runs atomically in Redis, so no claim, hand-back, retry or reap
 can interleave with another: that is what makes "exactly one worker owns a running job" hold.
 
-A worker *owns* a job while ``Q:owners[id]`` holds its lease token. Only the claim script sets it;
-only finishing, retrying, handing back or reaping the job clears it, each in the same script that
-moves the job. Every write a worker makes for a job (stream batches included) first checks it still
-owns the job, so a worker that stalled past its lease and was reaped can never write again.
+An attempt *owns* a job while ``Q:owners[id]`` holds its lease: ``<worker token>#<claim number>``,
+set by the claim script and different for every claim, even when the same worker claims the job
+again after its lease expired (a Redis outage longer than the lease). Only finishing, retrying,
+handing back or reaping the job clears it, each in the same script that moves the job. Every write
+made for an attempt (stream batches included) first checks that its lease still owns the job, so
+an attempt that stalled past its lease and was reaped can never write again, not even from a
+buffer its worker re-sends after claiming the job anew.
 
 Costs: enqueue O(lanes), claim O(lanes + k log N) for k jobs, renew O(jobs renewed), reap
 O(lanes + expired), everything else O(1) or O(lanes). Nothing scans running jobs.
@@ -56,7 +59,7 @@ end
 """
 
 # KEYS: jobs, owners, wake, then waiting/deferred/running of every lane (highest priority first)
-# ARGV: now ms, max jobs, lease ms, token, wake cap, promote limit
+# ARGV: now ms, max jobs, lease ms, lease (``<worker token>#<claim number>``), wake cap, promote limit
 # Returns a flat list: id, lane index (0-based), ready ms, ... for each claimed job.
 CLAIM = _PROMOTE + _SYNC_WAKE + """
 local now = tonumber(ARGV[1])
@@ -85,14 +88,14 @@ sync_wake(KEYS[3], waiting_left, tonumber(ARGV[5]))
 return out
 """
 
-# KEYS: owners, then the running set of each job (same order as the ids)
-# ARGV: token, new deadline ms, job ids...
-# Returns one 1/0 per job: 0 = the job is no longer this worker's (reaped, finished elsewhere).
+# KEYS: owners, then the running set of each job (same order as the jobs)
+# ARGV: new deadline ms, then job id, lease for each job
+# Returns one 1/0 per job: 0 = the lease no longer owns the job (reaped, claimed again).
 RENEW = """
 local out = {}
-for i = 3, #ARGV do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then
-    redis.call('ZADD', KEYS[i - 1], 'XX', ARGV[2], ARGV[i])
+for i = 2, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    redis.call('ZADD', KEYS[i / 2 + 1], 'XX', ARGV[1], ARGV[i])
     out[#out + 1] = 1
   else
     out[#out + 1] = 0
@@ -102,7 +105,7 @@ return out
 """
 
 # KEYS: owners, jobs, running, record, retry counter, result, aborts
-# ARGV: token, job id, result record ('' = none), result ttl ms
+# ARGV: lease, job id, result record ('' = none), result ttl ms
 FINISH = """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[2])
@@ -123,7 +126,7 @@ redis.call('DEL', unpack(KEYS, 2))
 return 1
 """
 
-# KEYS: owners, running, deferred; ARGV: token, job id, run-at ms
+# KEYS: owners, running, deferred; ARGV: lease, job id, run-at ms
 RETRY_LATER = """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[2])
@@ -132,7 +135,7 @@ redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
 return 1
 """
 
-# KEYS: owners, jobs, running, waiting, retry counter, wake; ARGV: token, job id, wake cap
+# KEYS: owners, jobs, running, waiting, retry counter, wake; ARGV: lease, job id, wake cap
 # The attempt is given back in the same step that makes the job claimable again, so the next
 # claim can never count it (the hand-back race of arq #267 style DECRs done afterwards).
 HAND_BACK = """
@@ -186,16 +189,17 @@ for i = 5, #KEYS do
   end
 end
 redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
-local owner = redis.call('HGET', KEYS[2], ARGV[1])
+local lease = redis.call('HGET', KEYS[2], ARGV[1])
+local owner = lease and string.match(lease, '^(.*)#')
 if owner then redis.call('PUBLISH', ARGV[3] .. owner, ARGV[1]) end
 return -1
 """
 
 # One flush of a worker's stream writer: every job's pending entries in one call.
 # KEYS: owners, the writer's flush mark, then one stream per job (in ARGV's order)
-# ARGV: token ('' = not fenced), flush id, maxlen, live ttl s, final ttl s, then per job: job id,
-# ttl (0 keep, 1 live, 2 final), entry count, then per entry: n, field, value, ... (n = 2 x fields).
-# Returns one '1'/'0' per job ('0': the job is not this worker's, nothing written). A flush id
+# ARGV: '1' fenced / '' not, flush id, maxlen, live ttl s, final ttl s, then per job: job id,
+# lease, ttl (0 keep, 1 live, 2 final), entry count, then per entry: n, field, value, ... (n = 2 x fields).
+# Returns one '1'/'0' per job ('0': the lease no longer owns the job, nothing written). A flush id
 # already applied (re-sent because its reply was lost) gets its first answer again, unwritten.
 # The fences of all jobs are read with one HMGET: a flush costs 4 commands plus one XADD per entry.
 STREAM_FLUSH = """
@@ -207,8 +211,8 @@ local i = 6
 while i <= #ARGV do
   starts[#starts + 1] = i
   ids[#ids + 1] = ARGV[i]
-  local count = tonumber(ARGV[i + 2])
-  i = i + 3
+  local count = tonumber(ARGV[i + 3])
+  i = i + 4
   for _ = 1, count do i = i + tonumber(ARGV[i]) + 1 end
 end
 local owners = {}
@@ -217,9 +221,9 @@ local out = {}
 for job = 1, #starts do
   local stream = KEYS[2 + job]
   local j = starts[job]
-  local ttl, count = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
-  local ok = ARGV[1] == '' or owners[job] == ARGV[1]
-  j = j + 3
+  local ttl, count = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
+  local ok = ARGV[1] == '' or owners[job] == ARGV[j + 1]
+  j = j + 4
   if ok then
     for _ = 1, count do
       local n = tonumber(ARGV[j])
