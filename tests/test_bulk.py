@@ -16,6 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from engine import ErrorInfo
 from jobs.bulk import BulkOptions, open_bulk, run_bulk
 from jobs.keys import stream_key
 from jobs.queue.keys import result_key
@@ -270,7 +273,11 @@ async def test_forget_removes_a_finished_job_only(client, worker):
 
 
 # ---------------------------------------------------------------------- cancel (the Batch API's cancel)
-async def test_cancel_ends_the_lines_in_flight_as_cancelled(client, redis_url, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("reason", [None, ErrorInfo(code="batch_expired", message="the window ran out", retryable=False)],
+                         ids=["plain", "with-a-reason"])
+async def test_cancel_ends_the_lines_in_flight_as_cancelled(reason, client, redis_url, tiny_model_path, tmp_path):
+    """A plain cancel lists the lines it cut short; a cancel with a reason (a batch's completion
+    window ran out) lists every line that did not finish, started or not, with that reason."""
     inp = write_jsonl(tmp_path / "in.jsonl", slotq_lines(60, max_tokens=400))     # slow enough to cancel
     procs = fleet(("cancel-w1",), redis_url, tiny_model_path, tmp_path, slots=2)
     try:
@@ -280,15 +287,19 @@ async def test_cancel_ends_the_lines_in_flight_as_cancelled(client, redis_url, t
             async with asyncio.timeout(60):
                 while not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").read_text().count("\n") < 2:
                     await asyncio.sleep(0.01)
-            await run.cancel()
+            await run.cancel(reason)
             summary = await asyncio.wait_for(task, 60)
     finally:
         for p in procs:
             p.stop()
     assert not summary.interrupted and not summary.all_succeeded and summary.left_in_queue == 0
     errors = read_jsonl(tmp_path / "out.errors.jsonl")
-    assert len(errors) == summary.failed > 0 and {e["error"]["code"] for e in errors} == {"cancelled"}
+    code = "cancelled" if reason is None else reason.code
+    assert len(errors) == summary.failed > 0 and {e["error"]["code"] for e in errors} == {code}
     done = {r["line"] for r in read_jsonl(tmp_path / "out.jsonl")}
     assert len(done) == summary.succeeded and done.isdisjoint(e["line"] for e in errors)
-    assert summary.succeeded + summary.failed < 60                  # the rest were never enqueued
+    if reason is None:
+        assert summary.succeeded + summary.failed < 60              # the rest were never enqueued
+    else:
+        assert sorted(done | {e["line"] for e in errors}) == list(range(1, 61))
     assert (await client.queue_info()).queued == 0 and await leftover_keys(client) == []

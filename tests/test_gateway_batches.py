@@ -23,6 +23,7 @@ import redis as sync_redis
 from gateway_fixtures import GatewayProcess, Stack
 from openai import OpenAI
 
+from jobs.gateway.batches import batch_key
 from jobs.queue.keys import QueueKeys
 from jobs.redis_server import EmbeddedRedis
 
@@ -199,6 +200,42 @@ def test_killed_gateway_batch_resumes_without_regenerating(stack: Stack, tmp_pat
                if key[0].startswith(f"bulk:{identity}:")]
     assert sorted(job_id for job_id, _ in started) == sorted(f"bulk:{identity}:{i}" for i in range(1, n + 1))
     assert {attempt for _, attempt in started} == {1}                               # each line generated once
+
+
+# ---------------------------------------------------------------------- the completion window runs out
+def test_an_expired_batch_lists_every_unfinished_request_as_batch_expired(stack: Stack, tmp_path: Path) -> None:
+    """The 24 h window ran out while no gateway drove the batch (its gateway stopped): the next
+    gateway to adopt it ends it as ``expired``, keeps the finished outputs, lists every other
+    request in the error file as ``batch_expired`` (as OpenAI does), and leaves nothing queued."""
+    n = 100
+    first = start_gateway(stack, "gateway-before-expiry", window=2)
+    try:
+        client = sdk(first.url)
+        file_id = upload(client, tmp_path, [batch_line(i, max_tokens=48) for i in range(1, n + 1)])
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        wait_batch(client, batch.id, lambda b: b.request_counts and b.request_counts.completed >= 2)
+    finally:
+        first.stop()                                         # its lines in flight stay queued
+    conn = sync_redis.Redis.from_url(stack.redis.url)
+    try:
+        conn.hset(batch_key(batch.id), "expires_at", json.dumps(int(time.time()) - 1))
+        second = start_gateway(stack, "gateway-after-expiry", window=2)
+        try:
+            client = sdk(second.url)
+            done = wait_batch(client, batch.id, lambda b: b.status not in ("validating", "in_progress"), timeout=60)
+            assert done.status == "expired" and done.expired_at, done
+            output = jsonl(client.files.content(done.output_file_id).text)
+            errors = jsonl(client.files.content(done.error_file_id).text)
+        finally:
+            second.stop()
+        counts = done.request_counts
+        assert counts.total == n and counts.completed >= 2 and counts.completed + counts.failed == n, counts
+        assert len(output) == counts.completed and len(errors) == counts.failed
+        assert {e["error"]["code"] for e in errors} == {"batch_expired"} and all(e["response"] is None for e in errors)
+        assert sorted(r["custom_id"] for r in output + errors) == sorted(f"req-{i}" for i in range(1, n + 1))
+        assert conn.hlen(QueueKeys("slotq:queue", ("interactive", "bulk")).jobs) == 0   # nothing left queued
+    finally:
+        conn.close()
 
 
 # ---------------------------------------------------------------------- cancel

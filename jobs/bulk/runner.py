@@ -43,7 +43,7 @@ from jobs.bulk.source import InputScan, LineSource
 from jobs.client import SlotqClient
 from jobs.errors import JobRejected, QueueFull, RedisUnavailable
 from jobs.queue.keys import LANE_RE
-from jobs.schemas import JobResult
+from jobs.schemas import JobResult, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ T = TypeVar("T")
 MISSING_CHECK_S = 5.0       # how often in-flight jobs are checked for having vanished from Redis
 REDIS_PATIENCE_S = 60.0     # a Redis outage longer than this ends the run (a rerun resumes it)
 REJECTED_BACKLOG = 1000     # records of bad lines held before the feeder waits for the collector to write them
+LEFTOVER_BATCH = 500        # lines a cancelled run leaves, checked for queued jobs in one round trip
 
 
 class BulkOptions(BaseModel):
@@ -142,6 +143,8 @@ class BulkRun:
         self._written: list[str] = []           # jobs whose lines are written, not yet committed
         self._stop = asyncio.Event()
         self._cancelling = False
+        self._cancel_reason: ErrorInfo | None = None
+        self._leftovers: list[str] = []         # job ids of lines a cancelled run leaves, to cancel in Redis
         self._counts = {"succeeded": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
     # ------------------------------------------------------------------ control
@@ -150,9 +153,12 @@ class BulkRun:
         running the same input again collects them without generating them again."""
         self._stop.set()
 
-    async def cancel(self) -> None:
-        """Stop feeding and cancel every line in flight; they end in the errors file as cancelled."""
+    async def cancel(self, reason: ErrorInfo | None = None) -> None:
+        """Stop feeding and cancel every line in flight; they end in the errors file as cancelled.
+        With a ``reason`` (a batch's completion window ran out), every line that did not finish --
+        in flight or never started -- goes to the errors file with that error instead."""
         self._cancelling = True
+        self._cancel_reason = reason
         self._stop.set()
         for job_id in list(self._inflight):
             await self._patiently(lambda job_id=job_id: self.client.cancel(job_id))
@@ -198,9 +204,11 @@ class BulkRun:
 
     # ------------------------------------------------------------------ feeding
     async def _feed(self, scan: InputScan) -> None:
-        async for number, raw in self.source.lines():
+        lines = self.source.lines()
+        async for number, raw in lines:
             if self._stop.is_set():
-                return
+                await self._leave(scan, number, raw)
+                break
             if self.sink.is_done(number):
                 continue
             try:
@@ -215,7 +223,8 @@ class BulkRun:
             await self._window.acquire()
             if self._stop.is_set():
                 self._window.release()
-                return
+                await self._leave(scan, number, raw)
+                break
             job_id = identity.job_id(scan.identity, number)
             try:
                 await self._enqueue(line, job_id)
@@ -223,6 +232,36 @@ class BulkRun:
                 self._window.release()
                 self._reject(number, ErrorInfo(code="rejected", message=str(exc), retryable=False), line.format,
                              line.key)
+        if self._cancelling:                       # none of the rest will run
+            async for number, raw in lines:
+                await self._leave(scan, number, raw)
+            await self._cancel_leftovers()
+
+    async def _leave(self, scan: InputScan, number: int, raw: bytes) -> None:
+        """A line a cancelled run will not start: cancel the job an earlier run may have left
+        queued for it, and, when the cancel has a reason, record the line with it."""
+        if not self._cancelling or self.sink.is_done(number):
+            return
+        self._leftovers.append(identity.job_id(scan.identity, number))
+        if len(self._leftovers) >= LEFTOVER_BATCH:
+            await self._cancel_leftovers()
+        if self._cancel_reason is None:
+            return
+        try:
+            line = parse_line(raw, number, lane=self.options.lane)
+            format, key = line.format, line.key
+        except LineError as exc:
+            format, key = exc.format, exc.key
+        self._reject(number, self._cancel_reason, format, key)
+        while len(self._rejected) >= REJECTED_BACKLOG:
+            await asyncio.sleep(self.options.poll_s)
+
+    async def _cancel_leftovers(self) -> None:
+        ids, self._leftovers = self._leftovers, []
+        present = await self._patiently(lambda: self.client.queue.in_queue(ids))
+        for job_id, here in zip(ids, present, strict=True):
+            if here:
+                await self._patiently(lambda job_id=job_id: self.client.cancel(job_id))
 
     def _check_expected(self, line: BulkLine) -> None:
         endpoint, model = self.options.endpoint, self.options.model
@@ -276,7 +315,7 @@ class BulkRun:
                 next_check = now + MISSING_CHECK_S
                 await self._requeue_missing()
             finished = feeder.done() and not self._inflight
-            stopping = self._stop.is_set() and not (self._cancelling and self._inflight)
+            stopping = self._stop.is_set() and not (self._cancelling and (self._inflight or not feeder.done()))
             if self._written and (now >= next_commit or finished or stopping
                                   or len(self._written) >= max(1, self.options.window // 4)):
                 next_commit = now + self.options.commit_s
@@ -291,6 +330,9 @@ class BulkRun:
         for job_id, result in results.items():
             item = self._inflight.pop(job_id)
             failure = failure_of(item.line, result)
+            ran: str | None = job_id
+            if failure is not None and self._cancel_reason is not None and result.status == JobStatus.CANCELLED:
+                failure, ran = self._cancel_reason, None       # stopped for the run's reason, not its own
             if failure is None:
                 outputs.append((item.line.number, output_record(item.line, job_id, result)))
                 self._counts["succeeded"] += 1
@@ -298,7 +340,7 @@ class BulkRun:
                 self._counts["completion_tokens"] += result.usage.completion_tokens
             else:
                 errors.append(error_record(item.line.number, failure, format=item.line.format, key=item.line.key,
-                                           job_id=job_id))
+                                           job_id=ran))
                 self._counts["failed"] += 1
             self._written.append(job_id)
             if self.observer:

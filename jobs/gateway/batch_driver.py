@@ -20,6 +20,7 @@ import time
 
 from redis.exceptions import RedisError
 
+from engine import ErrorInfo
 from jobs.bulk import BulkOptions, BulkSummary, InputError, OutputError, open_bulk
 from jobs.bulk.formats import LineError, parse_line
 from jobs.bulk.runner import BulkRun
@@ -34,6 +35,8 @@ from jobs.gateway.service import Gateway
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0      # progress writes, cancel checks and lease renewals (at most a third of the lease)
+BATCH_EXPIRED = ErrorInfo(code="batch_expired", retryable=False,
+                          message="This request could not be executed before the completion window expired.")
 
 
 class BatchDriver:
@@ -160,8 +163,8 @@ class _BatchRun:
             if self._stopped:
                 return
             if batch.status == "cancelling" or time.time() >= (batch.expires_at or float("inf")):
-                self.ending = "cancelled" if batch.status == "cancelling" else "expired"
-                await bulk.cancel()          # a batch cancelled (or expired) while no gateway drove it
+                # cancelled (or expired) while no gateway drove it
+                await self._end(bulk, "cancelled" if batch.status == "cancelling" else "expired")
             log.info("batch %s: running %s on queue %s", batch.id, batch.input_file_id, batch.queue)
             ticker = asyncio.get_running_loop().create_task(self._tick(batch))
             try:
@@ -219,13 +222,18 @@ class _BatchRun:
                 if self.ending is None:
                     cancelling = await self.batches.status(batch.id) == "cancelling"
                     if cancelling or time.time() >= (batch.expires_at or float("inf")):
-                        self.ending = "cancelled" if cancelling else "expired"
-                        log.info("batch %s: %s; cancelling its lines in flight", batch.id, self.ending)
-                        await bulk.cancel()
+                        await self._end(bulk, "cancelled" if cancelling else "expired")
             except (RedisError, OSError) as exc:
                 if time.monotonic() - renewed > self.driver.lease_s * 2 / 3:     # stop before another may start
                     self._lose(f"Redis unreachable for most of a lease ({type(exc).__name__})")
                     return
+
+    async def _end(self, bulk: BulkRun, ending: str) -> None:
+        """Cancel the lines in flight. Expired: as OpenAI does, every line that did not finish goes
+        to the error file as ``batch_expired``; cancelled: only the lines cut short are listed."""
+        self.ending = ending
+        log.info("batch %s: %s; cancelling its lines in flight", self.batch_id, ending)
+        await bulk.cancel(BATCH_EXPIRED if ending == "expired" else None)
 
     def _lose(self, why: str) -> None:
         log.warning("batch %s: lease lost (%s); stopping this gateway's run of it", self.batch_id, why)
