@@ -121,6 +121,10 @@ def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayP
 
     output = jsonl(client.files.content(done.output_file_id).text)
     assert sorted(r["custom_id"] for r in output) == sorted(f"req-{i}" for i in range(1, 11))   # each once
+    usage = [r["response"]["body"]["usage"] for r in output]
+    assert done.usage is not None and done.usage.input_tokens == sum(u["prompt_tokens"] for u in usage) > 0
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usage) > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     for record in output:
         assert record["id"].startswith("batch_req_") and record["error"] is None
         assert record["response"]["status_code"] == 200

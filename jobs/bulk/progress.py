@@ -12,6 +12,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.table import Table
 from rich.text import Text
 
+from engine import Usage
 from jobs.bulk.runner import BulkSummary
 
 RATE_WINDOW_S = 20.0
@@ -53,10 +54,10 @@ class RichProgress:
         self._task = self.progress.add_task("bulk", total=total, completed=done, failed=0)
         self.progress.start()
 
-    def line_finished(self, ok: bool, completion_tokens: int) -> None:
+    def line_finished(self, ok: bool, usage: Usage) -> None:
         assert self._task is not None
         self._failed += not ok
-        self._events.append((time.monotonic(), completion_tokens))
+        self._events.append((time.monotonic(), usage.completion_tokens))
         self.progress.update(self._task, advance=1, failed=self._failed)
 
     def stopped(self, summary: BulkSummary) -> None:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field, computed_field
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from engine import ErrorInfo
+from engine import ErrorInfo, Usage
 from jobs.bulk import identity
 from jobs.bulk.formats import (BulkLine, LineError, LineFormat, error_record, failure_of, output_record, parse_line,
                                raw_key)
@@ -115,7 +115,7 @@ class BulkObserver(Protocol):
 
     def started(self, total: int, done: int) -> None: ...
 
-    def line_finished(self, ok: bool, completion_tokens: int) -> None: ...
+    def line_finished(self, ok: bool, usage: Usage) -> None: ...
 
     def stopped(self, summary: BulkSummary) -> None: ...
 
@@ -300,7 +300,7 @@ class BulkRun:
         self._rejected.append(error_record(number, error, format=format, key=key, job_id=None))
         self._counts["failed"] += 1
         if self.observer:
-            self.observer.line_finished(False, 0)
+            self.observer.line_finished(False, Usage())
 
     # ------------------------------------------------------------------ collecting
     async def _collect(self, feeder: asyncio.Task[None]) -> None:
@@ -344,7 +344,7 @@ class BulkRun:
                 self._counts["failed"] += 1
             self._written.append(job_id)
             if self.observer:
-                self.observer.line_finished(failure is None, result.usage.completion_tokens)
+                self.observer.line_finished(failure is None, result.usage)
         if outputs or errors:
             await self.sink.write(outputs, errors)
 

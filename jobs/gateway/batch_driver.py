@@ -20,14 +20,14 @@ import time
 
 from redis.exceptions import RedisError
 
-from engine import ErrorInfo
+from engine import ErrorInfo, Usage
 from jobs.bulk import BulkOptions, BulkSummary, InputError, OutputError, open_bulk
 from jobs.bulk.formats import LineError, parse_line
 from jobs.bulk.runner import BulkRun
 from jobs.bulk.source import InputFile
 from jobs.errors import JobRejected
-from jobs.gateway.batches import (FINAL_STATUSES, Batch, BatchError, BatchErrors, BatchStore, RequestCounts,
-                                  error_file_id, output_file_id)
+from jobs.gateway.batches import (FINAL_STATUSES, Batch, BatchError, BatchErrors, BatchStore, BatchUsage,
+                                  RequestCounts, error_file_id, output_file_id)
 from jobs.gateway.errors import ApiError
 from jobs.gateway.files import FileStore
 from jobs.gateway.service import Gateway
@@ -112,6 +112,7 @@ class _BatchRun:
         self.task: asyncio.Task[None] | None = None
         self.bulk: BulkRun | None = None
         self.counts = RequestCounts()
+        self.usage = BatchUsage()
         self.ending: str | None = None          # "cancelled" or "expired" once the run is being cancelled
         self.lost = False                       # the lease is gone: another gateway may drive the batch
         self._stopped = False
@@ -125,7 +126,8 @@ class _BatchRun:
     def started(self, total: int, done: int) -> None:
         self.counts = RequestCounts(total=total, completed=done)
 
-    def line_finished(self, ok: bool, completion_tokens: int) -> None:
+    def line_finished(self, ok: bool, usage: Usage) -> None:
+        self.usage = self.usage.plus(usage)
         if ok:
             self.counts.completed += 1
         else:
@@ -138,6 +140,9 @@ class _BatchRun:
     # ------------------------------------------------------------------ the batch
     async def drive(self) -> None:
         batch = await self.batches.get(self.batch_id)
+        # Tokens of the lines earlier gateways ran (a line they ran but had not yet written out
+        # runs again here and is counted twice: usage can only err high by the lines in flight).
+        self.usage = batch.usage or BatchUsage()
         try:
             await self._drive(batch)
         except (InputError, OutputError, JobRejected) as exc:      # running it again would not help
@@ -218,7 +223,7 @@ class _BatchRun:
                     self._lose("another gateway holds its lease")
                     return
                 renewed = time.monotonic()
-                await self.batches.update(batch.id, request_counts=self.counts)
+                await self.batches.update(batch.id, request_counts=self.counts, usage=self.usage)
                 if self.ending is None:
                     cancelling = await self.batches.status(batch.id) == "cancelling"
                     if cancelling or time.time() >= (batch.expires_at or float("inf")):
@@ -245,7 +250,7 @@ class _BatchRun:
         if self.lost or (summary.interrupted and self.ending is None):
             return                     # stopped, not finished: whoever holds the lease next resumes it
         files = self.driver.files
-        outputs: dict[str, object] = {"request_counts": self.counts}
+        outputs: dict[str, object] = {"request_counts": self.counts, "usage": self.usage}
         for field, file_id, name in (("output_file_id", output_file_id(batch.id), "output"),
                                      ("error_file_id", error_file_id(batch.id), "errors")):
             if files.size(file_id):                 # OpenAI gives no file id for an empty output

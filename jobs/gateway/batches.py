@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.asyncio import Redis
 
+from engine import Usage
 from jobs.bulk.openai_batch import Endpoint
 from jobs.gateway.errors import ApiError
 
@@ -86,6 +87,33 @@ class BatchErrors(BaseModel):
     data: list[BatchError]
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    """OpenAI's batch ``usage``: the tokens of the batch's requests that ran (cached = prompt
+    tokens whose KV cache was reused)."""
+
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+    def plus(self, usage: Usage) -> BatchUsage:
+        return BatchUsage(
+            input_tokens=self.input_tokens + usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=self.input_tokens_details.cached_tokens + usage.cached_prompt_tokens),
+            output_tokens=self.output_tokens + usage.completion_tokens,
+            total_tokens=self.total_tokens + usage.prompt_tokens + usage.completion_tokens)
+
+
 class Batch(BaseModel):
     """OpenAI's batch object (``queue``, slotq's own, is kept in Redis but not sent)."""
 
@@ -109,6 +137,7 @@ class Batch(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    usage: BatchUsage | None = None
     metadata: dict[str, str] | None = None
     queue: str | None = Field(None, exclude=True)
 
