@@ -81,6 +81,12 @@ def upload(client: OpenAI, tmp_path: Path, lines: list[Any]) -> str:
         return client.files.create(file=f, purpose="batch").id
 
 
+def create_batch(client: OpenAI, tmp_path: Path, n: int, max_tokens: int = 48) -> Any:
+    """A chat batch of ``n`` lines (``req-1`` ... ``req-n``) long enough to be caught running."""
+    file_id = upload(client, tmp_path, [batch_line(i, max_tokens=max_tokens) for i in range(1, n + 1)])
+    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
 def wait_batch(client: OpenAI, batch_id: str, until: Any, timeout: float = 180) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -178,8 +184,7 @@ def test_killed_gateway_batch_resumes_without_regenerating(stack: Stack, tmp_pat
     first = start_gateway(stack, "gateway-killed", window=2)
     try:
         client = sdk(first.url)
-        file_id = upload(client, tmp_path, [batch_line(i, max_tokens=48) for i in range(1, n + 1)])
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = create_batch(client, tmp_path, n)
         before = wait_batch(client, batch.id, lambda b: b.request_counts and b.request_counts.completed >= 8)
         first.proc.kill()                                   # SIGKILL: no chance to release the lease
         first.proc.wait(10)
@@ -215,8 +220,7 @@ def test_an_expired_batch_lists_every_unfinished_request_as_batch_expired(stack:
     first = start_gateway(stack, "gateway-before-expiry", window=2)
     try:
         client = sdk(first.url)
-        file_id = upload(client, tmp_path, [batch_line(i, max_tokens=48) for i in range(1, n + 1)])
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = create_batch(client, tmp_path, n)
         wait_batch(client, batch.id, lambda b: b.request_counts and b.request_counts.completed >= 2)
     finally:
         first.stop()                                         # its lines in flight stay queued
@@ -246,8 +250,8 @@ def test_an_expired_batch_lists_every_unfinished_request_as_batch_expired(stack:
 def test_cancel_goes_cancelling_then_cancelled(stack: Stack, gateway: GatewayProcess, tmp_path: Path) -> None:
     n = 200
     client = sdk(gateway.url)
-    file_id = upload(client, tmp_path, [batch_line(i, max_tokens=48) for i in range(1, n + 1)])
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = create_batch(client, tmp_path, n)
+    file_id = batch.input_file_id
     wait_batch(client, batch.id, lambda b: b.request_counts and b.request_counts.completed >= 2)
     with pytest.raises(openai.ConflictError):
         client.files.delete(file_id)                                  # a running batch reads it
