@@ -17,8 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from arq.connections import ArqRedis
-from arq.jobs import serialize_result
+from redis.asyncio import Redis
 
 from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
@@ -72,7 +71,7 @@ class SlotqClient:
     """A producer's view of one queue. ``for_queue`` gives a client of another queue (another
     model) on the same connections; only the client that connected closes them."""
 
-    def __init__(self, redis: ArqRedis, settings: ClientSettings, *, owns_connection: bool = True,
+    def __init__(self, redis: Redis, settings: ClientSettings, *, owns_connection: bool = True,
                  reader: StreamReader | None = None) -> None:
         self.redis = redis
         self.settings = settings
@@ -231,10 +230,8 @@ class SlotqClient:
         if taken == 0:
             return False
         result = JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED)
-        now_ms = int(time.time() * 1000)
-        await self.redis.psetex(result_key(job_id), self.settings.keep_result_s * 1000, serialize_result(
-            JOB_FUNCTION, (), {}, 0, now_ms, True, result.model_dump(mode="json"), now_ms, now_ms, job_id,
-            self.settings.queue_name, job_id, serializer=serialize))
+        await self.queue.store_result(job_id, JOB_FUNCTION, result.model_dump(mode="json"),
+                                      ttl_ms=self.settings.keep_result_s * 1000, serializer=serialize)
         writer = StreamWriter(self.redis, flush_ms=1, maxlen=self.settings.stream_maxlen,
                               ttl_s=self.settings.stream_ttl_s)
         writer.add(job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=0,

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from arq.worker import Retry, RetryJob
 
 from engine import (
     EngineDead,
@@ -38,6 +37,7 @@ from jobs.elastic.admission import Verdict
 from jobs.engine_api import JobEngine, RunningRequest
 from jobs.keys import stream_key
 from jobs.payload import decode_payload
+from jobs.queue.runtime import Retry, RetryJob
 from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, MaxTokensCap, StreamEntry
 from jobs.serialization import POISON_MARKER
 from jobs.settings import WorkerSettings

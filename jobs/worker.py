@@ -34,7 +34,6 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import sentry_sdk
-from arq.worker import Function, func
 from redis.exceptions import RedisError
 
 from engine import Engine
@@ -89,8 +88,6 @@ class SlotqWorker:
         self._main: asyncio.Task[None] | None = None
         self._tokens_seen: tuple[float, int] | None = None
         self._faults = WorkerFaults.from_env()
-        # arq logs every job's arguments (the prompt) at INFO; slotq logs its own prompt-free lines.
-        logging.getLogger("arq.worker").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
 
     # ------------------------------------------------------------------ running
     async def run(self, *, handle_signals: bool = True) -> int:
@@ -104,7 +101,7 @@ class SlotqWorker:
                               ca_file=self.settings.redis_ca_file)
         self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes)
         self.runtime = QueueRuntime(
-            functions=[self._job_function()], queue_name=self.settings.queue_name, redis_pool=redis,
+            job_name=JOB_FUNCTION, job=self.run_job, queue_name=self.settings.queue_name, redis_pool=redis,
             queue=self.queue, token=self.token, lease_ms=self.lease_ms, may_claim=self._may_claim,
             on_job_started=self._observe_pickup, on_startup=self._on_startup, on_shutdown=self._on_shutdown,
             max_jobs=self.settings.slots, job_timeout=self.settings.job_timeout_s,
@@ -125,11 +122,6 @@ class SlotqWorker:
             await self.runtime.close()
         log.info("worker %s stopped", self.id)
         return self.exit_code
-
-    def _job_function(self) -> Function:
-        async def generate(ctx: dict[str, Any], payload: Any) -> dict[str, Any]:
-            return await self.run_job(ctx, payload)
-        return func(generate, name=JOB_FUNCTION)
 
     def _may_claim(self) -> bool:
         """Claim only once warmed up, while the heartbeat renews leases, the engine runs and the
@@ -166,19 +158,18 @@ class SlotqWorker:
         log.info("loading %s as %r (%d slots, ctx %d)", config.model_path.name, self.served_model, config.slots,
                  config.ctx)
         self.engine = await self.engine_factory(config)
-        assert self.queue is not None
+        assert self.queue is not None and self.runtime is not None
         self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
                                    ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
                                    owners_key=self.queue.keys.owners, writer_id=self.token,
-                                   on_fenced=self._on_fenced)
+                                   on_fenced=self.runtime.lose_lease)   # a refused write: that attempt stops
         self.writer.start()
         self.supervisor.start("heartbeat", self._heartbeat_loop)
         self.supervisor.start("cancel-listener", self._cancel_listener)
         self.supervisor.start("engine-watch", self._engine_watch)
         if self.settings.metrics_port:
             self.supervisor.start("metrics", self._metrics_loop)
-        assert self.runtime is not None
         self.elastic = ElasticLoop(self.settings, engine=self.engine, runtime=self.runtime, queue=self.queue,
                                    faults=self._faults, worker_id=self.id)
         warm_s = await self.engine.warm_up()
@@ -316,11 +307,6 @@ class SlotqWorker:
 
     def _observe_pickup(self, job: ClaimedJob) -> None:
         metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, time.time() - job.ready_ms / 1000))
-
-    def _on_fenced(self, job_id: str, lease: str) -> None:
-        """A stream write of ``lease`` was refused: that attempt no longer owns the job."""
-        assert self.runtime is not None
-        self.runtime.lose_lease(job_id, lease)
 
     # ------------------------------------------------------------------ the job function
     async def run_job(self, ctx: dict[str, Any], payload: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from arq.jobs import deserialize_result, serialize_job
+from arq.jobs import deserialize_result, serialize_job, serialize_result
 from redis.asyncio import Redis
 
 from jobs.queue import scripts
@@ -93,6 +93,13 @@ class RedisQueue:
         return int(await self._scripts["CANCEL"](
             keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, *counted],
             args=[job_id, int(time.time() * 1000), k.abort_channel("")]))
+
+    async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int, serializer: Any) -> None:
+        """Store the result record (arq's format) of a job no worker ran, e.g. cancelled while queued."""
+        now_ms = int(time.time() * 1000)
+        record = serialize_result(function, (), {}, 0, now_ms, True, result, now_ms, now_ms, job_id, self.keys.queue,
+                                  job_id, serializer=serializer)
+        await self.redis.psetex(result_key(job_id), ttl_ms, record)
 
     async def result_record(self, job_id: str, deserializer: Any) -> Any | None:
         """arq's result record of a finished job, or None."""

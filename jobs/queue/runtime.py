@@ -18,24 +18,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from arq.worker import Worker
+from arq.worker import Retry, RetryJob, Worker, func
 
 from jobs.queue.redis_queue import ClaimedJob, RedisQueue
 
 log = logging.getLogger(__name__)
 
 
-class QueueRuntime(Worker):
-    """An arq ``Worker`` whose jobs come from :class:`RedisQueue`. ``max_jobs`` is the number of
-    slots; ``allow_pick_jobs = False`` stops claiming (draining)."""
+__all__ = ["QueueRuntime", "Retry", "RetryJob"]     # what a job function raises: retry later, or hand back
 
-    def __init__(self, *args: Any, queue: RedisQueue, token: str, lease_ms: int,
-                 may_claim: Callable[[], bool] = lambda: True,
+
+class QueueRuntime(Worker):
+    """An arq ``Worker`` whose jobs come from :class:`RedisQueue` and run ``job`` (registered as
+    ``job_name``). ``max_jobs`` is the number of slots; ``allow_pick_jobs = False`` stops claiming
+    (draining)."""
+
+    def __init__(self, *, job_name: str, job: Callable[[dict[str, Any], Any], Awaitable[Any]], queue: RedisQueue,
+                 token: str, lease_ms: int, may_claim: Callable[[], bool] = lambda: True,
                  on_job_started: Callable[[ClaimedJob], None] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, handle_signals=False, **kwargs)
+        super().__init__(functions=[func(job, name=job_name)], handle_signals=False, **kwargs)
+        # arq logs every job's arguments (the prompt) at INFO; slotq logs its own prompt-free lines.
+        logging.getLogger("arq.worker").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
         self.queue = queue
         self.token = token
         self.lease_ms = lease_ms
