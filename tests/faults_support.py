@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import signal
+import ssl as ssl_module
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -207,7 +208,38 @@ def report(line: str) -> None:
 
 
 
-class FaultyProxy:
+class RedisProxy:
+    """A local front on a free port for the Redis on ``upstream_port``: subclasses decide, in
+    ``_handle``, what passes between a client and Redis. ``ssl`` terminates TLS."""
+
+    scheme = "redis"
+
+    def __init__(self, upstream_port: int, ssl: ssl_module.SSLContext | None = None) -> None:
+        self.upstream_port = upstream_port
+        self.ssl = ssl
+        self.port: int | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ssl)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class FaultyProxy(RedisProxy):
     """A TCP proxy in front of Redis that injects one fault when armed. The next request that
     contains ``needle`` is forwarded to Redis and executed, and then
 
@@ -222,34 +254,17 @@ class FaultyProxy:
     """
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port)
         self.needle: bytes | None = None
         self.mode = "drop_reply"
         self.on = "request"
         self.delay_s = 1.0
         self.fired = asyncio.Event()
-        self.port: int | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
 
     def arm(self, needle: bytes, mode: str = "drop_reply", delay_s: float = 1.0, on: str = "request") -> None:
         assert mode in ("drop_reply", "freeze", "delay") and on in ("request", "reply")
         assert on == "request" or mode == "freeze"
         self.needle, self.mode, self.delay_s, self.on = needle, mode, delay_s, on
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -4,6 +4,7 @@ SSE the way a client on the wire sees it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -114,6 +115,18 @@ class Stack:
         for worker in self.workers.values():
             worker.stop()
         self.redis.stop()
+
+    @classmethod
+    @contextlib.contextmanager
+    def started(cls, cwd: Path, model_path: Path) -> Iterator[Stack]:
+        """A stack on a Valkey of its own in ``cwd``; every process it started is stopped on exit."""
+        redis = EmbeddedRedis(cwd / "redis", port=0, fsync="no")
+        redis.start()
+        stack = cls(redis, cwd, model_path)
+        try:
+            yield stack
+        finally:
+            stack.stop()
 
 
 @dataclass

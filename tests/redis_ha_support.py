@@ -24,6 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from faults_support import RedisProxy
 
 from jobs.redis_server import _free_port, valkey_binary
 
@@ -168,30 +169,15 @@ def make_ca_and_server_cert(directory: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
-class TlsProxy:
+class TlsProxy(RedisProxy):
     """Terminates TLS on a free port and forwards each connection to a plain Redis on ``upstream_port``."""
 
+    scheme = "rediss"
+
     def __init__(self, upstream_port: int, cert: Path, key: Path) -> None:
-        self.upstream_port = upstream_port
-        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.context.load_cert_chain(cert, key)
-        self.port: int | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def url(self) -> str:
-        return f"rediss://127.0.0.1:{self.port}/0"
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.context)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
+        super().__init__(upstream_port, ssl=context)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)

@@ -29,7 +29,6 @@ from redis.asyncio import Redis
 
 from engine import ErrorInfo
 from jobs import dead_letters
-from jobs.redis_server import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,11 +39,7 @@ PROMPT = [{"role": "user", "content": "Tell me about queues."}]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
-    cwd = tmp_path_factory.mktemp("gateway")
-    redis = EmbeddedRedis(cwd / "redis", port=0, fsync="no")
-    redis.start()
-    s = Stack(redis, cwd, tiny_model_path)
-    try:
+    with Stack.started(tmp_path_factory.mktemp("gateway"), tiny_model_path) as s:
         s.start_worker("gw-worker-a", "tiny-a", ctx=16_384)
         s.start_worker("gw-worker-b", "tiny-b", queue="slotq:queue:b", slots=2)
         s.start_gateway("gateway-1", gateway_keepalive_s=0.5)
@@ -54,8 +49,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
             gateway.wait_ready()
         s.wait_for_models({"tiny-a", "tiny-b"})
         yield s
-    finally:
-        s.stop()
 
 
 def sdk(url: str, api_key: str = "unused") -> OpenAI:

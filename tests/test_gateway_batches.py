@@ -25,7 +25,6 @@ from openai import OpenAI
 
 from jobs.gateway.batches import batch_key
 from jobs.queue.keys import QueueKeys
-from jobs.redis_server import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,15 +35,9 @@ LEASE_S = 2
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
-    cwd = tmp_path_factory.mktemp("batches")
-    redis = EmbeddedRedis(cwd / "redis", port=0, fsync="no")
-    redis.start()
-    s = Stack(redis, cwd, tiny_model_path)
-    try:
+    with Stack.started(tmp_path_factory.mktemp("batches"), tiny_model_path) as s:
         s.start_worker("batch-worker", MODEL)
         yield s
-    finally:
-        s.stop()
 
 
 def start_gateway(stack: Stack, name: str, window: int = 4) -> GatewayProcess:

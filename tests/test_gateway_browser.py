@@ -26,7 +26,6 @@ from redis.asyncio import Redis
 
 from engine import ErrorInfo, bundled_model_path
 from jobs import dead_letters
-from jobs.redis_server import EmbeddedRedis
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
@@ -51,18 +50,13 @@ def _require_chromium() -> None:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
     _require_chromium()
-    cwd = tmp_path_factory.mktemp("dashboard")
-    redis = EmbeddedRedis(cwd / "redis", port=0, fsync="no")
-    redis.start()
-    s = Stack(redis, cwd, bundled_model_path() if SCREENSHOT_TO else tiny_model_path)
-    try:
+    model = bundled_model_path() if SCREENSHOT_TO else tiny_model_path
+    with Stack.started(tmp_path_factory.mktemp("dashboard"), model) as s:
         engine = {"ctx": 2048, "threads": 2} if SCREENSHOT_TO else {"ctx": 16_384}
         s.start_worker("browser-worker", MODEL_NAME, slots=2, **engine)
         s.start_gateway("browser-gateway").wait_ready()
         s.wait_for_models({MODEL_NAME})
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture

@@ -130,6 +130,15 @@ class Sim:
                 self.finish(seq)
         return out
 
+    def generating(self, n: int) -> list[Sequence]:
+        """Add ``n`` short sequences and step until each has generated a token (all decoding)."""
+        seqs = [make_seq(2, max_new=50) for _ in range(n)]
+        for q in seqs:
+            self.s.add(q)
+        while any(q.n_generated == 0 for q in seqs):
+            self.step()
+        return seqs
+
     def finish(self, seq: Sequence, reusable: bool = True) -> None:
         self.s.finish(seq, reusable=reusable)
         self.finished.append(seq)
@@ -177,11 +186,7 @@ def test_decode_tokens_come_first_one_per_generating_sequence() -> None:
 def test_decode_keeps_going_when_batch_is_full_of_prefill_demand() -> None:
     s = Scheduler(config(n_slots=4, n_batch=4, prefill_chunk=4))
     sim = Sim(s)
-    gen = [make_seq(2, max_new=50) for _ in range(3)]
-    for q in gen:
-        s.add(q)
-    while any(q.n_generated == 0 for q in gen):
-        sim.step()
+    gen = sim.generating(3)
     s.add(make_seq(30))
     for _ in range(5):
         before = {q: q.n_generated for q in gen}

@@ -47,11 +47,7 @@ def test_lowering_the_cap_never_stops_a_running_sequence() -> None:
 def test_smaller_batch_and_chunk_cut_prefill_never_decode() -> None:
     s = Scheduler(config(n_slots=4, n_batch=64, prefill_chunk=16))
     sim = Sim(s)
-    gen = [make_seq(2, max_new=50) for _ in range(3)]
-    for q in gen:
-        s.add(q)
-    while any(q.n_generated == 0 for q in gen):
-        sim.step()
+    gen = sim.generating(3)
     long = make_seq(100)
     s.add(long)
     s.set_limits(SchedulerLimits(active_slots=4, n_batch=8, prefill_chunk=4))
