@@ -217,8 +217,7 @@ class BulkRun:
                 self._check_unique(scan, line)
             except LineError as exc:
                 self._reject(number, exc.error, exc.format, exc.key)
-                while len(self._rejected) >= REJECTED_BACKLOG:     # a file of bad lines: let the collector write
-                    await asyncio.sleep(self.options.poll_s)
+                await self._rejected_written()
                 continue
             await self._window.acquire()
             if self._stop.is_set():
@@ -253,8 +252,7 @@ class BulkRun:
         except LineError as exc:
             format, key = exc.format, exc.key
         self._reject(number, self._cancel_reason, format, key)
-        while len(self._rejected) >= REJECTED_BACKLOG:
-            await asyncio.sleep(self.options.poll_s)
+        await self._rejected_written()
 
     async def _cancel_leftovers(self) -> None:
         ids, self._leftovers = self._leftovers, []
@@ -293,6 +291,11 @@ class BulkRun:
             except QueueFull:
                 await asyncio.sleep(1.0)        # other producers filled the queue: wait for room
         self._inflight[job_id] = _InFlight(line, job_id)
+
+    async def _rejected_written(self) -> None:
+        """A file of bad (or unrun) lines: wait while the collector writes their records out."""
+        while len(self._rejected) >= REJECTED_BACKLOG:
+            await asyncio.sleep(self.options.poll_s)
 
     def _reject(self, number: int, error: ErrorInfo, format: LineFormat, key: str | None) -> None:
         if self.options.endpoint is not None:      # a Batch API run: every error record in OpenAI's shape

@@ -138,8 +138,8 @@ class QueueRuntime(Worker):
             return
         self.lease_lost.add(job_id)
         task = self.job_tasks.get(job_id)
-        if task is not None:
-            task.cancel()                         # not started yet: the job function checks lease_lost
+        if task is not None:                      # None: not started yet; the job function checks lease_lost
+            task.cancel()
 
     def leases(self) -> list[ClaimedJob]:
         """The claims whose leases the heartbeat renews: every running attempt not yet lost or
