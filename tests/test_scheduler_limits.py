@@ -1,9 +1,9 @@
 """Pure tests of the scheduler's runtime limits (active slots, batch budget, prefill chunk), which an
-elastic worker moves while the engine runs. No model: ``Sim`` from test_scheduler plays the runner."""
+elastic worker moves while the engine runs. No model: ``scheduler_sim.Sim`` plays the runner."""
 
 from __future__ import annotations
 
-from test_scheduler import Sim, config, make_seq
+from scheduler_sim import Sim, config, make_seq
 
 from engine.scheduler import Scheduler, SchedulerLimits
 
