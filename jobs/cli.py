@@ -4,7 +4,8 @@ Settings flags (``--slots``, ``--queue-name``, ...) are generated from the setti
 command accepts exactly the settings it uses, with the same bounds and the same names as the
 ``SLOTQ_*`` environment variables. Errors a user can fix are printed as one line, with a non-zero
 exit code: 1 for a failed job or a slotq error (Redis unreachable, no such job, queue full), 2 for
-invalid input or settings.
+invalid input or settings, 130 when Ctrl-C or SIGTERM interrupted the command, 141 when the reader of
+its output went away (``slotq result ID | head -5``), which ends the command quietly as Unix tools do.
 """
 
 from __future__ import annotations
@@ -14,20 +15,26 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from jobs.errors import SlotqError
 from jobs.settings import ClientSettings, WorkerSettings, add_settings_flags, from_command_line
 
+if TYPE_CHECKING:
+    from jobs.client import JobHandle
+
 log = logging.getLogger("slotq")
 
 EXIT_FAILED = 1
 EXIT_INVALID = 2
+EXIT_INTERRUPTED = 130     # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141     # 128 + SIGPIPE, what a shell reports for `yes | head -1`'s yes
 
 
 # ---------------------------------------------------------------------- helpers
@@ -148,25 +155,80 @@ async def _enqueue(args: argparse.Namespace) -> int:
         system = [{"role": "system", "content": args.system}] if args.system else []
         text = {"messages": [*system, {"role": "user", "content": args.text}]}
     try:
-        request = JobRequest(**text, max_tokens=args.max_tokens, stop=args.stop or [],
+        request = JobRequest(**text, max_tokens=args.max_tokens, stop=args.stop or [], ignore_eos=args.ignore_eos,
                              idempotency_key=args.idempotency_key, priority=args.priority, lane=args.lane,
                              sampling={"temperature": args.temperature, **({"seed": args.seed} if args.seed is not None else {})})
     except ValidationError as exc:
         print(f"invalid request:\n{_describe(exc)}", file=sys.stderr)
         return EXIT_INVALID
+    waits = args.stream or args.json
     async with _client(settings) as client:
+        interrupted = asyncio.Event()
+        _stop_on_interrupt(interrupted.set)     # before the enqueue: no Ctrl-C slips in between it and the wait
         job = await client.enqueue(request)
-        if not args.json:
-            print(job.id, flush=True)
-        if args.stream:
+        # The id comes first, so whoever interrupts the wait can still follow or cancel the job. It is
+        # stdout's only line when it is the command's whole output; with --stream stdout is the text and
+        # with --json one JSON object, so there it goes to stderr.
+        print(job.id, file=sys.stderr if waits else sys.stdout, flush=True)
+        if waits:
+            try:
+                code = await _until_interrupted(_wait_for(job, args), interrupted)
+            except BrokenPipeError:     # stdout's reader left (`| head`): the job should not outlive it either
+                await _let_go(job, detach=args.detach, why="the reader of the output went away")
+                raise
+            if code is not None:
+                return code
+        elif not interrupted.is_set():
+            return 0
+        await _let_go(job, detach=args.detach, why="interrupted")
+        return EXIT_INTERRUPTED
+
+
+async def _wait_for(job: JobHandle, args: argparse.Namespace) -> int:
+    """``enqueue --stream`` prints the text as it comes, ``--json`` the result; the exit code is 1 when
+    the job did not succeed (known with --json only, as --stream prints nothing but the text)."""
+    if args.stream:
+        try:
             async for chunk in job.text():
                 print(chunk, end="", flush=True)
-            print()
-        if args.json:
-            result = await job.result(timeout=args.timeout)
-            _print_json(result.model_dump(mode="json"))
-            return 0 if result.status.value == "succeeded" else EXIT_FAILED
+        finally:
+            print()     # end the text's line, also when interrupted, before anything goes to stderr
+    if args.json:
+        result = await job.result(timeout=args.timeout)
+        _print_json(result.model_dump(mode="json"))
+        return 0 if result.status.value == "succeeded" else EXIT_FAILED
     return 0
+
+
+async def _until_interrupted(work: Awaitable[int], interrupted: asyncio.Event) -> int | None:
+    """``work``'s exit code, or None when ``interrupted`` is set first (``work`` is then cancelled)."""
+    working = asyncio.ensure_future(work)
+    waiting = asyncio.create_task(interrupted.wait())
+    try:
+        await asyncio.wait({working, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if working.done():
+        return working.result()
+    working.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await working
+    return None
+
+
+async def _let_go(job: JobHandle, *, detach: bool, why: str) -> None:
+    """What becomes of the job when its command stops waiting early: the command's caller is gone, so
+    the job it created is cancelled, unless --detach asked to keep it. A job the command only
+    attached to (its --idempotency-key matched an existing job) belongs to whoever created it, and
+    keeps running. Either way stderr says what happened and how to reach the job."""
+    if detach or not job.created:
+        because = "--detach" if detach else "--idempotency-key matched a job this command did not create"
+        print(f"{why}; job {job.id} keeps running ({because}): `slotq result {job.id}` waits for it, "
+              f"`slotq cancel {job.id}` cancels it", file=sys.stderr)
+    elif await job.cancel():
+        print(f"{why}; job {job.id} cancelled", file=sys.stderr)
+    else:
+        print(f"{why}; job {job.id} had already finished: `slotq result {job.id}` shows it", file=sys.stderr)
 
 
 async def _result(args: argparse.Namespace) -> int:
@@ -206,7 +268,7 @@ async def _status(args: argparse.Namespace) -> int:
             stop = asyncio.Event()
             _stop_on_interrupt(stop.set)
             await watch(client.queue_info, interval_s=args.interval, stop=stop)
-            return 130
+            return EXIT_INTERRUPTED
         info = await client.queue_info()
     if args.json:
         _print_json(info.model_dump(mode="json"))
@@ -215,33 +277,59 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+NO_DEAD_LETTERS = "no dead-lettered jobs"
+
+
+def _no_dead_letter(job_id: str) -> int:
+    """Say that ``job_id`` is not a dead letter; the exit code for it."""
+    print(f"no dead letter {job_id} (`slotq dlq list` lists them)", file=sys.stderr)
+    return EXIT_FAILED
+
+
 async def _dlq(args: argparse.Namespace) -> int:
+    """Exit code 1 when a named job is not a dead letter, or one could not be requeued: a script that
+    requeues or purges learns that it did not happen. Notes (no dead letters) go to stderr, so stdout
+    holds only the listing or the records."""
     from jobs import dead_letters
 
+    if (args.action == "show" and not args.job_id) or (args.action == "requeue" and not (args.job_id or args.all)):
+        print(f"slotq dlq {args.action}: give a job id{' or --all' if args.action == 'requeue' else ''}",
+              file=sys.stderr)
+        return EXIT_INVALID
     async with _client(_client_settings(args)) as client:
         redis = client.redis
+        if args.action == "show":
+            letter = await dead_letters.get(redis, args.job_id)
+            if letter is None:
+                return _no_dead_letter(args.job_id)
+            _print_json(letter.model_dump(mode="json"))
+            return 0
+        named = bool(args.job_id) and not args.all and args.action != "list"
+        ids = [args.job_id] if named else await dead_letters.list_ids(redis)
+        if not ids:
+            print(NO_DEAD_LETTERS, file=sys.stderr)
+            return 0
+        code = 0
         if args.action == "list":
-            for job_id in await dead_letters.list_ids(redis):
+            for job_id in ids:
                 letter = await dead_letters.get(redis, job_id)
                 if letter:
                     print(f"{job_id}  attempts={letter.attempts}  {letter.error.code}: {letter.error.message}")
-        elif args.action == "show":
-            letter = await dead_letters.get(redis, args.job_id or "")
-            if letter is None:
-                print(f"no dead letter {args.job_id}", file=sys.stderr)
-                return EXIT_FAILED
-            _print_json(letter.model_dump(mode="json"))
         elif args.action == "requeue":
-            ids = await dead_letters.list_ids(redis) if args.all else [args.job_id]
             for job_id in ids:
-                new = await client.requeue_dead_letter(job_id)
-                print(f"{job_id} requeued" if new else f"{job_id}: no requeueable payload")
+                if await dead_letters.get(redis, job_id) is None:
+                    code = _no_dead_letter(job_id)
+                elif await client.requeue_dead_letter(job_id):
+                    print(f"{job_id} requeued")
+                else:
+                    print(f"{job_id}: no requeueable payload (`slotq dlq show {job_id}`)", file=sys.stderr)
+                    code = EXIT_FAILED
         elif args.action == "purge":
-            ids = await dead_letters.list_ids(redis) if args.all or not args.job_id else [args.job_id]
-            for job_id in ids:
-                await dead_letters.remove(redis, job_id)
-            print(f"purged {len(ids)}")
-    return 0
+            purged = [job_id for job_id in ids if await dead_letters.remove(redis, job_id)]
+            print(f"purged {len(purged)}")
+            if named and not purged:
+                code = _no_dead_letter(args.job_id)
+    return code
 
 
 async def _bulk(args: argparse.Namespace) -> int:
@@ -261,7 +349,7 @@ async def _bulk(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         Console().print(summary_table(summary))
-    return 130 if summary.interrupted else 0 if summary.all_succeeded else EXIT_FAILED
+    return EXIT_INTERRUPTED if summary.interrupted else 0 if summary.all_succeeded else EXIT_FAILED
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -308,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", dest="gateway_port", default=argparse.SUPPRESS, help="short for --gateway-port")
     p.set_defaults(func=cmd_gateway)
 
-    p = command("enqueue", "enqueue one job; prints its id (or its result with --json)")
+    p = command("enqueue", "enqueue one job and print its id; with --stream or --json wait for it (the id then "
+                           "goes first, to stderr), and Ctrl-C or SIGTERM cancels the job unless --detach")
     p.add_argument("text", help="the user's message (the model's chat template applies), or with --raw a raw prompt")
     p.add_argument("--raw", action="store_true", help="send TEXT as a plain completion prompt, without the chat template")
     p.add_argument("--system", help="a system message before TEXT (not with --raw)")
@@ -316,12 +405,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly --max-tokens tokens, past end-of-sequence")
     p.add_argument("--priority", type=int, default=0, help="-100..100; higher is admitted first inside a worker")
     p.add_argument("--lane", default="interactive", help="priority lane of the queue (SLOTQ_LANES), e.g. bulk")
-    p.add_argument("--idempotency-key", help="the same key always maps to the same job")
-    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--idempotency-key", help="the same key always maps to the same job; when it matches an "
+                                             "existing job, Ctrl-C leaves that job running")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated (stdout: the text only)")
     p.add_argument("--json", action="store_true", help="wait and print the result as one JSON object")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait with --json")
+    p.add_argument("--detach", action="store_true", help="with --stream or --json: Ctrl-C or SIGTERM stops the "
+                                                         "waiting but leaves the job running (`slotq result ID` "
+                                                         "waits again, `slotq cancel ID` cancels it)")
     p.set_defaults(func=_async(_enqueue))
 
     p = command("result", "wait for a job's result and print it as JSON")
@@ -340,9 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     p.set_defaults(func=_async(_status))
 
-    p = command("dlq", "dead letters: jobs that exhausted their tries or could not be read")
+    p = command("dlq", "dead letters: jobs that exhausted their tries or could not be read; exit code 1 when "
+                       "a named job is not one")
     p.add_argument("action", choices=["list", "show", "requeue", "purge"])
-    p.add_argument("job_id", nargs="?")
+    p.add_argument("job_id", nargs="?", help="the dead letter to show, requeue or purge")
     p.add_argument("--all", action="store_true", help="with requeue/purge: every dead letter")
     p.set_defaults(func=_async(_dlq))
 
@@ -368,8 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse), "
                          "gateway (HTTP overhead), fleet (the claim path at 100 to 10,000 simulated slots), "
                          "bulk (bulk runs beside interactive jobs), peers (slotq beside llama-server and "
-                         "llama-cpp-python's server)", None)
-    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "fleet", "bulk", "peers"])
+                         "llama-cpp-python's server), overhead (many streams on a tiny model: slotq beside "
+                         "llama-server in both KV layouts)", None)
+    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "fleet", "bulk", "peers", "overhead"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
     p.set_defaults(func=cmd_bench)
@@ -387,6 +484,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         code = args.func(args)
+        sys.stdout.flush()      # here, so that a reader gone before the last buffered write ends as below
+    except BrokenPipeError:
+        # The reader of stdout left (`slotq result ID | head -5`): stop quietly, as Unix tools do, with the
+        # status a shell reports for them. stdout now points at /dev/null, so the flush at exit cannot fail
+        # again and print "Exception ignored ... BrokenPipeError".
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_BROKEN_PIPE
     except ValidationError as exc:
         print(f"invalid settings:\n{_describe(exc)}", file=sys.stderr)
         code = EXIT_INVALID
@@ -394,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"slotq: {exc}", file=sys.stderr)
         code = EXIT_INVALID if isinstance(exc, ValueError) else EXIT_FAILED
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_INTERRUPTED
     sys.exit(code or 0)
 
 
