@@ -49,12 +49,15 @@ async def _slotq(*args: str, redis_url: str, cwd: Path,
                                                 stdout=stdout, stderr=asyncio.subprocess.PIPE)
 
 
-async def _finish(proc: asyncio.subprocess.Process, timeout: float = 60) -> tuple[int, str, str]:
-    """Wait for the command; its exit code, stdout (the rest of it) and stderr."""
+async def _finish(proc: asyncio.subprocess.Process, already_read: tuple[bytes, bytes] = (b"", b""),
+                  timeout: float = 60) -> tuple[int, str, str]:
+    """Wait for the command; its exit code, stdout and stderr (after what the test ``already_read``
+    of them)."""
     async with asyncio.timeout(timeout):
         out, err = await proc.communicate()
     assert proc.returncode is not None
-    return proc.returncode, (out or b"").decode(errors="replace"), err.decode(errors="replace")
+    return (proc.returncode, (already_read[0] + (out or b"")).decode(errors="replace"),
+            (already_read[1] + err).decode(errors="replace"))
 
 
 async def _run(*args: str, redis_url: str, cwd: Path) -> tuple[int, str, str]:
@@ -76,15 +79,12 @@ async def _interrupt_enqueue(extra: list[str], sig: signal.Signals, *, redis_url
     assert proc.stdout is not None and proc.stderr is not None
     async with asyncio.timeout(60):
         if "--stream" in extra:
-            early_out, early_err = await proc.stdout.read(1), b""
+            first_output = (await proc.stdout.read(1), b"")
         else:
-            early_out, early_err = b"", await proc.stderr.readline()
+            first_output = (b"", await proc.stderr.readline())
     assert proc.returncode is None, "the command ended before it could be interrupted"
     proc.send_signal(sig)
-    async with asyncio.timeout(60):
-        out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, (early_out + out).decode(errors="replace"), (early_err + err).decode(errors="replace")
+    return await _finish(proc, first_output)
 
 
 # ---------------------------------------------------------------------- Ctrl-C and SIGTERM
