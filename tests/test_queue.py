@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from jobs.queue.keys import ABORTS, QueueKeys, job_record_key, retry_counter_key
-from jobs.queue.redis_queue import Enqueued, RedisQueue
+from jobs.queue.redis_queue import AttemptOutcomes, Enqueued, RedisQueue
 from jobs.serialization import serialize
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
 
@@ -159,6 +159,33 @@ async def test_retry_later_waits_out_its_backoff(queue):
     await asyncio.sleep(0.2)
     [again] = await queue.claim(1, "w1", LEASE_MS)                          # promoted when due
     assert again.id == "flaky"
+
+
+async def test_lost_attempts_are_judged_by_the_progress_they_left_in_the_stream(queue, redis):
+    """START_ATTEMPT: the attempt that started last, lost since, was an interruption (no try) if the
+    stream grew while it ran, else a failure; attempts lost before they started failed too; a
+    hand-back judges nothing, and a retried attempt was judged (a failure) when it was retried."""
+    await put(queue, "job")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    judged = [(s.interruptions, s.interrupted, s.failed) for s in [
+        await queue.start_attempt(job, 1, 0),
+        await queue.start_attempt(job, 2, 40),    # 1 was lost after delivering 40 tokens: interrupted
+        await queue.start_attempt(job, 3, 40),    # 2 delivered nothing new: failed
+        await queue.start_attempt(job, 5, 40),    # 3 delivered nothing, 4 was lost before it started: 2 failed
+        await queue.start_attempt(job, 5, 60),    # 5 again after a hand-back: nothing lost
+        await queue.start_attempt(job, 6, 90),    # 5 (since its hand-back) delivered 30 tokens: interrupted
+    ]]
+    assert judged == [(0, 0, 0), (1, 1, 0), (1, 0, 1), (1, 0, 2), (1, 0, 0), (2, 1, 0)]
+    assert await queue.interruptions("job") == 2
+    assert await queue.retry_later(job, 0)                                  # 6 failed with a retryable error
+    [job] = await queue.claim(1, "w2", LEASE_MS)
+    after_retry = await queue.start_attempt(job, 7, 120)                   # 6 made progress, but it failed
+    assert (after_retry.interruptions, after_retry.interrupted, after_retry.failed) == (2, 0, 0)
+    assert await queue.attempt_outcomes() == AttemptOutcomes(interrupted=2, failed=4)
+    assert not (await queue.start_attempt(dataclasses.replace(job, lease="intruder#1"), 8, 500)).owned
+    assert await queue.interruptions("job") == 2                            # the intruder wrote nothing
+    assert await queue.finish(job, b"done", 60_000)
+    assert not await redis.hexists(queue.keys.progress, "job")
 
 
 async def test_cancel_queued_and_running(queue, redis):

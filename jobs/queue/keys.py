@@ -8,6 +8,8 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:running:L``                   ZSET    job id -> lease deadline (ms); the reaper requeues expired ones
 ``Q:jobs``                        HASH    job id -> ``lane<TAB>ready time`` for every job in the queue
 ``Q:owners``                      HASH    job id -> lease of the attempt running it (``<worker token>#<claim number>``)
+``Q:progress``                    HASH    job id -> ``accounted<TAB>started<TAB>tokens<TAB>interruptions`` (see below)
+``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
 ``Q:wake``                        LIST    one token per waiting job (capped): an idle worker BLPOPs one
 ``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
 ``arq:job:<id>``                  STRING  the job record in arq's format (function, payload, enqueue time)
@@ -15,6 +17,11 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``arq:result:<id>``               STRING  the result record in arq's format
 ``arq:abort``                     ZSET    arq's pending aborts (checked by ``run_job`` before a job starts)
 ================================  ======  ===========================================================
+
+``Q:progress`` is how a lost attempt is told from a failed one (:mod:`jobs.queue.scripts`,
+``START_ATTEMPT``): attempts up to ``accounted`` have been judged; attempt ``started`` began with
+``tokens`` delivered tokens in the job's stream; ``interruptions`` earlier attempts were lost after
+delivering new tokens, and so spent no try.
 
 Counts are O(1): ZCARD of a lane's sets, HLEN of ``Q:jobs`` (everything not finished, the demand
 KEDA scales on). This module is the only place that knows arq's key names.
@@ -75,6 +82,14 @@ class QueueKeys:
     @property
     def owners(self) -> str:
         return f"{self.queue}:owners"
+
+    @property
+    def progress(self) -> str:
+        return f"{self.queue}:progress"
+
+    @property
+    def attempt_outcomes(self) -> str:
+        return f"{self.queue}:attempt_outcomes"
 
     @property
     def wake(self) -> str:

@@ -59,6 +59,42 @@ class LaneCounts:
     oldest_waiting_ms: float | None      # ready time of the job next in line
 
 
+@dataclass(frozen=True)
+class AttemptStart:
+    """What :meth:`RedisQueue.start_attempt` found. ``interruptions``: earlier attempts of the job
+    lost after delivering new tokens (they spent no try); ``interrupted`` / ``failed``: how many of
+    the attempts just judged were lost that way / lost before delivering anything new."""
+
+    owned: bool
+    interruptions: int
+    interrupted: int
+    failed: int
+
+
+@dataclass(frozen=True)
+class AttemptLedger:
+    """Where the attempts of one claimed job are judged, for its job function: the queue, and the
+    claim whose lease fences the writes."""
+
+    queue: RedisQueue
+    claim: ClaimedJob
+
+    async def start(self, attempt: int, delivered_tokens: int) -> AttemptStart:
+        return await self.queue.start_attempt(self.claim, attempt, delivered_tokens)
+
+    async def interruptions(self) -> int:
+        return await self.queue.interruptions(self.claim.id)
+
+
+@dataclass(frozen=True)
+class AttemptOutcomes:
+    """Attempts judged since the queue began: ``interrupted`` (lost after delivering new tokens,
+    no try spent) and ``failed`` (a try spent: a retryable error, or lost before delivering new tokens)."""
+
+    interrupted: int
+    failed: int
+
+
 class RedisQueue:
     def __init__(self, redis: Redis, name: str, lanes: Sequence[str]) -> None:
         self.redis = redis
@@ -66,7 +102,7 @@ class RedisQueue:
         self._claim_numbers = itertools.count(1)     # makes each claim's lease unique
         self._scripts = {name: redis.register_script(getattr(scripts, name))
                          for name in ("ENQUEUE", "CLAIM", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK", "REAP", "CANCEL",
-                                     "FORGET")}
+                                     "FORGET", "START_ATTEMPT")}
 
     def lane_of(self, index: int) -> str:
         return self.keys.lanes[index]
@@ -91,7 +127,7 @@ class RedisQueue:
         k = self.keys
         counted = [key for lane in k.lanes for key in (k.waiting(lane), k.deferred(lane))]
         return int(await self._scripts["CANCEL"](
-            keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, *counted],
+            keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, k.progress, *counted],
             args=[job_id, int(time.time() * 1000), k.abort_channel("")]))
 
     async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int, serializer: Any) -> None:
@@ -131,6 +167,11 @@ class RedisQueue:
         if not job_ids:
             return []
         return [entry is not None for entry in await self.redis.hmget(self.keys.jobs, list(job_ids))]
+
+    async def attempt_outcomes(self) -> AttemptOutcomes:
+        """Interrupted and failed attempts of every job since the queue began (one HMGET)."""
+        interrupted, failed = await self.redis.hmget(self.keys.attempt_outcomes, ["interrupted", "failed"])
+        return AttemptOutcomes(interrupted=int(interrupted or 0), failed=int(failed or 0))
 
     async def place(self, job_id: str) -> tuple[str | None, bool]:
         """(lane, running) of a job still in the queue; (None, False) when it is not."""
@@ -189,18 +230,35 @@ class RedisQueue:
             args=[deadline, *(x for j in jobs for x in (j.id, j.lease))])
         return [bool(x) for x in owned]
 
+    async def start_attempt(self, job: ClaimedJob, attempt: int, delivered_tokens: int) -> AttemptStart:
+        """Attempt ``attempt`` of ``job`` starts with ``delivered_tokens`` tokens in its stream:
+        judge the earlier attempts that were lost (interrupted if the stream grew since the last
+        one started, else failed) and note this start. ``owned`` False: the lease is gone."""
+        k = self.keys
+        owned, interruptions, interrupted, failed = await self._scripts["START_ATTEMPT"](
+            keys=[k.owners, k.progress, k.attempt_outcomes], args=[job.lease, job.id, attempt, delivered_tokens])
+        return AttemptStart(owned=bool(owned), interruptions=int(interruptions), interrupted=int(interrupted),
+                            failed=int(failed))
+
+    async def interruptions(self, job_id: str) -> int:
+        """How many attempts of a job still in the queue were interrupted after making progress."""
+        entry = await self.redis.hget(self.keys.progress, job_id)
+        return int(entry.decode().rsplit("\t", 1)[1]) if entry else 0
+
     async def finish(self, job: ClaimedJob, result: bytes | None, result_ttl_ms: int) -> bool:
         """Store the result and remove the job from the queue. False: not ours (left alone)."""
         k = self.keys
         return bool(await self._scripts["FINISH"](
             keys=[k.owners, k.jobs, k.running(job.lane), job_record_key(job.id), retry_counter_key(job.id),
-                  result_key(job.id), ABORTS],
+                  result_key(job.id), ABORTS, k.progress],
             args=[job.lease, job.id, result or b"", result_ttl_ms]))
 
     async def retry_later(self, job: ClaimedJob, run_at_ms: int) -> bool:
+        """Defer the job until ``run_at_ms`` after its attempt failed (a try spent). False: not ours."""
         k = self.keys
         return bool(await self._scripts["RETRY_LATER"](
-            keys=[k.owners, k.running(job.lane), k.deferred(job.lane)], args=[job.lease, job.id, run_at_ms]))
+            keys=[k.owners, k.running(job.lane), k.deferred(job.lane), k.progress, k.attempt_outcomes],
+            args=[job.lease, job.id, run_at_ms]))
 
     async def hand_back(self, job: ClaimedJob) -> bool:
         """Return a job to its place in line without using a try (worker shutdown, dead engine)."""

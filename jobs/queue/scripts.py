@@ -104,12 +104,14 @@ end
 return out
 """
 
-# KEYS: owners, jobs, running, record, retry counter, result, aborts
+# KEYS: owners, jobs, running, record, retry counter, result, aborts, progress
 # ARGV: lease, job id, result record ('' = none), result ttl ms
+# Returns 1 finished, 0 the lease no longer owns the job (nothing done).
 FINISH = """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[2])
+redis.call('HDEL', KEYS[8], ARGV[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[7], ARGV[2])
 redis.call('DEL', KEYS[4], KEYS[5])
@@ -126,9 +128,56 @@ redis.call('DEL', unpack(KEYS, 2))
 return 1
 """
 
-# KEYS: owners, running, deferred; ARGV: lease, job id, run-at ms
-RETRY_LATER = """
+# Reads and writes one job's ``progress`` entry (see keys.py): accounted, started, tokens, interruptions.
+_PROGRESS = """
+local function read_progress(progress, id)
+  local entry = redis.call('HGET', progress, id)
+  if not entry then return 0, 0, 0, 0 end
+  local accounted, started, tokens, interruptions = string.match(entry, '^(%d+)\t(%d+)\t(%d+)\t(%d+)$')
+  return tonumber(accounted), tonumber(started), tonumber(tokens), tonumber(interruptions)
+end
+local function write_progress(progress, id, accounted, started, tokens, interruptions)
+  redis.call('HSET', progress, id, accounted .. '\t' .. started .. '\t' .. tokens .. '\t' .. interruptions)
+end
+"""
+
+# KEYS: owners, progress, attempt outcomes; ARGV: lease, job id, attempt, tokens in the stream now
+# An attempt starts: judge the attempts before it that nobody judged (they were lost: the worker
+# was killed, or stalled past its lease), then note where this one starts. The attempt that
+# started last was *interrupted* if the stream now holds more tokens than when it started (it
+# spent no try), else it *failed*, as did any attempt lost before it could start.
+# Returns {1, interruptions so far, newly interrupted (0/1), newly failed}, or {0, 0, 0, 0} when
+# the lease no longer owns the job (nothing written).
+START_ATTEMPT = _PROGRESS + """
+if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return {0, 0, 0, 0} end
+local attempt, tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
+local accounted, started, before, interruptions = read_progress(KEYS[2], ARGV[2])
+local interrupted, failed = 0, 0
+if started == attempt then
+  accounted = attempt - 1          -- the same try again after a hand-back: nothing was lost
+else
+  if started > accounted and started < attempt then
+    if tokens > before then interrupted = 1 else failed = 1 end
+    accounted = started
+  end
+  failed = failed + math.max(0, attempt - 1 - accounted)
+  accounted = attempt - 1
+end
+interruptions = interruptions + interrupted
+if interrupted > 0 then redis.call('HINCRBY', KEYS[3], 'interrupted', interrupted) end
+if failed > 0 then redis.call('HINCRBY', KEYS[3], 'failed', failed) end
+write_progress(KEYS[2], ARGV[2], accounted, attempt, tokens, interruptions)
+return {1, interruptions, interrupted, failed}
+"""
+
+# KEYS: owners, running, deferred, progress, attempt outcomes; ARGV: lease, job id, run-at ms
+# The attempt failed with a retryable error: it is judged here (a failure), not when the next starts.
+# Returns 1 deferred, 0 the lease no longer owns the job (nothing done).
+RETRY_LATER = _PROGRESS + """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
+local _, started, tokens, interruptions = read_progress(KEYS[4], ARGV[2])
+write_progress(KEYS[4], ARGV[2], started, started, tokens, interruptions)
+redis.call('HINCRBY', KEYS[5], 'failed', 1)
 redis.call('HDEL', KEYS[1], ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
@@ -176,14 +225,16 @@ for _ = 1, math.min(reaped, room) do redis.call('RPUSH', KEYS[3], '1') end
 return reaped
 """
 
-# KEYS: jobs, owners, record, aborts, then waiting + deferred of every lane
+# KEYS: jobs, owners, record, aborts, progress, then waiting + deferred of every lane
 # ARGV: job id, now ms, abort channel prefix
-# Returns 1 removed before it started, -1 running (abort requested), 0 not in the queue.
+# Returns 1 removed before it started (or while waiting out a retry), -1 running (abort
+# requested), 0 not in the queue.
 CANCEL = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-for i = 5, #KEYS do
+for i = 6, #KEYS do
   if redis.call('ZREM', KEYS[i], ARGV[1]) == 1 then
     redis.call('HDEL', KEYS[1], ARGV[1])
+    redis.call('HDEL', KEYS[5], ARGV[1])
     redis.call('DEL', KEYS[3])
     return 1
   end
