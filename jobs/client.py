@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
 from jobs.connection import connect
-from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, RedisUnavailable
+from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, RedisUnavailable, StreamGone
 from jobs.keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key
 from jobs.payload import decode_payload, encode_payload
 from jobs.queue.keys import result_key, retry_counter_key
@@ -31,10 +31,10 @@ from jobs.schemas import (EntryKind, JobRequest, JobResult, JobStatus, LaneInfo,
                           WorkerInfo)
 from jobs.serialization import deserialize, serialize
 from jobs.settings import ClientSettings
-from jobs.stream import StreamWriter
+from jobs.stream import StreamWriter, is_final
 from jobs.stream_reader import StreamReader
 
-__all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "SlotqClient"]
+__all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "SlotqClient", "StreamGone"]
 
 WORKERS_RECENT_S = 120.0  # the worker index is read this far back (heartbeats come every few seconds)
 WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
@@ -155,15 +155,22 @@ class SlotqClient:
     async def stream(self, job_id: str, *, last_id: str = "0-0", block_ms: int = 1000) -> AsyncIterator[StreamEntry]:
         """Every stream entry after ``last_id`` until the final one. Pass the last id you saw to
         resume after a dropped connection: nothing is missed or repeated. All streams a client
-        follows at once share one blocking read (:class:`~jobs.stream_reader.StreamReader`)."""
+        follows at once share one blocking read (:class:`~jobs.stream_reader.StreamReader`).
 
-        async def gone() -> bool:
-            # The final entry is written before the result, so once the job has a terminal status
-            # a quiet stream has nothing more to give (e.g. a reader resuming after the end).
-            return await self.status(job_id) not in (JobStatus.QUEUED, JobStatus.RUNNING)
+        The iteration ends with the job's final entry and never earlier. If the rest cannot be
+        read it raises instead: StreamGone (the stream expired or was trimmed past ``last_id``,
+        or the job ended without a final entry), JobNotFound (no such job, and no stream)."""
 
-        async for entry in self.reader.follow(job_id, last_id=last_id, idle_ms=block_ms, idle_check=gone):
-            yield entry
+        async def is_live() -> bool:
+            return await self.status(job_id) in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+        try:
+            async for entry in self.reader.follow(job_id, last_id=last_id, idle_ms=block_ms, is_live=is_live):
+                yield entry
+        except StreamGone:
+            if not await self.redis.exists(stream_key(job_id)) and await self.status(job_id) is JobStatus.NOT_FOUND:
+                raise JobNotFound(job_id) from None      # no stream and no job: a wrong id, or long expired
+            raise
 
     async def text(self, job_id: str) -> AsyncIterator[str]:
         """Just the text of choice 0, as it arrives. Retried attempts continue seamlessly."""
@@ -192,7 +199,7 @@ class SlotqClient:
             response = await self.redis.xread({stream_key(job_id): last_id}, count=1000, block=block)
             for _key, entries in response or ():
                 last_id = entries[-1][0]
-                if any(raw.get(b"f") == b"1" for _id, raw in entries):
+                if any(is_final(raw) for _id, raw in entries):
                     await asyncio.sleep(0.002)   # the result lands right after the final entry
 
     async def status(self, job_id: str) -> JobStatus:
@@ -201,7 +208,9 @@ class SlotqClient:
             return result.status
         lane, running = await self.queue.place(job_id)
         if lane is None:
-            return JobStatus.NOT_FOUND
+            # It may have finished between the two reads (its result is stored as it leaves the queue).
+            result = await self._stored_result(job_id)
+            return JobStatus.NOT_FOUND if result is None else result.status
         return JobStatus.RUNNING if running else JobStatus.QUEUED
 
     async def finished(self, job_ids: Sequence[str]) -> dict[str, JobResult]:
@@ -229,14 +238,16 @@ class SlotqClient:
             return True          # running: its worker was told, and it ends the stream itself
         if taken == 0:
             return False
-        result = JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED)
-        await self.queue.store_result(job_id, JOB_FUNCTION, result.model_dump(mode="json"),
-                                      ttl_ms=self.settings.keep_result_s * 1000, serializer=serialize)
+        # The final entry goes first, as a worker writes it: a follower that sees the result
+        # then finds the stream's end in place.
         writer = StreamWriter(self.redis, flush_ms=1, maxlen=self.settings.stream_maxlen,
                               ttl_s=self.settings.stream_ttl_s)
         writer.add(job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=0,
                                        finish_reason=FinishReason.CANCELLED, final=True))
         await writer.write_all(job_id)
+        result = JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED)
+        await self.queue.store_result(job_id, JOB_FUNCTION, result.model_dump(mode="json"),
+                                      ttl_ms=self.settings.keep_result_s * 1000, serializer=serialize)
         return True
 
     async def requeue_dead_letter(self, job_id: str) -> bool:
@@ -295,17 +306,21 @@ class SlotqClient:
         return workers
 
     async def queue_info(self) -> QueueInfo:
-        """Counts per lane (each O(1)), the oldest waiting job, live workers, dead letters."""
+        """Counts per lane (each O(1)), the oldest waiting job, live workers, dead letters, and the
+        attempts lost to interruptions apart from those that spent a try."""
         now_ms = time.time() * 1000
         lanes = [LaneInfo(lane=c.lane, queued=c.waiting, deferred=c.deferred, running=c.running,
                           oldest_queued_age_s=max(0.0, (now_ms - c.oldest_waiting_ms) / 1000)
                           if c.oldest_waiting_ms is not None else None)
                  for c in await self.queue.counts()]
+        outcomes = await self.queue.attempt_outcomes()
         return QueueInfo(
             queue=self.settings.queue_name,
             lanes=lanes,
             workers=[w for w in await self.workers() if w.queue == self.settings.queue_name],
             dead_letters=await dead_letters.count(self.redis),
+            interrupted_attempts=outcomes.interrupted,
+            failed_attempts=outcomes.failed,
         )
 
 

@@ -1,8 +1,8 @@
 """Dead letters: jobs that exhausted their tries or could not be read, kept for an operator.
 
-Each record is a hash ``slotq:dlq:{job_id}`` (the original payload, the last error, attempts,
-timestamps) indexed by the sorted set ``slotq:dlq``. Records do not expire: an operator lists,
-inspects, requeues or purges them (``slotq dlq ...``).
+Each record is a hash ``slotq:dlq:{job_id}`` (the original payload, the last error, attempts and
+how many of them were interruptions, timestamps) indexed by the sorted set ``slotq:dlq``. Records
+do not expire: an operator lists, inspects, requeues or purges them (``slotq dlq ...``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ class DeadLetter(BaseModel):
     queue: str | None = Field(None, description="the queue it ran on (requeued there); None = the caller's queue")
     error: ErrorInfo
     attempts: int
+    interruptions: int = Field(0, description="of the attempts, those lost after delivering new tokens (no try spent)")
     enqueued_at: float | None
     dead_at: float
     payload: dict[str, Any] | None = None
 
 
 async def record(redis: Redis, job_id: str, payload: Any, error: ErrorInfo, attempts: int,
-                 enqueued_at: float | None, queue: str | None = None) -> None:
+                 enqueued_at: float | None, queue: str | None = None, interruptions: int = 0) -> None:
     now = time.time()
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(dead_letter_key(job_id), mapping={
@@ -37,6 +38,7 @@ async def record(redis: Redis, job_id: str, payload: Any, error: ErrorInfo, atte
             "queue": queue or "",
             "error": error.model_dump_json(),
             "attempts": attempts,
+            "interruptions": interruptions,
             "enqueued_at": "" if enqueued_at is None else enqueued_at,
             "dead_at": now,
             "payload": json.dumps(payload if isinstance(payload, dict) else None),
@@ -55,6 +57,7 @@ async def get(redis: Redis, job_id: str) -> DeadLetter | None:
         queue=f.get("queue") or None,
         error=ErrorInfo.model_validate_json(f["error"]),
         attempts=int(f["attempts"]),
+        interruptions=int(f.get("interruptions", 0)),
         enqueued_at=float(f["enqueued_at"]) if f.get("enqueued_at") else None,
         dead_at=float(f["dead_at"]),
         payload=json.loads(f["payload"]) if f.get("payload") else None,

@@ -43,3 +43,14 @@ class JobNotFound(SlotqError, LookupError):
 
 class JobTimeout(SlotqError, TimeoutError):
     """The job did not finish within the time the caller was willing to wait (it keeps running)."""
+
+
+class StreamGone(SlotqError, LookupError):
+    """A job's output stream can no longer give the entries a reader is missing: it expired
+    (``stream_ttl_s``), was trimmed past the reader's position (``stream_maxlen``), or the job
+    ended without writing a final entry. The job's result (``client.result``) may still be there."""
+
+    def __init__(self, job_id: str, last_id: str, why: str) -> None:
+        super().__init__(f"the output stream of job {job_id!r} {why}; the last entry read was {last_id}")
+        self.job_id = job_id
+        self.last_id = last_id

@@ -2,8 +2,9 @@
 
 Names mirror llama-server's where the meaning is the same (under the ``slotq_`` prefix), plus
 what llama-server lacks: queue depth and age, KV usage, TTFT and inter-token latency
-histograms, retries, dead letters and preemptions. They are served, with /ready and /live, by
-:mod:`jobs.health`; the elastic worker's own metrics are in :mod:`jobs.elastic.metrics`. Engine counters are sampled from
+histograms, retries, lost attempts (interruptions apart from failures), dead letters and
+preemptions. They are served, with /ready and /live, by :mod:`jobs.health`; the elastic
+worker's own metrics are in :mod:`jobs.elastic.metrics`. Engine counters are sampled from
 ``Engine.stats()`` once a second, so the hot path does no metric work.
 """
 
@@ -45,6 +46,12 @@ PICKUP = Histogram("slotq_queue_pickup_seconds", "Enqueue (or retry due) to clai
                    buckets=LATENCY_BUCKETS)
 JOBS = Counter("slotq_jobs", "Finished job attempts by status", ["status"])
 RETRIES = Counter("slotq_retries", "Attempts that failed and were scheduled for retry")
+ATTEMPTS_LOST = Counter(
+    "slotq_attempts_lost", "Attempts lost with their worker (killed, stalled past the lease), judged when the job "
+    "starts again: counted_as=interruption if they had delivered new tokens (no try spent), failure if not",
+    ["counted_as"])
+for _counted_as in ("interruption", "failure"):
+    ATTEMPTS_LOST.labels(counted_as=_counted_as)       # exported at 0 from the start, so rate() sees the first one
 DEAD_LETTERS = Counter("slotq_dead_letters", "Jobs dead-lettered by this worker")
 TTFT = Histogram("slotq_time_to_first_token_seconds", "Submit to first token, in the engine", buckets=LATENCY_BUCKETS)
 INTER_TOKEN = Histogram("slotq_inter_token_latency_seconds", "Mean time between tokens of a job",

@@ -78,8 +78,11 @@ class JobResult(BaseModel):
     timings: Timings | None = None
     choices: list[ChoiceResult] = Field(default_factory=list)
     error: ErrorInfo | None = None
-    worker: str | None = None
-    attempts: int = 0
+    worker: str | None = Field(None, description="the worker whose attempt wrote the job's final stream entry")
+    attempts: int = Field(0, description="the attempt that ended the job (attempts handed back on shutdown do not count)")
+    interruptions: int = Field(
+        0, description="earlier attempts lost (worker killed or stalled) after delivering new tokens: they spent no "
+                       "try, so the tries spent are attempts - interruptions")
     metadata: dict[str, Any] = Field(default_factory=dict)
     max_tokens_cap: MaxTokensCap | None = Field(
         None, description="set when a degraded worker capped max_tokens; finish_reason is then 'length' at the cap")
@@ -107,6 +110,7 @@ class StreamEntry(BaseModel):
     usage: Usage | None = None
     timings: Timings | None = None
     error: ErrorInfo | None = None
+    worker: str | None = Field(None, description="the worker that wrote it (done and error entries)")
     final: bool = Field(False, description="the last entry of the job: nothing follows")
 
 
@@ -151,6 +155,11 @@ class QueueInfo(BaseModel):
     lanes: list[LaneInfo]
     workers: list[WorkerInfo]
     dead_letters: int
+    interrupted_attempts: int = Field(
+        0, description="attempts lost after delivering new tokens, since the queue began: resumed, no try spent")
+    failed_attempts: int = Field(
+        0, description="attempts that spent a try, since the queue began: a retryable error, or lost before "
+                       "delivering new tokens")
 
     @computed_field
     def queued(self) -> int:

@@ -91,7 +91,14 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         1.0, gt=0, le=60, description="fallback tick: reap expired leases, promote due retries; enqueues wake workers at once")
     job_timeout_s: int = Field(3600, ge=1, description="hard cap on one attempt")
     lock_ttl_s: int = Field(15, ge=3, description="job lease TTL, renewed by the heartbeat; bounds crash recovery")
-    max_tries: int = Field(5, ge=1, le=100, description="attempts of a job that fails for transient reasons")
+    max_tries: int = Field(
+        5, ge=1, le=100, description="tries of a job: an attempt spends one when it fails (a retryable error) or is lost "
+                                     "(worker killed or stalled) before delivering new tokens; beyond this many the "
+                                     "job is dead-lettered")
+    max_interruptions: int = Field(
+        20, ge=0, le=1000, description="attempts of a job that may be lost after delivering new tokens: they spend no "
+                                       "try (the next attempt resumes from them), but beyond this many the job is "
+                                       "dead-lettered, so nothing runs forever")
     retry_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each try")
     drain_grace_s: int = Field(25, ge=0, description="on SIGTERM, let running jobs finish this long (Heroku allows 30 s)")
     stream_flush_ms: float = Field(
@@ -100,6 +107,12 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
                                           "commands (a job's first entry and final entries go at once)")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
+
+    @property
+    def max_attempts(self) -> int:
+        """The most attempts a job can make: every try and every interruption. The job function
+        dead-letters the attempt after that; arq's own limit must lie beyond it."""
+        return self.max_tries + self.max_interruptions
 
     def served_model_name(self, model_path: Path) -> str:
         """What this worker advertises as its model: ``model_name``, else the file's stem without a

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -12,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from jobs.aio import wait_until_set
 from jobs.schemas import QueueInfo, WorkerInfo
 
 _DEGRADATION_STYLE = {"none": "green", "small_batch": "yellow", "cap_tokens": "dark_orange", "refuse": "red"}
@@ -64,9 +64,7 @@ async def watch(read: Callable[[], Awaitable[QueueInfo]], *, interval_s: float, 
               redirect_stderr=False) as live:
         done = 1
         while rounds is None or done < rounds:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
-            if stop.is_set():
+            if await wait_until_set(stop, interval_s):
                 return
             live.update(render(await read(), at=time.time()), refresh=True)
             done += 1

@@ -44,6 +44,8 @@ def encode_entry(entry: StreamEntry) -> dict[str, str]:
         fields["tm"] = entry.timings.model_dump_json()
     if entry.error is not None:
         fields["e"] = entry.error.model_dump_json()
+    if entry.worker is not None:
+        fields["w"] = entry.worker
     if entry.final:
         fields["f"] = "1"
     return fields
@@ -64,8 +66,14 @@ def decode_entry(entry_id: bytes | str, raw: dict) -> StreamEntry:
         usage=Usage.model_validate_json(f["u"]) if "u" in f else None,
         timings=Timings.model_validate_json(f["tm"]) if "tm" in f else None,
         error=ErrorInfo.model_validate_json(f["e"]) if "e" in f else None,
+        worker=f.get("w"),
         final=f.get("f") == "1",
     )
+
+
+def is_final(raw: dict) -> bool:
+    """Whether an entry as XREAD/XRANGE return it is the stream's final one, without decoding it."""
+    return raw.get(b"f", raw.get("f")) in (b"1", "1")
 
 
 class TTL(IntEnum):

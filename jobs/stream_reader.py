@@ -26,17 +26,19 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
+from jobs.errors import StreamGone
 from jobs.keys import stream_key
 from jobs.schemas import StreamEntry
-from jobs.stream import decode_entry
+from jobs.stream import decode_entry, is_final
 
 log = logging.getLogger(__name__)
 
 StreamId = tuple[int, int]
 RawEntry = tuple[bytes, dict[bytes, bytes]]
 UNBLOCK_TRIES = 8       # a CLIENT UNBLOCK can overtake the XREAD it is meant for: try again briefly
+FINAL_ENTRY_REREADS = 4  # reads of an ended job's stream before it is declared to have no final entry
 
 
 def parse_id(entry_id: bytes | str) -> StreamId:
@@ -87,30 +89,96 @@ class StreamReader:
         self.reads = 0                                       # XREADs sent (tests, benchmarks)
 
     async def follow(self, job_id: str, *, last_id: str = "0-0", idle_ms: int = 1000,
-                     idle_check: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEntry]:
-        """Yield the job's entries after ``last_id`` until its final entry. ``idle_check`` is
-        awaited whenever nothing arrives for ``idle_ms``; True ends the iteration (the job is gone
-        and will never write again). A read error (Redis unreachable beyond the retries) is raised."""
-        follower = _Follower(stream_key(job_id), parse_id(last_id))
+                     is_live: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEntry]:
+        """Yield the job's entries after ``last_id`` until its final entry; never return before it.
+
+        ``is_live`` is awaited whenever nothing arrives for ``idle_ms``. Once it says the job will
+        never write again, the shared read may still be carrying the job's last entries (a slow
+        link, a read being retried), so the follower reads the rest of the stream itself (XRANGE)
+        instead of trusting the quiet. It then ends with the final entry, or raises
+        :class:`~jobs.errors.StreamGone` naming the job and the last id given out: the stream
+        expired, was trimmed past that id, or holds no final entry. A read error (Redis
+        unreachable beyond the retries) is raised as it is. Without ``is_live`` the follower
+        waits for the final entry however long it takes."""
+        key = stream_key(job_id)
+        follower = _Follower(key, parse_id(last_id))
+        given = follower.last                     # the last id yielded: nothing at or before it is yielded again
         self._add(follower)
+        trim_check: asyncio.Task[None] | None = asyncio.create_task(self._check_not_trimmed(job_id, given))
         try:
             while True:
                 try:
                     async with asyncio.timeout(idle_ms / 1000):
                         item = await follower.inbox.get()
                 except TimeoutError:
-                    if idle_check is not None and await idle_check():
-                        return
-                    continue
+                    if is_live is None or await is_live():
+                        continue
+                    item = await self._rest_of(job_id, given)
+                    if not item:
+                        return                    # a reader resuming after the final entry
+                    follower.last = max(follower.last, parse_id(item[-1][0]))
                 if isinstance(item, BaseException):
                     raise item
+                if trim_check is not None:        # before the first entry: a trimmed stream never yields a gap
+                    await trim_check
+                    trim_check = None
                 for entry_id, raw in item:
+                    if parse_id(entry_id) <= given:
+                        continue                  # given already (by a catch-up read, or the shared read)
                     entry = decode_entry(entry_id, raw)
+                    given = parse_id(entry.id)
                     yield entry
                     if entry.final:
                         return
         finally:
+            if trim_check is not None:
+                trim_check.cancel()
             self._remove(follower)
+
+    async def _check_not_trimmed(self, job_id: str, after: StreamId) -> None:
+        """Raise StreamGone if entries after ``after`` are no longer in the stream. MAXLEN trimming
+        drops the oldest entries, so when some were dropped (``entries-added`` > ``length``) and the
+        stream now starts past ``after``, what followed ``after`` may be among them (a reader whose
+        own last entry was the last one dropped is told so too: Redis keeps nothing that could tell
+        the two apart). Started with the
+        follower and awaited before its first entry, so it adds no wait on a live stream. A stream
+        that does not exist yet (a queued job) cannot have been trimmed."""
+        try:
+            info = await self.redis.xinfo_stream(stream_key(job_id))
+        except ResponseError:
+            return                                # no such key (yet)
+        first = info.get("first-entry")
+        dropped = int(info.get("entries-added", 0)) > int(info.get("length", 0))
+        if dropped and first and parse_id(first[0]) > after:
+            raise StreamGone(job_id, format_id(after), f"was trimmed past this reader (it now starts at "
+                             f"{format_id(parse_id(first[0]))}; SLOTQ_STREAM_MAXLEN)")
+
+    async def _rest_of(self, job_id: str, after: StreamId) -> list[RawEntry]:
+        """Everything after ``after`` in the stream of a job that will not write again, read
+        directly. Empty when the reader already had the final entry; StreamGone when the stream
+        cannot end the follow (no such stream, or no final entry in it). A job's final entry is
+        written before its result, so one that finished a moment ago has it; the few re-reads
+        cover a result written by a producer between its two writes (a cancel)."""
+        key = stream_key(job_id)
+        for attempt in range(FINAL_ENTRY_REREADS):
+            rest: list[RawEntry] = []
+            start = f"({format_id(after)}"
+            while page := await self.redis.xrange(key, min=start, count=self.count):
+                rest += page
+                start = f"({format_id(parse_id(page[-1][0]))}"
+            if any(is_final(raw) for _id, raw in rest):
+                return rest
+            if not rest:
+                last = await self.redis.xrevrange(key, count=1)
+                if not last and not await self.redis.exists(key):
+                    raise StreamGone(job_id, format_id(after), "does not exist (expired after SLOTQ_STREAM_TTL_S, "
+                                     "or the job never started)")
+                if last and is_final(last[0][1]) and parse_id(last[0][0]) <= after:
+                    return []
+            if attempt + 1 < FINAL_ENTRY_REREADS:
+                await asyncio.sleep(0.1 * (attempt + 1))
+        raise StreamGone(job_id, format_id(after), "holds no final entry although the job has ended "
+                         "(it ended without running: see its result)")
 
     async def close(self) -> None:
         for task in (self._unblocking, self._task):

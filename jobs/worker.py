@@ -13,7 +13,8 @@
 * Its active slots follow memory, KV use, decode speed and waiting work, and it degrades in steps
   under sustained pressure (:mod:`jobs.elastic`): it holds at most as many jobs as active slots.
 * SIGTERM/SIGINT: stop claiming, let running jobs finish within ``drain_grace_s``, then hand the
-  rest back without using a try; a second signal hands everything back at once.
+  rest back without using a try; a second signal hands everything back at once. The process exits
+  within ``drain_grace_s + EXIT_MARGIN_S`` of the first signal, always (:meth:`SlotqWorker._arm_exit_deadline`).
 * If the engine thread dies, the worker stops claiming, hands its jobs back (no try used: they
   resume elsewhere from what they streamed), reports to Sentry and exits with code 70 so that its
   supervisor (honcho, systemd, Kubernetes) restarts it.
@@ -22,11 +23,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from datetime import datetime
@@ -38,6 +39,7 @@ from redis.exceptions import RedisError
 
 from engine import Engine
 from jobs import health, metrics
+from jobs.aio import wait_until_set
 from jobs.connection import connect
 from jobs.elastic import metrics as elastic_metrics
 from jobs.elastic.loop import ElasticLoop
@@ -54,8 +56,13 @@ from jobs.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
-EXIT_ENGINE_DIED = 70
-WORKER_INDEX_KEEP_S = 3600       # a worker silent this long leaves the worker index        # EX_SOFTWARE: restart me
+EXIT_ENGINE_DIED = 70               # EX_SOFTWARE: restart me
+EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worker from stopping in time
+# The worker's exit bound is drain_grace_s + EXIT_MARGIN_S: the margin holds the hand-back (up to
+# 15 s), flushing streams and stopping the loops (a few seconds), and Redis commands retrying
+# through a short outage. Deploy manifests allow a little more (deploy/README.md, "Graceful drain").
+EXIT_MARGIN_S = 30
+WORKER_INDEX_KEEP_S = 3600          # a worker silent this long leaves the worker index
 
 
 class SlotqWorker:
@@ -86,6 +93,8 @@ class SlotqWorker:
         self._http: WSGIServer | None = None
         self._heartbeat_ok_at = 0.0
         self._main: asyncio.Task[None] | None = None
+        self._owns_process = False
+        self._exit_deadline: threading.Timer | None = None
         self._tokens_seen: tuple[float, int] | None = None
         self._faults = WorkerFaults.from_env()
 
@@ -109,6 +118,7 @@ class SlotqWorker:
             max_tries=self.settings.max_tries + 1, allow_abort_jobs=True,
             job_serializer=serialize, job_deserializer=deserialize, log_results=False)
         if handle_signals:
+            self._owns_process = True
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self.request_stop, sig.name)
@@ -183,6 +193,7 @@ class SlotqWorker:
                  self.engine.info.model_name, config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
 
     async def _on_shutdown(self, ctx: dict[str, Any]) -> None:
+        await self._faults.before_loops_stop(self._beat_now, lambda: self._heartbeat_ok_at)
         await self.supervisor.stop()
         if self.writer:
             await self.writer.close()
@@ -207,6 +218,7 @@ class SlotqWorker:
         self._draining = True
         self._beat_now.set()                 # advertise "draining" at once
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        self._arm_exit_deadline(grace)
         if self.runtime is not None:
             self.runtime.allow_pick_jobs = False
             log.info("%s: draining (no new jobs; up to %g s for %d running)", reason, grace, len(self.runtime.claimed))
@@ -222,6 +234,32 @@ class SlotqWorker:
         if self._main is not None:
             self._main.cancel()
 
+    def _arm_exit_deadline(self, grace_s: float) -> None:
+        """Enforce the exit bound: if the process still runs ``grace_s + EXIT_MARGIN_S`` after the
+        stop began, log why and exit with :data:`EXIT_STOP_OVERDUE`.
+
+        A clean stop ends well before; this is for what nobody foresaw (a loop that ignores its
+        cancellation, a Redis call stuck in a half-open connection, the engine thread not joining),
+        so that a rollout never waits for SIGKILL and a worker whose engine died never sits
+        forever. A timer thread, because it must fire even if the event loop is what is stuck. Its
+        jobs are safe: what was not handed back returns to the queue when its lease expires. Only
+        for a worker that owns its process (``run(handle_signals=True)``, i.e. ``slotq worker``),
+        never for one embedded in another program or a test.
+        """
+        if not self._owns_process or self._exit_deadline is not None:
+            return
+        bound_s = grace_s + EXIT_MARGIN_S
+        self._exit_deadline = threading.Timer(bound_s, self._exit_overdue, args=(bound_s,))
+        self._exit_deadline.daemon = True
+        self._exit_deadline.start()
+
+    def _exit_overdue(self, bound_s: float) -> None:
+        log.critical("worker %s did not stop within its exit bound of %g s; exiting now with code %d (jobs it "
+                     "still holds return to the queue when their leases expire)", self.id, bound_s, EXIT_STOP_OVERDUE)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_STOP_OVERDUE)
+
     async def _engine_watch(self) -> None:
         """The engine thread died: hand the jobs back and exit non-zero so a supervisor restarts us."""
         assert self.engine is not None
@@ -231,6 +269,7 @@ class SlotqWorker:
         sentry_sdk.capture_exception(failure)
         self.exit_code = EXIT_ENGINE_DIED
         self._draining = True
+        self._arm_exit_deadline(0)
         self._hand_back_now.set()
         await self._drain(0)
         await asyncio.Event().wait()        # the worker is stopping; nothing left to watch
@@ -241,8 +280,7 @@ class SlotqWorker:
         while True:
             self._beat_now.clear()
             await self._heartbeat_once()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), self.settings.lock_ttl_s / 3)
+            await wait_until_set(self._beat_now, self.settings.lock_ttl_s / 3)
 
     async def _heartbeat_once(self) -> None:
         """Renew the leases of running jobs and advertise this worker."""
@@ -250,9 +288,10 @@ class SlotqWorker:
         self._faults.on_heartbeat()
         runtime = self.runtime
         jobs = runtime.leases()
+        await self._faults.before_renew(lambda: any(job.id in runtime.claimed for job in jobs))
         owned = await self.queue.renew(jobs, self.lease_ms)
         for job, ok in zip(jobs, owned):
-            if not ok and job.id not in runtime.leaving:   # not just finished
+            if not ok and claim_is_current(runtime, job):
                 log.warning("job %s: its lease expired and the job was requeued; abandoning this attempt", job.id)
                 runtime.lose_lease(job.id, job.lease)
         stats = self.engine.stats()
@@ -323,6 +362,7 @@ class SlotqWorker:
                      verdict=self.elastic.verdict if self.elastic else None)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, ctx["job_try"])
+        self._faults.on_job_start(self._beat_now)
         self.writer.bind(job_id, claim.lease)
         try:
             result = await run.run()
@@ -337,3 +377,14 @@ class SlotqWorker:
                  result.finish_reason.value if result.finish_reason else "-", time.monotonic() - started,
                  result.usage.prompt_tokens, result.usage.completion_tokens)
         return result.model_dump(mode="json")
+
+
+def claim_is_current(runtime: QueueRuntime, job: ClaimedJob) -> bool:
+    """Whether ``job``'s claim still runs on this worker, neither leaving (finishing, retrying,
+    handed back) nor lost. A RENEW that names a claim no longer current lost nothing: its FINISH
+    may simply have reached Redis first, and saying the job was requeued would be false."""
+    running = runtime.claimed.get(job.id)
+    if running is not None and running.lease == job.lease:
+        return job.id not in runtime.leaving and job.id not in runtime.lease_lost
+    successor = runtime.successors.get(job.id)
+    return successor is not None and successor.lease == job.lease

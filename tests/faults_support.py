@@ -318,3 +318,57 @@ class FaultyProxy(RedisProxy):
             for w in (client_w, up_w):
                 w.close()
             self._tasks.discard(task)
+
+
+class LatencyProxy(RedisProxy):
+    """A TCP proxy that delays every byte by ``one_way_s`` in each direction, as a link between a
+    client and a distant Redis does. Order is kept and throughput is not limited: each direction
+    stamps what it reads and a second task writes it once its time has come."""
+
+    def __init__(self, upstream_port: int, one_way_s: float) -> None:
+        super().__init__(upstream_port)
+        self.one_way_s = one_way_s
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            client_w.close()
+            self._tasks.discard(task)
+            return
+        try:
+            await asyncio.gather(self._delayed(client_r, up_w), self._delayed(up_r, client_w))
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            for w in (client_w, up_w):
+                w.close()
+            self._tasks.discard(task)
+
+    async def _delayed(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        in_flight: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, data = await in_flight.get()
+                if not data:
+                    sink.close()
+                    return
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                sink.write(data)
+                await sink.drain()
+
+        delivering = asyncio.create_task(deliver())
+        try:
+            while True:
+                data = await source.read(65536)
+                in_flight.put_nowait((loop.time() + self.one_way_s, data))
+                if not data:
+                    break
+            await delivering
+        finally:
+            delivering.cancel()

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
+from jobs.errors import StreamGone
 from jobs.schemas import EntryKind, StreamEntry
 from jobs.stream import StreamWriter
 from jobs.stream_reader import StreamReader, format_id, parse_id
@@ -108,18 +109,21 @@ async def test_two_followers_of_one_stream_resume_from_their_own_ids(redis, writ
         await reader.close()
 
 
-async def test_idle_check_ends_a_stream_that_will_never_finish(redis) -> None:
+async def test_a_follower_of_a_job_that_ended_without_a_stream_raises(redis) -> None:
+    """Once ``is_live`` says the job is over, a follower with nothing to read says so (StreamGone,
+    naming the job) instead of ending as if the stream had been complete."""
     reader = StreamReader(redis, block_ms=50)
     checks = 0
 
-    async def gone() -> bool:
+    async def is_live() -> bool:
         nonlocal checks
         checks += 1
-        return checks >= 2
+        return checks < 2
 
     try:
         async with asyncio.timeout(30):
-            assert [e async for e in reader.follow("nobody", idle_ms=50, idle_check=gone)] == []
+            with pytest.raises(StreamGone, match="'nobody'.*does not exist"):
+                _ = [e async for e in reader.follow("nobody", idle_ms=50, is_live=is_live)]
         assert checks == 2
     finally:
         await reader.close()

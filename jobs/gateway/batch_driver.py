@@ -21,6 +21,7 @@ import time
 from redis.exceptions import RedisError
 
 from engine import ErrorInfo, Usage
+from jobs.aio import wait_until_set
 from jobs.bulk import BulkOptions, BulkSummary, InputError, OutputError, open_bulk
 from jobs.bulk.formats import LineError, parse_line
 from jobs.bulk.runner import BulkRun
@@ -74,8 +75,7 @@ class BatchDriver:
                 await self._adopt()
             except (RedisError, OSError) as exc:
                 log.warning("batch scan failed (%s: %s); retrying", type(exc).__name__, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.lease_s / 2)
+            await wait_until_set(self._wake, self.lease_s / 2)
             self._wake.clear()
 
     async def _adopt(self) -> None:

@@ -62,7 +62,8 @@ class EntryFeed:
         """The next entry, ``END`` after the last one, or None if none came within ``timeout``.
         Raises what the read raised (Redis unreachable beyond the client's retries)."""
         try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
+            async with asyncio.timeout(timeout):     # not wait_for: see jobs.aio.wait_until_set
+                item = await self._queue.get()
         except TimeoutError:
             return None
         if isinstance(item, Exception):
