@@ -6,7 +6,7 @@ request and event types, such as a producer enqueueing jobs, does not load the n
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import CpuRepack, EngineConfig, EngineKnobs, FlashAttention, KVCacheType
+from engine.config import CpuRepack, EngineConfig, EngineKnobs, FlashAttention, KVCacheType, KVLayout
 from engine.errors import (
     EngineDead,
     EngineError,
@@ -40,7 +40,7 @@ __all__ = [
     "BatchingMode", "ChatMessage", "CpuRepack", "Engine", "EngineConfig", "EngineDead", "EngineError", "EngineKnobs",
     "EngineState", "EngineStats",
     "EngineStopped", "ErrorInfo", "Event", "FinishReason", "Finished", "FlashAttention", "GenerationParams",
-    "GenerationRequest", "GrammarError", "InvalidRequest", "KVCacheType", "KVExhausted", "PromptTooLong",
+    "GenerationRequest", "GrammarError", "InvalidRequest", "KVCacheType", "KVExhausted", "KVLayout", "PromptTooLong",
     "RequestFailed", "RequestHandle", "SamplingParams", "TextDelta", "Timings", "Usage", "bundled_model_path",
     "resolve_model_path",
 ]

@@ -30,6 +30,22 @@ class FlashAttention(StrEnum):
     OFF = "off"
 
 
+class KVLayout(StrEnum):
+    """How the KV cache is laid out across slots (docs/architecture.md, "KV layout", has the figures).
+
+    ``split``: one KV stream per slot (llama.cpp ``kv_unified=false``). A step's attention covers
+    each sequence's own cells only, so its cost grows with the longest context, not with the sum
+    of all of them; each slot owns ``kv_cells / slots`` cells, which caps its sequence. ``unified``:
+    one pool shared by every slot (``kv_unified=true``); every step's attention spans the whole
+    pool, but a sequence may use any free cell. ``auto``: ``split`` when every slot gets its full
+    ``ctx`` (``kv_cells`` unset or >= slots x ctx), else ``unified``, the only layout that serves
+    ``ctx``-long sequences from a smaller pool."""
+
+    AUTO = "auto"
+    SPLIT = "split"
+    UNIFIED = "unified"
+
+
 class CpuRepack(StrEnum):
     """Whether llama.cpp may repack CPU weights into its faster layouts (see engine/cpu_features.py)."""
 
@@ -41,15 +57,21 @@ class CpuRepack(StrEnum):
 class EngineKnobs(BaseModel):
     """Sizes follow llama-server's meaning where one exists.
 
-    ``ctx`` is the per-sequence context (prompt + generated tokens of one request). The KV pool is
-    ``kv_cells`` cells shared by all slots (llama.cpp's unified KV); it defaults to
-    ``slots * ctx`` so every slot can always reach its full context. A smaller pool saves memory:
-    admission then waits for room and preemption handles overflow (see the scheduler).
+    ``ctx`` is the per-sequence context (prompt + generated tokens of one request). The KV cache
+    holds ``kv_cells`` cells; it defaults to ``slots * ctx`` so every slot can always reach its full
+    context, and then each slot gets a KV stream of its own (``kv_layout``). A smaller pool saves
+    memory: it is shared by all slots (unified layout), admission waits for room and preemption
+    handles overflow (see the scheduler).
     """
 
     slots: int = Field(8, ge=1, le=256, description="concurrent sequences = jobs a worker runs at once")
     ctx: int = Field(4096, ge=64, le=1_048_576, description="per-sequence context in tokens (prompt + output)")
-    kv_cells: int | None = Field(None, ge=64, description="total KV cells shared by the slots; unset = slots x ctx")
+    kv_cells: int | None = Field(None, ge=64, description="total KV cells of all slots; unset = slots x ctx")
+    kv_layout: KVLayout = Field(
+        KVLayout.AUTO,
+        description="split = one KV stream per slot (a step pays each sequence's own context; each slot is capped at "
+                    "kv_cells / slots); unified = one pool shared by all slots (every step pays every slot's context); "
+                    "auto = split when kv_cells >= slots x ctx, else unified")
     batch: int = Field(512, ge=1, le=65_536, description="max tokens in one llama_decode (llama.cpp n_batch); >= slots")
     ubatch: int = Field(512, ge=1, le=65_536, description="llama.cpp n_ubatch (physical micro-batch)")
     prefill_chunk: int = Field(256, ge=1, description="max prompt tokens of one sequence per decode step")
@@ -64,7 +86,9 @@ class EngineKnobs(BaseModel):
     kv_type: KVCacheType = Field(KVCacheType.F16, description="KV cache element type")
     batching: BatchingMode = Field(BatchingMode.CONTINUOUS, description="static exists for comparison")
     prefix_cache: bool = Field(True, description="reuse the KV of shared prompt prefixes across slots")
-    kv_overcommit: float = Field(1.0, ge=0.1, le=16.0, description="admit while reserved KV <= kv_cells x this")
+    kv_overcommit: float = Field(1.0, ge=0.1, le=16.0,
+                                 description="unified layout: admit while reserved KV <= kv_cells x this (split: "
+                                             "every slot owns its stream, nothing to overcommit)")
     cpu_repack: CpuRepack = Field(
         CpuRepack.AUTO,
         description="repack CPU weights into llama.cpp's faster layouts (AVX2/AVX-512, AMX): auto = on unless the "
@@ -97,3 +121,10 @@ class EngineConfig(EngineKnobs):
     @property
     def total_kv_cells(self) -> int:
         return self.kv_cells or self.slots * self.ctx
+
+    @property
+    def resolved_kv_layout(self) -> KVLayout:
+        """``auto`` decided: split streams unless the pool is too small for every slot's full ``ctx``."""
+        if self.kv_layout != KVLayout.AUTO:
+            return self.kv_layout
+        return KVLayout.SPLIT if self.total_kv_cells >= self.slots * self.ctx else KVLayout.UNIFIED

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from engine.chat import ChatTemplate
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVLayout
 from engine.errors import EngineError, InvalidRequest, PromptTooLong
 from engine.events import Event, Finished
 from engine.fault_injection import EngineFaults
@@ -76,7 +76,7 @@ class Engine:
         self.config = config
         self.model = LlamaModel(config)
         self.info = self.model.info
-        self.ctx_per_seq = min(config.ctx, self.info.n_ctx)
+        self.ctx_per_seq = min(config.ctx, self.info.n_ctx_seq)   # a split layout caps it at one stream
         self.template = ChatTemplate(self.model.chat_template(), self.model.token_text(self.model.bos_token),
                                      self.model.token_text(self.model.eos_token))
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
@@ -88,6 +88,7 @@ class Engine:
             mode=config.batching,
             prefix_cache=config.prefix_cache,
             kv_overcommit=config.kv_overcommit,
+            kv_stream_cells=self.info.n_ctx_seq if self.info.kv_layout == KVLayout.SPLIT else None,
         ))
         self._limits = SchedulerLimits.full(self.scheduler.config)
         self._lifecycle = Lifecycle()
@@ -126,7 +127,7 @@ class Engine:
         if len(tokens) + request.max_tokens > limit:
             raise PromptTooLong(
                 f"prompt is {len(tokens)} tokens and max_tokens is {request.max_tokens}; "
-                f"prompt + max_tokens must be <= {limit} (per-sequence context)",
+                f"prompt + max_tokens must be <= {limit} ({self._context_limit_reason()})",
                 field="max_tokens" if len(tokens) < limit else "prompt",
             )
         bad = [t for t in request.resume_tokens if not 0 <= t < self.info.n_vocab]
@@ -151,6 +152,12 @@ class Engine:
         # Build one chain now so logit-bias errors surface at submit time, then free it.
         make_chain(0).free()
         return PreparedRequest(request, tokens, grammar, handle.sink, make_chain)
+
+    def _context_limit_reason(self) -> str:
+        if self.ctx_per_seq < self.config.ctx:
+            return (f"per-sequence context: each of the {self.config.slots} slots owns a KV stream of "
+                    f"{self.info.n_ctx_seq} cells; raise SLOTQ_KV_CELLS or set SLOTQ_KV_LAYOUT=unified")
+        return "per-sequence context"
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Validate and queue a request; iterate the returned handle for its events.

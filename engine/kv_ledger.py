@@ -6,6 +6,9 @@ more, and admission needs it, so the ledger mirrors every memory operation the r
 Each sequence's KV is a list of segments; a segment is a prefix of a *block* of cells created by
 one decode. Copies share blocks, so the used count is the sum over blocks of the longest prefix
 any sequence still references.
+
+With one KV stream per sequence (``shared_copies=False``) a copy duplicates the cells into the
+destination's own stream, so a copied prefix is a new block that the destination owns.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ class _Segment:
 
 
 class KVLedger:
-    def __init__(self) -> None:
+    def __init__(self, *, shared_copies: bool = True) -> None:
+        self.shared_copies = shared_copies
         self._segments: dict[int, list[_Segment]] = {}
         self._block_ids = itertools.count()
         self._block_owner: dict[int, int] = {}   # block -> seq that created it (may extend it)
@@ -44,7 +48,12 @@ class KVLedger:
         segs.append(_Segment(block, n))
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """``llama_memory_seq_cp(src, dst, 0, n)`` on an empty ``dst``: share src's first n cells."""
+        """``LlamaModel.kv_copy_prefix(src, dst, n)`` on an empty ``dst``: share src's first n cells
+        (unified), or hold a copy of them (split)."""
+        if not self.shared_copies:
+            self._segments.pop(dst, None)
+            self.extend(dst, min(n, self.length(src)))
+            return
         out: list[_Segment] = []
         left = n
         for seg in self._segments.get(src, ()):

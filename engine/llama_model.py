@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from engine.config import CpuRepack, EngineConfig, FlashAttention, KVCacheType
+from engine.config import CpuRepack, EngineConfig, FlashAttention, KVCacheType, KVLayout
 from engine.cpu_features import RepackDecision, decide_repack, this_cpu_flags
 from engine.llama_devices import resolve_gpu_layers
 
@@ -82,7 +82,7 @@ class ContextInfo:
     """The sizes llama.cpp actually chose (it pads and clamps what was asked for)."""
 
     n_ctx: int
-    n_ctx_seq: int
+    n_ctx_seq: int              # cells one sequence may use: its own stream (split) or the whole pool (unified)
     n_batch: int
     n_ubatch: int
     n_seq_max: int
@@ -91,6 +91,7 @@ class ContextInfo:
     n_ctx_train: int
     model_name: str
     model_size_bytes: int
+    kv_layout: KVLayout         # never AUTO: what the context was created with
 
 
 class LlamaModel:
@@ -109,6 +110,7 @@ class LlamaModel:
         n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
 
         threads = config.threads or len(os.sched_getaffinity(0)) or 1   # cores this process may use
+        layout = config.resolved_kv_layout
         cp = llama_cpp.llama_context_default_params()
         _set_fields(
             cp,
@@ -118,7 +120,7 @@ class LlamaModel:
             n_seq_max=config.slots,
             n_threads=threads,
             n_threads_batch=threads,
-            kv_unified=True,
+            kv_unified=layout == KVLayout.UNIFIED,
             swa_full=True,
             flash_attn_type=_FLASH_ATTN[config.flash_attention],
             type_k=_GGML_TYPES[config.kv_type],
@@ -144,6 +146,7 @@ class LlamaModel:
             n_ctx_train=n_ctx_train,
             model_name=self.metadata("general.name") or config.model_path.stem,
             model_size_bytes=llama_cpp.llama_model_size(self._model),
+            kv_layout=layout,
         )
         if self.info.n_seq_max < config.slots:
             raise RuntimeError(f"llama.cpp allows only {self.info.n_seq_max} sequences; asked for {config.slots} slots")
@@ -233,8 +236,18 @@ class LlamaModel:
         llama_cpp.llama_memory_seq_rm(self._mem, seq_id, start, -1)
 
     def kv_copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Make ``dst`` share ``src``'s cells for positions [0, n) (no copy in a unified KV cache)."""
-        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        """Give the empty ``dst`` ``src``'s cells for positions [0, n).
+
+        Unified: ``dst`` shares the cells (metadata only, no copy). Split: ``src`` and ``dst`` live
+        in different streams, and llama.cpp copies across streams only a whole sequence
+        (``p0 = p1 = -1``; a partial range fails a GGML_ASSERT and aborts the process). It marks
+        the cells at once and copies the whole stream buffer (K and V of every layer) at the start
+        of the next ``llama_decode``; the positions from ``n`` on are then dropped from ``dst``."""
+        if self.info.kv_layout == KVLayout.UNIFIED:
+            llama_cpp.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+            return
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, n, -1)
 
     def kv_clear(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)

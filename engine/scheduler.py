@@ -7,10 +7,16 @@ Pure Python and deterministic: it never touches llama.cpp. The runner executes a
 Policy, in order of precedence:
 
 1. Decode first: every sequence that is generating gets exactly one token in every batch, so
-   inter-token latency never waits behind someone else's prompt.
-2. Admission: waiting sequences (priority, then arrival) take free slots when their worst-case
-   KV need fits the pool (``kv_cells * overcommit``). Idle prefix caches are evicted before a
-   request is made to wait. In static mode nothing is admitted until the running batch drains.
+   inter-token latency never waits behind someone else's prompt. Decode tokens go in slot order:
+   with a KV stream per slot, llama.cpp puts only consecutive seq ids into one micro-batch, so
+   slot order keeps a step's decode tokens in as few graph runs as the free slots allow.
+2. Admission: waiting sequences (priority, then arrival) take free slots (an uncached one before
+   an idle prefix cache, the lowest first, for the same reason). With one shared pool
+   (``kv_stream_cells`` None) a sequence is admitted when its worst-case KV need fits the pool
+   (``kv_cells * overcommit``), and idle prefix caches are evicted before a request is made to
+   wait. With a stream per slot a free slot is enough: the stream is the sequence's own, and the
+   engine refuses at submit any sequence longer than a stream. In static mode nothing is admitted
+   until the running batch drains.
 3. Prefill: prompt chunks of admitted sequences fill the rest of the ``n_batch`` budget, at most
    ``prefill_chunk`` tokens per sequence per step, oldest first, so one long prompt cannot starve
    the others.
@@ -18,8 +24,11 @@ Policy, in order of precedence:
    already holds in KV (a running sequence or an idle cache), copied instead of recomputed. If a
    running sequence is still prefilling a longer shared prefix, the newcomer waits for it and
    copies it when it is computed (the same mechanism forks the n completions of one prompt).
-5. KV full: halve the prefill budget and retry; if a batch with no prefill still does not fit,
-   preempt the youngest, lowest-priority sequence and requeue it with its progress.
+   With a stream per slot a copy duplicates the cells into the newcomer's stream (the ledger
+   counts them twice); reusing a slot's own cache costs nothing in either layout.
+5. KV full (shared pool only; a stream per slot never fills, see 2): halve the prefill budget and
+   retry; if a batch with no prefill still does not fit, preempt the youngest, lowest-priority
+   sequence and requeue it with its progress.
 6. Runtime limits (:class:`SchedulerLimits`, set by the owner while it runs, e.g. an elastic worker):
    at most ``active_slots`` sequences hold a slot, and the batch and prefill chunk may be smaller
    than configured. Lowering ``active_slots`` never stops a running sequence: no new one is
@@ -52,13 +61,14 @@ class BatchingMode(StrEnum):
 class SchedulerConfig:
     n_slots: int
     n_batch: int
-    kv_cells: int
+    kv_cells: int                   # all cells: the pool, or the sum of the streams
     prefill_chunk: int
     mode: BatchingMode = BatchingMode.CONTINUOUS
     prefix_cache: bool = True
     kv_overcommit: float = 1.0
     min_reuse_tokens: int = 1
     min_wait_tokens: int = 32       # wait for a running prefill only when it saves at least this much
+    kv_stream_cells: int | None = None  # cells of each slot's own KV stream; None = one pool shared by all slots
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,7 @@ class Scheduler:
         self.limits = SchedulerLimits.full(config)
         self.waiting = RequestQueue()
         self.running: list[Sequence] = []
-        self.ledger = KVLedger()
+        self.ledger = KVLedger(shared_copies=config.kv_stream_cells is None)
         self._free_slots = list(range(config.n_slots))
         self._cache: dict[int, list[int]] = {}          # idle seq id -> tokens its KV holds
         self._cache_lru: list[int] = []                 # idle seq ids, least recently used first
@@ -165,7 +175,7 @@ class Scheduler:
         self._admit(out)
         out.evicted_caches, self._pending_evictions = self._pending_evictions, []
         budget = self.limits.n_batch
-        for seq in self.running:
+        for seq in sorted(self.running, key=_slot):
             if seq.fork_of is None and seq.is_decoding:
                 out.items.append(BatchItem(seq, seq.n_computed, 1, sample=True))
                 budget -= 1
@@ -277,6 +287,8 @@ class Scheduler:
             out.admitted.append(self._place(seq, source, n_reuse))
 
     def _fits(self, need: int) -> bool:
+        if self.config.kv_stream_cells is not None:
+            return True         # a free slot's stream is all the sequence needs (see the policy, 2)
         limit = self.config.kv_cells * self.config.kv_overcommit
         return self.ledger.used_cells() + self.kv_reserved() + need <= limit
 
@@ -338,7 +350,7 @@ class Scheduler:
     def _coldest_free_slot(self, exclude: int | None) -> int:
         uncached = [s for s in self._free_slots if s not in self._cache]
         if uncached:
-            return uncached[0]
+            return min(uncached)
         for seq_id in self._cache_lru:
             if seq_id != exclude and seq_id in self._free_slots:
                 return seq_id
@@ -379,6 +391,10 @@ class Scheduler:
 
     def _running_ids(self) -> set[int]:
         return {s.seq_id for s in self.running if s.seq_id is not None}
+
+
+def _slot(seq: Sequence) -> int:
+    return seq.seq_id if seq.seq_id is not None else -1
 
 
 def _common_prefix(a: list[int], b: list[int], cap: int) -> int:

@@ -1,5 +1,6 @@
 """The scheduler tests' simulator: ``Sim`` plays the runner's part. It executes memory operations
-on a fake unified KV cache (cells holding (position, token, {seq ids}), like llama.cpp's),
+on a fake KV cache (cells holding (position, token, {seq ids}), like llama.cpp's; one pool shared by
+all sequences, or one stream per sequence when the scheduler's ``kv_stream_cells`` is set),
 "decodes" a batch by filling cells, samples a deterministic token for every item that asks for one,
 commits, and finishes sequences that reached their budget, exactly in the order engine/runner.py
 does. No model: Sequence objects are built by hand (``make_seq``).
@@ -40,9 +41,12 @@ class _Cell:
 
 @dataclass
 class FakeKV:
-    """A unified KV cache: a cell is used while any sequence references it."""
+    """A unified KV cache (a cell is used while any sequence references it), or with
+    ``stream_capacity`` set, one stream of that many cells per sequence: a copy then duplicates
+    cells into the destination's stream, as ``LlamaModel.kv_copy_prefix`` does across streams."""
 
     capacity: int
+    stream_capacity: int | None = None
     cells: list[_Cell] = field(default_factory=list)
 
     def seq_rm(self, seq_id: int, p0: int = -1) -> None:
@@ -53,6 +57,9 @@ class FakeKV:
         self.cells = [c for c in self.cells if c.seqs]
 
     def seq_cp(self, src: int, dst: int, n: int) -> None:
+        if self.stream_capacity is not None:
+            self.cells += [_Cell(c.pos, c.token, {dst}) for c in self.cells if src in c.seqs and c.pos < n]
+            return
         for c in self.cells:
             if src in c.seqs and c.pos < n:
                 c.seqs.add(dst)
@@ -61,6 +68,10 @@ class FakeKV:
         """entries: (seq_id, pos, token). 1 = no room (nothing changes), like llama_decode."""
         if len(self.cells) + len(entries) > self.capacity:
             return 1
+        if self.stream_capacity is not None:
+            for seq_id in {e[0] for e in entries}:
+                if len(self.content(seq_id)) + sum(e[0] == seq_id for e in entries) > self.stream_capacity:
+                    return 1
         for seq_id, pos, token in entries:
             assert not any(seq_id in c.seqs and c.pos == pos for c in self.cells), f"seq {seq_id} pos {pos} twice"
             self.cells.append(_Cell(pos, token, {seq_id}))
@@ -80,7 +91,7 @@ class Sim:
 
     def __init__(self, sched: Scheduler, kv: FakeKV | None = None) -> None:
         self.s = sched
-        self.kv = kv or FakeKV(sched.config.kv_cells)
+        self.kv = kv or FakeKV(sched.config.kv_cells, sched.config.kv_stream_cells)
         self.actions: list[KVFullAction] = []
         self.finished: list[Sequence] = []
 
