@@ -29,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +127,50 @@ def _switch(environ: Mapping[str, str], name: str) -> bool:
         raise ValueError(f"{name} must be 1 (on) or 0 (off), not {value!r}")
     return value == "1"
 
+
+KILL_BEFORE_TOKEN = "SLOTQ_FAULT_KILL_BEFORE_TOKEN"
+KILL_AFTER_NEW_TOKENS = "SLOTQ_FAULT_KILL_AFTER_NEW_TOKENS"
+
+
+@dataclass(frozen=True)
+class JobFaults:
+    """Hooks that SIGKILL the worker in the middle of a job (as the OOM killer or a lost node
+    would), at a chosen token and after everything before it reached the job's stream, so what an
+    interrupted attempt delivered is exact. Every job of the worker is subject to them.
+
+    ``SLOTQ_FAULT_KILL_BEFORE_TOKEN=K``
+        Dies before a job's K-th token (its count, resumed tokens included) is written: every
+        attempt that gets there dies at the same place, like a job that crashes its worker
+        (K = 1: before its first token).
+    ``SLOTQ_FAULT_KILL_AFTER_NEW_TOKENS=M``
+        Dies once an attempt has written M tokens of its own: each attempt makes progress, then dies.
+    """
+
+    kill_before_token: int | None = None
+    kill_after_new_tokens: int | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> JobFaults:
+        def count(name: str) -> int | None:
+            raw = (environ.get(name) or "").strip()
+            if raw and not (raw.isdigit() and int(raw) >= 1):
+                raise ValueError(f"{name} must be a whole number >= 1, not {raw!r}")
+            return int(raw) if raw else None
+
+        faults = cls(kill_before_token=count(KILL_BEFORE_TOKEN), kill_after_new_tokens=count(KILL_AFTER_NEW_TOKENS))
+        if faults.kill_before_token or faults.kill_after_new_tokens:
+            log.warning("fault injection is armed (tests only): %s", faults)
+        return faults
+
+    def kill_due(self, *, delivered: int, new: int, arriving: int) -> bool:
+        """Whether the worker must die before writing ``arriving`` tokens after the ``delivered``
+        ones (``new`` of them by this attempt). Cheap: it runs for every text delta."""
+        return ((self.kill_before_token is not None and delivered + arriving >= self.kill_before_token)
+                or (self.kill_after_new_tokens is not None and new >= self.kill_after_new_tokens))
+
+    async def kill_worker(self, flush: Awaitable[None]) -> NoReturn:
+        """Let ``flush`` put what came before in the stream, then SIGKILL this process."""
+        await flush
+        log.warning("fault injection: SIGKILL")
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL was sent to this process")

@@ -45,7 +45,8 @@ def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
     active_total = sum(w.slots_active if w.slots_active is not None else w.slots_total for w in info.workers)
     summary = (f"fleet: {info.slots_busy}/{active_total} active slots busy ({info.slots_total} max) across "
                f"{len(info.workers)} workers, {sum(w.ready for w in info.workers)} ready; "
-               f"{info.dead_letters} dead letters")
+               f"{info.dead_letters} dead letters; {info.interrupted_attempts} attempts interrupted (no try "
+               f"spent), {info.failed_attempts} failed (a try each)")
     if at is not None:
         summary += f"; updated {time.strftime('%H:%M:%S', time.localtime(at))}"
     return Group(lanes, workers, Text(summary))

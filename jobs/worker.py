@@ -44,10 +44,10 @@ from jobs.connection import connect
 from jobs.elastic import metrics as elastic_metrics
 from jobs.elastic.loop import ElasticLoop
 from jobs.engine_api import EngineFactory, JobEngine
-from jobs.fault_injection import WorkerFaults
+from jobs.fault_injection import JobFaults, WorkerFaults
 from jobs.job_run import JobRun
 from jobs.keys import JOB_FUNCTION, WORKER_INDEX, worker_key
-from jobs.queue.redis_queue import ClaimedJob, RedisQueue
+from jobs.queue.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
 from jobs.queue.runtime import QueueRuntime
 from jobs.serialization import deserialize, serialize
 from jobs.settings import WorkerSettings
@@ -97,6 +97,7 @@ class SlotqWorker:
         self._exit_deadline: threading.Timer | None = None
         self._tokens_seen: tuple[float, int] | None = None
         self._faults = WorkerFaults.from_env()
+        self._job_faults = JobFaults.from_env()
 
     # ------------------------------------------------------------------ running
     async def run(self, *, handle_signals: bool = True) -> int:
@@ -115,7 +116,7 @@ class SlotqWorker:
             on_job_started=self._observe_pickup, on_startup=self._on_startup, on_shutdown=self._on_shutdown,
             max_jobs=self.settings.slots, job_timeout=self.settings.job_timeout_s,
             keep_result=self.settings.keep_result_s, poll_delay=self.settings.poll_delay_s,
-            max_tries=self.settings.max_tries + 1, allow_abort_jobs=True,
+            max_tries=self.settings.max_attempts + 1, allow_abort_jobs=True,
             job_serializer=serialize, job_deserializer=deserialize, log_results=False)
         if handle_signals:
             self._owns_process = True
@@ -350,6 +351,7 @@ class SlotqWorker:
     # ------------------------------------------------------------------ the job function
     async def run_job(self, ctx: dict[str, Any], payload: Any) -> dict[str, Any]:
         assert self.engine is not None and self.writer is not None and self.runtime is not None
+        assert self.queue is not None
         runtime = self.runtime
         job_id = ctx["job_id"]
         claim = runtime.claimed[job_id]
@@ -359,7 +361,8 @@ class SlotqWorker:
                      enqueued_at=enqueue_time.timestamp() if enqueue_time else None,
                      is_abort=lambda: job_id in runtime.aborting_tasks,
                      lease_lost=lambda: job_id in runtime.lease_lost,
-                     verdict=self.elastic.verdict if self.elastic else None)
+                     verdict=self.elastic.verdict if self.elastic else None,
+                     ledger=AttemptLedger(self.queue, claim), faults=self._job_faults)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, ctx["job_try"])
         self._faults.on_job_start(self._beat_now)
