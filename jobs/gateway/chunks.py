@@ -96,9 +96,9 @@ class ChunkRenderer:
                 type="server_error", code="stream_restarted"), entry.id)
         return events
 
-    def gone(self) -> list[str]:
-        """The stream ended without a final entry (it expired, or the job vanished)."""
-        return self._end_with(stream_gone(self.job_id), None)
+    def failed(self, error: ApiError) -> list[str]:
+        """The stream could not be read to its final entry (gone, or Redis out of reach)."""
+        return self._end_with(error, None)
 
     def first_error(self, entry: StreamEntry) -> ApiError | None:
         """A fresh stream whose first entry already ends the job (rejected by the worker, expired,
@@ -160,14 +160,9 @@ class NativeRenderer:
             return []
         return [sse(entry.model_dump_json(exclude={"id"}), id=entry.id, event=entry.kind.value)]
 
-    def gone(self) -> list[str]:
+    def failed(self, error: ApiError) -> list[str]:
         self.finished = True
-        return [error_event(stream_gone(self.job_id), event="gateway_error")]
-
-
-def stream_gone(job_id: str) -> ApiError:
-    return ApiError(404, f"job {job_id}: its stream ended without a final event (expired or deleted)",
-                    code="stream_gone")
+        return [error_event(error, event="gateway_error")]
 
 
 def error_event(error: ApiError, *, id: str | None = None, event: str | None = None) -> str:

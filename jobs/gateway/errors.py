@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from engine import ErrorInfo
+from jobs.errors import JobNotFound, StreamGone
 
 # Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
 BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})
@@ -51,6 +52,18 @@ class ApiError(Exception):
     @classmethod
     def deadline(cls, message: str) -> ApiError:
         return cls(504, message, type="timeout", code="deadline_exceeded")
+
+    @classmethod
+    def from_stream_error(cls, exc: Exception, job_id: str) -> ApiError:
+        """A job's stream that could not be read to its end: gone for good (410: read the job's
+        result instead), no such job (404), or Redis out of reach (503: resume with Last-Event-ID)."""
+        if isinstance(exc, JobNotFound):
+            return cls.job_not_found(job_id)
+        if isinstance(exc, StreamGone):
+            return cls(410, f"{exc} (GET /v1/jobs/{job_id} has the result)", type="invalid_request_error",
+                       code="stream_gone")
+        return cls(503, f"lost the job's stream ({type(exc).__name__}: {exc}); resume with Last-Event-ID",
+                   type="server_error", code="stream_unavailable")
 
     @classmethod
     def from_job_error(cls, error: ErrorInfo | None, job_id: str) -> ApiError:

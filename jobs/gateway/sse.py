@@ -38,13 +38,12 @@ class Renderer(Protocol):
 
     def opening(self) -> list[str]: ...
     def feed(self, entry: StreamEntry) -> list[str]: ...
-    def gone(self) -> list[str]: ...
+    def failed(self, error: ApiError) -> list[str]: ...
 
 
 class EntryFeed:
-    """The job's stream entries, read from the start by a background task."""
-
-    END = object()      # returned by next() once the stream has ended
+    """The job's stream entries, read from the start by a background task. The client's stream
+    ends with the final entry or raises, so the feed's last item is one of those."""
 
     def __init__(self, client: SlotqClient, job_id: str) -> None:
         self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=256)
@@ -54,12 +53,11 @@ class EntryFeed:
         try:
             async for entry in client.stream(job_id):
                 await self._queue.put(entry)
-            await self._queue.put(self.END)
         except Exception as exc:  # handed to the reader, who reports it
             await self._queue.put(exc)
 
-    async def next(self, timeout: float) -> StreamEntry | object | None:
-        """The next entry, ``END`` after the last one, or None if none came within ``timeout``.
+    async def next(self, timeout: float) -> StreamEntry | None:
+        """The next entry, or None if none came within ``timeout``.
         Raises what the read raised (Redis unreachable beyond the client's retries)."""
         try:
             async with asyncio.timeout(timeout):     # not wait_for: see jobs.aio.wait_until_set
@@ -110,10 +108,10 @@ async def open_stream(request: Request, gateway: Gateway, client: SlotqClient, j
         if cancel_on_disconnect:
             gateway.client_left(client, job_id)
         return Response(status_code=499)
-    except Exception:
+    except Exception as exc:
         feed.close()
-        raise
-    error = first_error(first) if first_error is not None and isinstance(first, StreamEntry) else None
+        raise ApiError.from_stream_error(exc, job_id) from exc
+    error = first_error(first) if first_error is not None and first is not None else None
     if error is not None:
         feed.close()
         raise error
@@ -122,7 +120,7 @@ async def open_stream(request: Request, gateway: Gateway, client: SlotqClient, j
 
 
 async def _events(gateway: Gateway, client: SlotqClient, job_id: str, renderer: Renderer, feed: EntryFeed,
-                  first: StreamEntry | object | None, cancel_on_disconnect: bool,
+                  first: StreamEntry | None, cancel_on_disconnect: bool,
                   deadline: float | None) -> AsyncIterator[str]:
     """The response body: the events for ``first`` and every later entry, a comment every
     ``gateway_keepalive_s`` while the stream is quiet."""
@@ -132,7 +130,7 @@ async def _events(gateway: Gateway, client: SlotqClient, job_id: str, renderer: 
     try:
         for event in renderer.opening():
             yield event
-        item = first           # an entry, END, or None: the stream was quiet for a keep-alive interval
+        item = first           # an entry, or None: the stream was quiet for a keep-alive interval
         while True:
             if item is None:
                 if deadline is not None and time.time() > deadline + DEADLINE_GRACE_S:
@@ -141,15 +139,15 @@ async def _events(gateway: Gateway, client: SlotqClient, job_id: str, renderer: 
                     break
                 yield comment("keep-alive")
             else:
-                for event in renderer.gone() if item is EntryFeed.END else renderer.feed(item):  # type: ignore[arg-type]
+                for event in renderer.feed(item):
                     yield event
                 if renderer.finished:
                     break
             try:
                 item = await feed.next(keepalive)
-            except Exception as exc:  # Redis unreachable beyond the client's retries
-                yield error_event(ApiError(503, f"lost the job's stream ({type(exc).__name__}: {exc}); resume "
-                                                "with Last-Event-ID", type="server_error", code="stream_unavailable"))
+            except Exception as exc:  # the stream is gone, or Redis unreachable beyond the client's retries
+                for event in renderer.failed(ApiError.from_stream_error(exc, job_id)):
+                    yield event
                 break
         completed = True
     finally:
