@@ -71,3 +71,4 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench fleet
 	$(VENV)/bin/slotq bench bulk
 	$(VENV)/bin/slotq bench peers
+	$(VENV)/bin/slotq bench overhead

@@ -1,5 +1,5 @@
-"""Benchmarks (``slotq bench engine|queue|prefix|gateway|fleet|bulk|peers``). Each measures its variants side by side in
-one run, prints a table with ratios (or one JSON object with ``--json``) and writes the table to
+"""Benchmarks (``slotq bench engine|queue|prefix|gateway|fleet|bulk|peers|overhead``). Each measures its
+variants side by side in one run, prints a table with ratios (or one JSON object with ``--json``) and writes the table to
 ``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
@@ -19,7 +19,8 @@ from jobs.watch import ChildExited
 
 
 def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> dict[str, Any]:
-    from bench import bulk_bench, engine_bench, fleet_bench, gateway_bench, peers_bench, prefix_bench, queue_bench
+    from bench import (bulk_bench, engine_bench, fleet_bench, gateway_bench, overhead_bench, peers_bench, prefix_bench,
+                       queue_bench)
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
         "engine": engine_bench.run,
@@ -29,6 +30,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         "fleet": fleet_bench.run,
         "bulk": bulk_bench.run,
         "peers": peers_bench.run,
+        "overhead": overhead_bench.run,
     }
     try:
         data, table = asyncio.run(runners[which](quick))

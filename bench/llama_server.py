@@ -4,14 +4,18 @@ Comparing slotq with llama-server is only fair on the same llama.cpp: the same k
 model loader. llama-cpp-python's sdist carries its llama.cpp source (``vendor/llama.cpp``), so
 the benchmark downloads that sdist for the installed version, builds the ``llama-server`` target
 with CMake (about 15 minutes on 2 cores, once) and keeps it in ``~/.cache/slotq`` (or
-``$SLOTQ_CACHE_DIR``), outside the repository. ``SLOTQ_LLAMA_SERVER=/path/to/llama-server`` uses
+``$SLOTQ_CACHE_DIR``), outside the repository. ``CMAKE_ARGS`` (as pip's build of llama-cpp-python
+reads it, e.g. ``-DGGML_CUDA=on``) goes to CMake too, into a build of its own.
+``SLOTQ_LLAMA_SERVER=/path/to/llama-server`` uses
 a binary you already have instead. When neither works, :func:`find_or_build` says why and the
 benchmark skips llama-server rather than fail.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -32,6 +36,16 @@ def cache_dir() -> Path:
     return root / f"llama-server-{metadata.version(PACKAGE)}"
 
 
+def _cmake_args() -> list[str]:
+    return shlex.split(os.environ.get("CMAKE_ARGS", ""))
+
+
+def _build_dir(home: Path) -> Path:
+    """``build``, or ``build-<hash of CMAKE_ARGS>`` so a GPU build never replaces the CPU one."""
+    args = _cmake_args()
+    return home / ("build-" + hashlib.sha1(" ".join(args).encode()).hexdigest()[:8] if args else "build")
+
+
 def find_or_build() -> Path:
     """The llama-server binary: ``$SLOTQ_LLAMA_SERVER``, the cached build, or a new build."""
     given = os.environ.get("SLOTQ_LLAMA_SERVER")
@@ -40,16 +54,18 @@ def find_or_build() -> Path:
             raise Unavailable(f"SLOTQ_LLAMA_SERVER={given} is not an executable file")
         return Path(given)
     home = cache_dir()
-    binary = home / "build" / "bin" / "llama-server"
+    build = _build_dir(home)
+    binary = build / "bin" / "llama-server"
     if binary.exists():
         return binary
     home.mkdir(parents=True, exist_ok=True)
     source = _vendored_source(home)
     progress(f"building llama-server from {source} (once; about 15 minutes on 2 cores; log in {home})")
-    _run(["cmake", "-S", str(source), "-B", str(home / "build"), "-DCMAKE_BUILD_TYPE=Release",
+    _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
           "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
-          "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"], home / "configure.log")
-    _run(["cmake", "--build", str(home / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+          "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", *_cmake_args()],
+         home / "configure.log")
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
          home / "build.log")
     if not binary.exists():
         raise Unavailable(f"the build finished without {binary}; see {home / 'build.log'}")

@@ -24,6 +24,7 @@ each system's processes' high-water mark (Redis, shared by the slotq systems, no
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -59,6 +60,15 @@ ROUNDS = 2
 THREADS = len(os.sched_getaffinity(0)) or 1     # every system decodes on the same cores
 SYSTEMS = ["slotq-redis", "slotq-gateway", "llama-server", "llama-cpp-python-server", "slotq-static", "raw"]
 GATEWAY_MODEL = "peers"
+
+
+# What ``python -m llama_cpp.server`` imports beyond slotq's own dependencies (its ``server`` extra,
+# which slotq's ``bench`` extra lists without rebuilding llama-cpp-python).
+LLAMA_CPP_SERVER_MODULES = ["sse_starlette", "starlette_context"]
+
+
+def _missing_modules(names: list[str]) -> list[str]:
+    return [name for name in names if importlib.util.find_spec(name) is None]
 
 
 def peer_prompt(i: int) -> str:
@@ -226,6 +236,9 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         skipped["llama-server"] = str(exc)
     if not decision.repack:
         skipped["llama-cpp-python-server"] = "its model loader cannot switch weight repacking off, which crashes here"
+    elif missing := _missing_modules(LLAMA_CPP_SERVER_MODULES):
+        skipped["llama-cpp-python-server"] = (f"its server needs {', '.join(missing)}, not installed: "
+                                              "pip install -e '.[bench]' (make bench does)")
     for system, reason in skipped.items():
         progress(f"skipping {system}: {reason}")
     measured: dict[tuple[str, int], Measured] = {}

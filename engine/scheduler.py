@@ -25,7 +25,9 @@ Policy, in order of precedence:
    running sequence is still prefilling a longer shared prefix, the newcomer waits for it and
    copies it when it is computed (the same mechanism forks the n completions of one prompt).
    With a stream per slot a copy duplicates the cells into the newcomer's stream (the ledger
-   counts them twice); reusing a slot's own cache costs nothing in either layout.
+   counts them twice), and llama.cpp copies the whole stream, so a running slot's prefix is copied
+   only when it is at least ``min_copy_tokens`` long; reusing a slot's own idle cache costs
+   nothing in either layout.
 5. KV full (shared pool only; a stream per slot never fills, see 2): halve the prefill budget and
    retry; if a batch with no prefill still does not fit, preempt the youngest, lowest-priority
    sequence and requeue it with its progress.
@@ -69,6 +71,8 @@ class SchedulerConfig:
     min_reuse_tokens: int = 1
     min_wait_tokens: int = 32       # wait for a running prefill only when it saves at least this much
     kv_stream_cells: int | None = None  # cells of each slot's own KV stream; None = one pool shared by all slots
+    min_copy_tokens: int = 32       # streams: copy a running slot's prefix only when it saves this much (a copy
+                                    # moves the whole stream; docs/architecture.md, "KV layout", has the figures)
 
 
 @dataclass(frozen=True)
@@ -337,10 +341,14 @@ class Scheduler:
             return None, 0
         cap = len(seq.tokens) - 1
         best, best_n = None, 0
+        # A running slot's prefix is copied; with a stream per slot that copies its whole stream.
+        copy_floor = self.config.min_copy_tokens if self.config.kv_stream_cells is not None else 0
         candidates = [(s.seq_id, s.tokens[: s.n_computed]) for s in self.running if s.seq_id is not None]
         candidates += list(self._cache.items())
         for seq_id, held in candidates:
             n = _common_prefix(held, seq.tokens, cap)
+            if seq_id not in self._cache and n < copy_floor:
+                continue
             if n > best_n or (n == best_n and n > 0 and seq_id in self._cache):
                 best, best_n = seq_id, n
         if best_n < self.config.min_reuse_tokens:

@@ -121,3 +121,18 @@ def test_ledger_copies_across_streams_own_their_cells() -> None:
     led.extend(1, 2)
     led.remove(0)
     assert led.used_cells() == 8 and led.length(1) == 8
+
+
+def test_a_short_prefix_of_a_running_slot_is_not_copied() -> None:
+    """A copy across streams moves the whole stream: below min_copy_tokens, recomputing is cheaper."""
+    s = streams(min_copy_tokens=32)
+    sim = Sim(s)
+    a = make_seq(list(range(1, 21)) + [50], max_new=30)
+    s.add(a)
+    while a.n_generated == 0:
+        sim.step()
+    b = make_seq(list(range(1, 21)) + [60])             # shares 20 tokens with a running slot
+    s.add(b)
+    (adm,) = sim.step().admitted
+    assert (adm.copy_from, adm.n_reused) == (None, 0)
+    sim.check()

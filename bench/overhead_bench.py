@@ -1,0 +1,237 @@
+"""``slotq bench overhead``: many concurrent streams on a model whose decode costs little, so what
+is measured is everything around the matrix multiplications: the KV layout's attention span, the
+scheduler, sampling, the queue.
+
+Model: the test suite's tiny random llama (``tests/tiny_model.py``: 2 layers, 128 wide), written
+to a temporary file. Workload: S streams started together, each one request of a distinct short
+prompt generating ``TOKENS`` tokens exactly (greedy, ignore_eos); every system has S slots of
+``CTX`` tokens. tokens/s = all generated tokens / wall time from the first request to the last
+token. Systems, side by side in one run, each in processes of its own:
+
+- ``slotq-inprocess``: the engine called in-process, its defaults (``kv_layout=auto``, which
+  splits here; prefix cache on);
+- ``slotq-inprocess-unified``: the same with ``kv_layout=unified`` (the layout before wave 3);
+- ``slotq-redis``: a ``slotq worker`` with its defaults; the client enqueues through Redis and
+  reads each job's stream;
+- ``llama-server``: llama.cpp's server, ``--parallel S -c S*CTX`` (a KV stream per slot, its
+  default with an explicit ``--parallel``), built from the llama.cpp that llama-cpp-python vendors;
+- ``llama-server-kvu``: the same with ``-kvu`` (one unified KV buffer).
+
+A system that cannot start is skipped with one line saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import llama_server
+from bench.isolated import IsolatedProcess
+from bench.peers_bench import _free_port, _wait_http
+from bench.queue_bench import timed_job
+from bench.report import distinct_prompt, markdown_table, progress, write_results
+from engine import Engine, EngineConfig, GenerationRequest, KVLayout, SamplingParams
+from jobs.client import SlotqClient
+from jobs.redis_server import EmbeddedRedis
+from jobs.schemas import JobRequest
+from jobs.settings import ClientSettings
+from jobs.watch import ChildProcess, run_watched
+
+STREAMS = [64, 256]
+TOKENS = 256
+CTX = 1024
+THREADS = len(os.sched_getaffinity(0)) or 1
+SYSTEMS = ["slotq-inprocess", "slotq-inprocess-unified", "slotq-redis", "llama-server", "llama-server-kvu"]
+
+OneStream = Callable[[int], Awaitable[int]]      # stream index -> generated tokens
+
+
+def write_tiny_model(path: Path) -> Path:
+    """The suite's tiny model (tests/tiny_model.py in this checkout), loaded by file path: tests/
+    is not an installed package."""
+    source = Path(__file__).resolve().parent.parent / "tests" / "tiny_model.py"
+    if not source.exists():
+        raise FileNotFoundError(f"{source} is missing: slotq bench overhead runs from a slotq checkout")
+    spec = importlib.util.spec_from_file_location("slotq_tiny_model", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_tiny_llama(path)
+
+
+async def all_streams(one: OneStream, streams: int) -> float:
+    started = time.perf_counter()
+    generated = await asyncio.gather(*(one(i) for i in range(streams)))
+    return sum(generated) / (time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------- in-process engine
+_loop: asyncio.AbstractEventLoop | None = None
+_engine: Engine | None = None
+
+
+def _start_engine(config: EngineConfig) -> None:
+    global _loop, _engine
+    _loop = asyncio.new_event_loop()
+    _engine = _loop.run_until_complete(Engine.start(config))
+
+
+def _engine_streams(streams: int, tokens: int, first: int) -> float:
+    assert _loop is not None and _engine is not None
+    engine = _engine
+
+    async def one(i: int) -> int:
+        request = GenerationRequest(prompt=distinct_prompt(first + i), max_tokens=tokens, ignore_eos=True,
+                                    sampling=SamplingParams(temperature=0))
+        async for event in engine.generate(request):
+            if event.kind == "finished":
+                return event.usage.completion_tokens
+        return 0
+
+    return _loop.run_until_complete(all_streams(one, streams))
+
+
+# ----------------------------------------------------------------------------- HTTP and Redis paths
+def _http_stream(http: httpx.AsyncClient, tokens: int, first: int) -> OneStream:
+    async def one(i: int) -> int:
+        body = {"prompt": distinct_prompt(first + i), "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        response = await http.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(f"{http.base_url}: HTTP {response.status_code}: {response.text[:300]}")
+        return int(response.json()["usage"]["completion_tokens"])
+    return one
+
+
+def _redis_stream(client: SlotqClient, tokens: int, first: int) -> OneStream:
+    async def one(i: int) -> int:
+        request = JobRequest(prompt=distinct_prompt(first + i), max_tokens=tokens, ignore_eos=True,
+                             sampling={"temperature": 0})
+        _, generated = await timed_job(client, request, time.perf_counter())
+        return generated
+    return one
+
+
+# ----------------------------------------------------------------------------- the run
+async def run(quick: bool) -> tuple[dict[str, Any], str]:
+    streams_list = [16, 64] if quick else STREAMS
+    tokens = 32 if quick else TOKENS
+    skipped: dict[str, str] = {}
+    try:
+        server_binary: Path | None = llama_server.find_or_build()
+    except llama_server.Unavailable as exc:
+        server_binary = None
+        for system in ("llama-server", "llama-server-kvu"):
+            skipped[system] = str(exc)
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-overhead-") as tmp_name:
+        tmp = Path(tmp_name)
+        model = write_tiny_model(tmp / "tiny.gguf")
+        redis = EmbeddedRedis(tmp / "redis")
+        url = redis.start()
+        try:
+            for streams in streams_list:
+                results += await _at(streams, tokens, tmp, model, url, server_binary, skipped)
+        finally:
+            redis.stop()
+    for system, reason in skipped.items():
+        progress(f"skipped {system}: {reason}")
+    data = {"model": "tests/tiny_model.py", "tokens_per_stream": tokens, "ctx_per_slot": CTX, "threads": THREADS,
+            "results": results, "skipped": skipped}
+    text = _table(results, streams_list, skipped)
+    if not quick:
+        write_results("overhead", data, text, "slotq bench overhead")
+    return data, text
+
+
+async def _at(streams: int, tokens: int, tmp: Path, model: Path, url: str, server_binary: Path | None,
+              skipped: dict[str, str]) -> list[dict[str, Any]]:
+    """Every system at ``streams`` slots: started, warmed up with one request, measured once."""
+    rows: list[dict[str, Any]] = []
+    base = dict(model_path=model, slots=streams, ctx=CTX, threads=THREADS)
+    first = streams * 10_000            # no prompt is sent twice (llama-server keeps a prompt cache)
+    for system, layout in (("slotq-inprocess", KVLayout.AUTO), ("slotq-inprocess-unified", KVLayout.UNIFIED)):
+        progress(f"{streams} streams: {system}")
+        process = IsolatedProcess(_start_engine, EngineConfig(kv_layout=layout, **base))
+        try:
+            process.call(_engine_streams, 1, 4, first - 1)
+            rows.append(_row(system, streams, process.call(_engine_streams, streams, tokens, first)))
+        finally:
+            process.close()
+    children: dict[str, ChildProcess] = {}
+    env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(streams),
+           "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS),
+           "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_ELASTIC": "false", "SLOTQ_QUEUE_NAME": f"overhead-{streams}"}
+    children["slotq-redis"] = ChildProcess(f"slotq worker at {streams} slots", [sys.executable, "-m", "jobs.cli", "worker"],
+                                           env=env, log_path=tmp / f"worker-{streams}.log")
+    ports: dict[str, int] = {}
+    if server_binary is not None:
+        for system, extra in (("llama-server", []), ("llama-server-kvu", ["-kvu"])):
+            port = ports[system] = _free_port()
+            children[system] = ChildProcess(f"{system} at {streams} slots", [
+                str(server_binary), "-m", str(model), "--parallel", str(streams), "-c", str(CTX * streams),
+                "-t", str(THREADS), "--host", "127.0.0.1", "--port", str(port),
+                *extra], log_path=tmp / f"{system}-{streams}.log")
+    try:
+        rows += await run_watched(_measure_children(streams, tokens, first, url, ports), *children.values())
+    finally:
+        for child in children.values():
+            child.stop()
+    return rows
+
+
+async def _measure_children(streams: int, tokens: int, first: int, url: str,
+                            ports: dict[str, int]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=f"overhead-{streams}"))
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=0)
+    https = {system: httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=1800, limits=limits)
+             for system, port in ports.items()}
+    try:
+        paths: dict[str, Callable[[int], OneStream]] = {"slotq-redis": lambda f: _redis_stream(client, tokens, f)}
+        while not (await client.queue_info()).workers:
+            await asyncio.sleep(0.2)
+        for system, http in https.items():
+            await _wait_http(http, "/health", lambda r: r.status_code == 200)
+            paths[system] = lambda f, http=http: _http_stream(http, tokens, f)   # type: ignore[misc]
+        for system, make in paths.items():
+            progress(f"{streams} streams: {system}")
+            await make(first - 2)(0)                                     # warm-up, not measured
+            rows.append(_row(system, streams, await all_streams(make(first), streams)))
+    finally:
+        for http in https.values():
+            await http.aclose()
+        await client.close()
+    return rows
+
+
+def _row(system: str, streams: int, tokens_per_s: float) -> dict[str, Any]:
+    return {"system": system, "streams": streams, "tokens_per_s": round(tokens_per_s, 1)}
+
+
+def _table(results: list[dict[str, Any]], streams_list: list[int], skipped: dict[str, str]) -> str:
+    """tok/s per system and stream count, and each figure over llama-server's best mode there."""
+    tps = {(r["system"], r["streams"]): r["tokens_per_s"] for r in results}
+    best = {s: max((tps.get((p, s), 0.0) for p in ("llama-server", "llama-server-kvu")), default=0.0)
+            for s in streams_list}
+    rows = []
+    for system in SYSTEMS:
+        if system in skipped:
+            continue
+        cells = [system]
+        for s in streams_list:
+            value = tps.get((system, s))
+            ratio = f" ({value / best[s]:.2f} x)" if value and best[s] else ""
+            cells.append(f"{value:,.0f}{ratio}" if value is not None else "-")
+        rows.append(cells)
+    table = markdown_table(["system", *(f"{s} streams tok/s (/ llama-server's best)" for s in streams_list)], rows)
+    notes = "".join(f"\n\nskipped {system}: {reason}" for system, reason in skipped.items())
+    return table + notes
