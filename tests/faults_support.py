@@ -323,11 +323,28 @@ class FaultyProxy(RedisProxy):
 class LatencyProxy(RedisProxy):
     """A TCP proxy that delays every byte by ``one_way_s`` in each direction, as a link between a
     client and a distant Redis does. Order is kept and throughput is not limited: each direction
-    stamps what it reads and a second task writes it once its time has come."""
+    stamps what it reads and a second task writes it once its time has come.
 
-    def __init__(self, upstream_port: int, one_way_s: float) -> None:
+    :meth:`cut` is a network partition: nothing passes either way for a while, then every open
+    connection is dropped (new ones are accepted as before)."""
+
+    def __init__(self, upstream_port: int, one_way_s: float = 0.0) -> None:
         super().__init__(upstream_port)
         self.one_way_s = one_way_s
+        self._passing = asyncio.Event()
+        self._passing.set()
+
+    async def cut(self, hold_s: float) -> int:
+        """Hold every byte for ``hold_s``, then drop the connections open then; returns how many."""
+        self._passing.clear()
+        try:
+            await asyncio.sleep(hold_s)
+            dropped = list(self._tasks)
+            for task in dropped:
+                task.cancel()
+            return len(dropped)
+        finally:
+            self._passing.set()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -359,6 +376,7 @@ class LatencyProxy(RedisProxy):
                     sink.close()
                     return
                 await asyncio.sleep(max(0.0, due - loop.time()))
+                await self._passing.wait()
                 sink.write(data)
                 await sink.drain()
 
