@@ -238,6 +238,19 @@ class RedisProxy:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError
 
+    async def _open_upstream(self, client_w: asyncio.StreamWriter) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """Register this connection's task (``close`` ends it) and connect to Redis; None, with the
+        client's side closed, when Redis is not there. ``_handle`` discards the task when done."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            client_w.close()
+            self._tasks.discard(task)
+            return None
+
 
 class FaultyProxy(RedisProxy):
     """A TCP proxy in front of Redis that injects one fault when armed. The next request that
@@ -267,15 +280,10 @@ class FaultyProxy(RedisProxy):
         self.needle, self.mode, self.delay_s, self.on = needle, mode, delay_s, on
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            client_w.close()
-            self._tasks.discard(task)
+        upstream = await self._open_upstream(client_w)
+        if upstream is None:
             return
+        up_r, up_w = upstream
         cut = asyncio.Event()
 
         async def upstream_to_client() -> None:
@@ -317,7 +325,7 @@ class FaultyProxy(RedisProxy):
             back.cancel()
             for w in (client_w, up_w):
                 w.close()
-            self._tasks.discard(task)
+            self._tasks.discard(asyncio.current_task())
 
 
 class LatencyProxy(RedisProxy):
@@ -347,15 +355,10 @@ class LatencyProxy(RedisProxy):
             self._passing.set()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            client_w.close()
-            self._tasks.discard(task)
+        upstream = await self._open_upstream(client_w)
+        if upstream is None:
             return
+        up_r, up_w = upstream
         try:
             await asyncio.gather(self._delayed(client_r, up_w), self._delayed(up_r, client_w))
         except (OSError, asyncio.CancelledError):
@@ -363,7 +366,7 @@ class LatencyProxy(RedisProxy):
         finally:
             for w in (client_w, up_w):
                 w.close()
-            self._tasks.discard(task)
+            self._tasks.discard(asyncio.current_task())
 
     async def _delayed(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
