@@ -111,6 +111,7 @@ class JobRun:
         self.faults = faults
         self.metadata: dict[str, Any] = {}
         self.cap: MaxTokensCap | None = None
+        self.tokens_left: int | None = None    # still to generate, all choices (None until the request is known)
 
     @property
     def tries(self) -> int:
@@ -144,9 +145,12 @@ class JobRun:
             return await self._dead_letter(ErrorInfo(code="interruptions_exhausted", retryable=True, message=(
                 f"{self.interruptions} attempts were lost after making progress, over max_interruptions "
                 f"({self.settings.max_interruptions}); the stream holds {delivered.token_count} tokens")))
-        if job.deadline is not None and time.time() >= job.deadline and not delivered.tokens:
-            return await self._fail(ErrorInfo(code="expired", retryable=False,
-                                              message="the job's deadline passed before it started"))
+        if job.deadline is not None and not delivered.tokens:
+            first_token_s = self._first_token_s()
+            if time.time() + first_token_s >= job.deadline:
+                return await self._fail(ErrorInfo(code="expired", retryable=False, message=(
+                    "the job's deadline cannot be met: it passed, or is nearer than one decode step "
+                    f"({first_token_s * 1000:.0f} ms on this worker), before the job could start")))
         resume = delivered.tokens.get(0, []) if job.n == 1 else []
         if job.n > 1 and delivered.tokens:
             self.writer.add(self.job_id, self._entry(EntryKind.RESTART))
@@ -159,6 +163,7 @@ class JobRun:
             if verdict.cap is not None:
                 self.cap = verdict.cap
                 params["max_tokens"] = verdict.cap.applied
+        self.tokens_left = params["max_tokens"] * job.n - delivered.token_count
         if len(resume) >= job.max_tokens:
             return await self._complete_delivered(GenerationRequest(id=self.job_id, **params), delivered)
         request = GenerationRequest(id=self.job_id, resume_tokens=resume, **params)
@@ -170,6 +175,13 @@ class JobRun:
             return await self._fail(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable,
                                               field=exc.field))
         return await self._follow(handle, request, job, delivered)
+
+    def _first_token_s(self) -> float:
+        """The least time a first token takes here: this worker's mean decode step. A job whose
+        deadline is nearer than that would end with nothing, so it is failed as ``expired``
+        without taking a slot from others."""
+        stats = self.engine.stats()
+        return stats.generating_seconds / stats.generating_steps if stats.generating_steps else 0.0
 
     async def _start_attempt(self, delivered: Delivered) -> None:
         """Judge the attempts lost before this one and note where this one starts (the queue's
@@ -204,6 +216,7 @@ class JobRun:
                     texts[event.choice] += event.text
                     tokens[event.choice] += len(event.token_ids)
                     new_tokens += len(event.token_ids)
+                    self.tokens_left = (self.tokens_left or 0) - len(event.token_ids)
                     self.writer.add_chunk(self.job_id, attempt=self.attempt, choice=event.choice, text=event.text,
                                           token_ids=event.token_ids, n_tokens=event.n_tokens)
                     continue

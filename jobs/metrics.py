@@ -42,6 +42,11 @@ QUEUE_WAITING = Gauge("slotq_queue_waiting", "Jobs waiting to be claimed", ["lan
 QUEUE_DEFERRED = Gauge("slotq_queue_deferred", "Jobs waiting out a retry backoff", ["lane"])
 QUEUE_RUNNING = Gauge("slotq_queue_running", "Jobs claimed by a worker (whole fleet)", ["lane"])
 QUEUE_OLDEST_AGE = Gauge("slotq_queue_oldest_waiting_age_seconds", "Age of the oldest job not yet claimed", ["lane"])
+LANE_PREEMPTIONS = Counter(
+    "slotq_lane_preemptions", "Jobs this worker handed back (no try spent, resumed from their stream) to give their "
+    "slot to a waiting job of a higher lane, by the lane of the job handed back", ["lane"])
+QUEUE_PREEMPTED = Gauge("slotq_queue_preempted", "Jobs of this lane that yielded their slot to a higher lane, whole "
+                        "fleet, since the queue began", ["lane"])
 PICKUP = Histogram("slotq_queue_pickup_seconds", "Enqueue (or retry due) to claim by this worker", ["lane"],
                    buckets=LATENCY_BUCKETS)
 JOBS = Counter("slotq_jobs", "Finished job attempts by status", ["status"])
@@ -105,5 +110,6 @@ def sample_queue(counts: Sequence[LaneCounts], now_ms: float | None = None) -> N
         QUEUE_WAITING.labels(lane=c.lane).set(c.waiting)
         QUEUE_DEFERRED.labels(lane=c.lane).set(c.deferred)
         QUEUE_RUNNING.labels(lane=c.lane).set(c.running)
+        QUEUE_PREEMPTED.labels(lane=c.lane).set(c.preempted)
         age = (now_ms - c.oldest_waiting_ms) / 1000 if c.oldest_waiting_ms is not None else 0.0
         QUEUE_OLDEST_AGE.labels(lane=c.lane).set(max(0.0, age))

@@ -98,6 +98,7 @@ class SlotqWorker:
         self._tokens_seen: tuple[float, int] | None = None
         self._faults = WorkerFaults.from_env()
         self._job_faults = JobFaults.from_env()
+        self._runs: dict[str, JobRun] = {}   # the attempts running here, by job id
 
     # ------------------------------------------------------------------ running
     async def run(self, *, handle_signals: bool = True) -> int:
@@ -113,7 +114,9 @@ class SlotqWorker:
         self.runtime = QueueRuntime(
             job_name=JOB_FUNCTION, job=self.run_job, queue_name=self.settings.queue_name, redis_pool=redis,
             queue=self.queue, token=self.token, lease_ms=self.lease_ms, may_claim=self._may_claim,
-            on_job_started=self._observe_pickup, on_startup=self._on_startup, on_shutdown=self._on_shutdown,
+            on_job_started=self._observe_pickup, tokens_left=self._tokens_left,
+            on_preempted=lambda victim: metrics.LANE_PREEMPTIONS.labels(lane=victim.lane).inc(),
+            on_startup=self._on_startup, on_shutdown=self._on_shutdown,
             max_jobs=self.settings.slots, job_timeout=self.settings.job_timeout_s,
             keep_result=self.settings.keep_result_s, poll_delay=self.settings.poll_delay_s,
             max_tries=self.settings.max_attempts + 1, allow_abort_jobs=True,
@@ -345,6 +348,11 @@ class SlotqWorker:
             self.health.tick()
             await asyncio.sleep(1)
 
+    def _tokens_left(self, job_id: str) -> int:
+        """What a running job still has to generate, for the preemption policy (0 until known)."""
+        run = self._runs.get(job_id)
+        return run.tokens_left if run is not None and run.tokens_left is not None else 0
+
     def _observe_pickup(self, job: ClaimedJob) -> None:
         metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, time.time() - job.ready_ms / 1000))
 
@@ -367,6 +375,7 @@ class SlotqWorker:
         log.info("job %s attempt %d started", job_id, ctx["job_try"])
         self._faults.on_job_start(self._beat_now)
         self.writer.bind(job_id, claim.lease)
+        self._runs[job_id] = run
         try:
             result = await run.run()
         except asyncio.CancelledError:
@@ -374,6 +383,8 @@ class SlotqWorker:
             raise
         finally:
             self.writer.unbind(job_id)
+            if self._runs.get(job_id) is run:
+                del self._runs[job_id]
         runtime.aborting_tasks.discard(job_id)
         metrics.observe_result(result)
         log.info("job %s %s (%s) in %.2f s: %d prompt + %d completion tokens", job_id, result.status.value,
@@ -389,5 +400,4 @@ def claim_is_current(runtime: QueueRuntime, job: ClaimedJob) -> bool:
     running = runtime.claimed.get(job.id)
     if running is not None and running.lease == job.lease:
         return job.id not in runtime.leaving and job.id not in runtime.lease_lost
-    successor = runtime.successors.get(job.id)
-    return successor is not None and successor.lease == job.lease
+    return runtime.waits_for_slot(job)

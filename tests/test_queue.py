@@ -32,9 +32,10 @@ def queue(redis) -> RedisQueue:
     return RedisQueue(redis, "test:q", ["interactive", "bulk"])
 
 
-async def put(queue: RedisQueue, job_id: str, lane: str = "interactive", max_waiting: int | None = None) -> Enqueued:
-    return await queue.enqueue(job_id, "generate", {"prompt": job_id}, lane=lane, max_waiting=max_waiting,
-                               serializer=serialize)
+async def put(queue: RedisQueue, job_id: str, lane: str = "interactive", max_waiting: int | None = None,
+              tenant: str = "default") -> Enqueued:
+    return await queue.enqueue(job_id, "generate", {"prompt": job_id}, lane=lane, tenant=tenant,
+                               max_waiting=max_waiting, serializer=serialize)
 
 
 async def test_claim_takes_higher_lanes_first_then_oldest(queue):
@@ -212,13 +213,8 @@ async def test_claim_cost_does_not_grow_with_running_jobs(queue, redis):
     """Beyond arq's old queue_read_limit (1000 running jobs, after which waiting ones became
     invisible): a new job is claimed at once, in one script whose command count stays small."""
     n = 1500
-    async with redis.pipeline(transaction=False) as pipe:
-        for i in range(n):
-            await queue._scripts["ENQUEUE"](
-                keys=[job_record_key(f"r{i}"), f"arq:result:r{i}", queue.keys.jobs, queue.keys.waiting("interactive"),
-                      queue.keys.wake, queue.keys.waiting("interactive")],
-                args=[f"r{i}", b"x", 60_000, i, "interactive", 10**9, 10_000], client=pipe)
-        await pipe.execute()
+    for start in range(0, n, 250):
+        await asyncio.gather(*(put(queue, f"r{i}") for i in range(start, start + 250)))
     claimed = 0
     while claimed < n:
         claimed += len(await queue.claim(500, f"w{claimed}", LEASE_MS))
@@ -232,6 +228,58 @@ async def test_claim_cost_does_not_grow_with_running_jobs(queue, redis):
     inner = sum(v["calls"] for k, v in stats.items() if not k.startswith(("cmdstat_evalsha", "cmdstat_eval",
                                                                           "cmdstat_config", "cmdstat_info")))
     assert inner < 40, stats            # enqueue + claim of one job: a few dozen commands, not thousands
+
+
+# ---------------------------------------------------------------------- fair share across tenants
+async def test_a_tenants_backlog_does_not_delay_another_tenants_job(queue):
+    """Tenant A queues 1,000 jobs, then tenant B one: B's job is among the next two claimed (A's
+    next job may be claimed first, never A's backlog); A's own jobs stay in order, a job handed
+    back keeps its place among them, and once A's queue is the only one, A is served at full speed."""
+    for i in range(1000):
+        await put(queue, f"a-{i:04d}", "bulk", tenant="A")
+    first = await queue.claim(1, "w1", LEASE_MS)                 # the lane's clock is running
+    await put(queue, "b-only", "bulk", tenant="B")
+    await put(queue, "c-only", "bulk")                           # no tenant: the default tenant
+    claimed = [j.id for j in await queue.claim(4, "w2", LEASE_MS)]
+    assert "b-only" in claimed[:2] and "c-only" in claimed[:4], claimed
+    a_jobs = [j.id for j in first] + [i for i in claimed if i.startswith("a-")]
+    [next_a] = await queue.claim(1, "w3", LEASE_MS)
+    assert await queue.hand_back(next_a)                         # back to its place, ahead of A's later jobs
+    rest = [j.id for j in await queue.claim(1000, "w3", LEASE_MS)]
+    assert a_jobs + rest == [f"a-{i:04d}" for i in range(1000)]   # FIFO within the tenant, nothing lost
+
+
+# ---------------------------------------------------------------------- preemption across lanes
+async def test_preemption_tokens_and_the_preempt_claim(queue, redis):
+    """An interactive job enqueued while bulk jobs run leaves one preemption token; the busy
+    worker that takes it claims that job from above its victim's lane (exactly one worker wins)
+    and the preemption is counted for the victim's lane. Without running bulk work, no token."""
+    await put(queue, "chat-idle")
+    assert await redis.llen(queue.keys.preempt("interactive")) == 0        # nothing lower runs: no token
+    await queue.claim(1, "w0", LEASE_MS)
+    await put(queue, "bulk-0", "bulk")
+    await put(queue, "bulk-1", "bulk")
+    await queue.claim(2, "w1", LEASE_MS)                                     # both bulk jobs run on w1
+    await put(queue, "bulk-2", "bulk")                                       # bulk work waits too
+    await put(queue, "chat-0")
+    assert await queue.wait_for_preemption("bulk", 0.1) == "interactive"    # one token, one busy worker
+    assert await queue.wait_for_preemption("bulk", 0.1) is None
+    assert await queue.wait_for_preemption("interactive", 0.1) is None      # nothing is above the top lane
+    winner = await queue.preempt("bulk", "w1", LEASE_MS)
+    assert winner is not None and (winner.id, winner.lane) == ("chat-0", "interactive")
+    assert await queue.preempt("bulk", "w2", LEASE_MS) is None              # the job goes to one worker
+    assert {c.lane: c.preempted for c in await queue.counts()} == {"interactive": 0, "bulk": 1}
+
+
+async def test_preempt_declines_when_an_idle_worker_took_the_wake_up(queue, redis):
+    """A worker with a free slot takes the enqueue's wake token and claims the job itself, so no
+    busy worker yields a slot for it."""
+    await put(queue, "bulk-0", "bulk")
+    await queue.claim(1, "busy", LEASE_MS)
+    await put(queue, "chat-0")
+    assert await queue.wait_for_work(0.1)                                   # an idle worker's wake-up
+    assert await queue.preempt("bulk", "busy", LEASE_MS) is None
+    assert [j.id for j in await queue.claim(1, "idle", LEASE_MS)] == ["chat-0"]
 
 
 def test_lane_names_are_checked():

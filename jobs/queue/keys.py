@@ -3,10 +3,13 @@
 A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest priority first):
 
 ================================  ======  ===========================================================
-``Q:waiting:L``                   ZSET    job id -> ready time (ms); claimed lowest first (FIFO)
+``Q:waiting:L``                   ZSET    job id -> place in line (its fair-share tag); claimed lowest first
 ``Q:deferred:L``                  ZSET    job id -> run-at time (ms) of a retry waiting out its backoff
 ``Q:running:L``                   ZSET    job id -> lease deadline (ms); the reaper requeues expired ones
-``Q:jobs``                        HASH    job id -> ``lane<TAB>ready time`` for every job in the queue
+``Q:jobs``                        HASH    job id -> ``lane<TAB>ready ms<TAB>place`` for every job in the queue
+``Q:tags:L``                      ZSET    tenant -> place of its newest job in lane L; ``#clock`` -> the lane's clock
+``Q:preempt:L``                   LIST    one token per job of lane L that waits while a lower lane runs (capped)
+``Q:preemptions``                 HASH    lane -> jobs of that lane that yielded their slot to a higher lane
 ``Q:owners``                      HASH    job id -> lease of the attempt running it (``<worker token>#<claim number>``)
 ``Q:progress``                    HASH    job id -> ``accounted<TAB>started<TAB>tokens<TAB>interruptions`` (see below)
 ``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
@@ -17,6 +20,13 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``arq:result:<id>``               STRING  the result record in arq's format
 ``arq:abort``                     ZSET    arq's pending aborts (checked by ``run_job`` before a job starts)
 ================================  ======  ===========================================================
+
+A job's *place* in its lane is its fair-share tag (:mod:`jobs.queue.scripts`, ``ENQUEUE``):
+``max(lane clock, place of its tenant's newest job) + 1``, where the clock is the highest place
+claimed so far. Within a tenant, places follow enqueue order; a tenant with nothing waiting joins
+right after the job being claimed now, however many jobs other tenants have queued. A job handed
+back, reaped or promoted after its retry backoff keeps its place. An entry of ``Q:jobs`` written
+before places existed (``lane<TAB>ready ms``) has its ready time as its place.
 
 ``Q:progress`` is how a lost attempt is told from a failed one (:mod:`jobs.queue.scripts`,
 ``START_ATTEMPT``): attempts up to ``accounted`` have been judged; attempt ``started`` began with
@@ -35,6 +45,7 @@ from dataclasses import dataclass
 from arq.constants import abort_jobs_ss, job_key_prefix, result_key_prefix, retry_key_prefix
 
 LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)
 
 
 def job_record_key(job_id: str) -> str:
@@ -75,6 +86,16 @@ class QueueKeys:
     def running(self, lane: str) -> str:
         return f"{self.queue}:running:{lane}"
 
+    def tags(self, lane: str) -> str:
+        return f"{self.queue}:tags:{lane}"
+
+    def preempt(self, lane: str) -> str:
+        return f"{self.queue}:preempt:{lane}"
+
+    @property
+    def preemptions(self) -> str:
+        return f"{self.queue}:preemptions"
+
     @property
     def jobs(self) -> str:
         return f"{self.queue}:jobs"
@@ -98,6 +119,10 @@ class QueueKeys:
     def abort_channel(self, token: str) -> str:
         return f"{self.queue}:abort:{token}"
 
-    def lane_triples(self) -> list[str]:
-        """waiting, deferred, running of every lane, highest priority first (the claim order)."""
-        return [key for lane in self.lanes for key in (self.waiting(lane), self.deferred(lane), self.running(lane))]
+    def lane_group(self, lane: str) -> list[str]:
+        """The keys the claim scripts read per lane: waiting, deferred, running, tags, preempt."""
+        return [self.waiting(lane), self.deferred(lane), self.running(lane), self.tags(lane), self.preempt(lane)]
+
+    def lane_groups(self, lanes: tuple[str, ...] | None = None) -> list[str]:
+        """:meth:`lane_group` of ``lanes`` (default: every lane), highest priority first (the claim order)."""
+        return [key for lane in (self.lanes if lanes is None else lanes) for key in self.lane_group(lane)]

@@ -24,9 +24,9 @@ from arq.jobs import deserialize_result, serialize_job, serialize_result
 from redis.asyncio import Redis
 
 from jobs.queue import scripts
-from jobs.queue.keys import ABORTS, QueueKeys, job_record_key, result_key, retry_counter_key
+from jobs.queue.keys import ABORTS, DEFAULT_TENANT, QueueKeys, job_record_key, result_key, retry_counter_key
 
-WAKE_CAP = 10_000              # wake tokens kept at most (one per waiting job below that)
+WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at most (one per waiting job below that)
 PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
 REAP_LIMIT = 100               # expired leases requeued per lane per reap
 RECORD_TTL_MS = 7 * 86_400_000  # a job not claimed within a week expires (arq fails it as "job expired")
@@ -57,6 +57,7 @@ class LaneCounts:
     deferred: int
     running: int
     oldest_waiting_ms: float | None      # ready time of the job next in line
+    preempted: int = 0                   # jobs of this lane that yielded their slot to a higher lane, ever
 
 
 @dataclass(frozen=True)
@@ -101,24 +102,28 @@ class RedisQueue:
         self.keys = QueueKeys(name, tuple(lanes))
         self._claim_numbers = itertools.count(1)     # makes each claim's lease unique
         self._scripts = {name: redis.register_script(getattr(scripts, name))
-                         for name in ("ENQUEUE", "CLAIM", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK", "REAP", "CANCEL",
-                                     "FORGET", "START_ATTEMPT")}
+                         for name in ("ENQUEUE", "CLAIM", "PREEMPT", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK",
+                                      "REAP", "CANCEL", "FORGET", "START_ATTEMPT")}
 
     def lane_of(self, index: int) -> str:
         return self.keys.lanes[index]
 
     # ------------------------------------------------------------------ producers
     async def enqueue(self, job_id: str, function: str, payload: dict[str, Any], *, lane: str,
-                      max_waiting: int | None, serializer: Any) -> Enqueued:
-        """Write the job record (arq's format) and put the job in its lane; wake one idle worker.
-        FULL when ``max_waiting`` jobs already wait (None: no limit)."""
+                      tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Any) -> Enqueued:
+        """Write the job record (arq's format) and put the job in its lane at its tenant's fair
+        place (round-robin across tenants, see keys.py); wake one idle worker, and leave a
+        preemption token when a lower lane has running jobs. FULL when ``max_waiting`` jobs
+        already wait (None: no limit)."""
         now_ms = int(time.time() * 1000)
         record = serialize_job(function, (payload,), {}, None, now_ms, serializer=serializer)
         k = self.keys
         counted = [key for lane_ in k.lanes for key in (k.waiting(lane_), k.deferred(lane_))]
+        below = [k.running(lane_) for lane_ in k.lanes[k.lanes.index(lane) + 1:]]
         code = await self._scripts["ENQUEUE"](
-            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.waiting(lane), k.wake, *counted],
-            args=[job_id, record, RECORD_TTL_MS, now_ms, lane, max_waiting if max_waiting is not None else 2**53, WAKE_CAP])
+            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, *k.lane_group(lane), *counted, *below],
+            args=[job_id, record, RECORD_TTL_MS, now_ms, lane, max_waiting if max_waiting is not None else 2**53,
+                  WAKE_CAP, tenant, len(k.lanes)])
         return Enqueued(int(code))
 
     async def cancel(self, job_id: str) -> int:
@@ -184,19 +189,26 @@ class RedisQueue:
         return entry.decode().split("\t", 1)[0], bool(owned)
 
     async def counts(self) -> list[LaneCounts]:
-        """Waiting, deferred and running jobs of each lane: O(1) per lane, one round trip."""
+        """Waiting, deferred and running jobs and preemptions of each lane: O(1) per lane, two
+        round trips (the second reads the ready time of each lane's next job)."""
         k = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for lane in k.lanes:
                 pipe.zcard(k.waiting(lane))
                 pipe.zcard(k.deferred(lane))
                 pipe.zcard(k.running(lane))
-                pipe.zrange(k.waiting(lane), 0, 0, withscores=True)
+                pipe.zrange(k.waiting(lane), 0, 0)
+            pipe.hmget(k.preemptions, list(k.lanes))
             raw = await pipe.execute()
+        heads = [head[0] if head else None for head in raw[3:-1:4]]
+        present = [h for h in heads if h is not None]
+        entries = dict(zip(present, await self.redis.hmget(k.jobs, present))) if present else {}
         out = []
         for i, lane in enumerate(k.lanes):
-            waiting, deferred, running, head = raw[4 * i: 4 * i + 4]
-            out.append(LaneCounts(lane, waiting, deferred, running, head[0][1] if head else None))
+            waiting, deferred, running, _ = raw[4 * i: 4 * i + 4]
+            entry = entries.get(heads[i])
+            ready = float(entry.decode().split("\t")[1]) if entry else None
+            out.append(LaneCounts(lane, waiting, deferred, running, ready, int(raw[-1][i] or 0)))
         return out
 
     # ------------------------------------------------------------------ workers
@@ -207,8 +219,24 @@ class RedisQueue:
         k = self.keys
         lease = f"{token}#{next(self._claim_numbers)}"
         flat = await self._scripts["CLAIM"](
-            keys=[k.jobs, k.owners, k.wake, *k.lane_triples()],
+            keys=[k.jobs, k.owners, k.wake, *k.lane_groups()],
             args=[int(time.time() * 1000), max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT])
+        return self._claimed(flat, lease)
+
+    async def preempt(self, victim_lane: str, token: str, lease_ms: int) -> ClaimedJob | None:
+        """Claim one waiting job of a lane above ``victim_lane`` for a busy worker, which then
+        hands its victim back to give the job its slot; counts the preemption for ``victim_lane``.
+        None: nothing above waits, or a worker with a free slot took the wake-up and claims it."""
+        k = self.keys
+        lease = f"{token}#{next(self._claim_numbers)}"
+        above = k.lanes[:k.lanes.index(victim_lane)]
+        flat = await self._scripts["PREEMPT"](
+            keys=[k.jobs, k.owners, k.wake, k.preemptions, *k.lane_groups(above)],
+            args=[int(time.time() * 1000), lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, victim_lane])
+        claimed = self._claimed(flat, lease)
+        return claimed[0] if claimed else None
+
+    def _claimed(self, flat: list[Any], lease: str) -> list[ClaimedJob]:
         return [ClaimedJob(flat[i].decode(), self.lane_of(int(flat[i + 1])), int(float(flat[i + 2])), lease)
                 for i in range(0, len(flat), 3)]
 
@@ -219,6 +247,22 @@ class RedisQueue:
     async def return_wake_token(self) -> None:
         """A token this worker cannot use (its slots filled meanwhile): pass it on."""
         await self.redis.rpush(self.keys.wake, "1")
+
+    async def wait_for_preemption(self, below_lane: str, timeout_s: float) -> str | None:
+        """For a busy worker whose lowest job runs in ``below_lane``: block until a preemption
+        token of a lane above it arrives (one enqueue wakes at most one busy worker); returns that
+        lane, or None at the timeout."""
+        k = self.keys
+        above = k.lanes[:k.lanes.index(below_lane)]
+        if not above:
+            return None
+        lists = {k.preempt(lane): lane for lane in above}
+        popped = await self.redis.blpop(list(lists), timeout=timeout_s)
+        return None if popped is None else lists[popped[0].decode()]
+
+    async def return_preemption_token(self, lane: str) -> None:
+        """A preemption token this worker cannot use (its lower-lane jobs ended meanwhile): pass it on."""
+        await self.redis.rpush(self.keys.preempt(lane), "1")
 
     async def renew(self, jobs: Sequence[ClaimedJob], lease_ms: int) -> list[bool]:
         """Extend the leases of ``jobs``; False for each job its lease no longer owns."""
@@ -271,5 +315,5 @@ class RedisQueue:
         """Requeue jobs whose lease expired (their worker died or stalled); promote due retries."""
         k = self.keys
         return int(await self._scripts["REAP"](
-            keys=[k.owners, k.jobs, k.wake, *k.lane_triples()],
+            keys=[k.owners, k.jobs, k.wake, *k.lane_groups()],
             args=[int(time.time() * 1000), REAP_LIMIT, WAKE_CAP]))

@@ -10,6 +10,13 @@ never renewed, and the finishing writes, which here are fenced scripts of :mod:`
 Its loop: claim as many jobs as there are free slots; with nothing to claim, wait for whichever
 comes first -- a slot freed by a finishing job, a wake token (one enqueue wakes one idle worker), or
 the fallback tick (``poll_delay_s``), which also reaps expired leases and re-checks aborts.
+
+A worker whose slots are all busy and that runs a job of a lower lane waits instead for a
+preemption token of a lane above it (one enqueue wakes at most one busy worker). It then claims
+the waiting job (``PREEMPT``: exactly one worker wins it) and hands back its victim
+(:mod:`jobs.queue.preemption`): the victim's attempt is cancelled at the engine's next step,
+flushes what it generated to its stream and is handed back without using a try; the claimed job
+takes its slot as soon as it has left, and the victim resumes from its stream on any worker.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 from arq.worker import Retry, RetryJob, Worker, func
 
+from jobs.queue.preemption import Candidate, choose_victim
 from jobs.queue.redis_queue import ClaimedJob, RedisQueue
 
 log = logging.getLogger(__name__)
@@ -38,7 +46,11 @@ class QueueRuntime(Worker):
 
     def __init__(self, *, job_name: str, job: Callable[[dict[str, Any], Any], Awaitable[Any]], queue: RedisQueue,
                  token: str, lease_ms: int, may_claim: Callable[[], bool] = lambda: True,
-                 on_job_started: Callable[[ClaimedJob], None] | None = None, **kwargs: Any) -> None:
+                 on_job_started: Callable[[ClaimedJob], None] | None = None,
+                 tokens_left: Callable[[str], int] = lambda job_id: 0,
+                 on_preempted: Callable[[ClaimedJob], None] | None = None, **kwargs: Any) -> None:
+        """``tokens_left(job_id)``: what a running job still has to generate (the victim policy
+        weighs it); ``on_preempted(victim)``: a job of this worker yields its slot to a higher lane."""
         super().__init__(functions=[func(job, name=job_name)], handle_signals=False, **kwargs)
         # arq logs every job's arguments (the prompt) at INFO; slotq logs its own prompt-free lines.
         logging.getLogger("arq.worker").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
@@ -46,16 +58,22 @@ class QueueRuntime(Worker):
         self.token = token
         self.lease_ms = lease_ms
         self.claimed: dict[str, ClaimedJob] = {}
-        self.successors: dict[str, ClaimedJob] = {}  # claimed again while the lost attempt still ends here
+        # job id -> the claim that takes its slot once its attempt has left: the same job claimed
+        # again while its lost attempt still ends here, or a higher-lane job it yields to
+        self.successors: dict[str, ClaimedJob] = {}
         self.lease_lost: set[str] = set()
         self.leaving: set[str] = set()          # finishing, retrying or being handed back right now
         self.may_claim = may_claim
         self.on_job_started = on_job_started
+        self.tokens_left = tokens_left
+        self.on_preempted = on_preempted
         self._slot_freed = asyncio.Event()
         self._wake_task: asyncio.Task[bool] | None = None
+        self._preempt_task: asyncio.Task[str | None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self.claims = 0          # claim round trips, for benchmarks
         self.wakeups = 0
+        self.preemptions = 0     # jobs of this worker handed back for a higher lane
 
     # ------------------------------------------------------------------ the loop
     async def main(self) -> None:
@@ -117,22 +135,22 @@ class QueueRuntime(Worker):
     def _job_done(self, job_id: str) -> None:
         self.lease_lost.discard(job_id)
         self.leaving.discard(job_id)
+        self.claimed.pop(job_id, None)
         successor = self.successors.pop(job_id, None)
         if successor is not None:
             self._launch(successor)       # the slot passes straight to the new attempt
             return
         self.job_counter -= 1
         self.sem.release()
-        self.claimed.pop(job_id, None)
         self._slot_freed.set()
 
     def lose_lease(self, job_id: str, lease: str) -> None:
         """``lease`` no longer owns the job (reaped, or claimed again): stop that attempt (its
         writes are fenced off already). A report about another claim of the job is ignored."""
-        successor = self.successors.get(job_id)
-        if successor is not None and successor.lease == lease:
-            del self.successors[job_id]           # lost before it could start
-            return
+        for leaving_id, successor in list(self.successors.items()):
+            if successor.id == job_id and successor.lease == lease:
+                del self.successors[leaving_id]   # lost before it could start
+                return
         job = self.claimed.get(job_id)
         if job is None or job.lease != lease or job_id in self.lease_lost:
             return
@@ -141,6 +159,10 @@ class QueueRuntime(Worker):
         if task is not None:                      # None: not started yet; the job function checks lease_lost
             task.cancel()
 
+    def waits_for_slot(self, job: ClaimedJob) -> bool:
+        """Whether ``job``'s claim waits here for a leaving attempt's slot."""
+        return any(s.id == job.id and s.lease == job.lease for s in self.successors.values())
+
     def leases(self) -> list[ClaimedJob]:
         """The claims whose leases the heartbeat renews: every running attempt not yet lost or
         leaving, and the claims waiting for a lost attempt to end."""
@@ -148,29 +170,89 @@ class QueueRuntime(Worker):
         return running + list(self.successors.values())
 
     async def _wait(self, timeout: float) -> None:
-        """Until a slot frees, a wake token arrives (only while slots are free) or ``timeout``."""
+        """Until a slot frees, a wake token arrives (only while slots are free), a preemption
+        token arrives (only while every slot is busy and a lower-lane job runs) or ``timeout``."""
         self._slot_freed.clear()
         waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._slot_freed.wait())}
         if self._can_claim() and self._wake_task is None:
             self._wake_task = asyncio.create_task(self.queue.wait_for_work(self.poll_delay_s), name="slotq-wake")
-        if self._wake_task is not None:
-            waiters.add(self._wake_task)
+        victim = self._victim()
+        if victim is not None and self._preempt_task is None:
+            self._preempt_task = asyncio.create_task(
+                self.queue.wait_for_preemption(self.queue.lane_of(victim.lane_index), self.poll_delay_s),
+                name="slotq-preempt-wake")
+        waiters |= {t for t in (self._wake_task, self._preempt_task) if t is not None}
         done, pending = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         for fut in pending:
-            if fut is not self._wake_task:
+            if fut is not self._wake_task and fut is not self._preempt_task:
                 fut.cancel()
         if self._wake_task is not None and self._wake_task.done():
             task, self._wake_task = self._wake_task, None
-            if task.cancelled():
-                return
-            if task.exception() is not None:
-                await asyncio.sleep(0.5)          # Redis unreachable: the next tick reports it; do not spin
-                return
-            if task.result():
+            if await self._token_taken(task):
                 self.wakeups += 1
                 if not self._can_claim():
                     with contextlib.suppress(Exception):
                         await self.queue.return_wake_token()   # full meanwhile: pass it on
+        if self._preempt_task is not None and self._preempt_task.done():
+            task, self._preempt_task = self._preempt_task, None
+            if await self._token_taken(task):
+                await self._preempt(task.result())
+
+    @staticmethod
+    async def _token_taken(task: asyncio.Task[Any]) -> bool:
+        """Whether a finished token wait popped a token (Redis unreachable: pause, do not spin)."""
+        if task.cancelled():
+            return False
+        if task.exception() is not None:
+            await asyncio.sleep(0.5)          # Redis unreachable: the next tick reports it; do not spin
+            return False
+        return bool(task.result())
+
+    def _victim(self) -> Candidate | None:
+        """The job this worker would hand back for a higher lane (:func:`choose_victim`); None
+        unless every slot is busy and the worker may claim. A job is a candidate while its job
+        function runs and it is neither leaving, lost, aborted nor already yielding its slot."""
+        if not (self.allow_pick_jobs and self.job_counter >= self.max_jobs and self.may_claim()):
+            return None
+        lanes = self.queue.keys.lanes
+        return choose_victim(
+            Candidate(job_id, lanes.index(job.lane), self.tokens_left(job_id))
+            for job_id, job in self.claimed.items()
+            if job_id in self.job_tasks and job.lane != lanes[0] and job_id not in self.leaving
+            and job_id not in self.lease_lost and job_id not in self.successors and job_id not in self.aborting_tasks)
+
+    async def _preempt(self, token_lane: str) -> None:
+        """A preemption token of ``token_lane`` arrived: claim the waiting job and give it the
+        victim's slot. With a free slot meanwhile, the main loop's claim takes the job instead;
+        with no victim left (its lower-lane jobs ended), the token goes back for another worker."""
+        if self._can_claim():
+            return
+        victim = self._victim()
+        if victim is None or victim.lane_index <= self.queue.keys.lanes.index(token_lane):
+            with contextlib.suppress(Exception):
+                await self.queue.return_preemption_token(token_lane)
+            return
+        victim_job = self.claimed[victim.job_id]
+        try:
+            job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms)
+        except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job
+            log.warning("preemption claim failed (%s: %s)", type(exc).__name__, exc)
+            return
+        if job is None:
+            return
+        self.claims += 1
+        self.preemptions += 1
+        if self.claimed.get(victim.job_id) is not victim_job:      # it ended meanwhile: its slot is free
+            await self._start(job)
+            return
+        log.info("job %s (%s) hands its slot to job %s (%s) and goes back to its lane with %d tokens left",
+                 victim.job_id, victim_job.lane, job.id, job.lane, victim.tokens_left)
+        self.successors[victim.job_id] = job
+        if self.on_preempted is not None:
+            self.on_preempted(victim_job)
+        task = self.job_tasks.get(victim.job_id)
+        if task is not None and victim.job_id not in self.leaving:
+            task.cancel()                     # hand back: the attempt flushes its stream first
 
     def _can_claim(self) -> bool:
         return self.allow_pick_jobs and self.job_counter < self.max_jobs and self.may_claim()
@@ -248,10 +330,11 @@ class QueueRuntime(Worker):
             self._maintenance.cancel()
             with contextlib.suppress(BaseException):
                 await self._maintenance
-        if self._wake_task is not None:
-            self._wake_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._wake_task
+        for task in (self._wake_task, self._preempt_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         if self._pool is None:
             return
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)

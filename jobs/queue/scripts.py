@@ -9,82 +9,157 @@ made for an attempt (stream batches included) first checks that its lease still 
 an attempt that stalled past its lease and was reaped can never write again, not even from a
 buffer its worker re-sends after claiming the job anew.
 
-Costs: enqueue O(lanes), claim O(lanes + k log N) for k jobs, renew O(jobs renewed), reap
+Costs: enqueue O(lanes + log N), claim and preempt O(lanes + k log N) for k jobs, renew O(jobs renewed), reap
 O(lanes + expired), everything else O(1) or O(lanes). Nothing scans running jobs.
 """
 
 from __future__ import annotations
 
-# KEYS: record, result, jobs, waiting (the lane's), wake, then waiting + deferred of every lane
-# ARGV: job id, record, record ttl ms, ready ms, lane, max waiting, wake cap
+# A job's ``Q:jobs`` entry: lane, ready ms (enqueued, or its retry due), place in line (see keys.py;
+# an entry written before places existed has its ready time as its place). CLOCK is the lane
+# clock's member of ``Q:tags:L`` ('#' is no tenant's character).
+_ENTRY = """
+local CLOCK = '#clock'
+local function read_entry(entry)
+  local lane, ready, place = string.match(entry, '^([^\t]*)\t([^\t]*)\t?([^\t]*)$')
+  if place == nil or place == '' then place = ready end
+  return lane, ready, place
+end
+"""
+
+# Keeps a token list (wake-ups of idle workers, or preemption tokens of a lane) at one token per
+# waiting job, capped: a wake-up is never wasted on an empty queue for long, and a lost one is
+# restored at the next claim.
+_SYNC_TOKENS = """
+local function sync_tokens(list, waiting, cap)
+  local target = math.min(waiting, cap)
+  local tokens = redis.call('LLEN', list)
+  if tokens > target then
+    if target == 0 then redis.call('DEL', list) else redis.call('LTRIM', list, 0, target - 1) end
+  else
+    for _ = tokens + 1, target do redis.call('RPUSH', list, '1') end
+  end
+end
+"""
+
+# KEYS: record, result, jobs, wake, then the job's lane group (waiting, deferred, running, tags,
+#       preempt), then waiting + deferred of every lane, then running of every lane below the job's
+# ARGV: job id, record, record ttl ms, ready ms, lane, max waiting, token cap, tenant, number of lanes
 # Returns 1 enqueued, 0 the id exists (a queued/running job or a kept result), -1 queue full.
-ENQUEUE = """
+# The job's place is its fair-share tag: max(the lane's clock, its tenant's newest place) + 1 (a
+# lane with no clock yet starts at the ready time, so places stay comparable with entries written
+# before places existed). It wakes one idle worker, and when a lower lane has running jobs it also
+# leaves a preemption token for one busy worker (the worker decides; see PREEMPT).
+ENQUEUE = _ENTRY + """
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1
    or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
   return 0
 end
+local lanes, cap = tonumber(ARGV[9]), tonumber(ARGV[7])
 local waiting = 0
-for i = 6, #KEYS do waiting = waiting + redis.call('ZCARD', KEYS[i]) end
+for i = 10, 9 + 2 * lanes do waiting = waiting + redis.call('ZCARD', KEYS[i]) end
 if waiting >= tonumber(ARGV[6]) then return -1 end
+local clock, newest = unpack(redis.call('ZMSCORE', KEYS[8], CLOCK, ARGV[8]))
+local place = math.max(tonumber(clock) or tonumber(ARGV[4]), tonumber(newest) or 0) + 1
+redis.call('ZADD', KEYS[8], place, ARGV[8])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[5] .. '\\t' .. ARGV[4])
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
-if redis.call('LLEN', KEYS[5]) < tonumber(ARGV[7]) then redis.call('RPUSH', KEYS[5], '1') end
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[5] .. '\t' .. ARGV[4] .. '\t' .. place)
+redis.call('ZADD', KEYS[5], place, ARGV[1])
+if redis.call('LLEN', KEYS[4]) < cap then redis.call('RPUSH', KEYS[4], '1') end
+for i = 10 + 2 * lanes, #KEYS do
+  if redis.call('ZCARD', KEYS[i]) > 0 then
+    if redis.call('LLEN', KEYS[9]) < cap then redis.call('RPUSH', KEYS[9], '1') end
+    break
+  end
+end
 return 1
 """
 
-# Moves due retries (deferred -> waiting) of one lane; used by CLAIM and REAP.
-_PROMOTE = """
-local function promote(deferred, waiting, now, limit)
+# Moves due retries (deferred -> waiting) of one lane, each back to its place; used by CLAIM, PREEMPT and REAP.
+_PROMOTE = _ENTRY + """
+local function promote(jobs, deferred, waiting, now, limit)
   local due = redis.call('ZRANGEBYSCORE', deferred, '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
   for j = 1, #due, 2 do
+    local lane, _, place = read_entry(redis.call('HGET', jobs, due[j]) or '')
     redis.call('ZREM', deferred, due[j])
-    redis.call('ZADD', waiting, due[j + 1], due[j])
+    if lane then redis.call('HSET', jobs, due[j], lane .. '\t' .. due[j + 1] .. '\t' .. place) end
+    redis.call('ZADD', waiting, place or due[j + 1], due[j])
   end
 end
 """
 
-# Keeps one wake token per waiting job (capped), so a wake-up is never wasted on an empty queue
-# for long and a lost one is restored at the next claim.
-_SYNC_WAKE = """
-local function sync_wake(wake, waiting, cap)
-  local target = math.min(waiting, cap)
-  local tokens = redis.call('LLEN', wake)
-  if tokens > target then
-    if target == 0 then redis.call('DEL', wake) else redis.call('LTRIM', wake, 0, target - 1) end
-  else
-    for _ = tokens + 1, target do redis.call('RPUSH', wake, '1') end
-  end
-end
-"""
-
-# KEYS: jobs, owners, wake, then waiting/deferred/running of every lane (highest priority first)
-# ARGV: now ms, max jobs, lease ms, lease (``<worker token>#<claim number>``), wake cap, promote limit
-# Returns a flat list: id, lane index (0-based), ready ms, ... for each claimed job.
-CLAIM = _PROMOTE + _SYNC_WAKE + """
-local now = tonumber(ARGV[1])
-local want = tonumber(ARGV[2])
-local deadline = now + tonumber(ARGV[3])
-local out = {}
-local claimed = 0
-local waiting_left = 0
-for i = 4, #KEYS, 3 do
-  local waiting, running = KEYS[i], KEYS[i + 2]
-  promote(KEYS[i + 1], waiting, now, tonumber(ARGV[6]))
-  if claimed < want then
-    local popped = redis.call('ZPOPMIN', waiting, want - claimed)
-    for j = 1, #popped, 2 do
-      redis.call('ZADD', running, deadline, popped[j])
-      redis.call('HSET', KEYS[2], popped[j], ARGV[4])
-      out[#out + 1] = popped[j]
-      out[#out + 1] = (i - 4) / 3
-      out[#out + 1] = popped[j + 1]
-      claimed = claimed + 1
+# Claims up to ``want`` jobs from the lane groups (5 keys each) that start at KEYS[first], highest
+# lane first, lowest place first within a lane; KEYS[1] is ``jobs``, KEYS[2] ``owners``. Returns
+# the flat claim list (id, lane index counted from the first group, ready ms) and the jobs left
+# waiting per lane. A lane's clock rises to the highest place claimed; when a claim empties a
+# lane, tenants whose newest place lies below it are dropped (their entries no longer matter).
+_CLAIM_LANES = _PROMOTE + """
+local function claim_lanes(first, want, now, deadline, lease, promote_limit)
+  local out, left, ids = {}, {}, {}
+  for i = first, #KEYS, 5 do
+    local waiting, running, tags = KEYS[i], KEYS[i + 2], KEYS[i + 3]
+    promote(KEYS[1], KEYS[i + 1], waiting, now, promote_limit)
+    local popped = {}
+    if #ids < want then
+      popped = redis.call('ZPOPMIN', waiting, want - #ids)
+      for j = 1, #popped, 2 do
+        redis.call('ZADD', running, deadline, popped[j])
+        redis.call('HSET', KEYS[2], popped[j], lease)
+        ids[#ids + 1] = popped[j]
+        out[#out + 1] = popped[j]
+        out[#out + 1] = (i - first) / 5
+        out[#out + 1] = now
+      end
+    end
+    left[#left + 1] = redis.call('ZCARD', waiting)
+    if #popped > 0 then
+      redis.call('ZADD', tags, 'GT', popped[#popped], CLOCK)
+      if left[#left] == 0 then redis.call('ZREMRANGEBYSCORE', tags, '-inf', '(' .. popped[#popped]) end
     end
   end
-  waiting_left = waiting_left + redis.call('ZCARD', waiting)
+  if #ids > 0 then
+    local entries = redis.call('HMGET', KEYS[1], unpack(ids))
+    for n = 1, #ids do
+      local _, ready = read_entry(entries[n] or '')
+      if ready then out[3 * n] = ready end
+    end
+  end
+  return out, left
 end
-sync_wake(KEYS[3], waiting_left, tonumber(ARGV[5]))
+"""
+
+# KEYS: jobs, owners, wake, then the lane group (waiting, deferred, running, tags, preempt) of every
+#       lane, highest priority first
+# ARGV: now ms, max jobs, lease ms, lease (``<worker token>#<claim number>``), token cap, promote limit
+# Returns a flat list: id, lane index (0-based), ready ms, ... for each claimed job.
+CLAIM = _CLAIM_LANES + _SYNC_TOKENS + """
+local now = tonumber(ARGV[1])
+local out, left = claim_lanes(4, tonumber(ARGV[2]), now, now + tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[6]))
+local waiting = 0
+for _, n in ipairs(left) do waiting = waiting + n end
+sync_tokens(KEYS[3], waiting, tonumber(ARGV[5]))
+return out
+"""
+
+# KEYS: jobs, owners, wake, preemptions, then the lane group of every lane above the victim's,
+#       highest priority first
+# ARGV: now ms, lease ms, lease, token cap, promote limit, the victim's lane
+# A busy worker that took a preemption token claims one job of a lane above its victim's, to run
+# in the slot the victim yields. It declines (returns nothing, touches nothing) while the wake
+# list is empty: the enqueue's wake-up was taken by a worker with a free slot, which claims the
+# job without anyone yielding. Otherwise it claims as CLAIM does (promoting due retries, fair
+# within a lane), counts the preemption for the victim's lane, takes one wake token for the job
+# it claimed, and keeps each lane's preemption tokens at one per job still waiting.
+# Returns the flat claim list of CLAIM (at most one job; the lane index counts from the top lane).
+PREEMPT = _CLAIM_LANES + _SYNC_TOKENS + """
+if redis.call('LLEN', KEYS[3]) == 0 then return {} end
+local now = tonumber(ARGV[1])
+local out, left = claim_lanes(5, 1, now, now + tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5]))
+if #out > 0 then
+  redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
+  redis.call('LPOP', KEYS[3])
+end
+for n = 1, #left do sync_tokens(KEYS[5 + 5 * n - 1], left[n], tonumber(ARGV[4])) end
 return out
 """
 
@@ -187,35 +262,35 @@ return 1
 # KEYS: owners, jobs, running, waiting, retry counter, wake; ARGV: lease, job id, wake cap
 # The attempt is given back in the same step that makes the job claimable again, so the next
 # claim can never count it (the hand-back race of arq #267 style DECRs done afterwards).
-HAND_BACK = """
+HAND_BACK = _ENTRY + """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
-local entry = redis.call('HGET', KEYS[2], ARGV[2])
-local ready = entry and string.match(entry, '\\t(.+)$') or '0'
+local _, _, place = read_entry(redis.call('HGET', KEYS[2], ARGV[2]) or '')
 redis.call('HDEL', KEYS[1], ARGV[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
-redis.call('ZADD', KEYS[4], ready, ARGV[2])
+redis.call('ZADD', KEYS[4], place or '0', ARGV[2])
 if tonumber(redis.call('GET', KEYS[5]) or '0') > 0 then redis.call('DECR', KEYS[5]) end
 if redis.call('LLEN', KEYS[6]) < tonumber(ARGV[3]) then redis.call('RPUSH', KEYS[6], '1') end
 return 1
 """
 
-# KEYS: owners, jobs, wake, then waiting/deferred/running of every lane
+# KEYS: owners, jobs, wake, then the lane group (waiting, deferred, running, tags, preempt) of every lane
 # ARGV: now ms, limit per lane, wake cap
 # Requeues jobs whose lease deadline passed (their worker died or stalled) at their old place in
 # line, and promotes due retries. Returns the number of jobs requeued.
 REAP = _PROMOTE + """
 local now = tonumber(ARGV[1])
 local reaped = 0
-for i = 4, #KEYS, 3 do
+for i = 4, #KEYS, 5 do
   local waiting, running = KEYS[i], KEYS[i + 2]
-  promote(KEYS[i + 1], waiting, now, tonumber(ARGV[2]))
+  promote(KEYS[2], KEYS[i + 1], waiting, now, tonumber(ARGV[2]))
   local expired = redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT', 0, ARGV[2])
   for _, id in ipairs(expired) do
     local entry = redis.call('HGET', KEYS[2], id)
     redis.call('ZREM', running, id)
     redis.call('HDEL', KEYS[1], id)
     if entry then
-      redis.call('ZADD', waiting, string.match(entry, '\\t(.+)$') or now, id)
+      local _, _, place = read_entry(entry)
+      redis.call('ZADD', waiting, place or now, id)
       reaped = reaped + 1
     end
   end
