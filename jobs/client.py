@@ -28,7 +28,7 @@ from jobs.payload import decode_payload, encode_payload
 from jobs.queue.keys import result_key, retry_counter_key
 from jobs.queue.redis_queue import Enqueued, RedisQueue
 from jobs.schemas import (EntryKind, JobRequest, JobResult, JobStatus, LaneInfo, QueueInfo, StreamEntry,
-                          WorkerInfo)
+                          WorkerInfo, tenant_job_id)
 from jobs.serialization import deserialize, serialize
 from jobs.settings import ClientSettings
 from jobs.stream import StreamWriter, is_final
@@ -128,9 +128,10 @@ class SlotqClient:
             raise JobRejected(f"lane {request.lane!r} is not one of this queue's lanes {self.settings.lanes} "
                               "(SLOTQ_LANES)", field="lane")
         await self._check_fits(request)
-        job_id = request.idempotency_key or uuid.uuid4().hex
+        job_id = tenant_job_id(request.tenant, request.idempotency_key or uuid.uuid4().hex)
         outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
-                                           max_waiting=self.settings.max_queue_length, serializer=serialize)
+                                           tenant=request.tenant, max_waiting=self.settings.max_queue_length,
+                                           serializer=serialize)
         if outcome == Enqueued.FULL:
             counts = await self.queue.counts()
             raise QueueFull(sum(c.waiting + c.deferred for c in counts), self.settings.max_queue_length)
@@ -261,8 +262,8 @@ class SlotqClient:
             return False
         queue = self.queue if letter.queue in (None, self.settings.queue_name) else self.for_queue(letter.queue).queue
         await self.redis.delete(result_key(job_id), retry_counter_key(job_id), stream_key(job_id))
-        await queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
-                                 max_waiting=None, serializer=serialize)     # an operator's requeue is never refused
+        await queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane, tenant=request.tenant,
+                            max_waiting=None, serializer=serialize)     # an operator's requeue is never refused
         await dead_letters.remove(self.redis, job_id)
         return True
 
@@ -281,14 +282,28 @@ class SlotqClient:
 
     async def _check_fits(self, request: JobRequest) -> None:
         """Refuse what no live worker of this queue could ever run. The prompt's token count is
-        only known to a worker, so the check is ``max_tokens`` against the largest per-sequence
-        context advertised (the prompt takes at least one token). With no live worker, accept."""
+        only known to a worker, so the checks are ``max_tokens`` against the largest per-sequence
+        context advertised (the prompt takes at least one token), and the prompt's characters
+        against that context times ``max_prompt_chars_per_token``: a prompt that long cannot fit,
+        and refusing it here spares a worker tokenizing megabytes only to say so. With no live
+        worker, accept."""
         contexts = [w.ctx for w in await self._cached_workers() if w.queue == self.settings.queue_name and w.ctx]
-        if contexts and request.max_tokens >= max(contexts):
+        if not contexts:
+            return
+        ctx = max(contexts)
+        if request.max_tokens >= ctx:
             raise JobRejected(
                 f"max_tokens is {request.max_tokens}; the workers of queue {self.settings.queue_name!r} have a "
-                f"per-sequence context of {max(contexts)} tokens, which must hold the prompt and max_tokens",
+                f"per-sequence context of {ctx} tokens, which must hold the prompt and max_tokens",
                 field="max_tokens")
+        chars = len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())
+        limit = int(ctx * self.settings.max_prompt_chars_per_token)
+        if chars > limit:
+            raise JobRejected(
+                f"the prompt has {chars} characters, more than the {ctx}-token context of queue "
+                f"{self.settings.queue_name!r} can hold ({limit} characters at most, "
+                f"SLOTQ_MAX_PROMPT_CHARS_PER_TOKEN={self.settings.max_prompt_chars_per_token:g})",
+                field="prompt" if request.prompt is not None else "messages")
 
     async def _cached_workers(self) -> list[WorkerInfo]:
         """The live workers, re-read at most every WORKERS_CACHE_S. Enqueues that find the cache
@@ -311,7 +326,7 @@ class SlotqClient:
         now_ms = time.time() * 1000
         lanes = [LaneInfo(lane=c.lane, queued=c.waiting, deferred=c.deferred, running=c.running,
                           oldest_queued_age_s=max(0.0, (now_ms - c.oldest_waiting_ms) / 1000)
-                          if c.oldest_waiting_ms is not None else None)
+                          if c.oldest_waiting_ms is not None else None, preempted=c.preempted)
                  for c in await self.queue.counts()]
         outcomes = await self.queue.attempt_outcomes()
         return QueueInfo(

@@ -27,7 +27,7 @@ from jobs.schemas import JobRequest
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = (1, 1)       # 1.1 added `lane`
+SCHEMA_VERSION = (1, 2)       # 1.1 added `lane`, 1.2 `tenant`
 VERSION_FIELD = "schema_version"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 _logged_ignored: set[tuple[str, ...]] = set()

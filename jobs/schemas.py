@@ -9,9 +9,26 @@ from typing import Any
 from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
 from engine import ErrorInfo, FinishReason, GenerationParams, Timings, Usage
+from jobs.queue.keys import DEFAULT_TENANT
 from jobs.serialization import serialize
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,200}$")
+
+TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_TENANT_MARK = "@"       # never in an idempotency key or a tenant name, so a scoped id splits one way only
+
+
+def tenant_job_id(tenant: str, key: str) -> str:
+    """The queue's job id for a tenant's idempotency key (or a fresh id). Keys are scoped per
+    tenant: the same key of two tenants names two jobs. The default tenant's ids are the bare keys,
+    as they were before tenants, so single-tenant producers and the CLI see no change."""
+    return key if tenant == DEFAULT_TENANT else f"{key}{_TENANT_MARK}{tenant}"
+
+
+def tenant_of_job(job_id: str) -> str:
+    """The tenant whose job this is, read from its id (see :func:`tenant_job_id`)."""
+    _key, mark, tenant = job_id.rpartition(_TENANT_MARK)
+    return tenant if mark else DEFAULT_TENANT
 
 
 class JobRequest(GenerationParams):
@@ -24,6 +41,9 @@ class JobRequest(GenerationParams):
         None, description="the same key always maps to the same job (1-200 chars of A-Z a-z 0-9 . _ : -)")
     metadata: dict[str, str | int | float | bool | None] = Field(
         default_factory=dict, max_length=64, description="opaque data returned with the result")
+    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN,
+                        description="who the job belongs to (the gateway sets the caller's); scopes the idempotency "
+                                    "key and the job id")
 
     @model_validator(mode="after")
     def _serializable(self) -> JobRequest:
@@ -42,6 +62,10 @@ class JobRequest(GenerationParams):
         if value is not None and not _KEY_RE.match(value):
             raise ValueError("idempotency_key must be 1-200 characters of A-Z a-z 0-9 . _ : -")
         return value
+
+    def job_id(self) -> str | None:
+        """The job id this request's idempotency key maps to (None without a key)."""
+        return None if self.idempotency_key is None else tenant_job_id(self.tenant, self.idempotency_key)
 
 
 class JobStatus(StrEnum):
@@ -145,6 +169,8 @@ class LaneInfo(BaseModel):
     deferred: int = Field(description="jobs waiting out a retry backoff")
     running: int
     oldest_queued_age_s: float | None
+    preempted: int = Field(0, description="jobs of this lane that yielded their slot to a higher lane (handed back, "
+                                          "no try spent), since the queue began")
 
 
 class QueueInfo(BaseModel):

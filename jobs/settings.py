@@ -58,6 +58,9 @@ class ClientSettings(BaseSettings):
         description="priority lanes of the queue, highest first, comma-separated; a worker claims from a lower "
                     "lane only when the higher ones are empty (producers and workers must agree)")
     max_queue_length: int = Field(10_000, ge=1, description="enqueue raises QueueFull beyond this many waiting jobs")
+    max_prompt_chars_per_token: float = Field(
+        16.0, ge=1, le=1000, description="enqueue refuses a prompt longer than the largest advertised context times "
+                                         "this many characters (no tokenizer packs more into one token in practice)")
     keep_result_s: int = Field(86_400, ge=1, description="how long a finished job's result is kept")
     stream_ttl_s: int = Field(3600, ge=1, description="how long a job's output stream lives after its final event")
     stream_maxlen: int = Field(100_000, ge=100, description="cap on entries per output stream")
