@@ -60,18 +60,19 @@ def greedy(**extra: Any) -> dict[str, Any]:
     return {"ignore_eos": True, **extra}
 
 
-def job(url: str, job_id: str) -> dict[str, Any]:
-    response = httpx.get(f"{url}/v1/jobs/{job_id}", timeout=30)
+def job(url: str, job_id: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    response = httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def wait_job(url: str, job_id: str, status: str | tuple[str, ...] = ("succeeded", "failed", "cancelled"),
-             timeout: float = 60) -> dict[str, Any]:
+             timeout: float = 60, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Poll the job until its status is one of ``status``, with ``headers`` (the key of its tenant)."""
     wanted = (status,) if isinstance(status, str) else status
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        body = job(url, job_id)
+        body = job(url, job_id, headers)
         if body["status"] in wanted:
             return body
         time.sleep(0.05)
@@ -474,7 +475,7 @@ def test_429_with_retry_after_when_the_queue_is_full(stack):
             held.append(httpx.post(f"{url}/v1/jobs", headers=headers, timeout=30, json={
                 "model": "tiny-a", "prompt": f"hold {i}", "max_tokens": LONG, "ignore_eos": True}).json()["id"])
             if i < 4:
-                wait_job(stack.url, held[-1], "running")           # the 4 slots fill, then 2 wait
+                wait_job(url, held[-1], "running", headers=headers)      # the 4 slots fill, then 2 wait
         with pytest.raises(openai.RateLimitError) as caught:
             client.completions.create(model="tiny-a", prompt="one too many", max_tokens=4)
         assert caught.value.response.headers["retry-after"] == "2"
@@ -483,7 +484,7 @@ def test_429_with_retry_after_when_the_queue_is_full(stack):
         for job_id in held:
             httpx.delete(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=10)
     for job_id in held:
-        wait_job(stack.url, job_id, "cancelled", timeout=15)
+        wait_job(url, job_id, "cancelled", timeout=15, headers=headers)
 
 
 def test_504_when_the_deadline_passes(stack):

@@ -1,19 +1,24 @@
 """The gateway's pure parts, without Redis or a model: request translation and its error names,
-the stream-entry -> SSE renderers (resume, usage, errors, restart), routing from heartbeats, and
-the bind rule."""
+the stream-entry -> SSE renderers (resume, usage, errors, restart), routing from heartbeats, the
+bind rule, and API keys (tenants, the keys file)."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from engine import ErrorInfo, FinishReason, Usage
+from jobs.gateway import auth
+from jobs.gateway.auth import Caller, KeyRing
 from jobs.gateway.chunks import DONE, ChunkRenderer, NativeRenderer, parse_stream_id
 from jobs.gateway.errors import ApiError
 from jobs.gateway.routing import routes_from
-from jobs.gateway.settings import GatewaySettings
+from jobs.gateway.settings import GatewaySettings, key_tenant
 from jobs.gateway.translate import to_job_request
 from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest
 from jobs.schemas import EntryKind, StreamEntry, WorkerInfo
@@ -54,7 +59,7 @@ def test_completion_prompt_and_header_idempotency_key():
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"temperature": 7}, "temperature"),
+    ({"top_p": 7}, "top_p"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"repeat_last_n": -5}, "repeat_last_n"),
@@ -218,3 +223,27 @@ def test_every_gateway_setting_is_documented():
         var = f"SLOTQ_{name.upper()}"
         assert f"{var}=" in example, f"{var} missing from deploy/slotq.env.example"
         assert var in page, f"{var} missing from docs/gateway.md"
+
+
+def test_keys_name_tenants_and_the_keys_file_is_reread(tmp_path, monkeypatch):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# rotation: the new key first\nteamA=sk-new\n")
+    ring = KeyRing(GatewaySettings(_env_file=None, api_keys="teamA=sk-old,sk-bare", admin_keys="ops=sk-ops",
+                                   api_keys_file=keys_file))
+    assert ring.caller("sk-old") == ring.caller("sk-new") == Caller("teamA", admin=False)
+    bare = ring.caller("sk-bare")
+    assert bare is not None and bare.tenant == key_tenant("sk-bare") and "sk-bare" not in bare.tenant
+    assert ring.caller("sk-ops") == Caller("ops", admin=True) and ring.caller("sk-nope") is None
+    monkeypatch.setattr(auth, "KEYS_FILE_CHECK_S", 0)
+    keys_file.write_text("teamA=sk-newer\n")
+    os.utime(keys_file, (time.time() + 5, time.time() + 5))     # a new mtime whatever the clock's resolution
+    assert ring.caller("sk-newer") == Caller("teamA", admin=False) and ring.caller("sk-new") is None
+    keys_file.unlink()                                          # unreadable: the keys read last stay
+    assert ring.caller("sk-newer") == Caller("teamA", admin=False)
+
+
+def test_bad_key_entries_are_refused_without_showing_the_key():
+    with pytest.raises(ValidationError) as caught:
+        GatewaySettings(_env_file=None, api_keys="sk-good,c2VjcmV0/+x=")
+    assert "SLOTQ_API_KEYS: entry 2" in str(caught.value) and "c2VjcmV0" not in str(caught.value)
+    assert GatewaySettings(_env_file=None, admin_keys="ops=abc==").has_keys      # a named key may hold '='

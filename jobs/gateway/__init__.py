@@ -4,6 +4,8 @@ producer client (``jobs.client``). It never touches the engine or llama.cpp.
 Modules: ``settings`` (GatewaySettings), ``wire`` (OpenAI's request/response shapes),
 ``translate`` (requests -> JobRequest, results -> responses), ``chunks`` (stream entries -> SSE
 events), ``sse`` (serving streams, disconnects), ``service`` (per-queue clients, job records),
-``routing`` (model -> queue from heartbeats), ``routes_*`` (the HTTP endpoints), ``app`` and
+``routing`` (model -> queue from heartbeats), ``auth`` (API keys and their tenants), ``limits``
+(body size, read deadlines, the keyless mode's Host and Origin checks), ``routes_*`` (the HTTP
+endpoints), ``app`` and
 ``server`` (the ASGI app and ``slotq gateway``), ``static/`` (the dashboard).
 """

@@ -1,4 +1,8 @@
-"""The gateway's ASGI app: OpenAI's API (Batch API included), background jobs, health, metrics and the dashboard."""
+"""The gateway's ASGI app: OpenAI's API (Batch API included), background jobs, health, metrics and the dashboard.
+
+No interactive API docs page: FastAPI's loads Swagger UI from a CDN, which an offline deployment
+cannot reach. ``/openapi.json`` describes the API for any OpenAPI viewer or client generator.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +13,32 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
+from starlette.routing import Match, Mount
+from starlette.types import Scope
 
 from jobs.client import SlotqClient
 from jobs.gateway import errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
+from jobs.gateway.auth import KeyRing
 from jobs.gateway.batch_driver import BatchDriver
 from jobs.gateway.batches import BatchStore
 from jobs.gateway.files import FileStore
+from jobs.gateway.limits import BodyLimits, KeylessGuard
 from jobs.gateway.metrics import MetricsMiddleware
 from jobs.gateway.service import Gateway
 from jobs.gateway.settings import GatewaySettings
 
 STATIC_DIR = Path(__file__).parent / "static"
+API_PREFIXES = ("/v1/", "/api/")
+
+
+class Dashboard(Mount):
+    """The dashboard's files at ``/``, leaving the API's paths to the router: a wrong method on an
+    API route is its 405, and an unknown API path a JSON 404, not a missing file."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope.get("path", "").startswith(API_PREFIXES):
+            return Match.NONE, {}
+        return super().matches(scope)
 
 
 def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
@@ -38,12 +57,17 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
             await gateway.close()
 
     app = FastAPI(title="slotq gateway", summary="OpenAI-compatible API on a durable llama.cpp job queue",
-                  lifespan=lifespan, docs_url="/docs", redoc_url=None)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.keys = KeyRing(settings)
     errors.install(app)
     for router in (routes_openai.router, routes_jobs.router, routes_files.router, routes_batches.router,
                    routes_ops.router, routes_ops.api):
         app.include_router(router)
-    app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
+    app.router.routes.append(Dashboard("/", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard"))
+    app.add_middleware(BodyLimits, settings=settings)
+    if not settings.has_keys:
+        app.add_middleware(KeylessGuard, settings=settings)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Slotq-Job-Id", "Retry-After"])

@@ -1,21 +1,105 @@
-"""Optional Bearer API keys (``SLOTQ_API_KEYS``). With none configured every request is let in,
-and the server refuses to bind anything but loopback (see ``GatewaySettings.bind_error``)."""
+"""Bearer API keys and the tenant each belongs to.
+
+Keys come from ``SLOTQ_API_KEYS``, ``SLOTQ_ADMIN_KEYS`` and ``SLOTQ_API_KEYS_FILE`` (``name=key``
+entries; a bare key is a tenant of its own). A request's key gives its :class:`Caller`: the tenant
+whose jobs, streams, files and batches it may see, and whether it may see the whole fleet
+(``/api``, the dashboard's data). With no keys configured every request is let in as the default
+tenant with the fleet view, and the server refuses to bind anything but loopback (see
+``GatewaySettings.bind_error``; :mod:`jobs.gateway.limits` guards that mode against DNS rebinding
+and cross-origin posts).
+"""
 
 from __future__ import annotations
 
-import hmac
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from jobs.gateway.errors import ApiError
+from jobs.gateway.settings import GatewaySettings, parse_key_entries, read_keys_file
+from jobs.schemas import DEFAULT_TENANT
+
+log = logging.getLogger(__name__)
+
+KEYS_FILE_CHECK_S = 1.0      # how often the keys file's modification time is looked at
 
 
-async def require_key(request: Request) -> None:
-    keys: list[str] = request.app.state.gateway.settings.api_keys
-    if not keys:
-        return
+@dataclass(frozen=True)
+class Caller:
+    tenant: str
+    admin: bool
+
+
+KEYLESS_CALLER = Caller(DEFAULT_TENANT, admin=True)
+
+
+def _digest(key: str) -> bytes:
+    """Keys are looked up by their hash, so the lookup's timing says nothing about the key."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyRing:
+    """Every configured key, by hash. The keys file is re-read when it changes (checked at most
+    every KEYS_FILE_CHECK_S), so a key is added or retired without a restart; a file that cannot
+    be read or parsed keeps the keys read last, with a warning."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.required = settings.has_keys
+        self._fixed = {_digest(key): Caller(tenant, admin=False)
+                       for tenant, key in parse_key_entries(settings.api_keys, "SLOTQ_API_KEYS")}
+        self._admins = {_digest(key): Caller(tenant, admin=True)
+                        for tenant, key in parse_key_entries(settings.admin_keys, "SLOTQ_ADMIN_KEYS")}
+        self._file = settings.api_keys_file
+        self._file_keys: dict[bytes, Caller] = {}
+        self._file_mtime: float | None = None
+        self._checked_at = float("-inf")
+
+    def caller(self, key: str) -> Caller | None:
+        digest = _digest(key)
+        if digest in self._admins:
+            return self._admins[digest]
+        self._reload_file()
+        return self._fixed.get(digest) or self._file_keys.get(digest)
+
+    def _reload_file(self) -> None:
+        if self._file is None or time.monotonic() - self._checked_at < KEYS_FILE_CHECK_S:
+            return
+        self._checked_at = time.monotonic()
+        try:
+            mtime = self._file.stat().st_mtime
+            if mtime == self._file_mtime:
+                return
+            self._file_keys = {_digest(key): Caller(tenant, admin=False) for tenant, key in read_keys_file(self._file)}
+            self._file_mtime = mtime
+            log.info("API keys file %s read: %d keys", self._file, len(self._file_keys))
+        except (OSError, ValueError) as exc:
+            log.warning("API keys file %s not re-read (%s); keeping the %d keys read before",
+                        self._file, exc, len(self._file_keys))
+
+
+async def authenticate(request: Request) -> Caller:
+    """The caller of this request, from its ``Authorization: Bearer`` key (401 without a valid one)."""
+    keys: KeyRing = request.app.state.keys
+    if not keys.required:
+        return KEYLESS_CALLER
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    token = token.strip().encode()
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, key.encode()) for key in keys):
-        raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with a key from SLOTQ_API_KEYS",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    caller = keys.caller(token.strip()) if scheme.lower() == "bearer" else None
+    if caller is None:
+        raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with a key from "
+                            "SLOTQ_API_KEYS", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return caller
+
+
+async def require_admin(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
+    """The fleet view (every queue, worker and dead letter) is for admin keys only."""
+    if not caller.admin:
+        raise ApiError(403, "this is the fleet view of every tenant: it needs a key from SLOTQ_ADMIN_KEYS",
+                       type="permission_error", code="admin_key_required")
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(authenticate)]

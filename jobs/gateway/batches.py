@@ -2,7 +2,8 @@
 
 A batch is a hash (one JSON value per field of OpenAI's batch object, plus the queue it runs on),
 so that the driver's progress writes and a cancel from any replica touch different fields and never
-overwrite each other. Status changes go through one script that checks the current status first
+overwrite each other. A batch belongs to the tenant that created it: the index for listing is per
+tenant, and another tenant's batch is looked up as one that does not exist. Status changes go through one script that checks the current status first
 (``transition``): a batch being cancelled cannot be marked completed by a driver that had not
 noticed yet, and the other way round.
 
@@ -24,8 +25,9 @@ from redis.asyncio import Redis
 from engine import Usage
 from jobs.bulk.openai_batch import Endpoint
 from jobs.gateway.errors import ApiError
+from jobs.schemas import DEFAULT_TENANT
 
-BATCHES_INDEX_KEY = "slotq:gateway:batches"            # zset: batch id -> created (ms)
+BATCHES_INDEX_KEY = "slotq:gateway:batches"            # zset per tenant: batch id -> created (ms)
 ACTIVE_BATCHES_KEY = "slotq:gateway:batches:active"    # set: batches not finished yet
 COMPLETION_WINDOW_S = 24 * 3600
 
@@ -36,6 +38,11 @@ FINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
 
 def batch_key(batch_id: str) -> str:
     return f"slotq:gateway:batch:{{{batch_id}}}"
+
+
+def batches_index_key(tenant: str) -> str:
+    """The default tenant's batches keep the key they had before tenants."""
+    return BATCHES_INDEX_KEY if tenant == DEFAULT_TENANT else f"{BATCHES_INDEX_KEY}:{tenant}"
 
 
 def lease_key(batch_id: str) -> str:
@@ -115,7 +122,7 @@ class BatchUsage(BaseModel):
 
 
 class Batch(BaseModel):
-    """OpenAI's batch object (``queue``, slotq's own, is kept in Redis but not sent)."""
+    """OpenAI's batch object (``queue`` and ``tenant``, slotq's own, are kept in Redis but not sent)."""
 
     id: str
     object: Literal["batch"] = "batch"
@@ -140,6 +147,7 @@ class Batch(BaseModel):
     usage: BatchUsage | None = None
     metadata: dict[str, str] | None = None
     queue: str | None = Field(None, exclude=True)
+    tenant: str = Field(DEFAULT_TENANT, exclude=True)
 
 
 class BatchList(BaseModel):
@@ -187,15 +195,15 @@ class BatchStore:
         self._release = redis.register_script(_RELEASE)
 
     # ------------------------------------------------------------------ the objects
-    async def create(self, request: CreateBatch) -> Batch:
+    async def create(self, request: CreateBatch, tenant: str) -> Batch:
         now = int(time.time())
         batch = Batch(id="batch_" + secrets.token_hex(12), endpoint=request.endpoint, input_file_id=request.input_file_id,
                       status="validating", created_at=now, expires_at=now + COMPLETION_WINDOW_S,
-                      metadata=request.metadata)
+                      metadata=request.metadata, tenant=tenant)
         fields = {name: getattr(batch, name) for name in Batch.model_fields}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(batch_key(batch.id), mapping=_encode(fields))
-            pipe.zadd(BATCHES_INDEX_KEY, {batch.id: now * 1000})
+            pipe.zadd(batches_index_key(tenant), {batch.id: now * 1000})
             pipe.sadd(ACTIVE_BATCHES_KEY, batch.id)
             await pipe.execute()
         return batch
@@ -206,9 +214,10 @@ class BatchStore:
             return None
         return Batch.model_validate({k.decode(): json.loads(v) for k, v in raw.items()})
 
-    async def get(self, batch_id: str) -> Batch:
+    async def get(self, batch_id: str, tenant: str | None = None) -> Batch:
+        """The batch; with ``tenant``, only if it is that tenant's (404 for another's, as for none)."""
         batch = await self.find(batch_id)
-        if batch is None:
+        if batch is None or tenant not in (None, batch.tenant):
             raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
         return batch
 
@@ -216,15 +225,16 @@ class BatchStore:
         raw = await self.redis.hget(batch_key(batch_id), "status")
         return json.loads(raw) if raw else None
 
-    async def list(self, *, limit: int, after: str | None) -> BatchList:
-        """Newest first, after the batch ``after``."""
+    async def list(self, *, tenant: str, limit: int, after: str | None) -> BatchList:
+        """The tenant's batches, newest first, after the batch ``after``."""
+        index = batches_index_key(tenant)
         start = 0
         if after is not None:
-            rank = await self.redis.zrevrank(BATCHES_INDEX_KEY, after)
+            rank = await self.redis.zrevrank(index, after)
             if rank is None:
                 raise ApiError.invalid(f"after: no batch {after!r}", "after")
             start = rank + 1
-        ids = await self.redis.zrange(BATCHES_INDEX_KEY, start, start + limit, desc=True)
+        ids = await self.redis.zrange(index, start, start + limit, desc=True)
         found = [b for b in [await self.find(i.decode()) for i in ids] if b is not None]
         data = found[:limit]
         return BatchList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,

@@ -16,9 +16,10 @@ at ``GET /v1/jobs/{id}``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from engine import FinishReason, Usage
-from jobs.gateway.errors import ApiError
+from jobs.gateway.errors import ApiError, public_param
 from jobs.gateway.translate import Kind, completion_id, finish_reason, usage_out
 from jobs.gateway.wire import ChatChunkChoice, ChatCompletionChunk, Delta, TextChoice, TextCompletionChunk
 from jobs.schemas import EntryKind, StreamEntry
@@ -45,8 +46,9 @@ def parse_stream_id(value: str) -> tuple[int, int]:
 
 class ChunkRenderer:
     def __init__(self, kind: Kind, job_id: str, model: str, created: int, *, n: int, include_usage: bool,
-                 after: str | None = None) -> None:
+                 after: str | None = None, param: Callable[[str | None], str | None] = public_param) -> None:
         self.kind = kind
+        self.param = param          # a job field's name as the request spelled it, for errors
         self.job_id = job_id
         self.model = model
         self.created = created
@@ -84,7 +86,7 @@ class ChunkRenderer:
                     events.append(DONE)
         elif entry.kind == EntryKind.ERROR:
             if entry.final:
-                return self._end_with(ApiError.from_job_error(entry.error, self.job_id), entry.id, show=new)
+                return self._end_with(ApiError.from_job_error(entry.error, self.job_id, self.param), entry.id, show=new)
             if new and entry.error is not None:
                 events.append(comment(f"attempt {entry.attempt} failed ({entry.error.code}); the job is retried "
                                       "and the stream continues"))
@@ -106,7 +108,7 @@ class ChunkRenderer:
         if self.after is not None or not entry.final:
             return None
         if entry.kind == EntryKind.ERROR:
-            return ApiError.from_job_error(entry.error, self.job_id)
+            return ApiError.from_job_error(entry.error, self.job_id, self.param)
         if entry.kind == EntryKind.DONE and entry.finish_reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
             return self._unfinished(entry.finish_reason)
         return None

@@ -13,13 +13,27 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from engine import ErrorInfo
-from jobs.errors import JobNotFound, StreamGone
+from jobs.errors import JobNotFound, RedisUnavailable, StreamGone
 
 # Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
 BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})
+# The request parameter that sets a JobRequest field, where the names differ ("sampling.top_k" -> "top_k").
+_PUBLIC_NAMES = {"sampling.penalty_last_n": "repeat_last_n", "resume_tokens": None}
+# FastAPI's own HTTP errors (routing, body limits) -> OpenAI-style codes.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+
+
+def public_param(field: str | None) -> str | None:
+    """A job layer field name as a request names it: ``sampling.json_schema`` is ``json_schema``."""
+    if field is None:
+        return None
+    if field in _PUBLIC_NAMES:
+        return _PUBLIC_NAMES[field]
+    return field.removeprefix("sampling.")
 
 
 class ApiError(Exception):
@@ -66,12 +80,18 @@ class ApiError(Exception):
                    type="server_error", code="stream_unavailable")
 
     @classmethod
-    def from_job_error(cls, error: ErrorInfo | None, job_id: str) -> ApiError:
-        """A job that ended with an error: the request's fault (400), its deadline (504), or ours (500)."""
+    def from_job_error(cls, error: ErrorInfo | None, job_id: str,
+                       param: Callable[[str | None], str | None] = public_param) -> ApiError:
+        """A job that ended with an error: the request's fault (400, ``param`` naming the field as
+        the request did), its deadline (504), or ours (500)."""
         if error is None:
             return cls(500, f"job {job_id} failed", type="server_error", code="job_failed")
         if error.code in BAD_REQUEST_CODES:
-            return cls(400, error.message, param=error.field, code=error.code)
+            name = param(error.field)
+            message = error.message
+            if error.field and name and message.startswith(f"{error.field}:"):
+                message = name + message[len(error.field):]
+            return cls(400, message, param=name, code=error.code)
         if error.code == "expired":
             return cls.deadline(f"job {job_id}: {error.message}")
         return cls(500, f"job {job_id} failed: {error.message}", type="server_error", code=error.code)
@@ -123,5 +143,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+        return ApiError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
+                        headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(RedisError)
+    @app.exception_handler(RedisUnavailable)
+    async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
+        """Redis out of reach beyond the client's retries: come back later, as /health says."""
+        return ApiError(503, f"the queue's Redis is unavailable ({type(exc).__name__}: {exc}); retry later",
+                        type="server_error", code="redis_unavailable",
+                        headers={"Retry-After": str(request.app.state.settings.gateway_retry_after_s)}).response()

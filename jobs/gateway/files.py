@@ -4,13 +4,15 @@ Contents are not put in Redis: a batch input of 100,000 lines is hundreds of meg
 that fills up (``noeviction``) stops the whole fleet. A directory (``SLOTQ_GATEWAY_FILES_DIR``, a
 volume shared by the replicas) holds them instead, and the bulk runner reads and appends them in
 place, as ``slotq bulk`` does with local files. Redis holds a small record per file (what
-``GET /v1/files/{id}`` returns) and an index by creation for listing, so any replica can answer.
+``GET /v1/files/{id}`` returns, plus its tenant) and an index per tenant by creation for listing,
+so any replica can answer. A file of another tenant is looked up as one that does not exist.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -18,12 +20,13 @@ import time
 from pathlib import Path
 from typing import IO, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from jobs.gateway.errors import ApiError
+from jobs.schemas import DEFAULT_TENANT
 
-FILES_INDEX_KEY = "slotq:gateway:files"        # zset: file id -> created (ms)
+FILES_INDEX_KEY = "slotq:gateway:files"        # zset per tenant: file id -> created (ms)
 
 FILE_ID_RE = re.compile(r"file-[0-9A-Za-z_-]{1,100}")
 
@@ -34,8 +37,17 @@ def file_key(file_id: str) -> str:
     return f"slotq:gateway:file:{{{file_id}}}"
 
 
+def files_index_key(tenant: str) -> str:
+    """The default tenant's files keep the key they had before tenants."""
+    return FILES_INDEX_KEY if tenant == DEFAULT_TENANT else f"{FILES_INDEX_KEY}:{tenant}"
+
+
 def new_file_id() -> str:
     return "file-" + secrets.token_hex(12)
+
+
+def file_not_found(file_id: str) -> ApiError:
+    return ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
 
 
 class FileObject(BaseModel):
@@ -50,6 +62,7 @@ class FileObject(BaseModel):
     status: Literal["processed"] = "processed"
     expires_at: int | None = None
     status_details: str | None = None
+    tenant: str = Field(DEFAULT_TENANT, exclude=True)      # kept in Redis, never sent
 
 
 class FileList(BaseModel):
@@ -74,7 +87,7 @@ class FileStore:
 
     def path(self, file_id: str) -> Path:
         if not FILE_ID_RE.fullmatch(file_id):           # never a path outside the directory
-            raise ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+            raise file_not_found(file_id)
         return self.directory / file_id
 
     def size(self, file_id: str) -> int:
@@ -84,11 +97,11 @@ class FileStore:
         except FileNotFoundError:
             return 0
 
-    async def upload(self, source: IO[bytes], filename: str, purpose: Purpose) -> FileObject:
+    async def upload(self, source: IO[bytes], filename: str, purpose: Purpose, tenant: str) -> FileObject:
         """Copy an upload into the directory (refusing it past ``max_bytes``) and record it."""
         file_id = new_file_id()
         size = await asyncio.to_thread(self._copy, source, file_id)
-        return await self.register(file_id, filename, purpose, size)
+        return await self.register(file_id, filename, purpose, tenant, size)
 
     def _copy(self, source: IO[bytes], file_id: str) -> int:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -110,36 +123,41 @@ class FileStore:
                 partial.unlink()
         return size
 
-    async def register(self, file_id: str, filename: str, purpose: Purpose, size: int | None = None) -> FileObject:
-        """Record a file already in the directory (an upload, or a batch's output)."""
+    async def register(self, file_id: str, filename: str, purpose: Purpose, tenant: str,
+                       size: int | None = None) -> FileObject:
+        """Record a file already in the directory (an upload, or a batch's output) as the tenant's."""
         if size is None:
             size = self.path(file_id).stat().st_size
         now = time.time()
-        obj = FileObject(id=file_id, bytes=size, created_at=int(now), filename=filename, purpose=purpose)
+        obj = FileObject(id=file_id, bytes=size, created_at=int(now), filename=filename, purpose=purpose, tenant=tenant)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(file_key(file_id), obj.model_dump_json())
-            pipe.zadd(FILES_INDEX_KEY, {file_id: int(now * 1000)})
+            pipe.set(file_key(file_id), json.dumps(obj.model_dump(mode="json") | {"tenant": tenant}))
+            pipe.zadd(files_index_key(tenant), {file_id: int(now * 1000)})
             await pipe.execute()
         return obj
 
-    async def get(self, file_id: str) -> FileObject:
+    async def get(self, file_id: str, tenant: str) -> FileObject:
+        """The tenant's file; 404 for another tenant's, as for none."""
         raw = await self.redis.get(file_key(file_id))
-        if raw is None:
-            raise ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
-        return FileObject.model_validate_json(raw)
+        obj = None if raw is None else FileObject.model_validate_json(raw)
+        if obj is None or obj.tenant != tenant:
+            raise file_not_found(file_id)
+        return obj
 
-    async def list(self, *, purpose: str | None, limit: int, after: str | None, order: str) -> FileList:
-        """Newest first (``order=desc``, OpenAI's default) or oldest first, after the file ``after``."""
+    async def list(self, *, tenant: str, purpose: str | None, limit: int, after: str | None, order: str) -> FileList:
+        """The tenant's files, newest first (``order=desc``, OpenAI's default) or oldest first,
+        after the file ``after``."""
+        index = files_index_key(tenant)
         start = 0
         if after is not None:
-            rank = await (self.redis.zrevrank if order == "desc" else self.redis.zrank)(FILES_INDEX_KEY, after)
+            rank = await (self.redis.zrevrank if order == "desc" else self.redis.zrank)(index, after)
             if rank is None:
                 raise ApiError.invalid(f"after: no file {after!r}", "after")
             start = rank + 1
         found: list[FileObject] = []
         page = max(limit, 100)
         while len(found) <= limit:
-            ids = await self.redis.zrange(FILES_INDEX_KEY, start, start + page - 1, desc=order == "desc")
+            ids = await self.redis.zrange(index, start, start + page - 1, desc=order == "desc")
             if not ids:
                 break
             start += len(ids)
@@ -152,11 +170,11 @@ class FileStore:
         return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
                         has_more=len(found) > limit)
 
-    async def delete(self, file_id: str) -> FileDeleted:
-        await self.get(file_id)
+    async def delete(self, file_id: str, tenant: str) -> FileDeleted:
+        await self.get(file_id, tenant)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(file_key(file_id))
-            pipe.zrem(FILES_INDEX_KEY, file_id)
+            pipe.zrem(files_index_key(tenant), file_id)
             await pipe.execute()
         await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
         return FileDeleted(id=file_id)

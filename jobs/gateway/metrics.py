@@ -2,22 +2,33 @@
 
 Requests are counted and timed per route template (never per job id, so the label set stays
 small); a streamed response is timed until its last event.
+
+They live in a registry of their own: the worker's families (``jobs.metrics``) are defined when
+that module is imported, and on the default registry a gateway would export them as constant zeros,
+which alerts would read as an idle fleet.
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector, ProcessCollector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobs.metrics import LATENCY_BUCKETS
 
-REQUESTS = Counter("slotq_gateway_requests", "HTTP requests by route, method and status", ["route", "method", "status"])
+REGISTRY = CollectorRegistry()
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+GCCollector(registry=REGISTRY)
+
+REQUESTS = Counter("slotq_gateway_requests", "HTTP requests by route, method and status", ["route", "method", "status"],
+                   registry=REGISTRY)
 REQUEST_SECONDS = Histogram("slotq_gateway_request_duration_seconds", "Request start to the end of the response",
-                            ["route"], buckets=LATENCY_BUCKETS)
-STREAMS_ACTIVE = Gauge("slotq_gateway_streams_active", "SSE responses being served now")
-DISCONNECT_CANCELS = Counter("slotq_gateway_disconnect_cancels", "Jobs cancelled because their client disconnected")
+                            ["route"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+STREAMS_ACTIVE = Gauge("slotq_gateway_streams_active", "SSE responses being served now", registry=REGISTRY)
+DISCONNECT_CANCELS = Counter("slotq_gateway_disconnect_cancels", "Jobs cancelled because their client disconnected",
+                             registry=REGISTRY)
 
 
 class MetricsMiddleware:

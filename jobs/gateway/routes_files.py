@@ -8,14 +8,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 
-from jobs.gateway.auth import require_key
+from jobs.gateway.auth import CallerDep, authenticate
 from jobs.gateway.batches import BatchStore
 from jobs.gateway.errors import ApiError
 from jobs.gateway.files import FileDeleted, FileList, FileObject, FileStore
 
-router = APIRouter(prefix="/v1/files", dependencies=[Depends(require_key)])
-
-MULTIPART_SLACK = 64 * 1024      # the form's other parts and boundaries around the file
+router = APIRouter(prefix="/v1/files", dependencies=[Depends(authenticate)])
 
 
 def files_of(request: Request) -> FileStore:
@@ -24,35 +22,31 @@ def files_of(request: Request) -> FileStore:
 
 @router.post("")
 async def upload_file(request: Request, file: Annotated[UploadFile, File()],
-                      purpose: Annotated[str, Form()]) -> FileObject:
-    """Multipart, as the SDKs send it: ``file`` and ``purpose`` (``batch``: the Batch API's input)."""
-    store = files_of(request)
+                      purpose: Annotated[str, Form()], caller: CallerDep) -> FileObject:
+    """Multipart, as the SDKs send it: ``file`` and ``purpose`` (``batch``: the Batch API's input).
+    A body declared larger than the limit was refused before it was read (jobs.gateway.limits)."""
     if purpose != "batch":
         raise ApiError.invalid(f"purpose: slotq keeps files for the Batch API only: purpose must be 'batch' "
                                f"(got {purpose!r})", "purpose")
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > store.max_bytes + MULTIPART_SLACK:
-        raise ApiError.invalid(f"file: larger than the limit of {store.max_bytes // (1 << 20)} MB "
-                               "(SLOTQ_GATEWAY_MAX_FILE_MB)", "file", code="file_too_large")
-    return await store.upload(file.file, file.filename or "upload.jsonl", "batch")
+    return await files_of(request).upload(file.file, file.filename or "upload.jsonl", "batch", caller.tenant)
 
 
 @router.get("")
-async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
+async def list_files(request: Request, caller: CallerDep, purpose: str | None = None, after: str | None = None,
                      limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
                      order: Literal["asc", "desc"] = "desc") -> FileList:
-    return await files_of(request).list(purpose=purpose, limit=limit, after=after, order=order)
+    return await files_of(request).list(tenant=caller.tenant, purpose=purpose, limit=limit, after=after, order=order)
 
 
 @router.get("/{file_id}")
-async def get_file(file_id: str, request: Request) -> FileObject:
-    return await files_of(request).get(file_id)
+async def get_file(file_id: str, request: Request, caller: CallerDep) -> FileObject:
+    return await files_of(request).get(file_id, caller.tenant)
 
 
 @router.get("/{file_id}/content")
-async def file_content(file_id: str, request: Request) -> FileResponse:
+async def file_content(file_id: str, request: Request, caller: CallerDep) -> FileResponse:
     store = files_of(request)
-    obj = await store.get(file_id)
+    obj = await store.get(file_id, caller.tenant)
     path = store.path(file_id)
     if not path.is_file():
         raise ApiError(404, f"the contents of {file_id} are missing from SLOTQ_GATEWAY_FILES_DIR", param="file_id",
@@ -61,12 +55,13 @@ async def file_content(file_id: str, request: Request) -> FileResponse:
 
 
 @router.delete("/{file_id}")
-async def delete_file(file_id: str, request: Request) -> FileDeleted:
+async def delete_file(file_id: str, request: Request, caller: CallerDep) -> FileDeleted:
     """Refused (409) for the input of a batch that has not finished: resuming it reads the file."""
+    await files_of(request).get(file_id, caller.tenant)          # another tenant's file is not found
     batches: BatchStore = request.app.state.batches
     for batch_id in await batches.active_ids():
         batch = await batches.find(batch_id)
         if batch is not None and batch.input_file_id == file_id:
             raise ApiError(409, f"file {file_id} is the input of {batch_id}, which is {batch.status}; cancel it or "
                            "wait for it to finish", param="file_id", code="file_in_use")
-    return await files_of(request).delete(file_id)
+    return await files_of(request).delete(file_id, caller.tenant)

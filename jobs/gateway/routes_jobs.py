@@ -11,7 +11,7 @@ from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import ValidationError
 
 from jobs.client import SlotqClient
-from jobs.gateway.auth import require_key
+from jobs.gateway.auth import CallerDep, authenticate
 from jobs.gateway.chunks import NativeRenderer, parse_stream_id
 from jobs.gateway.errors import ApiError, from_validation
 from jobs.gateway.routes_openai import gateway_of
@@ -21,11 +21,12 @@ from jobs.gateway.translate import kind_of, to_job_request, to_response, unfinis
 from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, JobObject
 from jobs.schemas import JobStatus
 
-router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_key)])
+router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(authenticate)])
 
 
 @router.post("", status_code=202)
-async def create_job(request: Request, response: Response, payload: Annotated[dict[str, Any], Body()]) -> JobObject:
+async def create_job(request: Request, response: Response, payload: Annotated[dict[str, Any], Body()],
+                     caller: CallerDep) -> JobObject:
     """The body of a chat completion (``messages``) or a completion (``prompt``) request."""
     model = ChatCompletionRequest if "messages" in payload else CompletionRequest
     try:
@@ -35,7 +36,7 @@ async def create_job(request: Request, response: Response, payload: Annotated[di
     if body.stream:
         raise ApiError.invalid("stream: a background job is read with GET /v1/jobs/{id}/events", "stream")
     gateway = gateway_of(request)
-    job = to_job_request(body, idempotency_key=request.headers.get("idempotency-key"))
+    job = to_job_request(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
     handle, record = await gateway.submit(job, body.model, kind_of(body), wire_param(body))
     response.headers["Location"] = f"/v1/jobs/{handle.id}"
     return JobObject(id=handle.id, status=await handle.status(), model=record.model, queue=record.queue,
@@ -43,13 +44,13 @@ async def create_job(request: Request, response: Response, payload: Annotated[di
 
 
 @router.get("/{job_id}")
-async def get_job(job_id: str, request: Request) -> JobObject:
-    client, record = await _existing(request, job_id)
+async def get_job(job_id: str, request: Request, caller: CallerDep) -> JobObject:
+    job_id, client, record = await _existing(request, caller.tenant, job_id)
     return await _job_object(client, record, job_id)
 
 
 @router.get("/{job_id}/events")
-async def job_events(job_id: str, request: Request, after: str | None = None) -> Response:
+async def job_events(job_id: str, request: Request, caller: CallerDep, after: str | None = None) -> Response:
     """SSE of the job's stream entries after ``Last-Event-ID`` (what a reconnecting EventSource
     sends) or else ``after``; from the start without either."""
     last_id = request.headers.get("last-event-id") or after or "0-0"
@@ -57,25 +58,26 @@ async def job_events(job_id: str, request: Request, after: str | None = None) ->
         parse_stream_id(last_id)
     except ValueError as exc:
         raise ApiError.invalid(f"after: {exc}", "after") from None
-    client, _record = await _existing(request, job_id)
+    job_id, client, _record = await _existing(request, caller.tenant, job_id)
     return await open_stream(request, gateway_of(request), client, job_id, NativeRenderer(job_id, after=last_id),
                              cancel_on_disconnect=False, deadline=None, headers={"X-Slotq-Job-Id": job_id})
 
 
 @router.delete("/{job_id}")
-async def cancel_job(job_id: str, request: Request) -> JobObject:
-    client, record = await _existing(request, job_id)
+async def cancel_job(job_id: str, request: Request, caller: CallerDep) -> JobObject:
+    job_id, client, record = await _existing(request, caller.tenant, job_id)
     cancelled = await client.cancel(job_id)
     job = await _job_object(client, record, job_id)
     job.cancelled = cancelled
     return job
 
 
-async def _existing(request: Request, job_id: str) -> tuple[SlotqClient, JobRecord | None]:
-    client, record = await gateway_of(request).find(job_id)
-    if await client.status(job_id) == JobStatus.NOT_FOUND:
+async def _existing(request: Request, tenant: str, job_id: str) -> tuple[str, SlotqClient, JobRecord | None]:
+    """The tenant's job that ``job_id`` names (its full id), or 404."""
+    own, client, record = await gateway_of(request).find(tenant, job_id)
+    if await client.status(own) == JobStatus.NOT_FOUND:
         raise ApiError.job_not_found(job_id)
-    return client, record
+    return own, client, record
 
 
 async def _job_object(client: SlotqClient, record: JobRecord | None, job_id: str) -> JobObject:

@@ -13,54 +13,67 @@ import time
 from fastapi import APIRouter, Depends, Request, Response
 
 from jobs.client import JobNotFound, JobTimeout
-from jobs.gateway.auth import require_key
+from jobs.gateway.auth import Caller, CallerDep, authenticate
 from jobs.gateway.chunks import ChunkRenderer, parse_stream_id
 from jobs.gateway.errors import ApiError
+from jobs.gateway.routing import ModelRoute
 from jobs.gateway.service import Gateway
 from jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
 from jobs.gateway.translate import WireRequest, kind_of, to_job_request, to_response, unfinished_error, wire_param
 from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from jobs.schemas import JobStatus
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
 
 def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+def model_card(route: ModelRoute) -> ModelCard:
+    return ModelCard(id=route.model, created=int(min(w.started_at for w in route.workers)), queue=route.queue,
+                     workers=len(route.workers), slots_total=route.slots_total, slots_busy=route.slots_busy)
+
+
 @router.get("/models")
 async def list_models(request: Request) -> ModelList:
     routes = await gateway_of(request).router.routes()
-    return ModelList(data=[
-        ModelCard(id=model, created=int(min(w.started_at for w in r.workers)), queue=r.queue, workers=len(r.workers),
-                  slots_total=r.slots_total, slots_busy=r.slots_busy)
-        for model, r in sorted(routes.items())])
+    return ModelList(data=[model_card(route) for _model, route in sorted(routes.items())])
+
+
+@router.get("/models/{model:path}")
+async def get_model(model: str, request: Request) -> ModelCard:
+    """One served model (404 for a model no live worker serves). ``:path``: names may hold a '/'."""
+    route = (await gateway_of(request).router.routes()).get(model)
+    if route is None:
+        raise ApiError(404, f"the model {model!r} does not exist or no live worker serves it", param="model",
+                       code="model_not_found")
+    return model_card(route)
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await complete(request, body)
+async def chat_completions(body: ChatCompletionRequest, request: Request, caller: CallerDep) -> Response:
+    return await complete(request, caller, body)
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await complete(request, body)
+async def completions(body: CompletionRequest, request: Request, caller: CallerDep) -> Response:
+    return await complete(request, caller, body)
 
 
-async def complete(request: Request, body: WireRequest) -> Response:
+async def complete(request: Request, caller: Caller, body: WireRequest) -> Response:
     gateway = gateway_of(request)
     kind = kind_of(body)
     if body.stream and request.headers.get("last-event-id"):
-        return await _resume(request, gateway, body)
-    job = to_job_request(body, idempotency_key=request.headers.get("idempotency-key"))
+        return await _resume(request, gateway, caller, body)
+    job = to_job_request(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
     handle, record = await gateway.submit(job, body.model, kind, wire_param(body))
     keep = body.keep_on_disconnect if body.keep_on_disconnect is not None else gateway.settings.gateway_keep_on_disconnect
     owner_cancels = handle.created and not keep       # only the request that created a job cancels it
     headers = {"X-Slotq-Job-Id": handle.id}
     if body.stream:
         renderer = ChunkRenderer(kind, handle.id, record.model, record.created, n=job.n,
-                                 include_usage=body.include_usage)
+                                 include_usage=body.include_usage, param=wire_param(body))
         return await open_stream(request, gateway, handle.client, handle.id, renderer,
                                  cancel_on_disconnect=owner_cancels, deadline=job.deadline, headers=headers,
                                  first_error=renderer.first_error)
@@ -76,7 +89,7 @@ async def complete(request: Request, body: WireRequest) -> Response:
         raise ApiError.deadline(f"job {handle.id}: the deadline passed before it finished") from None
     except JobNotFound:
         raise ApiError.job_not_found(handle.id) from None
-    error = unfinished_error(result)
+    error = unfinished_error(result, wire_param(body))
     if error is not None:
         error.headers |= headers
         raise error
@@ -84,7 +97,7 @@ async def complete(request: Request, body: WireRequest) -> Response:
                     media_type="application/json", headers=headers)
 
 
-async def _resume(request: Request, gateway: Gateway, body: WireRequest) -> Response:
+async def _resume(request: Request, gateway: Gateway, caller: Caller, body: WireRequest) -> Response:
     """``Last-Event-ID`` on a streaming request: continue the stream of the job created under the
     same idempotency key, after that event. Never creates a job."""
     last_id = request.headers["last-event-id"].strip()
@@ -92,16 +105,16 @@ async def _resume(request: Request, gateway: Gateway, body: WireRequest) -> Resp
         parse_stream_id(last_id)
     except ValueError as exc:
         raise ApiError.invalid(f"Last-Event-ID: {exc}", "Last-Event-ID") from None
-    job_id = body.idempotency_key or request.headers.get("idempotency-key")
-    if not job_id:
+    key = body.idempotency_key or request.headers.get("idempotency-key")
+    if not key:
         raise ApiError.invalid("Last-Event-ID resumes the job created under the same idempotency key, and this request "
                                "has none: send the original request's idempotency_key (or read GET /v1/jobs/{id}/events)",
                                "idempotency_key", code="missing_idempotency_key")
-    client, record = await gateway.find(job_id)
+    job_id, client, record = await gateway.find(caller.tenant, key)
     if await client.status(job_id) == JobStatus.NOT_FOUND:
-        raise ApiError.job_not_found(job_id)
+        raise ApiError.job_not_found(key)
     renderer = ChunkRenderer(kind_of(body), job_id, record.model if record else body.model,
                              record.created if record else int(time.time()), n=body.n or 1,
-                             include_usage=body.include_usage, after=last_id)
+                             include_usage=body.include_usage, after=last_id, param=wire_param(body))
     return await open_stream(request, gateway, client, job_id, renderer, cancel_on_disconnect=False,
                              deadline=body.deadline, headers={"X-Slotq-Job-Id": job_id})

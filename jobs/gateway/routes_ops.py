@@ -1,5 +1,6 @@
 """Operations: ``/health`` and ``/metrics`` (open, for probes and scrapers) and the small JSON
-API behind the dashboard (``/api/...``, behind the API keys like ``/v1``)."""
+API behind the dashboard (``/api/...``: every tenant's queues, workers and dead letters, so for
+admin keys only; without keys, for every loopback caller)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jobs import dead_letters
-from jobs.gateway.auth import require_key
+from jobs.gateway import metrics as gateway_metrics
+from jobs.gateway.auth import require_admin
 from jobs.gateway.errors import ApiError
 from jobs.gateway.routes_openai import gateway_of
 
 HEALTH_TIMEOUT_S = 2.0     # the client retries Redis for ~30 s; a probe wants an answer now
 
 router = APIRouter()
-api = APIRouter(prefix="/api", dependencies=[Depends(require_key)])
+api = APIRouter(prefix="/api", dependencies=[Depends(require_admin)])
 
 
 @router.get("/health")
@@ -40,7 +42,8 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics() -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    """The gateway's own metrics; each worker serves its own (SLOTQ_METRICS_PORT)."""
+    return Response(generate_latest(gateway_metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
 @api.get("/fleet")
@@ -69,5 +72,5 @@ async def requeue_dead_letter(job_id: str, request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
     if await dead_letters.get(gateway.client.redis, job_id) is None:
         raise ApiError(404, f"no dead letter {job_id!r}", param="job_id", code="dead_letter_not_found")
-    client, _record = await gateway.find(job_id)
+    client, _record = await gateway.locate(job_id)
     return {"id": job_id, "requeued": await client.requeue_dead_letter(job_id)}

@@ -7,6 +7,7 @@ import logging
 import uvicorn
 
 from jobs.gateway.app import create_app
+from jobs.gateway.limits import header_deadline_protocol
 from jobs.gateway.settings import GatewaySettings
 from jobs.redis_server import port_is_serving
 
@@ -29,10 +30,10 @@ def serve(settings: GatewaySettings) -> None:
     refusal = settings.bind_error(host)
     if refusal:
         raise SystemExit(refusal)
-    if not settings.api_keys:
+    if not settings.has_keys:
         log.warning("no API keys configured (SLOTQ_API_KEYS): every request is let in, so the gateway serves %s only",
                     host)
     url = redis_url_for(settings)
     log.info("slotq gateway on http://%s:%d (dashboard at /, OpenAI API at /v1)", host, port)
     uvicorn.run(create_app(settings, url), host=host, port=port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=header_deadline_protocol(settings.gateway_header_timeout_s))

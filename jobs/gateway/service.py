@@ -1,10 +1,18 @@
 """The gateway's one piece of shared state: a client per queue, the model router, and a small
-record per job it created (queue, model, kind, created time) so that any replica can find a job
-again by id. Gateways hold nothing else: every stream and result lives in Redis."""
+record per job it created (queue, model, kind, created time, a fingerprint of the request) so that
+any replica can find a job again by id. Gateways hold nothing else: every stream and result lives
+in Redis.
+
+Tenants: a job's id carries its tenant (:func:`jobs.schemas.tenant_job_id`), so the id a caller
+names is resolved within the caller's tenant (:func:`own_job_id`): another tenant's job is never
+found, and the answer (404) is the one for a job that does not exist.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -14,10 +22,11 @@ from pydantic import BaseModel
 
 from jobs.client import JobHandle, JobRejected, QueueFull, SlotqClient
 from jobs.gateway import metrics
-from jobs.gateway.errors import ApiError
+from jobs.gateway.errors import ApiError, public_param
 from jobs.gateway.routing import ModelRouter
 from jobs.gateway.settings import GatewaySettings
-from jobs.schemas import JobRequest
+from jobs.payload import encode_payload
+from jobs.schemas import JobRequest, tenant_job_id, tenant_of_job
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +35,25 @@ def job_record_key(job_id: str) -> str:
     return f"slotq:gateway:job:{{{job_id}}}"
 
 
+def own_job_id(tenant: str, job_id: str) -> str | None:
+    """The id of the ``tenant``'s job that ``job_id`` names: a full id of one of its jobs, or a
+    bare one (an idempotency key, a fresh id) scoped to it. None when it names another tenant's."""
+    if tenant_of_job(job_id) != tenant:
+        job_id = tenant_job_id(tenant, job_id)
+    return job_id if tenant_of_job(job_id) == tenant else None
+
+
+def fingerprint(job: JobRequest) -> str:
+    """What an idempotency key promises: the same key, the same request."""
+    return hashlib.sha256(json.dumps(encode_payload(job), sort_keys=True).encode()).hexdigest()
+
+
 class JobRecord(BaseModel):
     queue: str
     model: str
     kind: Literal["chat", "text"]
     created: int
+    fingerprint: str | None = None      # None in records written before idempotency keys were checked
 
 
 class Gateway:
@@ -47,31 +70,52 @@ class Gateway:
         return self._queues[name]
 
     async def submit(self, job: JobRequest, model: str, kind: Literal["chat", "text"],
-                     param: Callable[[str], str] = str) -> tuple[JobHandle, JobRecord]:
+                     param: Callable[[str | None], str | None] = public_param) -> tuple[JobHandle, JobRecord]:
         """Route by model and enqueue. With an idempotency key that matches a live job, that job
         (and the record of the request that created it) is returned instead. ``param`` names a
-        JobRequest field as the request called it (for errors)."""
+        JobRequest field as the request called it (for errors). The same key with another request
+        is a 409: the key names a job that is not this request's answer."""
+        metadata_bytes = len(json.dumps(job.metadata))
+        if metadata_bytes > self.settings.gateway_max_metadata_bytes:
+            raise ApiError.invalid(f"metadata: {metadata_bytes} bytes as JSON, over the limit of "
+                                   f"{self.settings.gateway_max_metadata_bytes} (SLOTQ_GATEWAY_MAX_METADATA_BYTES)",
+                                   "metadata", code="metadata_too_large")
         route = await self.router.route(model)
         try:
             handle = await self.queue(route.queue).enqueue(job)
         except JobRejected as exc:
-            code = "context_length_exceeded" if exc.field == "max_tokens" else "invalid_value"
+            code = {"max_tokens": "context_length_exceeded", "prompt": "prompt_too_long",
+                    "messages": "prompt_too_long"}.get(exc.field, "invalid_value")
             raise ApiError.invalid(str(exc), param(exc.field), code=code) from None
         except QueueFull as exc:
             raise ApiError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
                            headers={"Retry-After": str(self.settings.gateway_retry_after_s)}) from None
-        record = JobRecord(queue=route.queue, model=model, kind=kind, created=int(time.time()))
+        record = JobRecord(queue=route.queue, model=model, kind=kind, created=int(time.time()),
+                           fingerprint=fingerprint(job))
         key = job_record_key(handle.id)
         if handle.created:
             await self.client.redis.set(key, record.model_dump_json(), ex=self.settings.keep_result_s)
         else:
             old = await self.client.redis.set(key, record.model_dump_json(), ex=self.settings.keep_result_s,
                                               nx=True, get=True)
-            record = JobRecord.model_validate_json(old) if old else record
+            earlier = JobRecord.model_validate_json(old) if old else record
+            if earlier.fingerprint not in (None, record.fingerprint):
+                raise ApiError(409, f"idempotency_key {job.idempotency_key!r} was used before with a different "
+                                    "request; use a new key for a new request", param="idempotency_key",
+                               code="idempotency_key_reused")
+            record = earlier
         return JobHandle(self.queue(record.queue), handle.id, created=handle.created), record
 
-    async def find(self, job_id: str) -> tuple[SlotqClient, JobRecord | None]:
-        """The client for the job's queue (the default queue for jobs not created here)."""
+    async def find(self, tenant: str, job_id: str) -> tuple[str, SlotqClient, JobRecord | None]:
+        """The full id of the tenant's job that ``job_id`` names and the client for its queue (the
+        default queue for jobs not created here). 404 for another tenant's job, as for none."""
+        own = own_job_id(tenant, job_id)
+        if own is None:
+            raise ApiError.job_not_found(job_id)
+        return (own, *await self.locate(own))
+
+    async def locate(self, job_id: str) -> tuple[SlotqClient, JobRecord | None]:
+        """The client for the queue of the job with this full id, whoever's it is (the fleet view)."""
         raw = await self.client.redis.get(job_record_key(job_id))
         record = JobRecord.model_validate_json(raw) if raw else None
         return self.queue(record.queue if record else self.settings.queue_name), record

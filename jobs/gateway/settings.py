@@ -2,22 +2,74 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
-from pydantic_settings import NoDecode
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
+from jobs.schemas import TENANT_PATTERN
 from jobs.settings import ClientSettings
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
+def key_tenant(key: str) -> str:
+    """The tenant of a key given without a name: its own, named after a hash of it (the name
+    shows in job ids, so it must not reveal the key)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def parse_key_entries(entries: list[str], where: str) -> list[tuple[str, str]]:
+    """``name=key`` entries (several keys may share a name: one tenant, keys to rotate) and bare
+    keys (a tenant each) as (tenant, key) pairs. Errors name the entry by position, never by its
+    text, which holds a key."""
+    pairs = []
+    for number, entry in enumerate(entries, 1):
+        name, sep, key = entry.partition("=")
+        if not sep:
+            pairs.append((key_tenant(entry), entry))
+        elif not re.fullmatch(TENANT_PATTERN, name) or not key.strip("="):
+            raise ValueError(f"{where}: entry {number} is neither a key nor name=key (a name is 1-64 characters of "
+                             "A-Z a-z 0-9 _ -; a key that contains '=' needs a name: name=key)")
+        else:
+            pairs.append((name, key))
+    return pairs
+
+
+def read_keys_file(path: Path) -> list[tuple[str, str]]:
+    """The keys file: one ``name=key`` (or bare key) per line; blank lines and ``#`` comments skipped."""
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    return parse_key_entries([line for line in lines if line and not line.startswith("#")], str(path))
+
+
 class GatewaySettings(ClientSettings):
+    # A settings error must not print the keys it was given.
+    model_config = SettingsConfigDict(hide_input_in_errors=True)
+
     gateway_host: str = Field("127.0.0.1", description="address to bind; anything but loopback needs SLOTQ_API_KEYS")
     gateway_port: int = Field(8000, ge=0, le=65535)
     api_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="comma-separated Bearer keys; empty = no auth, loopback only")
+        default_factory=list, description="comma-separated Bearer keys, each 'tenant=key' or a bare key (a tenant of "
+                                          "its own); no keys at all = no auth, loopback only")
+    api_keys_file: Path | None = Field(
+        None, description="a file of more keys, one 'tenant=key' per line, re-read when it changes (rotation "
+                          "without a restart)")
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated keys ('name=key' or bare) that also see the whole fleet: "
+                                          "the dashboard's /api (workers, queues, dead letters, requeue)")
+    gateway_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="without API keys: Host names served besides loopback ones (DNS "
+                                          "rebinding protection); comma-separated")
+    gateway_max_body_mb: float = Field(4.0, gt=0, description="largest request body (413 above it); a file upload "
+                                                              "has SLOTQ_GATEWAY_MAX_FILE_MB instead")
+    gateway_max_metadata_bytes: int = Field(16_384, ge=0, description="largest `metadata` of a job, as JSON")
+    gateway_header_timeout_s: float = Field(10.0, gt=0, le=3600, description="a request's headers must arrive "
+                                                                              "within this long, or the connection is closed")
+    gateway_body_timeout_s: float = Field(60.0, gt=0, le=86_400, description="a request's whole body must arrive "
+                                                                             "within this long (408 after)")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated origins allowed by CORS ('*' for any); empty = no CORS")
     gateway_keep_on_disconnect: bool = Field(
@@ -39,16 +91,33 @@ class GatewaySettings(ClientSettings):
     def files_dir(self) -> Path:
         return self.gateway_files_dir or self.data_dir / "gateway-files"
 
-    @field_validator("api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "admin_keys", "cors_origins", "gateway_allowed_hosts", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @model_validator(mode="after")
+    def _keys_parse(self) -> GatewaySettings:
+        """Bad key entries or an unreadable keys file stop the gateway at start, not at the first request."""
+        parse_key_entries(self.api_keys, "SLOTQ_API_KEYS")
+        parse_key_entries(self.admin_keys, "SLOTQ_ADMIN_KEYS")
+        if self.api_keys_file is not None:
+            try:
+                read_keys_file(self.api_keys_file)
+            except OSError as exc:
+                raise ValueError(f"SLOTQ_API_KEYS_FILE: cannot read {self.api_keys_file}: {exc.strerror}") from None
+        return self
+
+    @property
+    def has_keys(self) -> bool:
+        """Whether requests must carry a key (else every request is let in, from loopback only)."""
+        return bool(self.api_keys or self.admin_keys or self.api_keys_file)
+
     def bind_error(self, host: str) -> str | None:
         """Why ``host`` must not be bound with these settings, or None."""
-        if not self.api_keys and host not in LOOPBACK_HOSTS:
+        if not self.has_keys and host not in LOOPBACK_HOSTS:
             return (f"refusing to bind {host}: no API keys are configured, so the gateway serves 127.0.0.1 only. "
                     "Set SLOTQ_API_KEYS=key1,key2 to serve other hosts.")
         return None

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from engine import FinishReason, Usage
-from jobs.gateway.errors import ApiError, from_validation
+from jobs.gateway.errors import ApiError, from_validation, public_param
 from jobs.gateway.wire import (
     AssistantMessage,
     ChatChoice,
@@ -27,21 +27,20 @@ from jobs.gateway.wire import (
     TextCompletion,
     UsageOut,
 )
-from jobs.schemas import JobRequest, JobResult, JobStatus
+from jobs.schemas import DEFAULT_TENANT, JobRequest, JobResult, JobStatus
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest
-
-# JobRequest.sampling field -> the request parameter that sets it, where the names differ.
-_SAMPLING_PARAM = {"penalty_last_n": "repeat_last_n"}
 
 
 def kind_of(request: WireRequest) -> Kind:
     return "chat" if isinstance(request, ChatCompletionRequest) else "text"
 
 
-def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> JobRequest:
-    """Build the job; its validation errors come back as a 400 under the request's parameter names."""
+def to_job_request(request: WireRequest, idempotency_key: str | None = None,
+                   tenant: str = DEFAULT_TENANT) -> JobRequest:
+    """Build the caller's job; its validation errors come back as a 400 under the request's
+    parameter names."""
     sampling = {
         "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
         "seed": request.seed, "presence_penalty": request.presence_penalty,
@@ -52,9 +51,8 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> 
     fields: dict[str, Any] = {
         "max_tokens": request.max_tokens, "n": request.n, "stop": request.stop_list, "ignore_eos": request.ignore_eos,
         "lane": request.lane, "priority": request.priority, "deadline": request.deadline, "metadata": request.metadata,
-        "idempotency_key": request.idempotency_key or idempotency_key,
+        "idempotency_key": request.idempotency_key or idempotency_key, "tenant": tenant,
     }
-    schema_param = "json_schema"
     if isinstance(request, ChatCompletionRequest):
         fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
                               for m in request.messages]
@@ -66,20 +64,16 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> 
                 raise ApiError.invalid("response_format: give response_format, json_schema or grammar, not several",
                                        "response_format")
             sampling["json_schema"] = fmt.json_schema.schema_ if fmt.json_schema else {"type": "object"}
-            schema_param = "response_format"
     else:
         fields["prompt"] = request.prompt_text
 
     def rename(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
         if loc == ("sampling",):               # a rule across sampling fields: no single parameter
             return ()
-        if loc[:1] == ("sampling",):
-            name = loc[1]
-            if name == "json_schema":
-                return (schema_param,)
-            return (_SAMPLING_PARAM.get(str(name), name), *loc[2:])
+        if loc[:1] == ("sampling",) and len(loc) > 1:
+            return (wire_param(request)(f"sampling.{loc[1]}") or "", *loc[2:])
         if loc == ("max_tokens",):
-            return (wire_param(request)("max_tokens"),)
+            return (wire_param(request)("max_tokens") or "",)
         return loc
 
     fields["sampling"] = {k: v for k, v in sampling.items() if v is not None}
@@ -89,13 +83,18 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None) -> 
         raise from_validation(exc, rename) from None
 
 
-def wire_param(request: WireRequest) -> Callable[[str], str]:
-    """A JobRequest field's name as this request spelled it (``max_completion_tokens`` for a chat
-    request that used it)."""
-    def name(field: str) -> str:
-        if field == "max_tokens" and isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+def wire_param(request: WireRequest) -> Callable[[str | None], str | None]:
+    """A JobRequest field's name as this request spelled it: ``max_completion_tokens`` or
+    ``response_format`` for a chat request that used them, ``top_k`` for ``sampling.top_k``."""
+    chat = isinstance(request, ChatCompletionRequest)
+
+    def name(field: str | None) -> str | None:
+        if field == "max_tokens" and chat and request.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return field
+        if field == "sampling.json_schema" and chat and request.response_format is not None \
+                and request.response_format.type != "text":
+            return "response_format"
+        return public_param(field)
     return name
 
 
@@ -110,10 +109,10 @@ def usage_out(usage: Usage) -> UsageOut:
                     prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens))
 
 
-def unfinished_error(result: JobResult) -> ApiError | None:
+def unfinished_error(result: JobResult, param: Callable[[str | None], str | None] = public_param) -> ApiError | None:
     """Why a job's result is not a reply: failed, cancelled, past its deadline, or gone."""
     if result.status == JobStatus.FAILED:
-        return ApiError.from_job_error(result.error, result.id)
+        return ApiError.from_job_error(result.error, result.id, param)
     if result.status == JobStatus.CANCELLED:
         return ApiError(409, f"job {result.id} was cancelled; its partial result is at /v1/jobs/{result.id}",
                         type="invalid_request_error", code="job_cancelled")

@@ -1,9 +1,10 @@
 """OpenAI's wire format as pydantic models: the request bodies slotq accepts and the objects it
 returns (completions, chunks, models, usage).
 
-Requests are checked here only for shape and type. Limits (temperature range, max_tokens, stop
-strings, ...) are the job layer's: translation builds a ``JobRequest`` and reports its errors under
-these names, so the bounds live in one place.
+Requests are checked here for shape and type, and for the bounds OpenAI's API sets tighter than
+slotq's own (``temperature`` at most 2, at most 4 ``stop`` strings), so a request the OpenAI API
+would refuse is refused here too. Every other limit (max_tokens, top_k, ...) is the job layer's:
+translation builds a ``JobRequest`` and reports its errors under these names.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _OFF_SPECIAL: dict[str, tuple[Any, ...]] = {"tool_choice": ("none", "auto"), "be
 _DROPPED_WHEN_OFF = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "echo",
                      "suffix", "best_of", "modalities", "audio", "prediction",
                      "web_search_options", "reasoning_effort")
+MAX_STOP_STRINGS = 4       # OpenAI's limit
 _IGNORED = ("user", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
 
 
@@ -65,7 +67,7 @@ class _Generation(BaseModel):
 
     model: str = Field(min_length=1)
     max_tokens: int | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = None
     n: int | None = None
     stop: str | list[str] | None = None
@@ -99,6 +101,13 @@ class _Generation(BaseModel):
             data = {k: v for k, v in data.items()
                     if k not in _IGNORED and not (k in _DROPPED_WHEN_OFF and _is_off(k, v))}
         return data
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings (got {len(value)})")
+        return value
 
     @property
     def stop_list(self) -> list[str] | None:
