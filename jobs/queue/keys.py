@@ -7,7 +7,7 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:deferred:L``                  ZSET    job id -> run-at time (ms) of a retry waiting out its backoff
 ``Q:running:L``                   ZSET    job id -> lease deadline (ms); the reaper requeues expired ones
 ``Q:jobs``                        HASH    job id -> ``lane<TAB>ready ms<TAB>place`` for every job in the queue
-``Q:tags:L``                      ZSET    tenant -> place of its newest job in lane L; ``#clock`` -> the lane's clock
+``Q:tags:L``                      ZSET    tenant -> place of its newest job in lane L (dropped when L runs dry)
 ``Q:preempt:L``                   LIST    one token per job of lane L that waits while a lower lane runs (capped)
 ``Q:preemptions``                 HASH    lane -> jobs of that lane that yielded their slot to a higher lane
 ``Q:owners``                      HASH    job id -> lease of the attempt running it (``<worker token>#<claim number>``)
@@ -22,9 +22,10 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ================================  ======  ===========================================================
 
 A job's *place* in its lane is its fair-share tag (:mod:`jobs.queue.scripts`, ``ENQUEUE``):
-``max(lane clock, place of its tenant's newest job) + 1``, where the clock is the highest place
-claimed so far. Within a tenant, places follow enqueue order; a tenant with nothing waiting joins
-right after the job being claimed now, however many jobs other tenants have queued. A job handed
+``max(place of the lane's next job - 1, place of its tenant's newest job) + 1``, or its ready
+time + 1 in an empty lane. Within a tenant, places follow enqueue order; a tenant with nothing
+waiting ties with the lane's next job (equal places go in job id order), however many jobs other
+tenants have queued. A job handed
 back, reaped or promoted after its retry backoff keeps its place. An entry of ``Q:jobs`` written
 before places existed (``lane<TAB>ready ms``) has its ready time as its place.
 
@@ -120,8 +121,8 @@ class QueueKeys:
         return f"{self.queue}:abort:{token}"
 
     def lane_group(self, lane: str) -> list[str]:
-        """The keys the claim scripts read per lane: waiting, deferred, running, tags, preempt."""
-        return [self.waiting(lane), self.deferred(lane), self.running(lane), self.tags(lane), self.preempt(lane)]
+        """The keys the claim scripts read per lane: waiting, deferred, running, preempt."""
+        return [self.waiting(lane), self.deferred(lane), self.running(lane), self.preempt(lane)]
 
     def lane_groups(self, lanes: tuple[str, ...] | None = None) -> list[str]:
         """:meth:`lane_group` of ``lanes`` (default: every lane), highest priority first (the claim order)."""

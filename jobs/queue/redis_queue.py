@@ -121,9 +121,10 @@ class RedisQueue:
         counted = [key for lane_ in k.lanes for key in (k.waiting(lane_), k.deferred(lane_))]
         below = [k.running(lane_) for lane_ in k.lanes[k.lanes.index(lane) + 1:]]
         code = await self._scripts["ENQUEUE"](
-            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, *k.lane_group(lane), *counted, *below],
+            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, k.tags(lane), *k.lane_group(lane),
+                  *counted, *below],
             args=[job_id, record, RECORD_TTL_MS, now_ms, lane, max_waiting if max_waiting is not None else 2**53,
-                  WAKE_CAP, tenant, len(k.lanes)])
+                  WAKE_CAP, tenant, len(k.lanes), k.lanes.index(lane)])
         return Enqueued(int(code))
 
     async def cancel(self, job_id: str) -> int:

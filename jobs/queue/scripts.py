@@ -16,10 +16,8 @@ O(lanes + expired), everything else O(1) or O(lanes). Nothing scans running jobs
 from __future__ import annotations
 
 # A job's ``Q:jobs`` entry: lane, ready ms (enqueued, or its retry due), place in line (see keys.py;
-# an entry written before places existed has its ready time as its place). CLOCK is the lane
-# clock's member of ``Q:tags:L`` ('#' is no tenant's character).
+# an entry written before places existed has its ready time as its place).
 _ENTRY = """
-local CLOCK = '#clock'
 local function read_entry(entry)
   local lane, ready, place = string.match(entry, '^([^\t]*)\t([^\t]*)\t?([^\t]*)$')
   if place == nil or place == '' then place = ready end
@@ -42,29 +40,43 @@ local function sync_tokens(list, waiting, cap)
 end
 """
 
-# KEYS: record, result, jobs, wake, then the job's lane group (waiting, deferred, running, tags,
-#       preempt), then waiting + deferred of every lane, then running of every lane below the job's
-# ARGV: job id, record, record ttl ms, ready ms, lane, max waiting, token cap, tenant, number of lanes
+# KEYS: record, result, jobs, wake, the job's lane's tags, then its lane group (waiting, deferred,
+#       running, preempt), then waiting + deferred of every lane, then running of every lane below the job's
+# ARGV: job id, record, record ttl ms, ready ms, lane, max waiting, token cap, tenant, number of lanes,
+#       the lane's index
 # Returns 1 enqueued, 0 the id exists (a queued/running job or a kept result), -1 queue full.
-# The job's place is its fair-share tag: max(the lane's clock, its tenant's newest place) + 1 (a
-# lane with no clock yet starts at the ready time, so places stay comparable with entries written
-# before places existed). It wakes one idle worker, and when a lower lane has running jobs it also
-# leaves a preemption token for one busy worker (the worker decides; see PREEMPT).
-ENQUEUE = _ENTRY + """
+# The job's place is its fair-share tag: max(the place of the lane's next job - 1, its tenant's
+# newest place) + 1 -- a tenant with nothing waiting ties with the next job, one with a backlog
+# goes behind it -- or, in an empty lane, its ready time + 1, every tenant's newest place being
+# history then. Equal places are claimed in job id order.
+# It wakes one idle worker, and when a lower lane has running jobs it also leaves a preemption
+# token for one busy worker (the worker decides; see PREEMPT).
+ENQUEUE = """
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1
    or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
   return 0
 end
 local lanes, cap = tonumber(ARGV[9]), tonumber(ARGV[7])
-local waiting = 0
-for i = 10, 9 + 2 * lanes do waiting = waiting + redis.call('ZCARD', KEYS[i]) end
+local own = 10 + 2 * tonumber(ARGV[10])
+local waiting, in_lane = 0, 0
+for i = 10, 9 + 2 * lanes do
+  local n = redis.call('ZCARD', KEYS[i])
+  waiting = waiting + n
+  if i == own then in_lane = n end
+end
 if waiting >= tonumber(ARGV[6]) then return -1 end
-local clock, newest = unpack(redis.call('ZMSCORE', KEYS[8], CLOCK, ARGV[8]))
-local place = math.max(tonumber(clock) or tonumber(ARGV[4]), tonumber(newest) or 0) + 1
-redis.call('ZADD', KEYS[8], place, ARGV[8])
+local place
+if in_lane == 0 then
+  redis.call('DEL', KEYS[5])
+  place = tonumber(ARGV[4]) + 1
+else
+  local head = redis.call('ZRANGE', KEYS[6], 0, 0, 'WITHSCORES')
+  place = math.max(tonumber(head[2]) - 1, tonumber(redis.call('ZSCORE', KEYS[5], ARGV[8]) or 0)) + 1
+end
+redis.call('ZADD', KEYS[5], place, ARGV[8])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[5] .. '\t' .. ARGV[4] .. '\t' .. place)
-redis.call('ZADD', KEYS[5], place, ARGV[1])
+redis.call('ZADD', KEYS[6], place, ARGV[1])
 if redis.call('LLEN', KEYS[4]) < cap then redis.call('RPUSH', KEYS[4], '1') end
 for i = 10 + 2 * lanes, #KEYS do
   if redis.call('ZCARD', KEYS[i]) > 0 then
@@ -88,34 +100,28 @@ local function promote(jobs, deferred, waiting, now, limit)
 end
 """
 
-# Claims up to ``want`` jobs from the lane groups (5 keys each) that start at KEYS[first], highest
+# Claims up to ``want`` jobs from the lane groups (4 keys each) that start at KEYS[first], highest
 # lane first, lowest place first within a lane; KEYS[1] is ``jobs``, KEYS[2] ``owners``. Returns
 # the flat claim list (id, lane index counted from the first group, ready ms) and the jobs left
-# waiting per lane. A lane's clock rises to the highest place claimed; when a claim empties a
-# lane, tenants whose newest place lies below it are dropped (their entries no longer matter).
+# waiting per lane.
 _CLAIM_LANES = _PROMOTE + """
 local function claim_lanes(first, want, now, deadline, lease, promote_limit)
   local out, left, ids = {}, {}, {}
-  for i = first, #KEYS, 5 do
-    local waiting, running, tags = KEYS[i], KEYS[i + 2], KEYS[i + 3]
+  for i = first, #KEYS, 4 do
+    local waiting, running = KEYS[i], KEYS[i + 2]
     promote(KEYS[1], KEYS[i + 1], waiting, now, promote_limit)
-    local popped = {}
     if #ids < want then
-      popped = redis.call('ZPOPMIN', waiting, want - #ids)
+      local popped = redis.call('ZPOPMIN', waiting, want - #ids)
       for j = 1, #popped, 2 do
         redis.call('ZADD', running, deadline, popped[j])
         redis.call('HSET', KEYS[2], popped[j], lease)
         ids[#ids + 1] = popped[j]
         out[#out + 1] = popped[j]
-        out[#out + 1] = (i - first) / 5
+        out[#out + 1] = (i - first) / 4
         out[#out + 1] = now
       end
     end
     left[#left + 1] = redis.call('ZCARD', waiting)
-    if #popped > 0 then
-      redis.call('ZADD', tags, 'GT', popped[#popped], CLOCK)
-      if left[#left] == 0 then redis.call('ZREMRANGEBYSCORE', tags, '-inf', '(' .. popped[#popped]) end
-    end
   end
   if #ids > 0 then
     local entries = redis.call('HMGET', KEYS[1], unpack(ids))
@@ -128,8 +134,8 @@ local function claim_lanes(first, want, now, deadline, lease, promote_limit)
 end
 """
 
-# KEYS: jobs, owners, wake, then the lane group (waiting, deferred, running, tags, preempt) of every
-#       lane, highest priority first
+# KEYS: jobs, owners, wake, then the lane group (waiting, deferred, running, preempt) of every lane,
+#       highest priority first
 # ARGV: now ms, max jobs, lease ms, lease (``<worker token>#<claim number>``), token cap, promote limit
 # Returns a flat list: id, lane index (0-based), ready ms, ... for each claimed job.
 CLAIM = _CLAIM_LANES + _SYNC_TOKENS + """
@@ -159,7 +165,7 @@ if #out > 0 then
   redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
   redis.call('LPOP', KEYS[3])
 end
-for n = 1, #left do sync_tokens(KEYS[5 + 5 * n - 1], left[n], tonumber(ARGV[4])) end
+for n = 1, #left do sync_tokens(KEYS[4 + 4 * n], left[n], tonumber(ARGV[4])) end
 return out
 """
 
@@ -273,14 +279,14 @@ if redis.call('LLEN', KEYS[6]) < tonumber(ARGV[3]) then redis.call('RPUSH', KEYS
 return 1
 """
 
-# KEYS: owners, jobs, wake, then the lane group (waiting, deferred, running, tags, preempt) of every lane
+# KEYS: owners, jobs, wake, then the lane group (waiting, deferred, running, preempt) of every lane
 # ARGV: now ms, limit per lane, wake cap
 # Requeues jobs whose lease deadline passed (their worker died or stalled) at their old place in
 # line, and promotes due retries. Returns the number of jobs requeued.
 REAP = _PROMOTE + """
 local now = tonumber(ARGV[1])
 local reaped = 0
-for i = 4, #KEYS, 5 do
+for i = 4, #KEYS, 4 do
   local waiting, running = KEYS[i], KEYS[i + 2]
   promote(KEYS[2], KEYS[i + 1], waiting, now, tonumber(ARGV[2]))
   local expired = redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT', 0, ARGV[2])
