@@ -28,10 +28,10 @@ def _state(w: WorkerInfo) -> Text:
 
 
 def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
-    lanes = Table("lane", "queued", "oldest wait", "deferred", "running", title=f"queue {info.queue}")
+    lanes = Table("lane", "queued", "oldest wait", "deferred", "running", "preempted", title=f"queue {info.queue}")
     for lane in info.lanes:
         lanes.add_row(lane.lane, str(lane.queued), _age(lane.oldest_queued_age_s), str(lane.deferred),
-                      str(lane.running))
+                      str(lane.running), str(lane.preempted))
     workers = Table("worker", "model", "state", "busy / active / max slots", "KV used", "tokens/s",
                     "per stream", "memory", "degradation")
     for w in info.workers:
