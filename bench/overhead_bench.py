@@ -6,7 +6,7 @@ Model: the test suite's tiny random llama (``tests/tiny_model.py``: 2 layers, 12
 to a temporary file. Workload: S streams started together, each one request of a distinct short
 prompt generating ``TOKENS`` tokens exactly (greedy, ignore_eos); every system has S slots of
 ``CTX`` tokens. tokens/s = all generated tokens / wall time from the first request to the last
-token. Systems, side by side in one run, each in processes of its own:
+token, the mean of two rounds run in a rotated order. Systems, side by side in one run, each in processes of its own:
 
 - ``slotq-inprocess``: the engine called in-process, its defaults (``kv_layout=auto``, which
   splits here; prefix cache on);
@@ -14,7 +14,8 @@ token. Systems, side by side in one run, each in processes of its own:
 - ``slotq-redis``: a ``slotq worker`` with its defaults; the client enqueues through Redis and
   reads each job's stream;
 - ``llama-server``: llama.cpp's server, ``--parallel S -c S*CTX`` (a KV stream per slot, its
-  default with an explicit ``--parallel``), built from the llama.cpp that llama-cpp-python vendors;
+  default with an explicit ``--parallel``), built from the llama.cpp that llama-cpp-python vendors,
+  streaming (SSE) as slotq streams through Redis;
 - ``llama-server-kvu``: the same with ``-kvu`` (one unified KV buffer).
 
 A system that cannot start is skipped with one line saying why.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -50,6 +52,7 @@ STREAMS = [64, 256]
 TOKENS = 256
 CTX = 1024
 THREADS = len(os.sched_getaffinity(0)) or 1
+ROUNDS = 2          # each system measured in every round, in a rotated order; tokens/s = the mean
 SYSTEMS = ["slotq-inprocess", "slotq-inprocess-unified", "slotq-redis", "llama-server", "llama-server-kvu"]
 
 OneStream = Callable[[int], Awaitable[int]]      # stream index -> generated tokens
@@ -102,12 +105,21 @@ def _engine_streams(streams: int, tokens: int, first: int) -> float:
 
 # ----------------------------------------------------------------------------- HTTP and Redis paths
 def _http_stream(http: httpx.AsyncClient, tokens: int, first: int) -> OneStream:
+    """``POST /v1/completions`` with ``stream: true``: tokens are delivered as they are generated,
+    as slotq delivers them through Redis."""
     async def one(i: int) -> int:
-        body = {"prompt": distinct_prompt(first + i), "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-        response = await http.post("/v1/completions", json=body)
-        if response.status_code != 200:
-            raise RuntimeError(f"{http.base_url}: HTTP {response.status_code}: {response.text[:300]}")
-        return int(response.json()["usage"]["completion_tokens"])
+        body = {"prompt": distinct_prompt(first + i), "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        chunks, usage = 0, 0
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"{http.base_url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    chunks += bool(chunk.get("choices") and chunk["choices"][0].get("text"))
+                    usage = (chunk.get("usage") or {}).get("completion_tokens", usage)
+        return usage or chunks
     return one
 
 
@@ -158,13 +170,20 @@ async def _at(streams: int, tokens: int, tmp: Path, model: Path, url: str, serve
     rows: list[dict[str, Any]] = []
     base = dict(model_path=model, slots=streams, ctx=CTX, threads=THREADS)
     first = streams * 10_000            # no prompt is sent twice (llama-server keeps a prompt cache)
-    for system, layout in (("slotq-inprocess", KVLayout.AUTO), ("slotq-inprocess-unified", KVLayout.UNIFIED)):
-        progress(f"{streams} streams: {system}")
-        process = IsolatedProcess(_start_engine, EngineConfig(kv_layout=layout, **base))
-        try:
+    processes = {system: IsolatedProcess(_start_engine, EngineConfig(kv_layout=layout, **base))
+                 for system, layout in (("slotq-inprocess", KVLayout.AUTO),
+                                        ("slotq-inprocess-unified", KVLayout.UNIFIED))}
+    try:
+        rates: dict[str, list[float]] = {system: [] for system in processes}
+        for system, process in processes.items():
             process.call(_engine_streams, 1, 4, first - 1)
-            rows.append(_row(system, streams, process.call(_engine_streams, streams, tokens, first)))
-        finally:
+        for r in range(ROUNDS):
+            for system in _rotated(list(processes), r):
+                progress(f"{streams} streams, round {r + 1}/{ROUNDS}: {system}")
+                rates[system].append(processes[system].call(_engine_streams, streams, tokens, first + r * streams))
+        rows += [_row(system, streams, values) for system, values in rates.items()]
+    finally:
+        for process in processes.values():
             process.close()
     children: dict[str, ChildProcess] = {}
     env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(streams),
@@ -202,10 +221,14 @@ async def _measure_children(streams: int, tokens: int, first: int, url: str,
         for system, http in https.items():
             await _wait_http(http, "/health", lambda r: r.status_code == 200)
             paths[system] = lambda f, http=http: _http_stream(http, tokens, f)   # type: ignore[misc]
+        rates: dict[str, list[float]] = {system: [] for system in paths}
         for system, make in paths.items():
-            progress(f"{streams} streams: {system}")
             await make(first - 2)(0)                                     # warm-up, not measured
-            rows.append(_row(system, streams, await all_streams(make(first), streams)))
+        for r in range(ROUNDS):
+            for system in _rotated(list(paths), r):
+                progress(f"{streams} streams, round {r + 1}/{ROUNDS}: {system}")
+                rates[system].append(await all_streams(paths[system](first + r * streams), streams))
+        rows += [_row(system, streams, values) for system, values in rates.items()]
     finally:
         for http in https.values():
             await http.aclose()
@@ -213,8 +236,15 @@ async def _measure_children(streams: int, tokens: int, first: int, url: str,
     return rows
 
 
-def _row(system: str, streams: int, tokens_per_s: float) -> dict[str, Any]:
-    return {"system": system, "streams": streams, "tokens_per_s": round(tokens_per_s, 1)}
+def _rotated(systems: list[str], r: int) -> list[str]:
+    """Round r starts at another system, so drift on a shared machine hits every one alike."""
+    return systems[r % len(systems):] + systems[:r % len(systems)]
+
+
+def _row(system: str, streams: int, rates: list[float]) -> dict[str, Any]:
+    """tokens/s is the mean of the rounds; the rounds themselves are kept."""
+    return {"system": system, "streams": streams, "tokens_per_s": round(sum(rates) / len(rates), 1),
+            "rounds": [round(rate, 1) for rate in rates]}
 
 
 def _table(results: list[dict[str, Any]], streams_list: list[int], skipped: dict[str, str]) -> str:
