@@ -22,11 +22,11 @@ from redis.asyncio import Redis
 from engine import ErrorInfo, FinishReason
 from jobs import dead_letters
 from jobs.connection import connect
-from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, RedisUnavailable, StreamGone
+from jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, QuotaExceeded, RedisUnavailable, StreamGone
 from jobs.keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key
 from jobs.payload import decode_payload, encode_payload
 from jobs.queue.keys import result_key, retry_counter_key
-from jobs.queue.redis_queue import Enqueued, RedisQueue
+from jobs.queue.redis_queue import TOKENS_WINDOW_MS, Enqueued, RedisQueue
 from jobs.schemas import (EntryKind, JobRequest, JobResult, JobStatus, LaneInfo, QueueInfo, StreamEntry,
                           WorkerInfo, tenant_job_id)
 from jobs.serialization import deserialize, serialize
@@ -34,7 +34,8 @@ from jobs.settings import ClientSettings
 from jobs.stream import StreamWriter, is_final
 from jobs.stream_reader import StreamReader
 
-__all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "SlotqClient", "StreamGone"]
+__all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "QuotaExceeded", "SlotqClient",
+           "StreamGone"]
 
 WORKERS_RECENT_S = 120.0  # the worker index is read this far back (heartbeats come every few seconds)
 WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
@@ -115,8 +116,9 @@ class SlotqClient:
         conversation mode). For a raw completion prompt pass ``JobRequest(prompt=...)``.
 
         Raises pydantic.ValidationError (field named), JobRejected (an unknown lane, or a limit the
-        workers of this queue advertise, e.g. max_tokens beyond their context) or QueueFull;
-        nothing is queued then. One enqueue wakes at most one idle worker.
+        workers of this queue advertise, e.g. max_tokens beyond their context), QueueFull or
+        QuotaExceeded (the request's tenant is at a ``SLOTQ_TENANT_*`` quota); nothing is queued
+        then. One enqueue wakes at most one idle worker.
         """
         if isinstance(request, str):
             if "messages" in fields:
@@ -131,13 +133,33 @@ class SlotqClient:
         job_id = tenant_job_id(request.tenant, request.idempotency_key or uuid.uuid4().hex)
         outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
                                            tenant=request.tenant, max_waiting=self.settings.max_queue_length,
-                                           serializer=serialize)
+                                           serializer=serialize, quotas=self.settings.tenant_quotas(),
+                                           tokens=request.quota_tokens())
         if outcome == Enqueued.FULL:
             counts = await self.queue.counts()
             raise QueueFull(sum(c.waiting + c.deferred for c in counts), self.settings.max_queue_length)
+        if outcome in _QUOTA_REFUSALS:
+            raise self._quota_exceeded(outcome, request)
         if self.settings.redis_wait_replicas:
             await self._wait_replicas(job_id)
         return JobHandle(self, job_id, created=outcome == Enqueued.CREATED)
+
+    def _quota_exceeded(self, outcome: Enqueued, request: JobRequest) -> QuotaExceeded:
+        """The refusal of a tenant's quota, saying which limit and when to try again: the tokens
+        quota frees at the next minute of the clock; a waiting or in-flight place when one of the
+        tenant's jobs starts or ends, which no one can foresee (``retry_after_s`` None)."""
+        tenant, s = request.tenant, self.settings
+        if outcome == Enqueued.TENANT_TOKENS:
+            window_s = TOKENS_WINDOW_MS / 1000
+            return QuotaExceeded(
+                f"tenant {tenant!r} has used its {s.tenant_tokens_per_min} tokens this minute "
+                f"(SLOTQ_TENANT_TOKENS_PER_MIN); this request reserves {request.quota_tokens()} (prompt characters / 4 "
+                "+ max_tokens x n)", tenant=tenant, quota="tokens", retry_after_s=window_s - time.time() % window_s)
+        if outcome == Enqueued.TENANT_WAITING:
+            return QuotaExceeded(f"tenant {tenant!r} already has {s.tenant_max_waiting} jobs waiting to start "
+                                 "(SLOTQ_TENANT_MAX_WAITING)", tenant=tenant, quota="waiting", retry_after_s=None)
+        return QuotaExceeded(f"tenant {tenant!r} already has {s.tenant_max_in_flight} jobs waiting or running "
+                             "(SLOTQ_TENANT_MAX_IN_FLIGHT)", tenant=tenant, quota="in_flight", retry_after_s=None)
 
     async def _wait_replicas(self, job_id: str) -> None:
         """Redis replicates asynchronously: a failover right after an enqueue could lose the job.
@@ -296,7 +318,7 @@ class SlotqClient:
                 f"max_tokens is {request.max_tokens}; the workers of queue {self.settings.queue_name!r} have a "
                 f"per-sequence context of {ctx} tokens, which must hold the prompt and max_tokens",
                 field="max_tokens")
-        chars = len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())
+        chars = request.prompt_chars()
         limit = int(ctx * self.settings.max_prompt_chars_per_token)
         if chars > limit:
             raise JobRejected(
@@ -337,6 +359,9 @@ class SlotqClient:
             interrupted_attempts=outcomes.interrupted,
             failed_attempts=outcomes.failed,
         )
+
+
+_QUOTA_REFUSALS = frozenset({Enqueued.TENANT_WAITING, Enqueued.TENANT_IN_FLIGHT, Enqueued.TENANT_TOKENS})
 
 
 def _to_job_result(job_id: str, success: bool, raw: Any, attempts: int) -> JobResult:

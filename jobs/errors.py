@@ -24,6 +24,18 @@ class QueueFull(SlotqError):
         self.limit = limit
 
 
+class QuotaExceeded(SlotqError):
+    """A tenant's quota (``SLOTQ_TENANT_*``) refused the job; nothing was enqueued. ``quota`` is
+    ``waiting``, ``in_flight`` or ``tokens``. Retry after ``retry_after_s`` (the tokens quota's next
+    minute), or once one of the tenant's jobs starts or ends (None). HTTP 429."""
+
+    def __init__(self, message: str, *, tenant: str, quota: str, retry_after_s: float | None) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.quota = quota
+        self.retry_after_s = retry_after_s
+
+
 class JobRejected(SlotqError, ValueError):
     """The request cannot run on the workers that serve this queue; nothing was enqueued.
     ``field`` names the offending request field."""

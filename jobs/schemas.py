@@ -16,6 +16,7 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,200}$")
 
 TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 _TENANT_MARK = "@"       # never in an idempotency key or a tenant name, so a scoped id splits one way only
+QUOTA_CHARS_PER_TOKEN = 4   # a prompt's tokens as the tokens quota counts them: its characters / 4
 
 
 def tenant_job_id(tenant: str, key: str) -> str:
@@ -25,10 +26,15 @@ def tenant_job_id(tenant: str, key: str) -> str:
     return key if tenant == DEFAULT_TENANT else f"{key}{_TENANT_MARK}{tenant}"
 
 
+def split_job_id(job_id: str) -> tuple[str, str]:
+    """(key, tenant) of a job id: the inverse of :func:`tenant_job_id`."""
+    key, mark, tenant = job_id.rpartition(_TENANT_MARK)
+    return (key, tenant) if mark else (job_id, DEFAULT_TENANT)
+
+
 def tenant_of_job(job_id: str) -> str:
     """The tenant whose job this is, read from its id (see :func:`tenant_job_id`)."""
-    _key, mark, tenant = job_id.rpartition(_TENANT_MARK)
-    return tenant if mark else DEFAULT_TENANT
+    return split_job_id(job_id)[1]
 
 
 class JobRequest(GenerationParams):
@@ -66,6 +72,17 @@ class JobRequest(GenerationParams):
     def job_id(self) -> str | None:
         """The job id this request's idempotency key maps to (None without a key)."""
         return None if self.idempotency_key is None else tenant_job_id(self.tenant, self.idempotency_key)
+
+    def prompt_chars(self) -> int:
+        """The characters of the prompt, or of every message's content."""
+        return len(self.prompt or "") + sum(len(m.content) for m in self.messages or ())
+
+    def quota_tokens(self) -> int:
+        """What the job reserves of its tenant's tokens per minute when it is admitted: its prompt
+        (characters / QUOTA_CHARS_PER_TOKEN: only a worker has the tokenizer, and the quota must be
+        decided before the job is queued) plus every token it may generate (max_tokens x n). It is
+        not refunded when the job stops early, so a tenant can never exceed the quota."""
+        return -(-self.prompt_chars() // QUOTA_CHARS_PER_TOKEN) + self.max_tokens * self.n
 
 
 class JobStatus(StrEnum):

@@ -19,13 +19,16 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 
 from engine import EngineConfig, EngineKnobs, resolve_model_path
 from jobs.elastic.knobs import ElasticKnobs
+
+if TYPE_CHECKING:
+    from jobs.queue.redis_queue import TenantQuotas
 
 DOTENV = ".env"
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[Ff](?:16|32)|BF16|bf16)$")
@@ -58,6 +61,15 @@ class ClientSettings(BaseSettings):
         description="priority lanes of the queue, highest first, comma-separated; a worker claims from a lower "
                     "lane only when the higher ones are empty (producers and workers must agree)")
     max_queue_length: int = Field(10_000, ge=1, description="enqueue raises QueueFull beyond this many waiting jobs")
+    tenant_max_waiting: int | None = Field(
+        None, ge=1, description="quota of each tenant: its jobs waiting to start (queued or deferred); enqueue raises "
+                                "QuotaExceeded (the gateway: 429) beyond it; unset = no limit")
+    tenant_max_in_flight: int | None = Field(
+        None, ge=1, description="quota of each tenant: its jobs waiting or running (a job counts from enqueue to its "
+                                "end, so no more than this many run at once); unset = no limit")
+    tenant_tokens_per_min: int | None = Field(
+        None, ge=1, description="quota of each tenant: tokens its jobs reserve per minute of the clock (prompt "
+                                "characters / 4 + max_tokens x n, at enqueue); unset = no limit")
     max_prompt_chars_per_token: float = Field(
         16.0, ge=1, le=1000, description="enqueue refuses a prompt longer than the largest advertised context times "
                                          "this many characters (no tokenizer packs more into one token in practice)")
@@ -65,6 +77,13 @@ class ClientSettings(BaseSettings):
     stream_ttl_s: int = Field(3600, ge=1, description="how long a job's output stream lives after its final event")
     stream_maxlen: int = Field(100_000, ge=100, description="cap on entries per output stream")
     log_level: str = Field("INFO", description="log level of slotq commands (DEBUG, INFO, WARNING, ...)")
+
+    def tenant_quotas(self) -> TenantQuotas:
+        """The quotas every producer with these settings applies to each tenant's enqueues."""
+        from jobs.queue.redis_queue import TenantQuotas
+
+        return TenantQuotas(max_waiting=self.tenant_max_waiting, max_in_flight=self.tenant_max_in_flight,
+                            tokens_per_min=self.tenant_tokens_per_min)
 
     @field_validator("lanes", mode="before")
     @classmethod

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from jobs.queue.keys import ABORTS, QueueKeys, job_record_key, retry_counter_key
-from jobs.queue.redis_queue import AttemptOutcomes, Enqueued, RedisQueue
+from jobs.queue.redis_queue import NO_QUOTAS, AttemptOutcomes, Enqueued, RedisQueue, TenantQuotas
 from jobs.serialization import serialize
 from jobs_fixtures import *  # noqa: F401,F403  (fixtures)
 
@@ -33,9 +33,9 @@ def queue(redis) -> RedisQueue:
 
 
 async def put(queue: RedisQueue, job_id: str, lane: str = "interactive", max_waiting: int | None = None,
-              tenant: str = "default") -> Enqueued:
+              tenant: str = "default", quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0) -> Enqueued:
     return await queue.enqueue(job_id, "generate", {"prompt": job_id}, lane=lane, tenant=tenant,
-                               max_waiting=max_waiting, serializer=serialize)
+                               max_waiting=max_waiting, serializer=serialize, quotas=quotas, tokens=tokens)
 
 
 async def test_claim_takes_higher_lanes_first_then_oldest(queue):
@@ -247,6 +247,83 @@ async def test_a_tenants_backlog_does_not_delay_another_tenants_job(queue):
     assert await queue.hand_back(next_a)                         # back to its place, ahead of A's later jobs
     rest = [j.id for j in await queue.claim(1000, "w3", LEASE_MS)]
     assert a_jobs + rest == [f"a-{i:04d}" for i in range(1000)]   # FIFO within the tenant, nothing lost
+
+
+# ---------------------------------------------------------------------- tenants' counts and quotas
+async def counts_of(queue: RedisQueue, tenant: str) -> tuple[int, int]:
+    counts = await queue.tenant_counts(tenant)
+    return counts.waiting, counts.running
+
+
+async def test_a_tenants_counts_follow_its_jobs_through_every_move_and_return_to_zero(queue, redis):
+    """Waiting and running per tenant move in the script that moves the job: enqueue, claim,
+    preempt claim, retry later (deferred counts as waiting), hand back, reap, finish and cancel.
+    Another tenant's counts never move, and nothing is left behind once the jobs are gone."""
+    for i in range(4):
+        await put(queue, f"a-{i}", "bulk", tenant="A")
+    await put(queue, "b-0", "bulk", tenant="B")
+    assert await counts_of(queue, "A") == (4, 0) and await counts_of(queue, "B") == (1, 0)
+    running = {j.id: j for j in await queue.claim(3, "w1", LEASE_MS)}       # a-0, b-0 and a-1 (fair share)
+    assert set(running) == {"a-0", "b-0", "a-1"}
+    assert await counts_of(queue, "A") == (2, 2) and await counts_of(queue, "B") == (0, 1)
+    assert await queue.hand_back(running.pop("a-0"))
+    assert await counts_of(queue, "A") == (3, 1)
+    assert await queue.retry_later(running.pop("a-1"), int(time.time() * 1000) + 60_000)
+    assert await counts_of(queue, "A") == (4, 0)
+    [stalled] = await queue.claim(1, "dead-worker", lease_ms=50)
+    assert stalled.id == "a-0" and await counts_of(queue, "A") == (3, 1)
+    await asyncio.sleep(0.1)
+    assert await queue.reap() == 1
+    assert await counts_of(queue, "A") == (4, 0)
+    await put(queue, "chat-a", tenant="A")                                  # a higher lane, while bulk runs
+    preempting = await queue.preempt("bulk", "w1", LEASE_MS)
+    assert preempting is not None and preempting.id == "chat-a" and await counts_of(queue, "A") == (4, 1)
+    assert await queue.finish(preempting, b"done", 60_000)
+    assert await queue.finish(running.pop("b-0"), b"done", 60_000)
+    assert await counts_of(queue, "A") == (4, 0) and await counts_of(queue, "B") == (0, 0)
+    assert await queue.cancel("a-1") == 1                                   # deferred
+    for job in await queue.claim(10, "w2", LEASE_MS):
+        if job.id == "a-2":
+            assert await queue.cancel(job.id) == -1                         # running: its FINISH ends it
+        assert await queue.finish(job, b"done", 60_000)
+    assert await counts_of(queue, "A") == (0, 0)
+    assert await redis.hlen(queue.keys.tenant_waiting) == 0 and await redis.hlen(queue.keys.tenant_running) == 0
+
+
+async def test_a_tenants_quotas_refuse_its_enqueues_and_no_one_elses(queue):
+    waiting = TenantQuotas(max_waiting=2)
+    assert [await put(queue, f"a-{i}", tenant="A", quotas=waiting) for i in range(3)] == [
+        Enqueued.CREATED, Enqueued.CREATED, Enqueued.TENANT_WAITING]
+    assert await put(queue, "b-0", tenant="B", quotas=waiting) == Enqueued.CREATED
+    assert await put(queue, "a-0", tenant="A", quotas=waiting) == Enqueued.EXISTS   # its own job: no new place
+    in_flight = TenantQuotas(max_in_flight=3)
+    await queue.claim(2, "w1", LEASE_MS)                                    # a-0 and b-0 run: A has 1 + 1
+    assert await put(queue, "a-2", tenant="A", quotas=in_flight) == Enqueued.CREATED
+    assert await put(queue, "a-3", tenant="A", quotas=in_flight) == Enqueued.TENANT_IN_FLIGHT
+    assert await put(queue, "a-3", tenant="A", quotas=waiting) == Enqueued.TENANT_WAITING
+    assert await put(queue, "b-1", tenant="B", quotas=in_flight) == Enqueued.CREATED
+    # tokens per minute: a minute admits jobs up to the quota, or one larger job alone. Whichever
+    # minute each enqueue falls in, three in a row cross at most one minute, so one is refused.
+    tokens = TenantQuotas(tokens_per_min=100)
+    assert await put(queue, "t-0", tenant="T", quotas=tokens, tokens=60) == Enqueued.CREATED
+    assert await put(queue, "t-1", tenant="T", quotas=tokens, tokens=40) == Enqueued.CREATED
+    assert Enqueued.TENANT_TOKENS in [await put(queue, f"t-{i}", tenant="T", quotas=tokens, tokens=1)
+                                      for i in range(2, 5)]
+    assert await put(queue, "u-0", tenant="U", quotas=tokens, tokens=150) == Enqueued.CREATED
+    assert Enqueued.TENANT_TOKENS in [await put(queue, f"u-{i}", tenant="U", quotas=tokens, tokens=150)
+                                      for i in range(1, 4)]
+
+
+async def test_two_enqueues_never_both_take_a_tenants_last_place(queue, redis_url):
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(8)]
+    try:
+        producers = [RedisQueue(c, "test:q", ["interactive", "bulk"]) for c in clients]
+        outcomes = await asyncio.gather(*(put(p, f"a-{i}", tenant="A", quotas=TenantQuotas(max_in_flight=3))
+                                          for i, p in enumerate(producers * 4)))
+    finally:
+        for c in clients:
+            await c.aclose()
+    assert outcomes.count(Enqueued.CREATED) == 3 and await counts_of(queue, "A") == (3, 0)
 
 
 # ---------------------------------------------------------------------- preemption across lanes

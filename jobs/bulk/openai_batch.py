@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine import ErrorInfo, FinishReason
-from jobs.schemas import JobRequest, JobResult
+from jobs.schemas import JobRequest, JobResult, split_job_id
 
 
 class Endpoint(StrEnum):
@@ -170,8 +170,8 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 
 
 def request_id(job_id: str) -> str:
-    """OpenAI's ``batch_req_...`` id of a line's output (the job id without the colons)."""
-    return "batch_req_" + job_id.replace("bulk:", "", 1).replace(":", "_")
+    """OpenAI's ``batch_req_...`` id of a line's output (the job id without the colons and its tenant)."""
+    return "batch_req_" + split_job_id(job_id)[0].replace("bulk:", "", 1).replace(":", "_")
 
 
 def output_record(custom_id: str, job_id: str, endpoint: Endpoint, model: str, result: JobResult) -> dict[str, Any]:

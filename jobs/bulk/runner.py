@@ -41,9 +41,9 @@ from jobs.bulk.openai_batch import Endpoint
 from jobs.bulk.output import ResultSink
 from jobs.bulk.source import InputScan, LineSource
 from jobs.client import SlotqClient
-from jobs.errors import JobRejected, QueueFull, RedisUnavailable
-from jobs.queue.keys import LANE_RE
-from jobs.schemas import JobResult, JobStatus
+from jobs.errors import JobRejected, QueueFull, QuotaExceeded, RedisUnavailable
+from jobs.queue.keys import DEFAULT_TENANT, LANE_RE
+from jobs.schemas import TENANT_PATTERN, JobResult, JobStatus, split_job_id, tenant_job_id
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,9 @@ class BulkOptions(BaseModel):
         "lines in Redis at once (queued, running or finished and not yet written); keep it above the fleet's "
         "slots, twice is plenty, so every idle slot finds a bulk job"))
     lane: str = Field("bulk", pattern=LANE_RE.pattern, description="the queue lane the lines go to (SLOTQ_LANES)")
+    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN, description=(
+        "the tenant every line runs as (the gateway's Batch API: the batch's), so its fair share and quotas apply; "
+        "a line naming another tenant is refused"))
     poll_s: float = Field(0.05, gt=0, le=10, description="how often finished jobs are collected")
     commit_s: float = Field(0.5, gt=0, le=60, description="how often written lines are fsynced and removed from Redis")
     endpoint: Endpoint | None = Field(None, description=(
@@ -224,7 +227,7 @@ class BulkRun:
                 self._window.release()
                 await self._leave(scan, number, raw)
                 break
-            job_id = identity.job_id(scan.identity, number)
+            job_id = self._job_id(scan, number)
             try:
                 await self._enqueue(line, job_id)
             except JobRejected as exc:
@@ -241,7 +244,7 @@ class BulkRun:
         queued for it, and, when the cancel has a reason, record the line with it."""
         if not self._cancelling or self.sink.is_done(number):
             return
-        self._leftovers.append(identity.job_id(scan.identity, number))
+        self._leftovers.append(self._job_id(scan, number))
         if len(self._leftovers) >= LEFTOVER_BATCH:
             await self._cancel_leftovers()
         if self._cancel_reason is None:
@@ -261,8 +264,15 @@ class BulkRun:
             if here:
                 await self._patiently(lambda job_id=job_id: self.client.cancel(job_id))
 
+    def _job_id(self, scan: InputScan, number: int) -> str:
+        """The queue's id of a line's job: the line's bulk id, scoped to the run's tenant."""
+        return tenant_job_id(self.options.tenant, identity.job_id(scan.identity, number))
+
     def _check_expected(self, line: BulkLine) -> None:
-        endpoint, model = self.options.endpoint, self.options.model
+        endpoint, model, tenant = self.options.endpoint, self.options.model, self.options.tenant
+        if "tenant" in line.request.model_fields_set and line.request.tenant != tenant:
+            raise LineError("invalid_request", f"tenant: this run's lines run as tenant {tenant!r} (got "
+                            f"{line.request.tenant!r})", format=line.format, key=line.key)
         if endpoint is not None and line.endpoint != endpoint:
             got = f"url {line.endpoint.value!r}" if line.endpoint else "a slotq request"
             raise LineError("invalid_request", f"url: this batch runs {endpoint.value} lines (got {got})",
@@ -283,13 +293,16 @@ class BulkRun:
 
     async def _enqueue(self, line: BulkLine, job_id: str) -> None:
         """Enqueue under the line's job id; an existing job of that id (an earlier run's) is adopted."""
-        request = line.request.model_copy(update={"idempotency_key": job_id})
+        key, tenant = split_job_id(job_id)
+        request = line.request.model_copy(update={"idempotency_key": key, "tenant": tenant})
         while True:
             try:
                 await self._patiently(lambda: self.client.enqueue(request))
                 break
             except QueueFull:
                 await asyncio.sleep(1.0)        # other producers filled the queue: wait for room
+            except QuotaExceeded as exc:        # the tenant is at a quota: wait until it has room again
+                await asyncio.sleep(exc.retry_after_s or 1.0)
         self._inflight[job_id] = _InFlight(line, job_id)
 
     async def _rejected_written(self) -> None:

@@ -160,7 +160,7 @@ class _BatchRun:
         assert batch.queue is not None
         files = self.driver.files
         options = BulkOptions(window=self.driver.gateway.settings.gateway_batch_window, endpoint=batch.endpoint,
-                              model=batch.model)
+                              model=batch.model, tenant=batch.tenant)
         client = self.driver.gateway.queue(batch.queue)
         async with open_bulk(client, files.path(batch.input_file_id), files.path(output_file_id(batch.id)),
                              errors=files.path(error_file_id(batch.id)), options=options, observer=self) as bulk:

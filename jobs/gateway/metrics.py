@@ -29,6 +29,15 @@ REQUEST_SECONDS = Histogram("slotq_gateway_request_duration_seconds", "Request s
 STREAMS_ACTIVE = Gauge("slotq_gateway_streams_active", "SSE responses being served now", registry=REGISTRY)
 DISCONNECT_CANCELS = Counter("slotq_gateway_disconnect_cancels", "Jobs cancelled because their client disconnected",
                              registry=REGISTRY)
+# Per tenant: tenants come from the configured keys, so the label set stays as small as the key list.
+TENANT_JOBS = Counter("slotq_gateway_tenant_jobs", "Jobs created through the API, by tenant", ["tenant"],
+                      registry=REGISTRY)
+TENANT_TOKENS = Counter("slotq_gateway_tenant_reserved_tokens",
+                        "Tokens the tenant's new jobs reserved (what SLOTQ_TENANT_TOKENS_PER_MIN counts), by tenant",
+                        ["tenant"], registry=REGISTRY)
+QUOTA_REFUSALS = Counter("slotq_gateway_quota_refusals",
+                         "Requests refused with 429 by a tenant's quota, by tenant and quota (waiting, in_flight, tokens)",
+                         ["tenant", "quota"], registry=REGISTRY)
 
 
 class MetricsMiddleware:

@@ -14,13 +14,14 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel
 
-from jobs.client import JobHandle, JobRejected, QueueFull, SlotqClient
+from jobs.client import JobHandle, JobRejected, QueueFull, QuotaExceeded, SlotqClient
 from jobs.gateway import metrics
 from jobs.gateway.errors import ApiError, public_param
 from jobs.gateway.routing import ModelRouter
@@ -90,6 +91,12 @@ class Gateway:
         except QueueFull as exc:
             raise ApiError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
                            headers={"Retry-After": str(self.settings.gateway_retry_after_s)}) from None
+        except QuotaExceeded as exc:
+            metrics.QUOTA_REFUSALS.labels(tenant=exc.tenant, quota=exc.quota).inc()
+            raise self.quota_error(exc) from None
+        if handle.created:
+            metrics.TENANT_JOBS.labels(tenant=job.tenant).inc()
+            metrics.TENANT_TOKENS.labels(tenant=job.tenant).inc(job.quota_tokens())
         record = JobRecord(queue=route.queue, model=model, kind=kind, created=int(time.time()),
                            fingerprint=fingerprint(job))
         key = job_record_key(handle.id)
@@ -105,6 +112,14 @@ class Gateway:
                                code="idempotency_key_reused")
             record = earlier
         return JobHandle(self.queue(record.queue), handle.id, created=handle.created), record
+
+    def quota_error(self, exc: QuotaExceeded) -> ApiError:
+        """A tenant's quota refusal as OpenAI's rate limit answer: 429, its ``type`` ``tokens`` or
+        ``requests``, and Retry-After (the tokens quota's next minute, else SLOTQ_GATEWAY_RETRY_AFTER_S)."""
+        retry_after = (self.settings.gateway_retry_after_s if exc.retry_after_s is None
+                       else max(1, math.ceil(exc.retry_after_s)))
+        return ApiError(429, str(exc), type="tokens" if exc.quota == "tokens" else "requests",
+                        code=f"tenant_{exc.quota}_quota_exceeded", headers={"Retry-After": str(retry_after)})
 
     async def find(self, tenant: str, job_id: str) -> tuple[str, SlotqClient, JobRecord | None]:
         """The full id of the tenant's job that ``job_id`` names and the client for its queue (the

@@ -75,7 +75,8 @@ class GatewaySettings(ClientSettings):
     gateway_keep_on_disconnect: bool = Field(
         False, description="default for requests that do not say: keep a job running when its streaming client leaves")
     gateway_keepalive_s: float = Field(5.0, gt=0, le=60, description="SSE comment sent when a stream is quiet this long")
-    gateway_retry_after_s: int = Field(2, ge=1, description="Retry-After of a 429 when the queue is full")
+    gateway_retry_after_s: int = Field(2, ge=1, description="Retry-After of a 429 when the queue is full, or a "
+                                                               "tenant's waiting or in-flight quota is reached")
     gateway_routing_ttl_s: float = Field(1.0, gt=0, le=60, description="how long the model -> queue map from heartbeats is reused")
     gateway_model_memory_s: int = Field(
         86_400, ge=0, description="a model seen this recently but with no live worker is a 503, not a 404")

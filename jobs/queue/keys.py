@@ -6,10 +6,13 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:waiting:L``                   ZSET    job id -> place in line (its fair-share tag); claimed lowest first
 ``Q:deferred:L``                  ZSET    job id -> run-at time (ms) of a retry waiting out its backoff
 ``Q:running:L``                   ZSET    job id -> lease deadline (ms); the reaper requeues expired ones
-``Q:jobs``                        HASH    job id -> ``lane<TAB>ready ms<TAB>place`` for every job in the queue
+``Q:jobs``                        HASH    job id -> ``lane<TAB>ready ms<TAB>place<TAB>tenant`` for every job in the queue
 ``Q:tags:L``                      ZSET    tenant -> place of its newest job in lane L (dropped when L runs dry)
 ``Q:preempt:L``                   LIST    one token per job of lane L that waits while a lower lane runs (capped)
 ``Q:preemptions``                 HASH    lane -> jobs of that lane that yielded their slot to a higher lane
+``Q:tenant_waiting``              HASH    tenant -> its jobs waiting or deferred (only tenants with some)
+``Q:tenant_running``              HASH    tenant -> its jobs running (only tenants with some)
+``Q:tenant_tokens``               HASH    tenant -> ``minute<TAB>tokens`` admitted in that minute (the tokens quota)
 ``Q:owners``                      HASH    job id -> lease of the attempt running it (``<worker token>#<claim number>``)
 ``Q:progress``                    HASH    job id -> ``accounted<TAB>started<TAB>tokens<TAB>interruptions`` (see below)
 ``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
@@ -27,7 +30,12 @@ time + 1 in an empty lane. Within a tenant, places follow enqueue order; a tenan
 waiting ties with the lane's next job (equal places go in job id order), however many jobs other
 tenants have queued. A job handed
 back, reaped or promoted after its retry backoff keeps its place. An entry of ``Q:jobs`` written
-before places existed (``lane<TAB>ready ms``) has its ready time as its place.
+before places existed (``lane<TAB>ready ms``) has its ready time as its place, and one written
+before tenants were counted belongs to the default tenant.
+
+The per-tenant counts move in the same script that moves the job (enqueue, claim, preempt, retry,
+hand-back, reap, finish, cancel), so they are exact and reading one is O(1); ENQUEUE checks a
+tenant's quotas against them (:class:`jobs.queue.redis_queue.TenantQuotas`).
 
 ``Q:progress`` is how a lost attempt is told from a failed one (:mod:`jobs.queue.scripts`,
 ``START_ATTEMPT``): attempts up to ``accounted`` have been judged; attempt ``started`` began with
@@ -35,7 +43,7 @@ before places existed (``lane<TAB>ready ms``) has its ready time as its place.
 delivering new tokens, and so spent no try.
 
 Counts are O(1): ZCARD of a lane's sets, HLEN of ``Q:jobs`` (everything not finished, the demand
-KEDA scales on). This module is the only place that knows arq's key names.
+KEDA scales on), HGET of a tenant's counts. This module is the only place that knows arq's key names.
 """
 
 from __future__ import annotations
@@ -100,6 +108,18 @@ class QueueKeys:
     @property
     def jobs(self) -> str:
         return f"{self.queue}:jobs"
+
+    @property
+    def tenant_waiting(self) -> str:
+        return f"{self.queue}:tenant_waiting"
+
+    @property
+    def tenant_running(self) -> str:
+        return f"{self.queue}:tenant_running"
+
+    @property
+    def tenant_tokens(self) -> str:
+        return f"{self.queue}:tenant_tokens"
 
     @property
     def owners(self) -> str:

@@ -30,12 +30,40 @@ WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at m
 PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
 REAP_LIMIT = 100               # expired leases requeued per lane per reap
 RECORD_TTL_MS = 7 * 86_400_000  # a job not claimed within a week expires (arq fails it as "job expired")
+TOKENS_WINDOW_MS = 60_000       # the tokens quota's window: a fixed minute of the clock
 
 
 class Enqueued(Enum):
     CREATED = 1
     EXISTS = 0        # the id is taken: a job still in the queue, or a kept result (idempotency)
     FULL = -1
+    TENANT_WAITING = -2     # refused by a tenant's quota: jobs waiting,
+    TENANT_IN_FLIGHT = -3   # jobs waiting or running,
+    TENANT_TOKENS = -4      # tokens admitted this minute
+
+
+@dataclass(frozen=True)
+class TenantQuotas:
+    """What one tenant may hold of the queue, checked by ENQUEUE in the step that counts the job,
+    so two enqueues can never both take a tenant's last place (None: no limit).
+
+    ``max_waiting``: its jobs waiting or deferred. ``max_in_flight``: its jobs waiting or running --
+    a job counts from its enqueue, so no more than this many ever run at once. ``tokens_per_min``:
+    the tokens its jobs may reserve per minute of the clock (what a job reserves is the producer's
+    choice, see :meth:`jobs.schemas.JobRequest.quota_tokens`)."""
+
+    max_waiting: int | None = None
+    max_in_flight: int | None = None
+    tokens_per_min: int | None = None
+
+
+NO_QUOTAS = TenantQuotas()
+
+
+@dataclass(frozen=True)
+class TenantCounts:
+    waiting: int        # waiting or deferred
+    running: int
 
 
 @dataclass(frozen=True)
@@ -110,22 +138,34 @@ class RedisQueue:
 
     # ------------------------------------------------------------------ producers
     async def enqueue(self, job_id: str, function: str, payload: dict[str, Any], *, lane: str,
-                      tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Any) -> Enqueued:
+                      tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Any,
+                      quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0) -> Enqueued:
         """Write the job record (arq's format) and put the job in its lane at its tenant's fair
         place (round-robin across tenants, see keys.py); wake one idle worker, and leave a
         preemption token when a lower lane has running jobs. FULL when ``max_waiting`` jobs
-        already wait (None: no limit)."""
+        already wait (None: no limit); TENANT_* when the tenant's ``quotas`` refuse it, ``tokens``
+        being what the job reserves of its tenant's tokens per minute."""
         now_ms = int(time.time() * 1000)
         record = serialize_job(function, (payload,), {}, None, now_ms, serializer=serializer)
         k = self.keys
         counted = [key for lane_ in k.lanes for key in (k.waiting(lane_), k.deferred(lane_))]
         below = [k.running(lane_) for lane_ in k.lanes[k.lanes.index(lane) + 1:]]
+        limits = ["" if limit is None else limit
+                  for limit in (quotas.max_waiting, quotas.max_in_flight, quotas.tokens_per_min)]
         code = await self._scripts["ENQUEUE"](
-            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, k.tags(lane), *k.lane_group(lane),
-                  *counted, *below],
+            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, k.tags(lane), k.tenant_waiting,
+                  k.tenant_running, k.tenant_tokens, *k.lane_group(lane), *counted, *below],
             args=[job_id, record, RECORD_TTL_MS, now_ms, lane, max_waiting if max_waiting is not None else 2**53,
-                  WAKE_CAP, tenant, len(k.lanes), k.lanes.index(lane)])
+                  WAKE_CAP, tenant, len(k.lanes), k.lanes.index(lane), *limits, tokens, now_ms // TOKENS_WINDOW_MS])
         return Enqueued(int(code))
+
+    async def tenant_counts(self, tenant: str) -> TenantCounts:
+        """The tenant's jobs waiting (or deferred) and running: O(1), one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.tenant_waiting, tenant)
+            pipe.hget(self.keys.tenant_running, tenant)
+            waiting, running = await pipe.execute()
+        return TenantCounts(waiting=int(waiting or 0), running=int(running or 0))
 
     async def cancel(self, job_id: str) -> int:
         """1: removed before it started; -1: running, abort requested (its worker is told at once);
@@ -133,7 +173,7 @@ class RedisQueue:
         k = self.keys
         counted = [key for lane in k.lanes for key in (k.waiting(lane), k.deferred(lane))]
         return int(await self._scripts["CANCEL"](
-            keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, k.progress, *counted],
+            keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, k.progress, k.tenant_waiting, *counted],
             args=[job_id, int(time.time() * 1000), k.abort_channel("")]))
 
     async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int, serializer: Any) -> None:
@@ -220,7 +260,7 @@ class RedisQueue:
         k = self.keys
         lease = f"{token}#{next(self._claim_numbers)}"
         flat = await self._scripts["CLAIM"](
-            keys=[k.jobs, k.owners, k.wake, *k.lane_groups()],
+            keys=[k.jobs, k.owners, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
             args=[int(time.time() * 1000), max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT])
         return self._claimed(flat, lease)
 
@@ -232,7 +272,7 @@ class RedisQueue:
         lease = f"{token}#{next(self._claim_numbers)}"
         above = k.lanes[:k.lanes.index(victim_lane)]
         flat = await self._scripts["PREEMPT"](
-            keys=[k.jobs, k.owners, k.wake, k.preemptions, *k.lane_groups(above)],
+            keys=[k.jobs, k.owners, k.wake, k.preemptions, k.tenant_waiting, k.tenant_running, *k.lane_groups(above)],
             args=[int(time.time() * 1000), lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, victim_lane])
         claimed = self._claimed(flat, lease)
         return claimed[0] if claimed else None
@@ -295,26 +335,28 @@ class RedisQueue:
         k = self.keys
         return bool(await self._scripts["FINISH"](
             keys=[k.owners, k.jobs, k.running(job.lane), job_record_key(job.id), retry_counter_key(job.id),
-                  result_key(job.id), ABORTS, k.progress],
+                  result_key(job.id), ABORTS, k.progress, k.tenant_running],
             args=[job.lease, job.id, result or b"", result_ttl_ms]))
 
     async def retry_later(self, job: ClaimedJob, run_at_ms: int) -> bool:
         """Defer the job until ``run_at_ms`` after its attempt failed (a try spent). False: not ours."""
         k = self.keys
         return bool(await self._scripts["RETRY_LATER"](
-            keys=[k.owners, k.running(job.lane), k.deferred(job.lane), k.progress, k.attempt_outcomes],
+            keys=[k.owners, k.running(job.lane), k.deferred(job.lane), k.progress, k.attempt_outcomes, k.jobs,
+                  k.tenant_waiting, k.tenant_running],
             args=[job.lease, job.id, run_at_ms]))
 
     async def hand_back(self, job: ClaimedJob) -> bool:
         """Return a job to its place in line without using a try (worker shutdown, dead engine)."""
         k = self.keys
         return bool(await self._scripts["HAND_BACK"](
-            keys=[k.owners, k.jobs, k.running(job.lane), k.waiting(job.lane), retry_counter_key(job.id), k.wake],
+            keys=[k.owners, k.jobs, k.running(job.lane), k.waiting(job.lane), retry_counter_key(job.id), k.wake,
+                  k.tenant_waiting, k.tenant_running],
             args=[job.lease, job.id, WAKE_CAP]))
 
     async def reap(self) -> int:
         """Requeue jobs whose lease expired (their worker died or stalled); promote due retries."""
         k = self.keys
         return int(await self._scripts["REAP"](
-            keys=[k.owners, k.jobs, k.wake, *k.lane_groups()],
+            keys=[k.owners, k.jobs, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
             args=[int(time.time() * 1000), REAP_LIMIT, WAKE_CAP]))
