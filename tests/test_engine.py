@@ -131,7 +131,8 @@ async def test_cancel_mid_generation_frees_the_slot_others_continue(tiny_model_p
     async with running_engine(tiny_model_path, slots=4) as engine:
         handles = {f"r{i}": engine.submit(greedy(p, 300)) for i, p in enumerate(prompts)}
         tasks = [asyncio.create_task(log.consume(n, h)) for n, h in handles.items()]
-        await wait_for(lambda: log.progress["r0"] >= 10, what="r0 to generate")
+        # Every request generating (the submits race the engine thread, which may start r0 first).
+        await wait_for(lambda: all(log.progress[n] >= 10 for n in handles), what="every request to generate")
         assert engine.stats().slots_busy == 4
         handles["r0"].cancel()
         await tasks[0]
