@@ -166,7 +166,7 @@ class Fleet:
     """Every system's processes at one concurrency (``slots``), started together, stopped together."""
 
     def __init__(self, tmp: Path, redis_url: str, model: Path, slots: int, server_binary: Path | None,
-                 gateway_port: int, repack: bool) -> None:
+                 gateway_port: int, repack: bool, skipped: dict[str, str]) -> None:
         self.tmp, self.redis_url, self.model, self.slots = tmp, redis_url, model, slots
         self.gateway_port = gateway_port
         self.children: dict[str, list[ChildProcess]] = {}
@@ -186,7 +186,7 @@ class Fleet:
             self._child("llama-server", "llama-server", [
                 str(server_binary), "-m", str(model), "--parallel", str(slots), "-c", str(CTX * slots),
                 "-t", str(THREADS), "--host", "127.0.0.1", "--port", str(port), *([] if repack else ["--no-repack"])])
-        if repack:      # its loader cannot switch repacking off, which crashes on AMX CPUs
+        if "llama-cpp-python-server" not in skipped:
             port = self.ports["llama-cpp-python-server"] = _free_port()
             self._child("llama-cpp-python-server", "llama-cpp-python server", [
                 sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", str(CTX),
@@ -253,7 +253,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
                                        threads=THREADS, cpu_repack=CpuRepack.ON if decision.repack else CpuRepack.OFF))
         try:
             for c in concurrency:
-                fleet = Fleet(Path(tmp), url, model, c, server_binary, gateway_port, decision.repack)
+                fleet = Fleet(Path(tmp), url, model, c, server_binary, gateway_port, decision.repack, skipped)
                 try:
                     await run_watched(_at_concurrency(fleet, url, c, rounds, quick, raw, measured), *fleet.all(), gateway)
                     for system in SYSTEMS:
