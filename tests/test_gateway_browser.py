@@ -1,6 +1,8 @@
 """The dashboard in a real headless Chromium (Debian's ``chromium``, driven by Playwright) against
 a real gateway, worker and Redis: the fleet table shows the worker, a dead letter is requeued
-with its button, a playground reply streams in, and a reply survives a page reload mid-stream.
+with its button, a playground reply streams in (preempting one of two tenants' bulk jobs that fill
+the slots), the lane charts draw that traffic and the tenant table its backlog, and a reply
+survives a page reload mid-stream.
 
 ``make test`` installs Chromium (``make test-deps``). Without it the test fails in CI (``CI=true``)
 and is skipped elsewhere, saying why. ``SLOTQ_SCREENSHOT_TO=docs/dashboard.png`` runs it on the
@@ -26,6 +28,8 @@ from redis.asyncio import Redis
 
 from engine import ErrorInfo, bundled_model_path
 from jobs import dead_letters
+from jobs.client import SlotqClient
+from jobs.schemas import JobRequest
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
@@ -35,6 +39,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 SCREENSHOT_TO = os.environ.get("SLOTQ_SCREENSHOT_TO")
 MODEL_NAME = "smollm2" if SCREENSHOT_TO else "tiny"
+LONG_TOKENS = 300 if SCREENSHOT_TO else 4000     # still generating after the page has sampled a while
+BULK_BACKLOG = {"acme": 5, "globex": 3}           # bulk jobs per tenant: two fill the slots, the rest wait
 
 
 def _require_chromium() -> None:
@@ -99,6 +105,34 @@ def _playground(page: Any) -> dict[str, Any]:
     return page.evaluate("JSON.parse(localStorage.getItem('slotq.playground'))")
 
 
+def _in_a_loop(make: Any) -> Any:
+    """Run a coroutine beside Playwright's sync API, which holds this thread's event loop."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, make()).result()
+
+
+def _bulk_backlog(stack: Stack) -> list[str]:
+    """Long bulk jobs of two tenants: the slots fill with them and the rest wait."""
+    async def enqueue() -> list[str]:
+        async with await SlotqClient.connect(stack.redis.url) as client:
+            return [(await client.enqueue(JobRequest(prompt=f"{tenant} report {i}", max_tokens=LONG_TOKENS,
+                                                     ignore_eos=True, lane="bulk", tenant=tenant))).id
+                    for tenant, count in BULK_BACKLOG.items() for i in range(count)]
+    return _in_a_loop(enqueue)
+
+
+def _cancel(stack: Stack, job_ids: list[str]) -> None:
+    async def cancel() -> None:
+        async with await SlotqClient.connect(stack.redis.url) as client:
+            await asyncio.gather(*(client.cancel(job_id) for job_id in job_ids))
+    _in_a_loop(cancel)
+
+
+def _chart(page: Any, name: str) -> dict[str, float]:
+    return page.evaluate(f"(({{points, max}}) => ({{points: +points, max: +max}}))"
+                         f"(document.querySelector('#chart-{name}').dataset)")
+
+
 def test_dashboard_fleet_dead_letters_and_playground(stack, page, tmp_path):
     # a dead letter, as a worker records one when a job has exhausted its tries
     letter_id = f"dead-{uuid.uuid4().hex[:8]}"
@@ -110,8 +144,7 @@ def test_dashboard_fleet_dead_letters_and_playground(stack, page, tmp_path):
                                   5, time.time())
         await redis.aclose()
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:      # Playwright's sync API holds this thread's loop
-        pool.submit(asyncio.run, record()).result()
+    _in_a_loop(record)
 
     page.goto(stack.url)
     # the fleet: the worker and its queue, live
@@ -126,14 +159,33 @@ def test_dashboard_fleet_dead_letters_and_playground(stack, page, tmp_path):
     page.wait_for_selector(f'#dead-letters tr[data-job="{letter_id}"]', state="detached")
     assert _finished(stack, letter_id)["status"] == "succeeded"
 
-    # the playground: a reply streams in, and it is exactly the job's result
-    page.wait_for_selector(f'#play-model option:text-is("{MODEL_NAME}")', state="attached")
-    _send(page, "Write one sentence about queues.", 48)
-    page.wait_for_function("document.querySelector('#play-status').textContent.startsWith('done')")
-    state = _playground(page)
-    result = _finished(stack, state["request"]["idempotency_key"])["result"]
-    assert page.inner_text("#play-output") != "" and state["text"] == result["text"]
-    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+    # two tenants' bulk jobs fill both slots and wait: the tenant table shows who waits
+    backlog = _bulk_backlog(stack)
+    try:
+        waiting = sum(BULK_BACKLOG.values()) - 2
+        page.wait_for_function(f"[...document.querySelectorAll('#tenants tbody tr[data-tenant]')].reduce("
+                               f"(n, row) => n + parseInt(row.innerText.split(/\\s+/).pop()), 0) >= {waiting - 1}")
+        assert {row.get_attribute("data-tenant") for row in page.query_selector_all("#tenants tr[data-tenant]")} \
+            == set(BULK_BACKLOG)
+
+        # the playground: a reply streams in (an interactive job: a bulk job yields its slot), and it
+        # is exactly the job's result
+        page.wait_for_selector(f'#play-model option:text-is("{MODEL_NAME}")', state="attached")
+        _send(page, "Write one sentence about queues.", 48)
+        page.wait_for_function("document.querySelector('#play-status').textContent.startsWith('done')")
+        state = _playground(page)
+        result = _finished(stack, state["request"]["idempotency_key"])["result"]
+        assert page.inner_text("#play-output") != "" and state["text"] == result["text"]
+
+        # the lane charts: tokens/s and queue depth over time, and the preemption the reply caused
+        page.wait_for_function("+document.querySelector('#chart-preempted').dataset.max > 0", timeout=60_000)
+        page.wait_for_function("+document.querySelector('#chart-tokens').dataset.max > 0", timeout=60_000)
+        assert _chart(page, "waiting")["max"] >= waiting - 1 and _chart(page, "tokens")["points"] >= 2
+        assert page.query_selector_all("#chart-tokens polyline") and page.query_selector_all("#chart-preempted rect")
+        assert "preempted in 15 min" in page.inner_text('#lane-legend [data-lane="bulk"]')
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+    finally:
+        _cancel(stack, backlog)
     if SCREENSHOT_TO:
         shutil.copy(tmp_path / "dashboard.png", SCREENSHOT_TO)
 

@@ -22,6 +22,7 @@ from jobs.gateway.auth import KeyRing
 from jobs.gateway.batch_driver import BatchDriver
 from jobs.gateway.batches import BatchStore
 from jobs.gateway.files import FileStore
+from jobs.gateway.history import FleetHistory
 from jobs.gateway.limits import BodyLimits, KeylessGuard
 from jobs.gateway.metrics import MetricsMiddleware
 from jobs.gateway.service import Gateway
@@ -50,9 +51,12 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         app.state.batches = BatchStore(gateway.client.redis, lease_s=settings.gateway_batch_lease_s)
         app.state.batch_driver = driver = BatchDriver(gateway, app.state.batches, app.state.files)
         driver.start()
+        app.state.history = history = FleetHistory(gateway)
+        history.start()
         try:
             yield
         finally:
+            await history.close()
             await driver.close()
             await gateway.close()
 

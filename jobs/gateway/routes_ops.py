@@ -59,6 +59,13 @@ async def fleet(request: Request) -> dict[str, Any]:
             "dead_letters": await dead_letters.count(gateway.client.redis)}
 
 
+@api.get("/history")
+async def history(request: Request) -> dict[str, Any]:
+    """The last 15 minutes per lane (tokens/s, waiting, running, preemptions) and the waiting jobs
+    per tenant, for the dashboard's charts (:mod:`jobs.gateway.history`)."""
+    return request.app.state.history.snapshot()
+
+
 @api.get("/dead-letters")
 async def list_dead_letters(request: Request, limit: int = 100) -> dict[str, Any]:
     redis = gateway_of(request).client.redis

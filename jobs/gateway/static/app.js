@@ -82,6 +82,95 @@ $("#dead-letters").addEventListener("click", async (event) => {
   refreshDeadLetters();
 });
 
+// ------------------------------------------------------------------ lanes over time
+// /api/history: a sample every few seconds over the last 15 minutes (the gateway's ring buffer).
+// Drawn as inline SVG: one line per lane, a shared time axis ending now.
+const SVG = "http://www.w3.org/2000/svg";
+const LANE_COLORS = ["#2f6fde", "#d98e04", "#1f9d55", "#8e44ad", "#d64545", "#16a2b8"];
+const CHART = { width: 360, height: 150, left: 34, right: 6, top: 8, bottom: 18 };
+
+function niceMax(value) {
+  if (value <= 0) return 1;
+  const step = 10 ** Math.floor(Math.log10(value));
+  return [1, 2, 5, 10].map((m) => m * step).find((m) => m >= value);
+}
+
+function svgNode(name, attrs, text) {
+  const node = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text != null) node.textContent = text;
+  return node;
+}
+
+// series: [{ name, color, points: [[time, value], ...] }]; bars: draw each point as a bar, not a line.
+function drawChart(svg, series, { now, span, bars = false }) {
+  const { width, height, left, right, top, bottom } = CHART;
+  const plotW = width - left - right, plotH = height - top - bottom;
+  const peak = Math.max(0, ...series.flatMap((s) => s.points.map(([, v]) => v)));
+  const yMax = niceMax(peak);
+  const x = (t) => left + plotW * (1 - (now - t) / span);
+  const y = (v) => top + plotH * (1 - v / yMax);
+  svg.replaceChildren();
+  for (const v of [0, yMax / 2, yMax]) {
+    svg.append(svgNode("line", { class: "grid", x1: left, x2: width - right, y1: y(v), y2: y(v) }));
+    svg.append(svgNode("text", { x: left - 4, y: y(v) + 3, "text-anchor": "end" }, Number(v.toPrecision(3))));
+  }
+  for (const minutes of [15, 10, 5, 0]) {
+    const label = minutes ? `-${minutes} min` : "now";
+    svg.append(svgNode("text", { x: x(now - minutes * 60), y: height - 5, "text-anchor": minutes ? "middle" : "end" }, label));
+  }
+  const barW = Math.max(1.5, plotW / (span / 5) / Math.max(1, series.length));
+  series.forEach((s, i) => {
+    const visible = s.points.filter(([t]) => now - t <= span);
+    if (bars) {
+      for (const [t, v] of visible.filter(([, v]) => v > 0)) {
+        svg.append(svgNode("rect", { x: x(t) - barW * (series.length - i), y: y(v), width: barW, height: y(0) - y(v), fill: s.color }));
+      }
+    } else if (visible.length) {
+      svg.append(svgNode("polyline", { stroke: s.color, points: visible.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ") }));
+    }
+  });
+  svg.dataset.points = Math.max(0, ...series.map((s) => s.points.length));
+  svg.dataset.max = peak;
+}
+
+function renderHistory(history) {
+  const samples = history.samples;
+  const lanes = [...new Set(samples.flatMap((s) => Object.keys(s.lanes)))];
+  const color = (lane) => LANE_COLORS[lanes.indexOf(lane) % LANE_COLORS.length];
+  const now = samples.length ? samples[samples.length - 1].time : Date.now() / 1000;
+  const series = (field) => lanes.map((lane) => ({
+    name: lane, color: color(lane),
+    points: samples.filter((s) => s.lanes[lane]).map((s) => [s.time, s.lanes[lane][field]]),
+  }));
+  // preemptions: the increase of each lane's running total from one sample to the next
+  const preempted = series("preempted").map((s) => ({
+    ...s, points: s.points.slice(1).map(([t, v], i) => [t, Math.max(0, v - s.points[i][1])]),
+  }));
+  const span = history.keep_s;
+  drawChart($("#chart-tokens"), series("tokens_per_s"), { now, span });
+  drawChart($("#chart-waiting"), series("waiting"), { now, span });
+  drawChart($("#chart-preempted"), preempted, { now, span, bars: true });
+  const last = samples.length ? samples[samples.length - 1].lanes : {};
+  $("#lane-legend").innerHTML = lanes.map((lane, i) => {
+    const l = last[lane] || { tokens_per_s: 0, waiting: 0, running: 0 };
+    const window = preempted[i].points.reduce((sum, [, v]) => sum + v, 0);
+    return `<span data-lane="${esc(lane)}"><span class="swatch" style="background:${color(lane)}"></span><b>${esc(lane)}</b>
+      ${l.tokens_per_s.toFixed(1)} tok/s · ${l.waiting} waiting · ${l.running} running · ${window} preempted in 15 min</span>`;
+  }).join("") || `<span class="muted">No samples yet (one every ${history.every_s} s).</span>`;
+  const tenants = Object.entries(history.tenants.waiting);
+  const most = Math.max(1, ...tenants.map(([, n]) => n));
+  $("#tenants tbody").innerHTML = tenants.map(([tenant, n]) => `
+    <tr data-tenant="${esc(tenant)}"><td>${esc(tenant)}</td><td>${bar(n, most)}${history.tenants.exact ? "" : "≥ "}${n}</td></tr>`).join("")
+    || `<tr><td class="muted" colspan="2">No job waiting.</td></tr>`;
+  $("#tenants-note").textContent = history.tenants.exact ? "" :
+    `Counted among the first ${history.tenants.scanned_per_lane} waiting jobs of each lane; lanes with more show a lower bound.`;
+}
+
+async function refreshHistory() {
+  renderHistory(await api("/api/history"));
+}
+
 async function refreshModels() {
   const { data } = await api("/v1/models");
   const select = $("#play-model");
@@ -215,7 +304,9 @@ function start() {
   refresh();
   refreshModels().catch(() => {});
   refreshDeadLetters().catch(() => {});
+  refreshHistory().catch(() => {});
   setInterval(refresh, 1000);
+  setInterval(() => refreshHistory().catch(() => {}), 5000);
   setInterval(() => refreshModels().catch(() => {}), 5000);
   setInterval(() => refreshDeadLetters().catch(() => {}), 3000);
   const state = load();
