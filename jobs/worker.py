@@ -376,6 +376,12 @@ class SlotqWorker:
         self._faults.on_job_start(self._beat_now)
         self.writer.bind(job_id, claim.lease)
         self._runs[job_id] = run
+        if runtime.job_counter >= runtime.max_jobs:
+            # The claim that filled the slots went back to waiting before this attempt ran, so it
+            # saw no preemption candidate and is not listening for preemption tokens; wake it to
+            # wait again with one, rather than up to SLOTQ_POLL_DELAY_S later. No Redis command:
+            # a full worker does not claim.
+            runtime.nudge()
         try:
             result = await run.run()
         except asyncio.CancelledError:

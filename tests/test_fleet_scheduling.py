@@ -28,12 +28,13 @@ BULK_TOKENS = 6000       # seconds of decoding on the tiny model: still running 
 HANDED_BACK_RE = re.compile(r"job (\S+) \(bulk\) hands its slot to job (\S+) \(interactive\)")
 
 
-async def running_with_tokens(client: SlotqClient, jobs: list[JobHandle], timeout: float = 120) -> list[JobHandle]:
+async def running_with_tokens(client: SlotqClient, jobs: list[JobHandle], slots: int = 4,
+                              timeout: float = 120) -> list[JobHandle]:
     """Wait until every slot runs a bulk job that has streamed tokens; return those jobs."""
     async with asyncio.timeout(timeout):
         while True:
             running = [j for j in jobs if (await client.queue.place(j.id))[1]]
-            if len(running) == 4 and all([chunks(await raw_entries(client, j.id)) for j in running]):
+            if len(running) == slots and all([chunks(await raw_entries(client, j.id)) for j in running]):
                 return running
             await asyncio.sleep(0.02)
 
@@ -67,6 +68,22 @@ async def test_interactive_jobs_preempt_bulk_jobs_on_every_worker(client, redis_
         assert [e.n_tokens for e in streamed] == sorted({e.n_tokens for e in streamed}), job_id
         if job_id in handed_back:
             assert result.attempts == 1 and result.interruptions == 0, result      # no try spent, no interruption
+
+
+async def test_a_worker_listens_for_preemption_as_soon_as_its_slots_fill(client, start_worker):
+    """The claim that fills a worker's slots goes back to waiting before its jobs run, when there
+    is no preemption candidate yet. With a poll delay of a minute, an interactive job must still
+    take a bulk job's slot in seconds, not when that wait ends."""
+    await start_worker(slots=2, ctx=6144, poll_delay_s=60)
+    bulk = [await client.enqueue(job_request(f"bulk request {i}", max_tokens=BULK_TOKENS, lane="bulk"))
+            for i in range(2)]
+    running = await running_with_tokens(client, bulk, slots=2)
+    chat = await client.enqueue(job_request("an interactive request", max_tokens=8))
+    result = await chat.result(timeout=30)
+    assert result.status == JobStatus.SUCCEEDED and all(await client.queue.in_queue([j.id for j in running]))
+    assert {c.lane: c.preempted for c in await client.queue.counts()}["bulk"] == 1
+    for job in bulk:
+        await job.cancel()
 
 
 async def test_a_deadline_nearer_than_one_decode_step_is_expired_without_running(client, start_worker,
