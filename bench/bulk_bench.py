@@ -10,6 +10,15 @@ One invocation, the bundled model, a ``slotq worker`` subprocess with ``SLOTS`` 
 * **interactive TTFT**: one interactive job at a time (enqueue to first streamed token), on the
   idle fleet and while a bulk run (output lengths spread over a quarter to all of ``max_tokens``)
   keeps every slot busy with jobs still waiting in the bulk lane.
+* **long bulk jobs** (issue 20): ``LONG_TOKENS``-token bulk jobs (ignore_eos) in ``LONG_WAVES``
+  waves of ``SLOTS``, alone and with an occasional interactive job (one at a time, each sent while
+  bulk jobs hold every slot), rounds alternating: interactive TTFT p50/p95 against the idle
+  fleet's, and bulk tokens/s against bulk alone. A decode step of the full batch is ``SLOTS``
+  tokens at bulk alone's rate; targets: saturated p95 <= idle p95 + 3 such steps, bulk with
+  interactive >= 0.95 x bulk alone.
+* **a flooding tenant** (issue 20): tenant ``a`` queues ``FLOOD_JOBS`` interactive jobs (short,
+  of spread lengths) and tenant ``b`` sends one job at a time while they wait; target: b's TTFT p50
+  <= 2 x the idle fleet's. The flood is cancelled afterwards.
 * **memory**: a ``slotq bulk`` run of ``RSS_LINES`` one-token lines: the command's peak RSS (it
   reports its own ``ru_maxrss``) and Redis ``used_memory`` sampled throughout, at its peak.
 """
@@ -23,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +47,30 @@ from jobs.watch import ChildExited, ChildProcess, run_watched
 
 SLOTS = 8
 CTX = 512
-RSS_LINES = 100_000
+RSS_LINES = 5_000           # a minute or two on 2 cores; 100,000 lines (40 min) showed the same flat RSS
+LONG_TOKENS = 300
+LONG_WAVES = 2
+PROBE_TOKENS = 8
+PROBE_GAP_S = 1.5           # "occasional" interactive traffic: one job, then this pause
+FLOOD_JOBS = 2_000
+FLOOD_TOKENS = (8, 32)      # the flooding tenant's output lengths spread over this range
 
 
 def _request(i: int, max_tokens: int) -> dict[str, Any]:
     return {"prompt": distinct_prompt(i), "max_tokens": max_tokens, "ignore_eos": True, "sampling": {"temperature": 0}}
 
 
+def _spread(i: int, low: int, high: int) -> int:
+    """Output lengths spread over low..high, as real work ends at EOS at different lengths, so
+    slots free one at a time rather than all together."""
+    return low + (i * 37) % (high - low + 1)
+
+
 def _write_input(path: Path, first: int, count: int, max_tokens: int, *, varied: bool = False) -> Path:
-    """``varied``: output lengths spread over max_tokens/4 .. max_tokens, as real bulk work ends at EOS
-    at different lengths, so slots free one at a time rather than all together."""
-    low = max(1, max_tokens // 4)
+    """``varied``: output lengths spread over max_tokens/4 .. max_tokens (:func:`_spread`)."""
     with open(path, "w") as f:
         for i in range(first, first + count):
-            length = low + (i * 37) % (max_tokens - low + 1) if varied else max_tokens
+            length = _spread(i, max(1, max_tokens // 4), max_tokens) if varied else max_tokens
             f.write(json.dumps(_request(i, length)) + "\n")
     return path
 
@@ -105,13 +125,20 @@ class _Bulk:
         return json.loads(text[text.rindex("\n{"):] if "\n{" in text else text)
 
 
-async def _ttft_ms(client: SlotqClient, i: int) -> float:
+async def _ttft_ms(client: SlotqClient, i: int, tenant: str = "default") -> float:
+    """Enqueue to first streamed token of one interactive job of ``PROBE_TOKENS`` tokens."""
     started = time.perf_counter()
-    job = await client.enqueue(JobRequest(**_request(10_000_000 + i, 8)))
+    job = await client.enqueue(JobRequest(**_request(10_000_000 + i, PROBE_TOKENS), tenant=tenant))
     async for entry in job.stream():
         if entry.kind == EntryKind.CHUNK:
             return (time.perf_counter() - started) * 1000
     raise RuntimeError(f"interactive job {job.id} ended without a token")
+
+
+async def _saturated(client: SlotqClient) -> None:
+    """Until a bulk run just started holds every slot."""
+    while (await _bulk_lane(client))[0] < SLOTS:
+        await asyncio.sleep(0.02)
 
 
 async def _bulk_lane(client: SlotqClient) -> tuple[int, int]:
@@ -119,10 +146,30 @@ async def _bulk_lane(client: SlotqClient) -> tuple[int, int]:
     return lane.running, lane.waiting
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each workload one run measures (``--quick``: a smoke run, not for the README)."""
+
+    rounds: int                 # alternating rounds of the throughput comparison
+    long_rounds: int            # alternating rounds of long bulk alone / with interactive jobs
+    batch: int                  # requests per throughput round
+    max_tokens: int             # their output length
+    probes: int                 # interactive jobs per TTFT measurement
+    long_tokens: int            # output length of a long bulk job
+    flood_jobs: int             # the flooding tenant's waiting jobs
+    rss_lines: int              # lines of the memory run
+
+    @classmethod
+    def of(cls, quick: bool) -> Sizes:
+        if quick:
+            return cls(rounds=1, long_rounds=1, batch=16, max_tokens=16, probes=3, long_tokens=48, flood_jobs=200,
+                       rss_lines=500)
+        return cls(rounds=3, long_rounds=2, batch=32, max_tokens=64, probes=16, long_tokens=LONG_TOKENS,
+                   flood_jobs=FLOOD_JOBS, rss_lines=RSS_LINES)
+
+
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
-    rounds, batch, max_tokens = (1, 16, 16) if quick else (3, 32, 64)
-    rss_lines = 500 if quick else RSS_LINES
-    probes = 3 if quick else 8
+    sizes = Sizes.of(quick)
     model = bundled_model_path()
     # The worker's settings, read as the worker reads them (SLOTQ_THREADS etc. from the environment),
     # so the in-process engine runs with exactly the worker's engine configuration.
@@ -131,13 +178,14 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         tmp = Path(tmp_name)
         server = EmbeddedRedis(tmp / "redis")
         url = server.start()
+        # Fixed slots (SLOTQ_ELASTIC off): the rows compare a worker whose every slot is busy with
+        # the engine's SLOTS; on a busy shared machine the elastic controller would shrink them.
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
-               "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false", "COLUMNS": "200"}
+               "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_ELASTIC": "false", "COLUMNS": "200"}
         worker = ChildProcess("the benchmark's worker (slotq worker)", [sys.executable, "-m", "jobs.cli", "worker"],
                               env=env, log_path=tmp / "worker.log")
         try:
-            data = await run_watched(_measure(url, config, tmp, _Bulk(env, tmp), rounds, batch, max_tokens,
-                                              rss_lines, probes), worker)
+            data = await run_watched(_measure(url, config, tmp, _Bulk(env, tmp), sizes), worker)
         finally:
             worker.stop()
             server.stop()
@@ -145,23 +193,24 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     if not quick:
         write_results("bulk", data, table, "slotq bench bulk")
     return {k: data[k] for k in ("bulk_tokens_per_s", "engine_tokens_per_s", "interactive_ttft_p50_ms_idle",
-                                 "interactive_ttft_p50_ms_saturated", "peak_rss_mb", "redis_peak_mb", "lines")}, table
+                                 "interactive_ttft_p50_ms_saturated", "long_bulk", "flood", "peak_rss_mb",
+                                 "redis_peak_mb", "lines")}, table
 
 
-async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, rounds: int, batch: int, max_tokens: int,
-                   rss_lines: int, probes: int) -> dict[str, Any]:
+async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, sizes: Sizes) -> dict[str, Any]:
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url))
     engine = await Engine.start(config)
+    batch, max_tokens, probes = sizes.batch, sizes.max_tokens, sizes.probes
     try:
         progress("waiting for the worker to load the model")
         while not (await client.queue_info()).workers:
             await asyncio.sleep(0.2)
         engine_tps, bulk_tps = [], []
-        for r in range(rounds):
+        for r in range(sizes.rounds):
             first = r * batch
-            progress(f"round {r + 1}/{rounds}: {batch} requests x {max_tokens} tokens, engine in-process")
+            progress(f"round {r + 1}/{sizes.rounds}: {batch} requests x {max_tokens} tokens, engine in-process")
             engine_tps.append(await _engine_tokens_per_s(engine, first, batch, max_tokens))
-            progress(f"round {r + 1}/{rounds}: the same through slotq bulk")
+            progress(f"round {r + 1}/{sizes.rounds}: the same through slotq bulk")
             summary = await bulk.finish(bulk.start(_write_input(tmp / f"tput-{r}.jsonl", first, batch, max_tokens)))
             bulk_tps.append(summary["completion_tokens"] / summary["wall_s"])
 
@@ -170,8 +219,7 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, round
 
         progress("interactive TTFT while a bulk run saturates the fleet")
         child = bulk.start(_write_input(tmp / "saturate.jsonl", 100_000, 12 * SLOTS, max_tokens, varied=True))
-        while (await _bulk_lane(client))[0] < SLOTS:
-            await asyncio.sleep(0.02)
+        await _saturated(client)
         saturated = []
         while len(saturated) < probes and (await _bulk_lane(client))[1] > 0:
             saturated.append(await _ttft_ms(client, probes + len(saturated)))
@@ -179,8 +227,11 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, round
         if len(saturated) < probes:
             progress(f"only {len(saturated)} probes ran while bulk jobs were waiting")
 
-        progress(f"memory: slotq bulk on {rss_lines:,} one-token lines")
-        rss_run = await _memory_run(client, bulk, _write_short_lines(tmp / "rss.jsonl", rss_lines))
+        long_bulk = await _long_bulk(client, bulk, tmp, sizes, idle)
+        flood = await _flood(client, sizes, idle)
+
+        progress(f"memory: slotq bulk on {sizes.rss_lines:,} one-token lines")
+        rss_run = await _memory_run(client, bulk, _write_short_lines(tmp / "rss.jsonl", sizes.rss_lines))
     finally:
         bulk.stop_all()
         await engine.close()
@@ -189,13 +240,82 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, round
         "bulk_tokens_per_s": round(statistics.median(bulk_tps), 1),
         "engine_tokens_per_s": round(statistics.median(engine_tps), 1),
         "interactive_ttft_p50_ms_idle": round(percentile(idle, 50), 1),
+        "interactive_ttft_p95_ms_idle": round(percentile(idle, 95), 1),
         "interactive_ttft_p50_ms_saturated": round(percentile(saturated, 50), 1),
-        "peak_rss_mb": rss_run["peak_rss_mb"], "redis_peak_mb": rss_run["redis_peak_mb"], "lines": rss_lines,
+        "long_bulk": long_bulk, "flood": flood,
+        "peak_rss_mb": rss_run["peak_rss_mb"], "redis_peak_mb": rss_run["redis_peak_mb"], "lines": sizes.rss_lines,
         "rounds": {"engine_tokens_per_s": [round(x, 1) for x in engine_tps],
                    "bulk_tokens_per_s": [round(x, 1) for x in bulk_tps]},
         "ttft_ms": {"idle": [round(x, 1) for x in idle], "saturated": [round(x, 1) for x in saturated]},
         "memory_run": rss_run, "slots": SLOTS, "window": BulkOptions().window, "max_tokens": max_tokens, "batch": batch,
     }
+
+
+async def _long_bulk(client: SlotqClient, bulk: _Bulk, tmp: Path, sizes: Sizes, idle: list[float]) -> dict[str, Any]:
+    """Long bulk jobs alone and with occasional interactive jobs, rounds alternating: what the
+    interactive jobs wait (preemption's job) and what it costs the bulk run."""
+    jobs = LONG_WAVES * SLOTS
+    alone_tps, mixed_tps, ttft, preempted_before = [], [], [], await _preempted(client)
+    for r in range(sizes.long_rounds):
+        first = 200_000 + 2 * r * jobs
+        progress(f"long bulk round {r + 1}/{sizes.long_rounds}: {jobs} jobs x {sizes.long_tokens} tokens, alone")
+        summary = await bulk.finish(bulk.start(_write_input(tmp / f"long-{r}.jsonl", first, jobs, sizes.long_tokens)))
+        alone_tps.append(summary["completion_tokens"] / summary["wall_s"])
+        progress(f"long bulk round {r + 1}/{sizes.long_rounds}: the same, an interactive job every {PROBE_GAP_S:g} s")
+        child = bulk.start(_write_input(tmp / f"long-mixed-{r}.jsonl", first + jobs, jobs, sizes.long_tokens))
+        await _saturated(client)
+        while len(ttft) < sizes.probes * (r + 1) // sizes.long_rounds and await _bulk_holds_every_slot(client, child):
+            ttft.append(await _ttft_ms(client, 1_000 + len(ttft)))
+            await asyncio.sleep(PROBE_GAP_S)
+        summary = await bulk.finish(child)
+        mixed_tps.append(summary["completion_tokens"] / summary["wall_s"])
+    alone, mixed = statistics.median(alone_tps), statistics.median(mixed_tps)
+    step_ms = SLOTS / alone * 1000          # one decode step of the full batch, at bulk alone's rate
+    return {
+        "jobs": jobs, "max_tokens": sizes.long_tokens, "probes": len(ttft), "probe_gap_s": PROBE_GAP_S,
+        "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p95_ms": round(percentile(ttft, 95), 1),
+        "ttft_ms": [round(x, 1) for x in ttft], "full_batch_step_ms": round(step_ms, 1),
+        "ttft_p95_target_ms": round(percentile(idle, 95) + 3 * step_ms, 1),
+        "bulk_alone_tokens_per_s": round(alone, 1), "bulk_mixed_tokens_per_s": round(mixed, 1),
+        "rounds": {"alone": [round(x, 1) for x in alone_tps], "mixed": [round(x, 1) for x in mixed_tps]},
+        "preemptions": await _preempted(client) - preempted_before,
+    }
+
+
+async def _bulk_holds_every_slot(client: SlotqClient, child: ChildProcess) -> bool:
+    """Wait until bulk jobs hold every slot again (the last probe's slot went back to its victim);
+    False once the run has too few jobs left to fill them."""
+    while child.proc.poll() is None:
+        running, waiting = await _bulk_lane(client)
+        if running >= SLOTS:
+            return True
+        if running + waiting < SLOTS:
+            return False
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def _preempted(client: SlotqClient) -> int:
+    return sum(lane.preempted for lane in await client.queue.counts())
+
+
+async def _flood(client: SlotqClient, sizes: Sizes, idle: list[float]) -> dict[str, Any]:
+    """Tenant b's TTFT, one job at a time, while tenant a has ``flood_jobs`` jobs waiting in the
+    same lane; the flood is cancelled afterwards."""
+    progress(f"tenant a queues {sizes.flood_jobs:,} interactive jobs; tenant b sends {sizes.probes}, one at a time")
+    flood = [await client.enqueue(JobRequest(**_request(300_000 + i, _spread(i, *FLOOD_TOKENS)), tenant="a"))
+             for i in range(sizes.flood_jobs)]
+    ttft, least_waiting = [], sizes.flood_jobs
+    for i in range(sizes.probes):
+        least_waiting = min(least_waiting, {c.lane: c for c in await client.queue.counts()}["interactive"].waiting)
+        ttft.append(await _ttft_ms(client, 2_000 + i, tenant="b"))
+    progress(f"cancelling tenant a's {sizes.flood_jobs:,} jobs")
+    await asyncio.gather(*(job.cancel() for job in flood))
+    return {"tenant_a_jobs": sizes.flood_jobs, "tenant_a_least_waiting": least_waiting,
+            "tenant_a_tokens": list(FLOOD_TOKENS), "probes": len(ttft),
+            "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p95_ms": round(percentile(ttft, 95), 1),
+            "ttft_ms": [round(x, 1) for x in ttft],
+            "ttft_p50_target_ms": round(2 * percentile(idle, 50), 1)}
 
 
 async def _memory_run(client: SlotqClient, bulk: _Bulk, inp: Path) -> dict[str, Any]:
@@ -231,14 +351,28 @@ def _rss_mb(pid: int) -> float | None:
 
 
 def _table(d: dict[str, Any]) -> str:
-    m = d["memory_run"]
+    m, long, flood = d["memory_run"], d["long_bulk"], d["flood"]
+    idle_p50, idle_p95 = d["interactive_ttft_p50_ms_idle"], d["interactive_ttft_p95_ms_idle"]
     rows = [
         ["bulk throughput", f"{d['bulk_tokens_per_s']:.1f} tok/s",
          f"{d['bulk_tokens_per_s'] / d['engine_tokens_per_s']:.3f} x the engine in-process "
          f"({d['engine_tokens_per_s']:.1f} tok/s, {d['slots']} slots full)"],
-        ["interactive TTFT p50, idle fleet", f"{d['interactive_ttft_p50_ms_idle']:.0f} ms", ""],
+        ["interactive TTFT p50 / p95, idle fleet", f"{idle_p50:.0f} / {idle_p95:.0f} ms", ""],
         ["interactive TTFT p50, bulk saturating", f"{d['interactive_ttft_p50_ms_saturated']:.0f} ms",
          f"{d['interactive_ttft_p50_ms_saturated'] / d['interactive_ttft_p50_ms_idle']:.2f} x idle"],
+        [f"interactive TTFT p50 / p95, {long['max_tokens']}-token bulk jobs in every slot",
+         f"{long['ttft_p50_ms']:.0f} / {long['ttft_p95_ms']:.0f} ms",
+         f"idle {idle_p50:.0f} / {idle_p95:.0f} ms; p95 target <= idle p95 + 3 steps of the full batch "
+         f"({long['full_batch_step_ms']:.0f} ms each) = {long['ttft_p95_target_ms']:.0f} ms: "
+         f"{long['ttft_p95_ms'] / long['ttft_p95_target_ms']:.2f} x the target; {long['probes']} jobs, "
+         f"{long['preemptions']} preemptions"],
+        ["bulk throughput with occasional interactive jobs", f"{long['bulk_mixed_tokens_per_s']:.1f} tok/s",
+         f"{long['bulk_mixed_tokens_per_s'] / long['bulk_alone_tokens_per_s']:.3f} x bulk alone "
+         f"({long['bulk_alone_tokens_per_s']:.1f} tok/s; target >= 0.95)"],
+        [f"tenant b's TTFT p50 / p95, tenant a with {flood['tenant_a_least_waiting']:,}+ jobs waiting",
+         f"{flood['ttft_p50_ms']:.0f} / {flood['ttft_p95_ms']:.0f} ms",
+         f"{flood['ttft_p50_ms'] / idle_p50:.2f} x idle p50 (target <= 2); "
+         f"p95 {flood['ttft_p95_ms'] / idle_p95:.2f} x idle p95"],
         [f"slotq bulk peak RSS, {d['lines']:,} lines", f"{d['peak_rss_mb']:.0f} MB",
          "RSS over time (s, MB): " + ", ".join(f"{t:g}: {v:.0f}" for t, v in m["rss_mb_over_time"])],
         ["Redis used_memory peak", f"{d['redis_peak_mb']:.1f} MB",
