@@ -155,7 +155,7 @@ def test_the_fleet_view_is_for_admin_keys(stack, owned):
             refused = httpx.request(method, f"{stack.url}{path}", headers=key, timeout=30)
             assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
     assert httpx.get(f"{stack.url}/api/fleet", headers=ADMIN, timeout=30).json()["workers"]
-    assert "tenants" in httpx.get(f"{stack.url}/api/history", headers=ADMIN, timeout=30).json()
+    assert "tenants_waiting" in httpx.get(f"{stack.url}/api/history", headers=ADMIN, timeout=30).json()
 
 
 def test_idempotency_keys_are_per_tenant(stack, owned):

@@ -9,15 +9,14 @@ gateway that restarts starts a fresh history.
 
 What is measured and what is derived:
 
-* **waiting (queue depth), running, preempted** per lane: the queue's own counts (O(1) reads), summed over
-  queues. ``preempted`` is the fleet's running total; the chart shows its increase per sample.
+* **waiting (queue depth), running, preempted** per lane: the queue's own counts (O(1) reads),
+  summed over queues. ``preempted`` is the fleet's running total; the chart shows its increase per sample.
 * **tokens/s per lane**: the workers advertise their total tokens/s, not per lane, so each queue's
   total is split by the lanes' shares of its running jobs. Every running sequence gets one token
   per decode step, so this is exact while all of them decode and off only while some prefill.
-* **waiting jobs per tenant**: read from the ids of the first ``TENANT_SCAN`` waiting jobs of each
-  lane (a job's id carries its tenant). The queue has no per-tenant count for all tenants yet, and
-  reading every waiting id would cost O(backlog) per sample; past the scan, a lane's count is a
-  lower bound and the answer says so (``exact: false``).
+* **waiting jobs per tenant**: the queue's exact per-tenant counters (jobs waiting or deferred,
+  kept by the queue scripts that move jobs, ``Q:tenant_waiting``), summed over queues: one
+  ``HGETALL`` per queue, O(tenants with waiting jobs).
 """
 
 from __future__ import annotations
@@ -30,13 +29,11 @@ from typing import Any
 
 from jobs.client import SlotqClient
 from jobs.gateway.service import Gateway
-from jobs.schemas import tenant_of_job
 
 log = logging.getLogger(__name__)
 
 HISTORY_S = 15 * 60
 SAMPLE_EVERY_S = 5.0
-TENANT_SCAN = 1_000         # waiting ids read per lane for the per-tenant counts
 
 
 class FleetHistory:
@@ -47,7 +44,7 @@ class FleetHistory:
         self.every_s = every_s
         self.keep_s = keep_s
         self.samples: deque[dict[str, Any]] = deque(maxlen=max(1, int(keep_s / every_s)))
-        self.tenants: dict[str, Any] = {"waiting": {}, "exact": True, "scanned_per_lane": TENANT_SCAN}
+        self.tenants_waiting: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -74,7 +71,6 @@ class FleetHistory:
         clients = [gateway.queue(name) for name in names]
         lanes: dict[str, dict[str, float]] = {}
         tenants: Counter[str] = Counter()
-        exact = True
         for client, counts in zip(clients, await asyncio.gather(*(c.queue.counts() for c in clients))):
             tokens_per_s = sum(w.tokens_per_s for w in workers if w.queue == client.settings.queue_name)
             running = sum(c.running for c in counts)
@@ -84,26 +80,20 @@ class FleetHistory:
                 lane["running"] += c.running
                 lane["preempted"] += c.preempted
                 lane["tokens_per_s"] += tokens_per_s * c.running / running if running else 0.0
-            scanned, exact_here = await _tenants_waiting(client, [c.lane for c in counts if c.waiting])
-            tenants.update(scanned)
-            exact = exact and exact_here
+            tenants.update(await _tenants_waiting(client))
         for lane in lanes.values():
             lane["tokens_per_s"] = round(lane["tokens_per_s"], 1)
         self.samples.append({"time": round(time.time(), 1), "lanes": lanes})
-        self.tenants = {"waiting": dict(tenants.most_common()), "exact": exact, "scanned_per_lane": TENANT_SCAN}
+        self.tenants_waiting = dict(tenants.most_common())
 
     def snapshot(self) -> dict[str, Any]:
         return {"every_s": self.every_s, "keep_s": self.keep_s, "samples": list(self.samples),
-                "tenants": self.tenants}
+                "tenants_waiting": self.tenants_waiting}
 
 
-async def _tenants_waiting(client: SlotqClient, lanes: list[str]) -> tuple[Counter[str], bool]:
-    """Waiting jobs per tenant among the first ``TENANT_SCAN`` of each lane, and whether that was
-    all of them."""
+async def _tenants_waiting(client: SlotqClient) -> Counter[str]:
+    """The queue's jobs waiting or deferred per tenant, from its exact counters (only tenants with
+    some are in the hash)."""
     queue = client.queue
-    async with queue.redis.pipeline(transaction=False) as pipe:
-        for lane in lanes:
-            pipe.zrange(queue.keys.waiting(lane), 0, TENANT_SCAN)      # one past the scan: was it all?
-        heads = await pipe.execute()
-    tenants = Counter(tenant_of_job(job_id.decode()) for ids in heads for job_id in ids[:TENANT_SCAN])
-    return tenants, all(len(ids) <= TENANT_SCAN for ids in heads)
+    raw = await queue.redis.hgetall(queue.keys.tenant_waiting)
+    return Counter({tenant.decode(): int(count) for tenant, count in raw.items() if int(count) > 0})

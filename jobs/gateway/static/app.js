@@ -158,13 +158,11 @@ function renderHistory(history) {
     return `<span data-lane="${esc(lane)}"><span class="swatch" style="background:${color(lane)}"></span><b>${esc(lane)}</b>
       ${l.tokens_per_s.toFixed(1)} tok/s · ${l.waiting} waiting · ${l.running} running · ${window} preempted in 15 min</span>`;
   }).join("") || `<span class="muted">No samples yet (one every ${history.every_s} s).</span>`;
-  const tenants = Object.entries(history.tenants.waiting);
+  const tenants = Object.entries(history.tenants_waiting);
   const most = Math.max(1, ...tenants.map(([, n]) => n));
   $("#tenants tbody").innerHTML = tenants.map(([tenant, n]) => `
-    <tr data-tenant="${esc(tenant)}"><td>${esc(tenant)}</td><td>${bar(n, most)}${history.tenants.exact ? "" : "≥ "}${n}</td></tr>`).join("")
+    <tr data-tenant="${esc(tenant)}"><td>${esc(tenant)}</td><td>${bar(n, most)}${n}</td></tr>`).join("")
     || `<tr><td class="muted" colspan="2">No job waiting.</td></tr>`;
-  $("#tenants-note").textContent = history.tenants.exact ? "" :
-    `Counted among the first ${history.tenants.scanned_per_lane} waiting jobs of each lane; lanes with more show a lower bound.`;
 }
 
 async function refreshHistory() {
