@@ -44,6 +44,7 @@ from jobs.engine_api import JobEngine, RunningRequest
 from jobs.fault_injection import JobFaults
 from jobs.keys import stream_key
 from jobs.payload import decode_payload
+from jobs.queue.preemption import Progress
 from jobs.queue.redis_queue import AttemptLedger
 from jobs.queue.runtime import Retry, RetryJob
 from jobs.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, MaxTokensCap, StreamEntry
@@ -112,11 +113,18 @@ class JobRun:
         self.metadata: dict[str, Any] = {}
         self.cap: MaxTokensCap | None = None
         self.tokens_left: int | None = None    # still to generate, all choices (None until the request is known)
+        self.generated = 0                     # tokens this attempt has received
+        self.started_at = time.monotonic()
 
     @property
     def tries(self) -> int:
         """Tries spent with this attempt: the attempts so far that were not interruptions."""
         return self.attempt - self.interruptions
+
+    @property
+    def progress(self) -> Progress:
+        """How far this attempt has got, for the preemption policy."""
+        return Progress(tokens_left=self.tokens_left or 0, generated=self.generated, started_at=self.started_at)
 
     # ------------------------------------------------------------------ entry point
     async def run(self) -> JobResult:
@@ -205,17 +213,16 @@ class JobRun:
                       delivered: Delivered) -> JobResult:
         texts = {c: delivered.text.get(c, "") for c in range(job.n)}
         tokens = {c: len(delivered.tokens.get(c, [])) for c in range(job.n)}
-        new_tokens = 0
         finished: dict[int, Finished] = {}
         try:
             async for event in handle:
                 if isinstance(event, TextDelta):
-                    if self.faults.kill_due(delivered=sum(tokens.values()), new=new_tokens,
+                    if self.faults.kill_due(delivered=sum(tokens.values()), new=self.generated,
                                             arriving=len(event.token_ids)):
                         await self.faults.kill_worker(self.writer.write_all(self.job_id))
                     texts[event.choice] += event.text
                     tokens[event.choice] += len(event.token_ids)
-                    new_tokens += len(event.token_ids)
+                    self.generated += len(event.token_ids)
                     self.tokens_left = (self.tokens_left or 0) - len(event.token_ids)
                     self.writer.add_chunk(self.job_id, attempt=self.attempt, choice=event.choice, text=event.text,
                                           token_ids=event.token_ids, n_tokens=event.n_tokens)

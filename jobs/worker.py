@@ -47,6 +47,7 @@ from jobs.engine_api import EngineFactory, JobEngine
 from jobs.fault_injection import JobFaults, WorkerFaults
 from jobs.job_run import JobRun
 from jobs.keys import JOB_FUNCTION, WORKER_INDEX, worker_key
+from jobs.queue.preemption import NOT_STARTED, Progress
 from jobs.queue.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
 from jobs.queue.runtime import QueueRuntime
 from jobs.serialization import deserialize, serialize
@@ -114,7 +115,7 @@ class SlotqWorker:
         self.runtime = QueueRuntime(
             job_name=JOB_FUNCTION, job=self.run_job, queue_name=self.settings.queue_name, redis_pool=redis,
             queue=self.queue, token=self.token, lease_ms=self.lease_ms, may_claim=self._may_claim,
-            on_job_started=self._observe_pickup, tokens_left=self._tokens_left,
+            on_job_started=self._observe_pickup, progress=self._progress,
             on_preempted=lambda victim: metrics.LANE_PREEMPTIONS.labels(lane=victim.lane).inc(),
             on_startup=self._on_startup, on_shutdown=self._on_shutdown,
             max_jobs=self.settings.slots, job_timeout=self.settings.job_timeout_s,
@@ -348,10 +349,11 @@ class SlotqWorker:
             self.health.tick()
             await asyncio.sleep(1)
 
-    def _tokens_left(self, job_id: str) -> int:
-        """What a running job still has to generate, for the preemption policy (0 until known)."""
+    def _progress(self, job_id: str) -> Progress:
+        """How far a running job's attempt has got, for the preemption policy (not started until
+        its attempt runs here)."""
         run = self._runs.get(job_id)
-        return run.tokens_left if run is not None and run.tokens_left is not None else 0
+        return run.progress if run is not None else NOT_STARTED
 
     def _observe_pickup(self, job: ClaimedJob) -> None:
         metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, time.time() - job.ready_ms / 1000))

@@ -30,7 +30,7 @@ from typing import Any
 
 from arq.worker import Retry, RetryJob, Worker, func
 
-from jobs.queue.preemption import Candidate, choose_victim
+from jobs.queue.preemption import NOT_STARTED, Candidate, Progress, choose_victim
 from jobs.queue.redis_queue import ClaimedJob, RedisQueue
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,10 @@ class QueueRuntime(Worker):
     def __init__(self, *, job_name: str, job: Callable[[dict[str, Any], Any], Awaitable[Any]], queue: RedisQueue,
                  token: str, lease_ms: int, may_claim: Callable[[], bool] = lambda: True,
                  on_job_started: Callable[[ClaimedJob], None] | None = None,
-                 tokens_left: Callable[[str], int] = lambda job_id: 0,
+                 progress: Callable[[str], Progress] = lambda job_id: NOT_STARTED,
                  on_preempted: Callable[[ClaimedJob], None] | None = None, **kwargs: Any) -> None:
-        """``tokens_left(job_id)``: what a running job still has to generate (the victim policy
-        weighs it); ``on_preempted(victim)``: a job of this worker yields its slot to a higher lane."""
+        """``progress(job_id)``: how far a running job's attempt has got (the victim policy weighs
+        it); ``on_preempted(victim)``: a job of this worker yields its slot to a higher lane."""
         super().__init__(functions=[func(job, name=job_name)], handle_signals=False, **kwargs)
         # arq logs every job's arguments (the prompt) at INFO; slotq logs its own prompt-free lines.
         logging.getLogger("arq.worker").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
@@ -65,7 +65,7 @@ class QueueRuntime(Worker):
         self.leaving: set[str] = set()          # finishing, retrying or being handed back right now
         self.may_claim = may_claim
         self.on_job_started = on_job_started
-        self.tokens_left = tokens_left
+        self.progress = progress
         self.on_preempted = on_preempted
         self._slot_freed = asyncio.Event()
         self._wake_task: asyncio.Task[bool] | None = None
@@ -216,7 +216,7 @@ class QueueRuntime(Worker):
             return None
         lanes = self.queue.keys.lanes
         return choose_victim(
-            Candidate(job_id, lanes.index(job.lane), self.tokens_left(job_id))
+            Candidate(job_id, lanes.index(job.lane), self.progress(job_id))
             for job_id, job in self.claimed.items()
             if job_id in self.job_tasks and job.lane != lanes[0] and job_id not in self.leaving
             and job_id not in self.lease_lost and job_id not in self.successors and job_id not in self.aborting_tasks)
@@ -246,7 +246,7 @@ class QueueRuntime(Worker):
             await self._start(job)
             return
         log.info("job %s (%s) hands its slot to job %s (%s) and goes back to its lane with %d tokens left",
-                 victim.job_id, victim_job.lane, job.id, job.lane, victim.tokens_left)
+                 victim.job_id, victim_job.lane, job.id, job.lane, victim.progress.tokens_left)
         self.successors[victim.job_id] = job
         if self.on_preempted is not None:
             self.on_preempted(victim_job)
