@@ -72,8 +72,10 @@ async def test_greedy_output_is_identical_alone_and_batched(tiny_model_path: Pat
     async with running_engine(tiny_model_path, slots=8) as engine:
         batched = await asyncio.gather(*(run_one(engine, greedy(p, n)) for p, n in MIXED))
         stats = engine.stats()
-    # They really shared decode batches (not run one after another).
-    assert stats.avg_busy_slots_per_decode > 3
+    # They really shared decode batches (one after another would be 1.0). Not more: with a KV stream
+    # per slot a step is so short that the engine may run a few dozen before the event loop has
+    # submitted the last request (seen: 3.0, where all eight admitted together give about 4.4).
+    assert stats.avg_busy_slots_per_decode > 2
     assert stats.decode_steps < sum(n for _, n in MIXED) / 2
     for (prompt, n), (a_text, a_tokens, a_fin), (b_text, b_tokens, b_fin) in zip(MIXED, alone, batched):
         assert len(a_tokens) == n and a_fin[0].finish_reason == FinishReason.LENGTH
