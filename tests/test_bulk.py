@@ -227,7 +227,9 @@ async def test_interactive_job_starts_before_queued_bulk_jobs(client, redis_url,
     """One worker with 2 slots, a bulk run keeping 12 lines in Redis (2 running, 10 waiting). An
     interactive job enqueued then is claimed at the next slot turnover, before every bulk job that
     was waiting when it arrived; the bulk run still finishes every line."""
-    inp = write_jsonl(tmp_path / "in.jsonl", slotq_lines(40, max_tokens=48))
+    # Lines long enough that the run's window fills while both slots are busy: with a KV stream per
+    # slot, 48-token lines finished as fast as the run enqueued them and 8 never waited at once.
+    inp = write_jsonl(tmp_path / "in.jsonl", slotq_lines(40, max_tokens=240))
     procs = fleet(("lanes-w1",), redis_url, tiny_model_path, tmp_path, slots=2)
     try:
         await wait_for_workers(client, {"lanes-w1"}, procs=procs)
