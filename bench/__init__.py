@@ -4,7 +4,7 @@ variants side by side in one run, prints a table with ratios (or one JSON object
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
 ``slotq worker``, the fleet benchmark's fleet processes) runs under
-:func:`jobs.watch.run_watched`: if the child dies, the benchmark stops at once with its exit code
+:func:`slotq.jobs.cli.watch.run_watched`: if the child dies, the benchmark stops at once with its exit code
 and log tail. The engine and prefix benchmarks run everything in this process, so a model that
 does not load raises at once and a crash inside llama.cpp ends the process itself."""
 
@@ -15,7 +15,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from jobs.watch import ChildExited
+from slotq.jobs.cli.watch import ChildExited
 
 
 def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> dict[str, Any]:

@@ -18,7 +18,7 @@ What it keeps from that code, as it was:
   ``MULTI``), then the ``PUBLISH``.
 
 What is shared with the current worker, so only the claim path differs: the job function
-(:class:`~jobs.job_run.JobRun`), the stream writer, the simulated engine and the readers. One
+(:class:`~slotq.jobs.worker.job_run.JobRun`), the stream writer, the simulated engine and the readers. One
 difference flatters the baseline: its stream writes skip the lease check the old script made
 (one command fewer per job and flush).
 """
@@ -37,17 +37,17 @@ from arq.constants import in_progress_key_prefix
 from arq.worker import Worker, func
 from redis.exceptions import RedisError
 
-from jobs.client import JobHandle, SlotqClient
-from jobs.connection import redis_settings
-from jobs.engine_api import EngineFactory, JobEngine
-from jobs.errors import QueueFull
-from jobs.job_run import JobRun
-from jobs.keys import JOB_FUNCTION, worker_key
-from jobs.payload import encode_payload
-from jobs.schemas import JobRequest
-from jobs.serialization import deserialize, serialize
-from jobs.settings import WorkerSettings
-from jobs.stream import StreamWriter
+from slotq.jobs.producer.client import JobHandle, SlotqClient
+from slotq.jobs.protocol.connection import redis_settings
+from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
+from slotq.jobs.errors import QueueFull
+from slotq.jobs.worker.job_run import JobRun
+from slotq.jobs.protocol.record_keys import JOB_FUNCTION, worker_key
+from slotq.jobs.protocol.payload import encode_payload
+from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.protocol.serialization import deserialize, serialize
+from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.protocol.streams import StreamWriter
 
 log = logging.getLogger(__name__)
 

@@ -37,13 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
-from jobs.bulk import BulkOptions
-from jobs.client import SlotqClient
-from jobs.redis_server import EmbeddedRedis
-from jobs.schemas import EntryKind, JobRequest
-from jobs.settings import ClientSettings, WorkerSettings
-from jobs.watch import ChildExited, ChildProcess, run_watched
+from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
+from slotq.jobs.bulk import BulkOptions
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.protocol.schemas import EntryKind, JobRequest
+from slotq.jobs.settings import ClientSettings, WorkerSettings
+from slotq.jobs.cli.watch import ChildExited, ChildProcess, run_watched
 
 SLOTS = 8
 CTX = 512
@@ -104,7 +104,7 @@ class _Bulk:
 
     def start(self, inp: Path) -> ChildProcess:
         n = len(self.children) + 1
-        child = ChildProcess(f"slotq bulk ({inp.name})", [sys.executable, "-m", "jobs.cli", "bulk", str(inp), "-o",
+        child = ChildProcess(f"slotq bulk ({inp.name})", [sys.executable, "-m", "slotq.jobs.cli", "bulk", str(inp), "-o",
                                                           str(self.tmp / f"bulk-{n}.out.jsonl"), "--json"],
                              env=self.env, log_path=self.tmp / f"bulk-{n}.log")
         self.children.append(child)
@@ -182,7 +182,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         # the engine's SLOTS; on a busy shared machine the elastic controller would shrink them.
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
                "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_ELASTIC": "false", "COLUMNS": "200"}
-        worker = ChildProcess("the benchmark's worker (slotq worker)", [sys.executable, "-m", "jobs.cli", "worker"],
+        worker = ChildProcess("the benchmark's worker (slotq worker)", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                               env=env, log_path=tmp / "worker.log")
         try:
             data = await run_watched(_measure(url, config, tmp, _Bulk(env, tmp), sizes), worker)

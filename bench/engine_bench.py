@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.isolated import IsolatedProcess
 from bench.report import distinct_prompt, markdown_table, progress, write_results
-from engine import (
+from slotq.engine import (
     BatchingMode,
     Engine,
     EngineConfig,
@@ -28,7 +28,7 @@ from engine import (
     SamplingParams,
     bundled_model_path,
 )
-from engine.llama_model import LlamaModel
+from slotq.engine.llama_model import LlamaModel
 
 CONCURRENCY = [1, 2, 4, 8, 16]
 ROUNDS = 3          # medians of 3 interleaved rounds

@@ -19,7 +19,7 @@ steady number of running jobs, a window is measured:
 
 Per fleet size and design, a short search starts at 0.05 enqueues/s per slot (500/s at 10,000
 slots) and goes up (or down, if that fails) until pickup p99 crosses 100 ms.
-Each step runs under :func:`jobs.watch.run_watched`: a fleet process that dies stops the
+Each step runs under :func:`slotq.jobs.cli.watch.run_watched`: a fleet process that dies stops the
 benchmark with its exit code and log tail.
 """
 
@@ -45,12 +45,12 @@ from bench.fleet_counters import LagProbe
 from bench.fleet_host import Design, HostConfig, RecordReader
 from bench.report import markdown_table, percentile, progress, write_results
 from bench.sim_engine import SimulationParams
-from jobs.client import SlotqClient
-from jobs.redis_server import EmbeddedRedis
-from jobs.schemas import JobRequest
-from jobs.settings import ClientSettings
-from jobs.stream_reader import StreamReader
-from jobs.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.settings import ClientSettings
+from slotq.jobs.producer.stream_reader import StreamReader
+from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 QUEUE = "slotq:queue"
 SLOTS_PER_WORKER = 50        # a GPU node runs 32 to 64

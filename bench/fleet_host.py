@@ -1,7 +1,7 @@
 """One process of the fleet benchmark's simulated fleet: many workers on simulated engines.
 
 ``python -m bench.fleet_host '<HostConfig as JSON>'`` runs ``workers`` real workers in one event
-loop -- :class:`~jobs.worker.SlotqWorker` (design ``slotq``) or the old claim path of
+loop -- :class:`~slotq.jobs.worker.worker.SlotqWorker` (design ``slotq``) or the old claim path of
 :mod:`bench.arq_baseline` (design ``baseline``) -- each on its own
 :class:`~bench.sim_engine.SimulatedEngine`, against the benchmark's Valkey. It tells the driver
 what only it can see by appending lines to ``record_path`` (a file, so nothing it reports adds
@@ -35,10 +35,10 @@ from pydantic import BaseModel
 from bench.arq_baseline import BaselineWorker
 from bench.fleet_counters import LagProbe
 from bench.sim_engine import SimulatedEngine, SimulationParams
-from jobs.engine_api import EngineFactory, JobEngine
-from jobs.queue.redis_queue import ClaimedJob
-from jobs.settings import WorkerSettings
-from jobs.worker import SlotqWorker
+from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
+from slotq.jobs.protocol.redis_queue import ClaimedJob
+from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.worker.worker import SlotqWorker
 
 log = logging.getLogger(__name__)
 

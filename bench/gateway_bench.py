@@ -26,11 +26,11 @@ import httpx
 
 from bench.queue_bench import OneRequest, _closed_loop, _queue_request
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
-from engine import bundled_model_path
-from jobs.client import SlotqClient
-from jobs.redis_server import EmbeddedRedis
-from jobs.settings import ClientSettings
-from jobs.watch import ChildProcess, run_watched
+from slotq.engine import bundled_model_path
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.settings import ClientSettings
+from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 SLOTS = 16
 CTX = 512
@@ -95,7 +95,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(bundled_model_path()),
                "SLOTQ_MODEL_NAME": MODEL_NAME, "SLOTQ_SLOTS": str(SLOTS), "SLOTQ_CTX": str(CTX),
                "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_LOG_LEVEL": "WARNING"}
-        children = [ChildProcess(f"the benchmark's {name} (slotq {name})", [sys.executable, "-m", "jobs.cli", *argv],
+        children = [ChildProcess(f"the benchmark's {name} (slotq {name})", [sys.executable, "-m", "slotq.jobs.cli", *argv],
                                  env=env, log_path=Path(tmp) / f"{name}.log")
                     for name, argv in (("worker", ["worker"]), ("gateway", ["gateway", "--port", str(port)]))]
         try:

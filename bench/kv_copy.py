@@ -24,8 +24,8 @@ from pathlib import Path
 
 from bench.overhead_bench import THREADS, write_tiny_model
 from bench.report import markdown_table, progress, write_results
-from engine import EngineConfig, KVLayout, bundled_model_path
-from engine.llama_model import LlamaModel
+from slotq.engine import EngineConfig, KVLayout, bundled_model_path
+from slotq.engine.llama_model import LlamaModel
 
 PREFIXES = [32, 128, 512, 1000]
 CTX = 1024
@@ -64,7 +64,7 @@ def measure(model: LlamaModel, n_prefix: int) -> tuple[float, float]:
 def main() -> None:
     rows, results = [], []
     with tempfile.TemporaryDirectory(prefix="slotq-kv-copy-") as tmp:
-        models = {"tiny (tests/tiny_model.py)": write_tiny_model(Path(tmp) / "tiny.gguf"),
+        models = {"tiny (tests/support/tiny_model.py)": write_tiny_model(Path(tmp) / "tiny.gguf"),
                   "SmolLM2-135M Q4_1 (bundled)": bundled_model_path()}
         for name, path in models.items():
             progress(f"{name}: copy vs re-prefill")

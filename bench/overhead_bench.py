@@ -2,7 +2,7 @@
 is measured is everything around the matrix multiplications: the KV layout's attention span, the
 scheduler, sampling, the queue.
 
-Model: the test suite's tiny random llama (``tests/tiny_model.py``: 2 layers, 128 wide), written
+Model: the test suite's tiny random llama (``tests/support/tiny_model.py``: 2 layers, 128 wide), written
 to a temporary file. Workload: S streams started together, each one request of a distinct short
 prompt generating ``TOKENS`` tokens exactly (greedy, ignore_eos); every system has S slots of
 ``CTX`` tokens. tokens/s = all generated tokens / wall time from the first request to the last
@@ -41,12 +41,12 @@ from bench.isolated import IsolatedProcess
 from bench.peers_bench import _free_port, _wait_http
 from bench.queue_bench import timed_job
 from bench.report import distinct_prompt, markdown_table, progress, write_results
-from engine import Engine, EngineConfig, GenerationRequest, KVLayout, SamplingParams
-from jobs.client import SlotqClient
-from jobs.redis_server import EmbeddedRedis
-from jobs.schemas import JobRequest
-from jobs.settings import ClientSettings
-from jobs.watch import ChildProcess, run_watched
+from slotq.engine import Engine, EngineConfig, GenerationRequest, KVLayout, SamplingParams
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.settings import ClientSettings
+from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 STREAMS = [64, 256]
 TOKENS = 256
@@ -59,9 +59,9 @@ OneStream = Callable[[int], Awaitable[int]]      # stream index -> generated tok
 
 
 def write_tiny_model(path: Path) -> Path:
-    """The suite's tiny model (tests/tiny_model.py in this checkout), loaded by file path: tests/
+    """The suite's tiny model (tests/support/tiny_model.py in this checkout), loaded by file path: tests/
     is not an installed package."""
-    source = Path(__file__).resolve().parent.parent / "tests" / "tiny_model.py"
+    source = Path(__file__).resolve().parent.parent / "tests" / "support" / "tiny_model.py"
     if not source.exists():
         raise FileNotFoundError(f"{source} is missing: slotq bench overhead runs from a slotq checkout")
     spec = importlib.util.spec_from_file_location("slotq_tiny_model", source)
@@ -156,7 +156,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
             redis.stop()
     for system, reason in skipped.items():
         progress(f"skipped {system}: {reason}")
-    data = {"model": "tests/tiny_model.py", "tokens_per_stream": tokens, "ctx_per_slot": CTX, "threads": THREADS,
+    data = {"model": "tests/support/tiny_model.py", "tokens_per_stream": tokens, "ctx_per_slot": CTX, "threads": THREADS,
             "results": results, "skipped": skipped}
     text = _table(results, streams_list, skipped)
     if not quick:
@@ -189,7 +189,7 @@ async def _at(streams: int, tokens: int, tmp: Path, model: Path, url: str, serve
     env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(streams),
            "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS),
            "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_ELASTIC": "false", "SLOTQ_QUEUE_NAME": f"overhead-{streams}"}
-    children["slotq-redis"] = ChildProcess(f"slotq worker at {streams} slots", [sys.executable, "-m", "jobs.cli", "worker"],
+    children["slotq-redis"] = ChildProcess(f"slotq worker at {streams} slots", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                                            env=env, log_path=tmp / f"worker-{streams}.log")
     ports: dict[str, int] = {}
     if server_binary is not None:

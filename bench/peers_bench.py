@@ -44,14 +44,14 @@ from bench.isolated import IsolatedProcess
 from bench.peers_report import plot, table
 from bench.queue_bench import timed_job
 from bench.report import TOPICS, percentile, progress, write_results
-from engine import EngineConfig, bundled_model_path
-from engine.config import CpuRepack
-from engine.cpu_features import decide_repack, this_cpu_flags
-from jobs.client import SlotqClient
-from jobs.redis_server import EmbeddedRedis
-from jobs.schemas import JobRequest
-from jobs.settings import ClientSettings
-from jobs.watch import ChildProcess, run_watched
+from slotq.engine import EngineConfig, bundled_model_path
+from slotq.engine.config import CpuRepack
+from slotq.engine.cpu_features import decide_repack, this_cpu_flags
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.settings import ClientSettings
+from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 CONCURRENCY = [1, 4, 8, 16]
 MAX_TOKENS = 64
@@ -175,10 +175,10 @@ class Fleet:
                 "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS),
                 "SLOTQ_CPU_REPACK": "on" if repack else "off", "SLOTQ_LOG_LEVEL": "WARNING",
                 "SLOTQ_ELASTIC": "false"}     # fixed slots, as llama-server's --parallel
-        worker = self._child("slotq-redis", "slotq worker", [sys.executable, "-m", "jobs.cli", "worker"],
+        worker = self._child("slotq-redis", "slotq worker", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                              env=base | {"SLOTQ_QUEUE_NAME": "peers", "SLOTQ_MODEL_NAME": GATEWAY_MODEL})
         self.children["slotq-gateway"] = [worker]      # + the gateway, which outlives one concurrency
-        self._child("slotq-static", "slotq worker (static)", [sys.executable, "-m", "jobs.cli", "worker"],
+        self._child("slotq-static", "slotq worker (static)", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                     env=base | {"SLOTQ_QUEUE_NAME": "peers-static", "SLOTQ_MODEL_NAME": "peers-static",
                                 "SLOTQ_BATCHING": "static"})
         if server_binary is not None:
@@ -246,7 +246,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         redis = EmbeddedRedis(Path(tmp) / "redis")
         url = redis.start()
         gateway_port = _free_port()
-        gateway = ChildProcess("slotq gateway", [sys.executable, "-m", "jobs.cli", "gateway", "--port", str(gateway_port)],
+        gateway = ChildProcess("slotq gateway", [sys.executable, "-m", "slotq.jobs.cli", "gateway", "--port", str(gateway_port)],
                                env={**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_LOG_LEVEL": "WARNING"},
                                log_path=Path(tmp) / "gateway.log")
         raw = raw_process(EngineConfig(model_path=model, slots=max(concurrency), ctx=CTX, prefix_cache=False,

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from bench.report import markdown_table, percentile, progress, write_results
-from engine import ChatMessage, Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
+from slotq.engine import ChatMessage, Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
 
 SYSTEM = (
     "You are the support assistant of a company that rents bicycles in a large city. "

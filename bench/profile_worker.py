@@ -20,11 +20,11 @@ import tempfile
 from pathlib import Path
 
 from bench.queue_bench import _closed_loop, _queue_request
-from engine import bundled_model_path
-from jobs.client import SlotqClient
-from jobs.redis_server import EmbeddedRedis
-from jobs.settings import ClientSettings
-from jobs.watch import ChildProcess, run_watched
+from slotq.engine import bundled_model_path
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.settings import ClientSettings
+from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 CLIENTS, PER_CLIENT, MAX_TOKENS = 8, 6, 64
 
@@ -56,7 +56,7 @@ async def main() -> None:
         url = redis.start()
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(bundled_model_path()), "SLOTQ_SLOTS": "8",
                "SLOTQ_CTX": "512", "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_LOG_LEVEL": "WARNING"}
-        worker = ChildProcess("the profiled worker", [sys.executable, "-m", "jobs.cli", "worker"], env=env,
+        worker = ChildProcess("the profiled worker", [sys.executable, "-m", "slotq.jobs.cli", "worker"], env=env,
                               log_path=Path(tmp) / "worker.log")
         try:
             await run_watched(_profile(url, worker, spy_bin, Path(tmp) / "profile.txt"), worker)

@@ -28,12 +28,12 @@ from typing import Any
 from redis.asyncio import Redis
 
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
-from jobs.client import SlotqClient
-from jobs.redis_server import EmbeddedRedis
-from jobs.schemas import EntryKind, JobRequest
-from jobs.settings import ClientSettings
-from jobs.watch import ChildProcess, run_watched
+from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.protocol.schemas import EntryKind, JobRequest
+from slotq.jobs.settings import ClientSettings
+from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 SLOTS = 8
 CTX = 512
@@ -112,7 +112,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         url = server.start()
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
                "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false"}
-        worker = ChildProcess("the benchmark's worker (slotq worker)", [sys.executable, "-m", "jobs.cli", "worker"],
+        worker = ChildProcess("the benchmark's worker (slotq worker)", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                               env=env, log_path=Path(tmp) / "worker.log")
         try:
             results, reads, commands, tokens = await run_watched(

@@ -1,10 +1,10 @@
 """A simulated engine: the one stand-in in the fleet benchmark (``slotq bench fleet``).
 
 It replaces llama.cpp only because thousands of GPU slots cannot fit on a 2-core machine.
-Everything around it is real: real :class:`~jobs.worker.SlotqWorker` instances (claim path,
+Everything around it is real: real :class:`~slotq.jobs.worker.worker.SlotqWorker` instances (claim path,
 leases, heartbeat, job function, stream writer), the real producer client and stream readers, and
 a real Valkey server. It implements exactly the surface of :class:`engine.Engine` that the job
-layer uses (:class:`jobs.engine_api.JobEngine`), with the same event types, so the job layer
+layer uses (:class:`slotq.jobs.worker.engine_api.JobEngine`), with the same event types, so the job layer
 cannot tell the difference except by the text.
 
 What it simulates is a GPU slot's pace, nothing else: each sequence yields ``tokens_per_s``
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from engine import (EngineConfig, EngineStats, EngineStopped, ErrorInfo, Finished, FinishReason,
+from slotq.engine import (EngineConfig, EngineStats, EngineStopped, ErrorInfo, Finished, FinishReason,
                     GenerationRequest, InvalidRequest, PromptTooLong, RequestHandle, TextDelta, Timings, Usage)
-from engine.scheduler import SchedulerLimits
-from jobs.engine_api import EngineFactory
+from slotq.engine.scheduler import SchedulerLimits
+from slotq.jobs.worker.engine_api import EngineFactory
 
 WORDS = [" the", " queue", " slot", " token", " fleet", " worker", " stream", " claim"]
 VOCAB = len(WORDS)
@@ -86,7 +86,7 @@ class SimulatedEngine:
 
     @staticmethod
     def factory(params: SimulationParams) -> EngineFactory:
-        """An ``engine_factory`` for :class:`~jobs.worker.SlotqWorker`."""
+        """An ``engine_factory`` for :class:`~slotq.jobs.worker.worker.SlotqWorker`."""
         async def start(config: EngineConfig) -> SimulatedEngine:
             return SimulatedEngine(config, params)
         return start

@@ -6,8 +6,8 @@ request and event types, such as a producer enqueueing jobs, does not load the n
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import CpuRepack, EngineConfig, EngineKnobs, FlashAttention, KVCacheType, KVLayout
-from engine.errors import (
+from slotq.engine.config import CpuRepack, EngineConfig, EngineKnobs, FlashAttention, KVCacheType, KVLayout
+from slotq.engine.errors import (
     EngineDead,
     EngineError,
     EngineStopped,
@@ -17,20 +17,20 @@ from engine.errors import (
     PromptTooLong,
     RequestFailed,
 )
-from engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
-from engine.model_files import bundled_model_path, resolve_model_path
-from engine.request import ChatMessage, GenerationParams, GenerationRequest, SamplingParams
-from engine.scheduler import BatchingMode
-from engine.state import EngineState
-from engine.stats import EngineStats
+from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
+from slotq.engine.model_files import bundled_model_path, resolve_model_path
+from slotq.engine.request import ChatMessage, GenerationParams, GenerationRequest, SamplingParams
+from slotq.engine.scheduler import BatchingMode
+from slotq.engine.state import EngineState
+from slotq.engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from engine.engine import Engine, RequestHandle
+    from slotq.engine.engine import Engine, RequestHandle
 
 
 def __getattr__(name: str) -> Any:
     if name in ("Engine", "RequestHandle"):
-        from engine import engine as _engine_module
+        from slotq.engine import engine as _engine_module
 
         return getattr(_engine_module, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

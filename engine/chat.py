@@ -13,8 +13,8 @@ from functools import cached_property
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import InvalidRequest
-from engine.request import ChatMessage
+from slotq.engine.errors import InvalidRequest
+from slotq.engine.request import ChatMessage
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.scheduler import BatchingMode
+from slotq.engine.scheduler import BatchingMode
 
 
 class KVCacheType(StrEnum):

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import CpuRepack
+from slotq.engine.config import CpuRepack
 
 #: The flag Linux lists for AMX in /proc/cpuinfo (``amx_int8`` and ``amx_bf16`` come with it).
 AMX_FLAG = "amx_tile"

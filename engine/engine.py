@@ -6,11 +6,11 @@
     await engine.close()
 
 ``submit`` validates on the caller's thread (tokenization and grammar parsing only touch the
-vocabulary), so a bad request raises :class:`~engine.errors.InvalidRequest` before it is queued.
+vocabulary), so a bad request raises :class:`~slotq.engine.errors.InvalidRequest` before it is queued.
 Events cross from the engine thread into the caller's event loop once per decode step (see
-``engine.outbox``).
+``slotq.engine.outbox``).
 
-An engine is RUNNING, FAILED (its thread crashed) or CLOSED (see ``engine.state``). The owner of
+An engine is RUNNING, FAILED (its thread crashed) or CLOSED (see ``slotq.engine.state``). The owner of
 an engine -- the worker -- watches for a crash with :meth:`Engine.wait_failed` rather than polling.
 """
 
@@ -21,19 +21,19 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine.chat import ChatTemplate
-from engine.config import EngineConfig, KVLayout
-from engine.errors import EngineError, InvalidRequest, PromptTooLong
-from engine.events import Event, Finished
-from engine.fault_injection import EngineFaults
-from engine.llama_model import LlamaModel
-from engine.outbox import Sink
-from engine.request import GenerationRequest, SamplingParams
-from engine.runner import PreparedRequest, Runner
-from engine.sampling import SamplerChain, build_chain, check_grammar, check_resume_tokens, grammar_for
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerLimits
-from engine.state import EngineState, Lifecycle
-from engine.stats import EngineStats
+from slotq.engine.chat import ChatTemplate
+from slotq.engine.config import EngineConfig, KVLayout
+from slotq.engine.errors import EngineError, InvalidRequest, PromptTooLong
+from slotq.engine.events import Event, Finished
+from slotq.engine.fault_injection import EngineFaults
+from slotq.engine.llama_model import LlamaModel
+from slotq.engine.outbox import Sink
+from slotq.engine.request import GenerationRequest, SamplingParams
+from slotq.engine.runner import PreparedRequest, Runner
+from slotq.engine.sampling import SamplerChain, build_chain, check_grammar, check_resume_tokens, grammar_for
+from slotq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerLimits
+from slotq.engine.state import EngineState, Lifecycle
+from slotq.engine.stats import EngineStats
 
 
 class CancelsRequests(Protocol):
@@ -162,9 +162,9 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Validate and queue a request; iterate the returned handle for its events.
 
-        Raises :class:`~engine.errors.InvalidRequest` (not retryable) for a bad request,
-        :class:`~engine.errors.EngineDead` (retryable) at once if the engine thread has crashed,
-        :class:`~engine.errors.EngineStopped` (retryable) after :meth:`close`. A request accepted
+        Raises :class:`~slotq.engine.errors.InvalidRequest` (not retryable) for a bad request,
+        :class:`~slotq.engine.errors.EngineDead` (retryable) at once if the engine thread has crashed,
+        :class:`~slotq.engine.errors.EngineStopped` (retryable) after :meth:`close`. A request accepted
         here always ends with a ``Finished`` event per choice, even if the engine dies meanwhile
         (then with the retryable error ``engine_dead``)."""
         handle = RequestHandle(self, request)

@@ -6,7 +6,7 @@ and logs a warning when any hook is armed, so a hook left on in production is vi
 
 ``SLOTQ_FAULT_ENGINE_CRASH_AFTER_STEPS=N``
     The engine thread raises :class:`InjectedFault` right after its N-th ``llama_decode`` step:
-    the engine dies (see ``engine.runner``: every request ends with ``engine_dead``).
+    the engine dies (see ``slotq.engine.runner``: every request ends with ``engine_dead``).
 ``SLOTQ_FAULT_ADMISSION_MARKER=TEXT``
     Admitting a request whose prompt (or any chat message) contains TEXT raises
     :class:`InjectedFault` where its sampler chains are built: only that request fails.
@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.request import GenerationRequest
+from slotq.engine.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ ADMISSION_MARKER = "SLOTQ_FAULT_ADMISSION_MARKER"
 
 class InjectedFault(RuntimeError):
     """Raised by an armed hook. A RuntimeError on purpose: the engine must treat it like any
-    unexpected exception, not like one of its own :class:`~engine.errors.EngineError`s."""
+    unexpected exception, not like one of its own :class:`~slotq.engine.errors.EngineError`s."""
 
 
 @dataclass(frozen=True)

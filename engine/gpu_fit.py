@@ -8,8 +8,8 @@ that is free now, minus a reserve for llama.cpp's compute buffers (the logits of
 dominate them for large vocabularies). The KV share is sized for every configured slot
 (``kv_cells`` cells), so the layers chosen still fit when all slots are full.
 
-The model's shape comes from the GGUF header (:func:`engine.llama_devices.read_model_shape`) and
-the free memory from llama.cpp's devices (:func:`engine.llama_devices.gpu_devices`); this module
+The model's shape comes from the GGUF header (:func:`slotq.engine.llama_devices.read_model_shape`) and
+the free memory from llama.cpp's devices (:func:`slotq.engine.llama_devices.gpu_devices`); this module
 only does the arithmetic, so it is tested without a GPU.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import KVCacheType
+from slotq.engine.config import KVCacheType
 
 MIB = 1 << 20
 BASE_RESERVE = 256 * MIB

@@ -1,7 +1,7 @@
 """llama.cpp calls for sizing before a model loads: GPU devices and their free memory (ggml's
 backend-device API) and a model's shape from its GGUF header (ggml's gguf reader, metadata only).
 
-Used by ``SLOTQ_GPU_LAYERS=auto`` (see :mod:`engine.gpu_fit`). Loading the model itself to learn
+Used by ``SLOTQ_GPU_LAYERS=auto`` (see :mod:`slotq.engine.gpu_fit`). Loading the model itself to learn
 its shape is not an option: llama.cpp's ``vocab_only`` load aborts in hparams on some builds, and
 a full load would already have placed the layers.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import llama_cpp
 from llama_cpp._ggml import libggml
 
-from engine.config import EngineConfig
-from engine.gpu_fit import ModelShape, fit_gpu_layers
+from slotq.engine.config import EngineConfig
+from slotq.engine.gpu_fit import ModelShape, fit_gpu_layers
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def read_model_shape(path: Path) -> ModelShape:
 
 def resolve_gpu_layers(config: EngineConfig) -> int:
     """``config.gpu_layers`` as llama.cpp's ``n_gpu_layers``: a number as given (-1: all), or for
-    ``auto`` the fit of :func:`engine.gpu_fit.fit_gpu_layers` on the free memory of every GPU, logged."""
+    ``auto`` the fit of :func:`slotq.engine.gpu_fit.fit_gpu_layers` on the free memory of every GPU, logged."""
     if config.gpu_layers != "auto":
         return 999 if config.gpu_layers < 0 else config.gpu_layers
     devices = gpu_devices()

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from engine.config import CpuRepack, EngineConfig, FlashAttention, KVCacheType, KVLayout
-from engine.cpu_features import RepackDecision, decide_repack, this_cpu_flags
-from engine.llama_devices import resolve_gpu_layers
+from slotq.engine.config import CpuRepack, EngineConfig, FlashAttention, KVCacheType, KVLayout
+from slotq.engine.cpu_features import RepackDecision, decide_repack, this_cpu_flags
+from slotq.engine.llama_devices import resolve_gpu_layers
 
 log = logging.getLogger(__name__)
 

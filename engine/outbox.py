@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.events import Event
+from slotq.engine.events import Event
 
 Deliver = Callable[[Event], None]     # called on the request's event loop (e.g. Queue.put_nowait)
 

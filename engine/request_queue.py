@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from engine.sequence import Sequence
+from slotq.engine.sequence import Sequence
 
 
 class RequestQueue:

@@ -3,7 +3,7 @@
 This is the only code that touches the llama_context after start-up. It turns scheduler output
 into KV operations and one ``llama_decode``, samples every sequence that reached the end of its
 pending tokens, turns tokens into text (UTF-8 safe, stop strings held back), and reports events
-through an :class:`~engine.outbox.Outbox` that leaves the thread once per step, right after the
+through an :class:`~slotq.engine.outbox.Outbox` that leaves the thread once per step, right after the
 step's stats snapshot is published (so a caller that has seen an event sees stats that include it).
 
 What fails one request, and what kills the engine:
@@ -31,18 +31,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import DecodeFailed, EngineDead, EngineError, EngineStopped, KVExhausted, RequestFailed
-from engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
-from engine.fault_injection import EngineFaults
-from engine.llama_model import LlamaModel
-from engine.outbox import Outbox, Sink
-from engine.request import GenerationRequest
-from engine.sampling import SamplerChain
-from engine.scheduler import KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
-from engine.sequence import SeqState, Sequence
-from engine.state import EngineState, Lifecycle
-from engine.stats import EngineCounters, EngineStats
-from engine.text import StopMatcher, Utf8Stream
+from slotq.engine.errors import DecodeFailed, EngineDead, EngineError, EngineStopped, KVExhausted, RequestFailed
+from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
+from slotq.engine.fault_injection import EngineFaults
+from slotq.engine.llama_model import LlamaModel
+from slotq.engine.outbox import Outbox, Sink
+from slotq.engine.request import GenerationRequest
+from slotq.engine.sampling import SamplerChain
+from slotq.engine.scheduler import KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
+from slotq.engine.sequence import SeqState, Sequence
+from slotq.engine.state import EngineState, Lifecycle
+from slotq.engine.stats import EngineCounters, EngineStats
+from slotq.engine.text import StopMatcher, Utf8Stream
 
 log = logging.getLogger(__name__)
 

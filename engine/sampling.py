@@ -16,8 +16,8 @@ import threading
 import llama_cpp
 from llama_cpp import llama_grammar
 
-from engine.errors import GrammarError, InvalidRequest
-from engine.request import GenerationRequest
+from slotq.engine.errors import GrammarError, InvalidRequest
+from slotq.engine.request import GenerationRequest
 
 _grammar_lock = threading.Lock()
 # llama.cpp logs grammar parse errors but reports them only as NULL; the lock keeps concurrent

@@ -42,9 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from engine.kv_ledger import KVLedger
-from engine.request_queue import RequestQueue
-from engine.sequence import Sequence, SeqState
+from slotq.engine.kv_ledger import KVLedger
+from slotq.engine.request_queue import RequestQueue
+from slotq.engine.sequence import Sequence, SeqState
 
 
 class KVFullAction(StrEnum):

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from enum import StrEnum
 
-from engine.errors import EngineDead, EngineStopped
+from slotq.engine.errors import EngineDead, EngineStopped
 
 
 class EngineState(StrEnum):

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.events import FinishReason
+from slotq.engine.events import FinishReason
 
 if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
+    from slotq.engine.scheduler import Scheduler
 
 
 @dataclass

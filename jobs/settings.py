@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 
-from engine import EngineConfig, EngineKnobs, resolve_model_path
-from jobs.elastic.knobs import ElasticKnobs
+from slotq.engine import EngineConfig, EngineKnobs, resolve_model_path
+from slotq.jobs.worker.elastic.knobs import ElasticKnobs
 
 if TYPE_CHECKING:
-    from jobs.queue.redis_queue import TenantQuotas
+    from slotq.jobs.protocol.redis_queue import TenantQuotas
 
 DOTENV = ".env"
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[Ff](?:16|32)|BF16|bf16)$")
@@ -80,7 +80,7 @@ class ClientSettings(BaseSettings):
 
     def tenant_quotas(self) -> TenantQuotas:
         """The quotas every producer with these settings applies to each tenant's enqueues."""
-        from jobs.queue.redis_queue import TenantQuotas
+        from slotq.jobs.protocol.redis_queue import TenantQuotas
 
         return TenantQuotas(max_waiting=self.tenant_max_waiting, max_in_flight=self.tenant_max_in_flight,
                             tokens_per_min=self.tenant_tokens_per_min)
@@ -95,7 +95,7 @@ class ClientSettings(BaseSettings):
     @field_validator("lanes")
     @classmethod
     def _valid_lanes(cls, lanes: list[str]) -> list[str]:
-        from jobs.queue.keys import QueueKeys
+        from slotq.jobs.protocol.keys import QueueKeys
 
         QueueKeys("check", tuple(lanes))      # raises ValueError naming a bad lane
         return lanes

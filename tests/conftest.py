@@ -18,7 +18,7 @@ Why not ``PR_SET_PDEATHSIG`` on every child: the suite starts children in many p
 threads, and the parent-death signal fires when the *thread* that forked the child exits, so a
 server restarted from ``asyncio.to_thread`` would be killed at once or not protected at all. One
 handler here covers them all. What no handler can cover is SIGKILL of pytest itself; there the
-embedded servers' own ``PR_SET_PDEATHSIG`` (``jobs.redis_server``, main thread only) still applies.
+embedded servers' own ``PR_SET_PDEATHSIG`` (``slotq.jobs.cli.redis_server``, main thread only) still applies.
 """
 
 from __future__ import annotations
@@ -35,16 +35,13 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))   # tests/helpers.py, tests/tiny_model.py
+from slotq.engine import bundled_model_path
+from tests.support.tiny_model import TINY_SCALE, TINY_SEED, write_tiny_llama
 
-from tiny_model import write_tiny_llama  # noqa: E402
-
-from engine import bundled_model_path  # noqa: E402
-
-# Weight scale of the tiny random model. Larger weights give more decisive logits, so greedy argmax
-# does not flip when llama.cpp's accumulation order changes with the batch shape.
-TINY_SCALE = 1.0
-TINY_SEED = 0
+# Fixtures every folder uses: a session Valkey, clients and in-process workers (tests/support/jobs.py).
+# Helpers (not fixtures) are imported by name from tests.support.*; folder-only fixtures live in that
+# folder's conftest.py.
+pytest_plugins = ["tests.support.jobs"]
 
 
 @pytest.fixture(scope="session")

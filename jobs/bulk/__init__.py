@@ -8,9 +8,9 @@
 
 Running the same call again after an interruption finishes the remaining lines: the output file
 says which lines are done, and jobs still in Redis are collected rather than generated again.
-The modules: :mod:`~jobs.bulk.source` (input and its identity), :mod:`~jobs.bulk.formats` (slotq and
-OpenAI Batch lines, output records), :mod:`~jobs.bulk.output` (output and errors files),
-:mod:`~jobs.bulk.runner` (the bounded window), :mod:`~jobs.bulk.progress` (the CLI's bar and table).
+The modules: :mod:`~slotq.jobs.bulk.source` (input and its identity), :mod:`~slotq.jobs.bulk.formats` (slotq and
+OpenAI Batch lines, output records), :mod:`~slotq.jobs.bulk.output` (output and errors files),
+:mod:`~slotq.jobs.bulk.runner` (the bounded window), :mod:`~slotq.jobs.bulk.progress` (the CLI's bar and table).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from jobs.bulk.output import OutputError, OutputFiles
-from jobs.bulk.runner import BulkObserver, BulkOptions, BulkRun, BulkSummary
-from jobs.bulk.source import STDIN, InputError, InputFile
-from jobs.client import SlotqClient
-from jobs.settings import ClientSettings
+from slotq.jobs.bulk.output import OutputError, OutputFiles
+from slotq.jobs.bulk.runner import BulkObserver, BulkOptions, BulkRun, BulkSummary
+from slotq.jobs.bulk.source import STDIN, InputError, InputFile
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.settings import ClientSettings
 
 __all__ = ["BulkObserver", "BulkOptions", "BulkRun", "BulkSummary", "InputError", "OutputError", "bulk", "open_bulk",
            "run_bulk"]

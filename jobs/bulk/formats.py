@@ -2,11 +2,11 @@
 
 A line is either
 
-* a **slotq request**: a :class:`~jobs.schemas.JobRequest` as JSON (``prompt`` or ``messages``,
+* a **slotq request**: a :class:`~slotq.jobs.protocol.schemas.JobRequest` as JSON (``prompt`` or ``messages``,
   ``max_tokens``, ``sampling``, ...) plus an optional ``id`` (string or integer) that its output
   carries; without one, the output carries the line number; or
 * an **OpenAI Batch API line**: ``{"custom_id", "method": "POST", "url", "body"}``
-  (:mod:`jobs.bulk.openai_batch`).
+  (:mod:`slotq.jobs.bulk.openai_batch`).
 
 Output follows each line's format: a slotq line gives ``{"id", "line", "job_id", "status", "text",
 "finish_reason", "usage", "timings", "worker", "attempts", "metadata"}`` (plus ``choices`` when
@@ -22,10 +22,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine import ErrorInfo
-from jobs.bulk import openai_batch
-from jobs.bulk.openai_batch import Endpoint
-from jobs.schemas import JobRequest, JobResult, JobStatus
+from slotq.engine import ErrorInfo
+from slotq.jobs.bulk import openai_batch
+from slotq.jobs.bulk.openai_batch import Endpoint
+from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus
 
 
 class LineFormat(StrEnum):

@@ -6,7 +6,7 @@ piped in, and another file, or the same file for another model's queue, is anoth
 line's job id is ``bulk:<identity>:<line number>``, and it is the job's idempotency key: enqueueing
 it again while the job is queued, running, or has a result waiting returns that job instead of
 starting a second one. A run of another tenant than the default scopes the key to its tenant
-(``bulk:<identity>:<line>@<tenant>``, :func:`jobs.schemas.tenant_job_id`). The output file records
+(``bulk:<identity>:<line>@<tenant>``, :func:`slotq.jobs.protocol.schemas.tenant_job_id`). The output file records
 the same ids, so a rerun knows which lines are done.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from jobs.schemas import split_job_id
+from slotq.jobs.protocol.schemas import split_job_id
 
 IDENTITY_CHARS = 16                        # 64 bits of SHA-256
 _JOB_ID_RE = re.compile(r"^bulk:([0-9a-f]{16}):([1-9][0-9]*)$")

@@ -2,7 +2,7 @@
 output shape out.
 
 A line's ``body`` is a ``/v1/chat/completions`` or ``/v1/completions`` request; it becomes a
-:class:`~jobs.schemas.JobRequest`, and the finished job becomes the ``chat.completion`` or
+:class:`~slotq.jobs.protocol.schemas.JobRequest`, and the finished job becomes the ``chat.completion`` or
 ``text_completion`` object OpenAI would have returned, wrapped as
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``. Parameters slotq
 cannot honour (tools, logprobs, streaming, ...) are refused by name rather than ignored. Limits are
@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine import ErrorInfo, FinishReason
-from jobs.schemas import JobRequest, JobResult, split_job_id
+from slotq.engine import ErrorInfo, FinishReason
+from slotq.jobs.protocol.schemas import JobRequest, JobResult, split_job_id
 
 
 class Endpoint(StrEnum):

@@ -1,7 +1,7 @@
 """Where a bulk run writes: the output file (finished lines) and the errors file (failed lines).
 
 The output file is also the run's memory. Lines are written in the order they finish, each with its
-job id (:mod:`jobs.bulk.identity`), so a rerun reads it back to learn which lines are done -- one
+job id (:mod:`slotq.jobs.bulk.identity`), so a rerun reads it back to learn which lines are done -- one
 bit per input line, whatever the output's size -- and skips them. Nothing else has to agree with it:
 there is no side file that a crash could leave out of step. A crash in the middle of a write leaves
 at most a partial last line, which the rerun cuts off (that line runs again, or its kept result is
@@ -21,10 +21,10 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from jobs.bulk.formats import job_id_in
-from jobs.bulk.identity import parse_job_id
-from jobs.bulk.source import InputScan
-from jobs.errors import SlotqError
+from slotq.jobs.bulk.formats import job_id_in
+from slotq.jobs.bulk.identity import parse_job_id
+from slotq.jobs.bulk.source import InputScan
+from slotq.jobs.errors import SlotqError
 
 RECENT_IDS = 4096          # job ids at the end of the output whose results a crash may have left in Redis
 

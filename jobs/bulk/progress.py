@@ -12,8 +12,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.table import Table
 from rich.text import Text
 
-from engine import Usage
-from jobs.bulk.runner import BulkSummary
+from slotq.engine import Usage
+from slotq.jobs.bulk.runner import BulkSummary
 
 RATE_WINDOW_S = 20.0
 
@@ -36,7 +36,7 @@ class _TokenRate(ProgressColumn):
 
 
 class RichProgress:
-    """A :class:`~jobs.bulk.runner.BulkObserver` drawing on stderr."""
+    """A :class:`~slotq.jobs.bulk.runner.BulkObserver` drawing on stderr."""
 
     def __init__(self, console: Console | None = None) -> None:
         self._events: deque[tuple[float, int]] = deque()

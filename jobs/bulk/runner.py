@@ -4,7 +4,7 @@ results, write them out, and remove them from Redis.
 Two tasks share a window of ``window`` permits, one per line in Redis:
 
 * the **feeder** reads the input, skips lines the output already holds, parses the rest and
-  enqueues each under its derived job id (:mod:`jobs.bulk.identity`) once it holds a permit. A line
+  enqueues each under its derived job id (:mod:`slotq.jobs.bulk.identity`) once it holds a permit. A line
   that cannot be parsed or is rejected at enqueue is recorded as failed and uses no permit.
 * the **collector** asks Redis every ``poll_s`` which jobs in flight have a result (one MGET for
   all of them), writes each finished line to the output or errors file, and every ``commit_s``
@@ -33,17 +33,17 @@ from pydantic import BaseModel, Field, computed_field
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from engine import ErrorInfo, Usage
-from jobs.bulk import identity
-from jobs.bulk.formats import (BulkLine, LineError, LineFormat, error_record, failure_of, output_record, parse_line,
+from slotq.engine import ErrorInfo, Usage
+from slotq.jobs.bulk import identity
+from slotq.jobs.bulk.formats import (BulkLine, LineError, LineFormat, error_record, failure_of, output_record, parse_line,
                                raw_key)
-from jobs.bulk.openai_batch import Endpoint
-from jobs.bulk.output import ResultSink
-from jobs.bulk.source import InputScan, LineSource
-from jobs.client import SlotqClient
-from jobs.errors import JobRejected, QueueFull, QuotaExceeded, RedisUnavailable
-from jobs.queue.keys import DEFAULT_TENANT, LANE_RE
-from jobs.schemas import TENANT_PATTERN, JobResult, JobStatus, split_job_id, tenant_job_id
+from slotq.jobs.bulk.openai_batch import Endpoint
+from slotq.jobs.bulk.output import ResultSink
+from slotq.jobs.bulk.source import InputScan, LineSource
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.errors import JobRejected, QueueFull, QuotaExceeded, RedisUnavailable
+from slotq.jobs.protocol.keys import DEFAULT_TENANT, LANE_RE
+from slotq.jobs.protocol.schemas import TENANT_PATTERN, JobResult, JobStatus, split_job_id, tenant_job_id
 
 log = logging.getLogger(__name__)
 

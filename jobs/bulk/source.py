@@ -1,7 +1,7 @@
 """Reading a bulk input: JSONL, one request per line, from a file (gzip or not) or from stdin.
 
 The input is read twice, line by line, never held in memory. The first pass (:meth:`InputFile.scan`)
-hashes the text (the run's identity, :mod:`jobs.bulk.identity`), counts the lines (the progress
+hashes the text (the run's identity, :mod:`slotq.jobs.bulk.identity`), counts the lines (the progress
 bar's total) and finds ids used on more than one line; the second (:meth:`InputFile.lines`) feeds
 the run. Stdin cannot be read twice, so it is first copied to a temporary file beside the output
 and then treated as a file: piping the same content again is the same run, and resumes it.
@@ -26,8 +26,8 @@ from typing import IO, Protocol
 
 import numpy as np
 
-from jobs.bulk.identity import identity_of, new_hasher
-from jobs.errors import SlotqError
+from slotq.jobs.bulk.identity import identity_of, new_hasher
+from slotq.jobs.errors import SlotqError
 
 GZIP_MAGIC = b"\x1f\x8b"
 STDIN = "-"

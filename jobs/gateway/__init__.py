@@ -1,5 +1,5 @@
 """slotq's HTTP gateway: an OpenAI-compatible API, background jobs and a dashboard, all on the
-producer client (``jobs.client``). It never touches the engine or llama.cpp.
+producer client (``slotq.jobs.producer.client``). It never touches the engine or llama.cpp.
 
 Modules: ``settings`` (GatewaySettings), ``wire`` (OpenAI's request/response shapes),
 ``translate`` (requests -> JobRequest, results -> responses), ``chunks`` (stream entries -> SSE

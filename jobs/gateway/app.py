@@ -16,17 +16,17 @@ from fastapi.staticfiles import StaticFiles
 from starlette.routing import Match, Mount
 from starlette.types import Scope
 
-from jobs.client import SlotqClient
-from jobs.gateway import errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
-from jobs.gateway.auth import KeyRing
-from jobs.gateway.batch_driver import BatchDriver
-from jobs.gateway.batches import BatchStore
-from jobs.gateway.files import FileStore
-from jobs.gateway.history import FleetHistory
-from jobs.gateway.limits import BodyLimits, KeylessGuard
-from jobs.gateway.metrics import MetricsMiddleware
-from jobs.gateway.service import Gateway
-from jobs.gateway.settings import GatewaySettings
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.gateway import errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
+from slotq.jobs.gateway.auth import KeyRing
+from slotq.jobs.gateway.batch_driver import BatchDriver
+from slotq.jobs.gateway.batches import BatchStore
+from slotq.jobs.gateway.files import FileStore
+from slotq.jobs.gateway.history import FleetHistory
+from slotq.jobs.gateway.limits import BodyLimits, KeylessGuard
+from slotq.jobs.gateway.metrics import MetricsMiddleware
+from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.gateway.settings import GatewaySettings
 
 STATIC_DIR = Path(__file__).parent / "static"
 API_PREFIXES = ("/v1/", "/api/")

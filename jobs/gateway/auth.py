@@ -5,7 +5,7 @@ entries; a bare key is a tenant of its own). A request's key gives its :class:`C
 whose jobs, streams, files and batches it may see, and whether it may see the whole fleet
 (``/api``, the dashboard's data). With no keys configured every request is let in as the default
 tenant with the fleet view, and the server refuses to bind anything but loopback (see
-``GatewaySettings.bind_error``; :mod:`jobs.gateway.limits` guards that mode against DNS rebinding
+``GatewaySettings.bind_error``; :mod:`slotq.jobs.gateway.limits` guards that mode against DNS rebinding
 and cross-origin posts).
 """
 
@@ -19,9 +19,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from jobs.gateway.errors import ApiError
-from jobs.gateway.settings import GatewaySettings, parse_key_entries, read_keys_file
-from jobs.schemas import DEFAULT_TENANT
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.settings import GatewaySettings, parse_key_entries, read_keys_file
+from slotq.jobs.protocol.schemas import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 

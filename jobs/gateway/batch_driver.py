@@ -1,4 +1,4 @@
-"""Running batches inside the gateway: each batch is a bulk run (:class:`~jobs.bulk.BulkRun`) of its
+"""Running batches inside the gateway: each batch is a bulk run (:class:`~slotq.jobs.bulk.BulkRun`) of its
 input file into its output file, in the ``bulk`` lane, driven by exactly one gateway replica.
 
 Every gateway scans the unfinished batches at start and every half lease (and at once when one is
@@ -20,18 +20,18 @@ import time
 
 from redis.exceptions import RedisError
 
-from engine import ErrorInfo, Usage
-from jobs.aio import wait_until_set
-from jobs.bulk import BulkOptions, BulkSummary, InputError, OutputError, open_bulk
-from jobs.bulk.formats import LineError, parse_line
-from jobs.bulk.runner import BulkRun
-from jobs.bulk.source import InputFile
-from jobs.errors import JobRejected
-from jobs.gateway.batches import (FINAL_STATUSES, Batch, BatchError, BatchErrors, BatchStore, BatchUsage,
+from slotq.engine import ErrorInfo, Usage
+from slotq.jobs.aio import wait_until_set
+from slotq.jobs.bulk import BulkOptions, BulkSummary, InputError, OutputError, open_bulk
+from slotq.jobs.bulk.formats import LineError, parse_line
+from slotq.jobs.bulk.runner import BulkRun
+from slotq.jobs.bulk.source import InputFile
+from slotq.jobs.errors import JobRejected
+from slotq.jobs.gateway.batches import (FINAL_STATUSES, Batch, BatchError, BatchErrors, BatchStore, BatchUsage,
                                   RequestCounts, error_file_id, output_file_id)
-from jobs.gateway.errors import ApiError
-from jobs.gateway.files import FileStore
-from jobs.gateway.service import Gateway
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.files import FileStore
+from slotq.jobs.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ tenant, and another tenant's batch is looked up as one that does not exist. Stat
 noticed yet, and the other way round.
 
 The lease (``slotq:gateway:batch-lease:{id}``, a token with a TTL) says which gateway drives a
-batch; the driver renews it while it runs (:mod:`jobs.gateway.batch_driver`). Batches not yet
+batch; the driver renews it while it runs (:mod:`slotq.jobs.gateway.batch_driver`). Batches not yet
 finished are also in a set, which every gateway scans for batches whose lease has expired.
 """
 
@@ -22,10 +22,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.asyncio import Redis
 
-from engine import Usage
-from jobs.bulk.openai_batch import Endpoint
-from jobs.gateway.errors import ApiError
-from jobs.schemas import DEFAULT_TENANT
+from slotq.engine import Usage
+from slotq.jobs.bulk.openai_batch import Endpoint
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.protocol.schemas import DEFAULT_TENANT
 
 BATCHES_INDEX_KEY = "slotq:gateway:batches"            # zset per tenant: batch id -> created (ms)
 ACTIVE_BATCHES_KEY = "slotq:gateway:batches:active"    # set: batches not finished yet

@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from engine import FinishReason, Usage
-from jobs.gateway.errors import ApiError, public_param
-from jobs.gateway.translate import Kind, completion_id, finish_reason, usage_out
-from jobs.gateway.wire import ChatChunkChoice, ChatCompletionChunk, Delta, TextChoice, TextCompletionChunk
-from jobs.schemas import EntryKind, StreamEntry
+from slotq.engine import FinishReason, Usage
+from slotq.jobs.gateway.errors import ApiError, public_param
+from slotq.jobs.gateway.translate import Kind, completion_id, finish_reason, usage_out
+from slotq.jobs.gateway.wire import ChatChunkChoice, ChatCompletionChunk, Delta, TextChoice, TextCompletionChunk
+from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 
 DONE = "data: [DONE]\n\n"
 

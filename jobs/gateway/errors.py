@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
-from engine import ErrorInfo
-from jobs.errors import JobNotFound, RedisUnavailable, StreamGone
+from slotq.engine import ErrorInfo
+from slotq.jobs.errors import JobNotFound, RedisUnavailable, StreamGone
 
 # Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
 BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})

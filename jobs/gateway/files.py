@@ -23,8 +23,8 @@ from typing import IO, Literal
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
-from jobs.gateway.errors import ApiError
-from jobs.schemas import DEFAULT_TENANT
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.protocol.schemas import DEFAULT_TENANT
 
 FILES_INDEX_KEY = "slotq:gateway:files"        # zset per tenant: file id -> created (ms)
 

@@ -27,8 +27,8 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from jobs.client import SlotqClient
-from jobs.gateway.service import Gateway
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from jobs.gateway.errors import ApiError
-from jobs.gateway.settings import LOOPBACK_HOSTS, GatewaySettings
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.settings import LOOPBACK_HOSTS, GatewaySettings
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Requests are counted and timed per route template (never per job id, so the label set stays
 small); a streamed response is timed until its last event.
 
-They live in a registry of their own: the worker's families (``jobs.metrics``) are defined when
+They live in a registry of their own: the worker's families (``slotq.jobs.worker.metrics``) are defined when
 that module is imported, and on the default registry a gateway would export them as constant zeros,
 which alerts would read as an idle fleet.
 """
@@ -15,7 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector, ProcessCollector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jobs.metrics import LATENCY_BUCKETS
+from slotq.jobs.worker.metrics import LATENCY_BUCKETS
 
 REGISTRY = CollectorRegistry()
 ProcessCollector(registry=REGISTRY)

@@ -1,5 +1,5 @@
 """``/v1/batches``: OpenAI's Batch API. A batch runs its input file through the queue's ``bulk``
-lane (:mod:`jobs.gateway.batch_driver`); its state lives in Redis (:mod:`jobs.gateway.batches`),
+lane (:mod:`slotq.jobs.gateway.batch_driver`); its state lives in Redis (:mod:`slotq.jobs.gateway.batches`),
 so any replica answers for it and a restarted gateway loses nothing."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Query, Request
 from pydantic import ValidationError
 
-from jobs.gateway.auth import CallerDep, authenticate
-from jobs.gateway.batch_driver import BatchDriver
-from jobs.gateway.batches import Batch, BatchList, BatchStore, CreateBatch
-from jobs.gateway.errors import ApiError, from_validation
-from jobs.gateway.routes_files import files_of
+from slotq.jobs.gateway.auth import CallerDep, authenticate
+from slotq.jobs.gateway.batch_driver import BatchDriver
+from slotq.jobs.gateway.batches import Batch, BatchList, BatchStore, CreateBatch
+from slotq.jobs.gateway.errors import ApiError, from_validation
+from slotq.jobs.gateway.routes_files import files_of
 
 router = APIRouter(prefix="/v1/batches", dependencies=[Depends(authenticate)])
 

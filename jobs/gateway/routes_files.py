@@ -1,5 +1,5 @@
 """``/v1/files``: upload a batch input, read a file's record and contents, list and delete files
-(:mod:`jobs.gateway.files` says where they are kept)."""
+(:mod:`slotq.jobs.gateway.files` says where they are kept)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 
-from jobs.gateway.auth import CallerDep, authenticate
-from jobs.gateway.batches import BatchStore
-from jobs.gateway.errors import ApiError
-from jobs.gateway.files import FileDeleted, FileList, FileObject, FileStore
+from slotq.jobs.gateway.auth import CallerDep, authenticate
+from slotq.jobs.gateway.batches import BatchStore
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.files import FileDeleted, FileList, FileObject, FileStore
 
 router = APIRouter(prefix="/v1/files", dependencies=[Depends(authenticate)])
 
@@ -24,7 +24,7 @@ def files_of(request: Request) -> FileStore:
 async def upload_file(request: Request, file: Annotated[UploadFile, File()],
                       purpose: Annotated[str, Form()], caller: CallerDep) -> FileObject:
     """Multipart, as the SDKs send it: ``file`` and ``purpose`` (``batch``: the Batch API's input).
-    A body declared larger than the limit was refused before it was read (jobs.gateway.limits)."""
+    A body declared larger than the limit was refused before it was read (slotq.jobs.gateway.limits)."""
     if purpose != "batch":
         raise ApiError.invalid(f"purpose: slotq keeps files for the Batch API only: purpose must be 'batch' "
                                f"(got {purpose!r})", "purpose")

@@ -10,16 +10,16 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import ValidationError
 
-from jobs.client import SlotqClient
-from jobs.gateway.auth import CallerDep, authenticate
-from jobs.gateway.chunks import NativeRenderer, parse_stream_id
-from jobs.gateway.errors import ApiError, from_validation
-from jobs.gateway.routes_openai import gateway_of
-from jobs.gateway.service import JobRecord
-from jobs.gateway.sse import open_stream
-from jobs.gateway.translate import kind_of, to_job_request, to_response, unfinished_error, wire_param
-from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, JobObject
-from jobs.schemas import JobStatus
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.gateway.auth import CallerDep, authenticate
+from slotq.jobs.gateway.chunks import NativeRenderer, parse_stream_id
+from slotq.jobs.gateway.errors import ApiError, from_validation
+from slotq.jobs.gateway.routes_openai import gateway_of
+from slotq.jobs.gateway.service import JobRecord
+from slotq.jobs.gateway.sse import open_stream
+from slotq.jobs.gateway.translate import kind_of, to_job_request, to_response, unfinished_error, wire_param
+from slotq.jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, JobObject
+from slotq.jobs.protocol.schemas import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(authenticate)])
 

@@ -12,16 +12,16 @@ import time
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from jobs.client import JobNotFound, JobTimeout
-from jobs.gateway.auth import Caller, CallerDep, authenticate
-from jobs.gateway.chunks import ChunkRenderer, parse_stream_id
-from jobs.gateway.errors import ApiError
-from jobs.gateway.routing import ModelRoute
-from jobs.gateway.service import Gateway
-from jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
-from jobs.gateway.translate import WireRequest, kind_of, to_job_request, to_response, unfinished_error, wire_param
-from jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from jobs.schemas import JobStatus
+from slotq.jobs.producer.client import JobNotFound, JobTimeout
+from slotq.jobs.gateway.auth import Caller, CallerDep, authenticate
+from slotq.jobs.gateway.chunks import ChunkRenderer, parse_stream_id
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.routing import ModelRoute
+from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
+from slotq.jobs.gateway.translate import WireRequest, kind_of, to_job_request, to_response, unfinished_error, wire_param
+from slotq.jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from slotq.jobs.protocol.schemas import JobStatus
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 

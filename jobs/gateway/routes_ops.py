@@ -12,11 +12,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jobs import dead_letters
-from jobs.gateway import metrics as gateway_metrics
-from jobs.gateway.auth import require_admin
-from jobs.gateway.errors import ApiError
-from jobs.gateway.routes_openai import gateway_of
+from slotq.jobs.protocol import dead_letters
+from slotq.jobs.gateway import metrics as gateway_metrics
+from slotq.jobs.gateway.auth import require_admin
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.routes_openai import gateway_of
 
 HEALTH_TIMEOUT_S = 2.0     # the client retries Redis for ~30 s; a probe wants an answer now
 
@@ -62,7 +62,7 @@ async def fleet(request: Request) -> dict[str, Any]:
 @api.get("/history")
 async def history(request: Request) -> dict[str, Any]:
     """The last 15 minutes per lane (tokens/s, waiting, running, preemptions) and the waiting jobs
-    per tenant, for the dashboard's charts (:mod:`jobs.gateway.history`)."""
+    per tenant, for the dashboard's charts (:mod:`slotq.jobs.gateway.history`)."""
     return request.app.state.history.snapshot()
 
 

@@ -13,9 +13,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from jobs.client import SlotqClient
-from jobs.gateway.errors import ApiError
-from jobs.schemas import WorkerInfo
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.protocol.schemas import WorkerInfo
 
 MODELS_SEEN_KEY = "slotq:gateway:models"     # hash: served model name -> unix time last seen live
 _REMEMBER_EVERY_S = 60

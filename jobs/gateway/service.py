@@ -3,7 +3,7 @@ record per job it created (queue, model, kind, created time, a fingerprint of th
 any replica can find a job again by id. Gateways hold nothing else: every stream and result lives
 in Redis.
 
-Tenants: a job's id carries its tenant (:func:`jobs.schemas.tenant_job_id`), so the id a caller
+Tenants: a job's id carries its tenant (:func:`slotq.jobs.protocol.schemas.tenant_job_id`), so the id a caller
 names is resolved within the caller's tenant (:func:`own_job_id`): another tenant's job is never
 found, and the answer (404) is the one for a job that does not exist.
 """
@@ -21,13 +21,13 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from jobs.client import JobHandle, JobRejected, QueueFull, QuotaExceeded, SlotqClient
-from jobs.gateway import metrics
-from jobs.gateway.errors import ApiError, public_param
-from jobs.gateway.routing import ModelRouter
-from jobs.gateway.settings import GatewaySettings
-from jobs.payload import encode_payload
-from jobs.schemas import JobRequest, tenant_job_id, tenant_of_job
+from slotq.jobs.producer.client import JobHandle, JobRejected, QueueFull, QuotaExceeded, SlotqClient
+from slotq.jobs.gateway import metrics
+from slotq.jobs.gateway.errors import ApiError, public_param
+from slotq.jobs.gateway.routing import ModelRouter
+from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.protocol.payload import encode_payload
+from slotq.jobs.protocol.schemas import JobRequest, tenant_job_id, tenant_of_job
 
 log = logging.getLogger(__name__)
 

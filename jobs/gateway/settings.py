@@ -10,8 +10,8 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from jobs.schemas import TENANT_PATTERN
-from jobs.settings import ClientSettings
+from slotq.jobs.protocol.schemas import TENANT_PATTERN
+from slotq.jobs.settings import ClientSettings
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 

@@ -17,12 +17,12 @@ from typing import Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from jobs.client import SlotqClient
-from jobs.gateway import metrics
-from jobs.gateway.chunks import comment, error_event
-from jobs.gateway.errors import ApiError
-from jobs.gateway.service import Gateway
-from jobs.schemas import StreamEntry
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.gateway import metrics
+from slotq.jobs.gateway.chunks import comment, error_event
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.protocol.schemas import StreamEntry
 
 T = TypeVar("T")
 DEADLINE_GRACE_S = 2.0       # after a request's deadline, the worker's final event gets this long to arrive
@@ -60,7 +60,7 @@ class EntryFeed:
         """The next entry, or None if none came within ``timeout``.
         Raises what the read raised (Redis unreachable beyond the client's retries)."""
         try:
-            async with asyncio.timeout(timeout):     # not wait_for: see jobs.aio.wait_until_set
+            async with asyncio.timeout(timeout):     # not wait_for: see slotq.jobs.aio.wait_until_set
                 item = await self._queue.get()
         except TimeoutError:
             return None

@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from engine import FinishReason, Usage
-from jobs.gateway.errors import ApiError, from_validation, public_param
-from jobs.gateway.wire import (
+from slotq.engine import FinishReason, Usage
+from slotq.jobs.gateway.errors import ApiError, from_validation, public_param
+from slotq.jobs.gateway.wire import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -27,7 +27,7 @@ from jobs.gateway.wire import (
     TextCompletion,
     UsageOut,
 )
-from jobs.schemas import DEFAULT_TENANT, JobRequest, JobResult, JobStatus
+from slotq.jobs.protocol.schemas import DEFAULT_TENANT, JobRequest, JobResult, JobStatus
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest

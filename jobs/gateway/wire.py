@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
-from jobs.schemas import JobResult, JobStatus
+from slotq.jobs.protocol.schemas import JobResult, JobStatus
 
 # Parameters of OpenAI's API that slotq cannot honour. Sent with an "off" value (null, false, "",
 # [], tool_choice "none"/"auto", best_of 1) they are dropped; any other value is a 400 naming them.

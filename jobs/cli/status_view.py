@@ -1,0 +1,71 @@
+"""``slotq status``: the fleet as rich tables, once or refreshed in place (``--watch``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from slotq.jobs.aio import wait_until_set
+from slotq.jobs.protocol.schemas import QueueInfo, WorkerInfo
+
+_DEGRADATION_STYLE = {"none": "green", "small_batch": "yellow", "cap_tokens": "dark_orange", "refuse": "red"}
+
+
+def _age(seconds: float | None) -> str:
+    return f"{seconds:.1f} s" if seconds is not None else "-"
+
+
+def _state(w: WorkerInfo) -> Text:
+    if w.draining:
+        return Text("draining", style="yellow")
+    return Text("ready", style="green") if w.ready else Text("warming up", style="cyan")
+
+
+def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
+    lanes = Table("lane", "queued", "oldest wait", "deferred", "running", "preempted", title=f"queue {info.queue}")
+    for lane in info.lanes:
+        lanes.add_row(lane.lane, str(lane.queued), _age(lane.oldest_queued_age_s), str(lane.deferred),
+                      str(lane.running), str(lane.preempted))
+    workers = Table("worker", "model", "state", "busy / active / max slots", "KV used", "tokens/s",
+                    "per stream", "memory", "degradation")
+    for w in info.workers:
+        kv = f"{(w.kv_cells_used - w.kv_cells_cached) / w.kv_cells_total:.0%}" if w.kv_cells_total else "-"
+        active = w.slots_active if w.slots_active is not None else w.slots_total
+        workers.add_row(
+            w.id, w.model, _state(w), f"{w.slots_busy} / {active} / {w.slots_total}", kv, f"{w.tokens_per_s:.1f}",
+            f"{w.stream_tokens_per_s:.1f}" if w.stream_tokens_per_s else "-",
+            f"{w.memory_ratio:.0%}" if w.memory_ratio is not None else "-",
+            Text(w.degradation, style=_DEGRADATION_STYLE.get(w.degradation, "")))
+    active_total = sum(w.slots_active if w.slots_active is not None else w.slots_total for w in info.workers)
+    summary = (f"fleet: {info.slots_busy}/{active_total} active slots busy ({info.slots_total} max) across "
+               f"{len(info.workers)} workers, {sum(w.ready for w in info.workers)} ready; "
+               f"{info.dead_letters} dead letters; {info.interrupted_attempts} attempts interrupted (no try "
+               f"spent), {info.failed_attempts} failed (a try each)")
+    if at is not None:
+        summary += f"; updated {time.strftime('%H:%M:%S', time.localtime(at))}"
+    return Group(lanes, workers, Text(summary))
+
+
+async def watch(read: Callable[[], Awaitable[QueueInfo]], *, interval_s: float, console: Console | None = None,
+                rounds: int | None = None, stop: asyncio.Event | None = None) -> None:
+    """Redraw the view in place every ``interval_s`` until ``stop`` is set (or after ``rounds``).
+
+    The command sets ``stop`` from its Ctrl-C handler rather than letting asyncio cancel the
+    loop: a cancellation that lands inside a Redis read's own timeout can be swallowed (Python
+    3.11), which left the view running after Ctrl-C."""
+    console = console or Console()
+    stop = stop or asyncio.Event()
+    with Live(render(await read(), at=time.time()), console=console, auto_refresh=False,
+              redirect_stderr=False) as live:
+        done = 1
+        while rounds is None or done < rounds:
+            if await wait_until_set(stop, interval_s):
+                return
+            live.update(render(await read(), at=time.time()), refresh=True)
+            done += 1

@@ -1,0 +1,377 @@
+"""The producer API: enqueue jobs, follow their streams, await results, cancel.
+
+    async with await SlotqClient.connect("redis://...") as client:
+        job = await client.enqueue(JobRequest(prompt="Hello", max_tokens=64))
+        async for text in job.text():
+            print(text, end="")
+        result = await job.result(timeout=60)
+
+:class:`SyncSlotqClient` offers the same calls for Flask, Django and scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+
+from slotq.engine import ErrorInfo, FinishReason
+from slotq.jobs.protocol import dead_letters
+from slotq.jobs.protocol.connection import connect
+from slotq.jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, QuotaExceeded, RedisUnavailable, StreamGone
+from slotq.jobs.protocol.record_keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key
+from slotq.jobs.protocol.payload import decode_payload, encode_payload
+from slotq.jobs.protocol.keys import result_key, retry_counter_key
+from slotq.jobs.protocol.redis_queue import TOKENS_WINDOW_MS, Enqueued, RedisQueue
+from slotq.jobs.protocol.schemas import (EntryKind, JobRequest, JobResult, JobStatus, LaneInfo, QueueInfo, StreamEntry,
+                          WorkerInfo, tenant_job_id)
+from slotq.jobs.protocol.serialization import deserialize, serialize
+from slotq.jobs.settings import ClientSettings
+from slotq.jobs.protocol.streams import StreamWriter, is_final
+from slotq.jobs.producer.stream_reader import StreamReader
+
+__all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "QuotaExceeded", "SlotqClient",
+           "StreamGone"]
+
+WORKERS_RECENT_S = 120.0  # the worker index is read this far back (heartbeats come every few seconds)
+WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
+
+
+class JobHandle:
+    """A job's id plus the calls that concern it."""
+
+    def __init__(self, client: SlotqClient, job_id: str, *, created: bool = True) -> None:
+        self.client = client
+        self.id = job_id
+        self.created = created     # False when an idempotency key matched an existing job
+
+    def stream(self, last_id: str = "0-0") -> AsyncIterator[StreamEntry]:
+        return self.client.stream(self.id, last_id=last_id)
+
+    def text(self) -> AsyncIterator[str]:
+        return self.client.text(self.id)
+
+    async def result(self, timeout: float | None = None) -> JobResult:
+        return await self.client.result(self.id, timeout=timeout)
+
+    async def status(self) -> JobStatus:
+        return await self.client.status(self.id)
+
+    async def cancel(self) -> bool:
+        return await self.client.cancel(self.id)
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.id!r})"
+
+
+class SlotqClient:
+    """A producer's view of one queue. ``for_queue`` gives a client of another queue (another
+    model) on the same connections; only the client that connected closes them."""
+
+    def __init__(self, redis: Redis, settings: ClientSettings, *, owns_connection: bool = True,
+                 reader: StreamReader | None = None) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.queue = RedisQueue(redis, settings.queue_name, settings.lanes)
+        self.reader = reader or StreamReader(redis)    # one XREAD for every stream this client follows
+        self._owns_connection = owns_connection
+        self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
+        self._workers_read: asyncio.Future[list[WorkerInfo]] | None = None
+
+    @classmethod
+    async def connect(cls, redis_url: str, settings: ClientSettings | None = None) -> SlotqClient:
+        """Connect and check that Redis answers; raises RedisUnavailable within
+        ``redis_connect_timeout_s`` when it does not."""
+        settings = settings or ClientSettings()
+        pool = await connect(redis_url, patient=False, connect_timeout_s=settings.redis_connect_timeout_s,
+                             queue_name=settings.queue_name, ca_file=settings.redis_ca_file)
+        return cls(pool, settings)
+
+    def for_queue(self, queue_name: str) -> SlotqClient:
+        """A client of ``queue_name`` sharing this client's connections."""
+        return SlotqClient(self.redis, self.settings.model_copy(update={"queue_name": queue_name}),
+                           owns_connection=False, reader=self.reader)
+
+    async def close(self) -> None:
+        if self._workers_read is not None:
+            self._workers_read.cancel()
+        if self._owns_connection:
+            await self.reader.close()
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> SlotqClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ enqueue
+    async def enqueue(self, request: JobRequest | str, **fields: Any) -> JobHandle:
+        """Queue a job. ``request`` is a JobRequest, or a text plus JobRequest fields; the text is
+        sent as the user's chat message (the model's chat template applies, as in llama.cpp's
+        conversation mode). For a raw completion prompt pass ``JobRequest(prompt=...)``.
+
+        Raises pydantic.ValidationError (field named), JobRejected (an unknown lane, or a limit the
+        workers of this queue advertise, e.g. max_tokens beyond their context), QueueFull or
+        QuotaExceeded (the request's tenant is at a ``SLOTQ_TENANT_*`` quota); nothing is queued
+        then. One enqueue wakes at most one idle worker.
+        """
+        if isinstance(request, str):
+            if "messages" in fields:
+                raise TypeError("enqueue() got a text and messages=; give one of them")
+            request = JobRequest(messages=[{"role": "user", "content": request}], **fields)
+        elif fields:
+            request = JobRequest.model_validate({**request.model_dump(exclude_unset=True), **fields})
+        if request.lane not in self.settings.lanes:
+            raise JobRejected(f"lane {request.lane!r} is not one of this queue's lanes {self.settings.lanes} "
+                              "(SLOTQ_LANES)", field="lane")
+        await self._check_fits(request)
+        job_id = tenant_job_id(request.tenant, request.idempotency_key or uuid.uuid4().hex)
+        outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
+                                           tenant=request.tenant, max_waiting=self.settings.max_queue_length,
+                                           serializer=serialize, quotas=self.settings.tenant_quotas(),
+                                           tokens=request.quota_tokens())
+        if outcome == Enqueued.FULL:
+            counts = await self.queue.counts()
+            raise QueueFull(sum(c.waiting + c.deferred for c in counts), self.settings.max_queue_length)
+        if outcome in _QUOTA_REFUSALS:
+            raise self._quota_exceeded(outcome, request)
+        if self.settings.redis_wait_replicas:
+            await self._wait_replicas(job_id)
+        return JobHandle(self, job_id, created=outcome == Enqueued.CREATED)
+
+    def _quota_exceeded(self, outcome: Enqueued, request: JobRequest) -> QuotaExceeded:
+        """The refusal of a tenant's quota, saying which limit and when to try again: the tokens
+        quota frees at the next minute of the clock; a waiting or in-flight place when one of the
+        tenant's jobs starts or ends, which no one can foresee (``retry_after_s`` None)."""
+        tenant, s = request.tenant, self.settings
+        if outcome == Enqueued.TENANT_TOKENS:
+            window_s = TOKENS_WINDOW_MS / 1000
+            return QuotaExceeded(
+                f"tenant {tenant!r} has used its {s.tenant_tokens_per_min} tokens this minute "
+                f"(SLOTQ_TENANT_TOKENS_PER_MIN); this request reserves {request.quota_tokens()} (prompt characters / 4 "
+                "+ max_tokens x n)", tenant=tenant, quota="tokens", retry_after_s=window_s - time.time() % window_s)
+        if outcome == Enqueued.TENANT_WAITING:
+            return QuotaExceeded(f"tenant {tenant!r} already has {s.tenant_max_waiting} jobs waiting to start "
+                                 "(SLOTQ_TENANT_MAX_WAITING)", tenant=tenant, quota="waiting", retry_after_s=None)
+        return QuotaExceeded(f"tenant {tenant!r} already has {s.tenant_max_in_flight} jobs waiting or running "
+                             "(SLOTQ_TENANT_MAX_IN_FLIGHT)", tenant=tenant, quota="in_flight", retry_after_s=None)
+
+    async def _wait_replicas(self, job_id: str) -> None:
+        """Redis replicates asynchronously: a failover right after an enqueue could lose the job.
+        WAIT until ``redis_wait_replicas`` replicas have it (bounded by the connect timeout)."""
+        want = self.settings.redis_wait_replicas
+        got = await self.redis.execute_command("WAIT", want, int(self.settings.redis_connect_timeout_s * 1000))
+        if int(got) < want:
+            raise RedisUnavailable(f"job {job_id} was enqueued, but only {got} of {want} replicas acknowledged it "
+                                   f"within {self.settings.redis_connect_timeout_s:g} s (SLOTQ_REDIS_WAIT_REPLICAS); "
+                                   "a failover now could lose it")
+
+    def job(self, job_id: str) -> JobHandle:
+        return JobHandle(self, job_id, created=False)
+
+    # ------------------------------------------------------------------ reading
+    async def stream(self, job_id: str, *, last_id: str = "0-0", block_ms: int = 1000) -> AsyncIterator[StreamEntry]:
+        """Every stream entry after ``last_id`` until the final one. Pass the last id you saw to
+        resume after a dropped connection: nothing is missed or repeated. All streams a client
+        follows at once share one blocking read (:class:`~slotq.jobs.producer.stream_reader.StreamReader`).
+
+        The iteration ends with the job's final entry and never earlier. If the rest cannot be
+        read it raises instead: StreamGone (the stream expired or was trimmed past ``last_id``,
+        or the job ended without a final entry), JobNotFound (no such job, and no stream)."""
+
+        async def is_live() -> bool:
+            return await self.status(job_id) in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+        try:
+            async for entry in self.reader.follow(job_id, last_id=last_id, idle_ms=block_ms, is_live=is_live):
+                yield entry
+        except StreamGone:
+            if not await self.redis.exists(stream_key(job_id)) and await self.status(job_id) is JobStatus.NOT_FOUND:
+                raise JobNotFound(job_id) from None      # no stream and no job: a wrong id, or long expired
+            raise
+
+    async def text(self, job_id: str) -> AsyncIterator[str]:
+        """Just the text of choice 0, as it arrives. Retried attempts continue seamlessly."""
+        async for entry in self.stream(job_id):
+            if entry.kind == EntryKind.CHUNK and entry.choice == 0 and entry.text:
+                yield entry.text
+
+    async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
+        """Wait for the job's result. The job's stream doubles as the wake-up signal, so waiting
+        costs one blocked XREAD, not a poll loop."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_id = "0-0"
+        missing = 0
+        while True:
+            result = await self._stored_result(job_id)
+            if result is not None:
+                return result
+            lane, _running = await self.queue.place(job_id)
+            missing = missing + 1 if lane is None else 0
+            if missing >= 3:   # not a momentary gap (e.g. a cancel between its two writes)
+                raise JobNotFound(job_id)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise JobTimeout(f"job {job_id} did not finish within {timeout} s")
+            block = 200 if remaining is None else max(1, min(200, int(remaining * 1000)))
+            response = await self.redis.xread({stream_key(job_id): last_id}, count=1000, block=block)
+            for _key, entries in response or ():
+                last_id = entries[-1][0]
+                if any(is_final(raw) for _id, raw in entries):
+                    await asyncio.sleep(0.002)   # the result lands right after the final entry
+
+    async def status(self, job_id: str) -> JobStatus:
+        result = await self._stored_result(job_id)
+        if result is not None:
+            return result.status
+        lane, running = await self.queue.place(job_id)
+        if lane is None:
+            # It may have finished between the two reads (its result is stored as it leaves the queue).
+            result = await self._stored_result(job_id)
+            return JobStatus.NOT_FOUND if result is None else result.status
+        return JobStatus.RUNNING if running else JobStatus.QUEUED
+
+    async def finished(self, job_ids: Sequence[str]) -> dict[str, JobResult]:
+        """The results of those of ``job_ids`` that have finished, in one round trip (no waiting)."""
+        records = await self.queue.result_records(job_ids, deserialize)
+        return {job_id: _to_job_result(job_id, r.success, r.result, r.job_try) for job_id, r in records.items()}
+
+    async def forget(self, job_ids: Sequence[str]) -> int:
+        """Remove finished jobs' results and output streams now rather than when they expire
+        (``keep_result_s``, ``stream_ttl_s``): a bulk run calls it once a line's output is safely
+        written, so Redis holds no more than the run's window. A job still queued or running is
+        left alone. Returns how many jobs were removed."""
+        return await self.queue.forget(job_ids, lambda job_id: (stream_key(job_id),))
+
+    async def _stored_result(self, job_id: str) -> JobResult | None:
+        record = await self.queue.result_record(job_id, deserialize)
+        return None if record is None else _to_job_result(job_id, record.success, record.result, record.job_try)
+
+    # ------------------------------------------------------------------ cancel
+    async def cancel(self, job_id: str) -> bool:
+        """Cancel a job. A queued job never starts; a running one stops at the next decode step
+        and its stream ends with finish_reason 'cancelled'. False if it had already finished."""
+        taken = await self.queue.cancel(job_id)
+        if taken == -1:
+            return True          # running: its worker was told, and it ends the stream itself
+        if taken == 0:
+            return False
+        # The final entry goes first, as a worker writes it: a follower that sees the result
+        # then finds the stream's end in place.
+        writer = StreamWriter(self.redis, flush_ms=1, maxlen=self.settings.stream_maxlen,
+                              ttl_s=self.settings.stream_ttl_s)
+        writer.add(job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=0,
+                                       finish_reason=FinishReason.CANCELLED, final=True))
+        await writer.write_all(job_id)
+        result = JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED)
+        await self.queue.store_result(job_id, JOB_FUNCTION, result.model_dump(mode="json"),
+                                      ttl_ms=self.settings.keep_result_s * 1000, serializer=serialize)
+        return True
+
+    async def requeue_dead_letter(self, job_id: str) -> bool:
+        """Run a dead-lettered job again under the same id, from scratch, on the queue it ran on
+        (its old result and stream are removed). False when the record holds no valid request."""
+        letter = await dead_letters.get(self.redis, job_id)
+        if letter is None or letter.payload is None:
+            return False
+        request = decode_payload(letter.payload).request
+        if request is None:
+            return False
+        queue = self.queue if letter.queue in (None, self.settings.queue_name) else self.for_queue(letter.queue).queue
+        await self.redis.delete(result_key(job_id), retry_counter_key(job_id), stream_key(job_id))
+        await queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane, tenant=request.tenant,
+                            max_waiting=None, serializer=serialize)     # an operator's requeue is never refused
+        await dead_letters.remove(self.redis, job_id)
+        return True
+
+    # ------------------------------------------------------------------ fleet
+    async def workers(self) -> list[WorkerInfo]:
+        """Every live worker on this Redis (all queues), from their heartbeats: the worker index
+        names those heard from lately (O(workers), never a scan of the keyspace), and a worker's
+        own heartbeat hash, which expires three beats after its last, says it is alive."""
+        ids = await self.redis.zrangebyscore(WORKER_INDEX, (time.time() - WORKERS_RECENT_S) * 1000, "+inf")
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                pipe.hgetall(worker_key(worker_id.decode()))
+            hashes = await pipe.execute()
+        workers = [WorkerInfo.model_validate({k.decode(): v.decode() for k, v in raw.items()}) for raw in hashes if raw]
+        return sorted(workers, key=lambda w: w.id)
+
+    async def _check_fits(self, request: JobRequest) -> None:
+        """Refuse what no live worker of this queue could ever run. The prompt's token count is
+        only known to a worker, so the checks are ``max_tokens`` against the largest per-sequence
+        context advertised (the prompt takes at least one token), and the prompt's characters
+        against that context times ``max_prompt_chars_per_token``: a prompt that long cannot fit,
+        and refusing it here spares a worker tokenizing megabytes only to say so. With no live
+        worker, accept."""
+        contexts = [w.ctx for w in await self._cached_workers() if w.queue == self.settings.queue_name and w.ctx]
+        if not contexts:
+            return
+        ctx = max(contexts)
+        if request.max_tokens >= ctx:
+            raise JobRejected(
+                f"max_tokens is {request.max_tokens}; the workers of queue {self.settings.queue_name!r} have a "
+                f"per-sequence context of {ctx} tokens, which must hold the prompt and max_tokens",
+                field="max_tokens")
+        chars = request.prompt_chars()
+        limit = int(ctx * self.settings.max_prompt_chars_per_token)
+        if chars > limit:
+            raise JobRejected(
+                f"the prompt has {chars} characters, more than the {ctx}-token context of queue "
+                f"{self.settings.queue_name!r} can hold ({limit} characters at most, "
+                f"SLOTQ_MAX_PROMPT_CHARS_PER_TOKEN={self.settings.max_prompt_chars_per_token:g})",
+                field="prompt" if request.prompt is not None else "messages")
+
+    async def _cached_workers(self) -> list[WorkerInfo]:
+        """The live workers, re-read at most every WORKERS_CACHE_S. Enqueues that find the cache
+        stale at the same time share one read: at hundreds of enqueues a second, each starting
+        its own read stampeded Redis with SCANs (found by ``slotq bench fleet``)."""
+        now = time.monotonic()
+        if self._workers_cache is not None and now - self._workers_cache[0] <= WORKERS_CACHE_S:
+            return self._workers_cache[1]
+        if self._workers_read is None or self._workers_read.done():
+            self._workers_read = asyncio.ensure_future(self.workers())
+            # Its waiters may all be cancelled; an error nobody awaited then is not worth a log line.
+            self._workers_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+        workers = await asyncio.shield(self._workers_read)   # a cancelled enqueue leaves the read to the others
+        self._workers_cache = (now, workers)
+        return workers
+
+    async def queue_info(self) -> QueueInfo:
+        """Counts per lane (each O(1)), the oldest waiting job, live workers, dead letters, and the
+        attempts lost to interruptions apart from those that spent a try."""
+        now_ms = time.time() * 1000
+        lanes = [LaneInfo(lane=c.lane, queued=c.waiting, deferred=c.deferred, running=c.running,
+                          oldest_queued_age_s=max(0.0, (now_ms - c.oldest_waiting_ms) / 1000)
+                          if c.oldest_waiting_ms is not None else None, preempted=c.preempted)
+                 for c in await self.queue.counts()]
+        outcomes = await self.queue.attempt_outcomes()
+        return QueueInfo(
+            queue=self.settings.queue_name,
+            lanes=lanes,
+            workers=[w for w in await self.workers() if w.queue == self.settings.queue_name],
+            dead_letters=await dead_letters.count(self.redis),
+            interrupted_attempts=outcomes.interrupted,
+            failed_attempts=outcomes.failed,
+        )
+
+
+_QUOTA_REFUSALS = frozenset({Enqueued.TENANT_WAITING, Enqueued.TENANT_IN_FLIGHT, Enqueued.TENANT_TOKENS})
+
+
+def _to_job_result(job_id: str, success: bool, raw: Any, attempts: int) -> JobResult:
+    """Our job function returns a JobResult; arq stores an exception record when it failed a job
+    without running it (expired, aborted before start, timeout)."""
+    if success and isinstance(raw, dict) and "status" in raw:
+        return JobResult.model_validate(raw)
+    name = raw.get("__exception__", "") if isinstance(raw, dict) else ""
+    message = raw.get("message", str(raw)) if isinstance(raw, dict) else str(raw)
+    if name == "CancelledError":
+        return JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, attempts=attempts)
+    return JobResult(id=job_id, status=JobStatus.FAILED, finish_reason=FinishReason.ERROR, attempts=attempts,
+                     error=ErrorInfo(code=(name or "job_failed").lower(), message=message or name, retryable=False))

@@ -1,0 +1,273 @@
+"""Following job streams: ONE blocking XREAD serves every stream a client follows.
+
+A reader per job costs a round trip per job each time the job's worker flushes, and a web app or
+gateway streaming sixteen jobs would make sixteen XREADs per flush. :class:`StreamReader` keeps
+one connection that blocks in a single ``XREAD`` over all the streams being followed and hands each
+follower its entries, so the cost is one round trip per flush for all of them (Redis answers as
+soon as any stream has news, so no follower waits for another).
+
+A follower that arrives while that read is blocked must not wait for it to time out: the reader
+asks Redis to end the blocked read (``CLIENT UNBLOCK`` from another connection: one command per
+new follower, none per entry) and reads again with the new stream included. The blocked
+connection's id is fetched on every (re)connect, so a reconnect cannot leave a stale id behind.
+
+Readers still resume exactly: each follower keeps the id of the last entry it was given, and a
+stream read for several followers starts after the oldest of their ids, each getting only what
+follows its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import RedisError, ResponseError
+
+from slotq.jobs.errors import StreamGone
+from slotq.jobs.protocol.record_keys import stream_key
+from slotq.jobs.protocol.schemas import StreamEntry
+from slotq.jobs.protocol.streams import decode_entry, is_final
+
+log = logging.getLogger(__name__)
+
+StreamId = tuple[int, int]
+RawEntry = tuple[bytes, dict[bytes, bytes]]
+UNBLOCK_TRIES = 8       # a CLIENT UNBLOCK can overtake the XREAD it is meant for: try again briefly
+FINAL_ENTRY_REREADS = 4  # reads of an ended job's stream before it is declared to have no final entry
+
+
+def parse_id(entry_id: bytes | str) -> StreamId:
+    """``"1700000000000-3"`` -> (1700000000000, 3): stream ids order as these tuples do."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def format_id(stream_id: StreamId) -> str:
+    return f"{stream_id[0]}-{stream_id[1]}"
+
+
+@dataclass(eq=False)
+class _Follower:
+    key: str
+    last: StreamId
+    inbox: asyncio.Queue[list[RawEntry] | BaseException] = field(default_factory=asyncio.Queue)
+
+
+def split_for(followers: list[_Follower], entries: list[RawEntry]) -> list[tuple[_Follower, list[RawEntry]]]:
+    """Each follower's share of what one read returned for its stream: the entries after its own
+    last id (the read started after the oldest follower's id)."""
+    out = []
+    ids = [parse_id(entry_id) for entry_id, _ in entries]
+    for follower in followers:
+        mine = [entry for entry, entry_id in zip(entries, ids) if entry_id > follower.last]
+        if mine:
+            follower.last = max(ids)
+            out.append((follower, mine))
+    return out
+
+
+class StreamReader:
+    """Shared by everything a client reads; :meth:`close` with the client."""
+
+    def __init__(self, redis: Redis, *, block_ms: int = 1000, count: int = 512) -> None:
+        self.redis = redis
+        self.block_ms = block_ms
+        self.count = count
+        self._followers: dict[str, list[_Follower]] = {}
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._client_id: int | None = None
+        self._reading: dict[str, StreamId] | None = None    # what the XREAD in flight asked for
+        self._generation = 0                                 # +1 per XREAD sent
+        self._unblocking: asyncio.Task[None] | None = None
+        self.reads = 0                                       # XREADs sent (tests, benchmarks)
+
+    async def follow(self, job_id: str, *, last_id: str = "0-0", idle_ms: int = 1000,
+                     is_live: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEntry]:
+        """Yield the job's entries after ``last_id`` until its final entry; never return before it.
+
+        ``is_live`` is awaited whenever nothing arrives for ``idle_ms``. Once it says the job will
+        never write again, the shared read may still be carrying the job's last entries (a slow
+        link, a read being retried), so the follower reads the rest of the stream itself (XRANGE)
+        instead of trusting the quiet. It then ends with the final entry, or raises
+        :class:`~slotq.jobs.errors.StreamGone` naming the job and the last id given out: the stream
+        expired, was trimmed past that id, or holds no final entry. A read error (Redis
+        unreachable beyond the retries) is raised as it is. Without ``is_live`` the follower
+        waits for the final entry however long it takes."""
+        key = stream_key(job_id)
+        follower = _Follower(key, parse_id(last_id))
+        given = follower.last                     # the last id yielded: nothing at or before it is yielded again
+        self._add(follower)
+        trim_check: asyncio.Task[None] | None = asyncio.create_task(self._check_not_trimmed(job_id, given))
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(idle_ms / 1000):
+                        item = await follower.inbox.get()
+                except TimeoutError:
+                    if is_live is None or await is_live():
+                        continue
+                    item = await self._rest_of(job_id, given)
+                    if not item:
+                        return                    # a reader resuming after the final entry
+                    follower.last = max(follower.last, parse_id(item[-1][0]))
+                if isinstance(item, BaseException):
+                    raise item
+                if trim_check is not None:        # before the first entry: a trimmed stream never yields a gap
+                    await trim_check
+                    trim_check = None
+                for entry_id, raw in item:
+                    if parse_id(entry_id) <= given:
+                        continue                  # given already (by a catch-up read, or the shared read)
+                    entry = decode_entry(entry_id, raw)
+                    given = parse_id(entry.id)
+                    yield entry
+                    if entry.final:
+                        return
+        finally:
+            if trim_check is not None:
+                trim_check.cancel()
+            self._remove(follower)
+
+    async def _check_not_trimmed(self, job_id: str, after: StreamId) -> None:
+        """Raise StreamGone if entries after ``after`` are no longer in the stream. MAXLEN trimming
+        drops the oldest entries, so when some were dropped (``entries-added`` > ``length``) and the
+        stream now starts past ``after``, what followed ``after`` may be among them (a reader whose
+        own last entry was the last one dropped is told so too: Redis keeps nothing that could tell
+        the two apart). Started with the
+        follower and awaited before its first entry, so it adds no wait on a live stream. A stream
+        that does not exist yet (a queued job) cannot have been trimmed."""
+        try:
+            info = await self.redis.xinfo_stream(stream_key(job_id))
+        except ResponseError:
+            return                                # no such key (yet)
+        first = info.get("first-entry")
+        dropped = int(info.get("entries-added", 0)) > int(info.get("length", 0))
+        if dropped and first and parse_id(first[0]) > after:
+            raise StreamGone(job_id, format_id(after), f"was trimmed past this reader (it now starts at "
+                             f"{format_id(parse_id(first[0]))}; SLOTQ_STREAM_MAXLEN)")
+
+    async def _rest_of(self, job_id: str, after: StreamId) -> list[RawEntry]:
+        """Everything after ``after`` in the stream of a job that will not write again, read
+        directly. Empty when the reader already had the final entry; StreamGone when the stream
+        cannot end the follow (no such stream, or no final entry in it). A job's final entry is
+        written before its result, so one that finished a moment ago has it; the few re-reads
+        cover a result written by a producer between its two writes (a cancel)."""
+        key = stream_key(job_id)
+        for attempt in range(FINAL_ENTRY_REREADS):
+            rest: list[RawEntry] = []
+            start = f"({format_id(after)}"
+            while page := await self.redis.xrange(key, min=start, count=self.count):
+                rest += page
+                start = f"({format_id(parse_id(page[-1][0]))}"
+            if any(is_final(raw) for _id, raw in rest):
+                return rest
+            if not rest:
+                last = await self.redis.xrevrange(key, count=1)
+                if not last and not await self.redis.exists(key):
+                    raise StreamGone(job_id, format_id(after), "does not exist (expired after SLOTQ_STREAM_TTL_S, "
+                                     "or the job never started)")
+                if last and is_final(last[0][1]) and parse_id(last[0][0]) <= after:
+                    return []
+            if attempt + 1 < FINAL_ENTRY_REREADS:
+                await asyncio.sleep(0.1 * (attempt + 1))
+        raise StreamGone(job_id, format_id(after), "holds no final entry although the job has ended "
+                         "(it ended without running: see its result)")
+
+    async def close(self) -> None:
+        for task in (self._unblocking, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    # ------------------------------------------------------------------ followers
+    def _add(self, follower: _Follower) -> None:
+        self._followers.setdefault(follower.key, []).append(follower)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="slotq-stream-reader")
+        self._changed.set()
+        reading = self._reading
+        behind = reading is not None and (follower.key not in reading or follower.last < reading[follower.key])
+        if behind and (self._unblocking is None or self._unblocking.done()):
+            self._unblocking = asyncio.create_task(self._unblock(self._generation), name="slotq-stream-unblock")
+
+    def _remove(self, follower: _Follower) -> None:
+        followers = self._followers.get(follower.key, [])
+        with contextlib.suppress(ValueError):
+            followers.remove(follower)
+        if not followers:
+            self._followers.pop(follower.key, None)
+
+    async def _unblock(self, generation: int) -> None:
+        """End the blocked XREAD of ``generation`` so the next one includes the new follower."""
+        delay = 0.001
+        for _ in range(UNBLOCK_TRIES):
+            if self._generation != generation or self._reading is None:
+                return                    # that read already returned: the next one sees the follower
+            if self._client_id is not None:
+                try:
+                    if await self.redis.client_unblock(self._client_id):
+                        return
+                except RedisError as exc:   # the read itself will time out at block_ms
+                    log.debug("CLIENT UNBLOCK failed: %s", exc)
+                    return
+            await asyncio.sleep(delay)    # the XREAD has not reached Redis yet
+            delay = min(delay * 2, 0.05)
+
+    # ------------------------------------------------------------------ the one read
+    async def _run(self) -> None:
+        client = Redis(connection_pool=self.redis.connection_pool, single_connection_client=True)
+        try:
+            try:
+                await client.initialize()             # a dedicated connection of the same pool
+                client.connection.register_connect_callback(self._on_connect)
+                self._client_id = await client.client_id()
+            except (RedisError, OSError) as exc:
+                self._fail_all(exc)
+                return
+            while True:
+                if not self._followers:
+                    self._changed.clear()
+                    await self._changed.wait()
+                    continue
+                streams = {key: min(f.last for f in followers) for key, followers in self._followers.items()}
+                self._reading = streams
+                self._generation += 1
+                self.reads += 1
+                try:
+                    response = await client.xread({k: format_id(v) for k, v in streams.items()},
+                                                  count=self.count, block=self.block_ms)
+                except (RedisError, OSError) as exc:
+                    self._fail_all(exc)
+                    continue
+                finally:
+                    self._reading = None
+                for raw_key, entries in response or ():
+                    key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                    for follower, mine in split_for(self._followers.get(key, []), entries):
+                        follower.inbox.put_nowait(mine)
+        finally:
+            self._client_id = None
+            if client.connection is not None:
+                client.connection.deregister_connect_callback(self._on_connect)
+            await client.aclose()
+
+    async def _on_connect(self, connection: AbstractConnection) -> None:
+        """A reconnect gives the blocked connection a new id: learn it before the read is retried."""
+        await connection.send_command("CLIENT", "ID")
+        self._client_id = int(await connection.read_response())
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Every current follower raises ``exc`` (as a reader of its own would have); later ones
+        start a fresh read."""
+        followers = [f for fs in self._followers.values() for f in fs]
+        self._followers.clear()
+        for follower in followers:
+            follower.inbox.put_nowait(exc)

@@ -1,0 +1,149 @@
+"""Every Redis key of a queue, and the arq record keys the job runtime shares with it.
+
+A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest priority first):
+
+================================  ======  ===========================================================
+``Q:waiting:L``                   ZSET    job id -> place in line (its fair-share tag); claimed lowest first
+``Q:deferred:L``                  ZSET    job id -> run-at time (ms) of a retry waiting out its backoff
+``Q:running:L``                   ZSET    job id -> lease deadline (ms); the reaper requeues expired ones
+``Q:jobs``                        HASH    job id -> ``lane<TAB>ready ms<TAB>place<TAB>tenant`` for every job in the queue
+``Q:tags:L``                      ZSET    tenant -> place of its newest job in lane L (dropped when L runs dry)
+``Q:preempt:L``                   LIST    one token per job of lane L that waits while a lower lane runs (capped)
+``Q:preemptions``                 HASH    lane -> jobs of that lane that yielded their slot to a higher lane
+``Q:tenant_waiting``              HASH    tenant -> its jobs waiting or deferred (only tenants with some)
+``Q:tenant_running``              HASH    tenant -> its jobs running (only tenants with some)
+``Q:tenant_tokens``               HASH    tenant -> ``minute<TAB>tokens`` admitted in that minute (the tokens quota)
+``Q:owners``                      HASH    job id -> lease of the attempt running it (``<worker token>#<claim number>``)
+``Q:progress``                    HASH    job id -> ``accounted<TAB>started<TAB>tokens<TAB>interruptions`` (see below)
+``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
+``Q:wake``                        LIST    one token per waiting job (capped): an idle worker BLPOPs one
+``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
+``arq:job:<id>``                  STRING  the job record in arq's format (function, payload, enqueue time)
+``arq:retry:<id>``                STRING  attempt counter (arq's ``run_job`` increments it)
+``arq:result:<id>``               STRING  the result record in arq's format
+``arq:abort``                     ZSET    arq's pending aborts (checked by ``run_job`` before a job starts)
+================================  ======  ===========================================================
+
+A job's *place* in its lane is its fair-share tag (:mod:`slotq.jobs.protocol.scripts`, ``ENQUEUE``):
+``max(place of the lane's next job - 1, place of its tenant's newest job) + 1``, or its ready
+time + 1 in an empty lane. Within a tenant, places follow enqueue order; a tenant with nothing
+waiting ties with the lane's next job (equal places go in job id order), however many jobs other
+tenants have queued. A job handed
+back, reaped or promoted after its retry backoff keeps its place. An entry of ``Q:jobs`` written
+before places existed (``lane<TAB>ready ms``) has its ready time as its place, and one written
+before tenants were counted belongs to the default tenant.
+
+The per-tenant counts move in the same script that moves the job (enqueue, claim, preempt, retry,
+hand-back, reap, finish, cancel), so they are exact and reading one is O(1); ENQUEUE checks a
+tenant's quotas against them (:class:`slotq.jobs.protocol.redis_queue.TenantQuotas`).
+
+``Q:progress`` is how a lost attempt is told from a failed one (:mod:`slotq.jobs.protocol.scripts`,
+``START_ATTEMPT``): attempts up to ``accounted`` have been judged; attempt ``started`` began with
+``tokens`` delivered tokens in the job's stream; ``interruptions`` earlier attempts were lost after
+delivering new tokens, and so spent no try.
+
+Counts are O(1): ZCARD of a lane's sets, HLEN of ``Q:jobs`` (everything not finished, the demand
+KEDA scales on), HGET of a tenant's counts. This module is the only place that knows arq's key names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from arq.constants import abort_jobs_ss, job_key_prefix, result_key_prefix, retry_key_prefix
+
+LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)
+
+
+def job_record_key(job_id: str) -> str:
+    return job_key_prefix + job_id
+
+
+def retry_counter_key(job_id: str) -> str:
+    return retry_key_prefix + job_id
+
+
+def result_key(job_id: str) -> str:
+    return result_key_prefix + job_id
+
+
+ABORTS = abort_jobs_ss
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """The key names of one queue and its lanes."""
+
+    queue: str
+    lanes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.lanes or len(set(self.lanes)) != len(self.lanes):
+            raise ValueError(f"lanes must be distinct and at least one: {self.lanes}")
+        for lane in self.lanes:
+            if not LANE_RE.match(lane):
+                raise ValueError(f"lane {lane!r}: use 1-32 of a-z 0-9 _ - starting with a letter")
+
+    def waiting(self, lane: str) -> str:
+        return f"{self.queue}:waiting:{lane}"
+
+    def deferred(self, lane: str) -> str:
+        return f"{self.queue}:deferred:{lane}"
+
+    def running(self, lane: str) -> str:
+        return f"{self.queue}:running:{lane}"
+
+    def tags(self, lane: str) -> str:
+        return f"{self.queue}:tags:{lane}"
+
+    def preempt(self, lane: str) -> str:
+        return f"{self.queue}:preempt:{lane}"
+
+    @property
+    def preemptions(self) -> str:
+        return f"{self.queue}:preemptions"
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.queue}:jobs"
+
+    @property
+    def tenant_waiting(self) -> str:
+        return f"{self.queue}:tenant_waiting"
+
+    @property
+    def tenant_running(self) -> str:
+        return f"{self.queue}:tenant_running"
+
+    @property
+    def tenant_tokens(self) -> str:
+        return f"{self.queue}:tenant_tokens"
+
+    @property
+    def owners(self) -> str:
+        return f"{self.queue}:owners"
+
+    @property
+    def progress(self) -> str:
+        return f"{self.queue}:progress"
+
+    @property
+    def attempt_outcomes(self) -> str:
+        return f"{self.queue}:attempt_outcomes"
+
+    @property
+    def wake(self) -> str:
+        return f"{self.queue}:wake"
+
+    def abort_channel(self, token: str) -> str:
+        return f"{self.queue}:abort:{token}"
+
+    def lane_group(self, lane: str) -> list[str]:
+        """The keys the claim scripts read per lane: waiting, deferred, running, preempt."""
+        return [self.waiting(lane), self.deferred(lane), self.running(lane), self.preempt(lane)]
+
+    def lane_groups(self, lanes: tuple[str, ...] | None = None) -> list[str]:
+        """:meth:`lane_group` of ``lanes`` (default: every lane), highest priority first (the claim order)."""
+        return [key for lane in (self.lanes if lanes is None else lanes) for key in self.lane_group(lane)]

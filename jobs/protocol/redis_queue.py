@@ -1,0 +1,362 @@
+"""slotq's queue on Redis: enqueue, claim, lease renewal, finish/retry/hand-back, reaping, cancel,
+and O(1) counts. Producers and workers both use it; it knows Redis, not the engine.
+
+Why slotq claims jobs itself instead of arq's poll: arq keeps running jobs at the head of its
+queue's sorted set, so every poll re-reads every running job (``queue_read_limit``), each enqueue
+woke every worker, and each claim cost several round trips per candidate. Here waiting, deferred
+and running jobs live in separate sets per lane, one script claims up to k jobs in one round trip
+whatever else is running, an idle worker waits on a blocking pop of a wake token (one enqueue
+wakes one worker), and a reaper returns expired leases. arq stays the runtime that runs a claimed
+job (its ``run_job``: the job record, the attempt counter, timeouts, abort, the result record); see
+:mod:`slotq.jobs.protocol.arq_adapter`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from arq.jobs import deserialize_result, serialize_job, serialize_result
+from redis.asyncio import Redis
+
+from slotq.jobs.protocol import scripts
+from slotq.jobs.protocol.keys import ABORTS, DEFAULT_TENANT, QueueKeys, job_record_key, result_key, retry_counter_key
+
+WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at most (one per waiting job below that)
+PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
+REAP_LIMIT = 100               # expired leases requeued per lane per reap
+RECORD_TTL_MS = 7 * 86_400_000  # a job not claimed within a week expires (arq fails it as "job expired")
+TOKENS_WINDOW_MS = 60_000       # the tokens quota's window: a fixed minute of the clock
+
+
+class Enqueued(Enum):
+    CREATED = 1
+    EXISTS = 0        # the id is taken: a job still in the queue, or a kept result (idempotency)
+    FULL = -1
+    TENANT_WAITING = -2     # refused by a tenant's quota: jobs waiting,
+    TENANT_IN_FLIGHT = -3   # jobs waiting or running,
+    TENANT_TOKENS = -4      # tokens admitted this minute
+
+
+@dataclass(frozen=True)
+class TenantQuotas:
+    """What one tenant may hold of the queue, checked by ENQUEUE in the step that counts the job,
+    so two enqueues can never both take a tenant's last place (None: no limit).
+
+    ``max_waiting``: its jobs waiting or deferred. ``max_in_flight``: its jobs waiting or running --
+    a job counts from its enqueue, so no more than this many ever run at once. ``tokens_per_min``:
+    the tokens its jobs may reserve per minute of the clock (what a job reserves is the producer's
+    choice, see :meth:`slotq.jobs.protocol.schemas.JobRequest.quota_tokens`)."""
+
+    max_waiting: int | None = None
+    max_in_flight: int | None = None
+    tokens_per_min: int | None = None
+
+
+NO_QUOTAS = TenantQuotas()
+
+
+@dataclass(frozen=True)
+class TenantCounts:
+    waiting: int        # waiting or deferred
+    running: int
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    """One claim of a job: ``lease`` (``<worker token>#<claim number>``) fences every write the
+    attempt makes, so a later claim of the same job -- by any worker, this one included -- shuts
+    this attempt out."""
+
+    id: str
+    lane: str
+    ready_ms: int
+    lease: str
+
+
+@dataclass(frozen=True)
+class LaneCounts:
+    lane: str
+    waiting: int
+    deferred: int
+    running: int
+    oldest_waiting_ms: float | None      # ready time of the job next in line
+    preempted: int = 0                   # jobs of this lane that yielded their slot to a higher lane, ever
+
+
+@dataclass(frozen=True)
+class AttemptStart:
+    """What :meth:`RedisQueue.start_attempt` found. ``interruptions``: earlier attempts of the job
+    lost after delivering new tokens (they spent no try); ``interrupted`` / ``failed``: how many of
+    the attempts just judged were lost that way / lost before delivering anything new."""
+
+    owned: bool
+    interruptions: int
+    interrupted: int
+    failed: int
+
+
+@dataclass(frozen=True)
+class AttemptLedger:
+    """Where the attempts of one claimed job are judged, for its job function: the queue, and the
+    claim whose lease fences the writes."""
+
+    queue: RedisQueue
+    claim: ClaimedJob
+
+    async def start(self, attempt: int, delivered_tokens: int) -> AttemptStart:
+        return await self.queue.start_attempt(self.claim, attempt, delivered_tokens)
+
+    async def interruptions(self) -> int:
+        return await self.queue.interruptions(self.claim.id)
+
+
+@dataclass(frozen=True)
+class AttemptOutcomes:
+    """Attempts judged since the queue began: ``interrupted`` (lost after delivering new tokens,
+    no try spent) and ``failed`` (a try spent: a retryable error, or lost before delivering new tokens)."""
+
+    interrupted: int
+    failed: int
+
+
+class RedisQueue:
+    def __init__(self, redis: Redis, name: str, lanes: Sequence[str]) -> None:
+        self.redis = redis
+        self.keys = QueueKeys(name, tuple(lanes))
+        self._claim_numbers = itertools.count(1)     # makes each claim's lease unique
+        self._scripts = {name: redis.register_script(getattr(scripts, name))
+                         for name in ("ENQUEUE", "CLAIM", "PREEMPT", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK",
+                                      "REAP", "CANCEL", "FORGET", "START_ATTEMPT")}
+
+    def lane_of(self, index: int) -> str:
+        return self.keys.lanes[index]
+
+    # ------------------------------------------------------------------ producers
+    async def enqueue(self, job_id: str, function: str, payload: dict[str, Any], *, lane: str,
+                      tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Any,
+                      quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0) -> Enqueued:
+        """Write the job record (arq's format) and put the job in its lane at its tenant's fair
+        place (round-robin across tenants, see keys.py); wake one idle worker, and leave a
+        preemption token when a lower lane has running jobs. FULL when ``max_waiting`` jobs
+        already wait (None: no limit); TENANT_* when the tenant's ``quotas`` refuse it, ``tokens``
+        being what the job reserves of its tenant's tokens per minute."""
+        now_ms = int(time.time() * 1000)
+        record = serialize_job(function, (payload,), {}, None, now_ms, serializer=serializer)
+        k = self.keys
+        counted = [key for lane_ in k.lanes for key in (k.waiting(lane_), k.deferred(lane_))]
+        below = [k.running(lane_) for lane_ in k.lanes[k.lanes.index(lane) + 1:]]
+        limits = ["" if limit is None else limit
+                  for limit in (quotas.max_waiting, quotas.max_in_flight, quotas.tokens_per_min)]
+        code = await self._scripts["ENQUEUE"](
+            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, k.tags(lane), k.tenant_waiting,
+                  k.tenant_running, k.tenant_tokens, *k.lane_group(lane), *counted, *below],
+            args=[job_id, record, RECORD_TTL_MS, now_ms, lane, max_waiting if max_waiting is not None else 2**53,
+                  WAKE_CAP, tenant, len(k.lanes), k.lanes.index(lane), *limits, tokens, now_ms // TOKENS_WINDOW_MS])
+        return Enqueued(int(code))
+
+    async def tenant_counts(self, tenant: str) -> TenantCounts:
+        """The tenant's jobs waiting (or deferred) and running: O(1), one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.tenant_waiting, tenant)
+            pipe.hget(self.keys.tenant_running, tenant)
+            waiting, running = await pipe.execute()
+        return TenantCounts(waiting=int(waiting or 0), running=int(running or 0))
+
+    async def cancel(self, job_id: str) -> int:
+        """1: removed before it started; -1: running, abort requested (its worker is told at once);
+        0: not in the queue (finished, or never enqueued)."""
+        k = self.keys
+        counted = [key for lane in k.lanes for key in (k.waiting(lane), k.deferred(lane))]
+        return int(await self._scripts["CANCEL"](
+            keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, k.progress, k.tenant_waiting, *counted],
+            args=[job_id, int(time.time() * 1000), k.abort_channel("")]))
+
+    async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int, serializer: Any) -> None:
+        """Store the result record (arq's format) of a job no worker ran, e.g. cancelled while queued."""
+        now_ms = int(time.time() * 1000)
+        record = serialize_result(function, (), {}, 0, now_ms, True, result, now_ms, now_ms, job_id, self.keys.queue,
+                                  job_id, serializer=serializer)
+        await self.redis.psetex(result_key(job_id), ttl_ms, record)
+
+    async def result_record(self, job_id: str, deserializer: Any) -> Any | None:
+        """arq's result record of a finished job, or None."""
+        raw = await self.redis.get(result_key(job_id))
+        return None if raw is None else deserialize_result(raw, deserializer=deserializer)
+
+    async def result_records(self, job_ids: Sequence[str], deserializer: Any) -> dict[str, Any]:
+        """arq's result records of those of ``job_ids`` that have finished: one MGET, so a producer
+        with many jobs in flight (a bulk run) checks them all in one round trip."""
+        if not job_ids:
+            return {}
+        raw = await self.redis.mget([result_key(job_id) for job_id in job_ids])
+        return {job_id: deserialize_result(value, deserializer=deserializer)
+                for job_id, value in zip(job_ids, raw) if value is not None}
+
+    async def forget(self, job_ids: Sequence[str], other_keys: Callable[[str], Sequence[str]]) -> int:
+        """Remove the result (and ``other_keys(job_id)``, e.g. its stream) of each finished job;
+        jobs still queued or running are left alone. Returns how many were removed."""
+        if not job_ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                await self._scripts["FORGET"](keys=[self.keys.jobs, result_key(job_id), retry_counter_key(job_id),
+                                                    *other_keys(job_id)], args=[job_id], client=pipe)
+            return sum(int(x) for x in await pipe.execute())
+
+    async def in_queue(self, job_ids: Sequence[str]) -> list[bool]:
+        """Whether each job is still queued, deferred or running (one HMGET)."""
+        if not job_ids:
+            return []
+        return [entry is not None for entry in await self.redis.hmget(self.keys.jobs, list(job_ids))]
+
+    async def attempt_outcomes(self) -> AttemptOutcomes:
+        """Interrupted and failed attempts of every job since the queue began (one HMGET)."""
+        interrupted, failed = await self.redis.hmget(self.keys.attempt_outcomes, ["interrupted", "failed"])
+        return AttemptOutcomes(interrupted=int(interrupted or 0), failed=int(failed or 0))
+
+    async def place(self, job_id: str) -> tuple[str | None, bool]:
+        """(lane, running) of a job still in the queue; (None, False) when it is not."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.jobs, job_id)
+            pipe.hexists(self.keys.owners, job_id)
+            entry, owned = await pipe.execute()
+        if entry is None:
+            return None, False
+        return entry.decode().split("\t", 1)[0], bool(owned)
+
+    async def counts(self) -> list[LaneCounts]:
+        """Waiting, deferred and running jobs and preemptions of each lane: O(1) per lane, two
+        round trips (the second reads the ready time of each lane's next job)."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane in k.lanes:
+                pipe.zcard(k.waiting(lane))
+                pipe.zcard(k.deferred(lane))
+                pipe.zcard(k.running(lane))
+                pipe.zrange(k.waiting(lane), 0, 0)
+            pipe.hmget(k.preemptions, list(k.lanes))
+            raw = await pipe.execute()
+        heads = [head[0] if head else None for head in raw[3:-1:4]]
+        present = [h for h in heads if h is not None]
+        entries = dict(zip(present, await self.redis.hmget(k.jobs, present))) if present else {}
+        out = []
+        for i, lane in enumerate(k.lanes):
+            waiting, deferred, running, _ = raw[4 * i: 4 * i + 4]
+            entry = entries.get(heads[i])
+            ready = float(entry.decode().split("\t")[1]) if entry else None
+            out.append(LaneCounts(lane, waiting, deferred, running, ready, int(raw[-1][i] or 0)))
+        return out
+
+    # ------------------------------------------------------------------ workers
+    async def claim(self, max_jobs: int, token: str, lease_ms: int) -> list[ClaimedJob]:
+        """Up to ``max_jobs`` jobs, highest lane first, oldest first within a lane; each is owned
+        by this claim's lease (``token#n``, fresh for every claim) until its lease deadline (renew
+        it), and starts its next attempt."""
+        k = self.keys
+        lease = f"{token}#{next(self._claim_numbers)}"
+        flat = await self._scripts["CLAIM"](
+            keys=[k.jobs, k.owners, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
+            args=[int(time.time() * 1000), max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT])
+        return self._claimed(flat, lease)
+
+    async def preempt(self, victim_lane: str, token: str, lease_ms: int) -> ClaimedJob | None:
+        """Claim one waiting job of a lane above ``victim_lane`` for a busy worker, which then
+        hands its victim back to give the job its slot; counts the preemption for ``victim_lane``.
+        None: nothing above waits, or a worker with a free slot took the wake-up and claims it."""
+        k = self.keys
+        lease = f"{token}#{next(self._claim_numbers)}"
+        above = k.lanes[:k.lanes.index(victim_lane)]
+        flat = await self._scripts["PREEMPT"](
+            keys=[k.jobs, k.owners, k.wake, k.preemptions, k.tenant_waiting, k.tenant_running, *k.lane_groups(above)],
+            args=[int(time.time() * 1000), lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, victim_lane])
+        claimed = self._claimed(flat, lease)
+        return claimed[0] if claimed else None
+
+    def _claimed(self, flat: list[Any], lease: str) -> list[ClaimedJob]:
+        return [ClaimedJob(flat[i].decode(), self.lane_of(int(flat[i + 1])), int(float(flat[i + 2])), lease)
+                for i in range(0, len(flat), 3)]
+
+    async def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until a wake token arrives (one enqueue wakes one waiting worker) or the timeout."""
+        return await self.redis.blpop([self.keys.wake], timeout=timeout_s) is not None
+
+    async def return_wake_token(self) -> None:
+        """A token this worker cannot use (its slots filled meanwhile): pass it on."""
+        await self.redis.rpush(self.keys.wake, "1")
+
+    async def wait_for_preemption(self, below_lane: str, timeout_s: float) -> str | None:
+        """For a busy worker whose lowest job runs in ``below_lane``: block until a preemption
+        token of a lane above it arrives (one enqueue wakes at most one busy worker); returns that
+        lane, or None at the timeout."""
+        k = self.keys
+        above = k.lanes[:k.lanes.index(below_lane)]
+        if not above:
+            return None
+        lists = {k.preempt(lane): lane for lane in above}
+        popped = await self.redis.blpop(list(lists), timeout=timeout_s)
+        return None if popped is None else lists[popped[0].decode()]
+
+    async def return_preemption_token(self, lane: str) -> None:
+        """A preemption token this worker cannot use (its lower-lane jobs ended meanwhile): pass it on."""
+        await self.redis.rpush(self.keys.preempt(lane), "1")
+
+    async def renew(self, jobs: Sequence[ClaimedJob], lease_ms: int) -> list[bool]:
+        """Extend the leases of ``jobs``; False for each job its lease no longer owns."""
+        if not jobs:
+            return []
+        deadline = int(time.time() * 1000) + lease_ms
+        owned = await self._scripts["RENEW"](
+            keys=[self.keys.owners, *(self.keys.running(j.lane) for j in jobs)],
+            args=[deadline, *(x for j in jobs for x in (j.id, j.lease))])
+        return [bool(x) for x in owned]
+
+    async def start_attempt(self, job: ClaimedJob, attempt: int, delivered_tokens: int) -> AttemptStart:
+        """Attempt ``attempt`` of ``job`` starts with ``delivered_tokens`` tokens in its stream:
+        judge the earlier attempts that were lost (interrupted if the stream grew since the last
+        one started, else failed) and note this start. ``owned`` False: the lease is gone."""
+        k = self.keys
+        owned, interruptions, interrupted, failed = await self._scripts["START_ATTEMPT"](
+            keys=[k.owners, k.progress, k.attempt_outcomes], args=[job.lease, job.id, attempt, delivered_tokens])
+        return AttemptStart(owned=bool(owned), interruptions=int(interruptions), interrupted=int(interrupted),
+                            failed=int(failed))
+
+    async def interruptions(self, job_id: str) -> int:
+        """How many attempts of a job still in the queue were interrupted after making progress."""
+        entry = await self.redis.hget(self.keys.progress, job_id)
+        return int(entry.decode().rsplit("\t", 1)[1]) if entry else 0
+
+    async def finish(self, job: ClaimedJob, result: bytes | None, result_ttl_ms: int) -> bool:
+        """Store the result and remove the job from the queue. False: not ours (left alone)."""
+        k = self.keys
+        return bool(await self._scripts["FINISH"](
+            keys=[k.owners, k.jobs, k.running(job.lane), job_record_key(job.id), retry_counter_key(job.id),
+                  result_key(job.id), ABORTS, k.progress, k.tenant_running],
+            args=[job.lease, job.id, result or b"", result_ttl_ms]))
+
+    async def retry_later(self, job: ClaimedJob, run_at_ms: int) -> bool:
+        """Defer the job until ``run_at_ms`` after its attempt failed (a try spent). False: not ours."""
+        k = self.keys
+        return bool(await self._scripts["RETRY_LATER"](
+            keys=[k.owners, k.running(job.lane), k.deferred(job.lane), k.progress, k.attempt_outcomes, k.jobs,
+                  k.tenant_waiting, k.tenant_running],
+            args=[job.lease, job.id, run_at_ms]))
+
+    async def hand_back(self, job: ClaimedJob) -> bool:
+        """Return a job to its place in line without using a try (worker shutdown, dead engine)."""
+        k = self.keys
+        return bool(await self._scripts["HAND_BACK"](
+            keys=[k.owners, k.jobs, k.running(job.lane), k.waiting(job.lane), retry_counter_key(job.id), k.wake,
+                  k.tenant_waiting, k.tenant_running],
+            args=[job.lease, job.id, WAKE_CAP]))
+
+    async def reap(self) -> int:
+        """Requeue jobs whose lease expired (their worker died or stalled); promote due retries."""
+        k = self.keys
+        return int(await self._scripts["REAP"](
+            keys=[k.owners, k.jobs, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
+            args=[int(time.time() * 1000), REAP_LIMIT, WAKE_CAP]))

@@ -1,0 +1,230 @@
+"""The job layer's public types: what producers enqueue, what streams carry, what results hold."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
+
+from slotq.engine import ErrorInfo, FinishReason, GenerationParams, Timings, Usage
+from slotq.jobs.protocol.keys import DEFAULT_TENANT
+from slotq.jobs.protocol.serialization import serialize
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,200}$")
+
+TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_TENANT_MARK = "@"       # never in an idempotency key or a tenant name, so a scoped id splits one way only
+QUOTA_CHARS_PER_TOKEN = 4   # a prompt's tokens as the tokens quota counts them: its characters / 4
+
+
+def tenant_job_id(tenant: str, key: str) -> str:
+    """The queue's job id for a tenant's idempotency key (or a fresh id). Keys are scoped per
+    tenant: the same key of two tenants names two jobs. The default tenant's ids are the bare keys,
+    as they were before tenants, so single-tenant producers and the CLI see no change."""
+    return key if tenant == DEFAULT_TENANT else f"{key}{_TENANT_MARK}{tenant}"
+
+
+def split_job_id(job_id: str) -> tuple[str, str]:
+    """(key, tenant) of a job id: the inverse of :func:`tenant_job_id`."""
+    key, mark, tenant = job_id.rpartition(_TENANT_MARK)
+    return (key, tenant) if mark else (job_id, DEFAULT_TENANT)
+
+
+def tenant_of_job(job_id: str) -> str:
+    """The tenant whose job this is, read from its id (see :func:`tenant_job_id`)."""
+    return split_job_id(job_id)[1]
+
+
+class JobRequest(GenerationParams):
+    """A generation job. Validated when enqueued: a bad request raises pydantic's
+    ValidationError naming the field, and nothing is written to Redis."""
+
+    lane: str = Field("interactive", pattern=r"^[a-z][a-z0-9_-]{0,31}$",
+                      description="priority lane (SLOTQ_LANES); e.g. 'bulk' runs only on slots no higher lane needs")
+    idempotency_key: str | None = Field(
+        None, description="the same key always maps to the same job (1-200 chars of A-Z a-z 0-9 . _ : -)")
+    metadata: dict[str, str | int | float | bool | None] = Field(
+        default_factory=dict, max_length=64, description="opaque data returned with the result")
+    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN,
+                        description="who the job belongs to (the gateway sets the caller's); scopes the idempotency "
+                                    "key and the job id")
+
+    @model_validator(mode="after")
+    def _serializable(self) -> JobRequest:
+        """What validates must also enqueue: msgpack rejects ints beyond 64 bits and strings with
+        lone surrogates, which pydantic lets through (e.g. in metadata or json_schema)."""
+        try:
+            serialize(self.model_dump(mode="json", exclude_defaults=True))
+        except Exception as exc:  # msgpack / unicode errors of several types
+            raise ValueError(f"request cannot be serialized ({type(exc).__name__}: {exc}); "
+                             "metadata ints must fit in 64 bits and text must be valid Unicode") from None
+        return self
+
+    @field_validator("idempotency_key")
+    @classmethod
+    def _key_chars(cls, value: str | None) -> str | None:
+        if value is not None and not _KEY_RE.match(value):
+            raise ValueError("idempotency_key must be 1-200 characters of A-Z a-z 0-9 . _ : -")
+        return value
+
+    def job_id(self) -> str | None:
+        """The job id this request's idempotency key maps to (None without a key)."""
+        return None if self.idempotency_key is None else tenant_job_id(self.tenant, self.idempotency_key)
+
+    def prompt_chars(self) -> int:
+        """The characters of the prompt, or of every message's content."""
+        return len(self.prompt or "") + sum(len(m.content) for m in self.messages or ())
+
+    def quota_tokens(self) -> int:
+        """What the job reserves of its tenant's tokens per minute when it is admitted: its prompt
+        (characters / QUOTA_CHARS_PER_TOKEN: only a worker has the tokenizer, and the quota must be
+        decided before the job is queued) plus every token it may generate (max_tokens x n). It is
+        not refunded when the job stops early, so a tenant can never exceed the quota."""
+        return -(-self.prompt_chars() // QUOTA_CHARS_PER_TOKEN) + self.max_tokens * self.n
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"          # waiting for a worker (or for its retry time)
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"    # every choice finished (stop, length, deadline)
+    FAILED = "failed"          # a non-retryable error, or tries exhausted (then also dead-lettered)
+    CANCELLED = "cancelled"
+    NOT_FOUND = "not_found"
+
+
+class ChoiceResult(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class MaxTokensCap(BaseModel):
+    """A degraded worker ran the job with fewer tokens than asked (see SLOTQ_DEGRADED_MAX_TOKENS)."""
+
+    requested: int
+    applied: int
+    reason: str
+
+
+class JobResult(BaseModel):
+    id: str
+    status: JobStatus
+    text: str = Field("", description="text of choice 0")
+    finish_reason: FinishReason | None = None
+    usage: Usage = Field(default_factory=Usage, description="prompt counted once; completion summed over choices")
+    timings: Timings | None = None
+    choices: list[ChoiceResult] = Field(default_factory=list)
+    error: ErrorInfo | None = None
+    worker: str | None = Field(None, description="the worker whose attempt wrote the job's final stream entry")
+    attempts: int = Field(0, description="the attempt that ended the job (attempts handed back on shutdown do not count)")
+    interruptions: int = Field(
+        0, description="earlier attempts lost (worker killed or stalled) after delivering new tokens: they spent no "
+                       "try, so the tries spent are attempts - interruptions")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    max_tokens_cap: MaxTokensCap | None = Field(
+        None, description="set when a degraded worker capped max_tokens; finish_reason is then 'length' at the cap")
+
+
+class EntryKind(StrEnum):
+    CHUNK = "chunk"     # text and the token ids it came from
+    DONE = "done"       # one choice finished
+    ERROR = "error"     # an attempt failed; final unless retryable
+    RESTART = "restart" # a retried attempt could not resume (n > 1): discard earlier chunks
+
+
+class StreamEntry(BaseModel):
+    """One entry of ``slotq:stream:{job_id}``, as readers see it. ``id`` is the Redis stream id:
+    resume reading after it and nothing is missed or repeated."""
+
+    id: str
+    kind: EntryKind
+    attempt: int
+    choice: int = 0
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    n_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    worker: str | None = Field(None, description="the worker that wrote it (done and error entries)")
+    final: bool = Field(False, description="the last entry of the job: nothing follows")
+
+
+class WorkerInfo(BaseModel):
+    """A live worker, as its heartbeat advertises it."""
+
+    id: str
+    queue: str = Field("", description="the queue it serves")
+    model: str = Field(description="the model name it serves (what the gateway's `model` matches)")
+    ctx: int = Field(0, description="per-sequence context: prompt + max_tokens must fit")
+    slots_total: int
+    slots_busy: int
+    waiting: int
+    generated_tokens: int
+    tokens_per_s: float = 0.0
+    kv_cells_used: int = 0
+    kv_cells_cached: int = Field(0, description="of kv_cells_used, cells only idle prefix caches hold (reclaimable)")
+    kv_cells_total: int = 0
+    started_at: float
+    updated_at: float
+    draining: bool = False
+    ready: bool = Field(True, description="warmed up and claiming jobs (false while warming up or draining)")
+    slots_active: int | None = Field(None, description="active slots now (elastic); None from older workers")
+    degradation: str = Field("none", description="none, small_batch, cap_tokens or refuse")
+    memory_ratio: float | None = Field(None, description="resident memory / the worker's memory limit")
+    stream_tokens_per_s: float | None = Field(None, description="decode speed of each generating stream")
+
+
+class LaneInfo(BaseModel):
+    lane: str
+    queued: int = Field(description="jobs waiting to be claimed")
+    deferred: int = Field(description="jobs waiting out a retry backoff")
+    running: int
+    oldest_queued_age_s: float | None
+    preempted: int = Field(0, description="jobs of this lane that yielded their slot to a higher lane (handed back, "
+                                          "no try spent), since the queue began")
+
+
+class QueueInfo(BaseModel):
+    """One queue: its lanes (counts are O(1) reads), live workers and dead letters; the totals
+    over lanes and workers are derived (and included in JSON)."""
+
+    queue: str
+    lanes: list[LaneInfo]
+    workers: list[WorkerInfo]
+    dead_letters: int
+    interrupted_attempts: int = Field(
+        0, description="attempts lost after delivering new tokens, since the queue began: resumed, no try spent")
+    failed_attempts: int = Field(
+        0, description="attempts that spent a try, since the queue began: a retryable error, or lost before "
+                       "delivering new tokens")
+
+    @computed_field
+    def queued(self) -> int:
+        return sum(lane.queued for lane in self.lanes)
+
+    @computed_field
+    def deferred(self) -> int:
+        return sum(lane.deferred for lane in self.lanes)
+
+    @computed_field
+    def running(self) -> int:
+        return sum(lane.running for lane in self.lanes)
+
+    @computed_field
+    def oldest_queued_age_s(self) -> float | None:
+        ages = [lane.oldest_queued_age_s for lane in self.lanes if lane.oldest_queued_age_s is not None]
+        return max(ages) if ages else None
+
+    @computed_field
+    def slots_total(self) -> int:
+        return sum(w.slots_total for w in self.workers)
+
+    @computed_field
+    def slots_busy(self) -> int:
+        return sum(w.slots_busy for w in self.workers)

@@ -1,0 +1,79 @@
+"""The engine surface the job layer uses, as a Protocol.
+
+:class:`~engine.Engine` satisfies it; so does the fleet benchmark's simulated engine
+(``bench/sim_engine.py``), which stands in for llama.cpp where thousands of slots must fit on a
+small machine. Naming the surface here keeps the worker honest about what it needs, and lets a
+worker be built on either (``SlotqWorker(..., engine_factory=...)``) without ``engine/`` knowing
+about ``jobs/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
+
+from slotq.engine import EngineConfig, EngineStats, Event, GenerationRequest
+from slotq.engine.scheduler import SchedulerLimits
+
+
+class RunningRequest(Protocol):
+    """One submitted request: iterate it for its events (``TextDelta``, then one ``Finished`` per
+    choice); leaving the iteration early cancels it."""
+
+    def cancel(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+
+
+class ModelName(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+
+class JobEngine(Protocol):
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def info(self) -> ModelName: ...
+
+    @property
+    def ctx_per_seq(self) -> int: ...
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception that killed the engine, or None while it can run requests."""
+        ...
+
+    async def submit_async(self, request: GenerationRequest) -> RunningRequest:
+        """Queue a request; raises ``EngineError`` (``InvalidRequest``, ``EngineDead``, ...)."""
+        ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def warm_up(self) -> float:
+        """Run one request through the whole path before serving; returns the seconds it took."""
+        ...
+
+    def full_limits(self) -> SchedulerLimits:
+        """The configured sizes: the ceiling of :meth:`set_limits`."""
+        ...
+
+    def set_limits(self, *, active_slots: int | None = None, n_batch: int | None = None,
+                   prefill_chunk: int | None = None) -> SchedulerLimits:
+        """What the elastic worker adjusts while running (see ``engine.Engine.set_limits``)."""
+        ...
+
+    async def wait_failed(self) -> BaseException:
+        """Return once the engine has died (never, if it closes cleanly)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+EngineFactory = Callable[[EngineConfig], Awaitable[JobEngine]]
+"""Builds a worker's engine from its settings (``Engine.start`` by default)."""

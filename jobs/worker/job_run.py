@@ -1,0 +1,377 @@
+"""One attempt of one job inside a worker: the arq job function's body.
+
+It turns a queued payload into an engine request, resumes from what earlier attempts already
+streamed, mirrors engine events into the job's stream, and classifies every way it can end:
+success, a non-retryable error (ends at once), a retryable error (``Retry`` with backoff, or a
+dead letter when tries are exhausted), cancellation, and the three ways a job is handed back
+without using a try: worker shutdown (cancelled), a dead engine and a worker that refuses new jobs
+under memory pressure (``RetryJob``). A degraded worker may also cap ``max_tokens``; the result
+says so (``max_tokens_cap``).
+
+Tries count failures, not interruptions. An attempt that was lost with its worker (killed,
+stalled past its lease) is judged when the next one starts: if the job's stream grew while it ran,
+it was *interrupted* and spent no try (the next attempt resumes from what it delivered); if not,
+it *failed* like an attempt that raised a retryable error, so a job that kills its worker before
+its first token, or at the same token every time, is still dead-lettered after ``max_tries``.
+``max_interruptions`` bounds the rest, so nothing runs forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from slotq.engine import (
+    EngineDead,
+    EngineError,
+    ErrorInfo,
+    Finished,
+    FinishReason,
+    GenerationParams,
+    GenerationRequest,
+    TextDelta,
+    Timings,
+    Usage,
+)
+from slotq.jobs.protocol import dead_letters
+from slotq.jobs.worker import metrics
+from slotq.jobs.worker.elastic.admission import Verdict
+from slotq.jobs.worker.engine_api import JobEngine, RunningRequest
+from slotq.jobs.worker.fault_injection import JobFaults
+from slotq.jobs.protocol.record_keys import stream_key
+from slotq.jobs.protocol.payload import decode_payload
+from slotq.jobs.protocol.preemption import Progress
+from slotq.jobs.protocol.redis_queue import AttemptLedger
+from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
+from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, MaxTokensCap, StreamEntry
+from slotq.jobs.protocol.serialization import POISON_MARKER
+from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.protocol.streams import StreamWriter, decode_entry
+
+log = logging.getLogger(__name__)
+
+ENGINE_DEAD = EngineDead.code
+
+
+@dataclass
+class Delivered:
+    """What earlier attempts already put in the stream."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    text: dict[int, str] = field(default_factory=dict)
+    done: dict[int, StreamEntry] = field(default_factory=dict)
+    final: StreamEntry | None = None
+
+    @property
+    def token_count(self) -> int:
+        """Tokens the stream holds for the attempt about to run (all choices): what progress is measured by."""
+        return sum(len(tokens) for tokens in self.tokens.values())
+
+
+async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
+    delivered = Delivered()
+    for entry_id, raw in await writer.redis.xrange(stream_key(job_id)):
+        entry = decode_entry(entry_id, raw)
+        if entry.kind == EntryKind.RESTART:
+            delivered = Delivered()
+        elif entry.kind == EntryKind.CHUNK:
+            delivered.tokens.setdefault(entry.choice, []).extend(entry.token_ids)
+            delivered.text[entry.choice] = delivered.text.get(entry.choice, "") + entry.text
+        elif entry.kind == EntryKind.DONE:
+            delivered.done[entry.choice] = entry
+        if entry.final:
+            delivered.final = entry
+    return delivered
+
+
+class JobRun:
+    def __init__(self, *, engine: JobEngine, writer: StreamWriter, settings: WorkerSettings, worker_id: str,
+                 job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
+                 is_abort: Callable[[], bool], lease_lost: Callable[[], bool],
+                 verdict: Callable[..., Verdict] | None = None, ledger: AttemptLedger | None = None,
+                 faults: JobFaults = JobFaults()) -> None:
+        """``ledger`` judges lost attempts (interrupted or failed); without one (arq's own queue, as
+        the arq baseline runs) every attempt spends a try."""
+        self.engine = engine
+        self.writer = writer
+        self.settings = settings
+        self.worker_id = worker_id
+        self.job_id = job_id
+        self.attempt = attempt
+        self.ledger = ledger
+        self.interruptions = 0       # earlier attempts lost after delivering new tokens: no try spent
+        self.enqueued_at = enqueued_at
+        self.payload = payload
+        self.is_abort = is_abort
+        self.lease_lost = lease_lost
+        self.verdict = verdict
+        self.faults = faults
+        self.metadata: dict[str, Any] = {}
+        self.cap: MaxTokensCap | None = None
+        self.tokens_left: int | None = None    # still to generate, all choices (None until the request is known)
+        self.generated = 0                     # tokens this attempt has received
+        self.started_at = time.monotonic()
+
+    @property
+    def tries(self) -> int:
+        """Tries spent with this attempt: the attempts so far that were not interruptions."""
+        return self.attempt - self.interruptions
+
+    @property
+    def progress(self) -> Progress:
+        """How far this attempt has got, for the preemption policy."""
+        return Progress(tokens_left=self.tokens_left or 0, generated=self.generated, started_at=self.started_at)
+
+    # ------------------------------------------------------------------ entry point
+    async def run(self) -> JobResult:
+        if isinstance(self.payload, dict) and POISON_MARKER in self.payload:
+            return await self._dead_letter(ErrorInfo(code="poison_payload", retryable=False,
+                                                     message=f"unreadable job payload: {self.payload[POISON_MARKER]}"))
+        decoded = decode_payload(self.payload)
+        if decoded.request is None:
+            assert decoded.error is not None
+            return await self._dead_letter(decoded.error)
+        job = decoded.request
+        self.metadata = dict(job.metadata)
+        if self.lease_lost():          # claimed again before this attempt got going
+            raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
+        # Read even on attempt 1: a job handed back on shutdown runs again with the same try number.
+        delivered = await read_delivered(self.writer, self.job_id)
+        if delivered.final is not None:
+            return await self._result_from_stream(delivered)   # an earlier attempt finished; only its finish was lost
+        await self._start_attempt(delivered)
+        if self.tries > self.settings.max_tries:
+            return await self._dead_letter(ErrorInfo(code="tries_exhausted", retryable=True, message=(
+                f"attempt {self.attempt} would be try {self.tries}, over max_tries ({self.settings.max_tries}): the "
+                f"earlier attempts failed or were lost before delivering new tokens (does the job kill its worker?); "
+                f"{self.interruptions} interrupted after making progress did not count")))
+        if self.interruptions > self.settings.max_interruptions:
+            return await self._dead_letter(ErrorInfo(code="interruptions_exhausted", retryable=True, message=(
+                f"{self.interruptions} attempts were lost after making progress, over max_interruptions "
+                f"({self.settings.max_interruptions}); the stream holds {delivered.token_count} tokens")))
+        if job.deadline is not None and not delivered.tokens:
+            first_token_s = self._first_token_s()
+            if time.time() + first_token_s >= job.deadline:
+                return await self._fail(ErrorInfo(code="expired", retryable=False, message=(
+                    "the job's deadline cannot be met: it passed, or is nearer than one decode step "
+                    f"({first_token_s * 1000:.0f} ms on this worker), before the job could start")))
+        resume = delivered.tokens.get(0, []) if job.n == 1 else []
+        if job.n > 1 and delivered.tokens:
+            self.writer.add(self.job_id, self._entry(EntryKind.RESTART))
+            delivered = Delivered()
+        params = job.model_dump(include=set(GenerationParams.model_fields))     # the job layer's own fields stay here
+        if self.verdict is not None:
+            verdict = self.verdict(max_tokens=job.max_tokens, resuming=bool(delivered.tokens))
+            if verdict.refuse is not None:
+                await self._hand_back_refused(verdict.refuse)
+            if verdict.cap is not None:
+                self.cap = verdict.cap
+                params["max_tokens"] = verdict.cap.applied
+        self.tokens_left = params["max_tokens"] * job.n - delivered.token_count
+        if len(resume) >= job.max_tokens:
+            return await self._complete_delivered(GenerationRequest(id=self.job_id, **params), delivered)
+        request = GenerationRequest(id=self.job_id, resume_tokens=resume, **params)
+        try:
+            handle = await self.engine.submit_async(request)
+        except EngineError as exc:
+            if exc.code == ENGINE_DEAD:
+                raise RetryJob() from exc          # hand back: not this job's fault, no try used
+            return await self._fail(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable,
+                                              field=exc.field))
+        return await self._follow(handle, request, job, delivered)
+
+    def _first_token_s(self) -> float:
+        """The least time a first token takes here: this worker's mean decode step. A job whose
+        deadline is nearer than that would end with nothing, so it is failed as ``expired``
+        without taking a slot from others."""
+        stats = self.engine.stats()
+        return stats.generating_seconds / stats.generating_steps if stats.generating_steps else 0.0
+
+    async def _start_attempt(self, delivered: Delivered) -> None:
+        """Judge the attempts lost before this one and note where this one starts (the queue's
+        ``START_ATTEMPT``): the last one was an interruption, spending no try, if the stream
+        grew while it ran."""
+        if self.ledger is None:
+            return
+        start = await self.ledger.start(self.attempt, delivered.token_count)
+        if not start.owned:
+            raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
+        self.interruptions = start.interruptions
+        metrics.ATTEMPTS_LOST.labels(counted_as="interruption").inc(start.interrupted)
+        metrics.ATTEMPTS_LOST.labels(counted_as="failure").inc(start.failed)
+        if start.interrupted or start.failed:
+            log.warning("job %s attempt %d: of the attempts lost before it, %d had delivered new tokens (interrupted, "
+                        "no try spent) and %d had not (failed, a try each); try %d, %d interruptions so far",
+                        self.job_id, self.attempt, start.interrupted, start.failed, self.tries, self.interruptions)
+
+    # ------------------------------------------------------------------ streaming
+    async def _follow(self, handle: RunningRequest, request: GenerationRequest, job: JobRequest,
+                      delivered: Delivered) -> JobResult:
+        texts = {c: delivered.text.get(c, "") for c in range(job.n)}
+        tokens = {c: len(delivered.tokens.get(c, [])) for c in range(job.n)}
+        finished: dict[int, Finished] = {}
+        try:
+            async for event in handle:
+                if isinstance(event, TextDelta):
+                    if self.faults.kill_due(delivered=sum(tokens.values()), new=self.generated,
+                                            arriving=len(event.token_ids)):
+                        await self.faults.kill_worker(self.writer.write_all(self.job_id))
+                    texts[event.choice] += event.text
+                    tokens[event.choice] += len(event.token_ids)
+                    self.generated += len(event.token_ids)
+                    self.tokens_left = (self.tokens_left or 0) - len(event.token_ids)
+                    self.writer.add_chunk(self.job_id, attempt=self.attempt, choice=event.choice, text=event.text,
+                                          token_ids=event.token_ids, n_tokens=event.n_tokens)
+                    continue
+                finished[event.choice] = event
+                if event.error is not None:
+                    handle.cancel()
+                    return await self._on_engine_error(event.error)
+                self.writer.add(self.job_id, self._entry(
+                    EntryKind.DONE, choice=event.choice, finish_reason=event.finish_reason, usage=event.usage,
+                    timings=event.timings, final=len(finished) == job.n))
+        except asyncio.CancelledError:
+            if self.lease_lost():
+                self.writer.drop(self.job_id)              # another worker owns the job and its stream
+                raise
+            if not self.is_abort():
+                # Hand back: the next attempt resumes from what reached the stream (bounded wait,
+                # so a shutdown during a Redis outage still ends).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.shield(asyncio.wait_for(self.writer.write_all(self.job_id), 10))
+                raise
+            return await self._cancelled(texts, tokens, finished, request, job)
+        await self._flush_final()
+        return self._result(texts, finished)
+
+    async def _complete_delivered(self, request: GenerationRequest, delivered: Delivered) -> JobResult:
+        """An earlier attempt streamed every token but died before its final entry: finish the
+        stream without generating anything."""
+        usage = Usage(prompt_tokens=len(self.engine.prompt_tokens(request)), completion_tokens=len(delivered.tokens[0]))
+        finished = Finished(request_id=self.job_id, finish_reason=FinishReason.LENGTH, usage=usage, timings=Timings())
+        self.writer.add(self.job_id, self._entry(EntryKind.DONE, finish_reason=FinishReason.LENGTH, usage=usage,
+                                                 final=True))
+        await self._flush_final()
+        return self._result({0: delivered.text.get(0, "")}, {0: finished})
+
+    async def _flush_final(self) -> None:
+        """The final entry was queued with the last DONE; make sure it reached Redis."""
+        await self.writer.write_all(self.job_id)
+        if self.lease_lost():
+            raise asyncio.CancelledError(f"job {self.job_id}: lease lost while finishing")
+
+    async def _cancelled(self, texts: dict[int, str], tokens: dict[int, int], finished: dict[int, Finished],
+                         request: GenerationRequest, job: JobRequest) -> JobResult:
+        """Cancelled while running: each choice still open ends here with what it really cost, the
+        prompt and the tokens it delivered (the engine's own final event for a cancelled sequence
+        never reaches this task, which stopped reading when it was cancelled)."""
+        open_choices = [c for c in range(job.n) if c not in finished]
+        prompt_tokens = len(self.engine.prompt_tokens(request)) if open_choices else 0
+        for i, choice in enumerate(open_choices):
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=tokens[choice])
+            finished[choice] = Finished(request_id=self.job_id, choice=choice, finish_reason=FinishReason.CANCELLED,
+                                        usage=usage, timings=Timings())
+            self.writer.add(self.job_id, self._entry(EntryKind.DONE, choice=choice, finish_reason=FinishReason.CANCELLED,
+                                                     usage=usage, final=i == len(open_choices) - 1))
+        await asyncio.shield(self._flush_final())
+        result = self._result(texts, finished)
+        result.status = JobStatus.CANCELLED
+        result.finish_reason = FinishReason.CANCELLED
+        return result
+
+    # ------------------------------------------------------------------ failures
+    async def _on_engine_error(self, error: ErrorInfo) -> JobResult:
+        if error.code == ENGINE_DEAD:
+            # The worker's engine died under this job: keep what streamed, hand the job back
+            # without using a try (the worker exits; another resumes it).
+            await self._flush_final()
+            raise RetryJob()
+        if not error.retryable:
+            return await self._fail(error)
+        if self.tries >= self.settings.max_tries:
+            return await self._dead_letter(error)
+        self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error))
+        await self._flush_final()
+        defer = self.settings.retry_backoff_s * 2 ** (self.tries - 1)
+        metrics.RETRIES.inc()
+        log.warning("job %s attempt %d (try %d) failed (%s); retrying in %.1fs", self.job_id, self.attempt,
+                    self.tries, error.code, defer)
+        raise Retry(defer=defer)
+
+    async def _hand_back_refused(self, error: ErrorInfo) -> NoReturn:
+        """The worker refuses new jobs: say why in the stream (a retryable error, not final), and
+        hand the job back unstarted without using a try; another worker claims it."""
+        self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error))
+        await self._flush_final()
+        log.warning("job %s refused and handed back: %s", self.job_id, error.message)
+        raise RetryJob()
+
+    async def _fail(self, error: ErrorInfo) -> JobResult:
+        self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error, final=True))
+        await self._flush_final()
+        return self._failed(error)
+
+    async def _dead_letter(self, error: ErrorInfo) -> JobResult:
+        await dead_letters.record(self.writer.redis, self.job_id, self.payload, error, self.attempt, self.enqueued_at,
+                                  queue=self.settings.queue_name, interruptions=self.interruptions)
+        metrics.DEAD_LETTERS.inc()
+        log.error("job %s dead-lettered after %d attempts (%d of them interrupted after making progress): %s",
+                  self.job_id, self.attempt, self.interruptions, error.code)
+        return await self._fail(error)
+
+    def _entry(self, kind: EntryKind, **fields: Any) -> StreamEntry:
+        """A stream entry of this attempt other than a chunk, signed with its worker: the final
+        one tells whose attempt ended the job, even when another worker writes the result."""
+        return StreamEntry(id="", kind=kind, attempt=self.attempt, worker=self.worker_id, **fields)
+
+    # ------------------------------------------------------------------ results
+    def _result(self, texts: dict[int, str], finished: dict[int, Finished]) -> JobResult:
+        return self._summarize([ChoiceResult(index=c, text=texts[c], finish_reason=f.finish_reason, usage=f.usage,
+                                             timings=f.timings) for c, f in sorted(finished.items())],
+                               status=JobStatus.SUCCEEDED, text=texts.get(0, ""))
+
+    async def _result_from_stream(self, delivered: Delivered) -> JobResult:
+        """The stream is complete: an earlier attempt wrote its final entry, and only its finish
+        was lost (e.g. its lease expired during a cut, after the final entry reached Redis). The
+        result is that attempt's, naming its worker; this attempt spends no try."""
+        final = delivered.final
+        assert final is not None
+        if final.kind == EntryKind.ERROR:
+            result = self._failed(final.error)
+        else:
+            choices = [ChoiceResult(index=c, text=delivered.text.get(c, ""), finish_reason=d.finish_reason,
+                                    usage=d.usage or Usage(), timings=d.timings or Timings())
+                       for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
+            status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED
+            result = self._summarize(choices, status=status, text=delivered.text.get(0, ""),
+                                     fallback_reason=final.finish_reason)
+        result.worker, result.attempts = final.worker, final.attempt
+        result.interruptions = await self.ledger.interruptions() if self.ledger is not None else 0
+        return result
+
+    def _summarize(self, choices: list[ChoiceResult], *, status: JobStatus, text: str,
+                   fallback_reason: FinishReason | None = None) -> JobResult:
+        """One result from the per-choice outcomes: choice 0 gives text, reason and timings; the
+        prompt counts once and completions add up."""
+        first = choices[0] if choices and choices[0].index == 0 else None
+        return JobResult(
+            id=self.job_id, status=status, text=text,
+            finish_reason=first.finish_reason if first else fallback_reason,
+            usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
+                        completion_tokens=sum(c.usage.completion_tokens for c in choices),
+                        cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices)),
+            timings=first.timings if first else None,
+            choices=choices, worker=self.worker_id, attempts=self.attempt, interruptions=self.interruptions,
+            metadata=self.metadata, max_tokens_cap=self.cap,
+        )
+
+    def _failed(self, error: ErrorInfo | None) -> JobResult:
+        return JobResult(id=self.job_id, status=JobStatus.FAILED, error=error, worker=self.worker_id,
+                         attempts=self.attempt, interruptions=self.interruptions, finish_reason=FinishReason.ERROR,
+                         metadata=self.metadata)
+

@@ -1,0 +1,115 @@
+"""Prometheus metrics of a worker (``SLOTQ_METRICS_PORT``; 0 = off).
+
+Names mirror llama-server's where the meaning is the same (under the ``slotq_`` prefix), plus
+what llama-server lacks: queue depth and age, KV usage, TTFT and inter-token latency
+histograms, retries, lost attempts (interruptions apart from failures), dead letters and
+preemptions. They are served, with /ready and /live, by :mod:`slotq.jobs.worker.health`; the elastic
+worker's own metrics are in :mod:`slotq.jobs.worker.elastic.metrics`. Engine counters are sampled from
+``Engine.stats()`` once a second, so the hot path does no metric work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from slotq.engine import EngineStats
+from slotq.jobs.protocol.redis_queue import LaneCounts
+from slotq.jobs.protocol.schemas import JobResult
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
+
+PROMPT_TOKENS = Counter("slotq_prompt_tokens", "Prompt tokens computed (not served from the prefix cache)")
+PROMPT_TOKENS_CACHED = Counter("slotq_prompt_tokens_cached", "Prompt tokens served from the prefix cache")
+TOKENS_PREDICTED = Counter("slotq_tokens_predicted", "Generated tokens")
+N_DECODE = Counter("slotq_n_decode", "llama_decode calls")
+PREEMPTIONS = Counter("slotq_preemptions", "Sequences preempted for lack of KV space")
+REQUESTS_PROCESSING = Gauge("slotq_requests_processing", "Sequences holding a slot")
+REQUESTS_DEFERRED = Gauge("slotq_requests_deferred", "Sequences waiting for a slot inside the engine")
+BUSY_SLOTS_PER_DECODE = Gauge("slotq_n_busy_slots_per_decode", "Average sequences per llama_decode")
+SLOTS_TOTAL = Gauge("slotq_slots_total", "Slots of this worker")
+KV_USAGE = Gauge("slotq_kv_cache_usage_ratio",
+                 "KV cells held for running sequences / total KV cells (idle prefix caches, dropped when space "
+                 "is needed, do not count)")
+BATCH_LIMIT = Gauge("slotq_batch_limit_tokens", "Token budget of one llama_decode now (smaller while degraded)")
+PREFILL_CHUNK_LIMIT = Gauge("slotq_prefill_chunk_limit_tokens",
+                            "Prompt tokens of one sequence per decode step now (smaller while degraded)")
+KV_CACHED = Gauge("slotq_kv_cache_cached_ratio", "KV cells only idle prefix caches hold / total KV cells")
+QUEUE_WAITING = Gauge("slotq_queue_waiting", "Jobs waiting to be claimed", ["lane"])
+QUEUE_DEFERRED = Gauge("slotq_queue_deferred", "Jobs waiting out a retry backoff", ["lane"])
+QUEUE_RUNNING = Gauge("slotq_queue_running", "Jobs claimed by a worker (whole fleet)", ["lane"])
+QUEUE_OLDEST_AGE = Gauge("slotq_queue_oldest_waiting_age_seconds", "Age of the oldest job not yet claimed", ["lane"])
+LANE_PREEMPTIONS = Counter(
+    "slotq_lane_preemptions", "Jobs this worker handed back (no try spent, resumed from their stream) to give their "
+    "slot to a waiting job of a higher lane, by the lane of the job handed back", ["lane"])
+QUEUE_PREEMPTED = Gauge("slotq_queue_preempted", "Jobs of this lane that yielded their slot to a higher lane, whole "
+                        "fleet, since the queue began", ["lane"])
+PICKUP = Histogram("slotq_queue_pickup_seconds", "Enqueue (or retry due) to claim by this worker", ["lane"],
+                   buckets=LATENCY_BUCKETS)
+JOBS = Counter("slotq_jobs", "Finished job attempts by status", ["status"])
+RETRIES = Counter("slotq_retries", "Attempts that failed and were scheduled for retry")
+ATTEMPTS_LOST = Counter(
+    "slotq_attempts_lost", "Attempts lost with their worker (killed, stalled past the lease), judged when the job "
+    "starts again: counted_as=interruption if they had delivered new tokens (no try spent), failure if not",
+    ["counted_as"])
+for _counted_as in ("interruption", "failure"):
+    ATTEMPTS_LOST.labels(counted_as=_counted_as)       # exported at 0 from the start, so rate() sees the first one
+DEAD_LETTERS = Counter("slotq_dead_letters", "Jobs dead-lettered by this worker")
+TTFT = Histogram("slotq_time_to_first_token_seconds", "Submit to first token, in the engine", buckets=LATENCY_BUCKETS)
+INTER_TOKEN = Histogram("slotq_inter_token_latency_seconds", "Mean time between tokens of a job",
+                        buckets=TOKEN_BUCKETS)
+
+
+def observe_result(result: JobResult) -> None:
+    JOBS.labels(status=result.status.value).inc()
+    timings = result.timings
+    if timings is not None and timings.ttft_ms is not None:
+        TTFT.observe(timings.ttft_ms / 1000)
+    if timings is not None and timings.decode_tokens_per_s:
+        INTER_TOKEN.observe(1 / timings.decode_tokens_per_s)
+
+
+# Counters fed from cumulative EngineStats fields.
+_COUNTED = (
+    (PROMPT_TOKENS, "prompt_tokens_processed"),
+    (PROMPT_TOKENS_CACHED, "prompt_tokens_cached"),
+    (TOKENS_PREDICTED, "generated_tokens"),
+    (N_DECODE, "decode_steps"),
+    (PREEMPTIONS, "preemptions"),
+)
+
+
+class EngineSampler:
+    """Turns successive ``EngineStats`` snapshots into counter increments and gauges."""
+
+    def __init__(self) -> None:
+        self._last: EngineStats | None = None
+
+    def update(self, stats: EngineStats) -> None:
+        for counter, name in _COUNTED:
+            before = getattr(self._last, name) if self._last else 0
+            counter.inc(max(0, getattr(stats, name) - before))
+        self._last = stats
+        REQUESTS_PROCESSING.set(stats.slots_busy)
+        REQUESTS_DEFERRED.set(stats.waiting)
+        BUSY_SLOTS_PER_DECODE.set(stats.avg_busy_slots_per_decode)
+        SLOTS_TOTAL.set(stats.slots_total)
+        BATCH_LIMIT.set(stats.batch_limit)
+        PREFILL_CHUNK_LIMIT.set(stats.prefill_chunk_limit)
+        KV_USAGE.set(stats.kv_active_ratio)
+        KV_CACHED.set(stats.kv_cells_cached / stats.kv_cells_total if stats.kv_cells_total else 0)
+
+
+def sample_queue(counts: Sequence[LaneCounts], now_ms: float | None = None) -> None:
+    """Per-lane queue gauges from :meth:`RedisQueue.counts` (each O(1) in Redis)."""
+    now_ms = time.time() * 1000 if now_ms is None else now_ms
+    for c in counts:
+        QUEUE_WAITING.labels(lane=c.lane).set(c.waiting)
+        QUEUE_DEFERRED.labels(lane=c.lane).set(c.deferred)
+        QUEUE_RUNNING.labels(lane=c.lane).set(c.running)
+        QUEUE_PREEMPTED.labels(lane=c.lane).set(c.preempted)
+        age = (now_ms - c.oldest_waiting_ms) / 1000 if c.oldest_waiting_ms is not None else 0.0
+        QUEUE_OLDEST_AGE.labels(lane=c.lane).set(max(0.0, age))

@@ -1,0 +1,412 @@
+"""The slotq worker: one engine (one model, N slots) fed from a Redis queue.
+
+* It claims at most as many jobs as it has slots (:class:`~slotq.jobs.protocol.arq_adapter.QueueRuntime`), and
+  only while its heartbeat is current and its engine alive.
+* A heartbeat renews the lease of every job it runs (``lock_ttl_s``, renewed every third of it) and
+  advertises the worker (queue, model, context, slots, KV use, tokens/s) for ``slotq status``, the
+  gateway and producers' limit checks. A killed worker's jobs are requeued by any other worker's
+  reaper once their lease expires; a worker that stalled past its lease is fenced off.
+* The heartbeat, the cancel listener and the metrics loop run under a :class:`Supervisor`: an
+  unexpected exception is logged, sent to Sentry, and the loop restarted.
+* Before it claims anything it runs one warm-up decode; only then is it ready (heartbeat field
+  ``ready``, HTTP ``/ready`` next to ``/metrics``; ``/live`` for liveness, see :mod:`slotq.jobs.worker.health`).
+* Its active slots follow memory, KV use, decode speed and waiting work, and it degrades in steps
+  under sustained pressure (:mod:`slotq.jobs.worker.elastic`): it holds at most as many jobs as active slots.
+* SIGTERM/SIGINT: stop claiming, let running jobs finish within ``drain_grace_s``, then hand the
+  rest back without using a try; a second signal hands everything back at once. The process exits
+  within ``drain_grace_s + EXIT_MARGIN_S`` of the first signal, always (:meth:`SlotqWorker._arm_exit_deadline`).
+* If the engine thread dies, the worker stops claiming, hands its jobs back (no try used: they
+  resume elsewhere from what they streamed), reports to Sentry and exits with code 70 so that its
+  supervisor (honcho, systemd, Kubernetes) restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+import sentry_sdk
+from redis.exceptions import RedisError
+
+from slotq.engine import Engine
+from slotq.jobs.worker import health
+from slotq.jobs.worker import metrics
+from slotq.jobs.aio import wait_until_set
+from slotq.jobs.protocol.connection import connect
+from slotq.jobs.worker.elastic import metrics as elastic_metrics
+from slotq.jobs.worker.elastic.loop import ElasticLoop
+from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
+from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
+from slotq.jobs.worker.job_run import JobRun
+from slotq.jobs.protocol.record_keys import JOB_FUNCTION, WORKER_INDEX, worker_key
+from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
+from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
+from slotq.jobs.protocol.arq_adapter import QueueRuntime
+from slotq.jobs.protocol.serialization import deserialize, serialize
+from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.protocol.streams import StreamWriter
+from slotq.jobs.worker.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+EXIT_ENGINE_DIED = 70               # EX_SOFTWARE: restart me
+EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worker from stopping in time
+# The worker's exit bound is drain_grace_s + EXIT_MARGIN_S: the margin holds the hand-back (up to
+# 15 s), flushing streams and stopping the loops (a few seconds), and Redis commands retrying
+# through a short outage. Deploy manifests allow a little more (deploy/README.md, "Graceful drain").
+EXIT_MARGIN_S = 30
+WORKER_INDEX_KEEP_S = 3600          # a worker silent this long leaves the worker index
+
+
+class SlotqWorker:
+    """Owns the engine, the stream writer, the heartbeat and the queue runtime."""
+
+    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory = Engine.start) -> None:
+        self.settings = settings
+        self.redis_url = redis_url
+        self.engine_factory = engine_factory     # the fleet benchmark passes a simulated engine
+        self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
+        self.token = f"{self.id}:{uuid.uuid4().hex[:8]}"
+        self.lease_ms = settings.lock_ttl_s * 1000
+        self.engine: JobEngine | None = None
+        self.served_model = ""
+        self.writer: StreamWriter | None = None
+        self.runtime: QueueRuntime | None = None
+        self.queue: RedisQueue | None = None
+        self.started_at = time.time()
+        self.exit_code = 0
+        self.ready = asyncio.Event()         # set once warmed up: jobs may be claimed
+        self.elastic: ElasticLoop | None = None
+        self.health = health.Health(ready_check=self._readiness)
+        self.supervisor = Supervisor(
+            on_restart=lambda name: elastic_metrics.LOOP_RESTARTS.labels(loop=name).inc())
+        self._draining = False
+        self._hand_back_now = asyncio.Event()
+        self._beat_now = asyncio.Event()
+        self._http: WSGIServer | None = None
+        self._heartbeat_ok_at = 0.0
+        self._main: asyncio.Task[None] | None = None
+        self._owns_process = False
+        self._exit_deadline: threading.Timer | None = None
+        self._tokens_seen: tuple[float, int] | None = None
+        self._faults = WorkerFaults.from_env()
+        self._job_faults = JobFaults.from_env()
+        self._runs: dict[str, JobRun] = {}   # the attempts running here, by job id
+
+    # ------------------------------------------------------------------ running
+    async def run(self, *, handle_signals: bool = True) -> int:
+        """Serve until stopped; returns the process exit code (0, or 70 if the engine died)."""
+        self.supervisor.start("liveness", self._liveness_loop)
+        if self.settings.metrics_port:          # probes answer from the start, even while Redis is unreachable
+            self._http = health.serve(self.settings.metrics_port, self.health)
+            log.info("Prometheus metrics on :%d/metrics, readiness on /ready, liveness on /live",
+                     self.settings.metrics_port)
+        redis = await connect(self.redis_url, patient=True, queue_name=self.settings.queue_name,
+                              ca_file=self.settings.redis_ca_file)
+        self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes)
+        self.runtime = QueueRuntime(
+            job_name=JOB_FUNCTION, job=self.run_job, queue_name=self.settings.queue_name, redis_pool=redis,
+            queue=self.queue, token=self.token, lease_ms=self.lease_ms, may_claim=self._may_claim,
+            on_job_started=self._observe_pickup, progress=self._progress,
+            on_preempted=lambda victim: metrics.LANE_PREEMPTIONS.labels(lane=victim.lane).inc(),
+            on_startup=self._on_startup, on_shutdown=self._on_shutdown,
+            max_jobs=self.settings.slots, job_timeout=self.settings.job_timeout_s,
+            keep_result=self.settings.keep_result_s, poll_delay=self.settings.poll_delay_s,
+            max_tries=self.settings.max_attempts + 1, allow_abort_jobs=True,
+            job_serializer=serialize, job_deserializer=deserialize, log_results=False)
+        if handle_signals:
+            self._owns_process = True
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.request_stop, sig.name)
+        self._main = asyncio.create_task(self.runtime.main(), name="slotq-runtime")
+        try:
+            await self._main
+        except asyncio.CancelledError:
+            if not self._draining:
+                raise
+        finally:
+            await self.runtime.close()
+        log.info("worker %s stopped", self.id)
+        return self.exit_code
+
+    def _may_claim(self) -> bool:
+        """Claim only once warmed up, while the heartbeat renews leases, the engine runs and the
+        elastic controller is not refusing new jobs."""
+        return self._readiness()[0] and (self.elastic is None or self.elastic.accepting)
+
+    def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready = warmed up, heartbeat current, engine alive, not draining (``/ready``, heartbeat)."""
+        # Two beats may be late (a loaded machine) before claiming stops; leases last three beats.
+        fresh = time.monotonic() - self._heartbeat_ok_at < self.settings.lock_ttl_s * 2 / 3
+        if self.runtime is None:
+            state = "connecting_to_redis"
+        elif self.engine is None:
+            state = "loading_model"
+        elif self.engine.failure is not None:
+            state = "engine_failed"
+        elif not self.ready.is_set():
+            state = "warming_up"
+        elif self._draining:
+            state = "draining"
+        elif not fresh:
+            state = "redis_unreachable"
+        else:
+            state = "ready"
+        detail: dict[str, Any] = {"state": state, "worker": self.id}
+        if self.elastic is not None:
+            detail |= self.elastic.heartbeat_fields()
+        return state == "ready", detail
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _on_startup(self, ctx: dict[str, Any]) -> None:
+        config = self.settings.engine_config()
+        self.served_model = self.settings.served_model_name(config.model_path)
+        log.info("loading %s as %r (%d slots, ctx %d)", config.model_path.name, self.served_model, config.slots,
+                 config.ctx)
+        self.engine = await self.engine_factory(config)
+        assert self.queue is not None and self.runtime is not None
+        self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
+                                   maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
+                                   ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
+                                   owners_key=self.queue.keys.owners, writer_id=self.token,
+                                   on_fenced=self.runtime.lose_lease)   # a refused write: that attempt stops
+        self.writer.start()
+        self.supervisor.start("heartbeat", self._heartbeat_loop)
+        self.supervisor.start("cancel-listener", self._cancel_listener)
+        self.supervisor.start("engine-watch", self._engine_watch)
+        if self.settings.metrics_port:
+            self.supervisor.start("metrics", self._metrics_loop)
+        self.elastic = ElasticLoop(self.settings, engine=self.engine, runtime=self.runtime, queue=self.queue,
+                                   faults=self._faults, worker_id=self.id)
+        warm_s = await self.engine.warm_up()
+        if self._faults.warmup_delay_s:
+            await asyncio.sleep(self._faults.warmup_delay_s)
+        self.supervisor.start("elastic", self.elastic.run)
+        self.ready.set()
+        self._beat_now.set()
+        self.runtime.nudge()
+        log.info("worker %s ready (warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s", self.id, warm_s,
+                 self.engine.info.model_name, config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
+
+    async def _on_shutdown(self, ctx: dict[str, Any]) -> None:
+        await self._faults.before_loops_stop(self._beat_now, lambda: self._heartbeat_ok_at)
+        await self.supervisor.stop()
+        if self.writer:
+            await self.writer.close()
+        try:
+            await ctx["redis"].delete(worker_key(self.id))
+            await ctx["redis"].zrem(WORKER_INDEX, self.id)
+        except RedisError:
+            pass
+        if self.engine:
+            await self.engine.close()
+        if self._http is not None:
+            await asyncio.to_thread(self._http.shutdown)
+            self._http.server_close()
+
+    def request_stop(self, reason: str = "stop requested", *, grace_s: float | None = None) -> None:
+        """Drain: no new jobs, running ones get ``grace_s`` (default ``drain_grace_s``) to finish,
+        then they are handed back and :meth:`run` returns. A second request hands back at once."""
+        if self._draining:
+            log.warning("%s again: handing every running job back now", reason)
+            self._hand_back_now.set()
+            return
+        self._draining = True
+        self._beat_now.set()                 # advertise "draining" at once
+        grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        self._arm_exit_deadline(grace)
+        if self.runtime is not None:
+            self.runtime.allow_pick_jobs = False
+            log.info("%s: draining (no new jobs; up to %g s for %d running)", reason, grace, len(self.runtime.claimed))
+        asyncio.get_running_loop().create_task(self._drain(grace))
+
+    async def _drain(self, grace_s: float) -> None:
+        if self.runtime is not None:
+            deadline = time.monotonic() + grace_s
+            while (any(not t.done() for t in self.runtime.tasks.values()) and time.monotonic() < deadline
+                   and not self._hand_back_now.is_set()):
+                await asyncio.sleep(0.05)
+            await self.runtime.hand_back_and_wait()
+        if self._main is not None:
+            self._main.cancel()
+
+    def _arm_exit_deadline(self, grace_s: float) -> None:
+        """Enforce the exit bound: if the process still runs ``grace_s + EXIT_MARGIN_S`` after the
+        stop began, log why and exit with :data:`EXIT_STOP_OVERDUE`.
+
+        A clean stop ends well before; this is for what nobody foresaw (a loop that ignores its
+        cancellation, a Redis call stuck in a half-open connection, the engine thread not joining),
+        so that a rollout never waits for SIGKILL and a worker whose engine died never sits
+        forever. A timer thread, because it must fire even if the event loop is what is stuck. Its
+        jobs are safe: what was not handed back returns to the queue when its lease expires. Only
+        for a worker that owns its process (``run(handle_signals=True)``, i.e. ``slotq worker``),
+        never for one embedded in another program or a test.
+        """
+        if not self._owns_process or self._exit_deadline is not None:
+            return
+        bound_s = grace_s + EXIT_MARGIN_S
+        self._exit_deadline = threading.Timer(bound_s, self._exit_overdue, args=(bound_s,))
+        self._exit_deadline.daemon = True
+        self._exit_deadline.start()
+
+    def _exit_overdue(self, bound_s: float) -> None:
+        log.critical("worker %s did not stop within its exit bound of %g s; exiting now with code %d (jobs it "
+                     "still holds return to the queue when their leases expire)", self.id, bound_s, EXIT_STOP_OVERDUE)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_STOP_OVERDUE)
+
+    async def _engine_watch(self) -> None:
+        """The engine thread died: hand the jobs back and exit non-zero so a supervisor restarts us."""
+        assert self.engine is not None
+        failure = await self.engine.wait_failed()       # never returns when the engine closes cleanly
+        log.critical("the engine thread died (%s: %s); handing jobs back and exiting with code %d",
+                     type(failure).__name__, failure, EXIT_ENGINE_DIED)
+        sentry_sdk.capture_exception(failure)
+        self.exit_code = EXIT_ENGINE_DIED
+        self._draining = True
+        self._arm_exit_deadline(0)
+        self._hand_back_now.set()
+        await self._drain(0)
+        await asyncio.Event().wait()        # the worker is stopping; nothing left to watch
+
+    # ------------------------------------------------------------------ background loops
+    async def _heartbeat_loop(self) -> None:
+        """Every third of the lease, or at once when the worker's state changes (e.g. it became ready)."""
+        while True:
+            self._beat_now.clear()
+            await self._heartbeat_once()
+            await wait_until_set(self._beat_now, self.settings.lock_ttl_s / 3)
+
+    async def _heartbeat_once(self) -> None:
+        """Renew the leases of running jobs and advertise this worker."""
+        assert self.runtime is not None and self.queue is not None and self.engine is not None
+        self._faults.on_heartbeat()
+        runtime = self.runtime
+        jobs = runtime.leases()
+        await self._faults.before_renew(lambda: any(job.id in runtime.claimed for job in jobs))
+        owned = await self.queue.renew(jobs, self.lease_ms)
+        for job, ok in zip(jobs, owned):
+            if not ok and claim_is_current(runtime, job):
+                log.warning("job %s: its lease expired and the job was requeued; abandoning this attempt", job.id)
+                runtime.lose_lease(job.id, job.lease)
+        stats = self.engine.stats()
+        now = time.time()
+        rate = 0.0
+        if self._tokens_seen is not None and now > self._tokens_seen[0]:
+            rate = (stats.generated_tokens - self._tokens_seen[1]) / (now - self._tokens_seen[0])
+        self._tokens_seen = (now, stats.generated_tokens)
+        interval = self.settings.lock_ttl_s / 3
+        async with self.queue.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(worker_key(self.id), mapping={
+                "id": self.id, "queue": self.settings.queue_name, "model": self.served_model,
+                "ctx": self.engine.ctx_per_seq, "slots_total": stats.slots_total, "slots_busy": stats.slots_busy,
+                "waiting": stats.waiting, "generated_tokens": stats.generated_tokens,
+                "tokens_per_s": round(rate, 1), "kv_cells_used": stats.kv_cells_used,
+                "kv_cells_cached": stats.kv_cells_cached,
+                "kv_cells_total": stats.kv_cells_total, "started_at": self.started_at, "updated_at": now,
+                "draining": int(self._draining), "ready": int(self.ready.is_set() and not self._draining),
+                **(self.elastic.heartbeat_fields() if self.elastic else {})})
+            pipe.expire(worker_key(self.id), max(3, int(interval * 3)))
+            pipe.zadd(WORKER_INDEX, {self.id: int(now * 1000)})
+            pipe.zremrangebyscore(WORKER_INDEX, "-inf", int((now - WORKER_INDEX_KEEP_S) * 1000))   # long gone
+            await pipe.execute()
+        was_stale = not self._may_claim()
+        self._heartbeat_ok_at = time.monotonic()
+        if was_stale:
+            self.runtime.nudge()        # the claim gate just opened (start-up, or the heartbeat recovered)
+
+    async def _cancel_listener(self) -> None:
+        """Cancels of jobs this worker runs arrive on its own channel: act on them at once."""
+        assert self.queue is not None and self.runtime is not None
+        async with self.queue.redis.pubsub() as pubsub:
+            await pubsub.subscribe(self.queue.keys.abort_channel(self.token))
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    await self.runtime.abort_now()
+
+    async def _metrics_loop(self) -> None:
+        assert self.engine is not None and self.queue is not None
+        sampler = metrics.EngineSampler()
+        while True:
+            sampler.update(self.engine.stats())
+            elastic_metrics.WORKER_READY.set(int(self._readiness()[0]))
+            metrics.sample_queue(await self.queue.counts())
+            await asyncio.sleep(1)
+
+    async def _liveness_loop(self) -> None:
+        """Stamps the time every second: ``/live`` fails if the event loop stops running it."""
+        while True:
+            self.health.tick()
+            await asyncio.sleep(1)
+
+    def _progress(self, job_id: str) -> Progress:
+        """How far a running job's attempt has got, for the preemption policy (not started until
+        its attempt runs here)."""
+        run = self._runs.get(job_id)
+        return run.progress if run is not None else NOT_STARTED
+
+    def _observe_pickup(self, job: ClaimedJob) -> None:
+        metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, time.time() - job.ready_ms / 1000))
+
+    # ------------------------------------------------------------------ the job function
+    async def run_job(self, ctx: dict[str, Any], payload: Any) -> dict[str, Any]:
+        assert self.engine is not None and self.writer is not None and self.runtime is not None
+        assert self.queue is not None
+        runtime = self.runtime
+        job_id = ctx["job_id"]
+        claim = runtime.claimed[job_id]
+        enqueue_time: datetime | None = ctx.get("enqueue_time")
+        run = JobRun(engine=self.engine, writer=self.writer, settings=self.settings, worker_id=self.id,
+                     job_id=job_id, attempt=ctx["job_try"], payload=payload,
+                     enqueued_at=enqueue_time.timestamp() if enqueue_time else None,
+                     is_abort=lambda: job_id in runtime.aborting_tasks,
+                     lease_lost=lambda: job_id in runtime.lease_lost,
+                     verdict=self.elastic.verdict if self.elastic else None,
+                     ledger=AttemptLedger(self.queue, claim), faults=self._job_faults)
+        started = time.monotonic()
+        log.info("job %s attempt %d started", job_id, ctx["job_try"])
+        self._faults.on_job_start(self._beat_now)
+        self.writer.bind(job_id, claim.lease)
+        self._runs[job_id] = run
+        if runtime.job_counter >= runtime.max_jobs:
+            # The claim that filled the slots went back to waiting before this attempt ran, so it
+            # saw no preemption candidate and is not listening for preemption tokens; wake it to
+            # wait again with one, rather than up to SLOTQ_POLL_DELAY_S later. No Redis command:
+            # a full worker does not claim.
+            runtime.nudge()
+        try:
+            result = await run.run()
+        except asyncio.CancelledError:
+            log.info("job %s %s", job_id, "abandoned (lease lost)" if job_id in runtime.lease_lost else "handed back")
+            raise
+        finally:
+            self.writer.unbind(job_id)
+            if self._runs.get(job_id) is run:
+                del self._runs[job_id]
+        runtime.aborting_tasks.discard(job_id)
+        metrics.observe_result(result)
+        log.info("job %s %s (%s) in %.2f s: %d prompt + %d completion tokens", job_id, result.status.value,
+                 result.finish_reason.value if result.finish_reason else "-", time.monotonic() - started,
+                 result.usage.prompt_tokens, result.usage.completion_tokens)
+        return result.model_dump(mode="json")
+
+
+def claim_is_current(runtime: QueueRuntime, job: ClaimedJob) -> bool:
+    """Whether ``job``'s claim still runs on this worker, neither leaving (finishing, retrying,
+    handed back) nor lost. A RENEW that names a claim no longer current lost nothing: its FINISH
+    may simply have reached Redis first, and saying the job was requeued would be false."""
+    running = runtime.claimed.get(job.id)
+    if running is not None and running.lease == job.lease:
+        return job.id not in runtime.leaving and job.id not in runtime.lease_lost
+    return runtime.waits_for_slot(job)

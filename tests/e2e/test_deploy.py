@@ -1,0 +1,82 @@
+"""The Kubernetes manifests in deploy/kubernetes agree with the code: every SLOTQ_* variable they
+set is a real setting, every probe path is served, and the gateway's files volume is where its
+setting points. (No cluster here: this checks what a typo would break on the first apply.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slotq.jobs.gateway.app import create_app
+from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.worker.health import Health, app
+from slotq.jobs.settings import WorkerSettings
+from tests.support import REPO_ROOT
+
+KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"
+
+
+def _documents() -> dict[tuple[str, str], dict[str, Any]]:
+    docs = {}
+    for path in sorted(KUBERNETES.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+def _container(doc: dict[str, Any]) -> dict[str, Any]:
+    [container] = doc["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_every_slotq_variable_in_the_manifests_is_a_setting() -> None:
+    known = {f"SLOTQ_{name.upper()}" for name in set(WorkerSettings.model_fields) | set(GatewaySettings.model_fields)}
+    used = {var for path in KUBERNETES.glob("*.yaml") for var in re.findall(r"\bSLOTQ_[A-Z0-9_]+", path.read_text())}
+    assert used, "no SLOTQ_ variable found"
+    assert used <= known, sorted(used - known)
+
+
+def test_the_worker_probes_are_served() -> None:
+    worker = _container(_documents()[("Deployment", "slotq-worker")])
+    serve = app(Health(ready_check=lambda: (True, {})))
+    for probe in ("readinessProbe", "livenessProbe"):
+        statuses: list[str] = []
+        body = b"".join(serve({"PATH_INFO": worker[probe]["httpGet"]["path"], "REQUEST_METHOD": "GET"},
+                              lambda status, _headers: statuses.append(status)))
+        assert statuses == ["200 OK"] and b'"ok": true' in body, (probe, statuses, body[:200])
+
+
+def test_the_gateway_manifest_matches_the_gateway(tmp_path: Path) -> None:
+    docs = _documents()
+    deployment = docs[("Deployment", "slotq-gateway")]
+    gateway = _container(deployment)
+    env = {e["name"]: e for e in gateway["env"]}
+    # it binds beyond loopback, so it must get API keys (the gateway refuses to start without them)
+    assert env["SLOTQ_GATEWAY_HOST"]["value"] == "0.0.0.0" and "secretKeyRef" in env["SLOTQ_API_KEYS"]["valueFrom"]
+    settings = GatewaySettings(_env_file=None, gateway_host="0.0.0.0", api_keys="k",
+                               gateway_port=int(env["SLOTQ_GATEWAY_PORT"]["value"]))
+    assert settings.bind_error(settings.gateway_host) is None
+    [port] = gateway["ports"]
+    assert port["containerPort"] == settings.gateway_port
+    # probes and the Prometheus scrape hit routes the app serves
+    routes = set(create_app(settings, "redis://127.0.0.1:1/0").openapi()["paths"])
+    assert gateway["readinessProbe"]["httpGet"]["path"] in routes
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"] in routes
+    # the Batch API's files live on the shared volume
+    [mount] = gateway["volumeMounts"]
+    assert mount["mountPath"] == env["SLOTQ_GATEWAY_FILES_DIR"]["value"]
+    [volume] = deployment["spec"]["template"]["spec"]["volumes"]
+    claim = docs[("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])]
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]            # every replica mounts it
+    service = docs[("Service", "slotq-gateway")]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+    # the secret example offers every key the manifests read
+    secret = docs[("Secret", "slotq")]["stringData"]
+    refs = {e["valueFrom"]["secretKeyRef"]["key"] for doc in docs.values() if doc["kind"] == "Deployment"
+            for e in _container(doc).get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs <= set(secret), sorted(refs - set(secret))

@@ -1,0 +1,47 @@
+"""What ``pip install slotq`` puts on a machine: one ``slotq`` namespace, no benchmarks.
+
+The repository keeps the folders the design fixes (engine/, jobs/); the wheel installs them as
+``slotq.engine`` and ``slotq.jobs`` (pyproject's package-dir), so an application's own ``jobs``
+package can't shadow ours. The wheel is built for real, from a copy of the checkout.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+from tests.support import REPO_ROOT
+
+
+def _listed_packages() -> set[str]:
+    return set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+
+
+def test_every_source_folder_is_a_listed_package() -> None:
+    on_disk = {"slotq." + str(init.parent.relative_to(REPO_ROOT)).replace("/", ".")
+               for top in ("engine", "jobs") for init in (REPO_ROOT / top).rglob("__init__.py")}
+    assert on_disk == _listed_packages()
+
+
+def test_the_wheel_installs_only_the_slotq_namespace(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    for folder in ("engine", "jobs", "bench"):
+        shutil.copytree(REPO_ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("slotq-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names}
+    assert {t for t in top_level if not t.endswith(".dist-info")} == {"slotq"}
+    assert "slotq/jobs/cli/main.py" in names and "slotq/engine/engine.py" in names
+    assert "slotq/jobs/gateway/static/index.html" in names or any(n.startswith("slotq/jobs/gateway/static/") for n in names)
+    assert not any("bench" in n.split("/") for n in names), "the benchmarks stay out of the wheel"
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "slotq = slotq.jobs.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

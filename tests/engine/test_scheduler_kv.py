@@ -1,0 +1,333 @@
+"""Pure tests of the scheduler's KV side: prefix reuse across slots, KV-aware admission, what
+happens when llama.cpp finds no KV space, forks (n > 1) sharing their leader's prompt, and the KV
+ledger; no model (``scheduler_sim.Sim``
+plays the runner on a fake unified KV cache).
+"""
+
+from __future__ import annotations
+
+from tests.support.scheduler_sim import FakeKV, Sim, config, make_seq
+
+from slotq.engine.kv_ledger import KVLedger
+from slotq.engine.scheduler import KVFullAction, Scheduler
+from slotq.engine.sequence import Sequence, SeqState
+
+# ----------------------------------------------------------------------------- prefix reuse
+def _leave_caches(s: Scheduler, *prompts: list[int]) -> list[Sequence]:
+    """Run sequences (admitted together, so none reuses another) through prefill and one sampled
+    token; their KV stays behind as idle caches in slots 0, 1, ..."""
+    sim = Sim(s)
+    seqs = [make_seq(p, max_new=1) for p in prompts]
+    for q in seqs:
+        s.add(q)
+    sim.run()
+    assert all(q.state == SeqState.FINISHED for q in seqs)
+    return seqs
+
+
+def test_prefix_reuse_picks_longest_common_prefix() -> None:
+    s = Scheduler(config(n_slots=4, prefill_chunk=64))
+    base = list(range(1, 41))
+    _leave_caches(s, base[:10] + [999] * 10, base[:30] + [777], base[:20] + [555] * 3)
+    assert s.ledger.used_cells() == 20 + 31 + 23
+    q = make_seq(base + [5, 6, 7])
+    s.add(q)
+    out = s.schedule()
+    (adm,) = out.admitted
+    assert adm.n_reused == 30
+    assert q.n_computed == 30 and q.n_reused == 30
+    # The cache that holds the prefix is an idle slot: the sequence takes that slot and keeps
+    # the shared cells instead of copying them.
+    assert (q.seq_id, adm.keep, adm.copy_from) == (1, 30, None)
+    assert [(i.start, i.n_tokens) for i in out.items] == [(30, len(q.tokens) - 30)]
+    assert s.prompt_tokens_reused == 30
+    assert s.ledger.used_cells() == 20 + 30 + 23       # slot 1 dropped its unshared tail
+
+
+def test_prefix_reuse_copies_from_a_running_sequence() -> None:
+    s = Scheduler(config(n_slots=4))
+    sim = Sim(s)
+    prompt = list(range(1, 21))
+    a = make_seq(prompt + [50, 51], max_new=30)
+    s.add(a)
+    while a.n_generated == 0:
+        sim.step()
+    b = make_seq(prompt + [60])
+    s.add(b)
+    out = sim.step()
+    (adm,) = out.admitted
+    assert (adm.copy_from, adm.n_reused, adm.keep) == (a.seq_id, 20, 0)
+    assert b.seq_id != a.seq_id
+    sim.check()                                          # b's KV really holds the 20 shared tokens
+    assert s.ledger.used_cells() == a.n_computed + (b.n_computed - 20)   # shared cells counted once
+
+
+def test_prefix_reuse_is_capped_at_len_minus_one() -> None:
+    s = Scheduler(config(n_slots=2))
+    tokens = list(range(1, 31))
+    _leave_caches(s, tokens + [42])                      # the cache holds these 31 prompt tokens
+    q = make_seq(tokens)                                 # identical to the cache's first 30
+    s.add(q)
+    out = s.schedule()
+    assert out.admitted[0].n_reused == len(tokens) - 1
+    assert [(i.start, i.n_tokens, i.sample) for i in out.items] == [(29, 1, True)]
+
+
+def test_prefix_cache_disabled_reuses_nothing() -> None:
+    s = Scheduler(config(n_slots=2, prefix_cache=False))
+    tokens = list(range(1, 31))
+    _leave_caches(s, tokens)
+    assert s.ledger.used_cells() == 0                    # no idle cache is kept
+    q = make_seq(tokens + [3])
+    s.add(q)
+    out = s.schedule()
+    assert out.admitted[0].n_reused == 0 and q.n_computed == 0
+
+
+def test_waiting_for_a_running_prefill_copies_it_when_computed() -> None:
+    s = Scheduler(config(n_slots=4, n_batch=64, prefill_chunk=32))
+    sim = Sim(s)
+    prefix = list(range(1, 101))
+    a = make_seq(prefix + [500], max_new=3)
+    s.add(a)
+    sim.step()                                           # a has computed 32 of its 101 prompt tokens
+    b = make_seq(prefix + [600], max_new=3)
+    s.add(b)
+    out = sim.step()
+    assert [x.n_reused for x in out.admitted] == [32]   # what a holds now...
+    assert b.fork_of is a                                # ...and it waits for the rest instead of computing it
+    assert all(i.seq is not b for i in out.items)
+    sim.run()                                            # (Sim.check verifies b's KV after the copy)
+    assert b.n_reused == 100 and b.n_generated == a.n_generated == 3
+    assert s.prompt_tokens_computed == 101 + 1           # the shared prefix was computed once
+
+
+def test_reuse_counters_add_up_after_waiting_for_a_running_prefill() -> None:
+    s = Scheduler(config(n_slots=4, n_batch=64, prefill_chunk=32))
+    sim = Sim(s)
+    prefix = list(range(1, 101))
+    a = make_seq(prefix + [500], max_new=3)
+    s.add(a)
+    sim.step()
+    b = make_seq(prefix + [600], max_new=3)
+    s.add(b)
+    sim.run()
+    assert s.prompt_tokens_reused == a.n_reused + b.n_reused == 100
+    assert s.prompt_tokens_reused + s.prompt_tokens_computed == 101 + 101
+
+
+# ----------------------------------------------------------------------------- KV-aware admission
+def test_admission_waits_when_kv_would_overflow() -> None:
+    s = Scheduler(config(n_slots=4, kv_cells=100, prefix_cache=False))
+    sim = Sim(s)
+    a = make_seq(10, max_new=50)                         # worst case 60 cells
+    b = make_seq(10, max_new=50)
+    s.add(a)
+    s.add(b)
+    out = sim.step()
+    assert [x.seq for x in out.admitted] == [a]
+    assert b.state == SeqState.WAITING and s.n_free_slots == 3
+    while a.state != SeqState.FINISHED:
+        sim.step()
+        assert b.state == SeqState.WAITING or a.state == SeqState.FINISHED
+        assert s.ledger.used_cells() + s.kv_reserved() <= 100
+    out = sim.step()
+    assert [x.seq for x in out.admitted] == [b]
+
+
+def test_admission_evicts_idle_caches_before_waiting() -> None:
+    s = Scheduler(config(n_slots=4, kv_cells=100))
+    sim = Sim(s)
+    a = make_seq(10, max_new=50)
+    s.add(a)
+    sim.run()
+    cache_slot = 0
+    assert s.ledger.used_cells() == 59                   # a's prompt + 49 decoded tokens stay cached
+    b = make_seq(10, max_new=50)                         # unrelated tokens: needs 60
+    s.add(b)
+    out = sim.step()
+    assert [x.seq for x in out.admitted] == [b]
+    assert out.evicted_caches == [cache_slot]
+    sim.check()
+    assert s.ledger.used_cells() == 10                   # only b's fresh prompt
+
+
+def test_admission_keeps_caches_that_fit() -> None:
+    s = Scheduler(config(n_slots=4, kv_cells=1000))
+    sim = Sim(s)
+    s.add(make_seq(10, max_new=5))
+    sim.run()
+    s.add(make_seq(10, max_new=5))
+    out = sim.step()
+    assert out.evicted_caches == []
+    assert s.ledger.used_cells() == 14 + 10
+
+
+# ----------------------------------------------------------------------------- KV full
+def test_on_kv_full_order_evict_shrink_preempt_stuck() -> None:
+    s = Scheduler(config(n_slots=4, n_batch=64, prefill_chunk=16, kv_overcommit=16.0))
+    sim = Sim(s, FakeKV(capacity=10_000))
+    s.add(make_seq(8, max_new=1))
+    sim.run()                                           # leaves an idle cache
+    old = make_seq(4, max_new=100)
+    young = make_seq(4, max_new=100)
+    s.add(old)
+    s.add(young)
+    sim.step()
+    prefiller = make_seq(60, max_new=5)
+    s.add(prefiller)
+
+    out = s.schedule()
+    assert s.on_kv_full(out) == KVFullAction.EVICTED_CACHE
+    assert s.ledger.used_cells() == 8                    # the 8-cell cache is gone; old/young hold 4 each
+    out = s.schedule()
+    assert out.evicted_caches == [0]                     # ...and the runner is told to clear it
+    chunks = []
+    for _ in range(4):                                   # 16 -> 8 -> 4 -> 2 -> 1
+        assert s.on_kv_full(out) == KVFullAction.SHRUNK_PREFILL
+        out = s.schedule()
+        chunks.append(next(i.n_tokens for i in out.items if i.seq is prefiller))
+    assert chunks == [8, 4, 2, 1]
+    assert s.on_kv_full(out) == KVFullAction.PREEMPTED
+    assert prefiller.state == SeqState.WAITING           # the youngest goes
+    assert old.state == young.state == SeqState.RUNNING
+    assert s.kv_reserved() == old.kv_still_needed + young.kv_still_needed
+    out = s.schedule()                                   # held back while the others run: no thrashing
+    assert out.admitted == [] and prefiller.state == SeqState.WAITING
+    s.finish(old)                                        # a finish lifts the hold
+    out = s.schedule()                                   # re-admitted, still at the shrunk share
+    assert [a.seq for a in out.admitted] == [prefiller]
+    assert next(i.n_tokens for i in out.items if i.seq is prefiller) == 1
+    s.commit(out)                                       # a successful decode restores the full share
+    out = s.schedule()
+    assert next(i.n_tokens for i in out.items if i.seq is prefiller) == 16
+
+    s2 = Scheduler(config(n_slots=4))
+    lone = make_seq(5)
+    s2.add(lone)
+    out = s2.schedule()
+    s2.commit(out)
+    lone.tokens.append(1)
+    out = s2.schedule()                                  # decode only, no cache, one sequence
+    assert s2.on_kv_full(out) == KVFullAction.STUCK
+    assert lone.state == SeqState.RUNNING                # the runner fails it, not the scheduler
+
+
+def test_preemption_victim_is_youngest_of_lowest_priority() -> None:
+    s = Scheduler(config(n_slots=4))
+    sim = Sim(s)
+    low_old = make_seq(3, max_new=50)
+    low_young = make_seq(3, max_new=50)
+    vip_youngest = make_seq(3, max_new=50, priority=10)
+    for q in (low_old, low_young, vip_youngest):
+        s.add(q)
+    sim.step()
+    assert len(s.running) == 3
+    out = s.schedule()
+    assert s.on_kv_full(out) == KVFullAction.PREEMPTED
+    assert low_young.state == SeqState.WAITING
+    assert vip_youngest.state == low_old.state == SeqState.RUNNING
+
+
+def test_preempted_sequence_keeps_tokens_and_resumes_from_scratch() -> None:
+    s = Scheduler(config(n_slots=2, prefix_cache=False))
+    sim = Sim(s)
+    a = make_seq(6, max_new=20)
+    b = make_seq(6, max_new=20)
+    s.add(a)
+    s.add(b)
+    for _ in range(5):
+        sim.step()
+    tokens_before = list(b.tokens)
+    generated_before = b.n_generated
+    assert generated_before == 5
+    out = s.schedule()
+    assert s.on_kv_full(out) == KVFullAction.PREEMPTED
+    assert b.state == SeqState.WAITING and b.seq_id is None
+    assert (b.n_computed, b.preemptions, s.preemptions) == (0, 1, 1)
+    assert b.tokens == tokens_before                    # progress is kept
+    assert s.ledger.used_cells() == a.n_computed        # b's cells are released
+    out = sim.step()                                    # b waits while a runs (no thrashing) ...
+    assert all(i.seq is not b for i in out.items) and b.state == SeqState.WAITING
+    while a.state != SeqState.FINISHED:
+        sim.step()
+    out = sim.step()                                    # ... then is re-admitted and prefills everything
+    b_item = next(i for i in out.items if i.seq is b)
+    assert (b_item.start, b_item.n_tokens, b_item.sample) == (0, len(tokens_before), True)
+    assert b.tokens[: len(tokens_before)] == tokens_before
+    assert b.n_generated == generated_before + 1        # generation continues where it stopped
+    sim.run()
+    assert a.n_generated == b.n_generated == 20
+
+
+def test_overcommit_preemption_does_not_thrash() -> None:
+    """Regression: with kv_overcommit > 1 and a really full pool, the youngest sequence was
+    preempted, re-admitted by the very next schedule() (it "fits" under the overcommit) holding no
+    KV of its own, preempted again, and so on: nothing ever progressed (~2000 preemptions in 2000
+    steps with this exact workload before the fix)."""
+    s = Scheduler(config(n_slots=3, n_batch=64, kv_cells=24, prefill_chunk=16, kv_overcommit=2.0))
+    sim = Sim(s)
+    seqs = [make_seq([1, 2, 3, 4, 100 + i], max_new=10) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    sim.run(max_steps=2000)
+    assert all(q.n_generated == 10 for q in seqs)
+    assert 0 < s.preemptions < 20
+
+
+# ----------------------------------------------------------------------------- forks (n > 1)
+def test_forks_share_the_leaders_prompt() -> None:
+    s = Scheduler(config(n_slots=4, prefill_chunk=32))
+    sim = Sim(s)
+    prompt = list(range(1, 21))
+    leader = make_seq(prompt, max_new=5, request_id="n3")
+    sibs = [make_seq(prompt, max_new=5, request_id="n3", fork_of=leader) for _ in range(2)]
+    for i, q in enumerate([leader, *sibs]):
+        q.choice = i
+        s.add(q)
+    out = sim.step()
+    assert [i.seq for i in out.items] == [leader]        # only the leader prefills
+    assert {f.seq for f in out.forks} == set(sibs) and all(f.leader is leader for f in out.forks)
+    assert s.prompt_tokens_computed == 20 and s.prompt_tokens_reused == 40
+    assert all(q.n_generated == 1 for q in [leader, *sibs])
+    sim.check()
+    sim.run()
+    assert all(q.n_generated == 5 for q in [leader, *sibs])
+
+
+# ----------------------------------------------------------------------------- KV ledger
+def test_ledger_shared_prefixes() -> None:
+    led = KVLedger()
+    led.extend(0, 10)
+    led.extend(0, 5)
+    assert led.used_cells() == 15 and led.length(0) == 15
+    led.copy_prefix(0, 1, 12)                            # seq 1 shares 12 of seq 0's cells
+    assert led.used_cells() == 15 and led.length(1) == 12
+    led.extend(1, 3)                                     # diverges: 3 new cells
+    assert led.used_cells() == 18
+    led.extend(0, 2)                                     # seq 0 keeps growing its own block
+    assert led.used_cells() == 20
+    led.truncate(0, 4)                                   # seq 0 keeps 4; seq 1 still holds 12 + 3
+    assert led.used_cells() == 15 and led.length(0) == 4
+    led.extend(0, 6)                                     # cannot grow into cells seq 1 references
+    assert led.used_cells() == 21
+    led.remove(1)
+    assert led.used_cells() == 10                        # 4 shared survivors + 6 new
+    led.remove(0)
+    assert led.used_cells() == 0
+
+
+def test_ledger_copy_of_a_copy_and_removing_the_source() -> None:
+    led = KVLedger()
+    led.extend(0, 8)
+    led.copy_prefix(0, 1, 8)
+    led.extend(1, 4)
+    led.copy_prefix(1, 2, 10)                            # 8 from seq 0's block + 2 of seq 1's
+    assert led.used_cells() == 12 and led.length(2) == 10
+    led.remove(0)
+    led.remove(1)
+    assert led.used_cells() == 10                        # seq 2 still holds its 10 cells
+    led.truncate(2, 3)
+    assert led.used_cells() == 3
+
+

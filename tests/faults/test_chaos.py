@@ -1,0 +1,168 @@
+"""The chaos run, bounded: every fault slotq promises to survive, against one stream of jobs, with
+consumers that follow each job exactly as the README shows (``async for e in handle.stream()``).
+
+Real processes throughout: three ``slotq worker`` subprocesses (tiny model, 4 slots, 3 s lease)
+reach a Valkey server (AOF, every write fsynced) through a TCP proxy; the producer and its
+followers talk to Valkey directly. While 150 jobs (ignore_eos, 40-250 tokens, 16 outstanding at
+any time) run, a seeded schedule applies, in random order, one fault each time another eleventh of
+the jobs has been enqueued (so each finds jobs running):
+
+* eight kill -9 of a serving worker, each replaced at once, as a supervisor would;
+* one SIGSTOP longer than the lease, then SIGCONT (the frozen worker's jobs move on; its late
+  writes must be refused);
+* one kill -9 of Valkey and a restart on the same data directory (it replays its AOF);
+* one network cut between the workers and Valkey: nothing passes for 1.5 s, then every connection
+  drops.
+
+Asserted: no job lost or failed; every follower ended with its job's final entry, and what it was
+given is exactly what the stream holds (nothing duplicated, nothing missing); stream text ==
+result text and completion tokens == max_tokens; the queue is empty; every worker exits on
+SIGTERM within its bound (drain_grace_s + EXIT_MARGIN_S), with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+
+import pytest
+
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus, StreamEntry
+from slotq.jobs.worker.worker import EXIT_MARGIN_S
+from tests.support.jobs import job_request, raw_entries
+from tests.support.faults import LOCK_TTL_S, Fleet, LatencyProxy, check_job, report, worker_env
+
+pytestmark = pytest.mark.fault
+
+SEED = 20261130
+JOBS = 150
+WORKERS = 3
+OUTSTANDING = 16             # more than the fleet's 12 slots: every worker is busy when a fault hits
+MIN_TOKENS, MAX_TOKENS = 40, 250
+KILLS = 8
+STOP_S = LOCK_TTL_S + 2      # a SIGSTOP longer than the lease
+CUT_HOLD_S = 1.5
+DRAIN_GRACE_S = 5
+EXIT_BOUND_S = DRAIN_GRACE_S + EXIT_MARGIN_S
+
+
+async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(fclient: SlotqClient, fsync_redis,
+                                                                           tiny_model_path, tmp_path) -> None:
+    client = fclient
+    rng = random.Random(SEED)
+    proxy = LatencyProxy(fsync_redis.port)
+    await proxy.start()
+    fleet = Fleet(client, worker_env(proxy.url, tiny_model_path, slots=4, ctx=1024, drain_grace_s=DRAIN_GRACE_S),
+                  tmp_path)
+    names = [fleet.spawn().name for _ in range(WORKERS)]
+    requests = [job_request(f"chaos {i}", max_tokens=rng.randint(MIN_TOKENS, MAX_TOKENS)) for i in range(JOBS)]
+    faults = ["kill"] * KILLS + ["sigstop", "redis_restart", "network_cut"]
+    rng.shuffle(faults)
+    applied: list[tuple[str, int]] = []           # (fault, jobs outstanding when it hit)
+    outstanding: set[str] = set()
+    exits: dict[str, tuple[int | None, float]] = {}
+    try:
+        await fleet.wait_ready(*names)
+        started = time.monotonic()
+
+        enqueued = 0
+        enqueued_more = asyncio.Condition()
+
+        async def run_job(request: JobRequest, room: asyncio.Semaphore) -> tuple[list[StreamEntry], JobResult]:
+            nonlocal enqueued
+            try:
+                handle = await client.enqueue(request)
+                outstanding.add(handle.id)
+                async with enqueued_more:
+                    enqueued += 1
+                    enqueued_more.notify_all()
+                entries = [e async for e in handle.stream()]
+                return entries, await handle.result(timeout=60)
+            finally:
+                room.release()
+
+        milestones = [i * JOBS // (len(faults) + 1) for i in range(1, len(faults) + 1)]
+        fault_done = {m: asyncio.Event() for m in milestones}
+
+        async def produce() -> list[tuple[list[StreamEntry], JobResult]]:
+            """Closed loop of OUTSTANDING jobs that holds still at each milestone until its fault
+            has been applied, so the fault meets a busy fleet however fast the fleet is."""
+            room = asyncio.Semaphore(OUTSTANDING)
+            jobs = []
+            for k, request in enumerate(requests):
+                if k in fault_done:
+                    await fault_done[k].wait()
+                await room.acquire()
+                jobs.append(asyncio.create_task(run_job(request, room)))
+            return await asyncio.gather(*jobs)
+
+        async def serving() -> list[str]:
+            """Workers that serve (not ones still starting), waiting for one if need be."""
+            while not (ready := sorted({w.id for w in (await client.queue_info()).workers if w.ready}
+                                       & set(fleet.alive()))):
+                await asyncio.sleep(0.1)
+            return ready
+
+        async def chaos() -> None:
+            """Fault i hits once the producer reached milestone i (and holds there)."""
+            for milestone, fault in zip(milestones, faults):
+                async with enqueued_more:
+                    await enqueued_more.wait_for(lambda: enqueued >= milestone)
+                running = len(outstanding) - len(await client.finished(list(outstanding)))
+                if fault == "kill":
+                    fleet.kill(rng.choice(await serving()))
+                    fleet.spawn()                         # the supervisor's replacement
+                elif fault == "sigstop":
+                    victim = rng.choice(await serving())
+                    fleet.pause(victim)
+                    await asyncio.sleep(STOP_S)
+                    fleet.resume(victim)
+                elif fault == "redis_restart":
+                    await fleet.kill_redis_quietly(fsync_redis)
+                    await asyncio.sleep(rng.uniform(0.3, 1.0))
+                    await asyncio.to_thread(fsync_redis.restart)
+                else:
+                    await proxy.cut(CUT_HOLD_S)
+                applied.append((fault, running))
+                fault_done[milestone].set()
+
+        producing = asyncio.create_task(produce())
+        async with asyncio.timeout(150):
+            await chaos()
+            outcomes = await producing
+        wall = time.monotonic() - started
+
+        # ---- each fault hit a running fleet
+        assert sorted(f for f, _ in applied) == sorted(faults), applied
+        assert all(running > 0 for _, running in applied), applied
+
+        # ---- nothing lost, duplicated, or cut short
+        failed = [(r.id, r.status, r.error) for _, r in outcomes if r.status != JobStatus.SUCCEEDED]
+        assert not failed, (failed[:3], fleet.logs())
+        for (followed, result), request in zip(outcomes, requests):
+            assert followed and followed[-1].final, (result.id, "the stream ended before its final entry")
+            stored = await raw_entries(client, result.id)
+            assert [e.id for e in followed] == [e.id for e in stored], (result.id, "the follower missed or repeated")
+            await check_job(client, result, max_tokens=request.max_tokens)
+        info = await client.queue_info()
+        assert info.queued == info.running == info.deferred == 0, info
+        assert info.dead_letters == 0
+        retried = sum(r.attempts > 1 for _, r in outcomes)
+    finally:
+        async def timed_stop(name: str) -> None:
+            proc = fleet.procs[name]
+            proc.proc.send_signal(signal.SIGCONT)
+            t = time.monotonic()
+            code = await asyncio.to_thread(proc.stop, EXIT_BOUND_S + 10)    # the proxy runs on this loop
+            exits[name] = (code, time.monotonic() - t)
+
+        await asyncio.gather(*(timed_stop(name) for name in fleet.procs))     # SIGTERM all at once
+        fleet.procs.clear()
+        await proxy.close()
+    slow = {n: e for n, e in exits.items() if e[0] != 0 or e[1] > EXIT_BOUND_S}
+    assert not slow, (slow, fleet.logs())
+    report(f"CHAOS jobs={JOBS} faults={[f for f, _ in applied]} retried={retried} lost=0 duplicated=0 "
+           f"ended_early=0 wall_s={wall:.1f} slowest_exit_s={max(e[1] for e in exits.values()):.1f}")

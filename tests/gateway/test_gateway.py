@@ -1,0 +1,684 @@
+"""The HTTP gateway end to end: real Valkey, ``slotq worker`` and ``slotq gateway`` processes,
+the official ``openai`` package (sync and async) as the client, and raw SSE over httpx where the
+test needs to see event ids.
+
+The stack (module scope): worker A serves ``tiny-a`` on the default queue with a long context (so
+jobs can run for seconds), worker B serves ``tiny-b`` on ``slotq:queue:b``; gateway 1 (0.5 s
+keep-alives) and gateway 2 are open, gateway 3 wants API keys and allows 2 jobs per queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from tests.support.gateway import Event, Stack, chunk_text, free_port, sse_events
+from tests.support.jobs import SLOTQ_BIN, clean_env
+from openai import AsyncOpenAI, OpenAI
+from redis.asyncio import Redis
+
+from slotq.engine import ErrorInfo
+from slotq.jobs.protocol import dead_letters
+
+pytestmark = pytest.mark.timeout(180)
+
+KEYS = ("sk-test-one", "sk-test-two")
+LONG = 12_000          # tokens: seconds of generation on worker A (ctx 16384), to be cut short by the test
+PROMPT = [{"role": "user", "content": "Tell me about queues."}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
+    with Stack.started(tmp_path_factory.mktemp("gateway"), tiny_model_path) as s:
+        s.start_worker("gw-worker-a", "tiny-a", ctx=16_384)
+        s.start_worker("gw-worker-b", "tiny-b", queue="slotq:queue:b", slots=2)
+        s.start_gateway("gateway-1", gateway_keepalive_s=0.5)
+        s.start_gateway("gateway-2")
+        s.start_gateway("gateway-3", api_keys=",".join(KEYS), max_queue_length=2, cors_origins="https://app.example")
+        for gateway in s.gateways:
+            gateway.wait_ready()
+        s.wait_for_models({"tiny-a", "tiny-b"})
+        yield s
+
+
+def sdk(url: str, api_key: str = "unused") -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def greedy(**extra: Any) -> dict[str, Any]:
+    """extra_body for a deterministic, fixed-length reply."""
+    return {"ignore_eos": True, **extra}
+
+
+def job(url: str, job_id: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    response = httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_job(url: str, job_id: str, status: str | tuple[str, ...] = ("succeeded", "failed", "cancelled"),
+             timeout: float = 60, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Poll the job until its status is one of ``status``, with ``headers`` (the key of its tenant)."""
+    wanted = (status,) if isinstance(status, str) else status
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = job(url, job_id, headers)
+        if body["status"] in wanted:
+            return body
+        time.sleep(0.05)
+    raise TimeoutError(f"job {job_id} still {body['status']} after {timeout} s")
+
+
+def post_stream(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None, *,
+                stop_after: int | None = None) -> tuple[int, list[Event], list[str]]:
+    """POST a streaming request; read events until the end, or close the connection after
+    ``stop_after`` events with an id (a client dropping). Returns status, events, comments."""
+    events: list[Event] = []
+    comments: list[str] = []
+    with httpx.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=60) as response:
+        if response.status_code != 200:
+            response.read()
+            return response.status_code, [Event(None, response.text)], []
+        for item in sse_events(response.iter_lines()):
+            if isinstance(item, str):
+                comments.append(item)
+                continue
+            events.append(item)
+            if stop_after is not None and sum(e.id is not None for e in events) >= stop_after:
+                break
+    return 200, events, comments
+
+
+def get_events(url: str, job_id: str, headers: dict[str, str] | None = None, *, after: str | None = None,
+               stop_after: int | None = None) -> tuple[list[Event], list[str]]:
+    events: list[Event] = []
+    comments: list[str] = []
+    params = {"after": after} if after else None
+    with httpx.stream("GET", f"{url}/v1/jobs/{job_id}/events", params=params, headers=headers, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for item in sse_events(response.iter_lines()):
+            if isinstance(item, str):
+                comments.append(item)
+                continue
+            events.append(item)
+            if stop_after is not None and len(events) >= stop_after:
+                break
+    return events, comments
+
+
+def fleet(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/api/fleet", timeout=10).json()
+
+
+def wait_idle(url: str, worker: str, timeout: float = 30) -> None:
+    """Until the worker's heartbeat reports no busy slot."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = {w["id"]: w["slots_busy"] for w in fleet(url)["workers"]}
+        if busy.get(worker) == 0:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{worker} still has busy slots: {busy}")
+
+
+def stream_request(key: str, max_tokens: int = LONG, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny-a", "messages": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "idempotency_key": key, **extra}
+
+
+# ---------------------------------------------------------------------- the OpenAI API, happy paths
+def test_models_lists_what_live_workers_serve(stack):
+    models = {m.id: m for m in sdk(stack.url).models.list()}
+    assert set(models) == {"tiny-a", "tiny-b"}
+    assert models["tiny-b"].model_extra["queue"] == "slotq:queue:b"
+    assert models["tiny-a"].model_extra["slots_total"] == 4
+
+
+def test_chat_completion_sync_with_usage(stack):
+    reply = sdk(stack.url).chat.completions.create(model="tiny-a", messages=PROMPT, max_tokens=12, temperature=0,
+                                                   extra_body=greedy())
+    assert reply.object == "chat.completion"
+    assert reply.id == f"chatcmpl-{reply.slotq['job_id']}"
+    [choice] = reply.choices
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert choice.message.role == "assistant" and choice.message.content
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.prompt_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+    assert reply.slotq["worker"] == "gw-worker-a"
+    stored = job(stack.url, reply.slotq["job_id"])
+    assert stored["result"]["text"] == choice.message.content
+    assert stored["response"]["choices"][0]["message"]["content"] == choice.message.content
+
+
+def test_chat_stream_sync_with_include_usage(stack):
+    chunks = list(sdk(stack.url).chat.completions.create(
+        model="tiny-a", messages=PROMPT, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=greedy()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finishing] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == wait_job(stack.url, chunks[0].id.removeprefix("chatcmpl-"))["result"]["text"]
+
+
+def test_completions_stream_and_not(stack):
+    client = sdk(stack.url)
+    whole = client.completions.create(model="tiny-a", prompt="Once upon a time", max_tokens=10, temperature=0,
+                                      extra_body=greedy(lane="bulk"))
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 10
+    parts = list(client.completions.create(model="tiny-a", prompt="Once upon a time", max_tokens=10, temperature=0,
+                                           stream=True, extra_body=greedy()))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == whole.choices[0].text   # greedy: same text
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+async def test_async_client_concurrent_streams(stack):
+    client = AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    async def chat(i: int) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model="tiny-a", messages=[{"role": "user", "content": f"question {i}"}], max_tokens=8 + i,
+            stream=True, stream_options={"include_usage": True}, extra_body=greedy())
+        text, usage = "", 0
+        async for chunk in stream:
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+            usage = chunk.usage.completion_tokens if chunk.usage else usage
+        return text, usage
+
+    async def complete(i: int) -> int:
+        reply = await client.completions.create(model="tiny-b", prompt=f"number {i}", max_tokens=5 + i,
+                                                extra_body=greedy())
+        return reply.usage.completion_tokens
+
+    results = await asyncio.gather(*(chat(i) for i in range(4)), *(complete(i) for i in range(3)))
+    assert [usage for _text, usage in results[:4]] == [8, 9, 10, 11]
+    assert all(text for text, _usage in results[:4])
+    assert results[4:] == [5, 6, 7]
+    await client.close()
+
+
+def test_stop_string_ends_the_reply_before_it(stack):
+    client = sdk(stack.url)
+    base = client.completions.create(model="tiny-a", prompt="stop test", max_tokens=40, temperature=0,
+                                     extra_body=greedy()).choices[0].text
+    # a printable two-character stop string from the middle of the greedy reply
+    at = next(i for i in range(6, len(base) - 2) if base[i:i + 2].isascii() and base[i:i + 2].isprintable()
+              and base[i:i + 2].strip() == base[i:i + 2])
+    stop = base[at:at + 2]
+    cut = client.completions.create(model="tiny-a", prompt="stop test", max_tokens=40, temperature=0, stop=stop,
+                                    extra_body=greedy())
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == base[:base.index(stop)]
+    streamed = list(client.completions.create(model="tiny-a", prompt="stop test", max_tokens=40, temperature=0,
+                                              stop=[stop], stream=True, extra_body=greedy()))
+    assert "".join(p.choices[0].text for p in streamed) == cut.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+# (No integer bounds: llama-cpp-python's schema-to-grammar converter does not enforce minimum/maximum.)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer"},
+    },
+    "required": ["ok", "color", "count"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("prompt", ["json please", "colour", "x"])
+def test_json_schema_output_parses_and_validates(stack, prompt):
+    reply = sdk(stack.url).chat.completions.create(
+        model="tiny-a", messages=[{"role": "user", "content": prompt}], max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}})
+    assert reply.choices[0].finish_reason == "stop"        # the grammar closed the object
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+
+
+def test_n_choices_stream_and_not(stack):
+    client = sdk(stack.url)
+    reply = client.chat.completions.create(model="tiny-a", messages=PROMPT, n=3, max_tokens=6, temperature=1.0,
+                                           seed=7, extra_body=greedy())
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage.completion_tokens == 18
+    assert all(c.finish_reason == "length" for c in reply.choices)
+
+    chunks = list(client.chat.completions.create(model="tiny-a", messages=PROMPT, n=2, max_tokens=6, temperature=1.0,
+                                                 seed=7, stream=True, extra_body=greedy()))
+    texts = {0: "", 1: ""}
+    reasons = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert reasons == {0: "length", 1: "length"}
+    stored = wait_job(stack.url, chunks[0].id.removeprefix("chatcmpl-"))["result"]["choices"]
+    assert {c["index"]: c["text"] for c in stored} == texts
+
+
+# ---------------------------------------------------------------------- resumable streams
+def test_resume_with_last_event_id_gets_exactly_the_rest(stack):
+    key = f"resume-{uuid.uuid4().hex}"
+    body = stream_request(key, max_tokens=3000, keep_on_disconnect=True)
+    status, first, _ = post_stream(stack.url, "/v1/chat/completions", body, stop_after=5)     # then drop
+    assert status == 200
+    last_id = [e.id for e in first if e.id][-1]
+    status, rest, _ = post_stream(stack.url, "/v1/chat/completions", body, {"Last-Event-ID": last_id})
+    assert status == 200
+    assert rest[-1].data == "[DONE]"
+    assert not any(e.data.startswith('{"id"') and e.json()["choices"] and e.json()["choices"][0]["delta"].get("role")
+                   for e in rest), "a resumed stream does not repeat the opening role chunk"
+
+    ids = [e.id for e in first + rest if e.id]
+    assert len(ids) == len(set(ids)), "an event was repeated"
+    assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    result = wait_job(stack.url, key)["result"]
+    assert result["usage"]["completion_tokens"] == 3000
+    assert chunk_text(first) + chunk_text(rest) == result["text"]
+    # every entry of the job's stream was delivered exactly once across the two connections
+    native, _ = get_events(stack.url, key)
+    assert [e.id for e in native] == ids
+
+    # the official SDK resumes the same way (extra header), from the middle
+    middle = ids[len(ids) // 2]
+    resumed = sdk(stack.url).chat.completions.create(
+        model="tiny-a", messages=PROMPT, max_tokens=3000, stream=True,
+        extra_headers={"Last-Event-ID": middle}, extra_body={"idempotency_key": key})
+    text = "".join(c.choices[0].delta.content or "" for c in resumed if c.choices)
+    position = ids.index(middle) + 1
+    expected = "".join(e.json()["text"] for e in native[position:] if e.event == "chunk")
+    assert text == expected
+
+
+def test_native_events_resume_with_after_and_last_event_id(stack):
+    created = httpx.post(f"{stack.url}/v1/jobs", json={"model": "tiny-b", "prompt": "events", "max_tokens": 40,
+                                                       "ignore_eos": True}, timeout=30)
+    assert created.status_code == 202
+    job_id = created.json()["id"]
+    assert created.headers["location"] == f"/v1/jobs/{job_id}"
+    events, _ = get_events(stack.url, job_id)
+    assert [e.event for e in events][-1] == "done" and events[-1].json()["final"] is True
+    kinds = {e.event for e in events}
+    assert kinds == {"chunk", "done"}
+    middle = events[len(events) // 2].id
+    after, _ = get_events(stack.url, job_id, after=middle)
+    header, _ = get_events(stack.url, job_id, {"Last-Event-ID": middle}, after="0-0")   # the header wins
+    assert [e.id for e in after] == [e.id for e in header] == [e.id for e in events[len(events) // 2 + 1:]]
+
+
+# ---------------------------------------------------------------------- disconnects and background jobs
+def test_disconnect_cancels_the_job_and_frees_its_slot(stack):
+    key = f"drop-{uuid.uuid4().hex}"
+    status, events, _ = post_stream(stack.url, "/v1/chat/completions", stream_request(key), stop_after=3)
+    assert status == 200 and len(events) >= 3
+    cancelled = wait_job(stack.url, key, "cancelled", timeout=15)
+    assert cancelled["result"]["usage"]["completion_tokens"] < LONG
+    wait_idle(stack.url, "gw-worker-a")
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
+    assert "slotq_gateway_disconnect_cancels_total" in metrics
+
+
+def test_non_streaming_client_leaving_cancels_too(stack):
+    key = f"leave-{uuid.uuid4().hex}"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.url}/v1/chat/completions", json=stream_request(key) | {"stream": False}, timeout=1.0)
+    assert _wait_exists(stack.url, key)          # on a busy machine the gateway may enqueue after the client left
+    wait_job(stack.url, key, "cancelled", timeout=15)
+
+
+def test_kept_and_background_jobs_survive_their_client_leaving(stack):
+    key = f"keep-{uuid.uuid4().hex}"
+    status, _events, _ = post_stream(stack.url, "/v1/chat/completions",
+                                     stream_request(key, max_tokens=2000, keep_on_disconnect=True), stop_after=2)
+    assert status == 200
+    created = httpx.post(f"{stack.url}/v1/jobs", json={"model": "tiny-a", "prompt": "background", "max_tokens": 2000,
+                                                       "ignore_eos": True}, timeout=30)
+    assert created.status_code == 202 and created.json()["status"] in ("queued", "running")
+    background = created.json()["id"]
+    get_events(stack.url, background, stop_after=2)          # a reader comes and goes
+    for job_id in (key, background):
+        done = wait_job(stack.url, job_id)
+        assert done["status"] == "succeeded", done
+        assert done["result"]["usage"]["completion_tokens"] == 2000
+    assert wait_job(stack.url, background)["response"]["object"] == "text_completion"
+    # cancelling a finished job changes nothing; cancelling a running one stops it
+    assert httpx.delete(f"{stack.url}/v1/jobs/{background}", timeout=10).json()["cancelled"] is False
+    running = httpx.post(f"{stack.url}/v1/jobs", json={"model": "tiny-a", "prompt": "stop me", "max_tokens": LONG,
+                                                       "ignore_eos": True}, timeout=30).json()["id"]
+    get_events(stack.url, running, stop_after=1)
+    assert httpx.delete(f"{stack.url}/v1/jobs/{running}", timeout=10).json()["cancelled"] is True
+    assert wait_job(stack.url, running, "cancelled", timeout=15)["result"]["usage"]["completion_tokens"] < LONG
+
+
+# ---------------------------------------------------------------------- errors
+def _error(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"temperature": 9}, "temperature"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_k": -1}, "top_k"),
+    ({"stop": ["a"] * 20}, "stop"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias.abc"),
+    ({"frobnicate": True}, "frobnicate"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"idempotency_key": "bad key!"}, "idempotency_key"),
+    ({"lane": "Not A Lane"}, "lane"),
+    ({"lane": "overnight"}, "lane"),          # well formed, but not one of the queue's lanes
+])
+def test_400_names_the_parameter(stack, extra, param):
+    body = {"model": "tiny-a", "messages": PROMPT} | extra
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+    assert param.split(".")[0].split("[")[0] in error["message"]
+
+
+def test_400_from_the_worker_and_through_the_sdk(stack):
+    client = sdk(stack.url)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny-a", messages=PROMPT, temperature=7)
+    assert _error(caught.value)["param"] == "temperature"
+    # max_tokens beyond the context that worker B advertises: refused before it is queued
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny-b", messages=PROMPT, max_completion_tokens=600)
+    error = _error(caught.value)
+    assert (error["param"], error["code"]) == ("max_completion_tokens", "context_length_exceeded")
+    # a prompt too long for worker B's 512-token context: only the worker can count its tokens;
+    # streaming or not, the answer is a 400
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="tiny-b", prompt="x" * 3000, max_tokens=10, stream=stream)
+        assert _error(caught.value)["code"] == "prompt_too_long"
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=stream_request("k1"),
+                          headers={"Last-Event-ID": "yesterday"}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "Last-Event-ID"
+
+
+def test_404_unknown_model_and_job(stack):
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk(stack.url).chat.completions.create(model="gpt-9", messages=PROMPT)
+    error = _error(caught.value)
+    assert error["param"] == "model" and error["code"] == "model_not_found" and "tiny-a" in error["message"]
+    for method in ("GET", "DELETE"):
+        response = httpx.request(method, f"{stack.url}/v1/jobs/no-such-job", timeout=10)
+        assert response.status_code == 404 and response.json()["error"]["code"] == "job_not_found"
+    response = httpx.get(f"{stack.url}/v1/jobs/no-such-job/events", timeout=10)
+    assert response.status_code == 404
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=stream_request("never-created-key"),
+                          headers={"Last-Event-ID": "1-0"}, timeout=10)
+    assert response.status_code == 404
+
+
+def test_401_without_a_valid_key(stack):
+    url = stack.gateways[2].url
+    for key in ("", "sk-wrong"):
+        with pytest.raises(openai.AuthenticationError) as caught:
+            sdk(url, api_key=key or "none").models.list()
+        assert _error(caught.value)["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/api/fleet", timeout=10).status_code == 401
+    assert {m.id for m in sdk(url, api_key=KEYS[1]).models.list()} == {"tiny-a", "tiny-b"}
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200      # probes need no key
+    assert httpx.get(f"{url}/", timeout=10).status_code == 200            # the page itself holds no data
+
+
+def test_cors_for_the_configured_origins_only(stack):
+    url = stack.gateways[2].url              # SLOTQ_CORS_ORIGINS=https://app.example
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "https://app.example"} | preflight)
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    refused = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "https://evil.example"} | preflight)
+    assert "access-control-allow-origin" not in refused.headers
+    reply = httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example", "Authorization": f"Bearer {KEYS[0]}"})
+    assert reply.headers["access-control-allow-origin"] == "https://app.example"
+    assert "access-control-allow-origin" not in httpx.get(f"{stack.url}/health", headers={"Origin": "https://app.example"}).headers
+
+
+def test_429_with_retry_after_when_the_queue_is_full(stack):
+    """Gateway 3 allows 2 waiting jobs per queue: with worker A's 4 slots busy and 2 jobs waiting,
+    the next request is refused with Retry-After."""
+    url = stack.gateways[2].url              # SLOTQ_MAX_QUEUE_LENGTH=2
+    client = sdk(url, api_key=KEYS[0])
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    wait_idle(stack.url, "gw-worker-a")
+    held = []
+    try:
+        for i in range(6):
+            held.append(httpx.post(f"{url}/v1/jobs", headers=headers, timeout=30, json={
+                "model": "tiny-a", "prompt": f"hold {i}", "max_tokens": LONG, "ignore_eos": True}).json()["id"])
+            if i < 4:
+                wait_job(url, held[-1], "running", headers=headers)      # the 4 slots fill, then 2 wait
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model="tiny-a", prompt="one too many", max_tokens=4)
+        assert caught.value.response.headers["retry-after"] == "2"
+        assert _error(caught.value)["code"] == "queue_full"
+    finally:
+        for job_id in held:
+            httpx.delete(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=10)
+    for job_id in held:
+        wait_job(url, job_id, "cancelled", timeout=15, headers=headers)
+
+
+def test_504_when_the_deadline_passes(stack):
+    client = sdk(stack.url)
+    # passed before the job started
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="tiny-a", messages=PROMPT, max_tokens=8,
+                                       extra_body={"deadline": time.time() - 1})
+    assert caught.value.status_code == 504 and _error(caught.value)["code"] == "deadline_exceeded"
+    # passed while generating: the partial result stays at /v1/jobs/{id}
+    key = f"deadline-{uuid.uuid4().hex}"
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="tiny-a", messages=PROMPT, max_tokens=LONG,
+                                       extra_body=greedy(deadline=time.time() + 0.5, idempotency_key=key))
+    assert caught.value.status_code == 504
+    partial = wait_job(stack.url, key)["result"]
+    assert partial["finish_reason"] == "deadline" and 0 < partial["usage"]["completion_tokens"] < LONG
+    # streaming: the chunks so far, then an error event the SDK raises
+    stream = client.chat.completions.create(model="tiny-a", messages=PROMPT, max_tokens=LONG, stream=True,
+                                            extra_body=greedy(deadline=time.time() + 0.5))
+    received: list[Any] = []
+    with pytest.raises(openai.APIError) as caught:
+        received.extend(stream)
+    assert caught.value.body["code"] == "deadline_exceeded"
+    assert any(c.choices and c.choices[0].delta.content for c in received)
+
+
+def test_409_when_someone_cancels_a_waiting_request(stack):
+    key = f"cancelled-{uuid.uuid4().hex}"
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            sdk(stack.url).chat.completions.create(model="tiny-a", messages=PROMPT, max_tokens=LONG,
+                                                   extra_body=greedy(idempotency_key=key))
+        except openai.APIStatusError as exc:
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert _wait_exists(stack.url, key)
+    get_events(stack.url, key, stop_after=1)         # generating
+    assert httpx.delete(f"{stack.url}/v1/jobs/{key}", timeout=10).json()["cancelled"] is True
+    caller.join(30)
+    assert outcome["error"].status_code == 409 and _error(outcome["error"])["code"] == "job_cancelled"
+
+
+def _wait_exists(url: str, job_id: str, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(f"{url}/v1/jobs/{job_id}", timeout=10).status_code == 200:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_quiet_streams_get_keepalives_and_a_model_without_workers_is_503(stack):
+    """Worker C (one slot) serves tiny-c: a job queued behind a long one gets keep-alive comments
+    while it waits; once worker C is gone, tiny-c is a 503 (seen recently), not a 404."""
+    stack.start_worker("gw-worker-c", "tiny-c", queue="slotq:queue:c", slots=1, ctx=16_384)
+    stack.wait_for_models({"tiny-c"})
+    ids = [httpx.post(f"{stack.url}/v1/jobs", timeout=30, json={
+        "model": "tiny-c", "prompt": f"c {i}", "max_tokens": LONG if i == 0 else 4, "ignore_eos": True}).json()["id"]
+        for i in range(2)]
+    get_events(stack.url, ids[0], stop_after=1)                    # the first holds the only slot
+    comments: list[str] = []
+
+    def cancel_first_later() -> None:
+        time.sleep(2.0)
+        httpx.delete(f"{stack.url}/v1/jobs/{ids[0]}", timeout=10)
+
+    threading.Thread(target=cancel_first_later).start()
+    events, comments = get_events(stack.url, ids[1])
+    assert len(comments) >= 2 and all(c == ": keep-alive" for c in comments)      # gateway 1: every 0.5 s
+    assert events[-1].json()["final"] and events[-1].json()["finish_reason"] == "length"
+
+    stack.workers.pop("gw-worker-c").stop()
+    deadline = time.monotonic() + 10
+    while "tiny-c" in {m.id for m in sdk(stack.url).models.list()} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(openai.InternalServerError) as caught:
+        sdk(stack.url).chat.completions.create(model="tiny-c", messages=PROMPT)
+    assert caught.value.status_code == 503 and _error(caught.value)["code"] == "model_unavailable"
+
+
+# ---------------------------------------------------------------------- fleet: replicas and models
+def test_two_gateways_serve_one_jobs_stream(stack):
+    one, two = stack.gateways[0].url, stack.gateways[1].url
+    key = f"replicas-{uuid.uuid4().hex}"
+    body = stream_request(key, max_tokens=2000, keep_on_disconnect=True)
+    _status, first, _ = post_stream(one, "/v1/chat/completions", body, stop_after=4)
+    last_id = [e.id for e in first if e.id][-1]
+    _status, rest, _ = post_stream(two, "/v1/chat/completions", body, {"Last-Event-ID": last_id})
+    assert rest[-1].data == "[DONE]"
+    assert chunk_text(first) + chunk_text(rest) == wait_job(two, key)["result"]["text"]
+    # two readers on two replicas see the same events
+    seen: dict[str, list[Event]] = {}
+    readers = [threading.Thread(target=lambda u=u: seen.__setitem__(u, get_events(u, key)[0])) for u in (one, two)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(60)
+    assert [(e.id, e.data) for e in seen[one]] == [(e.id, e.data) for e in seen[two]]
+    assert len(seen[one]) > 2
+
+
+def test_two_models_on_two_workers_are_routed_by_model(stack):
+    client = sdk(stack.gateways[1].url)
+    for i in range(6):
+        model = ("tiny-a", "tiny-b")[i % 2]
+        reply = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=4, extra_body=greedy())
+        assert reply.model == model
+        assert reply.slotq["worker"] == {"tiny-a": "gw-worker-a", "tiny-b": "gw-worker-b"}[model]
+        assert job(stack.url, reply.slotq["job_id"])["queue"] == {"tiny-a": "slotq:queue", "tiny-b": "slotq:queue:b"}[model]
+
+
+# ---------------------------------------------------------------------- operations
+def test_health_metrics_and_fleet(stack):
+    sdk(stack.url).chat.completions.create(model="tiny-b", messages=PROMPT, max_tokens=2)
+    health = httpx.get(f"{stack.url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["redis"] == "ok"
+    tiny_b = health["models"]["tiny-b"]
+    assert (tiny_b["queue"], tiny_b["workers"], tiny_b["slots_total"]) == ("slotq:queue:b", 1, 2)
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
+    assert 'slotq_gateway_requests_total{method="POST",route="/v1/chat/completions",status="200"}' in metrics
+    assert "slotq_gateway_request_duration_seconds_bucket" in metrics
+    state = fleet(stack.url)
+    assert {q["queue"] for q in state["queues"]} >= {"slotq:queue", "slotq:queue:b"}
+    assert {w["id"] for w in state["workers"]} >= {"gw-worker-a", "gw-worker-b"}
+
+
+def test_dead_letters_listed_and_requeued(stack):
+    """A dead letter as the worker records it when a job exhausts its tries; requeued from the API,
+    it runs again for real on the queue it came from."""
+    key = f"dead-{uuid.uuid4().hex}"
+    reply = sdk(stack.url).completions.create(model="tiny-b", prompt="dead letter", max_tokens=4,
+                                              extra_body=greedy(idempotency_key=key))
+    assert reply.choices[0].finish_reason == "length"
+
+    async def record() -> None:
+        redis = Redis.from_url(stack.redis.url)
+        try:
+            await dead_letters.record(redis, key, {"prompt": "dead letter", "max_tokens": 4, "ignore_eos": True},
+                                      ErrorInfo(code="tries_exhausted", message="test", retryable=True), 5, time.time())
+        finally:
+            await redis.aclose()
+
+    asyncio.run(record())
+    listed = httpx.get(f"{stack.url}/api/dead-letters", timeout=10).json()["data"]
+    assert [d["job_id"] for d in listed] == [key]
+    assert fleet(stack.url)["dead_letters"] == 1
+    response = httpx.post(f"{stack.url}/api/dead-letters/{key}/requeue", timeout=10)
+    assert response.json() == {"id": key, "requeued": True}
+    done = wait_job(stack.url, key)
+    assert done["status"] == "succeeded" and done["queue"] == "slotq:queue:b"
+    assert done["result"]["worker"] == "gw-worker-b"
+    assert httpx.get(f"{stack.url}/api/dead-letters", timeout=10).json()["data"] == []
+    assert httpx.post(f"{stack.url}/api/dead-letters/{key}/requeue", timeout=10).status_code == 404
+
+
+def test_refuses_to_bind_beyond_loopback_without_keys(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([str(SLOTQ_BIN), "gateway", "--host", "0.0.0.0", "--port", str(free_port())],
+                          env=clean_env(redis_url="redis://127.0.0.1:1/0"), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode != 0
+    assert "SLOTQ_API_KEYS" in proc.stderr and "0.0.0.0" in proc.stderr
+
+
+@pytest.mark.fault
+def test_a_worker_killed_mid_stream_is_invisible_to_the_sse_client(stack):
+    """SIGKILL the worker generating a streamed reply; another worker of the same model takes the
+    job over when its lease lapses and resumes it: the client's one stream carries one seamless
+    text (the failed attempt shows at most as an SSE comment)."""
+    first = stack.start_worker("gw-worker-r1", "tiny-r", queue="slotq:queue:r", slots=1, ctx=16_384)
+    stack.wait_for_models({"tiny-r"})
+    key = f"killed-{uuid.uuid4().hex}"
+    body = stream_request(key, max_tokens=8000) | {"model": "tiny-r"}
+    events: list[Event] = []
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for item in sse_events(response.iter_lines()):
+            if isinstance(item, str):
+                continue
+            events.append(item)
+            if len(events) == 5:
+                first.proc.kill()                                  # mid-reply, no goodbye
+                stack.start_worker("gw-worker-r2", "tiny-r", queue="slotq:queue:r", slots=1, ctx=16_384)
+    assert events[-1].data == "[DONE]"
+    assert not any(e.data.startswith('{"error"') for e in events)
+    result = wait_job(stack.url, key)["result"]
+    assert result["attempts"] == 2 and result["worker"] == "gw-worker-r2"
+    assert result["usage"]["completion_tokens"] == 8000
+    assert chunk_text(events) == result["text"]
+    stack.workers.pop("gw-worker-r2").stop()
+    stack.workers.pop("gw-worker-r1").stop()

@@ -1,0 +1,250 @@
+"""The gateway's pure parts, without Redis or a model: request translation and its error names,
+the stream-entry -> SSE renderers (resume, usage, errors, restart), routing from heartbeats, the
+bind rule, and API keys (tenants, the keys file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from slotq.engine import ErrorInfo, FinishReason, Usage
+from slotq.jobs.gateway import auth
+from slotq.jobs.gateway.auth import Caller, KeyRing
+from slotq.jobs.gateway.chunks import DONE, ChunkRenderer, NativeRenderer, parse_stream_id
+from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.routing import routes_from
+from slotq.jobs.gateway.settings import GatewaySettings, key_tenant
+from slotq.jobs.gateway.translate import to_job_request
+from slotq.jobs.gateway.wire import ChatCompletionRequest, CompletionRequest
+from slotq.jobs.protocol.schemas import EntryKind, StreamEntry, WorkerInfo
+from slotq.jobs.settings import ClientSettings
+from tests.support import REPO_ROOT
+
+
+# ---------------------------------------------------------------------- translation
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields)
+
+
+def test_translation_maps_openai_fields_to_the_job():
+    job = to_job_request(chat(max_completion_tokens=7, max_tokens=99, temperature=0.2, top_p=0.5, seed=3, n=2,
+                              stop="END", logit_bias={"15": -100}, top_k=5, repeat_last_n=32, ignore_eos=True,
+                              priority=4, metadata={"k": "v"}, idempotency_key="key-1",
+                              messages=[{"role": "developer", "content": "be brief"},
+                                        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]}]))
+    assert job.max_tokens == 7 and job.n == 2 and job.stop == ["END"] and job.ignore_eos and job.priority == 4
+    assert [(m.role, m.content) for m in job.messages] == [("system", "be brief"), ("user", "ab")]
+    s = job.sampling
+    assert (s.temperature, s.top_p, s.seed, s.top_k, s.penalty_last_n) == (0.2, 0.5, 3, 5, 32)
+    assert s.logit_bias == {15: -100.0}
+    assert job.metadata == {"k": "v"} and job.idempotency_key == "key-1"
+
+
+def test_response_formats_become_json_schemas():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    job = to_job_request(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+    assert job.sampling.json_schema == schema
+    assert to_job_request(chat(response_format={"type": "json_object"})).sampling.json_schema == {"type": "object"}
+    assert to_job_request(chat(response_format={"type": "text"})).sampling.json_schema is None
+
+
+def test_completion_prompt_and_header_idempotency_key():
+    job = to_job_request(CompletionRequest(model="m", prompt=["once"]), idempotency_key="from-header")
+    assert job.prompt == "once" and job.messages is None and job.idempotency_key == "from-header"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"top_p": 7}, "top_p"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"repeat_last_n": -5}, "repeat_last_n"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": float("nan")}}}}, "response_format"),
+    ({"json_schema": {"type": "object"}, "grammar": "root ::= \"a\""}, None),
+])
+def test_job_validation_errors_come_back_under_the_request_names(fields, param):
+    with pytest.raises(ApiError) as caught:
+        to_job_request(chat(**fields))
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_unsupported_parameters_pass_only_when_off():
+    chat(logprobs=False, tools=[], tool_choice="none", user="u", store=False, parallel_tool_calls=True)
+    for name, value in (("logprobs", True), ("tools", [{"type": "function"}]), ("best_of", 3)):
+        with pytest.raises(Exception) as caught:
+            chat(**{name: value})
+        assert name in str(caught.value)
+
+
+# ---------------------------------------------------------------------- rendering
+def entry(n: int, kind: EntryKind = EntryKind.CHUNK, **fields) -> StreamEntry:
+    return StreamEntry(id=f"100-{n}", kind=kind, attempt=1, **fields)
+
+
+def data(events: list[str]) -> list[dict | str]:
+    out = []
+    for event in events:
+        payload = next(line[6:] for line in event.splitlines() if line.startswith("data: "))
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+STREAM = [
+    entry(1, text="Hel"),
+    entry(2, text="lo"),
+    entry(3, EntryKind.DONE, finish_reason=FinishReason.LENGTH, final=True,
+          usage=Usage(prompt_tokens=5, completion_tokens=2, cached_prompt_tokens=1)),
+]
+
+
+def render(renderer: ChunkRenderer, entries: list[StreamEntry]) -> list[str]:
+    events = renderer.opening()
+    for e in entries:
+        events += renderer.feed(e)
+    return events
+
+
+def test_chat_chunks_with_role_usage_and_done():
+    events = render(ChunkRenderer("chat", "j1", "m", 7, n=1, include_usage=True), STREAM)
+    chunks = data(events)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["Hel", "lo"]
+    assert chunks[3]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"]["total_tokens"] == 7
+    assert chunks[4]["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+    assert chunks[-1] == "[DONE]" and events[-1] == DONE
+    assert all(c["id"] == "chatcmpl-j1" and c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    # the SSE id of each entry's event is its stream id; opening, usage and [DONE] carry none
+    assert [e.startswith("id: ") for e in events] == [False, True, True, True, False, False]
+
+
+def test_without_include_usage_there_is_no_usage_key():
+    chunks = data(render(ChunkRenderer("text", "j1", "m", 7, n=1, include_usage=False), STREAM))
+    assert all("usage" not in c for c in chunks[:-1])
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["Hel", "lo", ""]
+
+
+@pytest.mark.parametrize("after", ["100-1", "100-2", "100-3"])
+def test_resume_skips_exactly_what_the_client_has(after):
+    full = render(ChunkRenderer("chat", "j1", "m", 7, n=1, include_usage=True), STREAM)
+    resumed = render(ChunkRenderer("chat", "j1", "m", 7, n=1, include_usage=True, after=after), STREAM)
+    cut = next(i for i, e in enumerate(full) if e.startswith(f"id: {after}\n"))
+    assert resumed == full[cut + 1:]            # usage and [DONE] are re-sent after the final entry
+
+
+def test_n_choices_keep_their_indexes_and_usage_adds_up():
+    entries = [entry(1, text="a", choice=0), entry(2, text="b", choice=1),
+               entry(3, EntryKind.DONE, choice=1, finish_reason=FinishReason.STOP,
+                     usage=Usage(prompt_tokens=4, completion_tokens=3)),
+               entry(4, EntryKind.DONE, choice=0, finish_reason=FinishReason.LENGTH, final=True,
+                     usage=Usage(prompt_tokens=4, completion_tokens=5))]
+    chunks = data(render(ChunkRenderer("chat", "j", "m", 1, n=2, include_usage=True), entries))
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]          # two opening role chunks
+    assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks[2:6]] == [
+        (0, None), (1, None), (1, "stop"), (0, "length")]
+    assert chunks[6]["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+@pytest.mark.parametrize(("last", "status", "code"), [
+    (entry(2, EntryKind.ERROR, final=True, error=ErrorInfo(code="prompt_too_long", message="m", retryable=False)),
+     400, "prompt_too_long"),
+    (entry(2, EntryKind.ERROR, final=True, error=ErrorInfo(code="tries_exhausted", message="m", retryable=True)),
+     500, "tries_exhausted"),
+    (entry(2, EntryKind.DONE, final=True, finish_reason=FinishReason.CANCELLED), 409, "job_cancelled"),
+    (entry(2, EntryKind.DONE, final=True, finish_reason=FinishReason.DEADLINE), 504, "deadline_exceeded"),
+])
+def test_unfinished_jobs_end_the_stream_with_an_error_event(last, status, code):
+    renderer = ChunkRenderer("chat", "j", "m", 1, n=1, include_usage=True)
+    events = render(renderer, [entry(1, text="x"), last])
+    assert renderer.finished
+    assert data(events)[-1]["error"]["code"] == code and events[-1].startswith("id: 100-2\n")
+    fresh = ChunkRenderer("chat", "j", "m", 1, n=1, include_usage=True)
+    assert fresh.first_error(last).status == status           # before any output: an HTTP error instead
+
+
+def test_retries_are_comments_and_a_restart_ends_the_stream():
+    renderer = ChunkRenderer("chat", "j", "m", 1, n=2, include_usage=False)
+    retry = entry(2, EntryKind.ERROR, error=ErrorInfo(code="kv_exhausted", message="m", retryable=True))
+    events = render(renderer, [entry(1, text="x"), retry])
+    assert events[-1].startswith(": attempt 1 failed (kv_exhausted)") and not renderer.finished
+    events = renderer.feed(entry(3, EntryKind.RESTART))
+    assert renderer.finished and data(events)[0]["error"]["code"] == "stream_restarted"
+
+
+def test_native_events_resume_and_end_cleanly_after_the_final_entry():
+    full = [e for x in STREAM for e in NativeRenderer("j").feed(x)]
+    assert [e.split("\n")[0] for e in full] == ["event: chunk", "event: chunk", "event: done"]
+    late = NativeRenderer("j", after="100-3")
+    assert [e for x in STREAM for e in late.feed(x)] == [] and late.finished
+
+
+def test_stream_ids_parse_and_compare():
+    assert parse_stream_id("1733000000000-12") == (1733000000000, 12)
+    assert parse_stream_id("10-0") > parse_stream_id("9-5")
+    for bad in ("", "abc", "1-", "-1", "1-2-3"):
+        with pytest.raises(ValueError):
+            parse_stream_id(bad)
+
+
+# ---------------------------------------------------------------------- routing and settings
+def worker(id: str, model: str, queue: str, busy: int, total: int = 4) -> WorkerInfo:
+    return WorkerInfo(id=id, model=model, queue=queue, slots_total=total, slots_busy=busy, waiting=0,
+                      generated_tokens=0, started_at=0, updated_at=0)
+
+
+def test_routes_group_workers_by_model_and_pick_the_freest_queue():
+    routes = routes_from([worker("a1", "llama", "q:llama", 1), worker("a2", "llama", "q:llama", 4),
+                          worker("b1", "llama", "q:llama-2", 0), worker("c1", "qwen", "q:qwen", 4)])
+    assert routes["llama"].queue == "q:llama-2"            # 4 free slots there, 3 on q:llama (8 - 5)
+    tied = routes_from([worker("a1", "llama", "q:b", 0), worker("b1", "llama", "q:a", 0)])
+    assert tied["llama"].queue == "q:a"                    # ties by name: every replica agrees
+    assert routes["qwen"].queue == "q:qwen" and routes["qwen"].slots_busy == 4
+
+
+def test_bind_rule_and_comma_lists():
+    open_settings = GatewaySettings(_env_file=None)
+    assert open_settings.bind_error("127.0.0.1") is None and open_settings.bind_error("localhost") is None
+    assert "SLOTQ_API_KEYS" in open_settings.bind_error("0.0.0.0")
+    keyed = GatewaySettings(_env_file=None, api_keys="a, b,", cors_origins="https://x.example")
+    assert keyed.api_keys == ["a", "b"] and keyed.cors_origins == ["https://x.example"]
+    assert keyed.bind_error("0.0.0.0") is None
+
+
+def test_every_gateway_setting_is_documented():
+    root = REPO_ROOT
+    example = (root / "deploy/slotq.env.example").read_text()
+    page = (root / "docs" / "gateway.md").read_text()
+    for name in set(GatewaySettings.model_fields) - set(ClientSettings.model_fields):
+        var = f"SLOTQ_{name.upper()}"
+        assert f"{var}=" in example, f"{var} missing from deploy/slotq.env.example"
+        assert var in page, f"{var} missing from docs/gateway.md"
+
+
+def test_keys_name_tenants_and_the_keys_file_is_reread(tmp_path, monkeypatch):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# rotation: the new key first\nteamA=sk-new\n")
+    ring = KeyRing(GatewaySettings(_env_file=None, api_keys="teamA=sk-old,sk-bare", admin_keys="ops=sk-ops",
+                                   api_keys_file=keys_file))
+    assert ring.caller("sk-old") == ring.caller("sk-new") == Caller("teamA", admin=False)
+    bare = ring.caller("sk-bare")
+    assert bare is not None and bare.tenant == key_tenant("sk-bare") and "sk-bare" not in bare.tenant
+    assert ring.caller("sk-ops") == Caller("ops", admin=True) and ring.caller("sk-nope") is None
+    monkeypatch.setattr(auth, "KEYS_FILE_CHECK_S", 0)
+    keys_file.write_text("teamA=sk-newer\n")
+    os.utime(keys_file, (time.time() + 5, time.time() + 5))     # a new mtime whatever the clock's resolution
+    assert ring.caller("sk-newer") == Caller("teamA", admin=False) and ring.caller("sk-new") is None
+    keys_file.unlink()                                          # unreadable: the keys read last stay
+    assert ring.caller("sk-newer") == Caller("teamA", admin=False)
+
+
+def test_bad_key_entries_are_refused_without_showing_the_key():
+    with pytest.raises(ValidationError) as caught:
+        GatewaySettings(_env_file=None, api_keys="sk-good,c2VjcmV0/+x=")
+    assert "SLOTQ_API_KEYS: entry 2" in str(caught.value) and "c2VjcmV0" not in str(caught.value)
+    assert GatewaySettings(_env_file=None, admin_keys="ops=abc==").has_keys      # a named key may hold '='

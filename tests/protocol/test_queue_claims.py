@@ -1,0 +1,366 @@
+"""The queue's claim path on a real Valkey, without a model: lanes, leases, the reaper, hand-back,
+cancel, wake-ups and O(1) counts (jobs/protocol/)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from slotq.jobs.protocol.keys import ABORTS, QueueKeys, job_record_key, retry_counter_key
+from slotq.jobs.protocol.redis_queue import NO_QUOTAS, AttemptOutcomes, Enqueued, RedisQueue, TenantQuotas
+from slotq.jobs.protocol.serialization import serialize
+
+LEASE_MS = 60_000
+
+
+@pytest.fixture
+async def redis(redis_url):
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        yield r
+    finally:
+        await r.aclose()
+
+
+@pytest.fixture
+def queue(redis) -> RedisQueue:
+    return RedisQueue(redis, "test:q", ["interactive", "bulk"])
+
+
+async def put(queue: RedisQueue, job_id: str, lane: str = "interactive", max_waiting: int | None = None,
+              tenant: str = "default", quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0) -> Enqueued:
+    return await queue.enqueue(job_id, "generate", {"prompt": job_id}, lane=lane, tenant=tenant,
+                               max_waiting=max_waiting, serializer=serialize, quotas=quotas, tokens=tokens)
+
+
+async def test_claim_takes_higher_lanes_first_then_oldest(queue):
+    for i in range(3):
+        await put(queue, f"bulk-{i}", "bulk")
+        await asyncio.sleep(0.002)
+    await put(queue, "chat-0")
+    claimed = await queue.claim(2, "w1", LEASE_MS)
+    assert [(j.id, j.lane) for j in claimed] == [("chat-0", "interactive"), ("bulk-0", "bulk")]
+    rest = await queue.claim(10, "w2", LEASE_MS)
+    assert [j.id for j in rest] == ["bulk-1", "bulk-2"]
+    assert await queue.claim(10, "w3", LEASE_MS) == []
+    counts = {c.lane: c for c in await queue.counts()}
+    assert (counts["interactive"].waiting, counts["interactive"].running) == (0, 1)
+    assert (counts["bulk"].waiting, counts["bulk"].running) == (0, 3)
+
+
+async def test_enqueue_is_idempotent_and_bounded(queue):
+    assert await put(queue, "a", max_waiting=2) == Enqueued.CREATED
+    assert await put(queue, "a", max_waiting=2) == Enqueued.EXISTS
+    assert await put(queue, "b", "bulk", max_waiting=2) == Enqueued.CREATED
+    assert await put(queue, "c", max_waiting=2) == Enqueued.FULL           # waiting counts across lanes
+    await queue.claim(1, "w1", LEASE_MS)
+    assert await put(queue, "c", max_waiting=2) == Enqueued.CREATED        # running jobs do not count
+    assert await put(queue, "a", max_waiting=2) == Enqueued.EXISTS         # still running: same id refused
+
+
+async def test_wake_tokens_never_exceed_waiting_jobs(queue, redis):
+    for i in range(5):
+        await put(queue, f"j{i}")
+    assert await redis.llen(queue.keys.wake) == 5
+    await queue.claim(3, "w1", LEASE_MS)
+    assert await redis.llen(queue.keys.wake) == 2
+    await queue.claim(3, "w1", LEASE_MS)
+    assert await redis.llen(queue.keys.wake) == 0
+
+
+async def test_one_enqueue_wakes_exactly_one_idle_worker(queue, redis_url):
+    """No stampede: five idle workers block on the wake list; one enqueue wakes one of them."""
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(5)]
+    try:
+        waiters = [RedisQueue(c, "test:q", ["interactive", "bulk"]) for c in clients]
+        tasks = [asyncio.create_task(w.wait_for_work(2.0)) for w in waiters]
+        await asyncio.sleep(0.2)                      # all five are blocked in BLPOP
+        started = time.monotonic()
+        await put(queue, "only-one")
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        woke_after = time.monotonic() - started
+        results = await asyncio.gather(*tasks)
+        assert sorted(results) == [False, False, False, False, True]
+        assert woke_after < 1.0
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_renew_finish_and_fencing(queue, redis):
+    await put(queue, "job")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    assert job.lease.startswith("w1#")
+    intruder = dataclasses.replace(job, lease="intruder#1")
+    assert await queue.renew([job], LEASE_MS) == [True]
+    assert await queue.renew([intruder], LEASE_MS) == [False]
+    assert not await queue.finish(intruder, b"result", 60_000)              # not the owner: left alone
+    assert await queue.finish(job, b"result", 60_000)
+    assert await redis.get("arq:result:job") == b"result"
+    assert not await redis.exists(job_record_key("job"))
+    assert await redis.hlen(queue.keys.jobs) == 0 and await redis.hlen(queue.keys.owners) == 0
+    assert await queue.place("job") == (None, False)
+    assert not await queue.finish(job, b"again", 60_000)                    # only once
+
+
+async def test_reaper_requeues_expired_leases_at_their_place_and_fences_the_old_owner(queue, redis):
+    await put(queue, "old")
+    await asyncio.sleep(0.005)
+    await put(queue, "young")
+    [old] = await queue.claim(1, "dead-worker", lease_ms=50)
+    await asyncio.sleep(0.1)
+    assert await queue.reap() == 1
+    assert await queue.place("old") == ("interactive", False)
+    [again] = await queue.claim(1, "w2", LEASE_MS)
+    assert again.id == "old" and again.ready_ms == old.ready_ms              # back at the head of the line
+    # the reaped worker wakes up: it can neither renew, nor finish, nor hand back
+    assert await queue.renew([old], LEASE_MS) == [False]
+    assert not await queue.hand_back(old)
+    assert not await queue.finish(old, b"x", 1000)
+    assert await queue.reap() == 0                                          # a live lease is left alone
+
+
+async def test_a_worker_that_claims_its_own_reaped_job_again_fences_its_old_attempt(queue):
+    """Leases are per claim, not per worker: after a Redis outage longer than the lease, a worker
+    may claim its own job again; the attempt it still runs must be shut out like anyone else's."""
+    await put(queue, "job")
+    [first] = await queue.claim(1, "w1", lease_ms=50)
+    await asyncio.sleep(0.1)
+    assert await queue.reap() == 1
+    [second] = await queue.claim(1, "w1", LEASE_MS)
+    assert second.id == "job" and second.lease != first.lease
+    assert await queue.renew([first, second], LEASE_MS) == [False, True]
+    assert not await queue.finish(first, b"x", 1000)
+    assert await queue.finish(second, b"x", 1000)
+
+
+async def test_hand_back_gives_the_try_back_atomically(queue, redis):
+    await put(queue, "handed")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    await redis.incr(retry_counter_key("handed"))                           # arq's run_job counted attempt 1
+    assert await queue.hand_back(job)
+    assert await redis.get(retry_counter_key("handed")) == b"0"
+    assert await queue.place("handed") == ("interactive", False)
+    assert await redis.llen(queue.keys.wake) == 1                          # an idle worker is woken for it
+    [again] = await queue.claim(1, "w2", LEASE_MS)
+    assert again.ready_ms == job.ready_ms
+
+
+async def test_retry_later_waits_out_its_backoff(queue):
+    await put(queue, "flaky")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    assert await queue.retry_later(job, int(time.time() * 1000) + 150)
+    assert {c.lane: c.deferred for c in await queue.counts()}["interactive"] == 1
+    assert await queue.claim(1, "w1", LEASE_MS) == []                       # not yet
+    await asyncio.sleep(0.2)
+    [again] = await queue.claim(1, "w1", LEASE_MS)                          # promoted when due
+    assert again.id == "flaky"
+
+
+async def test_lost_attempts_are_judged_by_the_progress_they_left_in_the_stream(queue, redis):
+    """START_ATTEMPT: the attempt that started last, lost since, was an interruption (no try) if the
+    stream grew while it ran, else a failure; attempts lost before they started failed too; a
+    hand-back judges nothing, and a retried attempt was judged (a failure) when it was retried."""
+    await put(queue, "job")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    judged = [(s.interruptions, s.interrupted, s.failed) for s in [
+        await queue.start_attempt(job, 1, 0),
+        await queue.start_attempt(job, 2, 40),    # 1 was lost after delivering 40 tokens: interrupted
+        await queue.start_attempt(job, 3, 40),    # 2 delivered nothing new: failed
+        await queue.start_attempt(job, 5, 40),    # 3 delivered nothing, 4 was lost before it started: 2 failed
+        await queue.start_attempt(job, 5, 60),    # 5 again after a hand-back: nothing lost
+        await queue.start_attempt(job, 6, 90),    # 5 (since its hand-back) delivered 30 tokens: interrupted
+    ]]
+    assert judged == [(0, 0, 0), (1, 1, 0), (1, 0, 1), (1, 0, 2), (1, 0, 0), (2, 1, 0)]
+    assert await queue.interruptions("job") == 2
+    assert await queue.retry_later(job, 0)                                  # 6 failed with a retryable error
+    [job] = await queue.claim(1, "w2", LEASE_MS)
+    after_retry = await queue.start_attempt(job, 7, 120)                   # 6 made progress, but it failed
+    assert (after_retry.interruptions, after_retry.interrupted, after_retry.failed) == (2, 0, 0)
+    assert await queue.attempt_outcomes() == AttemptOutcomes(interrupted=2, failed=4)
+    assert not (await queue.start_attempt(dataclasses.replace(job, lease="intruder#1"), 8, 500)).owned
+    assert await queue.interruptions("job") == 2                            # the intruder wrote nothing
+    assert await queue.finish(job, b"done", 60_000)
+    assert not await redis.hexists(queue.keys.progress, "job")
+
+
+async def test_cancel_queued_and_running(queue, redis):
+    await put(queue, "running")
+    assert [j.id for j in await queue.claim(1, "w1", LEASE_MS)] == ["running"]
+    await put(queue, "queued2")
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(queue.keys.abort_channel("w1"))
+    await pubsub.get_message(timeout=1)                                     # the subscribe confirmation
+    try:
+        assert await queue.cancel("queued2") == 1
+        assert await queue.place("queued2") == (None, False)
+        assert not await redis.exists(job_record_key("queued2"))
+        assert await queue.cancel("running") == -1
+        assert await redis.zscore(ABORTS, "running") is not None
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+        assert message is not None and message["data"] == b"running"     # told the owner, and only it
+        assert await queue.cancel("never-enqueued") == 0
+    finally:
+        await pubsub.aclose()
+
+
+async def test_claim_cost_does_not_grow_with_running_jobs(queue, redis):
+    """Beyond arq's old queue_read_limit (1000 running jobs, after which waiting ones became
+    invisible): a new job is claimed at once, in one script whose command count stays small."""
+    n = 1500
+    for start in range(0, n, 250):
+        await asyncio.gather(*(put(queue, f"r{i}") for i in range(start, start + 250)))
+    claimed = 0
+    while claimed < n:
+        claimed += len(await queue.claim(500, f"w{claimed}", LEASE_MS))
+    assert {c.lane: c.running for c in await queue.counts()}["interactive"] == n
+
+    await redis.config_resetstat()
+    await put(queue, "newcomer")
+    [job] = await queue.claim(4, "free-worker", LEASE_MS)
+    assert job.id == "newcomer"
+    stats = await redis.info("commandstats")
+    inner = sum(v["calls"] for k, v in stats.items() if not k.startswith(("cmdstat_evalsha", "cmdstat_eval",
+                                                                          "cmdstat_config", "cmdstat_info")))
+    assert inner < 40, stats            # enqueue + claim of one job: a few dozen commands, not thousands
+
+
+# ---------------------------------------------------------------------- fair share across tenants
+async def test_a_tenants_backlog_does_not_delay_another_tenants_job(queue):
+    """Tenant A queues 1,000 jobs, then tenant B one: B's job is among the next two claimed (A's
+    next job may be claimed first, never A's backlog); A's own jobs stay in order, a job handed
+    back keeps its place among them, and once A's queue is the only one, A is served at full speed."""
+    for i in range(1000):
+        await put(queue, f"a-{i:04d}", "bulk", tenant="A")
+    first = await queue.claim(1, "w1", LEASE_MS)                 # the lane's clock is running
+    await put(queue, "b-only", "bulk", tenant="B")
+    await put(queue, "c-only", "bulk")                           # no tenant: the default tenant
+    claimed = [j.id for j in await queue.claim(4, "w2", LEASE_MS)]
+    assert "b-only" in claimed[:2] and "c-only" in claimed[:4], claimed
+    a_jobs = [j.id for j in first] + [i for i in claimed if i.startswith("a-")]
+    [next_a] = await queue.claim(1, "w3", LEASE_MS)
+    assert await queue.hand_back(next_a)                         # back to its place, ahead of A's later jobs
+    rest = [j.id for j in await queue.claim(1000, "w3", LEASE_MS)]
+    assert a_jobs + rest == [f"a-{i:04d}" for i in range(1000)]   # FIFO within the tenant, nothing lost
+
+
+# ---------------------------------------------------------------------- tenants' counts and quotas
+async def counts_of(queue: RedisQueue, tenant: str) -> tuple[int, int]:
+    counts = await queue.tenant_counts(tenant)
+    return counts.waiting, counts.running
+
+
+async def test_a_tenants_counts_follow_its_jobs_through_every_move_and_return_to_zero(queue, redis):
+    """Waiting and running per tenant move in the script that moves the job: enqueue, claim,
+    preempt claim, retry later (deferred counts as waiting), hand back, reap, finish and cancel.
+    Another tenant's counts never move, and nothing is left behind once the jobs are gone."""
+    for i in range(4):
+        await put(queue, f"a-{i}", "bulk", tenant="A")
+    await put(queue, "b-0", "bulk", tenant="B")
+    assert await counts_of(queue, "A") == (4, 0) and await counts_of(queue, "B") == (1, 0)
+    running = {j.id: j for j in await queue.claim(3, "w1", LEASE_MS)}       # a-0, b-0 and a-1 (fair share)
+    assert set(running) == {"a-0", "b-0", "a-1"}
+    assert await counts_of(queue, "A") == (2, 2) and await counts_of(queue, "B") == (0, 1)
+    assert await queue.hand_back(running.pop("a-0"))
+    assert await counts_of(queue, "A") == (3, 1)
+    assert await queue.retry_later(running.pop("a-1"), int(time.time() * 1000) + 60_000)
+    assert await counts_of(queue, "A") == (4, 0)
+    [stalled] = await queue.claim(1, "dead-worker", lease_ms=50)
+    assert stalled.id == "a-0" and await counts_of(queue, "A") == (3, 1)
+    await asyncio.sleep(0.1)
+    assert await queue.reap() == 1
+    assert await counts_of(queue, "A") == (4, 0)
+    await put(queue, "chat-a", tenant="A")                                  # a higher lane, while bulk runs
+    preempting = await queue.preempt("bulk", "w1", LEASE_MS)
+    assert preempting is not None and preempting.id == "chat-a" and await counts_of(queue, "A") == (4, 1)
+    assert await queue.finish(preempting, b"done", 60_000)
+    assert await queue.finish(running.pop("b-0"), b"done", 60_000)
+    assert await counts_of(queue, "A") == (4, 0) and await counts_of(queue, "B") == (0, 0)
+    assert await queue.cancel("a-1") == 1                                   # deferred
+    for job in await queue.claim(10, "w2", LEASE_MS):
+        if job.id == "a-2":
+            assert await queue.cancel(job.id) == -1                         # running: its FINISH ends it
+        assert await queue.finish(job, b"done", 60_000)
+    assert await counts_of(queue, "A") == (0, 0)
+    assert await redis.hlen(queue.keys.tenant_waiting) == 0 and await redis.hlen(queue.keys.tenant_running) == 0
+
+
+async def test_a_tenants_quotas_refuse_its_enqueues_and_no_one_elses(queue):
+    waiting = TenantQuotas(max_waiting=2)
+    assert [await put(queue, f"a-{i}", tenant="A", quotas=waiting) for i in range(3)] == [
+        Enqueued.CREATED, Enqueued.CREATED, Enqueued.TENANT_WAITING]
+    assert await put(queue, "b-0", tenant="B", quotas=waiting) == Enqueued.CREATED
+    assert await put(queue, "a-0", tenant="A", quotas=waiting) == Enqueued.EXISTS   # its own job: no new place
+    in_flight = TenantQuotas(max_in_flight=3)
+    await queue.claim(2, "w1", LEASE_MS)                                    # a-0 and b-0 run: A has 1 + 1
+    assert await put(queue, "a-2", tenant="A", quotas=in_flight) == Enqueued.CREATED
+    assert await put(queue, "a-3", tenant="A", quotas=in_flight) == Enqueued.TENANT_IN_FLIGHT
+    assert await put(queue, "a-3", tenant="A", quotas=waiting) == Enqueued.TENANT_WAITING
+    assert await put(queue, "b-1", tenant="B", quotas=in_flight) == Enqueued.CREATED
+    # tokens per minute: a minute admits jobs up to the quota, or one larger job alone. Whichever
+    # minute each enqueue falls in, three in a row cross at most one minute, so one is refused.
+    tokens = TenantQuotas(tokens_per_min=100)
+    assert await put(queue, "t-0", tenant="T", quotas=tokens, tokens=60) == Enqueued.CREATED
+    assert await put(queue, "t-1", tenant="T", quotas=tokens, tokens=40) == Enqueued.CREATED
+    assert Enqueued.TENANT_TOKENS in [await put(queue, f"t-{i}", tenant="T", quotas=tokens, tokens=1)
+                                      for i in range(2, 5)]
+    assert await put(queue, "u-0", tenant="U", quotas=tokens, tokens=150) == Enqueued.CREATED
+    assert Enqueued.TENANT_TOKENS in [await put(queue, f"u-{i}", tenant="U", quotas=tokens, tokens=150)
+                                      for i in range(1, 4)]
+
+
+async def test_two_enqueues_never_both_take_a_tenants_last_place(queue, redis_url):
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(8)]
+    try:
+        producers = [RedisQueue(c, "test:q", ["interactive", "bulk"]) for c in clients]
+        outcomes = await asyncio.gather(*(put(p, f"a-{i}", tenant="A", quotas=TenantQuotas(max_in_flight=3))
+                                          for i, p in enumerate(producers * 4)))
+    finally:
+        for c in clients:
+            await c.aclose()
+    assert outcomes.count(Enqueued.CREATED) == 3 and await counts_of(queue, "A") == (3, 0)
+
+
+# ---------------------------------------------------------------------- preemption across lanes
+async def test_preemption_tokens_and_the_preempt_claim(queue, redis):
+    """An interactive job enqueued while bulk jobs run leaves one preemption token; the busy
+    worker that takes it claims that job from above its victim's lane (exactly one worker wins)
+    and the preemption is counted for the victim's lane. Without running bulk work, no token."""
+    await put(queue, "chat-idle")
+    assert await redis.llen(queue.keys.preempt("interactive")) == 0        # nothing lower runs: no token
+    await queue.claim(1, "w0", LEASE_MS)
+    await put(queue, "bulk-0", "bulk")
+    await put(queue, "bulk-1", "bulk")
+    await queue.claim(2, "w1", LEASE_MS)                                     # both bulk jobs run on w1
+    await put(queue, "bulk-2", "bulk")                                       # bulk work waits too
+    await put(queue, "chat-0")
+    assert await queue.wait_for_preemption("bulk", 0.1) == "interactive"    # one token, one busy worker
+    assert await queue.wait_for_preemption("bulk", 0.1) is None
+    assert await queue.wait_for_preemption("interactive", 0.1) is None      # nothing is above the top lane
+    winner = await queue.preempt("bulk", "w1", LEASE_MS)
+    assert winner is not None and (winner.id, winner.lane) == ("chat-0", "interactive")
+    assert await queue.preempt("bulk", "w2", LEASE_MS) is None              # the job goes to one worker
+    assert {c.lane: c.preempted for c in await queue.counts()} == {"interactive": 0, "bulk": 1}
+
+
+async def test_preempt_declines_when_an_idle_worker_took_the_wake_up(queue, redis):
+    """A worker with a free slot takes the enqueue's wake token and claims the job itself, so no
+    busy worker yields a slot for it."""
+    await put(queue, "bulk-0", "bulk")
+    await queue.claim(1, "busy", LEASE_MS)
+    await put(queue, "chat-0")
+    assert await queue.wait_for_work(0.1)                                   # an idle worker's wake-up
+    assert await queue.preempt("bulk", "busy", LEASE_MS) is None
+    assert [j.id for j in await queue.claim(1, "idle", LEASE_MS)] == ["chat-0"]
+
+
+def test_lane_names_are_checked():
+    with pytest.raises(ValueError, match="lane 'Bulk'"):
+        QueueKeys("q", ("interactive", "Bulk"))
+    with pytest.raises(ValueError, match="distinct"):
+        QueueKeys("q", ("a", "a"))
+

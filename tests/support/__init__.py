@@ -1,0 +1,6 @@
+"""Helpers shared by the test folders: real processes, the tiny model, proxies that inject latency and faults."""
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout the suite runs from: deploy/, docs/, README.md and the Makefile are checked against the code."""

@@ -1,0 +1,91 @@
+"""A tiny random-weight llama GGUF for tests, written with the ``gguf`` package.
+
+Byte-level SPM vocabulary (every UTF-8 string tokenizes and round-trips), 2 layers, 128-wide:
+about 1.4 MB, loads in milliseconds. Weights are deterministic (seeded) and scaled up so greedy
+argmax has clear margins and does not flip between batch shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+# The suite's model (tests/conftest.py's tiny_model_path). Larger weights give more decisive logits, so
+# greedy argmax does not flip when llama.cpp's accumulation order changes with the batch shape.
+TINY_SCALE = 1.0
+TINY_SEED = 0
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: int = 128, n_layer: int = 2,
+                     n_ctx_train: int = 8192, quant: gguf.GGMLQuantizationType | None = None) -> Path:
+    """``quant`` (e.g. Q4_0) quantizes the matrices that feed matrix multiplications, so llama.cpp
+    has something to repack; the default keeps every weight F32."""
+    rng = np.random.default_rng(seed)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + list(LETTERS)
+    types = [2, 3, 3] + [6] * 256 + [1] * 27
+    scores = [0.0, 0.0, 0.0] + [-1000.0] * 256 + [float(-i) for i in range(27)]
+    n_vocab, n_head, n_head_kv, n_ff = len(tokens), 2, 1, 256
+    head_dim = n_embd // n_head
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-random-llama")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0 if quant is None else gguf.LlamaFileType[f"MOSTLY_{quant.name}"])
+    w.add_vocab_size(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        data = rand(rows, cols)
+        if quant is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, np.float32)
+
+    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", ones(n_embd))
+    matrix("output.weight", n_vocab, n_embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones(n_embd))
+        matrix(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones(n_embd))
+        matrix(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        matrix(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        matrix(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,116 @@
+"""The worker's stream writer (jobs/stream.py): when it flushes (a pure policy), what one flush
+writes, and fencing per job inside one flush. Real Valkey; no worker, no model, no timing."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+
+from slotq.engine import FinishReason
+from slotq.jobs.protocol.record_keys import stream_key
+from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
+from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.protocol.streams import FlushPolicy, StreamWriter, decode_entry
+
+POLICY = FlushPolicy(max_delay_s=0.1)
+
+
+def test_a_flush_waits_until_its_tokens_pay_for_its_commands() -> None:
+    fixed = FlushPolicy.FIXED_COMMANDS
+    # one job, one entry: worth it from fixed + 1 tokens on
+    assert POLICY.due_in(waited_s=0.0, tokens=fixed, entries=1, urgent=False) == pytest.approx(0.1)
+    assert POLICY.due_in(waited_s=0.0, tokens=fixed + 1, entries=1, urgent=False) == 0.0
+    # eight jobs with one token each (one decode step) wait; two steps' worth go
+    assert POLICY.due_in(waited_s=0.03, tokens=8, entries=8, urgent=False) == pytest.approx(0.07)
+    assert POLICY.due_in(waited_s=0.03, tokens=16, entries=8, urgent=False) == 0.0
+
+
+def test_nothing_waits_longer_than_the_max_delay_and_urgent_entries_go_at_once() -> None:
+    assert POLICY.due_in(waited_s=0.1, tokens=1, entries=1, urgent=False) == 0.0
+    assert POLICY.due_in(waited_s=5.0, tokens=1, entries=1, urgent=False) == 0.0
+    assert POLICY.due_in(waited_s=0.0, tokens=0, entries=1, urgent=True) == 0.0
+
+
+@pytest.fixture
+async def redis(redis_url: str):
+    r = Redis.from_url(redis_url)
+    yield r
+    await r.aclose()
+
+
+async def entries(redis: Redis, job_id: str) -> list[StreamEntry]:
+    return [decode_entry(i, raw) for i, raw in await redis.xrange(stream_key(job_id))]
+
+
+async def test_consecutive_chunks_merge_into_one_entry_per_flush(redis) -> None:
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60)
+    for n, text in enumerate(["Hel", "lo", ", ", "world"], start=1):
+        writer.add_chunk("j", attempt=1, choice=0, text=text, token_ids=[n], n_tokens=n)
+    writer.add_chunk("j", attempt=1, choice=1, text="other", token_ids=[9], n_tokens=1)
+    writer.add("j", StreamEntry(id="", kind=EntryKind.DONE, attempt=1, finish_reason=FinishReason.LENGTH, final=True))
+    assert await writer.flush()
+    got = await entries(redis, "j")
+    assert [(e.kind, e.choice, e.text, e.token_ids, e.n_tokens) for e in got] == [
+        (EntryKind.CHUNK, 0, "Hello, world", [1, 2, 3, 4], 4),
+        (EntryKind.CHUNK, 1, "other", [9], 1),
+        (EntryKind.DONE, 0, "", [], 0),
+    ]
+    assert got[-1].final and writer.round_trips == 1
+    assert 0 < await redis.ttl(stream_key("j")) <= 60
+
+
+async def test_one_flush_writes_the_jobs_it_owns_and_reports_the_one_it_lost(redis) -> None:
+    await redis.hset("owners", mapping={"mine": "w#1", "also-mine": "w#2", "lost": "other#3"})
+    lost: list[tuple[str, str]] = []
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, owners_key="owners",
+                          on_fenced=lambda job, lease: lost.append((job, lease)))
+    for job, lease in (("mine", "w#1"), ("lost", "w#3"), ("also-mine", "w#2")):
+        writer.bind(job, lease)
+        writer.add_chunk(job, attempt=1, choice=0, text=job, token_ids=[1], n_tokens=1)
+    assert await writer.flush()
+    assert writer.round_trips == 1
+    assert [e.text for e in await entries(redis, "mine")] == ["mine"]
+    assert [e.text for e in await entries(redis, "also-mine")] == ["also-mine"]
+    assert await entries(redis, "lost") == []
+    assert lost == [("lost", "w#3")]
+    # what the lost job adds afterwards is still refused; the others go on
+    writer.add_chunk("lost", attempt=1, choice=0, text="again", token_ids=[2], n_tokens=2)
+    writer.add_chunk("mine", attempt=1, choice=0, text="+", token_ids=[2], n_tokens=2)
+    assert await writer.flush()
+    assert await entries(redis, "lost") == []
+    assert [e.text for e in await entries(redis, "mine")] == ["mine", "+"]
+    assert lost == [("lost", "w#3"), ("lost", "w#3")]
+
+
+async def test_entries_buffered_by_an_attempt_are_refused_once_the_same_worker_claims_the_job_again(
+        tmp_path) -> None:
+    """A Redis outage longer than the lease: the reaper requeues a running job and its own worker
+    claims it again, with a new lease. The old attempt's flush, still waiting to be re-sent, must
+    not land behind the stream the new attempt resumed from (that wrote tokens twice)."""
+    server = EmbeddedRedis(tmp_path / "redis", port=0, fsync="always")
+    server.start()
+    redis = Redis.from_url(server.url, socket_timeout=2)
+    lost: list[tuple[str, str]] = []
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, owners_key="owners", writer_id="w",
+                          on_fenced=lambda job, lease: lost.append((job, lease)))
+    try:
+        await redis.hset("owners", "j", "w#1")
+        writer.bind("j", "w#1")
+        writer.add_chunk("j", attempt=1, choice=0, text="a", token_ids=[1], n_tokens=1)
+        assert await writer.flush()
+        writer.add_chunk("j", attempt=1, choice=0, text="b", token_ids=[2], n_tokens=2)
+        server.kill()
+        assert not await writer.flush()                 # "b" stays in flight, to be re-sent
+        server.restart()
+        await redis.hset("owners", "j", "w#2")         # reaped and claimed again by this worker
+        writer.unbind("j")
+        writer.bind("j", "w#2")
+        writer.add_chunk("j", attempt=2, choice=0, text="b", token_ids=[2], n_tokens=2)   # resumed after "a"
+        assert await writer.flush()                     # the old flight: refused
+        assert await writer.flush()                     # the new attempt's entry
+        got = await entries(redis, "j")
+        assert [(e.attempt, e.text) for e in got] == [(1, "a"), (2, "b")]
+        assert lost == [("j", "w#1")]
+    finally:
+        await redis.aclose()
+        server.stop()

@@ -1,0 +1,85 @@
+"""A worker always exits within its bound, and says nothing false on its way (issue 18).
+
+* SIGTERM while the heartbeat's wait has just ended: Python 3.11's ``asyncio.wait_for`` swallowed
+  the stop's cancellation there (CPython gh-86296), the heartbeat beat on, and the worker never
+  exited. ``SLOTQ_FAULT_BEAT_BEFORE_STOP`` forces that interleaving in a real ``slotq worker``.
+* A heartbeat RENEW that reaches Redis after the job's FINISH: the job succeeded, and yet the
+  worker logged that its lease had expired and the job was requeued.
+  ``SLOTQ_FAULT_RENEW_AFTER_FINISH`` forces that order.
+* The deploy manifests' grace periods outlast the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slotq.jobs.worker.fault_injection import BEAT_BEFORE_STOP, RENEW_AFTER_FINISH
+from slotq.jobs.protocol.schemas import JobStatus
+from slotq.jobs.worker.worker import EXIT_MARGIN_S
+from tests.support.jobs import WorkerProcess, clean_env, job_request, wait_for_workers
+from tests.support import REPO_ROOT
+
+DRAIN_GRACE_S = 1
+
+
+async def test_sigterm_exits_within_the_bound_when_a_beat_races_the_stop(client, redis_url, tiny_model_path,
+                                                                          tmp_path):
+    env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=1, threads=1, ctx=256, lock_ttl_s=3,
+                    drain_grace_s=DRAIN_GRACE_S) | {BEAT_BEFORE_STOP: "1"}
+    worker = WorkerProcess("beat-races-stop", env, tmp_path)
+    bound_s = DRAIN_GRACE_S + EXIT_MARGIN_S
+    try:
+        await wait_for_workers(client, {"beat-races-stop"}, procs=[worker])
+        assert (await (await client.enqueue(job_request(max_tokens=8))).result(timeout=60)).status == \
+            JobStatus.SUCCEEDED
+        worker.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        try:
+            code = await asyncio.to_thread(worker.proc.wait, bound_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker did not exit within its bound of {bound_s} s after SIGTERM:\n"
+                        f"{worker.log_tail()}")
+        took = time.monotonic() - sent
+    finally:
+        worker.stop()
+    log = worker.log_tail(20_000)
+    assert "the beat event fired right before the stop" in log, log     # the race really was forced
+    assert code == 0, log            # a clean exit, not the exit deadline's
+    assert took < bound_s
+
+
+async def test_a_job_that_finished_is_not_reported_as_requeued(client, start_worker, monkeypatch, caplog):
+    monkeypatch.setenv(RENEW_AFTER_FINISH, "1")
+    caplog.set_level(logging.WARNING)
+    worker = await start_worker(slots=1, lock_ttl_s=3)
+    result = await (await client.enqueue(job_request(max_tokens=16))).result(timeout=60)
+    assert result.status == JobStatus.SUCCEEDED, result
+
+    async with asyncio.timeout(30):      # the held RENEW is sent, then the beat it belongs to ends
+        while "RENEW sent after the jobs it names left" not in caplog.text:
+            await asyncio.sleep(0.02)
+        renewed_at = time.time()
+        while not any(w.id == worker.id and w.updated_at > renewed_at for w in (await client.queue_info()).workers):
+            await asyncio.sleep(0.05)
+    assert "lease expired" not in caplog.text, caplog.text
+
+
+def test_deploy_grace_periods_outlast_the_exit_bound():
+    """Kubernetes and systemd must not SIGKILL a worker that is still within its exit bound."""
+    deploy = REPO_ROOT / "deploy"
+    configmap = yaml.safe_load((deploy / "kubernetes" / "configmap.yaml").read_text())
+    bound_s = int(configmap["data"]["SLOTQ_DRAIN_GRACE_S"]) + EXIT_MARGIN_S
+    deployment = yaml.safe_load((deploy / "kubernetes" / "worker-deployment.yaml").read_text())
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > bound_s
+    unit = (deploy / "systemd" / "slotq-worker@.service").read_text()
+    [stop_s] = re.findall(r"^TimeoutStopSec=(\d+)$", unit, re.MULTILINE)
+    assert int(stop_s) > bound_s
