@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -28,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobStatus
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, free_port
 
 ROOT = REPO_ROOT
 RULES = ROOT / "deploy/prometheus/slotq-alerts.yaml"
@@ -99,12 +98,6 @@ def test_dashboard_is_well_formed() -> None:
             "slotq_queue_oldest_waiting_age_seconds"} <= used_metric_names()["dashboard"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -115,7 +108,7 @@ def _get(url: str) -> tuple[int, str]:
 
 async def test_rules_and_dashboard_use_only_metrics_a_real_worker_serves(
         redis_url: str, client: SlotqClient, tiny_model_path: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=2, ctx=256, threads=1, metrics_port=port)
     worker = WorkerProcess("obs1", env, tmp_path)
     try:
@@ -154,7 +147,7 @@ def test_live_fails_when_the_event_loop_stops_stamping_and_ready_says_why() -> N
 
     state = {"ok": False}
     health = Health(stuck_after_s=0.3, ready_check=lambda: (state["ok"], {"state": "ready" if state["ok"] else "warming_up"}))
-    port = _free_port()
+    port = free_port()
     server = serve(port, health, addr="127.0.0.1")
     try:
         assert _get(f"http://127.0.0.1:{port}/live")[0] == 200

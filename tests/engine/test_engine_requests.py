@@ -15,11 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.support.engine import collect, greedy, run_one, running_engine
 from pydantic import ValidationError
 
 from slotq.engine import (
-from tests.support import REPO_ROOT
     Engine,
     EngineConfig,
     EngineState,
@@ -32,6 +30,8 @@ from tests.support import REPO_ROOT
     PromptTooLong,
     SamplingParams,
 )
+from tests.support import REPO_ROOT
+from tests.support.engine import collect, greedy, run_one, running_engine
 
 
 # ----------------------------------------------------------------------------- invalid requests

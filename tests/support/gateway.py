@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,17 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tests.support import free_port
 from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env
 
 from slotq.jobs.cli.redis_server import EmbeddedRedis
 
 LOCK_TTL_S = 3      # heartbeat every second: routing and slot counts follow the fleet quickly
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GatewayProcess:

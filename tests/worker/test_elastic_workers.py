@@ -26,7 +26,7 @@ import pytest
 from arq.worker import RetryJob
 from tests.support.jobs import WorkerProcess, clean_env, job_request, raw_entries
 from prometheus_client.parser import text_string_to_metric_families
-from test_observability import _free_port
+from tests.support import free_port
 
 from slotq.engine import Engine, EngineConfig, ErrorInfo
 from slotq.jobs.producer.client import SlotqClient
@@ -46,7 +46,7 @@ class Worker:
     """A ``slotq worker`` subprocess with its metrics port and its ballast file."""
 
     def __init__(self, name: str, redis_url: str, model: Path, tmp: Path, **settings: Any) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.ballast = tmp / f"{name}.ballast"
         self.ballast.write_text("0")
         settings.setdefault("ctx", 4096)       # long jobs: the tiny model decodes thousands of tokens/s
