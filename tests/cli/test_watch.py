@@ -1,5 +1,5 @@
 """Commands that depend on a child stop as soon as it dies, with its exit code and log tail,
-instead of waiting forever: jobs/watch.py, `slotq bench queue` and `slotq demo`."""
+instead of waiting forever: jobs/cli/watch.py, `slotq bench queue` and `slotq demo`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A worker never fails quietly: a dead engine thread and a failing heartbeat, injected into real
 `slotq worker` processes through their fault hooks (engine/fault_injection.py,
-jobs/fault_injection.py), with a second worker beside them. Nothing may be lost or stuck, and no
+jobs/worker/fault_injection.py), with a second worker beside them. Nothing may be lost or stuck, and no
 attempt may be used by a fault that was not the job's."""
 
 from __future__ import annotations

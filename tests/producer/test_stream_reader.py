@@ -1,4 +1,4 @@
-"""The client's shared stream reader (jobs/stream_reader.py): one XREAD for many followers, real
+"""The client's shared stream reader (jobs/producer/stream_reader.py): one XREAD for many followers, real
 Valkey, entries written by the worker's StreamWriter. No worker or model: only the stream protocol.
 
 The reader's block time is set far beyond the tests' timeouts where it matters, so a follower that

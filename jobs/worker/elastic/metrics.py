@@ -1,4 +1,4 @@
-"""Prometheus metrics of the elastic worker (same registry as jobs/metrics.py, same /metrics)."""
+"""Prometheus metrics of the elastic worker (same registry as jobs/worker/metrics.py, same /metrics)."""
 
 from __future__ import annotations
 
