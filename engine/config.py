@@ -75,7 +75,8 @@ class EngineKnobs(BaseModel):
     batch: int = Field(512, ge=1, le=65_536, description="max tokens in one llama_decode (llama.cpp n_batch); >= slots")
     ubatch: int = Field(512, ge=1, le=65_536, description="llama.cpp n_ubatch (physical micro-batch)")
     prefill_chunk: int = Field(256, ge=1, description="max prompt tokens of one sequence per decode step")
-    threads: int | None = Field(None, ge=1, le=1024, description="llama.cpp threads; unset = every core this process may use")
+    threads: int | None = Field(None, ge=1, le=1024,
+                                description="llama.cpp threads; unset = every core this process may use")
     gpu_layers: Annotated[int, Field(ge=-1)] | Literal["auto"] = Field(
         "auto", description="layers offloaded to the GPU; -1 = all; auto = as many as fit in gpu_memory_fraction of "
                             "the free GPU memory with the KV cache of every slot (0 on a CPU-only build or without a "
@@ -99,9 +100,11 @@ class EngineKnobs(BaseModel):
     @model_validator(mode="after")
     def _sizes(self) -> EngineKnobs:
         if self.batch < self.slots:
-            raise ValueError(f"batch ({self.batch}) must be >= slots ({self.slots}): every slot decodes one token per step")
+            raise ValueError(f"batch ({self.batch}) must be >= slots ({self.slots}): "
+                             "every slot decodes one token per step")
         if self.kv_cells is not None and self.kv_cells < self.ctx:
-            raise ValueError(f"kv_cells ({self.kv_cells}) must be >= ctx ({self.ctx}) so one sequence can reach its full context")
+            raise ValueError(f"kv_cells ({self.kv_cells}) must be >= ctx ({self.ctx}) "
+                             "so one sequence can reach its full context")
         return self
 
 

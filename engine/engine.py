@@ -119,7 +119,8 @@ class Engine:
         (or EngineDead / EngineStopped when the engine cannot run requests any more)."""
         self._lifecycle.raise_unless_running()
         if request.n > self.config.slots:
-            raise InvalidRequest(f"n is {request.n}; it must be <= the number of slots ({self.config.slots})", field="n")
+            raise InvalidRequest(f"n is {request.n}; it must be <= the number of slots ({self.config.slots})",
+                                 field="n")
         tokens = self.prompt_tokens(request)
         if not tokens:
             raise InvalidRequest("prompt is empty after tokenization", field="prompt")
@@ -132,8 +133,8 @@ class Engine:
             )
         bad = [t for t in request.resume_tokens if not 0 <= t < self.info.n_vocab]
         if bad:
-            raise InvalidRequest(f"resume_tokens: token id {bad[0]} is outside the vocabulary (0..{self.info.n_vocab - 1})",
-                                 field="resume_tokens")
+            raise InvalidRequest(f"resume_tokens: token id {bad[0]} is outside the vocabulary "
+                                 f"(0..{self.info.n_vocab - 1})", field="resume_tokens")
         grammar = grammar_for(request)
         if grammar is not None:
             if request.ignore_eos:

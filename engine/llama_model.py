@@ -73,7 +73,8 @@ def _set_fields(params: ctypes.Structure, **values: object) -> None:
     names = {f[0] for f in type(params)._fields_}
     for name, value in values.items():
         if name not in names:
-            raise RuntimeError(f"llama-cpp-python {llama_cpp.__version__}: {type(params).__name__} has no field {name!r}")
+            raise RuntimeError(f"llama-cpp-python {llama_cpp.__version__}: "
+                               f"{type(params).__name__} has no field {name!r}")
         setattr(params, name, value)
 
 
@@ -104,7 +105,8 @@ class LlamaModel:
                     use_extra_bufts=_repack_decision(config.cpu_repack).repack)
         self._model = llama_cpp.llama_model_load_from_file(str(config.model_path).encode(), mp)
         if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {config.model_path} (not a GGUF, or an unsupported architecture)")
+            raise RuntimeError(f"llama.cpp could not load {config.model_path} "
+                               "(not a GGUF, or an unsupported architecture)")
         self.vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._pieces: dict[int, bytes] = {}
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
@@ -199,11 +201,11 @@ class LlamaModel:
 
     @property
     def bos_token(self) -> int:
-        return llama_cpp.llama_vocab_bos(self.vocab)
+        return int(llama_cpp.llama_vocab_bos(self.vocab))
 
     @property
     def eos_token(self) -> int:
-        return llama_cpp.llama_vocab_eos(self.vocab)
+        return int(llama_cpp.llama_vocab_eos(self.vocab))
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
@@ -234,11 +236,11 @@ class LlamaModel:
         for i, s in enumerate(seq_ids):
             ptrs[i][0] = s
         self._batch.n_tokens = n
-        return llama_cpp.llama_decode(self._ctx, self._batch)
+        return int(llama_cpp.llama_decode(self._ctx, self._batch))
 
     def sample(self, sampler: llama_cpp.llama_sampler_p, batch_index: int) -> int:
         """Sample (and accept) a token from the logits row of ``batch_index`` of the last decode."""
-        return llama_cpp.llama_sampler_sample(sampler, self._ctx, batch_index)
+        return int(llama_cpp.llama_sampler_sample(sampler, self._ctx, batch_index))
 
     def kv_remove(self, seq_id: int, start: int = -1) -> None:
         """Drop ``seq_id``'s cells from position ``start`` on (-1: all of them)."""

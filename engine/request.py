@@ -93,7 +93,8 @@ class GenerationRequest(GenerationParams):
     id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     resume_tokens: list[int] = Field(
         default_factory=list,
-        description="tokens already delivered by an earlier attempt: prefilled after the prompt, then generation continues",
+        description="tokens already delivered by an earlier attempt: prefilled after the prompt, "
+                    "then generation continues",
     )
 
     @model_validator(mode="after")
@@ -101,5 +102,6 @@ class GenerationRequest(GenerationParams):
         if self.resume_tokens and self.n != 1:
             raise ValueError("resume_tokens requires n = 1")
         if len(self.resume_tokens) >= self.max_tokens:
-            raise ValueError(f"resume_tokens has {len(self.resume_tokens)} tokens; it must be < max_tokens ({self.max_tokens})")
+            raise ValueError(f"resume_tokens has {len(self.resume_tokens)} tokens; "
+                             f"it must be < max_tokens ({self.max_tokens})")
         return self

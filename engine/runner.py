@@ -30,11 +30,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from slotq.engine.errors import DecodeFailed, EngineDead, EngineError, EngineStopped, KVExhausted, RequestFailed
 from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
+from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.outbox import Outbox, Sink
 from slotq.engine.request import GenerationRequest
 from slotq.engine.sampling import SamplerChain
@@ -71,6 +73,11 @@ class _Choice:
     first_token_at: float | None = None
 
 
+_Command: TypeAlias = PreparedRequest | SchedulerLimits | str
+"""What other threads send the engine thread: a request to admit, new limits, or the id of a
+request to cancel."""
+
+
 class Runner:
     def __init__(self, model: LlamaModel, scheduler: Scheduler, ctx_per_seq: int, *,
                  lifecycle: Lifecycle, faults: EngineFaults) -> None:
@@ -82,7 +89,7 @@ class Runner:
         self.counters = EngineCounters()
         self.stats: EngineStats = self.counters.snapshot(scheduler, model.info.model_name)   # replaced, never mutated
         self._outbox = Outbox()
-        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._eog_cache: dict[int, bool] = {}
         self._deadlines: dict[str, float] = {}      # request id -> unix time, while it has open choices
@@ -92,16 +99,16 @@ class Runner:
     # ------------------------------------------------------------------ any thread
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a request; raises EngineDead / EngineStopped unless the engine is running."""
-        self.lifecycle.while_running(lambda: self._commands.put(("submit", prepared)))
+        self.lifecycle.while_running(lambda: self._commands.put(prepared))
         self._wake.set()
 
     def cancel(self, request_id: str) -> None:
-        self._commands.put(("cancel", request_id))
+        self._commands.put(request_id)
         self._wake.set()
 
     def set_limits(self, limits: SchedulerLimits) -> None:
         """Takes effect at the start of the next step (see ``Scheduler.set_limits``)."""
-        self._commands.put(("limits", limits))
+        self._commands.put(limits)
         self._wake.set()
 
     def stop(self) -> None:
@@ -154,15 +161,15 @@ class Runner:
         """One command at a time: after a crash, what was not taken is still in the queue."""
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                self._enqueue(arg)  # type: ignore[arg-type]
-            elif kind == "cancel":
-                self._cancel(arg)  # type: ignore[arg-type]
-            elif kind == "limits":
-                self.scheduler.set_limits(arg)  # type: ignore[arg-type]
+            if isinstance(command, PreparedRequest):
+                self._enqueue(command)
+            elif isinstance(command, SchedulerLimits):
+                self.scheduler.set_limits(command)
+            else:
+                self._cancel(command)
 
     def _enqueue(self, prepared: PreparedRequest) -> None:
         req = prepared.request
@@ -233,15 +240,9 @@ class Runner:
             self._cancel(request_id, FinishReason.DEADLINE)
 
     def _apply_memory_ops(self, out: SchedulerOutput) -> None:
-        for seq_id in out.evicted_caches:
-            self.model.kv_remove(seq_id)
+        apply_admissions(self.model, out)
         now = time.monotonic()
         for adm in out.admitted:
-            slot = adm.seq.seq_id
-            assert slot is not None
-            self.model.kv_remove(slot, adm.keep if adm.keep > 0 else -1)
-            if adm.copy_from is not None:
-                self.model.kv_copy_prefix(adm.copy_from, slot, adm.n_reused)
             state: _Choice = adm.seq.payload
             if state.admitted_at is None:
                 state.admitted_at = now
@@ -256,10 +257,11 @@ class Runner:
         generating = any(item.seq.is_decoding for item in out.items)    # someone gets a token this step
         for item in out.items:
             seq = item.seq
+            slot = seq.slot
             for j in range(item.n_tokens):
                 tokens.append(seq.tokens[item.start + j])
                 positions.append(item.start + j)
-                seq_ids.append(seq.seq_id)
+                seq_ids.append(slot)
                 wants.append(False)
             if item.sample:
                 wants[-1] = True
@@ -274,10 +276,9 @@ class Runner:
             self._on_decode_error(out, ret)
             return
         self.scheduler.commit(out)
+        apply_forks(self.model, out)
         leader_index = {id(seq): idx for seq, idx in sample_at}
         for fork in out.forks:
-            self.model.kv_remove(fork.seq.seq_id)       # drop any partial reuse: the copy covers it
-            self.model.kv_copy_prefix(fork.leader.seq_id, fork.seq.seq_id, fork.n_tokens)
             if fork.seq.n_pending == 0:     # an n > 1 sibling: sample from the leader's prompt logits
                 sample_at.append((fork.seq, leader_index[id(fork.leader)]))
         for seq, index in sample_at:
@@ -377,11 +378,11 @@ class Runner:
         its final event even when its sequence cannot be finished normally."""
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "submit":        # never admitted; cancels need nothing: every request ends here
-                self._open[arg] = set(range(arg.request.n))  # type: ignore[attr-defined,index]
+            if isinstance(command, PreparedRequest):   # never admitted; the rest need nothing: every request ends here
+                self._open[command] = set(range(command.request.n))
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             try:
                 if seq.state == SeqState.WAITING:
@@ -400,4 +401,6 @@ class Runner:
 
 
 def _error_info(error: EngineError | None) -> ErrorInfo | None:
-    return ErrorInfo(code=error.code, message=error.message, retryable=error.retryable, field=error.field) if error else None
+    if error is None:
+        return None
+    return ErrorInfo(code=error.code, message=error.message, retryable=error.retryable, field=error.field)

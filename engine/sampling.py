@@ -32,16 +32,23 @@ class SamplerChain:
     """Owns one llama_sampler chain; free it exactly once."""
 
     def __init__(self, handle: llama_cpp.llama_sampler_p) -> None:
-        self.handle = handle
+        self._handle: llama_cpp.llama_sampler_p | None = handle
+
+    @property
+    def handle(self) -> llama_cpp.llama_sampler_p:
+        """The live chain. After :meth:`free` it is gone: llama.cpp would be handed a NULL chain."""
+        if self._handle is None:
+            raise RuntimeError("the sampler chain was used after free()")
+        return self._handle
 
     def accept(self, token: int) -> None:
         """Feed a token the chain did not sample itself (a resumed attempt's delivered tokens)."""
         llama_cpp.llama_sampler_accept(self.handle, token)
 
     def free(self) -> None:
-        if self.handle:
-            llama_cpp.llama_sampler_free(self.handle)
-            self.handle = None
+        if self._handle:
+            llama_cpp.llama_sampler_free(self._handle)
+            self._handle = None
 
 
 # llama-cpp-python's converter lets raw control characters into JSON strings, which JSON forbids.
@@ -54,9 +61,10 @@ def grammar_for(request: GenerationRequest) -> str | None:
     params = request.sampling
     if params.json_schema is not None:
         try:
-            grammar = llama_grammar.json_schema_to_gbnf(json.dumps(params.json_schema))
+            grammar: str = llama_grammar.json_schema_to_gbnf(json.dumps(params.json_schema))
         except Exception as exc:  # the converter raises assorted errors on unsupported schemas
-            raise GrammarError(f"sampling.json_schema: cannot be converted to a grammar: {exc}", field="sampling.json_schema") from exc
+            raise GrammarError(f"sampling.json_schema: cannot be converted to a grammar: {exc}",
+                               field="sampling.json_schema") from exc
         return grammar.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
     return params.grammar
 
@@ -70,15 +78,15 @@ def build_chain(request: GenerationRequest, vocab: llama_cpp.llama_vocab_p, n_vo
     try:
         bias = {token: max(value, BAN_BIAS) for token, value in params.logit_bias.items()}
         if request.ignore_eos:
-            bias.update({t: BAN_BIAS for t in eog_tokens})
+            bias.update(dict.fromkeys(eog_tokens, BAN_BIAS))
         for token in bias:
             if not 0 <= token < n_vocab:
-                raise InvalidRequest(f"sampling.logit_bias: token id {token} is outside the vocabulary (0..{n_vocab - 1})",
-                                     field="sampling.logit_bias")
+                raise InvalidRequest(f"sampling.logit_bias: token id {token} is outside the vocabulary "
+                                     f"(0..{n_vocab - 1})", field="sampling.logit_bias")
         if bias:
             arr = (llama_cpp.llama_logit_bias * len(bias))()
             for i, (token, value) in enumerate(bias.items()):
-                arr[i].token = token
+                arr[i].token = llama_cpp.llama_token(token)
                 arr[i].bias = value
             _add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(bias), arr))
         if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
@@ -135,7 +143,7 @@ def check_resume_tokens(vocab: llama_cpp.llama_vocab_p, grammar: str, tokens: li
         candidate = llama_cpp.llama_token_data()
         candidates = llama_cpp.llama_token_data_array(data=ctypes.pointer(candidate), size=1, selected=-1, sorted=False)
         for i, token in enumerate(tokens):
-            candidate.id, candidate.logit, candidate.p = token, 0.0, 0.0
+            candidate.id, candidate.logit, candidate.p = llama_cpp.llama_token(token), 0.0, 0.0
             llama_cpp.llama_sampler_apply(sampler, ctypes.byref(candidates))
             if math.isinf(candidate.logit):
                 raise InvalidRequest(f"resume_tokens: token {token} at position {i} is not allowed by the grammar",
@@ -146,6 +154,7 @@ def check_resume_tokens(vocab: llama_cpp.llama_vocab_p, grammar: str, tokens: li
 
 
 def _grammar_sampler(vocab: llama_cpp.llama_vocab_p, grammar: str) -> llama_cpp.llama_sampler_p:
+    sampler: llama_cpp.llama_sampler_p     # llama_cpp's ctypes bindings are typed Any; this is their restype
     with _grammar_lock:
         sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
     if not sampler:
@@ -155,10 +164,13 @@ def _grammar_sampler(vocab: llama_cpp.llama_vocab_p, grammar: str) -> llama_cpp.
 
 
 def _penalties(n_vocab: int, last_n: int, repeat: float, freq: float, present: float) -> llama_cpp.llama_sampler_p:
+    sampler: llama_cpp.llama_sampler_p     # llama_cpp's ctypes bindings are typed Any; this is their restype
     # The n_vocab first argument exists in some 0.3.x releases and not in others.
     if len(llama_cpp.llama_sampler_init_penalties.argtypes) == 5:
-        return llama_cpp.llama_sampler_init_penalties(n_vocab, last_n, repeat, freq, present)
-    return llama_cpp.llama_sampler_init_penalties(last_n, repeat, freq, present)
+        sampler = llama_cpp.llama_sampler_init_penalties(n_vocab, last_n, repeat, freq, present)
+    else:
+        sampler = llama_cpp.llama_sampler_init_penalties(last_n, repeat, freq, present)
+    return sampler
 
 
 def _add(chain: llama_cpp.llama_sampler_p, sampler: llama_cpp.llama_sampler_p) -> None:

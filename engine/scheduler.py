@@ -44,7 +44,7 @@ from enum import StrEnum
 
 from slotq.engine.kv_ledger import KVLedger
 from slotq.engine.request_queue import RequestQueue
-from slotq.engine.sequence import Sequence, SeqState
+from slotq.engine.sequence import SeqState, Sequence
 
 
 class KVFullAction(StrEnum):
@@ -199,13 +199,13 @@ class Scheduler:
         self._prefill_scale = 1.0
         for item in out.items:
             item.seq.n_computed += item.n_tokens
-            self.ledger.extend(item.seq.seq_id, item.n_tokens)
+            self.ledger.extend(item.seq.slot, item.n_tokens)
             if item.seq.n_generated == 0 or item.n_tokens > 1:
                 self.prompt_tokens_computed += item.n_tokens
         for seq in self.running:
             leader = seq.fork_of
             if leader is not None and leader.n_computed >= seq.fork_len:
-                self.ledger.copy_prefix(leader.seq_id, seq.seq_id, seq.fork_len)
+                self.ledger.copy_prefix(leader.slot, seq.slot, seq.fork_len)
                 self.prompt_tokens_reused += seq.fork_len - seq.n_reused   # a partial reuse was counted at admission
                 seq.n_computed = seq.n_reused = seq.fork_len
                 seq.fork_of = None

@@ -46,6 +46,14 @@ class Sequence:
             self.fork_len = len(self.tokens)     # an n > 1 sibling: copy the whole prompt
 
     @property
+    def slot(self) -> int:
+        """The KV sequence id of a sequence that holds a slot (running). Asking a waiting or
+        finished one is a bug: its KV operations would land on llama.cpp's sequence ``None``."""
+        if self.seq_id is None:
+            raise RuntimeError(f"request {self.request_id} choice {self.choice}: the sequence holds no slot")
+        return self.seq_id
+
+    @property
     def n_generated(self) -> int:
         return len(self.tokens) - self.n_prompt
 

@@ -73,10 +73,11 @@ class Lifecycle:
         with self._lock:
             if self.failure is not None:
                 return self.failure
-            entry = (loop, loop.create_future())
+            future: asyncio.Future[BaseException] = loop.create_future()
+            entry = (loop, future)
             self._waiters.append(entry)
         try:
-            return await entry[1]
+            return await future
         finally:
             with self._lock:
                 if entry in self._waiters:

@@ -9,24 +9,24 @@ from pathlib import Path
 
 import gguf
 import pytest
-from tests.support.tiny_model import TINY_SCALE, TINY_SEED
-from tests.support.engine import greedy, run_one, running_engine
 from pydantic import ValidationError
-from tests.support.tiny_model import write_tiny_llama
 
 from slotq.engine import ChatMessage, CpuRepack, EngineConfig, GenerationRequest, SamplingParams, llama_model
 from slotq.engine.cpu_features import AMX_FLAG, decide_repack, parse_cpuinfo, this_cpu_flags
 from slotq.engine.llama_model import LlamaModel
+from tests.support.engine import greedy, run_one, running_engine
+from tests.support.tiny_model import TINY_SCALE, TINY_SEED, write_tiny_llama
 
 # /proc/cpuinfo flags of three real CPUs (trimmed of flags that play no part here).
-SAPPHIRE_RAPIDS = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ss "
-                   "ht syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology nonstop_tsc cpuid tsc_known_freq "
-                   "pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes xsave avx f16c rdrand "
-                   "hypervisor lahf_lm abm 3dnowprefetch fsgsbase bmi1 hle avx2 smep bmi2 erms invpcid rtm avx512f "
-                   "avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw avx512vl xsaveopt xsavec "
-                   "xgetbv1 xsaves avx_vnni avx512_bf16 wbnoinvd arat avx512vbmi umip pku ospke waitpkg avx512_vbmi2 gfni "
-                   "vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid cldemote movdiri movdir64b "
-                   "serialize tsxldtrk amx_bf16 avx512_fp16 amx_tile amx_int8 arch_capabilities")
+SAPPHIRE_RAPIDS = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 "
+                   "ss ht syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology nonstop_tsc cpuid "
+                   "tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes xsave avx "
+                   "f16c rdrand hypervisor lahf_lm abm 3dnowprefetch fsgsbase bmi1 hle avx2 smep bmi2 erms invpcid rtm "
+                   "avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw avx512vl "
+                   "xsaveopt xsavec xgetbv1 xsaves avx_vnni avx512_bf16 wbnoinvd arat avx512vbmi umip pku ospke "
+                   "waitpkg avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid "
+                   "cldemote movdiri movdir64b serialize tsxldtrk amx_bf16 avx512_fp16 amx_tile amx_int8 "
+                   "arch_capabilities")
 ICE_LAKE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ss ht "
             "syscall nx pdpe1gb rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes "
             "xsave avx f16c rdrand hypervisor avx2 bmi1 bmi2 avx512f avx512dq avx512ifma avx512cd avx512bw avx512vl "

@@ -14,7 +14,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from tests.support.engine import collect, collect_choices, greedy, run_one, running_engine
 
 from slotq.engine import (
     BatchingMode,
@@ -24,6 +23,7 @@ from slotq.engine import (
     SamplingParams,
     TextDelta,
 )
+from tests.support.engine import collect, collect_choices, greedy, run_one, running_engine
 
 # Eight prompts of different lengths with different output lengths.
 MIXED = [
@@ -161,7 +161,7 @@ async def test_leaving_the_iteration_cancels_and_waiting_requests_cancel(tiny_mo
         running = engine.submit(greedy("first", 4000))
         queued = engine.submit(greedy("second", 400))
         n = 0
-        async for ev in running:
+        async for _ in running:
             n += 1
             if n == 5:
                 break                                          # abandons the handle
@@ -283,7 +283,7 @@ async def test_hundred_requests_through_four_slots(tiny_model_path: Path, prefix
     async with running_engine(tiny_model_path, slots=4, ctx=512, prefix_cache=prefix_cache) as engine:
         results = await asyncio.gather(*(run_one(engine, r) for r in requests))
         stats = engine.stats()
-    for request, (text, tokens, fin) in zip(requests, results):
+    for request, (_, tokens, fin) in zip(requests, results):
         assert len(fin) == 1 and fin[0].finish_reason == FinishReason.LENGTH
         assert len(tokens) == request.max_tokens == fin[0].usage.completion_tokens
     assert stats.finished == {"length": 100}
@@ -325,7 +325,8 @@ async def test_n4_processes_the_prompt_once_and_seeds_per_choice(tiny_model_path
     prompt = "four different continuations of this prompt"
 
     def request(seed: int) -> GenerationRequest:
-        return greedy(prompt, 24, n=4, sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
+        sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+        return greedy(prompt, 24, n=4, sampling=sampling)
 
     async with running_engine(tiny_model_path, slots=4, prefix_cache=False) as engine:
         n_prompt = len(engine.prompt_tokens(request(1)))
@@ -378,7 +379,7 @@ async def test_simultaneous_requests_share_a_prefix_still_being_prefilled(tiny_m
         n_prompts = [len(engine.prompt_tokens(r)) for r in requests]
         warm = await asyncio.gather(*(run_one(engine, r) for r in requests))
         stats = engine.stats()
-    for (_, cold_tokens, _), (_, warm_tokens, fin) in zip(cold, warm):
+    for (_, cold_tokens, _), (_, warm_tokens, _) in zip(cold, warm):
         assert warm_tokens == cold_tokens
     # The shared ~300-token prefix went through llama_decode once, not three times.
     assert stats.prompt_tokens_cached >= 2 * 290
@@ -425,8 +426,8 @@ async def test_kv_overcommit_preemption_makes_progress(tiny_model_path: Path) ->
             await wait_for(lambda: all(t.done() for t in tasks) or engine.stats().preemptions > 500,
                            timeout=60, what="the requests")
             stats = engine.stats()
-            assert all(t.done() for t in tasks), f"livelock: {stats.preemptions} preemptions, " \
-                                                 f"{stats.generated_tokens} tokens generated"
+            assert all(t.done() for t in tasks), (f"livelock: {stats.preemptions} preemptions, "
+                                                  f"{stats.generated_tokens} tokens generated")
         finally:
             for t in tasks:
                 t.cancel()

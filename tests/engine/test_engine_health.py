@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from tests.support.engine import collect, greedy, run_one, running_engine
 
 from slotq.engine import EngineDead, EngineState, Finished, FinishReason, TextDelta
 from slotq.engine.fault_injection import ADMISSION_MARKER, CRASH_AFTER_STEPS, EngineFaults, InjectedFault
 from slotq.engine.state import Lifecycle
+from tests.support.engine import collect, greedy, run_one, running_engine
 
 # Far enough that all three requests below are submitted before the crash even on a loaded machine
 # (the engine thread runs while the test submits).

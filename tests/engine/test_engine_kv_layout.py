@@ -9,9 +9,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from tests.support.engine import collect_choices, greedy, run_one, running_engine
 
 from slotq.engine import EngineConfig, KVLayout, PromptTooLong
+from tests.support.engine import collect_choices, greedy, run_one, running_engine
 
 PREFIX = " ".join("alpha beta gamma delta epsilon zeta eta theta iota kappa".split() * 8)[:300]
 

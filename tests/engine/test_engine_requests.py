@@ -85,8 +85,9 @@ async def test_invalid_requests_raise_at_submit_and_engine_keeps_serving(tiny_mo
                 engine.submit(greedy("g", 5, ignore_eos=False, sampling=SamplingParams(temperature=0, grammar=grammar)))
             assert info.value.field == "sampling.grammar"
 
+        sampling = SamplingParams(temperature=0, grammar='root ::= "a"')
         with pytest.raises(InvalidRequest) as info:      # see test_constraints_leaving_nothing_to_sample
-            engine.submit(greedy("g", 5, ignore_eos=True, sampling=SamplingParams(temperature=0, grammar='root ::= "a"')))
+            engine.submit(greedy("g", 5, ignore_eos=True, sampling=sampling))
         assert info.value.field == "ignore_eos"
 
         with pytest.raises(InvalidRequest) as info:

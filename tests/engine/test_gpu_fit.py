@@ -8,11 +8,11 @@ from pathlib import Path
 
 import gguf
 import pytest
-from tests.support.engine import greedy, run_one, running_engine
 
 from slotq.engine import KVCacheType
 from slotq.engine.gpu_fit import BASE_RESERVE, MIB, ModelShape, compute_reserve, fit_gpu_layers, kv_bytes_per_layer
 from slotq.engine.llama_devices import read_model_shape
+from tests.support.engine import greedy, run_one, running_engine
 
 GIB = 1 << 30
 
@@ -68,7 +68,8 @@ def test_model_shape_from_the_gguf_header(tiny_model_path: Path) -> None:
     assert (s.n_embd_k_gqa, s.n_embd_v_gqa) == (64, 64)        # head_dim 64 x 1 KV head
 
 
-async def test_auto_without_a_gpu_means_zero_and_says_so(tiny_model_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_auto_without_a_gpu_means_zero_and_says_so(tiny_model_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="slotq.engine.llama_devices")
     async with running_engine(tiny_model_path, slots=2, gpu_layers="auto") as engine:
         assert engine.model.gpu_layers == 0

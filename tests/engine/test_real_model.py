@@ -6,9 +6,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from tests.support.engine import collect, greedy, run_one, running_engine
 
 from slotq.engine import ChatMessage, FinishReason, GenerationRequest, SamplingParams
+from tests.support.engine import collect, greedy, run_one, running_engine
 
 pytestmark = pytest.mark.real_model
 

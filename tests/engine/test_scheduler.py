@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.support.scheduler_sim import Sim, config, make_seq
 
 from slotq.engine.scheduler import BatchingMode, KVFullAction, Scheduler, SchedulerConfig
-from slotq.engine.sequence import Sequence, SeqState
+from slotq.engine.sequence import SeqState, Sequence
+from tests.support.scheduler_sim import Sim, config, make_seq
+
 
 # ----------------------------------------------------------------------------- decode first
 def test_decode_tokens_come_first_one_per_generating_sequence() -> None:
@@ -125,7 +126,7 @@ def test_priority_then_arrival_order_of_admission() -> None:
     blocker = make_seq(2, max_new=2)
     s.add(blocker)
     sim.step()
-    low, high, mid, high2 = make_seq(2, priority=-1), make_seq(2, priority=5), make_seq(2, priority=2), make_seq(2, priority=5)
+    low, high, mid, high2 = (make_seq(2, priority=p) for p in (-1, 5, 2, 5))
     for q in (low, high, mid, high2):
         s.add(q)
     order = []

@@ -6,11 +6,11 @@ plays the runner on a fake unified KV cache).
 
 from __future__ import annotations
 
-from tests.support.scheduler_sim import FakeKV, Sim, config, make_seq
-
 from slotq.engine.kv_ledger import KVLedger
 from slotq.engine.scheduler import KVFullAction, Scheduler
-from slotq.engine.sequence import Sequence, SeqState
+from slotq.engine.sequence import SeqState, Sequence
+from tests.support.scheduler_sim import FakeKV, Sim, config, make_seq
+
 
 # ----------------------------------------------------------------------------- prefix reuse
 def _leave_caches(s: Scheduler, *prompts: list[int]) -> list[Sequence]:

@@ -3,9 +3,8 @@ elastic worker moves while the engine runs. No model: ``scheduler_sim.Sim`` play
 
 from __future__ import annotations
 
-from tests.support.scheduler_sim import Sim, config, make_seq
-
 from slotq.engine.scheduler import Scheduler, SchedulerLimits
+from tests.support.scheduler_sim import Sim, config, make_seq
 
 
 def test_active_slot_cap_limits_admission_and_raising_it_admits_at_once() -> None:

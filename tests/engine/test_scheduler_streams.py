@@ -6,11 +6,10 @@ fake KV cache with a stream per sequence.
 
 from __future__ import annotations
 
-from tests.support.scheduler_sim import Sim, config, make_seq
-
 from slotq.engine.kv_ledger import KVLedger
 from slotq.engine.scheduler import Scheduler
 from slotq.engine.sequence import SeqState
+from tests.support.scheduler_sim import Sim, config, make_seq
 
 
 def streams(**kw: object) -> Scheduler:

@@ -1,18 +1,21 @@
-"""The scheduler tests' simulator: ``Sim`` plays the runner's part. It executes memory operations
-on a fake KV cache (cells holding (position, token, {seq ids}), like llama.cpp's; one pool shared by
-all sequences, or one stream per sequence when the scheduler's ``kv_stream_cells`` is set),
-"decodes" a batch by filling cells, samples a deterministic token for every item that asks for one,
-commits, and finishes sequences that reached their budget, exactly in the order engine/runner.py
-does. No model: Sequence objects are built by hand (``make_seq``).
+"""The scheduler tests' simulator: ``Sim`` plays the runner's part. It executes the memory operations
+with the runner's own code (:mod:`slotq.engine.memory_ops`) on a fake KV cache (cells holding
+(position, token, {seq ids}), like llama.cpp's; one pool shared by all sequences, or one stream per
+sequence when the scheduler's ``kv_stream_cells`` is set), "decodes" a batch by filling cells,
+samples a deterministic token for every item that asks for one, commits, and finishes sequences
+that reached their budget, in the order engine/runner.py does. No model: Sequence objects are built
+by hand (``make_seq``).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
+from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.scheduler import KVFullAction, Scheduler, SchedulerConfig, SchedulerOutput
-from slotq.engine.sequence import Sequence, SeqState
+from slotq.engine.sequence import SeqState, Sequence
 
 _ids = itertools.count()
 
@@ -25,10 +28,8 @@ def make_seq(tokens: list[int] | int, max_new: int = 8, *, priority: int = 0, re
                     max_new_tokens=max_new, priority=priority, fork_of=fork_of)
 
 
-def config(**kw: object) -> SchedulerConfig:
-    base: dict[str, object] = {"n_slots": 4, "n_batch": 64, "kv_cells": 100_000, "prefill_chunk": 16}
-    base.update(kw)
-    return SchedulerConfig(**base)  # type: ignore[arg-type]
+def config(**kw: Any) -> SchedulerConfig:
+    return SchedulerConfig(**{"n_slots": 4, "n_batch": 64, "kv_cells": 100_000, "prefill_chunk": 16, **kw})
 
 
 # ----------------------------------------------------------------------------- fake llama.cpp KV
@@ -43,20 +44,21 @@ class _Cell:
 class FakeKV:
     """A unified KV cache (a cell is used while any sequence references it), or with
     ``stream_capacity`` set, one stream of that many cells per sequence: a copy then duplicates
-    cells into the destination's stream, as ``LlamaModel.kv_copy_prefix`` does across streams."""
+    cells into the destination's stream, as ``LlamaModel.kv_copy_prefix`` does across streams.
+    Its two memory calls are those of :class:`slotq.engine.memory_ops.KVCache`."""
 
     capacity: int
     stream_capacity: int | None = None
     cells: list[_Cell] = field(default_factory=list)
 
-    def seq_rm(self, seq_id: int, p0: int = -1) -> None:
-        p0 = max(p0, 0)
+    def kv_remove(self, seq_id: int, start: int = -1) -> None:
+        start = max(start, 0)
         for c in self.cells:
-            if seq_id in c.seqs and c.pos >= p0:
+            if seq_id in c.seqs and c.pos >= start:
                 c.seqs.discard(seq_id)
         self.cells = [c for c in self.cells if c.seqs]
 
-    def seq_cp(self, src: int, dst: int, n: int) -> None:
+    def kv_copy_prefix(self, src: int, dst: int, n: int) -> None:
         if self.stream_capacity is not None:
             self.cells += [_Cell(c.pos, c.token, {dst}) for c in self.cells if src in c.seqs and c.pos < n]
             return
@@ -95,24 +97,14 @@ class Sim:
         self.actions: list[KVFullAction] = []
         self.finished: list[Sequence] = []
 
-    def apply_memory_ops(self, out: SchedulerOutput) -> None:
-        for seq_id in out.evicted_caches:
-            self.kv.seq_rm(seq_id)
-        for adm in out.admitted:
-            slot = adm.seq.seq_id
-            assert slot is not None
-            self.kv.seq_rm(slot, adm.keep if adm.keep > 0 else -1)
-            if adm.copy_from is not None:
-                self.kv.seq_cp(adm.copy_from, slot, adm.n_reused)
-
     def step(self) -> SchedulerOutput:
         out = self.s.schedule()
-        self.apply_memory_ops(out)
+        apply_admissions(self.kv, out)
         self.check()
         if not out.items:
             return out
         assert out.n_tokens <= self.s.config.n_batch
-        entries = [(i.seq.seq_id, i.start + j, i.seq.tokens[i.start + j]) for i in out.items for j in range(i.n_tokens)]
+        entries = [(i.seq.slot, i.start + j, i.seq.tokens[i.start + j]) for i in out.items for j in range(i.n_tokens)]
         if self.kv.decode(entries) == 1:
             action = self.s.on_kv_full(out)
             self.actions.append(action)
@@ -121,12 +113,9 @@ class Sim:
                     self.finish(item.seq, reusable=False)
             return out
         self.s.commit(out)
+        apply_forks(self.kv, out)
         to_sample = [i.seq for i in out.items if i.sample]
-        for fork in out.forks:                   # as engine/runner.py: replace, then copy the prefix
-            self.kv.seq_rm(fork.seq.seq_id)
-            self.kv.seq_cp(fork.leader.seq_id, fork.seq.seq_id, fork.n_tokens)
-            if fork.seq.n_pending == 0:
-                to_sample.append(fork.seq)
+        to_sample += [fork.seq for fork in out.forks if fork.seq.n_pending == 0]
         self.check()
         for seq in to_sample:
             if seq.state != SeqState.RUNNING:
