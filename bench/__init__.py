@@ -1,6 +1,6 @@
 """Benchmarks (``slotq bench engine|queue|prefix|gateway|fleet|bulk|peers|overhead``). Each measures its
-variants side by side in one run, prints a table with ratios (or one JSON object with ``--json``) and writes the table to
-``bench/results/<name>.md`` for the README.
+variants side by side in one run, prints a table with ratios (or one JSON object with ``--json``) and writes the
+table to ``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
 ``slotq worker``, the fleet benchmark's fleet processes) runs under
@@ -19,8 +19,16 @@ from slotq.jobs.cli.watch import ChildExited
 
 
 def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> dict[str, Any]:
-    from bench import (bulk_bench, engine_bench, fleet_bench, gateway_bench, overhead_bench, peers_bench, prefix_bench,
-                       queue_bench)
+    from bench import (
+        bulk_bench,
+        engine_bench,
+        fleet_bench,
+        gateway_bench,
+        overhead_bench,
+        peers_bench,
+        prefix_bench,
+        queue_bench,
+    )
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
         "engine": engine_bench.run,

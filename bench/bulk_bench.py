@@ -39,11 +39,11 @@ from typing import Any
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
 from slotq.jobs.bulk import BulkOptions
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.watch import ChildExited, ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
 from slotq.jobs.settings import ClientSettings, WorkerSettings
-from slotq.jobs.cli.watch import ChildExited, ChildProcess, run_watched
 
 SLOTS = 8
 CTX = 512
@@ -104,9 +104,9 @@ class _Bulk:
 
     def start(self, inp: Path) -> ChildProcess:
         n = len(self.children) + 1
-        child = ChildProcess(f"slotq bulk ({inp.name})", [sys.executable, "-m", "slotq.jobs.cli", "bulk", str(inp), "-o",
-                                                          str(self.tmp / f"bulk-{n}.out.jsonl"), "--json"],
-                             env=self.env, log_path=self.tmp / f"bulk-{n}.log")
+        argv = [sys.executable, "-m", "slotq.jobs.cli", "bulk", str(inp), "-o", str(self.tmp / f"bulk-{n}.out.jsonl"),
+                "--json"]
+        child = ChildProcess(f"slotq bulk ({inp.name})", argv, env=self.env, log_path=self.tmp / f"bulk-{n}.log")
         self.children.append(child)
         return child
 
@@ -182,7 +182,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         # the engine's SLOTS; on a busy shared machine the elastic controller would shrink them.
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
                "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_ELASTIC": "false", "COLUMNS": "200"}
-        worker = ChildProcess("the benchmark's worker (slotq worker)", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
+        worker = ChildProcess("the benchmark's worker (slotq worker)",
+                              [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                               env=env, log_path=tmp / "worker.log")
         try:
             data = await run_watched(_measure(url, config, tmp, _Bulk(env, tmp), sizes), worker)
@@ -355,24 +356,24 @@ def _table(d: dict[str, Any]) -> str:
     idle_p50, idle_p95 = d["interactive_ttft_p50_ms_idle"], d["interactive_ttft_p95_ms_idle"]
     rows = [
         ["bulk throughput", f"{d['bulk_tokens_per_s']:.1f} tok/s",
-         f"{d['bulk_tokens_per_s'] / d['engine_tokens_per_s']:.3f} x the engine in-process "
-         f"({d['engine_tokens_per_s']:.1f} tok/s, {d['slots']} slots full)"],
+         (f"{d['bulk_tokens_per_s'] / d['engine_tokens_per_s']:.3f} x the engine in-process "
+          f"({d['engine_tokens_per_s']:.1f} tok/s, {d['slots']} slots full)")],
         ["interactive TTFT p50 / p95, idle fleet", f"{idle_p50:.0f} / {idle_p95:.0f} ms", ""],
         ["interactive TTFT p50, bulk saturating", f"{d['interactive_ttft_p50_ms_saturated']:.0f} ms",
          f"{d['interactive_ttft_p50_ms_saturated'] / d['interactive_ttft_p50_ms_idle']:.2f} x idle"],
         [f"interactive TTFT p50 / p95, {long['max_tokens']}-token bulk jobs in every slot",
          f"{long['ttft_p50_ms']:.0f} / {long['ttft_p95_ms']:.0f} ms",
-         f"idle {idle_p50:.0f} / {idle_p95:.0f} ms; p95 target <= idle p95 + 3 steps of the full batch "
-         f"({long['full_batch_step_ms']:.0f} ms each) = {long['ttft_p95_target_ms']:.0f} ms: "
-         f"{long['ttft_p95_ms'] / long['ttft_p95_target_ms']:.2f} x the target; {long['probes']} jobs, "
-         f"{long['preemptions']} preemptions"],
+         (f"idle {idle_p50:.0f} / {idle_p95:.0f} ms; p95 target <= idle p95 + 3 steps of the full batch "
+          f"({long['full_batch_step_ms']:.0f} ms each) = {long['ttft_p95_target_ms']:.0f} ms: "
+          f"{long['ttft_p95_ms'] / long['ttft_p95_target_ms']:.2f} x the target; {long['probes']} jobs, "
+          f"{long['preemptions']} preemptions")],
         ["bulk throughput with occasional interactive jobs", f"{long['bulk_mixed_tokens_per_s']:.1f} tok/s",
-         f"{long['bulk_mixed_tokens_per_s'] / long['bulk_alone_tokens_per_s']:.3f} x bulk alone "
-         f"({long['bulk_alone_tokens_per_s']:.1f} tok/s; target >= 0.95)"],
+         (f"{long['bulk_mixed_tokens_per_s'] / long['bulk_alone_tokens_per_s']:.3f} x bulk alone "
+          f"({long['bulk_alone_tokens_per_s']:.1f} tok/s; target >= 0.95)")],
         [f"tenant b's TTFT p50 / p95, tenant a with {flood['tenant_a_least_waiting']:,}+ jobs waiting",
          f"{flood['ttft_p50_ms']:.0f} / {flood['ttft_p95_ms']:.0f} ms",
-         f"{flood['ttft_p50_ms'] / idle_p50:.2f} x idle p50 (target <= 2); "
-         f"p95 {flood['ttft_p95_ms'] / idle_p95:.2f} x idle p95"],
+         (f"{flood['ttft_p50_ms'] / idle_p50:.2f} x idle p50 (target <= 2); "
+          f"p95 {flood['ttft_p95_ms'] / idle_p95:.2f} x idle p95")],
         [f"slotq bulk peak RSS, {d['lines']:,} lines", f"{d['peak_rss_mb']:.0f} MB",
          "RSS over time (s, MB): " + ", ".join(f"{t:g}: {v:.0f}" for t, v in m["rss_mb_over_time"])],
         ["Redis used_memory peak", f"{d['redis_peak_mb']:.1f} MB",

@@ -45,12 +45,12 @@ from bench.fleet_counters import LagProbe
 from bench.fleet_host import Design, HostConfig, RecordReader
 from bench.report import markdown_table, percentile, progress, write_results
 from bench.sim_engine import SimulationParams
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.producer.stream_reader import StreamReader
 from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.settings import ClientSettings
-from slotq.jobs.producer.stream_reader import StreamReader
-from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 QUEUE = "slotq:queue"
 SLOTS_PER_WORKER = 50        # a GPU node runs 32 to 64
@@ -184,7 +184,8 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
         now_ms = time.time() * 1000
         return {**_row(rate, jobs, records, start, end, start_ms, end_ms, now_ms),
                 "driver_loop_lag_max_ms": round(driver_lag_ms, 1),
-                "enqueues_unanswered_after_1s": sum(not j.task.done() and j.at_ms < now_ms - 1000 for j in jobs.values())}
+                "enqueues_unanswered_after_1s": sum(not j.task.done() and j.at_ms < now_ms - 1000
+                                                    for j in jobs.values())}
     finally:
         leftovers = [*reader_tasks, *(j.task for j in jobs.values() if not j.task.done())]
         for task in leftovers:
@@ -308,7 +309,8 @@ def passes(row: dict[str, Any]) -> bool:
     return row["pickup_p99_ms"] < PICKUP_P99_LIMIT_MS
 
 
-async def search(design: Design, slots: int, plan: Plan, settings: FleetSettings, workdir: Path) -> list[dict[str, Any]]:
+async def search(design: Design, slots: int, plan: Plan, settings: FleetSettings,
+                 workdir: Path) -> list[dict[str, Any]]:
     """The base rate first, then up while p99 stays under the limit (or down until it does).
 
     A step that fails while the simulator ran out of CPU says nothing about the claim path (on a
@@ -366,7 +368,8 @@ def ran_out(row: dict[str, Any]) -> str | None:
 
 
 # ---------------------------------------------------------------------- the run
-async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | None = None) -> tuple[dict[str, Any], str]:
+async def run(quick: bool, settings: FleetSettings | None = None,
+              plan: Plan | None = None) -> tuple[dict[str, Any], str]:
     settings = settings or FleetSettings()
     plan = plan or (QUICK if quick else FULL)
     steps: list[dict[str, Any]] = []
@@ -408,7 +411,8 @@ async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | N
 def _capacity(row: dict[str, Any]) -> dict[str, Any]:
     """Busy GPU slots (and workers of 64) one Valkey core serves at a streaming step's cost."""
     slots = row["running_jobs"] / row["valkey_cpu_cores"]
-    return {"busy_slots_per_valkey_core": round(slots), "gpu_workers_per_valkey_core": round(slots / GPU_WORKER_SLOTS, 1)}
+    return {"busy_slots_per_valkey_core": round(slots),
+            "gpu_workers_per_valkey_core": round(slots / GPU_WORKER_SLOTS, 1)}
 
 
 def _over_limit_table(rows: list[dict[str, Any]]) -> str:
@@ -431,9 +435,9 @@ def _streaming_table(rows: list[dict[str, Any]]) -> str:
     table = markdown_table(
         ["stream flush ms", "running", "tokens/s", "commands / token", "commands / job", "Valkey cores",
          "busy slots per Valkey core", f"GPU workers ({GPU_WORKER_SLOTS} slots) per Valkey core"],
-        [[f"{r['stream_flush_ms']:g}", f"{r['running_jobs']}", f"{r['tokens_per_s']:,}", f"{r['redis_commands_per_token']}",
-          f"{r['redis_commands_per_job']:g}", f"{r['valkey_cpu_cores']:.3f}", f"{r['busy_slots_per_valkey_core']:,}",
-          f"{r['gpu_workers_per_valkey_core']:g}"] for r in rows])
+        [[f"{r['stream_flush_ms']:g}", f"{r['running_jobs']}", f"{r['tokens_per_s']:,}",
+          f"{r['redis_commands_per_token']}", f"{r['redis_commands_per_job']:g}", f"{r['valkey_cpu_cores']:.3f}",
+          f"{r['busy_slots_per_valkey_core']:,}", f"{r['gpu_workers_per_valkey_core']:g}"] for r in rows])
     return (f"{table}\n\nStreaming at a GPU's pace (slotq only): {STREAMING_SLOTS} slots, {STREAMING_RATE:g} "
             f"enqueues/s, the simulated engine stepping every {sim.step_s * 1000:g} ms with one token per sequence "
             f"({sim.tokens_per_s:g} tokens/s), otherwise as above. Busy slots per Valkey core = running jobs / "
@@ -469,7 +473,8 @@ def _table(summary: dict[Design, list[dict[str, Any]]], settings: FleetSettings)
                          f"{r['running_jobs']:,}", f"{r['pickup_p50_ms']:g} / {r['pickup_p99_ms']:g}"
                          + (f" ({r['unclaimed_jobs']} unclaimed)" if r["unclaimed_jobs"] else ""),
                          f"{r['redis_commands_per_job']:g}", f"{r['redis_commands_per_token']}",
-                         f"{r['valkey_cpu_cores']:.2f} / {r['simulator_cpu_cores']:.2f} / {r['machine_busy_cores']:.2f}",
+                         (f"{r['valkey_cpu_cores']:.2f} / {r['simulator_cpu_cores']:.2f} / "
+                          f"{r['machine_busy_cores']:.2f}"),
                          f"{r['fleet_loop_lag_max_ms']:g} / {r['driver_loop_lag_max_ms']:g}", r["ran_out"] or "-",
                          best_text])
     table = markdown_table(["slots", "claim path", "enqueues/s", "running", "pickup p50 / p99 ms",
@@ -478,7 +483,8 @@ def _table(summary: dict[Design, list[dict[str, Any]]], settings: FleetSettings)
     sim = settings.sim
     caption = (
         f"{SLOTS_PER_WORKER} slots per worker, workers spread over {HOSTS} processes; each job generates "
-        f"{settings.job_tokens} tokens at {sim.tokens_per_s:g} tokens/s ({settings.job_tokens / sim.tokens_per_s:g} s); "
+        f"{settings.job_tokens} tokens at {sim.tokens_per_s:g} tokens/s "
+        f"({settings.job_tokens / sim.tokens_per_s:g} s); "
         f"the simulated engine steps every {sim.step_s * 1000:g} ms ({sim.tokens_per_s * sim.step_s:g} tokens per "
         f"event) and workers flush streams every {settings.stream_flush_ms:g} ms; one job in {READ_EVERY} has a stream "
         f"reader; Poisson arrivals from {PRODUCERS} producer connections; a fresh Valkey (append-only, fsync every "

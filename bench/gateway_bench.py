@@ -4,9 +4,9 @@ One worker subprocess (bundled model, 16 slots) and one ``slotq gateway`` subpro
 Redis. The same closed-loop workload as ``slotq bench queue`` runs through the Python client
 (enqueue, read the job's stream) and through the gateway (``POST /v1/completions`` with
 ``stream: true`` over HTTP, SSE parsed as it arrives), at 8 and 16 concurrent streams, in two
-rounds with the order of the paths swapped (each client sends 2 requests of 64 tokens back to back). Reported: aggregate tokens/s and TTFT p50 of both
-paths, their ratio and the difference. The run stops at once, with the child's exit code and log
-tail, if the worker or the gateway dies.
+rounds with the order of the paths swapped (each client sends 2 requests of 64 tokens back to
+back). Reported: aggregate tokens/s and TTFT p50 of both paths, their ratio and the difference.
+The run stops at once, with the child's exit code and log tail, if the worker or the gateway dies.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import httpx
 from bench.queue_bench import OneRequest, _closed_loop, _queue_request
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import bundled_model_path
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.redis_server import EmbeddedRedis
-from slotq.jobs.settings import ClientSettings
 from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.settings import ClientSettings
 
 SLOTS = 16
 CTX = 512
@@ -95,7 +95,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(bundled_model_path()),
                "SLOTQ_MODEL_NAME": MODEL_NAME, "SLOTQ_SLOTS": str(SLOTS), "SLOTQ_CTX": str(CTX),
                "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_LOG_LEVEL": "WARNING"}
-        children = [ChildProcess(f"the benchmark's {name} (slotq {name})", [sys.executable, "-m", "slotq.jobs.cli", *argv],
+        children = [ChildProcess(f"the benchmark's {name} (slotq {name})",
+                                 [sys.executable, "-m", "slotq.jobs.cli", *argv],
                                  env=env, log_path=Path(tmp) / f"{name}.log")
                     for name, argv in (("worker", ["worker"]), ("gateway", ["gateway", "--port", str(port)]))]
         try:

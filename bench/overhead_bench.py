@@ -42,11 +42,11 @@ from bench.peers_bench import _free_port, _wait_http
 from bench.queue_bench import timed_job
 from bench.report import distinct_prompt, markdown_table, progress, write_results
 from slotq.engine import Engine, EngineConfig, GenerationRequest, KVLayout, SamplingParams
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.settings import ClientSettings
-from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 STREAMS = [64, 256]
 TOKENS = 256
@@ -156,8 +156,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
             redis.stop()
     for system, reason in skipped.items():
         progress(f"skipped {system}: {reason}")
-    data = {"model": "tests/support/tiny_model.py", "tokens_per_stream": tokens, "ctx_per_slot": CTX, "threads": THREADS,
-            "results": results, "skipped": skipped}
+    data = {"model": "tests/support/tiny_model.py", "tokens_per_stream": tokens, "ctx_per_slot": CTX,
+            "threads": THREADS, "results": results, "skipped": skipped}
     text = _table(results, streams_list, skipped)
     if not quick:
         write_results("overhead", data, text, "slotq bench overhead")
@@ -175,7 +175,7 @@ async def _at(streams: int, tokens: int, tmp: Path, model: Path, url: str, serve
                                         ("slotq-inprocess-unified", KVLayout.UNIFIED))}
     try:
         rates: dict[str, list[float]] = {system: [] for system in processes}
-        for system, process in processes.items():
+        for process in processes.values():
             process.call(_engine_streams, 1, 4, first - 1)
         for r in range(ROUNDS):
             for system in _rotated(list(processes), r):
@@ -189,7 +189,8 @@ async def _at(streams: int, tokens: int, tmp: Path, model: Path, url: str, serve
     env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(streams),
            "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS),
            "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_ELASTIC": "false", "SLOTQ_QUEUE_NAME": f"overhead-{streams}"}
-    children["slotq-redis"] = ChildProcess(f"slotq worker at {streams} slots", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
+    children["slotq-redis"] = ChildProcess(f"slotq worker at {streams} slots",
+                                           [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                                            env=env, log_path=tmp / f"worker-{streams}.log")
     ports: dict[str, int] = {}
     if server_binary is not None:
@@ -222,7 +223,7 @@ async def _measure_children(streams: int, tokens: int, first: int, url: str,
             await _wait_http(http, "/health", lambda r: r.status_code == 200)
             paths[system] = lambda f, http=http: _http_stream(http, tokens, f)   # type: ignore[misc]
         rates: dict[str, list[float]] = {system: [] for system in paths}
-        for system, make in paths.items():
+        for make in paths.values():
             await make(first - 2)(0)                                     # warm-up, not measured
         for r in range(ROUNDS):
             for system in _rotated(list(paths), r):

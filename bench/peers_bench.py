@@ -12,13 +12,14 @@ Systems (each serves with as many slots as there are concurrent clients, ``C``):
 - ``slotq-static``: a worker in static-batching mode, through Redis;
 - ``raw``: the bare ``llama_decode`` loop over C sequences, no sampling, no scheduling: the ceiling.
 
-Workload: C closed-loop clients, each sending its requests back to back; prompts of three
-lengths (about 30, 100 and 300 tokens) that share no prefix and are never sent twice, greedy,
+Workload: C closed-loop clients, each sending its requests back to back; prompts of three lengths
+(about 30, 100 and 300 tokens) that share no prefix and are never sent twice, greedy,
 ``max_tokens`` generated exactly (``ignore_eos``); every system runs with its own defaults (prompt
-caches on), which unique prompts leave nothing to reuse. Every HTTP system gets the same client code. Each system runs in its own
-processes and is measured in every round, in a rotated order (the machine is shared and noisy);
-tokens/s is the mean of the rounds, TTFT and latency percentiles pool every request. Peak RSS is
-each system's processes' high-water mark (Redis, shared by the slotq systems, not counted).
+caches on), which unique prompts leave nothing to reuse. Every HTTP system gets the same client
+code. Each system runs in its own processes and is measured in every round, in a rotated order (the
+machine is shared and noisy); tokens/s is the mean of the rounds, TTFT and latency percentiles pool
+every request. Peak RSS is each system's processes' high-water mark (Redis, shared by the slotq
+systems, not counted).
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ from bench.report import TOPICS, percentile, progress, write_results
 from slotq.engine import EngineConfig, bundled_model_path
 from slotq.engine.config import CpuRepack
 from slotq.engine.cpu_features import decide_repack, this_cpu_flags
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.settings import ClientSettings
-from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 CONCURRENCY = [1, 4, 8, 16]
 MAX_TOKENS = 64
@@ -246,7 +247,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         redis = EmbeddedRedis(Path(tmp) / "redis")
         url = redis.start()
         gateway_port = _free_port()
-        gateway = ChildProcess("slotq gateway", [sys.executable, "-m", "slotq.jobs.cli", "gateway", "--port", str(gateway_port)],
+        gateway = ChildProcess("slotq gateway",
+                               [sys.executable, "-m", "slotq.jobs.cli", "gateway", "--port", str(gateway_port)],
                                env={**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_LOG_LEVEL": "WARNING"},
                                log_path=Path(tmp) / "gateway.log")
         raw = raw_process(EngineConfig(model_path=model, slots=max(concurrency), ctx=CTX, prefix_cache=False,
@@ -255,7 +257,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
             for c in concurrency:
                 fleet = Fleet(Path(tmp), url, model, c, server_binary, gateway_port, decision.repack, skipped)
                 try:
-                    await run_watched(_at_concurrency(fleet, url, c, rounds, quick, raw, measured), *fleet.all(), gateway)
+                    await run_watched(_at_concurrency(fleet, url, c, rounds, quick, raw, measured),
+                                      *fleet.all(), gateway)
                     for system in SYSTEMS:
                         if (system, c) in measured:
                             extra = [gateway.proc.pid] if system == "slotq-gateway" else []
@@ -267,7 +270,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
             raw.close()
             gateway.stop()
             redis.stop()
-    for (system, c), m in measured.items():
+    for (system, _), m in measured.items():
         if system == "raw":
             m.peak_rss_mb = measured_raw_rss
     results = [_row(system, c, measured[(system, c)]) for c in concurrency for system in SYSTEMS
@@ -292,7 +295,8 @@ async def _at_concurrency(fleet: Fleet, url: str, c: int, rounds: int, quick: bo
     # millisecond): llama-server's HTTP library closes a kept-alive connection after a few requests,
     # and a request sent on it just then gets "Server disconnected without sending a response".
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
-    clients = [await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=q)) for q in ("peers", "peers-static")]
+    clients = [await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=q))
+               for q in ("peers", "peers-static")]
     https = {system: httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits)
              for system, port in [("slotq-gateway", fleet.gateway_port), *fleet.ports.items()]}
     try:

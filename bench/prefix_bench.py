@@ -56,7 +56,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     max_tokens = 8 if quick else 32
     results = []
     for cache in (False, True):
-        engine = await Engine.start(EngineConfig(model_path=bundled_model_path(), slots=8, ctx=1024, prefix_cache=cache))
+        config = EngineConfig(model_path=bundled_model_path(), slots=8, ctx=1024, prefix_cache=cache)
+        engine = await Engine.start(config)
         try:
             progress(f"prefix cache {'on' if cache else 'off'}")
             ttfts, tps = await _run(engine, max_tokens)
@@ -69,8 +70,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     off, on = results
     rows = [[("on" if r["prefix_cache"] else "off"), f"{r['ttft_p50_ms']:.0f}", f"{r['tokens_per_s']:.1f}",
              str(r["prompt_tokens_processed"]), str(r["prompt_tokens_cached"])] for r in results]
-    table = markdown_table(["prefix cache", "TTFT p50 ms", "tokens/s", "prompt tokens computed", "prompt tokens from cache"],
-                           rows)
+    table = markdown_table(
+        ["prefix cache", "TTFT p50 ms", "tokens/s", "prompt tokens computed", "prompt tokens from cache"], rows)
     table += (f"\n\nTTFT p50 {off['ttft_p50_ms'] / max(on['ttft_p50_ms'], 1e-9):.1f}x better with the cache; "
               f"throughput {on['tokens_per_s'] / off['tokens_per_s']:.2f}x.")
     data = {"results": results}

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from bench.queue_bench import _closed_loop, _queue_request
 from slotq.engine import bundled_model_path
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.redis_server import EmbeddedRedis
-from slotq.jobs.settings import ClientSettings
 from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.settings import ClientSettings
 
 CLIENTS, PER_CLIENT, MAX_TOKENS = 8, 6, 64
 

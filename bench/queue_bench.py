@@ -29,11 +29,11 @@ from redis.asyncio import Redis
 
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
 from slotq.jobs.settings import ClientSettings
-from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 SLOTS = 8
 CTX = 512
@@ -112,7 +112,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         url = server.start()
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
                "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false"}
-        worker = ChildProcess("the benchmark's worker (slotq worker)", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
+        worker = ChildProcess("the benchmark's worker (slotq worker)",
+                              [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                               env=env, log_path=Path(tmp) / "worker.log")
         try:
             results, reads, commands, tokens = await run_watched(
@@ -159,7 +160,8 @@ async def _measure(url: str, model: Path, concurrency: list[int], per_client: in
 
 def _row(path: str, c: int, tps: float, ttfts: list[float]) -> dict[str, Any]:
     return {"path": path, "concurrency": c, "tokens_per_s": round(tps, 1),
-            "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1), "ttft_p95_ms": round(percentile(ttfts, 95) * 1000, 1)}
+            "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1),
+            "ttft_p95_ms": round(percentile(ttfts, 95) * 1000, 1)}
 
 
 def decode_step_ms(concurrency: int, engine_tokens_per_s: float) -> float:
@@ -178,7 +180,8 @@ def _table(results: list[dict[str, Any]], concurrency: list[int], reads_per_toke
         added = q['ttft_p50_ms'] - e['ttft_p50_ms']
         rows.append([str(c), f"{e['tokens_per_s']:.1f}", f"{q['tokens_per_s']:.1f}",
                      f"{q['tokens_per_s'] / e['tokens_per_s']:.3f}",
-                     f"{e['ttft_p50_ms']:.1f} / {e['ttft_p95_ms']:.1f}", f"{q['ttft_p50_ms']:.1f} / {q['ttft_p95_ms']:.1f}",
+                     f"{e['ttft_p50_ms']:.1f} / {e['ttft_p95_ms']:.1f}",
+                     f"{q['ttft_p50_ms']:.1f} / {q['ttft_p95_ms']:.1f}",
                      f"{added:+.1f} / {q['ttft_p95_ms'] - e['ttft_p95_ms']:+.1f}", f"{step_ms:.1f}",
                      f"{added / step_ms:+.2f}"])
     table = markdown_table(["concurrency", "engine tok/s", "queue tok/s", "queue / engine",

@@ -26,8 +26,21 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from slotq.engine import (EngineConfig, EngineStats, EngineStopped, ErrorInfo, Finished, FinishReason,
-                    GenerationRequest, InvalidRequest, PromptTooLong, RequestHandle, TextDelta, Timings, Usage)
+from slotq.engine import (
+    EngineConfig,
+    EngineStats,
+    EngineStopped,
+    ErrorInfo,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    PromptTooLong,
+    RequestHandle,
+    TextDelta,
+    Timings,
+    Usage,
+)
 from slotq.engine.scheduler import SchedulerLimits
 from slotq.jobs.worker.engine_api import EngineFactory
 
@@ -101,7 +114,8 @@ class SimulatedEngine:
         if self._closed:
             raise EngineStopped("the simulated engine is closed")
         if request.n > self.config.slots:
-            raise InvalidRequest(f"n is {request.n}; it must be <= the number of slots ({self.config.slots})", field="n")
+            raise InvalidRequest(f"n is {request.n}; it must be <= the number of slots ({self.config.slots})",
+                                 field="n")
         n_prompt = len(self.prompt_tokens(request))
         if n_prompt + request.max_tokens > self.ctx_per_seq:
             raise PromptTooLong(f"prompt is {n_prompt} tokens and max_tokens is {request.max_tokens}; prompt + "
