@@ -6,16 +6,19 @@ A line is either
   ``max_tokens``, ``sampling``, ...) plus an optional ``id`` (string or integer) that its output
   carries; without one, the output carries the line number; or
 * an **OpenAI Batch API line**: ``{"custom_id", "method": "POST", "url", "body"}``
-  (:mod:`slotq.jobs.bulk.openai_batch`).
+  (:mod:`slotq.jobs.bulk.openai_batch`), whose body is read as the gateway reads it.
 
 Output follows each line's format: a slotq line gives ``{"id", "line", "job_id", "status", "text",
 "finish_reason", "usage", "timings", "worker", "attempts", "metadata"}`` (plus ``choices`` when
-``n > 1``); an OpenAI line gives OpenAI's batch output object. Every error record carries ``line``.
+``n > 1``); an OpenAI line gives OpenAI's batch output object. Every error record carries ``line``;
+an OpenAI line that the endpoint would refuse (a bad body, or refused at enqueue) carries the
+gateway's HTTP answer in ``response``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -24,7 +27,10 @@ from pydantic import ValidationError
 
 from slotq.engine import ErrorInfo
 from slotq.jobs.bulk import openai_batch
-from slotq.jobs.bulk.openai_batch import Endpoint
+from slotq.jobs.bulk.openai_batch import KEY_SET_BY_BULK, Endpoint
+from slotq.jobs.errors import JobRejected
+from slotq.jobs.gateway.errors import ApiError, public_param
+from slotq.jobs.gateway.openai.translate import finish_reason, wire_param
 from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus
 
 
@@ -44,17 +50,31 @@ class BulkLine:
     endpoint: Endpoint | None = None  # OpenAI lines
     model: str = ""                   # OpenAI lines: the body's model, echoed in the response
     own_key: bool = True              # False when the key is the line number (the line gave no id)
+    param: Callable[[str | None], str | None] = public_param   # a job field as the line's body named it
 
 
 class LineError(Exception):
-    """A line that cannot become a job; the run records it and carries on."""
+    """A line that cannot become a job; the run records it and carries on. ``response``: for an
+    OpenAI line, the HTTP error the gateway answers to the same body (its record carries it)."""
 
     def __init__(self, code: str, message: str, *, format: LineFormat = LineFormat.SLOTQ,
-                 key: str | None = None) -> None:
+                 key: str | None = None, response: ApiError | None = None) -> None:
         super().__init__(message)
         self.error = ErrorInfo(code=code, message=message, retryable=False)
         self.format = format
         self.key = key
+        self.response = response
+
+    @classmethod
+    def refused(cls, error: ApiError, key: str | None) -> LineError:
+        return cls(error.code or "invalid_request", error.message, format=LineFormat.OPENAI, key=key, response=error)
+
+
+def rejected(line: BulkLine, exc: JobRejected) -> LineError:
+    """A line that enqueue refused (e.g. ``max_tokens`` beyond every worker's context)."""
+    if line.format == LineFormat.OPENAI:
+        return LineError.refused(ApiError.from_rejection(exc, line.param), line.key)
+    return LineError("rejected", str(exc), key=line.key)
 
 
 def _is_openai(obj: dict[str, Any]) -> bool:
@@ -99,8 +119,7 @@ def _slotq_line(obj: dict[str, Any], number: int, lane: str) -> BulkLine:
         raise LineError("invalid_request", f"id: must be a string or an integer (got {key!r})")
     key = str(key)
     if "idempotency_key" in obj:
-        raise LineError("invalid_request", "idempotency_key: set by slotq bulk (a line's job id derives from the "
-                        "input and its line number); remove it", key=key)
+        raise LineError("invalid_request", KEY_SET_BY_BULK, key=key)
     obj.setdefault("lane", lane)
     try:
         return BulkLine(number, LineFormat.SLOTQ, key, JobRequest.model_validate(obj), own_key=own_key)
@@ -113,18 +132,21 @@ def _openai_line(obj: dict[str, Any], number: int, lane: str) -> BulkLine:
     key = key if isinstance(key, str) else None
     try:
         line = openai_batch.BatchLine.model_validate(obj)
-        request, model = openai_batch.to_job_request(Endpoint(line.url), line.body, lane=lane)
     except ValidationError as exc:
-        prefix = "" if exc.title == "BatchLine" else "body."
-        raise LineError("invalid_request", describe(exc, prefix), format=LineFormat.OPENAI, key=key) from None
-    return BulkLine(number, LineFormat.OPENAI, line.custom_id, request, Endpoint(line.url), model)
+        raise LineError("invalid_request", describe(exc), format=LineFormat.OPENAI, key=key) from None
+    endpoint = Endpoint(line.url)
+    try:
+        request, job = openai_batch.to_job_request(endpoint, line.body, lane=lane)
+    except ApiError as exc:
+        raise LineError.refused(exc, line.custom_id) from None
+    return BulkLine(number, LineFormat.OPENAI, line.custom_id, job, endpoint, request.model, param=wire_param(request))
 
 
-def describe(exc: ValidationError, prefix: str = "") -> str:
-    """``body.temperature: Input should be less than or equal to 5 (got 7.0)``; problems joined by '; '."""
+def describe(exc: ValidationError) -> str:
+    """``sampling.temperature: Input should be less than or equal to 5 (got 7.0)``; problems joined by '; '."""
     parts = []
     for err in exc.errors():
-        where = prefix + ".".join(str(p) for p in err["loc"]) if err["loc"] else prefix.rstrip(".") or "line"
+        where = ".".join(str(p) for p in err["loc"]) if err["loc"] else "line"
         got = f" (got {err['input']!r})" if err.get("type") != "missing" and not isinstance(
             err.get("input"), dict | list) else ""
         parts.append(f"{where}: {err['msg']}{got}")
@@ -139,8 +161,7 @@ def failure_of(line: BulkLine, result: JobResult) -> ErrorInfo | None:
     if result.status != JobStatus.SUCCEEDED:
         return result.error or ErrorInfo(code="job_failed", message=f"job {result.id} {result.status.value}",
                                          retryable=False)
-    if line.format == LineFormat.OPENAI and any(openai_batch.finish_reason(c.finish_reason) is None
-                                                for c in result.choices):
+    if line.format == LineFormat.OPENAI and any(finish_reason(c.finish_reason) is None for c in result.choices):
         return ErrorInfo(code="deadline_exceeded", retryable=False,
                          message=f"job {result.id}: the deadline passed after {result.usage.completion_tokens} tokens")
     return None
@@ -155,9 +176,12 @@ def output_record(line: BulkLine, job_id: str, result: JobResult) -> dict[str, A
 
 
 def error_record(number: int, error: ErrorInfo, *, format: LineFormat, key: str | None,
-                 job_id: str | None) -> dict[str, Any]:
-    """A failed line. ``job_id`` is None when the line never became a job (malformed, rejected)."""
+                 job_id: str | None, response: ApiError | None = None) -> dict[str, Any]:
+    """A failed line. ``job_id`` is None when the line never became a job (malformed, rejected);
+    ``response``: the gateway's answer to an OpenAI line's body (:attr:`LineError.response`)."""
     if format == LineFormat.OPENAI:
+        if response is not None:
+            return {**openai_batch.refused_record(key, response), "line": number}
         return {**openai_batch.error_record(key, job_id, error, ran=job_id is not None), "line": number}
     return {"id": key, "line": number, "job_id": job_id, "error": error.model_dump(mode="json")}
 

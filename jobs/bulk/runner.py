@@ -35,13 +35,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.engine import ErrorInfo, Usage
 from slotq.jobs.bulk import identity
-from slotq.jobs.bulk.formats import (BulkLine, LineError, LineFormat, error_record, failure_of, output_record, parse_line,
-                               raw_key)
+from slotq.jobs.bulk.formats import (BulkLine, LineError, LineFormat, error_record, failure_of, output_record,
+                                     parse_line, raw_key, rejected)
 from slotq.jobs.bulk.openai_batch import Endpoint
 from slotq.jobs.bulk.output import ResultSink
 from slotq.jobs.bulk.source import InputScan, LineSource
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.errors import JobRejected, QueueFull, QuotaExceeded, RedisUnavailable
+from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.protocol.keys import DEFAULT_TENANT, LANE_RE
 from slotq.jobs.protocol.schemas import TENANT_PATTERN, JobResult, JobStatus, split_job_id, tenant_job_id
 
@@ -219,7 +220,7 @@ class BulkRun:
                 self._check_expected(line)
                 self._check_unique(scan, line)
             except LineError as exc:
-                self._reject(number, exc.error, exc.format, exc.key)
+                self._reject(number, exc.error, exc.format, exc.key, exc.response)
                 await self._rejected_written()
                 continue
             await self._window.acquire()
@@ -232,8 +233,8 @@ class BulkRun:
                 await self._enqueue(line, job_id)
             except JobRejected as exc:
                 self._window.release()
-                self._reject(number, ErrorInfo(code="rejected", message=str(exc), retryable=False), line.format,
-                             line.key)
+                refused = rejected(line, exc)
+                self._reject(number, refused.error, refused.format, refused.key, refused.response)
         if self._cancelling:                       # none of the rest will run
             async for number, raw in lines:
                 await self._leave(scan, number, raw)
@@ -310,10 +311,11 @@ class BulkRun:
         while len(self._rejected) >= REJECTED_BACKLOG:
             await asyncio.sleep(self.options.poll_s)
 
-    def _reject(self, number: int, error: ErrorInfo, format: LineFormat, key: str | None) -> None:
+    def _reject(self, number: int, error: ErrorInfo, format: LineFormat, key: str | None,
+                response: ApiError | None = None) -> None:
         if self.options.endpoint is not None:      # a Batch API run: every error record in OpenAI's shape
             format = LineFormat.OPENAI
-        self._rejected.append(error_record(number, error, format=format, key=key, job_id=None))
+        self._rejected.append(error_record(number, error, format=format, key=key, job_id=None, response=response))
         self._counts["failed"] += 1
         if self.observer:
             self.observer.line_finished(False, Usage())

@@ -17,7 +17,7 @@ from starlette.routing import Match, Mount
 from starlette.types import Scope
 
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.gateway import errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
+from slotq.jobs.gateway import http_errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
 from slotq.jobs.gateway.auth import KeyRing
 from slotq.jobs.gateway.batch_driver import BatchDriver
 from slotq.jobs.gateway.batches import BatchStore
@@ -64,7 +64,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.keys = KeyRing(settings)
-    errors.install(app)
+    http_errors.install(app)
     for router in (routes_openai.router, routes_jobs.router, routes_files.router, routes_batches.router,
                    routes_ops.router, routes_ops.api):
         app.include_router(router)

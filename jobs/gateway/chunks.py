@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from slotq.engine import FinishReason, Usage
 from slotq.jobs.gateway.errors import ApiError, public_param
-from slotq.jobs.gateway.translate import Kind, completion_id, finish_reason, usage_out
-from slotq.jobs.gateway.wire import ChatChunkChoice, ChatCompletionChunk, Delta, TextChoice, TextCompletionChunk
+from slotq.jobs.gateway.openai.translate import Kind, completion_id, finish_reason, usage_out
+from slotq.jobs.gateway.openai.wire import ChatChunkChoice, ChatCompletionChunk, Delta, TextChoice, TextCompletionChunk
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 
 DONE = "data: [DONE]\n\n"

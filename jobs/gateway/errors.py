@@ -2,29 +2,24 @@
 
 Every failure the gateway reports goes through :class:`ApiError`, so clients written for the
 OpenAI API (the official SDKs map the HTTP status to an exception class) see what they expect.
+OpenAI Batch lines report a refused body with the same error (:mod:`slotq.jobs.bulk.openai_batch`),
+so this module imports no web framework: the HTTP side is :mod:`slotq.jobs.gateway.http_errors`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from redis.exceptions import RedisError
-from starlette.exceptions import HTTPException
+from typing import Any, Protocol
 
 from slotq.engine import ErrorInfo
-from slotq.jobs.errors import JobNotFound, RedisUnavailable, StreamGone
+from slotq.jobs.errors import JobNotFound, JobRejected, StreamGone
 
 # Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
 BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})
 # The request parameter that sets a JobRequest field, where the names differ ("sampling.top_k" -> "top_k").
 _PUBLIC_NAMES = {"sampling.penalty_last_n": "repeat_last_n", "resume_tokens": None}
-# FastAPI's own HTTP errors (routing, body limits) -> OpenAI-style codes.
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+# What enqueue refused (JobRejected.field) -> OpenAI's code for it.
+_REJECTION_CODES = {"max_tokens": "context_length_exceeded", "prompt": "prompt_too_long", "messages": "prompt_too_long"}
 
 
 def public_param(field: str | None) -> str | None:
@@ -49,9 +44,6 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     # ------------------------------------------------------------------ the common cases
     @classmethod
@@ -96,6 +88,12 @@ class ApiError(Exception):
             return cls.deadline(f"job {job_id}: {error.message}")
         return cls(500, f"job {job_id} failed: {error.message}", type="server_error", code=error.code)
 
+    @classmethod
+    def from_rejection(cls, exc: JobRejected, param: Callable[[str | None], str | None] = public_param) -> ApiError:
+        """A request enqueue refused (e.g. ``max_tokens`` beyond every worker's context): a 400 naming
+        the parameter as the request did."""
+        return cls.invalid(str(exc), param(exc.field), code=_REJECTION_CODES.get(exc.field, "invalid_value"))
+
 
 def param_path(loc: Sequence[str | int]) -> str | None:
     """pydantic's error location as an OpenAI ``param``: ``messages[0].content``."""
@@ -107,7 +105,13 @@ def param_path(loc: Sequence[str | int]) -> str | None:
     return out or None
 
 
-def from_validation(exc: ValidationError | RequestValidationError,
+class ValidationFailure(Protocol):
+    """pydantic's ``ValidationError`` or FastAPI's ``RequestValidationError``: what failed, where."""
+
+    def errors(self) -> Sequence[Any]: ...
+
+
+def from_validation(exc: ValidationFailure,
                     rename: Callable[[tuple[str | int, ...]], tuple[str | int, ...]] = lambda loc: loc) -> ApiError:
     """The first validation error as a 400 naming the parameter and the limit. ``rename`` maps a
     location in the model that failed (e.g. slotq's JobRequest) to the request's own names."""
@@ -124,32 +128,3 @@ def from_validation(exc: ValidationError | RequestValidationError,
     value = err.get("input")
     shown = f" (got {value!r})" if isinstance(value, int | float | bool | str) and len(repr(value)) < 80 else ""
     return ApiError.invalid(f"{param}: {msg}{shown}" if param else f"{msg}{shown}", param)
-
-
-def install(app: FastAPI) -> None:
-    """Every error response in OpenAI's shape, FastAPI's own (bad JSON, 404, 405) included."""
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0] if exc.errors() else {}
-        if err.get("type") == "json_invalid":
-            return ApiError.invalid(f"the request body is not valid JSON: {err.get('msg')}", None,
-                                    code="invalid_json").response()
-        return from_validation(exc).response()
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
-                        headers=dict(exc.headers or {})).response()
-
-    @app.exception_handler(RedisError)
-    @app.exception_handler(RedisUnavailable)
-    async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
-        """Redis out of reach beyond the client's retries: come back later, as /health says."""
-        return ApiError(503, f"the queue's Redis is unavailable ({type(exc).__name__}: {exc}); retry later",
-                        type="server_error", code="redis_unavailable",
-                        headers={"Retry-After": str(request.app.state.settings.gateway_retry_after_s)}).response()

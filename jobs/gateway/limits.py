@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.http_errors import response
 from slotq.jobs.gateway.settings import LOOPBACK_HOSTS, GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class BodyLimits:
         too_large = f"the request body is larger than the limit of {shown}"
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await ApiError(413, too_large, code="request_too_large", headers=CLOSE).response()(scope, receive, send)
+            await response(ApiError(413, too_large, code="request_too_large", headers=CLOSE))(scope, receive, send)
             return
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         received = 0
@@ -164,4 +165,4 @@ class KeylessGuard:
         if error is None:
             await self.app(scope, receive, send)
         else:
-            await error.response()(scope, receive, send)
+            await response(error)(scope, receive, send)

@@ -8,17 +8,17 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request, Response
-from pydantic import ValidationError
 
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.chunks import NativeRenderer, parse_stream_id
-from slotq.jobs.gateway.errors import ApiError, from_validation
+from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.routes_openai import gateway_of
 from slotq.jobs.gateway.service import JobRecord
 from slotq.jobs.gateway.sse import open_stream
-from slotq.jobs.gateway.translate import kind_of, to_job_request, to_response, unfinished_error, wire_param
-from slotq.jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, JobObject
+from slotq.jobs.gateway.openai.translate import (kind_of, parse_request, to_job_request, to_response, unfinished_error,
+                                                 wire_param)
+from slotq.jobs.gateway.openai.wire import JobObject
 from slotq.jobs.protocol.schemas import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(authenticate)])
@@ -28,11 +28,7 @@ router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(authenticate)])
 async def create_job(request: Request, response: Response, payload: Annotated[dict[str, Any], Body()],
                      caller: CallerDep) -> JobObject:
     """The body of a chat completion (``messages``) or a completion (``prompt``) request."""
-    model = ChatCompletionRequest if "messages" in payload else CompletionRequest
-    try:
-        body = model.model_validate(payload)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    body = parse_request("chat" if "messages" in payload else "text", payload)
     if body.stream:
         raise ApiError.invalid("stream: a background job is read with GET /v1/jobs/{id}/events", "stream")
     gateway = gateway_of(request)

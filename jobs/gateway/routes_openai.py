@@ -19,8 +19,9 @@ from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
-from slotq.jobs.gateway.translate import WireRequest, kind_of, to_job_request, to_response, unfinished_error, wire_param
-from slotq.jobs.gateway.wire import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from slotq.jobs.gateway.openai.translate import (WireRequest, kind_of, to_job_request, to_response, unfinished_error,
+                                                 wire_param)
+from slotq.jobs.gateway.openai.wire import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from slotq.jobs.protocol.schemas import JobStatus
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])

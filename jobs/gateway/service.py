@@ -85,9 +85,7 @@ class Gateway:
         try:
             handle = await self.queue(route.queue).enqueue(job)
         except JobRejected as exc:
-            code = {"max_tokens": "context_length_exceeded", "prompt": "prompt_too_long",
-                    "messages": "prompt_too_long"}.get(exc.field, "invalid_value")
-            raise ApiError.invalid(str(exc), param(exc.field), code=code) from None
+            raise ApiError.from_rejection(exc, param) from None
         except QueueFull as exc:
             raise ApiError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
                            headers={"Retry-After": str(self.settings.gateway_retry_after_s)}) from None

@@ -209,16 +209,21 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
     errors = {r["line"]: r for r in read_jsonl(tmp_path / "bad.jsonl")}
     assert set(errors) == {3, 4, 5, 6, 8, 9, 12}
     assert errors[3]["error"]["code"] == "invalid_json"
-    assert errors[4]["custom_id"] == "c2" and errors[4]["response"] is None
-    assert "body.temperature" in errors[4]["error"]["message"] and "5" in errors[4]["error"]["message"]
+    def refused(number: int) -> dict[str, Any]:
+        """A body the endpoint refused: the gateway's HTTP answer, no job (no request id)."""
+        response = errors[number]["response"]
+        assert errors[number]["error"] is None and response["status_code"] == 400 and response["request_id"] is None
+        return response["body"]["error"]
+
+    assert errors[4]["custom_id"] == "c2"
+    assert refused(4)["param"] == "temperature" and "less than or equal to 2" in refused(4)["message"]
     assert "/v1/embeddings" in errors[5]["error"]["message"]
     assert errors[6]["error"]["code"] == "duplicate_id" and "line 1" in errors[6]["error"]["message"]
     assert errors[8]["custom_id"] == "long"       # ran and failed in the worker: OpenAI's error response shape
     assert errors[8]["response"]["status_code"] == 400
     assert "max_tokens" in errors[8]["response"]["body"]["error"]["message"]
-    assert "body.tools" in errors[9]["error"]["message"]
-    assert errors[12]["response"] is None and errors[12]["error"]["code"] == "rejected"
-    assert "max_tokens" in errors[12]["error"]["message"]
+    assert (refused(9)["param"], refused(9)["code"]) == ("tools", "unsupported_parameter")
+    assert (refused(12)["param"], refused(12)["code"]) == ("max_tokens", "context_length_exceeded")   # at enqueue
 
 
 # ---------------------------------------------------------------------- lanes: interactive goes first

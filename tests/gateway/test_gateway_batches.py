@@ -133,7 +133,8 @@ def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayP
     errors = {e["line"]: e for e in jsonl(client.files.content(done.error_file_id).text)}
     assert set(errors) == {3, 7}
     assert errors[3]["custom_id"] is None and errors[3]["error"]["code"] == "invalid_json"
-    assert errors[7]["custom_id"] == "req-99" and "body.temperature" in errors[7]["error"]["message"]
+    assert errors[7]["custom_id"] == "req-99" and errors[7]["response"]["status_code"] == 400   # the HTTP answer
+    assert errors[7]["response"]["body"]["error"]["param"] == "temperature"
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
     assert file_id in [f.id for f in client.files.list(purpose="batch")]
     assert client.files.delete(file_id).deleted                       # the batch is finished: its input may go

@@ -1,13 +1,13 @@
-"""The gateway's pure parts, without Redis or a model: request translation and its error names,
-the stream-entry -> SSE renderers (resume, usage, errors, restart), routing from heartbeats, the
-bind rule, and API keys (tenants, the keys file)."""
+"""The gateway's pure parts, without Redis or a model: request translation (its refusals, shared
+with Batch lines, are in test_openai_translation.py), the stream-entry -> SSE renderers (resume,
+usage, errors, restart), routing from heartbeats, the bind rule, and API keys (tenants, the keys
+file)."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -16,11 +16,10 @@ from slotq.engine import ErrorInfo, FinishReason, Usage
 from slotq.jobs.gateway import auth
 from slotq.jobs.gateway.auth import Caller, KeyRing
 from slotq.jobs.gateway.chunks import DONE, ChunkRenderer, NativeRenderer, parse_stream_id
-from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.openai.translate import to_job_request
+from slotq.jobs.gateway.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.gateway.routing import routes_from
 from slotq.jobs.gateway.settings import GatewaySettings, key_tenant
-from slotq.jobs.gateway.translate import to_job_request
-from slotq.jobs.gateway.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry, WorkerInfo
 from slotq.jobs.settings import ClientSettings
 from tests.support import REPO_ROOT
@@ -57,28 +56,6 @@ def test_response_formats_become_json_schemas():
 def test_completion_prompt_and_header_idempotency_key():
     job = to_job_request(CompletionRequest(model="m", prompt=["once"]), idempotency_key="from-header")
     assert job.prompt == "once" and job.messages is None and job.idempotency_key == "from-header"
-
-
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"top_p": 7}, "top_p"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"repeat_last_n": -5}, "repeat_last_n"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": float("nan")}}}}, "response_format"),
-    ({"json_schema": {"type": "object"}, "grammar": "root ::= \"a\""}, None),
-])
-def test_job_validation_errors_come_back_under_the_request_names(fields, param):
-    with pytest.raises(ApiError) as caught:
-        to_job_request(chat(**fields))
-    assert caught.value.status == 400 and caught.value.param == param
-
-
-def test_unsupported_parameters_pass_only_when_off():
-    chat(logprobs=False, tools=[], tool_choice="none", user="u", store=False, parallel_tool_calls=True)
-    for name, value in (("logprobs", True), ("tools", [{"type": "function"}]), ("best_of", 3)):
-        with pytest.raises(Exception) as caught:
-            chat(**{name: value})
-        assert name in str(caught.value)
 
 
 # ---------------------------------------------------------------------- rendering

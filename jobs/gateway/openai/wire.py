@@ -1,5 +1,5 @@
-"""OpenAI's wire format as pydantic models: the request bodies slotq accepts and the objects it
-returns (completions, chunks, models, usage).
+"""OpenAI's wire format as pydantic models: the request bodies slotq accepts (at the gateway and in
+OpenAI Batch lines alike) and the objects it returns (completions, chunks, models, usage).
 
 Requests are checked here for shape and type, and for the bounds OpenAI's API sets tighter than
 slotq's own (``temperature`` at most 2, at most 4 ``stop`` strings), so a request the OpenAI API
@@ -134,7 +134,8 @@ class WireMessage(BaseModel):
             for i, part in enumerate(value):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"content part {i} is {kind!r}; slotq serves text models, only 'text' parts are supported")
+                    raise ValueError(f"content part {i} is {kind!r}; slotq serves text models, "
+                                     "only 'text' parts are supported")
                 texts.append(part["text"])
             return "".join(texts)
         return value
@@ -183,6 +184,7 @@ class UsageOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: str | None = None          # part of OpenAI's message object; slotq's models never refuse
 
 
 class ChatChoice(BaseModel):

@@ -1,5 +1,11 @@
 """OpenAI requests -> slotq ``JobRequest``; slotq results -> OpenAI response objects.
 
+One translation for every way a body arrives: the gateway's routes (FastAPI validates the same
+:mod:`~slotq.jobs.gateway.openai.wire` models and reports through the same ``from_validation``) and
+OpenAI Batch lines (:func:`parse_request`). Every refusal is an :class:`ApiError` naming the
+parameter as the request spelled it, with the limit: ``temperature: Input should be less than or
+equal to 2 (got 9)``.
+
 Finish reasons: ``stop`` and ``length`` pass through. A job that was cancelled or whose deadline
 passed did not finish its reply, so OpenAI's ``finish_reason`` has no honest value for it: the
 gateway reports it as an error instead (409 ``job_cancelled`` / 504 ``deadline_exceeded``, or an
@@ -15,7 +21,7 @@ from pydantic import ValidationError
 
 from slotq.engine import FinishReason, Usage
 from slotq.jobs.gateway.errors import ApiError, from_validation, public_param
-from slotq.jobs.gateway.wire import (
+from slotq.jobs.gateway.openai.wire import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -27,20 +33,31 @@ from slotq.jobs.gateway.wire import (
     TextCompletion,
     UsageOut,
 )
-from slotq.jobs.protocol.schemas import DEFAULT_TENANT, JobRequest, JobResult, JobStatus
+from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest
+REQUEST_MODELS: dict[Kind, type[WireRequest]] = {"chat": ChatCompletionRequest, "text": CompletionRequest}
 
 
 def kind_of(request: WireRequest) -> Kind:
     return "chat" if isinstance(request, ChatCompletionRequest) else "text"
 
 
-def to_job_request(request: WireRequest, idempotency_key: str | None = None,
-                   tenant: str = DEFAULT_TENANT) -> JobRequest:
+def parse_request(kind: Kind, body: dict[str, Any]) -> WireRequest:
+    """A ``/v1/chat/completions`` (``chat``) or ``/v1/completions`` (``text``) body, validated as the
+    gateway's route validates it; a 400 naming the parameter otherwise."""
+    try:
+        return REQUEST_MODELS[kind].model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, tenant: str | None = None,
+                   lane: str | None = None) -> JobRequest:
     """Build the caller's job; its validation errors come back as a 400 under the request's
-    parameter names."""
+    parameter names. ``idempotency_key`` (the header's) and ``lane`` apply when the body sets none;
+    without ``tenant`` the job keeps JobRequest's default (a bulk run sets its own at enqueue)."""
     sampling = {
         "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
         "seed": request.seed, "presence_penalty": request.presence_penalty,
@@ -50,7 +67,8 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None,
     }
     fields: dict[str, Any] = {
         "max_tokens": request.max_tokens, "n": request.n, "stop": request.stop_list, "ignore_eos": request.ignore_eos,
-        "lane": request.lane, "priority": request.priority, "deadline": request.deadline, "metadata": request.metadata,
+        "lane": lane if request.lane is None else request.lane, "priority": request.priority,
+        "deadline": request.deadline, "metadata": request.metadata,
         "idempotency_key": request.idempotency_key or idempotency_key, "tenant": tenant,
     }
     if isinstance(request, ChatCompletionRequest):
@@ -85,16 +103,17 @@ def to_job_request(request: WireRequest, idempotency_key: str | None = None,
 
 def wire_param(request: WireRequest) -> Callable[[str | None], str | None]:
     """A JobRequest field's name as this request spelled it: ``max_completion_tokens`` or
-    ``response_format`` for a chat request that used them, ``top_k`` for ``sampling.top_k``."""
-    chat = isinstance(request, ChatCompletionRequest)
+    ``response_format`` for a chat request that used them, ``top_k`` for ``sampling.top_k``.
+    It keeps only those names, not the request (a bulk run holds one per line in flight)."""
+    renamed: dict[str, str] = {}
+    if isinstance(request, ChatCompletionRequest):
+        if request.max_completion_tokens is not None:
+            renamed["max_tokens"] = "max_completion_tokens"
+        if request.response_format is not None and request.response_format.type != "text":
+            renamed["sampling.json_schema"] = "response_format"
 
     def name(field: str | None) -> str | None:
-        if field == "max_tokens" and chat and request.max_completion_tokens is not None:
-            return "max_completion_tokens"
-        if field == "sampling.json_schema" and chat and request.response_format is not None \
-                and request.response_format.type != "text":
-            return "response_format"
-        return public_param(field)
+        return renamed[field] if field is not None and field in renamed else public_param(field)
     return name
 
 
@@ -118,7 +137,7 @@ def unfinished_error(result: JobResult, param: Callable[[str | None], str | None
                         type="invalid_request_error", code="job_cancelled")
     if result.status == JobStatus.NOT_FOUND:
         return ApiError.job_not_found(result.id)
-    if any(c.finish_reason == FinishReason.DEADLINE for c in result.choices) or result.finish_reason == FinishReason.DEADLINE:
+    if FinishReason.DEADLINE in (result.finish_reason, *(c.finish_reason for c in result.choices)):
         return ApiError.deadline(f"job {result.id}: the deadline passed after {result.usage.completion_tokens} "
                                  f"tokens; the partial result is at /v1/jobs/{result.id}")
     return None
@@ -135,7 +154,7 @@ def to_response(kind: Kind, result: JobResult, model: str, created: int) -> Chat
     rid = completion_id(kind, result.id)
     if kind == "chat":
         return ChatCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
-            ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=finish_reason(c.finish_reason))
-            for c in result.choices])
+            ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                       finish_reason=finish_reason(c.finish_reason)) for c in result.choices])
     return TextCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
         TextChoice(index=c.index, text=c.text, finish_reason=finish_reason(c.finish_reason)) for c in result.choices])

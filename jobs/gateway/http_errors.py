@@ -1,0 +1,53 @@
+"""Errors as HTTP responses: an :class:`~slotq.jobs.gateway.errors.ApiError` as JSON, and FastAPI's
+own errors (bad JSON, 404, 405, body limits) and Redis outages in the same OpenAI shape.
+
+Kept apart from :mod:`slotq.jobs.gateway.errors` so that the error type, which OpenAI Batch lines
+share, does not import the web stack.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+
+from slotq.jobs.errors import RedisUnavailable
+from slotq.jobs.gateway.errors import ApiError, from_validation
+
+# FastAPI's own HTTP errors (routing, body limits) -> OpenAI-style codes.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+
+
+def response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def install(app: FastAPI) -> None:
+    """Every error response in OpenAI's shape, FastAPI's own (bad JSON, 404, 405) included."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":
+            return response(ApiError.invalid(f"the request body is not valid JSON: {err.get('msg')}", None,
+                                             code="invalid_json"))
+        return response(from_validation(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        return response(ApiError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
+                                 headers=dict(exc.headers or {})))
+
+    @app.exception_handler(RedisError)
+    @app.exception_handler(RedisUnavailable)
+    async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
+        """Redis out of reach beyond the client's retries: come back later, as /health says."""
+        return response(ApiError(503, f"the queue's Redis is unavailable ({type(exc).__name__}: {exc}); retry later",
+                                 type="server_error", code="redis_unavailable",
+                                 headers={"Retry-After": str(request.app.state.settings.gateway_retry_after_s)}))
