@@ -42,12 +42,12 @@ from slotq.jobs.protocol.connection import redis_settings
 from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
 from slotq.jobs.errors import QueueFull
 from slotq.jobs.worker.job_run import JobRun
-from slotq.jobs.protocol.record_keys import JOB_FUNCTION, worker_key
+from slotq.jobs.protocol.keys import JOB_FUNCTION, worker_key
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.settings import WorkerSettings
-from slotq.jobs.protocol.streams import StreamWriter
+from slotq.jobs.worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)
 

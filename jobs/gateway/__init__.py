@@ -5,7 +5,8 @@ Modules: ``settings`` (GatewaySettings), ``openai/`` (the OpenAI translation, sh
 lines: ``wire``, OpenAI's request/response shapes; ``translate``, requests -> JobRequest, results
 -> responses), ``errors`` (ApiError, OpenAI's error shape) and ``http_errors`` (as HTTP responses),
 ``chunks`` (stream entries -> SSE events), ``sse`` (serving streams, disconnects), ``service``
-(per-queue clients, job records), ``routing`` (model -> queue from heartbeats), ``auth`` (API keys
+(per-queue clients, job records), ``records`` (every Redis key and command of the gateway's own
+records: job records, models seen, files, batches), ``routing`` (model -> queue from heartbeats), ``auth`` (API keys
 and their tenants), ``limits`` (body size, read deadlines, the keyless mode's Host and Origin
 checks), ``routes_*`` (the HTTP endpoints), ``app`` and ``server`` (the ASGI app and ``slotq
 gateway``), ``static/`` (the dashboard).

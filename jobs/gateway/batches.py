@@ -1,4 +1,5 @@
-"""Batch API state in Redis: the batch objects, the index for listing, and the per-batch lease.
+"""Batch API state: the batch objects, listing, status changes and the per-batch lease, stored
+through :class:`~slotq.jobs.gateway.records.BatchRecords` (which holds the keys and commands).
 
 A batch is a hash (one JSON value per field of OpenAI's batch object, plus the queue it runs on),
 so that the driver's progress writes and a cancel from any replica touch different fields and never
@@ -7,14 +8,13 @@ tenant, and another tenant's batch is looked up as one that does not exist. Stat
 (``transition``): a batch being cancelled cannot be marked completed by a driver that had not
 noticed yet, and the other way round.
 
-The lease (``slotq:gateway:batch-lease:{id}``, a token with a TTL) says which gateway drives a
+The lease (a token with a TTL) says which gateway drives a
 batch; the driver renews it while it runs (:mod:`slotq.jobs.gateway.batch_driver`). Batches not yet
 finished are also in a set, which every gateway scans for batches whose lease has expired.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any, Literal
@@ -25,28 +25,14 @@ from redis.asyncio import Redis
 from slotq.engine import Usage
 from slotq.jobs.bulk.openai_batch import Endpoint
 from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.records import BatchRecords
 from slotq.jobs.protocol.schemas import DEFAULT_TENANT
 
-BATCHES_INDEX_KEY = "slotq:gateway:batches"            # zset per tenant: batch id -> created (ms)
-ACTIVE_BATCHES_KEY = "slotq:gateway:batches:active"    # set: batches not finished yet
 COMPLETION_WINDOW_S = 24 * 3600
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
 FINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
-
-
-def batch_key(batch_id: str) -> str:
-    return f"slotq:gateway:batch:{{{batch_id}}}"
-
-
-def batches_index_key(tenant: str) -> str:
-    """The default tenant's batches keep the key they had before tenants."""
-    return BATCHES_INDEX_KEY if tenant == DEFAULT_TENANT else f"{BATCHES_INDEX_KEY}:{tenant}"
-
-
-def lease_key(batch_id: str) -> str:
-    return f"slotq:gateway:batch-lease:{{{batch_id}}}"
 
 
 def output_file_id(batch_id: str) -> str:
@@ -158,41 +144,9 @@ class BatchList(BaseModel):
     has_more: bool
 
 
-def _encode(fields: dict[str, Any]) -> dict[str, str]:
-    return {name: json.dumps(value.model_dump(mode="json") if isinstance(value, BaseModel) else value)
-            for name, value in fields.items()}
-
-
-# KEYS[1] the batch; ARGV[1] n, ARGV[2..n+1] the statuses (JSON) it may leave, then field, value, ...
-_TRANSITION = """
-local current = redis.call('HGET', KEYS[1], 'status')
-if not current then return -1 end
-local n = tonumber(ARGV[1])
-for i = 2, n + 1 do
-  if ARGV[i] == current then
-    redis.call('HSET', KEYS[1], unpack(ARGV, n + 2))
-    return 1
-  end
-end
-return 0
-"""
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
 class BatchStore:
     def __init__(self, redis: Redis, *, lease_s: float) -> None:
-        self.redis = redis
-        self.lease_ms = int(lease_s * 1000)
-        self._transition = redis.register_script(_TRANSITION)
-        self._renew = redis.register_script(_RENEW)
-        self._release = redis.register_script(_RELEASE)
+        self.records = BatchRecords(redis, lease_ms=int(lease_s * 1000))
 
     # ------------------------------------------------------------------ the objects
     async def create(self, request: CreateBatch, tenant: str) -> Batch:
@@ -200,19 +154,13 @@ class BatchStore:
         batch = Batch(id="batch_" + secrets.token_hex(12), endpoint=request.endpoint, input_file_id=request.input_file_id,
                       status="validating", created_at=now, expires_at=now + COMPLETION_WINDOW_S,
                       metadata=request.metadata, tenant=tenant)
-        fields = {name: getattr(batch, name) for name in Batch.model_fields}
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(batch_key(batch.id), mapping=_encode(fields))
-            pipe.zadd(batches_index_key(tenant), {batch.id: now * 1000})
-            pipe.sadd(ACTIVE_BATCHES_KEY, batch.id)
-            await pipe.execute()
+        await self.records.add(batch.id, tenant, {name: getattr(batch, name) for name in Batch.model_fields},
+                               created_ms=now * 1000)
         return batch
 
     async def find(self, batch_id: str) -> Batch | None:
-        raw = await self.redis.hgetall(batch_key(batch_id))
-        if not raw:
-            return None
-        return Batch.model_validate({k.decode(): json.loads(v) for k, v in raw.items()})
+        fields = await self.records.get(batch_id)
+        return Batch.model_validate(fields) if fields else None
 
     async def get(self, batch_id: str, tenant: str | None = None) -> Batch:
         """The batch; with ``tenant``, only if it is that tenant's (404 for another's, as for none)."""
@@ -222,49 +170,45 @@ class BatchStore:
         return batch
 
     async def status(self, batch_id: str) -> BatchStatus | None:
-        raw = await self.redis.hget(batch_key(batch_id), "status")
-        return json.loads(raw) if raw else None
+        status: BatchStatus | None = await self.records.get_field(batch_id, "status")
+        return status
 
     async def list(self, *, tenant: str, limit: int, after: str | None) -> BatchList:
         """The tenant's batches, newest first, after the batch ``after``."""
-        index = batches_index_key(tenant)
         start = 0
         if after is not None:
-            rank = await self.redis.zrevrank(index, after)
+            rank = await self.records.rank(tenant, after)
             if rank is None:
                 raise ApiError.invalid(f"after: no batch {after!r}", "after")
             start = rank + 1
-        ids = await self.redis.zrange(index, start, start + limit, desc=True)
-        found = [b for b in [await self.find(i.decode()) for i in ids] if b is not None]
+        ids = await self.records.page(tenant, start, start + limit)
+        found = [b for b in [await self.find(i) for i in ids] if b is not None]
         data = found[:limit]
         return BatchList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
                          has_more=len(ids) > limit)
 
     async def update(self, batch_id: str, **fields: Any) -> None:
         """Fields only the batch's driver writes (progress, model, queue)."""
-        await self.redis.hset(batch_key(batch_id), mapping=_encode(fields))
+        await self.records.update(batch_id, fields)
 
     async def transition(self, batch_id: str, leaving: set[str], status: BatchStatus, **fields: Any) -> bool:
         """Set ``status`` (and ``<status>_at`` and ``fields``) if the batch's status is one of ``leaving``."""
-        fields = {"status": status, f"{status}_at": int(time.time()), **fields}
-        args = [len(leaving), *(json.dumps(s) for s in leaving)]
-        for name, value in _encode(fields).items():
-            args += [name, value]
-        return await self._transition(keys=[batch_key(batch_id)], args=args) == 1
+        return await self.records.transition(batch_id, leaving,
+                                             {"status": status, f"{status}_at": int(time.time()), **fields})
 
     # ------------------------------------------------------------------ who drives it
     async def active_ids(self) -> list[str]:
-        return sorted(i.decode() for i in await self.redis.smembers(ACTIVE_BATCHES_KEY))
+        return await self.records.active_ids()
 
     async def retire(self, batch_id: str) -> None:
         """The batch is finished: no gateway needs to look at it again."""
-        await self.redis.srem(ACTIVE_BATCHES_KEY, batch_id)
+        await self.records.retire(batch_id)
 
     async def acquire(self, batch_id: str, token: str) -> bool:
-        return bool(await self.redis.set(lease_key(batch_id), token, px=self.lease_ms, nx=True))
+        return await self.records.acquire(batch_id, token)
 
     async def renew(self, batch_id: str, token: str) -> bool:
-        return await self._renew(keys=[lease_key(batch_id)], args=[token, self.lease_ms]) == 1
+        return await self.records.renew(batch_id, token)
 
     async def release(self, batch_id: str, token: str) -> None:
-        await self._release(keys=[lease_key(batch_id)], args=[token])
+        await self.records.release(batch_id, token)

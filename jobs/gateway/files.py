@@ -5,7 +5,8 @@ that fills up (``noeviction``) stops the whole fleet. A directory (``SLOTQ_GATEW
 volume shared by the replicas) holds them instead, and the bulk runner reads and appends them in
 place, as ``slotq bulk`` does with local files. Redis holds a small record per file (what
 ``GET /v1/files/{id}`` returns, plus its tenant) and an index per tenant by creation for listing,
-so any replica can answer. A file of another tenant is looked up as one that does not exist.
+so any replica can answer (:class:`~slotq.jobs.gateway.records.FileRecords`). A file of another
+tenant is looked up as one that does not exist.
 """
 
 from __future__ import annotations
@@ -24,22 +25,12 @@ from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.records import FileRecords
 from slotq.jobs.protocol.schemas import DEFAULT_TENANT
-
-FILES_INDEX_KEY = "slotq:gateway:files"        # zset per tenant: file id -> created (ms)
 
 FILE_ID_RE = re.compile(r"file-[0-9A-Za-z_-]{1,100}")
 
 Purpose = Literal["batch", "batch_output"]
-
-
-def file_key(file_id: str) -> str:
-    return f"slotq:gateway:file:{{{file_id}}}"
-
-
-def files_index_key(tenant: str) -> str:
-    """The default tenant's files keep the key they had before tenants."""
-    return FILES_INDEX_KEY if tenant == DEFAULT_TENANT else f"{FILES_INDEX_KEY}:{tenant}"
 
 
 def new_file_id() -> str:
@@ -81,7 +72,7 @@ class FileDeleted(BaseModel):
 
 class FileStore:
     def __init__(self, redis: Redis, directory: Path, *, max_bytes: int) -> None:
-        self.redis = redis
+        self.records = FileRecords(redis)
         self.directory = directory
         self.max_bytes = max_bytes
 
@@ -130,15 +121,13 @@ class FileStore:
             size = self.path(file_id).stat().st_size
         now = time.time()
         obj = FileObject(id=file_id, bytes=size, created_at=int(now), filename=filename, purpose=purpose, tenant=tenant)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(file_key(file_id), json.dumps(obj.model_dump(mode="json") | {"tenant": tenant}))
-            pipe.zadd(files_index_key(tenant), {file_id: int(now * 1000)})
-            await pipe.execute()
+        await self.records.add(file_id, tenant, json.dumps(obj.model_dump(mode="json") | {"tenant": tenant}),
+                               created_ms=int(now * 1000))
         return obj
 
     async def get(self, file_id: str, tenant: str) -> FileObject:
         """The tenant's file; 404 for another tenant's, as for none."""
-        raw = await self.redis.get(file_key(file_id))
+        raw = await self.records.get(file_id)
         obj = None if raw is None else FileObject.model_validate_json(raw)
         if obj is None or obj.tenant != tenant:
             raise file_not_found(file_id)
@@ -147,21 +136,20 @@ class FileStore:
     async def list(self, *, tenant: str, purpose: str | None, limit: int, after: str | None, order: str) -> FileList:
         """The tenant's files, newest first (``order=desc``, OpenAI's default) or oldest first,
         after the file ``after``."""
-        index = files_index_key(tenant)
         start = 0
         if after is not None:
-            rank = await (self.redis.zrevrank if order == "desc" else self.redis.zrank)(index, after)
+            rank = await self.records.rank(tenant, after, newest_first=order == "desc")
             if rank is None:
                 raise ApiError.invalid(f"after: no file {after!r}", "after")
             start = rank + 1
         found: list[FileObject] = []
         page = max(limit, 100)
         while len(found) <= limit:
-            ids = await self.redis.zrange(index, start, start + page - 1, desc=order == "desc")
+            ids = await self.records.page(tenant, start, page, newest_first=order == "desc")
             if not ids:
                 break
             start += len(ids)
-            for raw in await self.redis.mget([file_key(i.decode()) for i in ids]):
+            for raw in await self.records.get_many(ids):
                 if raw is not None:
                     obj = FileObject.model_validate_json(raw)
                     if purpose is None or obj.purpose == purpose:
@@ -172,9 +160,6 @@ class FileStore:
 
     async def delete(self, file_id: str, tenant: str) -> FileDeleted:
         await self.get(file_id, tenant)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(file_key(file_id))
-            pipe.zrem(files_index_key(tenant), file_id)
-            await pipe.execute()
+        await self.records.remove(file_id, tenant)
         await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
         return FileDeleted(id=file_id)

@@ -27,7 +27,6 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ class FleetHistory:
                 lane["running"] += c.running
                 lane["preempted"] += c.preempted
                 lane["tokens_per_s"] += tokens_per_s * c.running / running if running else 0.0
-            tenants.update(await _tenants_waiting(client))
+            tenants.update(await client.queue.tenants_waiting())
         for lane in lanes.values():
             lane["tokens_per_s"] = round(lane["tokens_per_s"], 1)
         self.samples.append({"time": round(time.time(), 1), "lanes": lanes})
@@ -90,10 +89,3 @@ class FleetHistory:
         return {"every_s": self.every_s, "keep_s": self.keep_s, "samples": list(self.samples),
                 "tenants_waiting": self.tenants_waiting}
 
-
-async def _tenants_waiting(client: SlotqClient) -> Counter[str]:
-    """The queue's jobs waiting or deferred per tenant, from its exact counters (only tenants with
-    some are in the hash)."""
-    queue = client.queue
-    raw = await queue.redis.hgetall(queue.keys.tenant_waiting)
-    return Counter({tenant.decode(): int(count) for tenant, count in raw.items() if int(count) > 0})

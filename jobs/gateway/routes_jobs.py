@@ -14,7 +14,7 @@ from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.chunks import NativeRenderer, parse_stream_id
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.routes_openai import gateway_of
-from slotq.jobs.gateway.service import JobRecord
+from slotq.jobs.gateway.records import JobRecord
 from slotq.jobs.gateway.sse import open_stream
 from slotq.jobs.gateway.openai.translate import (kind_of, parse_request, to_job_request, to_response, unfinished_error,
                                                  wire_param)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.records import ModelsSeen
 from slotq.jobs.protocol.schemas import WorkerInfo
 
-MODELS_SEEN_KEY = "slotq:gateway:models"     # hash: served model name -> unix time last seen live
 _REMEMBER_EVERY_S = 60
 
 
@@ -54,6 +54,7 @@ class ModelRouter:
         self.client = client
         self.ttl_s = ttl_s
         self.memory_s = memory_s
+        self.seen = ModelsSeen(client.redis)
         self._routes: dict[str, ModelRoute] = {}
         self._fetched_at = float("-inf")
         self._remembered: dict[str, float] = {}
@@ -73,8 +74,8 @@ class ModelRouter:
         route = (await self.routes()).get(model)
         if route is not None:
             return route
-        seen = await self.client.redis.hget(MODELS_SEEN_KEY, model)
-        if seen is not None and time.time() - float(seen) < self.memory_s:
+        seen = await self.seen.last_seen(model)
+        if seen is not None and time.time() - seen < self.memory_s:
             raise ApiError(503, f"no live worker serves model {model!r} right now; try again later",
                            type="server_error", param="model", code="model_unavailable")
         served = ", ".join(sorted(self._routes)) or "none"
@@ -85,5 +86,5 @@ class ModelRouter:
         now = time.time()
         due = {m: now for m in models if now - self._remembered.get(m, 0) > _REMEMBER_EVERY_S}
         if due:
-            await self.client.redis.hset(MODELS_SEEN_KEY, mapping=due)
+            await self.seen.remember(due)
             self._remembered |= due

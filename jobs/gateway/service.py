@@ -1,7 +1,7 @@
 """The gateway's one piece of shared state: a client per queue, the model router, and a small
-record per job it created (queue, model, kind, created time, a fingerprint of the request) so that
-any replica can find a job again by id. Gateways hold nothing else: every stream and result lives
-in Redis.
+record per job it created (queue, model, kind, created time, a fingerprint of the request:
+:class:`~slotq.jobs.gateway.records.JobRecord`) so that any replica can find a job again by id.
+Gateways hold nothing else: every stream and result lives in Redis.
 
 Tenants: a job's id carries its tenant (:func:`slotq.jobs.protocol.schemas.tenant_job_id`), so the id a caller
 names is resolved within the caller's tenant (:func:`own_job_id`): another tenant's job is never
@@ -19,21 +19,16 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel
-
 from slotq.jobs.producer.client import JobHandle, JobRejected, QueueFull, QuotaExceeded, SlotqClient
 from slotq.jobs.gateway import metrics
 from slotq.jobs.gateway.errors import ApiError, public_param
+from slotq.jobs.gateway.records import JobRecord, JobRecords
 from slotq.jobs.gateway.routing import ModelRouter
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobRequest, tenant_job_id, tenant_of_job
 
 log = logging.getLogger(__name__)
-
-
-def job_record_key(job_id: str) -> str:
-    return f"slotq:gateway:job:{{{job_id}}}"
 
 
 def own_job_id(tenant: str, job_id: str) -> str | None:
@@ -49,19 +44,12 @@ def fingerprint(job: JobRequest) -> str:
     return hashlib.sha256(json.dumps(encode_payload(job), sort_keys=True).encode()).hexdigest()
 
 
-class JobRecord(BaseModel):
-    queue: str
-    model: str
-    kind: Literal["chat", "text"]
-    created: int
-    fingerprint: str | None = None      # None in records written before idempotency keys were checked
-
-
 class Gateway:
     def __init__(self, client: SlotqClient, settings: GatewaySettings) -> None:
         self.client = client
         self.settings = settings
         self.router = ModelRouter(client, ttl_s=settings.gateway_routing_ttl_s, memory_s=settings.gateway_model_memory_s)
+        self.records = JobRecords(client.redis)
         self._queues: dict[str, SlotqClient] = {settings.queue_name: client}
         self._background: set[asyncio.Task[None]] = set()
 
@@ -97,13 +85,10 @@ class Gateway:
             metrics.TENANT_TOKENS.labels(tenant=job.tenant).inc(job.quota_tokens())
         record = JobRecord(queue=route.queue, model=model, kind=kind, created=int(time.time()),
                            fingerprint=fingerprint(job))
-        key = job_record_key(handle.id)
         if handle.created:
-            await self.client.redis.set(key, record.model_dump_json(), ex=self.settings.keep_result_s)
+            await self.records.put(handle.id, record, ttl_s=self.settings.keep_result_s)
         else:
-            old = await self.client.redis.set(key, record.model_dump_json(), ex=self.settings.keep_result_s,
-                                              nx=True, get=True)
-            earlier = JobRecord.model_validate_json(old) if old else record
+            earlier = await self.records.put_if_absent(handle.id, record, ttl_s=self.settings.keep_result_s) or record
             if earlier.fingerprint not in (None, record.fingerprint):
                 raise ApiError(409, f"idempotency_key {job.idempotency_key!r} was used before with a different "
                                     "request; use a new key for a new request", param="idempotency_key",
@@ -129,8 +114,7 @@ class Gateway:
 
     async def locate(self, job_id: str) -> tuple[SlotqClient, JobRecord | None]:
         """The client for the queue of the job with this full id, whoever's it is (the fleet view)."""
-        raw = await self.client.redis.get(job_record_key(job_id))
-        record = JobRecord.model_validate_json(raw) if raw else None
+        record = await self.records.get(job_id)
         return self.queue(record.queue if record else self.settings.queue_name), record
 
     def client_left(self, client: SlotqClient, job_id: str) -> None:

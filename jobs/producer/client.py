@@ -20,24 +20,21 @@ from typing import Any
 from redis.asyncio import Redis
 
 from slotq.engine import ErrorInfo, FinishReason
-from slotq.jobs.protocol import dead_letters
+from slotq.jobs.protocol import dead_letters, registry, streams
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, QuotaExceeded, RedisUnavailable, StreamGone
-from slotq.jobs.protocol.record_keys import JOB_FUNCTION, WORKER_INDEX, stream_key, worker_key
+from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
-from slotq.jobs.protocol.keys import result_key, retry_counter_key
 from slotq.jobs.protocol.redis_queue import TOKENS_WINDOW_MS, Enqueued, RedisQueue
 from slotq.jobs.protocol.schemas import (EntryKind, JobRequest, JobResult, JobStatus, LaneInfo, QueueInfo, StreamEntry,
                           WorkerInfo, tenant_job_id)
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.settings import ClientSettings
-from slotq.jobs.protocol.streams import StreamWriter, is_final
 from slotq.jobs.producer.stream_reader import StreamReader
 
 __all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "QuotaExceeded", "SlotqClient",
            "StreamGone"]
 
-WORKERS_RECENT_S = 120.0  # the worker index is read this far back (heartbeats come every few seconds)
 WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
 
 
@@ -165,8 +162,8 @@ class SlotqClient:
         """Redis replicates asynchronously: a failover right after an enqueue could lose the job.
         WAIT until ``redis_wait_replicas`` replicas have it (bounded by the connect timeout)."""
         want = self.settings.redis_wait_replicas
-        got = await self.redis.execute_command("WAIT", want, int(self.settings.redis_connect_timeout_s * 1000))
-        if int(got) < want:
+        got = await self.queue.wait_replicas(want, int(self.settings.redis_connect_timeout_s * 1000))
+        if got < want:
             raise RedisUnavailable(f"job {job_id} was enqueued, but only {got} of {want} replicas acknowledged it "
                                    f"within {self.settings.redis_connect_timeout_s:g} s (SLOTQ_REDIS_WAIT_REPLICAS); "
                                    "a failover now could lose it")
@@ -191,7 +188,7 @@ class SlotqClient:
             async for entry in self.reader.follow(job_id, last_id=last_id, idle_ms=block_ms, is_live=is_live):
                 yield entry
         except StreamGone:
-            if not await self.redis.exists(stream_key(job_id)) and await self.status(job_id) is JobStatus.NOT_FOUND:
+            if not await streams.exists(self.redis, job_id) and await self.status(job_id) is JobStatus.NOT_FOUND:
                 raise JobNotFound(job_id) from None      # no stream and no job: a wrong id, or long expired
             raise
 
@@ -205,7 +202,7 @@ class SlotqClient:
         """Wait for the job's result. The job's stream doubles as the wake-up signal, so waiting
         costs one blocked XREAD, not a poll loop."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        last_id = "0-0"
+        last_id: str | bytes = "0-0"
         missing = 0
         while True:
             result = await self._stored_result(job_id)
@@ -219,10 +216,10 @@ class SlotqClient:
             if remaining is not None and remaining <= 0:
                 raise JobTimeout(f"job {job_id} did not finish within {timeout} s")
             block = 200 if remaining is None else max(1, min(200, int(remaining * 1000)))
-            response = await self.redis.xread({stream_key(job_id): last_id}, count=1000, block=block)
-            for _key, entries in response or ():
+            entries = (await streams.read_new(self.redis, {job_id: last_id}, count=1000, block_ms=block)).get(job_id)
+            if entries:
                 last_id = entries[-1][0]
-                if any(is_final(raw) for _id, raw in entries):
+                if any(streams.is_final(raw) for _id, raw in entries):
                     await asyncio.sleep(0.002)   # the result lands right after the final entry
 
     async def status(self, job_id: str) -> JobStatus:
@@ -246,7 +243,7 @@ class SlotqClient:
         (``keep_result_s``, ``stream_ttl_s``): a bulk run calls it once a line's output is safely
         written, so Redis holds no more than the run's window. A job still queued or running is
         left alone. Returns how many jobs were removed."""
-        return await self.queue.forget(job_ids, lambda job_id: (stream_key(job_id),))
+        return await self.queue.forget(job_ids)
 
     async def _stored_result(self, job_id: str) -> JobResult | None:
         record = await self.queue.result_record(job_id, deserialize)
@@ -263,11 +260,9 @@ class SlotqClient:
             return False
         # The final entry goes first, as a worker writes it: a follower that sees the result
         # then finds the stream's end in place.
-        writer = StreamWriter(self.redis, flush_ms=1, maxlen=self.settings.stream_maxlen,
-                              ttl_s=self.settings.stream_ttl_s)
-        writer.add(job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=0,
-                                       finish_reason=FinishReason.CANCELLED, final=True))
-        await writer.write_all(job_id)
+        await streams.end_stream(self.redis, job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=0,
+                                                                 finish_reason=FinishReason.CANCELLED, final=True),
+                                 maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s)
         result = JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED)
         await self.queue.store_result(job_id, JOB_FUNCTION, result.model_dump(mode="json"),
                                       ttl_ms=self.settings.keep_result_s * 1000, serializer=serialize)
@@ -283,7 +278,7 @@ class SlotqClient:
         if request is None:
             return False
         queue = self.queue if letter.queue in (None, self.settings.queue_name) else self.for_queue(letter.queue).queue
-        await self.redis.delete(result_key(job_id), retry_counter_key(job_id), stream_key(job_id))
+        await queue.clear_job(job_id)
         await queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane, tenant=request.tenant,
                             max_waiting=None, serializer=serialize)     # an operator's requeue is never refused
         await dead_letters.remove(self.redis, job_id)
@@ -293,14 +288,9 @@ class SlotqClient:
     async def workers(self) -> list[WorkerInfo]:
         """Every live worker on this Redis (all queues), from their heartbeats: the worker index
         names those heard from lately (O(workers), never a scan of the keyspace), and a worker's
-        own heartbeat hash, which expires three beats after its last, says it is alive."""
-        ids = await self.redis.zrangebyscore(WORKER_INDEX, (time.time() - WORKERS_RECENT_S) * 1000, "+inf")
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for worker_id in ids:
-                pipe.hgetall(worker_key(worker_id.decode()))
-            hashes = await pipe.execute()
-        workers = [WorkerInfo.model_validate({k.decode(): v.decode() for k, v in raw.items()}) for raw in hashes if raw]
-        return sorted(workers, key=lambda w: w.id)
+        own heartbeat hash, which expires three beats after its last, says it is alive
+        (:mod:`~slotq.jobs.protocol.registry`)."""
+        return await registry.live_workers(self.redis)
 
     async def _check_fits(self, request: JobRequest) -> None:
         """Refuse what no live worker of this queue could ever run. The prompt's token count is

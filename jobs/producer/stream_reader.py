@@ -26,17 +26,16 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from slotq.jobs.errors import StreamGone
-from slotq.jobs.protocol.record_keys import stream_key
+from slotq.jobs.protocol import streams
 from slotq.jobs.protocol.schemas import StreamEntry
-from slotq.jobs.protocol.streams import decode_entry, is_final
+from slotq.jobs.protocol.streams import RawEntry, decode_entry, is_final
 
 log = logging.getLogger(__name__)
 
 StreamId = tuple[int, int]
-RawEntry = tuple[bytes, dict[bytes, bytes]]
 UNBLOCK_TRIES = 8       # a CLIENT UNBLOCK can overtake the XREAD it is meant for: try again briefly
 FINAL_ENTRY_REREADS = 4  # reads of an ended job's stream before it is declared to have no final entry
 
@@ -54,7 +53,7 @@ def format_id(stream_id: StreamId) -> str:
 
 @dataclass(eq=False)
 class _Follower:
-    key: str
+    job_id: str
     last: StreamId
     inbox: asyncio.Queue[list[RawEntry] | BaseException] = field(default_factory=asyncio.Queue)
 
@@ -100,8 +99,7 @@ class StreamReader:
         expired, was trimmed past that id, or holds no final entry. A read error (Redis
         unreachable beyond the retries) is raised as it is. Without ``is_live`` the follower
         waits for the final entry however long it takes."""
-        key = stream_key(job_id)
-        follower = _Follower(key, parse_id(last_id))
+        follower = _Follower(job_id, parse_id(last_id))
         given = follower.last                     # the last id yielded: nothing at or before it is yielded again
         self._add(follower)
         trim_check: asyncio.Task[None] | None = asyncio.create_task(self._check_not_trimmed(job_id, given))
@@ -143,15 +141,12 @@ class StreamReader:
         the two apart). Started with the
         follower and awaited before its first entry, so it adds no wait on a live stream. A stream
         that does not exist yet (a queued job) cannot have been trimmed."""
-        try:
-            info = await self.redis.xinfo_stream(stream_key(job_id))
-        except ResponseError:
-            return                                # no such key (yet)
-        first = info.get("first-entry")
-        dropped = int(info.get("entries-added", 0)) > int(info.get("length", 0))
-        if dropped and first and parse_id(first[0]) > after:
+        start = await streams.stream_start(self.redis, job_id)
+        if start is None:
+            return                                # no such stream (yet)
+        if start.trimmed and start.first_id and parse_id(start.first_id) > after:
             raise StreamGone(job_id, format_id(after), f"was trimmed past this reader (it now starts at "
-                             f"{format_id(parse_id(first[0]))}; SLOTQ_STREAM_MAXLEN)")
+                             f"{format_id(parse_id(start.first_id))}; SLOTQ_STREAM_MAXLEN)")
 
     async def _rest_of(self, job_id: str, after: StreamId) -> list[RawEntry]:
         """Everything after ``after`` in the stream of a job that will not write again, read
@@ -159,21 +154,16 @@ class StreamReader:
         cannot end the follow (no such stream, or no final entry in it). A job's final entry is
         written before its result, so one that finished a moment ago has it; the few re-reads
         cover a result written by a producer between its two writes (a cancel)."""
-        key = stream_key(job_id)
         for attempt in range(FINAL_ENTRY_REREADS):
-            rest: list[RawEntry] = []
-            start = f"({format_id(after)}"
-            while page := await self.redis.xrange(key, min=start, count=self.count):
-                rest += page
-                start = f"({format_id(parse_id(page[-1][0]))}"
+            rest = await streams.read_after(self.redis, job_id, format_id(after), page=self.count)
             if any(is_final(raw) for _id, raw in rest):
                 return rest
             if not rest:
-                last = await self.redis.xrevrange(key, count=1)
-                if not last and not await self.redis.exists(key):
+                last = await streams.read_last(self.redis, job_id)
+                if last is None and not await streams.exists(self.redis, job_id):
                     raise StreamGone(job_id, format_id(after), "does not exist (expired after SLOTQ_STREAM_TTL_S, "
                                      "or the job never started)")
-                if last and is_final(last[0][1]) and parse_id(last[0][0]) <= after:
+                if last is not None and is_final(last[1]) and parse_id(last[0]) <= after:
                     return []
             if attempt + 1 < FINAL_ENTRY_REREADS:
                 await asyncio.sleep(0.1 * (attempt + 1))
@@ -189,21 +179,21 @@ class StreamReader:
 
     # ------------------------------------------------------------------ followers
     def _add(self, follower: _Follower) -> None:
-        self._followers.setdefault(follower.key, []).append(follower)
+        self._followers.setdefault(follower.job_id, []).append(follower)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="slotq-stream-reader")
         self._changed.set()
         reading = self._reading
-        behind = reading is not None and (follower.key not in reading or follower.last < reading[follower.key])
+        behind = reading is not None and (follower.job_id not in reading or follower.last < reading[follower.job_id])
         if behind and (self._unblocking is None or self._unblocking.done()):
             self._unblocking = asyncio.create_task(self._unblock(self._generation), name="slotq-stream-unblock")
 
     def _remove(self, follower: _Follower) -> None:
-        followers = self._followers.get(follower.key, [])
+        followers = self._followers.get(follower.job_id, [])
         with contextlib.suppress(ValueError):
             followers.remove(follower)
         if not followers:
-            self._followers.pop(follower.key, None)
+            self._followers.pop(follower.job_id, None)
 
     async def _unblock(self, generation: int) -> None:
         """End the blocked XREAD of ``generation`` so the next one includes the new follower."""
@@ -237,21 +227,20 @@ class StreamReader:
                     self._changed.clear()
                     await self._changed.wait()
                     continue
-                streams = {key: min(f.last for f in followers) for key, followers in self._followers.items()}
-                self._reading = streams
+                reading = {job_id: min(f.last for f in followers) for job_id, followers in self._followers.items()}
+                self._reading = reading
                 self._generation += 1
                 self.reads += 1
                 try:
-                    response = await client.xread({k: format_id(v) for k, v in streams.items()},
-                                                  count=self.count, block=self.block_ms)
+                    response = await streams.read_new(client, {job_id: format_id(v) for job_id, v in reading.items()},
+                                                      count=self.count, block_ms=self.block_ms)
                 except (RedisError, OSError) as exc:
                     self._fail_all(exc)
                     continue
                 finally:
                     self._reading = None
-                for raw_key, entries in response or ():
-                    key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-                    for follower, mine in split_for(self._followers.get(key, []), entries):
+                for job_id, entries in response.items():
+                    for follower, mine in split_for(self._followers.get(job_id, []), entries):
                         follower.inbox.put_nowait(mine)
         finally:
             self._client_id = None

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from slotq.engine import ErrorInfo
-from slotq.jobs.protocol.record_keys import DEAD_LETTER_INDEX, dead_letter_key
+from slotq.jobs.protocol.keys import DEAD_LETTER_INDEX, dead_letter_key
 
 
 class DeadLetter(BaseModel):

@@ -1,4 +1,19 @@
-"""Every Redis key of a queue, and the arq record keys the job runtime shares with it.
+"""Every Redis key slotq's processes share: a queue's, arq's records, job streams, dead letters
+and the worker registry. A name that is one key has one function here; no other module spells a
+key (the gateway's own records, read by gateway replicas only, are in
+:mod:`slotq.jobs.gateway.records`).
+
+Keys of no one queue (per-job keys put the job id in braces, so a future move to Redis Cluster
+keeps them in one slot):
+
+================================  ======  ===========================================================
+``slotq:stream:{<id>}``           STREAM  the job's output entries (:mod:`slotq.jobs.protocol.streams`)
+``slotq:stream-mark:<writer>``    STRING  the last flush a stream writer applied, and its answer
+``slotq:dlq:{<id>}``              HASH    a dead letter (:mod:`slotq.jobs.protocol.dead_letters`)
+``slotq:dlq``                     ZSET    job id -> time it was dead-lettered
+``slotq:worker:<worker id>``      HASH    a live worker's heartbeat, with a TTL (:mod:`slotq.jobs.protocol.registry`)
+``slotq:workers``                 ZSET    worker id -> time of its last heartbeat (ms)
+================================  ======  ===========================================================
 
 A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest priority first):
 
@@ -55,6 +70,26 @@ from arq.constants import abort_jobs_ss, job_key_prefix, result_key_prefix, retr
 
 LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)
+JOB_FUNCTION = "generate"        # the one arq function name
+DEAD_LETTER_INDEX = "slotq:dlq"
+WORKER_INDEX = "slotq:workers"
+
+
+def stream_key(job_id: str) -> str:
+    return f"slotq:stream:{{{job_id}}}"
+
+
+def write_mark_key(writer_id: str) -> str:
+    """The last flush a stream writer applied, and its answer (makes a re-sent flush idempotent)."""
+    return f"slotq:stream-mark:{writer_id}"
+
+
+def dead_letter_key(job_id: str) -> str:
+    return f"slotq:dlq:{{{job_id}}}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"slotq:worker:{worker_id}"
 
 
 def job_record_key(job_id: str) -> str:

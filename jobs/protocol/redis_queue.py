@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -24,7 +24,8 @@ from arq.jobs import deserialize_result, serialize_job, serialize_result
 from redis.asyncio import Redis
 
 from slotq.jobs.protocol import scripts
-from slotq.jobs.protocol.keys import ABORTS, DEFAULT_TENANT, QueueKeys, job_record_key, result_key, retry_counter_key
+from slotq.jobs.protocol.keys import (ABORTS, DEFAULT_TENANT, QueueKeys, job_record_key, result_key, retry_counter_key,
+                                      stream_key)
 
 WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at most (one per waiting job below that)
 PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
@@ -167,6 +168,21 @@ class RedisQueue:
             waiting, running = await pipe.execute()
         return TenantCounts(waiting=int(waiting or 0), running=int(running or 0))
 
+    async def follow_aborts(self, token: str, on_abort: Callable[[], Awaitable[None]]) -> None:
+        """Await ``on_abort()`` for each cancel of a running job of the worker ``token`` (CANCEL
+        publishes on that worker's channel); runs until cancelled."""
+        async with self.redis.pubsub() as pubsub:
+            await pubsub.subscribe(self.keys.abort_channel(token))
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    await on_abort()
+
+    async def tenants_waiting(self) -> dict[str, int]:
+        """Each tenant's jobs waiting or deferred, for the tenants with some (one HGETALL,
+        O(tenants with waiting jobs))."""
+        raw = await self.redis.hgetall(self.keys.tenant_waiting)
+        return {tenant.decode(): int(count) for tenant, count in raw.items() if int(count) > 0}
+
     async def cancel(self, job_id: str) -> int:
         """1: removed before it started; -1: running, abort requested (its worker is told at once);
         0: not in the queue (finished, or never enqueued)."""
@@ -197,16 +213,25 @@ class RedisQueue:
         return {job_id: deserialize_result(value, deserializer=deserializer)
                 for job_id, value in zip(job_ids, raw) if value is not None}
 
-    async def forget(self, job_ids: Sequence[str], other_keys: Callable[[str], Sequence[str]]) -> int:
-        """Remove the result (and ``other_keys(job_id)``, e.g. its stream) of each finished job;
-        jobs still queued or running are left alone. Returns how many were removed."""
+    async def forget(self, job_ids: Sequence[str]) -> int:
+        """Remove the result, attempt counter and stream of each finished job; jobs still queued
+        or running are left alone. Returns how many were removed."""
         if not job_ids:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 await self._scripts["FORGET"](keys=[self.keys.jobs, result_key(job_id), retry_counter_key(job_id),
-                                                    *other_keys(job_id)], args=[job_id], client=pipe)
+                                                    stream_key(job_id)], args=[job_id], client=pipe)
             return sum(int(x) for x in await pipe.execute())
+
+    async def clear_job(self, job_id: str) -> None:
+        """Delete a job's result, attempt counter and stream whatever its state, so that it can be
+        enqueued again under its id and run from scratch (an operator's requeue of a dead letter)."""
+        await self.redis.delete(result_key(job_id), retry_counter_key(job_id), stream_key(job_id))
+
+    async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
+        """WAIT: how many replicas acknowledged this connection's writes within ``timeout_ms``."""
+        return int(await self.redis.execute_command("WAIT", replicas, timeout_ms))
 
     async def in_queue(self, job_ids: Sequence[str]) -> list[bool]:
         """Whether each job is still queued, deferred or running (one HMGET)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from slotq.jobs.protocol.record_keys import JOB_FUNCTION
+from slotq.jobs.protocol.keys import JOB_FUNCTION
 
 POISON_MARKER = "__slotq_poison__"
 

@@ -1,41 +1,54 @@
-"""The per-job output stream ``slotq:stream:{job_id}``: writing it in batches, reading it resumably.
+"""The per-job output stream ``slotq:stream:{job_id}``: its entry codec, the one script that
+appends to it, and every read of it.
 
-Writers coalesce chunks for ``stream_flush_ms`` and send every job's pending entries in one
-script, so Redis traffic grows with time, not with tokens. Readers use plain XREAD
-from their last id (no consumer groups; :mod:`slotq.jobs.producer.stream_reader`): any number of readers, each can
-drop and resume without gaps or repeats, and an HTTP gateway can use the entry id as the SSE event id.
+Writers send entries through :class:`StreamAppender` (the ``STREAM_FLUSH`` script: many jobs'
+entries, each job fenced by its lease, in one round trip). The worker's batching writer
+(:class:`~slotq.jobs.worker.stream_writer.StreamWriter`) decides when; this module only encodes.
+Readers use plain XREAD from their last id (no consumer groups; :mod:`slotq.jobs.producer.stream_reader`):
+any number of readers, each can drop and resume without gaps or repeats, and an HTTP gateway can
+use the entry id as the SSE event id. Reads return entries as Redis gives them (:data:`RawEntry`),
+so a reader that only needs an id or :func:`is_final` decodes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
-import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError, ResponseError
 
 from slotq.engine import ErrorInfo, FinishReason, Timings, Usage
-from slotq.jobs.protocol.record_keys import stream_key, write_mark_key
-from slotq.jobs.protocol.scripts import STREAM_FLUSH
+from slotq.jobs.protocol.keys import stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
+from slotq.jobs.protocol.scripts import STREAM_FLUSH
 
 log = logging.getLogger(__name__)
+
+RawEntry = tuple[bytes, dict[bytes, bytes]]     # (entry id, fields) as XRANGE and XREAD return them
+RETRY_S = 0.2                                   # between tries of a flush while Redis is unreachable
+
+
+# ---------------------------------------------------------------------- the codec
+def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[int], n_tokens: int) -> dict[str, str]:
+    """A chunk's fields, built without a StreamEntry: the worker's writer merges tokens into
+    chunks on its per-token path and encodes each chunk once, here."""
+    return {"k": EntryKind.CHUNK.value, "a": str(attempt), "c": str(choice), "t": text,
+            "ids": " ".join(map(str, token_ids)), "n": str(n_tokens)}
 
 
 def encode_entry(entry: StreamEntry) -> dict[str, str]:
     """Flat string fields, readable with redis-cli."""
-    fields = {"k": entry.kind.value, "a": str(entry.attempt), "c": str(entry.choice)}
     if entry.kind == EntryKind.CHUNK:
-        fields |= {"t": entry.text, "ids": " ".join(map(str, entry.token_ids)), "n": str(entry.n_tokens)}
+        fields = encode_chunk(attempt=entry.attempt, choice=entry.choice, text=entry.text, token_ids=entry.token_ids,
+                              n_tokens=entry.n_tokens)
+    else:
+        fields = {"k": entry.kind.value, "a": str(entry.attempt), "c": str(entry.choice)}
     if entry.finish_reason is not None:
         fields["fr"] = entry.finish_reason.value
     if entry.usage is not None:
@@ -51,7 +64,8 @@ def encode_entry(entry: StreamEntry) -> dict[str, str]:
     return fields
 
 
-def decode_entry(entry_id: bytes | str, raw: dict) -> StreamEntry:
+def decode_entry(entry_id: bytes | str, raw: Mapping[Any, Any]) -> StreamEntry:
+    """An entry from its id and fields, as bytes (XRANGE, XREAD) or as text."""
     f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
     ids = f.get("ids", "")
     return StreamEntry(
@@ -71,273 +85,138 @@ def decode_entry(entry_id: bytes | str, raw: dict) -> StreamEntry:
     )
 
 
-def is_final(raw: dict) -> bool:
+def is_final(raw: Mapping[Any, Any]) -> bool:
     """Whether an entry as XREAD/XRANGE return it is the stream's final one, without decoding it."""
     return raw.get(b"f", raw.get("f")) in (b"1", "1")
 
 
+# ---------------------------------------------------------------------- appending
 class TTL(IntEnum):
-    """What a flush does to a job's stream expiry (only where it changes: not on every chunk)."""
+    """What an append does to a job's stream expiry (only where it changes: not on every chunk)."""
 
     KEEP = 0
     LIVE = 1      # the first write of this writer: the stream outlives any attempt (ttl_live_s)
     FINAL = 2     # the final entry: the stream now lives ttl_s
 
 
-@dataclass(slots=True)
-class _Chunk:
-    """Consecutive text of one choice and attempt, merged while it waits for a flush (no pydantic
-    object per token: this is the worker's per-token path)."""
-
-    attempt: int
-    choice: int
-    texts: list[str]
-    token_ids: list[int]
-    n_tokens: int
-
-    def fields(self) -> dict[str, str]:
-        return {"k": EntryKind.CHUNK.value, "a": str(self.attempt), "c": str(self.choice), "t": "".join(self.texts),
-                "ids": " ".join(map(str, self.token_ids)), "n": str(self.n_tokens)}
-
-
-@dataclass
-class _JobBatch:
-    lease: str                     # the claim these entries were written under ('' = not fenced)
-    entries: list[_Chunk | StreamEntry] = field(default_factory=list)
-    ttl: TTL = TTL.KEEP
-
-
-@dataclass
-class _Flush:
-    id: str
-    jobs: list[tuple[str, _JobBatch]]
-
-
 @dataclass(frozen=True)
-class FlushPolicy:
-    """When the pending entries are worth a flush.
+class JobEntries:
+    """One job's part of an append: its encoded entries (:func:`encode_entry`, :func:`encode_chunk`),
+    the lease they are fenced by ('' = not fenced) and what to do to the stream's expiry."""
 
-    A flush costs Redis a fixed handful of commands (the script call, the fence, the flush mark)
-    plus one XADD per entry, and costs every reader of the flushed streams a read. Sent per decode
-    step, with one token per job, that is more commands than tokens. So a flush waits until its
-    tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS + entries`` -- or until
-    its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
-    flush every few tokens, many slow ones every step or two, and no text waits longer than
-    ``max_delay_s``. A job's first entry, a final entry and errors go at once: time to first
-    token and to the result are never delayed.
+    job_id: str
+    lease: str
+    ttl: TTL
+    entries: Sequence[Mapping[str, str]]
+
+
+class StreamAppender:
+    """Appends the entries of many jobs in ONE script call (``STREAM_FLUSH``).
+
+    With ``owners_key`` (the queue's owners hash), the script checks every job's fence with one
+    HMGET and appends a job's entries only while their lease still owns the job. Each flush has an
+    id; the script records the last one it applied under ``writer_id`` with its answer, and
+    answers an id it has already applied from that record, so a flush re-sent after a lost reply
+    is never appended twice. Redis errors are raised: retrying is the caller's choice.
     """
 
-    max_delay_s: float
-    FIXED_COMMANDS = 5      # EVALSHA, GET + SET of the flush mark, HMGET of the fences; one reader's XREAD
-
-    def due_in(self, *, waited_s: float, tokens: int, entries: int, urgent: bool) -> float:
-        """Seconds until the pending entries should be flushed (0 = now)."""
-        if urgent or tokens >= self.FIXED_COMMANDS + entries:
-            return 0.0
-        return max(0.0, self.max_delay_s - waited_s)
-
-
-class StreamWriter:
-    """Buffers entries per job and writes every job's entries in ONE script per flush.
-
-    When a flush goes out is :class:`FlushPolicy`'s call (at the latest ``flush_ms`` after the
-    oldest waiting entry; at once for a job's first entry, final entries and errors). The script
-    checks every job's fence with one HMGET, appends each job's entries and touches a stream's
-    expiry only on its first and its final write.
-
-    If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are written,
-    in order, once it is back; generation does not stop for a Redis blip. A flush that was sent is
-    re-sent unchanged, under the same id, until it is acknowledged, and Redis answers an id it has
-    already applied from its record: a write whose reply was lost is never appended twice.
-
-    With ``owners_key`` (the queue's owners hash), a job's entries are written only while the lease
-    they were added under (:meth:`bind`) still owns the job. Each entry keeps its lease until it is
-    written, so entries an attempt left buffered are refused once the job is claimed again, even by
-    this worker. A refused job's pending entries are dropped and ``on_fenced(job_id, lease)`` is told.
-    """
-
-    def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
-                 owners_key: str | None = None, writer_id: str | None = None,
-                 on_fenced: Callable[[str, str], None] | None = None) -> None:
-        self.redis = redis
-        self.policy = FlushPolicy(max_delay_s=flush_ms / 1000)
+    def __init__(self, redis: Redis, *, writer_id: str, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
+                 owners_key: str | None = None) -> None:
+        self.writer_id = writer_id
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.ttl_live_s = ttl_live_s or ttl_s
         self.owners_key = owners_key
-        self.on_fenced = on_fenced
         self._script = redis.register_script(STREAM_FLUSH)
-        self._writer_id = writer_id or uuid.uuid4().hex
-        self._flush_numbers = itertools.count()
-        self._leases: dict[str, str] = {}              # job id -> the lease its new entries are written under
-        self._pending: dict[str, _JobBatch] = {}       # not yet sent
-        self._inflight: _Flush | None = None           # sent, not yet acknowledged
-        self._started: set[str] = set()                # jobs this writer has written to (expiry set)
-        self._tokens = 0                               # in _pending: chunk tokens, entries, oldest add
-        self._entries = 0
-        self._since: float | None = None
-        self._urgent = False
-        self._wake = asyncio.Event()                   # the flush loop re-checks the policy
-        self._lock = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
-        self.round_trips = 0
-        self.entries_written = 0
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._flush_loop(), name="slotq-stream-writer")
-
-    async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        for _ in range(3):
-            if not (self._pending or self._inflight) or not await self.flush():
-                break
-
-    def bind(self, job_id: str, lease: str) -> None:
-        """Entries of ``job_id`` added from now on are written only while ``lease`` owns the job.
-        Entries still pending under an earlier lease are dropped: a newer claim exists, so the
-        fence would refuse them anyway."""
-        self._leases[job_id] = lease
-        batch = self._pending.get(job_id)
-        if batch is not None and batch.lease != lease:
-            self.drop(job_id)
-
-    def unbind(self, job_id: str) -> None:
-        """The attempt is over (entries it already added keep their lease until written)."""
-        self._leases.pop(job_id, None)
-
-    def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
-                  n_tokens: int) -> None:
-        """Queue generated text; consecutive chunks of one choice and attempt merge into one entry."""
-        batch = self._batch(job_id)
-        last = batch.entries[-1] if batch.entries else None
-        if isinstance(last, _Chunk) and last.choice == choice and last.attempt == attempt:
-            last.texts.append(text)
-            last.token_ids.extend(token_ids)
-            last.n_tokens = n_tokens
-        else:
-            batch.entries.append(_Chunk(attempt, choice, [text], list(token_ids), n_tokens))
-            self._entries += 1
-        self._tokens += len(token_ids)
-        self._added()
-
-    def add(self, job_id: str, entry: StreamEntry) -> None:
-        """Queue an entry (a chunk merges with the one before it, as :meth:`add_chunk`)."""
-        if entry.kind == EntryKind.CHUNK:
-            self.add_chunk(job_id, attempt=entry.attempt, choice=entry.choice, text=entry.text,
-                           token_ids=entry.token_ids, n_tokens=entry.n_tokens)
-            return
-        batch = self._batch(job_id)
-        batch.entries.append(entry)
-        self._entries += 1
-        if entry.final:
-            batch.ttl = TTL.FINAL
-            self._started.discard(job_id)
-        self._urgent = True                    # a final entry or an error: the reader is waiting for it
-        self._added()
-
-    def _batch(self, job_id: str) -> _JobBatch:
-        batch = self._pending.get(job_id)
-        if batch is None:
-            batch = self._pending[job_id] = _JobBatch(lease=self._leases.get(job_id, ""))
-            if job_id not in self._started:
-                self._started.add(job_id)
-                batch.ttl = TTL.LIVE
-                self._urgent = True            # the job's first entry: do not make its reader wait
-        return batch
-
-    def _added(self) -> None:
-        """Wake the flush loop only when the policy's answer may have changed to "now", or to arm
-        its timer for the first entry after a flush: not once per token."""
-        if self._since is None:
-            self._since = time.monotonic()
-            self._wake.set()
-        elif self._urgent or self._tokens >= FlushPolicy.FIXED_COMMANDS + self._entries:
-            self._wake.set()
-
-    def drop(self, job_id: str) -> None:
-        """Forget a job's unwritten entries (its lease was lost; a flush in flight is fenced off)."""
-        batch = self._pending.pop(job_id, None)
-        if batch is not None:
-            self._entries -= len(batch.entries)
-            self._tokens -= sum(len(e.token_ids) for e in batch.entries if isinstance(e, _Chunk))
-        self._started.discard(job_id)
-
-    async def write_all(self, job_id: str) -> None:
-        """Return once every entry of ``job_id`` added so far is in Redis (or was fenced off)."""
-        while job_id in self._pending or (self._inflight and any(j == job_id for j, _ in self._inflight.jobs)):
-            if not await self.flush():
-                await asyncio.sleep(0.2)
-
-    async def flush(self) -> bool:
-        """Send the flush in flight again, or every pending job's entries as a new one. Returns
-        False if Redis was unreachable (the same flush is sent again next time)."""
-        async with self._lock:
-            if self._inflight is None:
-                if not self._pending:
-                    return True
-                self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", list(self._pending.items()))
-                self._pending = {}
-                self._tokens = self._entries = 0
-                self._since = None
-                self._urgent = False
-            sent = self._inflight
-            try:
-                written = await self._script(keys=self._keys(sent), args=self._args(sent))
-            except (RedisConnectionError, RedisTimeoutError, OSError, RedisError) as exc:
-                log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(sent.jobs))
-                return False
-            self._inflight = None
-            self.round_trips += 1
-            for (job_id, batch), ok in zip(sent.jobs, written.decode() if isinstance(written, bytes) else written):
-                if ok == "1":
-                    self.entries_written += len(batch.entries)
-                    continue
-                pending = self._pending.get(job_id)
-                if pending is not None and pending.lease == batch.lease:
-                    self.drop(job_id)
-                log.warning("job %s: its lease %s no longer owns it; its entries are dropped", job_id, batch.lease)
-                if self.on_fenced is not None:
-                    self.on_fenced(job_id, batch.lease)
-            return True
-
-    def _keys(self, sent: _Flush) -> list[str]:
-        return [self.owners_key or "", write_mark_key(self._writer_id), *(stream_key(job_id) for job_id, _ in sent.jobs)]
-
-    def _args(self, sent: _Flush) -> list[str | int]:
-        args: list[str | int] = ["1" if self.owners_key else "", sent.id, self.maxlen, self.ttl_live_s, self.ttl_s]
-        for job_id, batch in sent.jobs:
-            args += [job_id, batch.lease, int(batch.ttl), len(batch.entries)]
-            for entry in batch.entries:
-                fields = entry.fields() if isinstance(entry, _Chunk) else encode_entry(entry)
+    async def append(self, flush_id: str, jobs: Sequence[JobEntries]) -> list[bool]:
+        """Send one flush; per job, whether its entries were written (False: fenced off)."""
+        keys = [self.owners_key or "", write_mark_key(self.writer_id), *(stream_key(job.job_id) for job in jobs)]
+        args: list[str | int] = ["1" if self.owners_key else "", flush_id, self.maxlen, self.ttl_live_s, self.ttl_s]
+        for job in jobs:
+            args += [job.job_id, job.lease, int(job.ttl), len(job.entries)]
+            for fields in job.entries:
                 args.append(2 * len(fields))
                 for name, value in fields.items():
                     args += [name, value]
-        return args
+        written = await self._script(keys=keys, args=args)
+        return [ok == "1" for ok in (written.decode() if isinstance(written, bytes) else written)]
 
-    async def _flush_loop(self) -> None:
-        """Sleeps while nothing waits; flushes when the policy says so; backs off while Redis is down."""
-        backoff = 0.0
-        while True:
-            if backoff:
-                await asyncio.sleep(backoff)
-            elif self._inflight is None and not self._pending:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            else:
-                delay = self.policy.due_in(waited_s=time.monotonic() - (self._since or time.monotonic()),
-                                           tokens=self._tokens, entries=self._entries,
-                                           urgent=self._urgent or self._inflight is not None)
-                if delay > 0:
-                    self._wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(delay):
-                            await self._wake.wait()
-                    continue
-            ok = await self.flush()
-            backoff = 0.0 if ok else min(max(backoff * 2, 0.1), 2.0)
+
+async def end_stream(redis: Redis, job_id: str, entry: StreamEntry, *, maxlen: int, ttl_s: int) -> None:
+    """Append a job's final ``entry`` from outside any worker (a producer cancelling a job no
+    worker runs): not fenced, and the stream then lives ``ttl_s``. Like the worker's writer, it
+    re-sends the same flush while Redis is unreachable and returns once it is acknowledged: the job
+    has left the queue, and its followers wait for this entry."""
+    writer_id = uuid.uuid4().hex
+    appender = StreamAppender(redis, writer_id=writer_id, maxlen=maxlen, ttl_s=ttl_s)
+    jobs = [JobEntries(job_id, "", TTL.FINAL, [encode_entry(entry)])]
+    while True:
+        try:
+            await appender.append(f"{writer_id}:0", jobs)
+            return
+        except (RedisError, OSError) as exc:
+            log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(jobs))
+            await asyncio.sleep(RETRY_S)
+
+
+# ---------------------------------------------------------------------- reading
+async def read_all(redis: Redis, job_id: str) -> list[StreamEntry]:
+    """Every entry the job's stream holds, decoded (one XRANGE)."""
+    return [decode_entry(entry_id, raw) for entry_id, raw in await redis.xrange(stream_key(job_id))]
+
+
+async def read_after(redis: Redis, job_id: str, after: str, *, page: int) -> list[RawEntry]:
+    """Every entry after the id ``after``, read in XRANGE pages of ``page`` entries."""
+    key = stream_key(job_id)
+    rest: list[RawEntry] = []
+    start = f"({after}"
+    while entries := await redis.xrange(key, min=start, count=page):
+        rest += entries
+        last = entries[-1][0]
+        start = f"({last.decode() if isinstance(last, bytes) else last}"
+    return rest
+
+
+async def read_last(redis: Redis, job_id: str) -> RawEntry | None:
+    """The stream's newest entry, None when it holds none (one XREVRANGE)."""
+    last = await redis.xrevrange(stream_key(job_id), count=1)
+    return last[0] if last else None
+
+
+async def read_new(redis: Redis, after: Mapping[str, str | bytes], *, count: int,
+                   block_ms: int) -> dict[str, list[RawEntry]]:
+    """One XREAD of the streams of the jobs in ``after`` (job id -> the last entry id seen),
+    blocking up to ``block_ms`` for news; the entries per job id, only for jobs that have some."""
+    by_key = {stream_key(job_id): job_id for job_id in after}
+    response = await redis.xread({stream_key(job_id): last for job_id, last in after.items()}, count=count,
+                                 block=block_ms)
+    out: dict[str, list[RawEntry]] = {}
+    for raw_key, entries in response or ():
+        out[by_key[raw_key.decode() if isinstance(raw_key, bytes) else raw_key]] = entries
+    return out
+
+
+async def exists(redis: Redis, job_id: str) -> bool:
+    return bool(await redis.exists(stream_key(job_id)))
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """Where a stream now starts: its oldest entry's id, and whether MAXLEN trimming dropped entries."""
+
+    first_id: str | None
+    trimmed: bool
+
+
+async def stream_start(redis: Redis, job_id: str) -> StreamStart | None:
+    """Where the job's stream starts (one XINFO STREAM); None when there is no such stream."""
+    try:
+        info = await redis.xinfo_stream(stream_key(job_id))
+    except ResponseError:
+        return None                               # no such key (yet)
+    first = info.get("first-entry")
+    first_id = None
+    if first:
+        first_id = first[0].decode() if isinstance(first[0], bytes) else first[0]
+    return StreamStart(first_id, int(info.get("entries-added", 0)) > int(info.get("length", 0)))

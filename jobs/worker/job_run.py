@@ -38,12 +38,11 @@ from slotq.engine import (
     Timings,
     Usage,
 )
-from slotq.jobs.protocol import dead_letters
+from slotq.jobs.protocol import dead_letters, streams
 from slotq.jobs.worker import metrics
 from slotq.jobs.worker.elastic.admission import Verdict
 from slotq.jobs.worker.engine_api import JobEngine, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
-from slotq.jobs.protocol.record_keys import stream_key
 from slotq.jobs.protocol.payload import decode_payload
 from slotq.jobs.protocol.preemption import Progress
 from slotq.jobs.protocol.redis_queue import AttemptLedger
@@ -51,7 +50,7 @@ from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
 from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, MaxTokensCap, StreamEntry
 from slotq.jobs.protocol.serialization import POISON_MARKER
 from slotq.jobs.settings import WorkerSettings
-from slotq.jobs.protocol.streams import StreamWriter, decode_entry
+from slotq.jobs.worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +74,7 @@ class Delivered:
 
 async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
     delivered = Delivered()
-    for entry_id, raw in await writer.redis.xrange(stream_key(job_id)):
-        entry = decode_entry(entry_id, raw)
+    for entry in await streams.read_all(writer.redis, job_id):
         if entry.kind == EntryKind.RESTART:
             delivered = Delivered()
         elif entry.kind == EntryKind.CHUNK:

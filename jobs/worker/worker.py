@@ -47,13 +47,15 @@ from slotq.jobs.worker.elastic.loop import ElasticLoop
 from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
 from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
 from slotq.jobs.worker.job_run import JobRun
-from slotq.jobs.protocol.record_keys import JOB_FUNCTION, WORKER_INDEX, worker_key
+from slotq.jobs.protocol import registry
+from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
 from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
 from slotq.jobs.protocol.arq_adapter import QueueRuntime
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.settings import WorkerSettings
-from slotq.jobs.protocol.streams import StreamWriter
+from slotq.jobs.protocol.schemas import WorkerInfo
+from slotq.jobs.worker.stream_writer import StreamWriter
 from slotq.jobs.worker.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,6 @@ EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worke
 # 15 s), flushing streams and stopping the loops (a few seconds), and Redis commands retrying
 # through a short outage. Deploy manifests allow a little more (deploy/README.md, "Graceful drain").
 EXIT_MARGIN_S = 30
-WORKER_INDEX_KEEP_S = 3600          # a worker silent this long leaves the worker index
 
 
 class SlotqWorker:
@@ -204,8 +205,7 @@ class SlotqWorker:
         if self.writer:
             await self.writer.close()
         try:
-            await ctx["redis"].delete(worker_key(self.id))
-            await ctx["redis"].zrem(WORKER_INDEX, self.id)
+            await registry.leave(ctx["redis"], self.id)
         except RedisError:
             pass
         if self.engine:
@@ -306,21 +306,15 @@ class SlotqWorker:
         if self._tokens_seen is not None and now > self._tokens_seen[0]:
             rate = (stats.generated_tokens - self._tokens_seen[1]) / (now - self._tokens_seen[0])
         self._tokens_seen = (now, stats.generated_tokens)
-        interval = self.settings.lock_ttl_s / 3
-        async with self.queue.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(worker_key(self.id), mapping={
-                "id": self.id, "queue": self.settings.queue_name, "model": self.served_model,
-                "ctx": self.engine.ctx_per_seq, "slots_total": stats.slots_total, "slots_busy": stats.slots_busy,
-                "waiting": stats.waiting, "generated_tokens": stats.generated_tokens,
-                "tokens_per_s": round(rate, 1), "kv_cells_used": stats.kv_cells_used,
-                "kv_cells_cached": stats.kv_cells_cached,
-                "kv_cells_total": stats.kv_cells_total, "started_at": self.started_at, "updated_at": now,
-                "draining": int(self._draining), "ready": int(self.ready.is_set() and not self._draining),
-                **(self.elastic.heartbeat_fields() if self.elastic else {})})
-            pipe.expire(worker_key(self.id), max(3, int(interval * 3)))
-            pipe.zadd(WORKER_INDEX, {self.id: int(now * 1000)})
-            pipe.zremrangebyscore(WORKER_INDEX, "-inf", int((now - WORKER_INDEX_KEEP_S) * 1000))   # long gone
-            await pipe.execute()
+        await registry.beat(self.queue.redis, WorkerInfo.model_validate({
+            "id": self.id, "queue": self.settings.queue_name, "model": self.served_model,
+            "ctx": self.engine.ctx_per_seq, "slots_total": stats.slots_total, "slots_busy": stats.slots_busy,
+            "waiting": stats.waiting, "generated_tokens": stats.generated_tokens,
+            "tokens_per_s": round(rate, 1), "kv_cells_used": stats.kv_cells_used,
+            "kv_cells_cached": stats.kv_cells_cached,
+            "kv_cells_total": stats.kv_cells_total, "started_at": self.started_at, "updated_at": now,
+            "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
+            **(self.elastic.heartbeat_fields() if self.elastic else {})}), interval_s=self.settings.lock_ttl_s / 3)
         was_stale = not self._may_claim()
         self._heartbeat_ok_at = time.monotonic()
         if was_stale:
@@ -329,11 +323,7 @@ class SlotqWorker:
     async def _cancel_listener(self) -> None:
         """Cancels of jobs this worker runs arrive on its own channel: act on them at once."""
         assert self.queue is not None and self.runtime is not None
-        async with self.queue.redis.pubsub() as pubsub:
-            await pubsub.subscribe(self.queue.keys.abort_channel(self.token))
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    await self.runtime.abort_now()
+        await self.queue.follow_aborts(self.token, self.runtime.abort_now)
 
     async def _metrics_loop(self) -> None:
         assert self.engine is not None and self.queue is not None

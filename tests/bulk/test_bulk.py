@@ -20,8 +20,7 @@ import pytest
 
 from slotq.engine import ErrorInfo
 from slotq.jobs.bulk import BulkOptions, open_bulk, run_bulk
-from slotq.jobs.protocol.record_keys import stream_key
-from slotq.jobs.protocol.keys import result_key
+from slotq.jobs.protocol.keys import result_key, stream_key
 from slotq.jobs.protocol.schemas import JobRequest, JobStatus
 from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env, job_request, wait_for_workers
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from slotq.jobs.protocol.keys import job_record_key
 from pydantic import ValidationError
 
 from slotq.engine import FinishReason
 from slotq.jobs.producer.client import QueueFull, SlotqClient
-from slotq.jobs.protocol.record_keys import stream_key
+from slotq.jobs.protocol.keys import job_record_key, stream_key
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, JobStatus
 from tests.support.jobs import chunks, collect_stream, job_request, jobs_in_queue, raw_entries, settings_for
 

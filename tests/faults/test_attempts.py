@@ -19,8 +19,7 @@ from rich.console import Console
 from slotq.engine import FinishReason, Usage
 from slotq.jobs.protocol import dead_letters
 from slotq.jobs.producer.client import JobHandle, SlotqClient
-from slotq.jobs.protocol.record_keys import stream_key
-from slotq.jobs.protocol.keys import retry_counter_key
+from slotq.jobs.protocol.keys import retry_counter_key, stream_key
 from slotq.jobs.protocol.redis_queue import AttemptOutcomes
 from slotq.jobs.protocol.schemas import EntryKind, JobResult, JobStatus, QueueInfo, StreamEntry
 from slotq.jobs.cli.status_view import render

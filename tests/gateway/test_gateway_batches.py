@@ -23,7 +23,7 @@ import redis as sync_redis
 from tests.support.gateway import GatewayProcess, Stack
 from openai import OpenAI
 
-from slotq.jobs.gateway.batches import batch_key
+from slotq.jobs.gateway.records import batch_key
 from slotq.jobs.protocol.keys import QueueKeys
 
 pytestmark = pytest.mark.timeout(240)

@@ -22,8 +22,7 @@ import pytest
 import redis as sync_redis
 
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol.record_keys import stream_key
-from slotq.jobs.protocol.keys import job_record_key
+from slotq.jobs.protocol.keys import job_record_key, stream_key
 from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, StreamEntry
 from slotq.jobs.settings import WorkerSettings

@@ -35,7 +35,7 @@ from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import EntryKind, JobStatus
 from slotq.jobs.settings import WorkerSettings
-from slotq.jobs.protocol.streams import StreamWriter
+from slotq.jobs.worker.stream_writer import StreamWriter
 
 MIB = 1 << 20
 LIMIT_MB = 1024

@@ -1,4 +1,4 @@
-"""The worker's stream writer (jobs/stream.py): when it flushes (a pure policy), what one flush
+"""The worker's stream writer (jobs/worker/stream_writer.py): when it flushes (a pure policy), what one flush
 writes, and fencing per job inside one flush. Real Valkey; no worker, no model, no timing."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import pytest
 from redis.asyncio import Redis
 
 from slotq.engine import FinishReason
-from slotq.jobs.protocol.record_keys import stream_key
+from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.cli.redis_server import EmbeddedRedis
-from slotq.jobs.protocol.streams import FlushPolicy, StreamWriter, decode_entry
+from slotq.jobs.protocol.streams import decode_entry
+from slotq.jobs.worker.stream_writer import FlushPolicy, StreamWriter
 
 POLICY = FlushPolicy(max_delay_s=0.1)
 

@@ -1,0 +1,274 @@
+"""The worker's stream writer: every running job's output, batched into one Redis round trip per
+flush, so Redis traffic grows with time, not with tokens.
+
+Chunks are coalesced for up to ``stream_flush_ms`` (:class:`FlushPolicy` says when a flush is
+worth its commands) and every job's pending entries go out in one ``STREAM_FLUSH`` script through
+:class:`~slotq.jobs.protocol.streams.StreamAppender`, which owns the encoding and the script's
+arguments. This module owns the buffering, the fencing by lease and the retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
+from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """Consecutive text of one choice and attempt, merged while it waits for a flush (no pydantic
+    object per token: this is the worker's per-token path)."""
+
+    attempt: int
+    choice: int
+    texts: list[str]
+    token_ids: list[int]
+    n_tokens: int
+
+    def fields(self) -> dict[str, str]:
+        return encode_chunk(attempt=self.attempt, choice=self.choice, text="".join(self.texts),
+                            token_ids=self.token_ids, n_tokens=self.n_tokens)
+
+
+@dataclass
+class _JobBatch:
+    lease: str                     # the claim these entries were written under ('' = not fenced)
+    entries: list[_Chunk | StreamEntry] = field(default_factory=list)
+    ttl: TTL = TTL.KEEP
+
+
+@dataclass
+class _Flush:
+    id: str
+    jobs: list[tuple[str, _JobBatch]]
+
+
+@dataclass(frozen=True)
+class FlushPolicy:
+    """When the pending entries are worth a flush.
+
+    A flush costs Redis a fixed handful of commands (the script call, the fence, the flush mark)
+    plus one XADD per entry, and costs every reader of the flushed streams a read. Sent per decode
+    step, with one token per job, that is more commands than tokens. So a flush waits until its
+    tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS + entries`` -- or until
+    its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
+    flush every few tokens, many slow ones every step or two, and no text waits longer than
+    ``max_delay_s``. A job's first entry, a final entry and errors go at once: time to first
+    token and to the result are never delayed.
+    """
+
+    max_delay_s: float
+    FIXED_COMMANDS = 5      # EVALSHA, GET + SET of the flush mark, HMGET of the fences; one reader's XREAD
+
+    def due_in(self, *, waited_s: float, tokens: int, entries: int, urgent: bool) -> float:
+        """Seconds until the pending entries should be flushed (0 = now)."""
+        if urgent or tokens >= self.FIXED_COMMANDS + entries:
+            return 0.0
+        return max(0.0, self.max_delay_s - waited_s)
+
+
+class StreamWriter:
+    """Buffers entries per job and writes every job's entries in ONE script per flush.
+
+    When a flush goes out is :class:`FlushPolicy`'s call (at the latest ``flush_ms`` after the
+    oldest waiting entry; at once for a job's first entry, final entries and errors). The script
+    checks every job's fence with one HMGET, appends each job's entries and touches a stream's
+    expiry only on its first and its final write.
+
+    If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are written,
+    in order, once it is back; generation does not stop for a Redis blip. A flush that was sent is
+    re-sent unchanged, under the same id, until it is acknowledged, and Redis answers an id it has
+    already applied from its record: a write whose reply was lost is never appended twice.
+
+    With ``owners_key`` (the queue's owners hash), a job's entries are written only while the lease
+    they were added under (:meth:`bind`) still owns the job. Each entry keeps its lease until it is
+    written, so entries an attempt left buffered are refused once the job is claimed again, even by
+    this worker. A refused job's pending entries are dropped and ``on_fenced(job_id, lease)`` is told.
+    """
+
+    def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
+                 owners_key: str | None = None, writer_id: str | None = None,
+                 on_fenced: Callable[[str, str], None] | None = None) -> None:
+        self.redis = redis
+        self.policy = FlushPolicy(max_delay_s=flush_ms / 1000)
+        self.on_fenced = on_fenced
+        self._writer_id = writer_id or uuid.uuid4().hex
+        self._appender = StreamAppender(redis, writer_id=self._writer_id, maxlen=maxlen, ttl_s=ttl_s,
+                                        ttl_live_s=ttl_live_s, owners_key=owners_key)
+        self._flush_numbers = itertools.count()
+        self._leases: dict[str, str] = {}              # job id -> the lease its new entries are written under
+        self._pending: dict[str, _JobBatch] = {}       # not yet sent
+        self._inflight: _Flush | None = None           # sent, not yet acknowledged
+        self._started: set[str] = set()                # jobs this writer has written to (expiry set)
+        self._tokens = 0                               # in _pending: chunk tokens, entries, oldest add
+        self._entries = 0
+        self._since: float | None = None
+        self._urgent = False
+        self._wake = asyncio.Event()                   # the flush loop re-checks the policy
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self.round_trips = 0
+        self.entries_written = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._flush_loop(), name="slotq-stream-writer")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for _ in range(3):
+            if not (self._pending or self._inflight) or not await self.flush():
+                break
+
+    def bind(self, job_id: str, lease: str) -> None:
+        """Entries of ``job_id`` added from now on are written only while ``lease`` owns the job.
+        Entries still pending under an earlier lease are dropped: a newer claim exists, so the
+        fence would refuse them anyway."""
+        self._leases[job_id] = lease
+        batch = self._pending.get(job_id)
+        if batch is not None and batch.lease != lease:
+            self.drop(job_id)
+
+    def unbind(self, job_id: str) -> None:
+        """The attempt is over (entries it already added keep their lease until written)."""
+        self._leases.pop(job_id, None)
+
+    def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
+                  n_tokens: int) -> None:
+        """Queue generated text; consecutive chunks of one choice and attempt merge into one entry."""
+        batch = self._batch(job_id)
+        last = batch.entries[-1] if batch.entries else None
+        if isinstance(last, _Chunk) and last.choice == choice and last.attempt == attempt:
+            last.texts.append(text)
+            last.token_ids.extend(token_ids)
+            last.n_tokens = n_tokens
+        else:
+            batch.entries.append(_Chunk(attempt, choice, [text], list(token_ids), n_tokens))
+            self._entries += 1
+        self._tokens += len(token_ids)
+        self._added()
+
+    def add(self, job_id: str, entry: StreamEntry) -> None:
+        """Queue an entry (a chunk merges with the one before it, as :meth:`add_chunk`)."""
+        if entry.kind == EntryKind.CHUNK:
+            self.add_chunk(job_id, attempt=entry.attempt, choice=entry.choice, text=entry.text,
+                           token_ids=entry.token_ids, n_tokens=entry.n_tokens)
+            return
+        batch = self._batch(job_id)
+        batch.entries.append(entry)
+        self._entries += 1
+        if entry.final:
+            batch.ttl = TTL.FINAL
+            self._started.discard(job_id)
+        self._urgent = True                    # a final entry or an error: the reader is waiting for it
+        self._added()
+
+    def _batch(self, job_id: str) -> _JobBatch:
+        batch = self._pending.get(job_id)
+        if batch is None:
+            batch = self._pending[job_id] = _JobBatch(lease=self._leases.get(job_id, ""))
+            if job_id not in self._started:
+                self._started.add(job_id)
+                batch.ttl = TTL.LIVE
+                self._urgent = True            # the job's first entry: do not make its reader wait
+        return batch
+
+    def _added(self) -> None:
+        """Wake the flush loop only when the policy's answer may have changed to "now", or to arm
+        its timer for the first entry after a flush: not once per token."""
+        if self._since is None:
+            self._since = time.monotonic()
+            self._wake.set()
+        elif self._urgent or self._tokens >= FlushPolicy.FIXED_COMMANDS + self._entries:
+            self._wake.set()
+
+    def drop(self, job_id: str) -> None:
+        """Forget a job's unwritten entries (its lease was lost; a flush in flight is fenced off)."""
+        batch = self._pending.pop(job_id, None)
+        if batch is not None:
+            self._entries -= len(batch.entries)
+            self._tokens -= sum(len(e.token_ids) for e in batch.entries if isinstance(e, _Chunk))
+        self._started.discard(job_id)
+
+    async def write_all(self, job_id: str) -> None:
+        """Return once every entry of ``job_id`` added so far is in Redis (or was fenced off)."""
+        while job_id in self._pending or (self._inflight and any(j == job_id for j, _ in self._inflight.jobs)):
+            if not await self.flush():
+                await asyncio.sleep(0.2)
+
+    async def flush(self) -> bool:
+        """Send the flush in flight again, or every pending job's entries as a new one. Returns
+        False if Redis was unreachable (the same flush is sent again next time)."""
+        async with self._lock:
+            if self._inflight is None:
+                if not self._pending:
+                    return True
+                self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", list(self._pending.items()))
+                self._pending = {}
+                self._tokens = self._entries = 0
+                self._since = None
+                self._urgent = False
+            sent = self._inflight
+            try:
+                written = await self._appender.append(sent.id, [
+                    JobEntries(job_id, batch.lease, batch.ttl,
+                               [e.fields() if isinstance(e, _Chunk) else encode_entry(e) for e in batch.entries])
+                    for job_id, batch in sent.jobs])
+            except (RedisConnectionError, RedisTimeoutError, OSError, RedisError) as exc:
+                log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(sent.jobs))
+                return False
+            self._inflight = None
+            self.round_trips += 1
+            for (job_id, batch), ok in zip(sent.jobs, written):
+                if ok:
+                    self.entries_written += len(batch.entries)
+                    continue
+                pending = self._pending.get(job_id)
+                if pending is not None and pending.lease == batch.lease:
+                    self.drop(job_id)
+                log.warning("job %s: its lease %s no longer owns it; its entries are dropped", job_id, batch.lease)
+                if self.on_fenced is not None:
+                    self.on_fenced(job_id, batch.lease)
+            return True
+
+    async def _flush_loop(self) -> None:
+        """Sleeps while nothing waits; flushes when the policy says so; backs off while Redis is down."""
+        backoff = 0.0
+        while True:
+            if backoff:
+                await asyncio.sleep(backoff)
+            elif self._inflight is None and not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            else:
+                delay = self.policy.due_in(waited_s=time.monotonic() - (self._since or time.monotonic()),
+                                           tokens=self._tokens, entries=self._entries,
+                                           urgent=self._urgent or self._inflight is not None)
+                if delay > 0:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await self._wake.wait()
+                    continue
+            ok = await self.flush()
+            backoff = 0.0 if ok else min(max(backoff * 2, 0.1), 2.0)
