@@ -20,17 +20,35 @@ from typing import Any
 from redis.asyncio import Redis
 
 from slotq.engine import ErrorInfo, FinishReason
+from slotq.jobs.errors import (
+    JobNotFound,
+    JobRejected,
+    JobTimeout,
+    QueueFull,
+    QuotaExceeded,
+    RedisUnavailable,
+    StreamGone,
+)
+from slotq.jobs.producer.stream_reader import StreamReader
 from slotq.jobs.protocol import dead_letters, registry, streams
+from slotq.jobs.protocol.arq_adapter import ResultRecord
 from slotq.jobs.protocol.connection import connect
-from slotq.jobs.errors import JobNotFound, JobRejected, JobTimeout, QueueFull, QuotaExceeded, RedisUnavailable, StreamGone
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
 from slotq.jobs.protocol.redis_queue import TOKENS_WINDOW_MS, Enqueued, RedisQueue
-from slotq.jobs.protocol.schemas import (EntryKind, JobRequest, JobResult, JobStatus, LaneInfo, QueueInfo, StreamEntry,
-                          WorkerInfo, tenant_job_id)
+from slotq.jobs.protocol.schemas import (
+    EntryKind,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    LaneInfo,
+    QueueInfo,
+    StreamEntry,
+    WorkerInfo,
+    tenant_job_id,
+)
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.settings import ClientSettings
-from slotq.jobs.producer.stream_reader import StreamReader
 
 __all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "QuotaExceeded", "SlotqClient",
            "StreamGone"]
@@ -236,7 +254,7 @@ class SlotqClient:
     async def finished(self, job_ids: Sequence[str]) -> dict[str, JobResult]:
         """The results of those of ``job_ids`` that have finished, in one round trip (no waiting)."""
         records = await self.queue.result_records(job_ids, deserialize)
-        return {job_id: _to_job_result(job_id, r.success, r.result, r.job_try) for job_id, r in records.items()}
+        return {job_id: _to_job_result(job_id, record) for job_id, record in records.items()}
 
     async def forget(self, job_ids: Sequence[str]) -> int:
         """Remove finished jobs' results and output streams now rather than when they expire
@@ -247,7 +265,7 @@ class SlotqClient:
 
     async def _stored_result(self, job_id: str) -> JobResult | None:
         record = await self.queue.result_record(job_id, deserialize)
-        return None if record is None else _to_job_result(job_id, record.success, record.result, record.job_try)
+        return None if record is None else _to_job_result(job_id, record)
 
     # ------------------------------------------------------------------ cancel
     async def cancel(self, job_id: str) -> bool:
@@ -354,14 +372,15 @@ class SlotqClient:
 _QUOTA_REFUSALS = frozenset({Enqueued.TENANT_WAITING, Enqueued.TENANT_IN_FLIGHT, Enqueued.TENANT_TOKENS})
 
 
-def _to_job_result(job_id: str, success: bool, raw: Any, attempts: int) -> JobResult:
-    """Our job function returns a JobResult; arq stores an exception record when it failed a job
-    without running it (expired, aborted before start, timeout)."""
-    if success and isinstance(raw, dict) and "status" in raw:
-        return JobResult.model_validate(raw)
-    name = raw.get("__exception__", "") if isinstance(raw, dict) else ""
-    message = raw.get("message", str(raw)) if isinstance(raw, dict) else str(raw)
-    if name == "CancelledError":
-        return JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, attempts=attempts)
-    return JobResult(id=job_id, status=JobStatus.FAILED, finish_reason=FinishReason.ERROR, attempts=attempts,
-                     error=ErrorInfo(code=(name or "job_failed").lower(), message=message or name, retryable=False))
+def _to_job_result(job_id: str, record: ResultRecord) -> JobResult:
+    """Our job function returns a JobResult; the runtime stores a failure instead when it ended a
+    job without one (expired, aborted, out of tries, timed out)."""
+    if record.output is not None and "status" in record.output:
+        return JobResult.model_validate(record.output)
+    if record.cancelled:
+        return JobResult(id=job_id, status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED,
+                         attempts=record.attempts)
+    error = ErrorInfo(code=(record.error or "job_failed").lower(), message=record.message or record.error,
+                      retryable=False)
+    return JobResult(id=job_id, status=JobStatus.FAILED, finish_reason=FinishReason.ERROR, attempts=record.attempts,
+                     error=error)

@@ -1,344 +1,236 @@
-"""arq's job runtime, fed by slotq's claim path.
+"""The adapter around arq: the only module of slotq that imports it.
 
-:class:`QueueRuntime` keeps what arq does well for a claimed job -- ``Worker.run_job``: read the
-job record, count the attempt, honour an abort requested before the start, run the job function
-under ``job_timeout``, classify the outcome (``Retry``, abort, cancellation, failure, success) and
-build the result record -- and replaces everything around it that cannot scale or cannot be made
-safe: the polling loop and its head-of-queue scan, the per-job WATCH/MULTI claim, the lock that is
-never renewed, and the finishing writes, which here are fenced scripts of :mod:`slotq.jobs.protocol.scripts`.
+slotq keeps arq (pinned at 0.28.0, maintenance-only upstream) for what it does well, and nothing
+else:
 
-Its loop: claim as many jobs as there are free slots; with nothing to claim, wait for whichever
-comes first -- a slot freed by a finishing job, a wake token (one enqueue wakes one idle worker), or
-the fallback tick (``poll_delay_s``), which also reaps expired leases and re-checks aborts.
+* **Running one claimed job** (:class:`ArqJobRunner`): ``Worker.run_job`` reads the job record,
+  counts the attempt, honours an abort requested before the start, runs the job function under
+  ``job_timeout``, classifies how it ended (``Retry``, ``RetryJob``, abort, cancellation, failure,
+  success) and builds the result record. Everything around it -- claiming, leases, wake-ups,
+  preemption, and the finishing writes as fenced scripts -- is slotq's
+  (:mod:`slotq.jobs.worker.runtime`, :mod:`slotq.jobs.protocol.scripts`).
+* **The record formats and key names** that ``run_job`` reads and writes, which the queue's
+  scripts therefore share: the job record an enqueue writes (:func:`job_record`), the result
+  record a producer reads (:func:`result_record`, :func:`read_result_record`), and how an
+  exception that arq stores as a result is serialized (:func:`exception_data`).
+* **Its connection helpers** (``RedisSettings``, ``create_pool``, ``ArqRedis``), which
+  :mod:`slotq.jobs.protocol.connection` builds every Redis client with.
 
-A worker whose slots are all busy and that runs a job of a lower lane waits instead for a
-preemption token of a lane above it (one enqueue wakes at most one busy worker). It then claims
-the waiting job (``PREEMPT``: exactly one worker wins it) and hands back its victim
-(:mod:`slotq.jobs.protocol.preemption`): the victim's attempt is cancelled at the engine's next step,
-flushes what it generated to its stream and is handed back without using a try; the claimed job
-takes its slot as soon as it has left, and the victim resumes from its stream on any worker.
+arq's ``Worker`` is held, not inherited: the rest of slotq sees :class:`ArqJobRunner`'s few
+typed methods. Where the runner relies on arq 0.28 internals beyond its documented API, the code
+says which and why; a new arq version must be checked against those places.
+
+This module imports nothing else of slotq, so any protocol module may import it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, cast
 
+from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.constants import abort_jobs_ss, job_key_prefix, result_key_prefix, retry_key_prefix
+from arq.jobs import Deserializer, Serializer, deserialize_result, serialize_job, serialize_result
 from arq.worker import Retry, RetryJob, Worker, func
+from redis.asyncio import Redis
 
-from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress, choose_victim
-from slotq.jobs.protocol.redis_queue import ClaimedJob, RedisQueue
+__all__ = [
+    # arq's key names: run_job reads and writes these keys, so the queue's scripts use them too (keys.py)
+    "abort_jobs_ss", "job_key_prefix", "result_key_prefix", "retry_key_prefix",
+    # its connection helpers (connection.py)
+    "ArqRedis", "RedisSettings", "create_pool",
+    # what a job function raises: retry after a delay, or hand the job back
+    "Retry", "RetryJob",
+    "ArqJobRunner", "Attempt", "Deserializer", "ExitKind", "JobExit", "ResultRecord", "Serializer", "exception_data",
+    "job_record", "read_result_record", "result_record",
+]
 
-log = logging.getLogger(__name__)
+# ---------------------------------------------------------------------------- records
+_EXCEPTION = "__exception__"
 
 
-__all__ = ["QueueRuntime", "Retry", "RetryJob"]     # what a job function raises: retry later, or hand back
+def exception_data(exc: BaseException) -> dict[str, str]:
+    """How an exception is serialized: arq stores one as the result of a job it failed (expired,
+    aborted, out of tries, timed out), and msgpack cannot carry it."""
+    return {_EXCEPTION: type(exc).__name__, "message": str(exc)}
 
 
-class QueueRuntime(Worker):
-    """An arq ``Worker`` whose jobs come from :class:`RedisQueue` and run ``job`` (registered as
-    ``job_name``). ``max_jobs`` is the number of slots; ``allow_pick_jobs = False`` stops claiming
-    (draining)."""
+def job_record(function: str, payload: Any, enqueued_ms: int, serializer: Serializer) -> bytes:
+    """The job record an enqueue writes (``JOB_RECORD_PREFIX + id``): ``function(payload)``."""
+    return serialize_job(function, (payload,), {}, None, enqueued_ms, serializer=serializer)
 
-    def __init__(self, *, job_name: str, job: Callable[[dict[str, Any], Any], Awaitable[Any]], queue: RedisQueue,
-                 token: str, lease_ms: int, may_claim: Callable[[], bool] = lambda: True,
-                 on_job_started: Callable[[ClaimedJob], None] | None = None,
-                 progress: Callable[[str], Progress] = lambda job_id: NOT_STARTED,
-                 on_preempted: Callable[[ClaimedJob], None] | None = None, **kwargs: Any) -> None:
-        """``progress(job_id)``: how far a running job's attempt has got (the victim policy weighs
-        it); ``on_preempted(victim)``: a job of this worker yields its slot to a higher lane."""
-        super().__init__(functions=[func(job, name=job_name)], handle_signals=False, **kwargs)
-        # arq logs every job's arguments (the prompt) at INFO; slotq logs its own prompt-free lines.
-        logging.getLogger("arq.worker").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
-        self.queue = queue
-        self.token = token
-        self.lease_ms = lease_ms
-        self.claimed: dict[str, ClaimedJob] = {}
-        # job id -> the claim that takes its slot once its attempt has left: the same job claimed
-        # again while its lost attempt still ends here, or a higher-lane job it yields to
-        self.successors: dict[str, ClaimedJob] = {}
-        self.lease_lost: set[str] = set()
-        self.leaving: set[str] = set()          # finishing, retrying or being handed back right now
-        self.may_claim = may_claim
-        self.on_job_started = on_job_started
-        self.progress = progress
-        self.on_preempted = on_preempted
-        self._slot_freed = asyncio.Event()
-        self._wake_task: asyncio.Task[bool] | None = None
-        self._preempt_task: asyncio.Task[str | None] | None = None
-        self._maintenance: asyncio.Task[None] | None = None
-        self.claims = 0          # claim round trips, for benchmarks
-        self.wakeups = 0
-        self.preemptions = 0     # jobs of this worker handed back for a higher lane
 
-    # ------------------------------------------------------------------ the loop
-    async def main(self) -> None:
-        """Maintenance starts at once -- a worker still loading a large model already reaps the
-        jobs of dead workers -- and claiming once ``on_startup`` (the model load) is done."""
-        self.ctx["redis"] = self.pool
-        self._maintenance = asyncio.create_task(self._maintain(), name="slotq-queue-maintenance")
-        if self.on_startup:
-            await self.on_startup(self.ctx)
-        while True:
-            free = self.max_jobs - self.job_counter
-            if self._can_claim() and free > 0:
-                claimed = await self._claim(free)
-                if len(claimed) == free:
-                    continue                  # took all it could; look again when a slot frees
-            await self._wait(self.poll_delay_s)
+def result_record(job_id: str, function: str, value: Any, queue_name: str, now_ms: int,
+                  serializer: Serializer) -> bytes:
+    """The result record of a job that no worker ran (e.g. cancelled while queued), stored as a
+    success with ``value`` and attempt 0."""
+    record = serialize_result(function, (), {}, 0, now_ms, True, value, now_ms, now_ms, job_id, queue_name, job_id,
+                              serializer=serializer)
+    assert record is not None, "arq returns None only when even its fallback record cannot be serialized"
+    return record
 
-    async def _maintain(self) -> None:
-        while True:
-            await self._tick()
-            await asyncio.sleep(self.poll_delay_s)
 
-    async def _claim(self, free: int) -> list[ClaimedJob]:
-        try:
-            claimed = await self.queue.claim(free, self.token, self.lease_ms)
-        except Exception as exc:  # Redis down: the next tick tries again (commands already retried ~30 s)
-            log.warning("claim failed (%s: %s); retrying", type(exc).__name__, exc)
-            await asyncio.sleep(1)
-            return []
-        self.claims += 1
-        for job in claimed:
-            running = self.claimed.get(job.id)
-            if running is None:
-                await self._start(job)
-                continue
-            # Still running here: Redis was unreachable longer than the lease (an outage, a
-            # failover), so a reaper requeued the job and this claim took it back. The running
-            # attempt's lease is void (its buffered stream writes are refused); it stops, and the
-            # new attempt takes over its slot and resumes from what reached the stream.
-            log.warning("job %s: claimed again while its attempt still runs here (its lease expired while Redis "
-                        "was unreachable); that attempt stops and a new one resumes from its stream", job.id)
-            self.successors[job.id] = job
-            self.lose_lease(running.id, running.lease)
-        return claimed
+@dataclass(frozen=True)
+class ResultRecord:
+    """A finished job's result record (:func:`read_result_record`)."""
 
-    async def _start(self, job: ClaimedJob) -> None:
-        await self.sem.acquire()          # arq's bookkeeping: never blocks below max_jobs
-        self.job_counter += 1
-        self._launch(job)
+    attempts: int                       # the attempt that ended the job (0: no worker ran it)
+    output: dict[str, Any] | None       # what the job function returned, when it returned a mapping
+    cancelled: bool                     # aborted: arq stored a CancelledError
+    error: str                          # a failure's exception class ("" when the record names none)
+    message: str                        # a failure's message (the stored value's text when it has none)
 
-    def _launch(self, job: ClaimedJob) -> None:
-        self.claimed[job.id] = job
-        task = self.loop.create_task(self.run_job(job.id, job.ready_ms))
-        task.add_done_callback(lambda _t, job_id=job.id: self._job_done(job_id))
-        self.tasks[job.id] = task
-        if self.on_job_started is not None:
-            self.on_job_started(job)
 
-    def _job_done(self, job_id: str) -> None:
-        self.lease_lost.discard(job_id)
-        self.leaving.discard(job_id)
-        self.claimed.pop(job_id, None)
-        successor = self.successors.pop(job_id, None)
-        if successor is not None:
-            self._launch(successor)       # the slot passes straight to the new attempt
-            return
-        self.job_counter -= 1
-        self.sem.release()
-        self._slot_freed.set()
+def read_result_record(raw: bytes, deserializer: Deserializer) -> ResultRecord:
+    """Decode a result record, whether the job function returned or arq failed the job and stored
+    an exception (:func:`exception_data`)."""
+    record = deserialize_result(raw, deserializer=deserializer)
+    value = record.result
+    if isinstance(value, dict):
+        error, message = value.get(_EXCEPTION, ""), value.get("message", str(value))
+    else:
+        error, message = "", str(value)
+    return ResultRecord(attempts=record.job_try, output=value if record.success and isinstance(value, dict) else None,
+                        cancelled=error == "CancelledError", error=error, message=message)
 
-    def lose_lease(self, job_id: str, lease: str) -> None:
-        """``lease`` no longer owns the job (reaped, or claimed again): stop that attempt (its
-        writes are fenced off already). A report about another claim of the job is ignored."""
-        for leaving_id, successor in list(self.successors.items()):
-            if successor.id == job_id and successor.lease == lease:
-                del self.successors[leaving_id]   # lost before it could start
-                return
-        job = self.claimed.get(job_id)
-        if job is None or job.lease != lease or job_id in self.lease_lost:
-            return
-        self.lease_lost.add(job_id)
-        task = self.job_tasks.get(job_id)
-        if task is not None:                      # None: not started yet; the job function checks lease_lost
-            task.cancel()
 
-    def waits_for_slot(self, job: ClaimedJob) -> bool:
-        """Whether ``job``'s claim waits here for a leaving attempt's slot."""
-        return any(s.id == job.id and s.lease == job.lease for s in self.successors.values())
+# ---------------------------------------------------------------------------- running a job
+@dataclass(frozen=True)
+class Attempt:
+    """What a job function is told about the attempt it runs."""
 
-    def leases(self) -> list[ClaimedJob]:
-        """The claims whose leases the heartbeat renews: every running attempt not yet lost or
-        leaving, and the claims waiting for a lost attempt to end."""
-        running = [j for j in self.claimed.values() if j.id not in self.lease_lost and j.id not in self.leaving]
-        return running + list(self.successors.values())
+    job_id: str
+    number: int              # 1 for the job's first attempt (arq's ``job_try``)
+    enqueued_at: float       # when the job was enqueued (epoch seconds, from its record)
 
-    async def _wait(self, timeout: float) -> None:
-        """Until a slot frees, a wake token arrives (only while slots are free), a preemption
-        token arrives (only while every slot is busy and a lower-lane job runs) or ``timeout``."""
-        self._slot_freed.clear()
-        waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._slot_freed.wait())}
-        if self._can_claim() and self._wake_task is None:
-            self._wake_task = asyncio.create_task(self.queue.wait_for_work(self.poll_delay_s), name="slotq-wake")
-        victim = self._victim()
-        if victim is not None and self._preempt_task is None:
-            self._preempt_task = asyncio.create_task(
-                self.queue.wait_for_preemption(self.queue.lane_of(victim.lane_index), self.poll_delay_s),
-                name="slotq-preempt-wake")
-        waiters |= {t for t in (self._wake_task, self._preempt_task) if t is not None}
-        done, pending = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        for fut in pending:
-            if fut is not self._wake_task and fut is not self._preempt_task:
-                fut.cancel()
-        if self._wake_task is not None and self._wake_task.done():
-            task, self._wake_task = self._wake_task, None
-            if await self._token_taken(task):
-                self.wakeups += 1
-                if not self._can_claim():
-                    with contextlib.suppress(Exception):
-                        await self.queue.return_wake_token()   # full meanwhile: pass it on
-        if self._preempt_task is not None and self._preempt_task.done():
-            task, self._preempt_task = self._preempt_task, None
-            if await self._token_taken(task):
-                await self._preempt(task.result())
 
-    @staticmethod
-    async def _token_taken(task: asyncio.Task[Any]) -> bool:
-        """Whether a finished token wait popped a token (Redis unreachable: pause, do not spin)."""
-        if task.cancelled():
-            return False
-        if task.exception() is not None:
-            await asyncio.sleep(0.5)          # Redis unreachable: the next tick reports it; do not spin
-            return False
-        return bool(task.result())
+class ExitKind(Enum):
+    FINISHED = "finished"          # for good (success, failure, abort, out of tries): store the result record
+    RETRY_LATER = "retry_later"    # ``Retry(defer=...)``: back to the queue once its backoff has passed
+    HAND_BACK = "hand_back"        # cancelled (shutdown, preemption, lost lease) or ``RetryJob``: no try used
 
-    def _victim(self) -> Candidate | None:
-        """The job this worker would hand back for a higher lane (:func:`choose_victim`); None
-        unless every slot is busy and the worker may claim. A job is a candidate while its job
-        function runs and it is neither leaving, lost, aborted nor already yielding its slot."""
-        if not (self.allow_pick_jobs and self.job_counter >= self.max_jobs and self.may_claim()):
-            return None
-        lanes = self.queue.keys.lanes
-        return choose_victim(
-            Candidate(job_id, lanes.index(job.lane), self.progress(job_id))
-            for job_id, job in self.claimed.items()
-            if job_id in self.job_tasks and job.lane != lanes[0] and job_id not in self.leaving
-            and job_id not in self.lease_lost and job_id not in self.successors and job_id not in self.aborting_tasks)
 
-    async def _preempt(self, token_lane: str) -> None:
-        """A preemption token of ``token_lane`` arrived: claim the waiting job and give it the
-        victim's slot. With a free slot meanwhile, the main loop's claim takes the job instead;
-        with no victim left (its lower-lane jobs ended), the token goes back for another worker."""
-        if self._can_claim():
-            return
-        victim = self._victim()
-        if victim is None or victim.lane_index <= self.queue.keys.lanes.index(token_lane):
-            with contextlib.suppress(Exception):
-                await self.queue.return_preemption_token(token_lane)
-            return
-        victim_job = self.claimed[victim.job_id]
-        try:
-            job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms)
-        except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job
-            log.warning("preemption claim failed (%s: %s)", type(exc).__name__, exc)
-            return
-        if job is None:
-            return
-        self.claims += 1
-        self.preemptions += 1
-        if self.claimed.get(victim.job_id) is not victim_job:      # it ended meanwhile: its slot is free
-            await self._start(job)
-            return
-        log.info("job %s (%s) hands its slot to job %s (%s) and goes back to its lane with %d tokens left",
-                 victim.job_id, victim_job.lane, job.id, job.lane, victim.progress.tokens_left)
-        self.successors[victim.job_id] = job
-        if self.on_preempted is not None:
-            self.on_preempted(victim_job)
-        task = self.job_tasks.get(victim.job_id)
-        if task is not None and victim.job_id not in self.leaving:
-            task.cancel()                     # hand back: the attempt flushes its stream first
+@dataclass(frozen=True)
+class JobExit:
+    """How an attempt left, as arq's ``run_job`` decided it."""
 
-    def _can_claim(self) -> bool:
-        return self.allow_pick_jobs and self.job_counter < self.max_jobs and self.may_claim()
+    kind: ExitKind
+    result: bytes | None = None    # FINISHED: the result record (None: results are not kept)
+    result_ttl_ms: int = 0         # FINISHED: how long producers may read it
+    ready_shift_ms: int = 0        # RETRY_LATER: how far the job's ready time moves (its backoff plus the
+    #                                time since the ready time the attempt started with)
 
-    def nudge(self) -> None:
-        """Look for work now (e.g. the claim gate just opened)."""
-        self._slot_freed.set()
 
-    async def _tick(self) -> None:
-        """Fallback work, once per ``poll_delay_s``: requeue expired leases (any worker may reap any
-        job), act on aborts whose notification was missed, and surface crashed job tasks."""
-        try:
-            reaped = await self.queue.reap()
-            if reaped:
-                log.warning("requeued %d jobs whose worker stopped renewing their lease", reaped)
-            await self._cancel_aborted_jobs()
-        except Exception as exc:
-            log.warning("queue maintenance failed (%s: %s)", type(exc).__name__, exc)
-        for job_id, task in list(self.tasks.items()):
-            if task.done():
-                del self.tasks[job_id]
-                if not task.cancelled() and task.exception() is not None:
-                    log.error("job %s: the runtime failed around it: %r", job_id, task.exception())
+JobFunction = Callable[[Attempt, Any], Awaitable[Any]]
+OnExit = Callable[[str, JobExit], Awaitable[None]]
 
-    async def abort_now(self) -> None:
-        """Act on pending aborts now (a cancel notification arrived)."""
-        await self._cancel_aborted_jobs()
 
-    # ------------------------------------------------------------------ how a job leaves this worker
+class _Worker(Worker):
+    """arq's ``Worker`` with its two finishing writes handed to slotq.
+
+    arq 0.28's ``run_job`` ends every job through ``self.finish_job`` (after the function ran) or
+    ``self.finish_failed_job`` (failed before it could run); overriding them is the only way arq
+    offers to replace those writes. Nothing else of the ``Worker`` is overridden, and its own loop
+    (``main``, ``start_jobs``, ``close``, signals) is never run."""
+
+    def __init__(self, on_exit: OnExit, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._report_exit = on_exit
+
     async def finish_job(self, job_id: str, finish: bool, result_data: bytes | None, result_timeout_s: float | None,
                          keep_result_forever: bool, incr_score: int | None, keep_in_progress: float | None) -> None:
-        """arq's outcome, as one fenced script: finished (result stored), retried later (Retry),
-        or handed back (cancelled by a shutdown or a dead engine: no try is used)."""
-        job = self.claimed.get(job_id)
-        if job is None:
-            return
-        self.leaving.add(job_id)            # its lease ends here: the heartbeat stops renewing it
+        # A Retry without a delay leaves incr_score None (its score unchanged): a hand-back, as before.
         if finish:
-            ttl_ms = int(1000 * (result_timeout_s or self.keep_result_s))
-            done = await self.queue.finish(job, result_data, ttl_ms)
+            exit_ = JobExit(ExitKind.FINISHED, result_data, int(1000 * (result_timeout_s or self.keep_result_s)))
         elif incr_score:
-            done = await self.queue.retry_later(job, job.ready_ms + incr_score)
+            exit_ = JobExit(ExitKind.RETRY_LATER, ready_shift_ms=incr_score)
         else:
-            done = await self.queue.hand_back(job)
-        if not done and job_id not in self.lease_lost:
-            log.warning("job %s is no longer this worker's (its lease expired and it was requeued); left alone", job_id)
+            exit_ = JobExit(ExitKind.HAND_BACK)
+        await self._report_exit(job_id, exit_)
 
     async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
-        """arq failed the job without running it (record expired, unreadable, aborted before start,
-        attempts exhausted): store its result and remove it from the queue."""
-        job = self.claimed.get(job_id)
-        if job is not None:
-            self.leaving.add(job_id)
-            await self.queue.finish(job, result_data, int(self.keep_result_s * 1000))
+        await self._report_exit(job_id, JobExit(ExitKind.FINISHED, result_data, int(self.keep_result_s * 1000)))
 
-    def hand_back_all(self) -> None:
-        """Stop claiming and cancel every running job function once; :meth:`finish_job` then hands
-        each back. A job still in run_job's prelude is cancelled by the next call, once it started."""
-        self.allow_pick_jobs = False
-        for task in list(self.job_tasks.values()):
+
+class ArqJobRunner:
+    """Runs claimed jobs through arq's ``Worker.run_job``, one task per attempt.
+
+    ``job(attempt, payload)`` is the job function (registered as ``function_name``, the name job
+    records carry); ``on_exit(job_id, exit)`` is awaited once per attempt that reached arq's
+    outcome, with how it left, and does the finishing write. arq sends its own commands on
+    ``redis``: reading the job record, counting the attempt, checking aborts."""
+
+    def __init__(self, *, function_name: str, job: JobFunction, on_exit: OnExit, redis: Redis, queue_name: str,
+                 job_timeout_s: float, keep_result_s: float, max_tries: int, serializer: Serializer,
+                 deserializer: Deserializer) -> None:
+        self._job = job
+        # run_job sends only plain commands on its pool (GET, INCR, EXPIRE, ZREM, SETEX): any client does.
+        self._worker = _Worker(
+            on_exit, functions=[func(self._call, name=function_name)], redis_pool=cast(ArqRedis, redis),
+            queue_name=queue_name, handle_signals=False, job_timeout=job_timeout_s, keep_result=keep_result_s,
+            max_tries=max_tries, allow_abort_jobs=True, job_serializer=serializer, job_deserializer=deserializer,
+            log_results=False)
+        # arq logs every job's arguments (the prompt) at INFO; slotq logs its own prompt-free lines.
+        logging.getLogger("arq.worker").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
+
+    def start(self, job_id: str, ready_ms: int) -> asyncio.Task[None]:
+        """Run an attempt of the claimed job ``job_id`` (``ready_ms``: its ready time, which a
+        ``Retry``'s delay is counted from). The task ends after ``on_exit``."""
+        return asyncio.get_running_loop().create_task(self._worker.run_job(job_id, ready_ms))
+
+    async def _call(self, ctx: dict[str, Any], payload: Any) -> Any:
+        # run_job's per-job ctx (arq 0.28): job_id, job_try (the retry counter it just incremented),
+        # enqueue_time (a datetime from the job record) and score.
+        job_id = ctx["job_id"]
+        result = await self._job(Attempt(job_id, ctx["job_try"], ctx["enqueue_time"].timestamp()), payload)
+        # An abort that came too late to stop the job: run_job clears aborting_tasks only when the
+        # cancellation lands, and a later attempt of this job here would otherwise count as aborted.
+        self._worker.aborting_tasks.discard(job_id)
+        return result
+
+    # job_tasks (arq 0.28): job id -> the task of the job function, set by run_job while the
+    # function runs (not during its prelude or its finishing write). Cancelling that task is how
+    # arq itself stops a job; run_job then classifies the CancelledError.
+    def function_running(self, job_id: str) -> bool:
+        """Whether the job function of ``job_id`` runs now (its prelude is over, its end not reached)."""
+        return job_id in self._worker.job_tasks
+
+    def cancel(self, job_id: str) -> None:
+        """Cancel the running job function of ``job_id``, if any: the attempt is handed back
+        (unless it is being aborted); it checks for itself whether it lost its lease."""
+        task = self._worker.job_tasks.get(job_id)
+        if task is not None:
+            task.cancel()
+
+    def cancel_all(self) -> None:
+        """Cancel every running job function once (a second cancel would interrupt its hand-back)."""
+        for task in list(self._worker.job_tasks.values()):
             if not task.cancelling():
                 task.cancel()
 
-    async def hand_back_and_wait(self, timeout_s: float = 15.0) -> None:
-        """Hand every job back and wait (up to ``timeout_s``) until each has left the worker."""
-        deadline = time.monotonic() + timeout_s
-        while any(not t.done() for t in self.tasks.values()) and time.monotonic() < deadline:
-            self.hand_back_all()
-            await asyncio.sleep(0.02)
+    async def check_aborts(self) -> None:
+        """Cancel the running jobs that a producer asked to abort (``arq:abort``).
 
-    async def close(self) -> None:
-        """Unlike arq's ``close``, never cancels run_job tasks (that would release a job before its
-        hand-back wrote its stream); call :meth:`hand_back_and_wait` first."""
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(BaseException):
-                await self._maintenance
-        for task in (self._wake_task, self._preempt_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-        if self._pool is None:
-            return
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        if self.on_shutdown:
-            await self.on_shutdown(self.ctx)
-        await self.pool.aclose()
-        self._pool = None
+        Calls arq 0.28's private ``_cancel_aborted_jobs``: it reads the aborts, cancels the
+        matching job functions and marks them in ``aborting_tasks``, which ``run_job`` reads to
+        record the cancellation as an abort (final) instead of a hand-back. arq has no public call
+        for it (its own poll loop makes it), and the marks must be the ones ``run_job`` reads."""
+        await self._worker._cancel_aborted_jobs()
+
+    def is_aborting(self, job_id: str) -> bool:
+        """Whether ``job_id``'s attempt is being aborted (``aborting_tasks``, see :meth:`check_aborts`)."""
+        return job_id in self._worker.aborting_tasks
+
+    @property
+    def jobs_complete(self) -> int:
+        """Attempts that returned (arq's count)."""
+        return self._worker.jobs_complete
+
+    @property
+    def jobs_failed(self) -> int:
+        """Jobs that ended failed or aborted, including those arq failed before running (arq's count)."""
+        return self._worker.jobs_failed

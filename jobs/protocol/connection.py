@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from arq.connections import ArqRedis, RedisSettings, create_pool
 from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
@@ -37,6 +36,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.jobs.errors import RedisUnavailable
+from slotq.jobs.protocol.arq_adapter import ArqRedis, RedisSettings, create_pool
 from slotq.jobs.protocol.serialization import deserialize, serialize
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}     # scheme -> TLS

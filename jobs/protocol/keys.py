@@ -66,7 +66,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from arq.constants import abort_jobs_ss, job_key_prefix, result_key_prefix, retry_key_prefix
+from slotq.jobs.protocol.arq_adapter import abort_jobs_ss, job_key_prefix, result_key_prefix, retry_key_prefix
 
 LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)

@@ -20,12 +20,26 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from arq.jobs import deserialize_result, serialize_job, serialize_result
 from redis.asyncio import Redis
 
 from slotq.jobs.protocol import scripts
-from slotq.jobs.protocol.keys import (ABORTS, DEFAULT_TENANT, QueueKeys, job_record_key, result_key, retry_counter_key,
-                                      stream_key)
+from slotq.jobs.protocol.arq_adapter import (
+    Deserializer,
+    ResultRecord,
+    Serializer,
+    job_record,
+    read_result_record,
+    result_record,
+)
+from slotq.jobs.protocol.keys import (
+    ABORTS,
+    DEFAULT_TENANT,
+    QueueKeys,
+    job_record_key,
+    result_key,
+    retry_counter_key,
+    stream_key,
+)
 
 WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at most (one per waiting job below that)
 PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
@@ -139,7 +153,7 @@ class RedisQueue:
 
     # ------------------------------------------------------------------ producers
     async def enqueue(self, job_id: str, function: str, payload: dict[str, Any], *, lane: str,
-                      tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Any,
+                      tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Serializer,
                       quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0) -> Enqueued:
         """Write the job record (arq's format) and put the job in its lane at its tenant's fair
         place (round-robin across tenants, see keys.py); wake one idle worker, and leave a
@@ -147,7 +161,7 @@ class RedisQueue:
         already wait (None: no limit); TENANT_* when the tenant's ``quotas`` refuse it, ``tokens``
         being what the job reserves of its tenant's tokens per minute."""
         now_ms = int(time.time() * 1000)
-        record = serialize_job(function, (payload,), {}, None, now_ms, serializer=serializer)
+        record = job_record(function, payload, now_ms, serializer)
         k = self.keys
         counted = [key for lane_ in k.lanes for key in (k.waiting(lane_), k.deferred(lane_))]
         below = [k.running(lane_) for lane_ in k.lanes[k.lanes.index(lane) + 1:]]
@@ -192,26 +206,25 @@ class RedisQueue:
             keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, k.progress, k.tenant_waiting, *counted],
             args=[job_id, int(time.time() * 1000), k.abort_channel("")]))
 
-    async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int, serializer: Any) -> None:
+    async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int,
+                           serializer: Serializer) -> None:
         """Store the result record (arq's format) of a job no worker ran, e.g. cancelled while queued."""
-        now_ms = int(time.time() * 1000)
-        record = serialize_result(function, (), {}, 0, now_ms, True, result, now_ms, now_ms, job_id, self.keys.queue,
-                                  job_id, serializer=serializer)
+        record = result_record(job_id, function, result, self.keys.queue, int(time.time() * 1000), serializer)
         await self.redis.psetex(result_key(job_id), ttl_ms, record)
 
-    async def result_record(self, job_id: str, deserializer: Any) -> Any | None:
-        """arq's result record of a finished job, or None."""
+    async def result_record(self, job_id: str, deserializer: Deserializer) -> ResultRecord | None:
+        """The result record of a finished job, or None."""
         raw = await self.redis.get(result_key(job_id))
-        return None if raw is None else deserialize_result(raw, deserializer=deserializer)
+        return None if raw is None else read_result_record(raw, deserializer)
 
-    async def result_records(self, job_ids: Sequence[str], deserializer: Any) -> dict[str, Any]:
-        """arq's result records of those of ``job_ids`` that have finished: one MGET, so a producer
+    async def result_records(self, job_ids: Sequence[str], deserializer: Deserializer) -> dict[str, ResultRecord]:
+        """The result records of those of ``job_ids`` that have finished: one MGET, so a producer
         with many jobs in flight (a bulk run) checks them all in one round trip."""
         if not job_ids:
             return {}
         raw = await self.redis.mget([result_key(job_id) for job_id in job_ids])
-        return {job_id: deserialize_result(value, deserializer=deserializer)
-                for job_id, value in zip(job_ids, raw) if value is not None}
+        return {job_id: read_result_record(value, deserializer) for job_id, value in zip(job_ids, raw)
+                if value is not None}
 
     async def forget(self, job_ids: Sequence[str]) -> int:
         """Remove the result, attempt counter and stream of each finished job; jobs still queued

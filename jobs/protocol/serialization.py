@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from slotq.jobs.protocol.arq_adapter import exception_data
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 
 POISON_MARKER = "__slotq_poison__"
@@ -20,7 +21,7 @@ POISON_MARKER = "__slotq_poison__"
 
 def _to_plain(obj: Any) -> Any:
     if isinstance(obj, BaseException):     # arq stores exceptions as job results on failure
-        return {"__exception__": type(obj).__name__, "message": str(obj)}
+        return exception_data(obj)
     if isinstance(obj, (set, frozenset)):
         return list(obj)
     raise TypeError(f"cannot serialize {type(obj).__name__}")

@@ -1,6 +1,6 @@
 """The slotq worker: one engine (one model, N slots) fed from a Redis queue.
 
-* It claims at most as many jobs as it has slots (:class:`~slotq.jobs.protocol.arq_adapter.QueueRuntime`), and
+* It claims at most as many jobs as it has slots (:class:`~slotq.jobs.worker.runtime.QueueRuntime`), and
   only while its heartbeat is current and its engine alive.
 * A heartbeat renews the lease of every job it runs (``lock_ttl_s``, renewed every third of it) and
   advertises the worker (queue, model, context, slots, KV use, tokens/s) for ``slotq status``, the
@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 import uuid
-from datetime import datetime
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -38,23 +37,23 @@ import sentry_sdk
 from redis.exceptions import RedisError
 
 from slotq.engine import Engine
-from slotq.jobs.worker import health
-from slotq.jobs.worker import metrics
 from slotq.jobs.aio import wait_until_set
+from slotq.jobs.protocol import registry
+from slotq.jobs.protocol.arq_adapter import Attempt
 from slotq.jobs.protocol.connection import connect
+from slotq.jobs.protocol.keys import JOB_FUNCTION
+from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
+from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
+from slotq.jobs.protocol.schemas import WorkerInfo
+from slotq.jobs.protocol.serialization import deserialize, serialize
+from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.worker import health, metrics
 from slotq.jobs.worker.elastic import metrics as elastic_metrics
 from slotq.jobs.worker.elastic.loop import ElasticLoop
 from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
 from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
 from slotq.jobs.worker.job_run import JobRun
-from slotq.jobs.protocol import registry
-from slotq.jobs.protocol.keys import JOB_FUNCTION
-from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
-from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
-from slotq.jobs.protocol.arq_adapter import QueueRuntime
-from slotq.jobs.protocol.serialization import deserialize, serialize
-from slotq.jobs.settings import WorkerSettings
-from slotq.jobs.protocol.schemas import WorkerInfo
+from slotq.jobs.worker.runtime import QueueRuntime
 from slotq.jobs.worker.stream_writer import StreamWriter
 from slotq.jobs.worker.supervisor import Supervisor
 
@@ -115,21 +114,19 @@ class SlotqWorker:
                               ca_file=self.settings.redis_ca_file)
         self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes)
         self.runtime = QueueRuntime(
-            job_name=JOB_FUNCTION, job=self.run_job, queue_name=self.settings.queue_name, redis_pool=redis,
-            queue=self.queue, token=self.token, lease_ms=self.lease_ms, may_claim=self._may_claim,
-            on_job_started=self._observe_pickup, progress=self._progress,
+            function_name=JOB_FUNCTION, job=self.run_job, queue=self.queue, token=self.token, lease_ms=self.lease_ms,
+            slots=self.settings.slots, job_timeout_s=self.settings.job_timeout_s,
+            keep_result_s=self.settings.keep_result_s, max_tries=self.settings.max_attempts + 1,
+            poll_delay_s=self.settings.poll_delay_s, serializer=serialize, deserializer=deserialize,
+            may_claim=self._may_claim, on_job_started=self._observe_pickup, progress=self._progress,
             on_preempted=lambda victim: metrics.LANE_PREEMPTIONS.labels(lane=victim.lane).inc(),
-            on_startup=self._on_startup, on_shutdown=self._on_shutdown,
-            max_jobs=self.settings.slots, job_timeout=self.settings.job_timeout_s,
-            keep_result=self.settings.keep_result_s, poll_delay=self.settings.poll_delay_s,
-            max_tries=self.settings.max_attempts + 1, allow_abort_jobs=True,
-            job_serializer=serialize, job_deserializer=deserialize, log_results=False)
+            on_startup=self._on_startup, on_shutdown=self._on_shutdown)
         if handle_signals:
             self._owns_process = True
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self.request_stop, sig.name)
-        self._main = asyncio.create_task(self.runtime.main(), name="slotq-runtime")
+        self._main = asyncio.create_task(self.runtime.run(), name="slotq-runtime")
         try:
             await self._main
         except asyncio.CancelledError:
@@ -169,14 +166,14 @@ class SlotqWorker:
         return state == "ready", detail
 
     # ------------------------------------------------------------------ lifecycle
-    async def _on_startup(self, ctx: dict[str, Any]) -> None:
+    async def _on_startup(self) -> None:
         config = self.settings.engine_config()
         self.served_model = self.settings.served_model_name(config.model_path)
         log.info("loading %s as %r (%d slots, ctx %d)", config.model_path.name, self.served_model, config.slots,
                  config.ctx)
         self.engine = await self.engine_factory(config)
         assert self.queue is not None and self.runtime is not None
-        self.writer = StreamWriter(ctx["redis"], flush_ms=self.settings.stream_flush_ms,
+        self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
                                    ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
                                    owners_key=self.queue.keys.owners, writer_id=self.token,
@@ -199,13 +196,14 @@ class SlotqWorker:
         log.info("worker %s ready (warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s", self.id, warm_s,
                  self.engine.info.model_name, config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
 
-    async def _on_shutdown(self, ctx: dict[str, Any]) -> None:
+    async def _on_shutdown(self) -> None:
+        assert self.queue is not None
         await self._faults.before_loops_stop(self._beat_now, lambda: self._heartbeat_ok_at)
         await self.supervisor.stop()
         if self.writer:
             await self.writer.close()
         try:
-            await registry.leave(ctx["redis"], self.id)
+            await registry.leave(self.queue.redis, self.id)
         except RedisError:
             pass
         if self.engine:
@@ -226,15 +224,14 @@ class SlotqWorker:
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         self._arm_exit_deadline(grace)
         if self.runtime is not None:
-            self.runtime.allow_pick_jobs = False
+            self.runtime.stop_claiming()
             log.info("%s: draining (no new jobs; up to %g s for %d running)", reason, grace, len(self.runtime.claimed))
         asyncio.get_running_loop().create_task(self._drain(grace))
 
     async def _drain(self, grace_s: float) -> None:
         if self.runtime is not None:
             deadline = time.monotonic() + grace_s
-            while (any(not t.done() for t in self.runtime.tasks.values()) and time.monotonic() < deadline
-                   and not self._hand_back_now.is_set()):
+            while not self.runtime.idle and time.monotonic() < deadline and not self._hand_back_now.is_set():
                 await asyncio.sleep(0.05)
             await self.runtime.hand_back_and_wait()
         if self._main is not None:
@@ -297,7 +294,7 @@ class SlotqWorker:
         await self._faults.before_renew(lambda: any(job.id in runtime.claimed for job in jobs))
         owned = await self.queue.renew(jobs, self.lease_ms)
         for job, ok in zip(jobs, owned):
-            if not ok and claim_is_current(runtime, job):
+            if not ok and runtime.is_current(job):
                 log.warning("job %s: its lease expired and the job was requeued; abandoning this attempt", job.id)
                 runtime.lose_lease(job.id, job.lease)
         stats = self.engine.stats()
@@ -350,26 +347,24 @@ class SlotqWorker:
         metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, time.time() - job.ready_ms / 1000))
 
     # ------------------------------------------------------------------ the job function
-    async def run_job(self, ctx: dict[str, Any], payload: Any) -> dict[str, Any]:
+    async def run_job(self, attempt: Attempt, payload: Any) -> dict[str, Any]:
         assert self.engine is not None and self.writer is not None and self.runtime is not None
         assert self.queue is not None
         runtime = self.runtime
-        job_id = ctx["job_id"]
+        job_id = attempt.job_id
         claim = runtime.claimed[job_id]
-        enqueue_time: datetime | None = ctx.get("enqueue_time")
         run = JobRun(engine=self.engine, writer=self.writer, settings=self.settings, worker_id=self.id,
-                     job_id=job_id, attempt=ctx["job_try"], payload=payload,
-                     enqueued_at=enqueue_time.timestamp() if enqueue_time else None,
-                     is_abort=lambda: job_id in runtime.aborting_tasks,
-                     lease_lost=lambda: job_id in runtime.lease_lost,
+                     job_id=job_id, attempt=attempt.number, payload=payload, enqueued_at=attempt.enqueued_at,
+                     is_abort=lambda: runtime.is_aborting(job_id),
+                     lease_lost=lambda: runtime.has_lost_lease(job_id),
                      verdict=self.elastic.verdict if self.elastic else None,
                      ledger=AttemptLedger(self.queue, claim), faults=self._job_faults)
         started = time.monotonic()
-        log.info("job %s attempt %d started", job_id, ctx["job_try"])
+        log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)
         self.writer.bind(job_id, claim.lease)
         self._runs[job_id] = run
-        if runtime.job_counter >= runtime.max_jobs:
+        if runtime.full:
             # The claim that filled the slots went back to waiting before this attempt ran, so it
             # saw no preemption candidate and is not listening for preemption tokens; wake it to
             # wait again with one, rather than up to SLOTQ_POLL_DELAY_S later. No Redis command:
@@ -378,25 +373,14 @@ class SlotqWorker:
         try:
             result = await run.run()
         except asyncio.CancelledError:
-            log.info("job %s %s", job_id, "abandoned (lease lost)" if job_id in runtime.lease_lost else "handed back")
+            log.info("job %s %s", job_id, "abandoned (lease lost)" if runtime.has_lost_lease(job_id) else "handed back")
             raise
         finally:
             self.writer.unbind(job_id)
             if self._runs.get(job_id) is run:
                 del self._runs[job_id]
-        runtime.aborting_tasks.discard(job_id)
         metrics.observe_result(result)
         log.info("job %s %s (%s) in %.2f s: %d prompt + %d completion tokens", job_id, result.status.value,
                  result.finish_reason.value if result.finish_reason else "-", time.monotonic() - started,
                  result.usage.prompt_tokens, result.usage.completion_tokens)
         return result.model_dump(mode="json")
-
-
-def claim_is_current(runtime: QueueRuntime, job: ClaimedJob) -> bool:
-    """Whether ``job``'s claim still runs on this worker, neither leaving (finishing, retrying,
-    handed back) nor lost. A RENEW that names a claim no longer current lost nothing: its FINISH
-    may simply have reached Redis first, and saying the job was requeued would be false."""
-    running = runtime.claimed.get(job.id)
-    if running is not None and running.lease == job.lease:
-        return job.id not in runtime.leaving and job.id not in runtime.lease_lost
-    return runtime.waits_for_slot(job)

@@ -23,19 +23,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from arq.worker import RetryJob
-from tests.support.jobs import WorkerProcess, clean_env, job_request, raw_entries
 from prometheus_client.parser import text_string_to_metric_families
-from tests.support import free_port
 
 from slotq.engine import Engine, EngineConfig, ErrorInfo
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.worker.elastic.admission import WORKER_OVERLOADED, Verdict
-from slotq.jobs.worker.job_run import JobRun
+from slotq.jobs.protocol.arq_adapter import RetryJob
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import EntryKind, JobStatus
 from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.worker.elastic.admission import WORKER_OVERLOADED, Verdict
+from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.stream_writer import StreamWriter
+from tests.support import free_port
+from tests.support.jobs import WorkerProcess, clean_env, job_request, raw_entries
 
 MIB = 1 << 20
 LIMIT_MB = 1024

@@ -1,7 +1,7 @@
 """The elastic controller inside a worker: every ``adapt_interval_s`` observe, decide, apply, export.
 
 Applying a decision means: the engine's active-slot cap, batch and prefill chunk
-(``Engine.set_limits``), and the queue runtime's ``max_jobs`` (how many jobs the worker holds), so
+(``Engine.set_limits``), and the queue runtime's ``slots`` (how many jobs the worker holds), so
 the worker claims exactly as many jobs as it has active slots. The max_tokens cap and refusals are
 read by each job as it starts (:meth:`ElasticLoop.verdict`). Every change is logged with its reason
 and counted in the metrics.
@@ -26,7 +26,7 @@ from slotq.jobs.worker.fault_injection import WorkerFaults
 if TYPE_CHECKING:
     from slotq.engine import Engine, EngineStats
     from slotq.jobs.protocol.redis_queue import RedisQueue
-    from slotq.jobs.protocol.arq_adapter import QueueRuntime
+    from slotq.jobs.worker.runtime import QueueRuntime
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ElasticLoop:
         stats = self.engine.stats()
         obs = Observation(now=time.monotonic(), memory_used_bytes=process_rss_bytes(),
                           memory_limit_bytes=self.memory_limit.bytes, kv_ratio=stats.kv_active_ratio,
-                          stream_tokens_per_s=self._stream_speed(stats), jobs_running=self.runtime.job_counter,
+                          stream_tokens_per_s=self._stream_speed(stats), jobs_running=self.runtime.running,
                           jobs_waiting=await self._waiting())
         self.last = obs
         metrics.observed(obs)
@@ -103,7 +103,7 @@ class ElasticLoop:
                                    prefill_chunk=max(1, int(full.prefill_chunk * fraction)))
         else:
             self.engine.set_limits(active_slots=target, n_batch=full.n_batch, prefill_chunk=full.prefill_chunk)
-        self.runtime.max_jobs = target
+        self.runtime.slots = target
         metrics.applied(target, self.controller.level)
         if grew or not self.accepting:
             self.runtime.nudge()

@@ -1,0 +1,384 @@
+"""The worker's claim loop: which jobs it holds, and when it takes more.
+
+:class:`QueueRuntime` claims jobs from :class:`~slotq.jobs.protocol.redis_queue.RedisQueue` into
+at most ``slots`` slots and runs each claimed attempt through arq
+(:class:`~slotq.jobs.protocol.arq_adapter.ArqJobRunner`, which it holds: the job record, the
+attempt counter, ``job_timeout``, aborts, the outcome and the result record). It replaces what arq
+does around a job that cannot scale or cannot be made safe: the polling loop and its
+head-of-queue scan, the per-job WATCH/MULTI claim, the lock that is never renewed, and the
+finishing writes, which here are fenced scripts of :mod:`slotq.jobs.protocol.scripts`.
+
+Its loop: claim as many jobs as there are free slots; with nothing to claim, wait for whichever
+comes first -- a slot freed by a finishing job, a wake token (one enqueue wakes one idle worker), or
+the fallback tick (``poll_delay_s``), which also reaps expired leases and re-checks aborts.
+
+A worker whose slots are all busy and that runs a job of a lower lane waits instead for a
+preemption token of a lane above it (one enqueue wakes at most one busy worker). It then claims
+the waiting job (``PREEMPT``: exactly one worker wins it) and hands back its victim
+(:mod:`slotq.jobs.protocol.preemption`): the victim's attempt is cancelled at the engine's next
+step, flushes what it generated to its stream and is handed back without using a try; the claimed
+job takes its slot as soon as it has left, and the victim resumes from its stream on any worker.
+
+What the worker uses: :meth:`~QueueRuntime.run` and :meth:`~QueueRuntime.close`, ``slots`` (the
+elastic loop moves it), :attr:`~QueueRuntime.running`, :meth:`~QueueRuntime.stop_claiming`,
+:meth:`~QueueRuntime.hand_back_and_wait`, the lease calls (:meth:`~QueueRuntime.leases`,
+:meth:`~QueueRuntime.lose_lease`, :meth:`~QueueRuntime.is_current`) and what a running attempt
+asks (:meth:`~QueueRuntime.is_aborting`, :meth:`~QueueRuntime.has_lost_lease`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from slotq.jobs.protocol.arq_adapter import ArqJobRunner, Deserializer, ExitKind, JobExit, JobFunction, Serializer
+from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress, choose_victim
+from slotq.jobs.protocol.redis_queue import ClaimedJob, RedisQueue
+
+log = logging.getLogger(__name__)
+
+
+class QueueRuntime:
+    """Holds up to ``slots`` jobs of ``queue`` and runs ``job`` (registered as ``function_name``)
+    for each, under ``job_timeout_s`` and ``max_tries``; results are kept ``keep_result_s``.
+
+    ``may_claim()``: whether the worker may take jobs now (ready, heartbeat current, not refusing);
+    ``on_job_started(job)``: a claim starts here; ``progress(job_id)``: how far a running job's
+    attempt has got (the victim policy weighs it); ``on_preempted(victim)``: a job of this worker
+    yields its slot to a higher lane. ``on_startup`` runs before the first claim (the model load),
+    ``on_shutdown`` in :meth:`close` once every attempt has left."""
+
+    def __init__(self, *, function_name: str, job: JobFunction, queue: RedisQueue, token: str, lease_ms: int,
+                 slots: int, job_timeout_s: float, keep_result_s: float, max_tries: int, poll_delay_s: float,
+                 serializer: Serializer, deserializer: Deserializer, may_claim: Callable[[], bool] = lambda: True,
+                 on_job_started: Callable[[ClaimedJob], None] | None = None,
+                 progress: Callable[[str], Progress] = lambda job_id: NOT_STARTED,
+                 on_preempted: Callable[[ClaimedJob], None] | None = None,
+                 on_startup: Callable[[], Awaitable[None]] | None = None,
+                 on_shutdown: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.queue = queue
+        self.token = token
+        self.lease_ms = lease_ms
+        self.slots = slots                      # jobs held at most; the elastic loop moves it (<= the initial)
+        self.poll_delay_s = poll_delay_s
+        self.on_job_started = on_job_started
+        self.claimed: dict[str, ClaimedJob] = {}     # job id -> the claim whose attempt runs here
+        self._runner = ArqJobRunner(
+            function_name=function_name, job=job, on_exit=self._job_left, redis=queue.redis,
+            queue_name=queue.keys.queue, job_timeout_s=job_timeout_s, keep_result_s=keep_result_s,
+            max_tries=max_tries, serializer=serializer, deserializer=deserializer)
+        self._may_claim = may_claim
+        self._progress = progress
+        self._on_preempted = on_preempted
+        self._on_startup = on_startup
+        self._on_shutdown = on_shutdown
+        self._claiming = True
+        self._held = 0                          # slots in use: attempts running here
+        self._tasks: dict[str, asyncio.Task[None]] = {}    # job id -> its attempt (run_job), until the tick reaps it
+        # job id -> the claim that takes its slot once its attempt has left: the same job claimed
+        # again while its lost attempt still ends here, or a higher-lane job it yields to
+        self._successors: dict[str, ClaimedJob] = {}
+        self._lease_lost: set[str] = set()
+        self._leaving: set[str] = set()         # finishing, retrying or being handed back right now
+        self._slot_freed = asyncio.Event()
+        self._wake_task: asyncio.Task[bool] | None = None
+        self._preempt_task: asyncio.Task[str | None] | None = None
+        self._maintenance: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ what the worker reads
+    @property
+    def running(self) -> int:
+        """Jobs holding a slot here."""
+        return self._held
+
+    @property
+    def full(self) -> bool:
+        return self._held >= self.slots
+
+    @property
+    def idle(self) -> bool:
+        """No attempt is running here (every one has left, through its finishing write)."""
+        return all(t.done() for t in self._tasks.values())
+
+    @property
+    def jobs_complete(self) -> int:
+        """Attempts that returned, since the start."""
+        return self._runner.jobs_complete
+
+    @property
+    def jobs_failed(self) -> int:
+        """Jobs ended failed or aborted here, since the start (also those failed before running)."""
+        return self._runner.jobs_failed
+
+    def is_aborting(self, job_id: str) -> bool:
+        """Whether ``job_id``'s attempt is being aborted (a producer cancelled it while it ran)."""
+        return self._runner.is_aborting(job_id)
+
+    def has_lost_lease(self, job_id: str) -> bool:
+        """Whether ``job_id``'s attempt here no longer owns the job (:meth:`lose_lease`)."""
+        return job_id in self._lease_lost
+
+    def is_current(self, job: ClaimedJob) -> bool:
+        """Whether ``job``'s claim still runs on this worker, neither leaving (finishing, retrying,
+        handed back) nor lost. A RENEW that names a claim no longer current lost nothing: its FINISH
+        may simply have reached Redis first, and saying the job was requeued would be false."""
+        running = self.claimed.get(job.id)
+        if running is not None and running.lease == job.lease:
+            return job.id not in self._leaving and job.id not in self._lease_lost
+        return any(s.id == job.id and s.lease == job.lease for s in self._successors.values())
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        """Claim and run jobs until cancelled. Maintenance starts at once -- a worker still loading a
+        large model already reaps the jobs of dead workers -- and claiming once ``on_startup`` (the
+        model load) is done."""
+        self._maintenance = asyncio.create_task(self._maintain(), name="slotq-queue-maintenance")
+        if self._on_startup:
+            await self._on_startup()
+        while True:
+            free = self.slots - self._held
+            if self._can_claim() and free > 0:
+                claimed = await self._claim(free)
+                if len(claimed) == free:
+                    continue                  # took all it could; look again when a slot frees
+            await self._wait(self.poll_delay_s)
+
+    async def _maintain(self) -> None:
+        while True:
+            await self._tick()
+            await asyncio.sleep(self.poll_delay_s)
+
+    async def _claim(self, free: int) -> list[ClaimedJob]:
+        try:
+            claimed = await self.queue.claim(free, self.token, self.lease_ms)
+        except Exception as exc:  # Redis down: the next tick tries again (commands already retried ~30 s)
+            log.warning("claim failed (%s: %s); retrying", type(exc).__name__, exc)
+            await asyncio.sleep(1)
+            return []
+        for job in claimed:
+            running = self.claimed.get(job.id)
+            if running is None:
+                self._start(job)
+                continue
+            # Still running here: Redis was unreachable longer than the lease (an outage, a
+            # failover), so a reaper requeued the job and this claim took it back. The running
+            # attempt's lease is void (its buffered stream writes are refused); it stops, and the
+            # new attempt takes over its slot and resumes from what reached the stream.
+            log.warning("job %s: claimed again while its attempt still runs here (its lease expired while Redis "
+                        "was unreachable); that attempt stops and a new one resumes from its stream", job.id)
+            self._successors[job.id] = job
+            self.lose_lease(running.id, running.lease)
+        return claimed
+
+    def _start(self, job: ClaimedJob) -> None:
+        self._held += 1
+        self._launch(job)
+
+    def _launch(self, job: ClaimedJob) -> None:
+        self.claimed[job.id] = job
+        task = self._runner.start(job.id, job.ready_ms)
+        job_id = job.id
+        task.add_done_callback(lambda _task: self._job_done(job_id))
+        self._tasks[job.id] = task
+        if self.on_job_started is not None:
+            self.on_job_started(job)
+
+    def _job_done(self, job_id: str) -> None:
+        self._lease_lost.discard(job_id)
+        self._leaving.discard(job_id)
+        self.claimed.pop(job_id, None)
+        successor = self._successors.pop(job_id, None)
+        if successor is not None:
+            self._launch(successor)       # the slot passes straight to the new attempt
+            return
+        self._held -= 1
+        self._slot_freed.set()
+
+    def lose_lease(self, job_id: str, lease: str) -> None:
+        """``lease`` no longer owns the job (reaped, or claimed again): stop that attempt (its
+        writes are fenced off already). A report about another claim of the job is ignored."""
+        for leaving_id, successor in list(self._successors.items()):
+            if successor.id == job_id and successor.lease == lease:
+                del self._successors[leaving_id]   # lost before it could start
+                return
+        job = self.claimed.get(job_id)
+        if job is None or job.lease != lease or job_id in self._lease_lost:
+            return
+        self._lease_lost.add(job_id)
+        self._runner.cancel(job_id)       # not running yet: the job function checks has_lost_lease
+
+    def leases(self) -> list[ClaimedJob]:
+        """The claims whose leases the heartbeat renews: every running attempt not yet lost or
+        leaving, and the claims waiting for a lost attempt to end."""
+        running = [j for j in self.claimed.values() if j.id not in self._lease_lost and j.id not in self._leaving]
+        return running + list(self._successors.values())
+
+    async def _wait(self, timeout: float) -> None:
+        """Until a slot frees, a wake token arrives (only while slots are free), a preemption
+        token arrives (only while every slot is busy and a lower-lane job runs) or ``timeout``."""
+        self._slot_freed.clear()
+        waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._slot_freed.wait())}
+        if self._can_claim() and self._wake_task is None:
+            self._wake_task = asyncio.create_task(self.queue.wait_for_work(self.poll_delay_s), name="slotq-wake")
+        victim = self._victim()
+        if victim is not None and self._preempt_task is None:
+            self._preempt_task = asyncio.create_task(
+                self.queue.wait_for_preemption(self.queue.lane_of(victim.lane_index), self.poll_delay_s),
+                name="slotq-preempt-wake")
+        waiters |= {t for t in (self._wake_task, self._preempt_task) if t is not None}
+        done, pending = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for fut in pending:
+            if fut is not self._wake_task and fut is not self._preempt_task:
+                fut.cancel()
+        if self._wake_task is not None and self._wake_task.done():
+            task, self._wake_task = self._wake_task, None
+            if await self._token_taken(task) and not self._can_claim():
+                with contextlib.suppress(Exception):
+                    await self.queue.return_wake_token()   # full meanwhile: pass it on
+        if self._preempt_task is not None and self._preempt_task.done():
+            preempt_task, self._preempt_task = self._preempt_task, None
+            lane = preempt_task.result() if await self._token_taken(preempt_task) else None
+            if lane is not None:
+                await self._preempt(lane)
+
+    @staticmethod
+    async def _token_taken(task: asyncio.Task[Any]) -> bool:
+        """Whether a finished token wait popped a token (Redis unreachable: pause, do not spin)."""
+        if task.cancelled():
+            return False
+        if task.exception() is not None:
+            await asyncio.sleep(0.5)          # Redis unreachable: the next tick reports it; do not spin
+            return False
+        return bool(task.result())
+
+    def _victim(self) -> Candidate | None:
+        """The job this worker would hand back for a higher lane (:func:`choose_victim`); None
+        unless every slot is busy and the worker may claim. A job is a candidate while its job
+        function runs and it is neither leaving, lost, aborted nor already yielding its slot."""
+        if not (self._claiming and self.full and self._may_claim()):
+            return None
+        lanes = self.queue.keys.lanes
+        return choose_victim(
+            Candidate(job_id, lanes.index(job.lane), self._progress(job_id))
+            for job_id, job in self.claimed.items()
+            if self._runner.function_running(job_id) and job.lane != lanes[0] and job_id not in self._leaving
+            and job_id not in self._lease_lost and job_id not in self._successors
+            and not self._runner.is_aborting(job_id))
+
+    async def _preempt(self, token_lane: str) -> None:
+        """A preemption token of ``token_lane`` arrived: claim the waiting job and give it the
+        victim's slot. With a free slot meanwhile, the main loop's claim takes the job instead;
+        with no victim left (its lower-lane jobs ended), the token goes back for another worker."""
+        if self._can_claim():
+            return
+        victim = self._victim()
+        if victim is None or victim.lane_index <= self.queue.keys.lanes.index(token_lane):
+            with contextlib.suppress(Exception):
+                await self.queue.return_preemption_token(token_lane)
+            return
+        victim_job = self.claimed[victim.job_id]
+        try:
+            job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms)
+        except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job
+            log.warning("preemption claim failed (%s: %s)", type(exc).__name__, exc)
+            return
+        if job is None:
+            return
+        if self.claimed.get(victim.job_id) is not victim_job:      # it ended meanwhile: its slot is free
+            self._start(job)
+            return
+        log.info("job %s (%s) hands its slot to job %s (%s) and goes back to its lane with %d tokens left",
+                 victim.job_id, victim_job.lane, job.id, job.lane, victim.progress.tokens_left)
+        self._successors[victim.job_id] = job
+        if self._on_preempted is not None:
+            self._on_preempted(victim_job)
+        if victim.job_id not in self._leaving:
+            self._runner.cancel(victim.job_id)     # hand back: the attempt flushes its stream first
+
+    def _can_claim(self) -> bool:
+        return self._claiming and not self.full and self._may_claim()
+
+    def stop_claiming(self) -> None:
+        """Claim nothing more (draining); running jobs go on."""
+        self._claiming = False
+
+    def nudge(self) -> None:
+        """Look for work now (e.g. the claim gate just opened)."""
+        self._slot_freed.set()
+
+    async def _tick(self) -> None:
+        """Fallback work, once per ``poll_delay_s``: requeue expired leases (any worker may reap any
+        job), act on aborts whose notification was missed, and surface crashed attempts."""
+        try:
+            reaped = await self.queue.reap()
+            if reaped:
+                log.warning("requeued %d jobs whose worker stopped renewing their lease", reaped)
+            await self._runner.check_aborts()
+        except Exception as exc:
+            log.warning("queue maintenance failed (%s: %s)", type(exc).__name__, exc)
+        for job_id, task in list(self._tasks.items()):
+            if task.done():
+                del self._tasks[job_id]
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("job %s: the runtime failed around it: %r", job_id, task.exception())
+
+    async def abort_now(self) -> None:
+        """Act on pending aborts now (a cancel notification arrived)."""
+        await self._runner.check_aborts()
+
+    # ------------------------------------------------------------------ how a job leaves this worker
+    async def _job_left(self, job_id: str, exit_: JobExit) -> None:
+        """An attempt's outcome, as one fenced script: finished (result stored), retried later
+        (``Retry``), or handed back (cancelled by a shutdown, a preemption or a dead engine: no try
+        is used)."""
+        job = self.claimed.get(job_id)
+        if job is None:
+            return
+        self._leaving.add(job_id)            # its lease ends here: the heartbeat stops renewing it
+        if exit_.kind is ExitKind.FINISHED:
+            done = await self.queue.finish(job, exit_.result, exit_.result_ttl_ms)
+        elif exit_.kind is ExitKind.RETRY_LATER:
+            done = await self.queue.retry_later(job, job.ready_ms + exit_.ready_shift_ms)
+        else:
+            done = await self.queue.hand_back(job)
+        if not done and job_id not in self._lease_lost:
+            log.warning("job %s is no longer this worker's (its lease expired and it was requeued); left alone", job_id)
+
+    def hand_back_all(self) -> None:
+        """Stop claiming and cancel every running job function once; each is then handed back. A
+        job still in its attempt's prelude is cancelled by the next call, once it started."""
+        self._claiming = False
+        self._runner.cancel_all()
+
+    async def hand_back_and_wait(self, timeout_s: float = 15.0) -> None:
+        """Hand every job back and wait (up to ``timeout_s``) until each has left the worker."""
+        deadline = time.monotonic() + timeout_s
+        while not self.idle and time.monotonic() < deadline:
+            self.hand_back_all()
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        """Stop the loops, wait for every attempt to leave, run ``on_shutdown`` and close the
+        queue's Redis client. Never cancels an attempt (that would release a job before its
+        hand-back wrote its stream): call :meth:`hand_back_and_wait` first."""
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(BaseException):
+                await self._maintenance
+        for task in (self._wake_task, self._preempt_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._on_shutdown:
+            await self._on_shutdown()
+        await self.queue.redis.aclose()
