@@ -16,9 +16,10 @@ else:
 * **Its connection helpers** (``RedisSettings``, ``create_pool``, ``ArqRedis``), which
   :mod:`slotq.jobs.protocol.connection` builds every Redis client with.
 
-arq's ``Worker`` is held, not inherited: the rest of slotq sees :class:`ArqJobRunner`'s few
-typed methods. Where the runner relies on arq 0.28 internals beyond its documented API, the code
-says which and why; a new arq version must be checked against those places.
+arq's ``Worker`` is held, not inherited by slotq's runtime: the rest of slotq sees
+:class:`ArqJobRunner`'s few typed methods. Inside, a private subclass overrides only the two
+finishing writes ``run_job`` calls. Where the runner relies on arq 0.28 internals beyond its
+documented API, the code says which and why; a new arq version must be checked against those places.
 
 This module imports nothing else of slotq, so any protocol module may import it.
 """
