@@ -10,8 +10,11 @@ LLAMA_CPP = $(shell sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.
 CMAKE_ARGS_cuda = -DGGML_CUDA=on
 
 CHROMIUM ?= /usr/bin/chromium
+# Pythons besides .venv's 3.11 (requires-python >= 3.11) that the fast part of the suite runs on.
+PYTHONS ?= 3.12 3.13
+FAST     = not real_model and not fault and not browser
 
-.PHONY: demo test test-fast test-deps bench install
+.PHONY: demo lint test test-fast test-pythons test-deps bench install
 
 $(STAMP): pyproject.toml
 	@if [ -n "$(GPU)" ] && [ -z "$(CMAKE_ARGS_$(GPU))" ]; then echo "GPU=$(GPU): unknown; use GPU=cuda, or CMAKE_ARGS for another backend"; exit 2; fi
@@ -53,13 +56,27 @@ test-deps:
 	    echo "note: $(CHROMIUM) not found (apt-get install chromium as root); the dashboard test will skip"; \
 	  fi; }
 
-## test: install, then run the whole test suite (starts its own Redis servers on free ports)
-test: $(STAMP) test-deps
+## lint: ruff (pyproject's [tool.ruff]) on everything, mypy strict on slotq.engine and slotq.jobs.protocol
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+## test: install, lint, then run the whole test suite (starts its own Redis servers on free ports); with CI=true
+## (.ci/run) also its fast part on each of PYTHONS (test-pythons)
+test: $(STAMP) test-deps lint
 	$(VENV)/bin/python -m pytest -q -ra
+ifeq ($(CI),true)
+	$(MAKE) --no-print-directory test-pythons
+endif
 
 ## test-fast: skip the tests on the real bundled model and the fault-injection tests
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not real_model and not fault and not browser"
+	$(VENV)/bin/python -m pytest -q -m "$(FAST)"
+
+## test-pythons: test-fast's selection on each of PYTHONS, each in its own .venv-X.Y (.ci/test-python: pyenv's
+## interpreter; a missing one is skipped with a note, and fails under CI=true, whose image has them)
+test-pythons: $(STAMP)
+	@for v in $(PYTHONS); do .ci/test-python $$v -q -m "$(FAST)" || exit 1; done
 
 ## bench: the benchmarks, tables written to bench/results/
 bench: $(STAMP)
