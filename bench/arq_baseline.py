@@ -37,16 +37,16 @@ from arq.constants import in_progress_key_prefix
 from arq.worker import Worker, func
 from redis.exceptions import RedisError
 
+from slotq.jobs.errors import QueueFull
 from slotq.jobs.producer.client import JobHandle, SlotqClient
 from slotq.jobs.protocol.connection import redis_settings
-from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
-from slotq.jobs.errors import QueueFull
-from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.protocol.keys import JOB_FUNCTION, worker_key
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
+from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class BaselineWorker:
                 continue
             try:
                 await self.arq._poll_iteration()   # arq 0.28 has no public "poll now"; the old code did this
-            except Exception as exc:  # noqa: BLE001 - as the old code: its poll loop reports the same errors
+            except Exception as exc:  # as the old code: its poll loop reports the same errors
                 log.debug("woken poll failed: %s", exc)
 
     async def _heartbeat_loop(self) -> None:
