@@ -35,14 +35,23 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.engine import ErrorInfo, Usage
 from slotq.jobs.bulk import identity
-from slotq.jobs.bulk.formats import (BulkLine, LineError, LineFormat, error_record, failure_of, output_record,
-                                     parse_line, raw_key, rejected)
+from slotq.jobs.bulk.formats import (
+    BulkLine,
+    LineError,
+    LineFormat,
+    error_record,
+    failure_of,
+    output_record,
+    parse_line,
+    raw_key,
+    rejected,
+)
 from slotq.jobs.bulk.openai_batch import Endpoint
 from slotq.jobs.bulk.output import ResultSink
 from slotq.jobs.bulk.source import InputScan, LineSource
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.errors import JobRejected, QueueFull, QuotaExceeded, RedisUnavailable
 from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import DEFAULT_TENANT, LANE_RE
 from slotq.jobs.protocol.schemas import TENANT_PATTERN, JobResult, JobStatus, split_job_id, tenant_job_id
 

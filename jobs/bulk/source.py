@@ -90,7 +90,7 @@ class InputFile:
     def _open(self) -> IO[bytes]:
         with open(self.path, "rb") as probe:
             compressed = probe.read(2) == GZIP_MAGIC
-        return gzip.open(self.path, "rb") if compressed else open(self.path, "rb")  # noqa: SIM115
+        return gzip.open(self.path, "rb") if compressed else open(self.path, "rb")
 
     def _numbered(self) -> Iterator[tuple[int, bytes]]:
         """(line number, line without its end-of-line), blank lines included."""

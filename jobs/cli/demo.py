@@ -19,11 +19,11 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.watch import ChildExited, WatchedTask, run_watched
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
 from slotq.jobs.settings import WorkerSettings
-from slotq.jobs.cli.watch import ChildExited, WatchedTask, run_watched
 from slotq.jobs.worker.worker import SlotqWorker
 
 PROMPTS = [

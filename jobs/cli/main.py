@@ -51,8 +51,8 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
 async def _client(settings: ClientSettings) -> AsyncIterator[Any]:
     """A client on the configured Redis, or on an embedded one that `slotq redis`/`slotq worker`
     already started; commands that only talk to Redis never start a server of their own."""
-    from slotq.jobs.producer.client import SlotqClient
     from slotq.jobs.cli.redis_server import port_is_serving
+    from slotq.jobs.producer.client import SlotqClient
 
     url = settings.redis_url
     if url is None:

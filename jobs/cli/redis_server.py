@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from slotq.jobs.errors import SlotqError
 from slotq.jobs.cli.watch import describe_returncode, log_tail
+from slotq.jobs.errors import SlotqError
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class EmbeddedRedis:
             offset = log_file.tell()
             # preexec_fn runs between fork and exec; ours only calls prctl (looked up beforehand) and getppid.
             self._proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=self.data_dir,
-                                          preexec_fn=_die_with_parent(), start_new_session=True,  # noqa: PLW1509
+                                          preexec_fn=_die_with_parent(), start_new_session=True,
                                           pass_fds=(self._lock.fd,) if self._lock.fd is not None else ())
         self.port = port
         deadline = time.monotonic() + self._start_timeout_s

@@ -16,7 +16,6 @@ from fastapi.staticfiles import StaticFiles
 from starlette.routing import Match, Mount
 from starlette.types import Scope
 
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.gateway import http_errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
 from slotq.jobs.gateway.auth import KeyRing
 from slotq.jobs.gateway.batch_driver import BatchDriver
@@ -27,6 +26,7 @@ from slotq.jobs.gateway.limits import BodyLimits, KeylessGuard
 from slotq.jobs.gateway.metrics import MetricsMiddleware
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.producer.client import SlotqClient
 
 STATIC_DIR = Path(__file__).parent / "static"
 API_PREFIXES = ("/v1/", "/api/")

@@ -27,8 +27,17 @@ from slotq.jobs.bulk.formats import LineError, parse_line
 from slotq.jobs.bulk.runner import BulkRun
 from slotq.jobs.bulk.source import InputFile
 from slotq.jobs.errors import JobRejected
-from slotq.jobs.gateway.batches import (FINAL_STATUSES, Batch, BatchError, BatchErrors, BatchStore, BatchUsage,
-                                  RequestCounts, error_file_id, output_file_id)
+from slotq.jobs.gateway.batches import (
+    FINAL_STATUSES,
+    Batch,
+    BatchError,
+    BatchErrors,
+    BatchStore,
+    BatchUsage,
+    RequestCounts,
+    error_file_id,
+    output_file_id,
+)
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.service import Gateway

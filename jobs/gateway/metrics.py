@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from slotq.jobs.worker.metrics import LATENCY_BUCKETS

@@ -12,11 +12,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from slotq.jobs.protocol import dead_letters
 from slotq.jobs.gateway import metrics as gateway_metrics
 from slotq.jobs.gateway.auth import require_admin
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.routes_openai import gateway_of
+from slotq.jobs.protocol import dead_letters
 
 HEALTH_TIMEOUT_S = 2.0     # the client retries Redis for ~30 s; a probe wants an answer now
 

@@ -13,9 +13,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.records import ModelsSeen
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import WorkerInfo
 
 _REMEMBER_EVERY_S = 60

@@ -6,10 +6,10 @@ import logging
 
 import uvicorn
 
+from slotq.jobs.cli.redis_server import port_is_serving
 from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.limits import header_deadline_protocol
 from slotq.jobs.gateway.settings import GatewaySettings
-from slotq.jobs.cli.redis_server import port_is_serving
 
 log = logging.getLogger("slotq.gateway")
 

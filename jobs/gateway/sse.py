@@ -17,11 +17,11 @@ from typing import Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.gateway import metrics
 from slotq.jobs.gateway.chunks import comment, error_event
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import StreamEntry
 
 T = TypeVar("T")

@@ -39,17 +39,25 @@ from slotq.engine import (
     Usage,
 )
 from slotq.jobs.protocol import dead_letters, streams
+from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
+from slotq.jobs.protocol.payload import decode_payload
+from slotq.jobs.protocol.preemption import Progress
+from slotq.jobs.protocol.redis_queue import AttemptLedger
+from slotq.jobs.protocol.schemas import (
+    ChoiceResult,
+    EntryKind,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    MaxTokensCap,
+    StreamEntry,
+)
+from slotq.jobs.protocol.serialization import POISON_MARKER
+from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker import metrics
 from slotq.jobs.worker.elastic.admission import Verdict
 from slotq.jobs.worker.engine_api import JobEngine, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
-from slotq.jobs.protocol.payload import decode_payload
-from slotq.jobs.protocol.preemption import Progress
-from slotq.jobs.protocol.redis_queue import AttemptLedger
-from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
-from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobRequest, JobResult, JobStatus, MaxTokensCap, StreamEntry
-from slotq.jobs.protocol.serialization import POISON_MARKER
-from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)

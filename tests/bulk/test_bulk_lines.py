@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 
 from slotq.engine import ErrorInfo, FinishReason, Usage
-from slotq.jobs.bulk.formats import (LineError, LineFormat, error_record, failure_of, job_id_in, output_record, parse_line,
-                               raw_key)
+from slotq.jobs.bulk.formats import (
+    LineError,
+    LineFormat,
+    error_record,
+    failure_of,
+    job_id_in,
+    output_record,
+    parse_line,
+    raw_key,
+)
 from slotq.jobs.bulk.identity import job_id, parse_job_id
 from slotq.jobs.bulk.output import OutputError, OutputFiles, default_errors_path
 from slotq.jobs.bulk.source import InputFile

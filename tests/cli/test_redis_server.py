@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import redis as sync_redis
-from tests.support.jobs import SLOTQ_BIN, clean_env
 
 from slotq.jobs.cli.redis_server import DataDirInUse, EmbeddedRedis, port_data_dir, port_is_serving
+from tests.support.jobs import SLOTQ_BIN, clean_env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux")
 

@@ -7,11 +7,11 @@ import subprocess
 import time
 from typing import Any
 
-from tests.support.jobs import SLOTQ_BIN, clean_env
 from rich.console import Console
 
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.cli.status_view import watch
+from slotq.jobs.producer.client import SlotqClient
+from tests.support.jobs import SLOTQ_BIN, clean_env
 
 
 async def test_watch_redraws_the_fleet_in_place(start_worker: Any, client: SlotqClient) -> None:

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.support.jobs import SLOTQ_BIN, clean_env
 
 from slotq.jobs.cli.redis_server import port_is_serving
 from slotq.jobs.cli.watch import ChildExited, ChildProcess, WatchedTask, run_watched
+from tests.support.jobs import SLOTQ_BIN, clean_env
 
 
 async def forever() -> None:

@@ -13,14 +13,14 @@ import pytest
 
 from slotq.engine import EngineKnobs
 from slotq.jobs.cli.main import build_parser
-from slotq.jobs.producer.client import JobNotFound, JobRejected, SlotqClient
 from slotq.jobs.errors import RedisUnavailable
+from slotq.jobs.producer.client import JobNotFound, JobRejected, SlotqClient
+from slotq.jobs.protocol.keys import job_record_key
 from slotq.jobs.protocol.schemas import JobStatus
 from slotq.jobs.protocol.serialization import deserialize
 from slotq.jobs.settings import ClientSettings, WorkerSettings, from_command_line
-from tests.support.jobs import SLOTQ_BIN, clean_env
-from slotq.jobs.protocol.keys import job_record_key
 from tests.support import REPO_ROOT
+from tests.support.jobs import SLOTQ_BIN, clean_env
 
 
 async def _run_cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> tuple[int, str, str]:

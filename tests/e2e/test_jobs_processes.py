@@ -13,7 +13,15 @@ import pytest
 
 from slotq.engine import FinishReason
 from slotq.jobs.protocol.schemas import EntryKind, JobStatus
-from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env, job_request, jobs_in_queue, raw_entries, wait_for_workers
+from tests.support.jobs import (
+    SLOTQ_BIN,
+    WorkerProcess,
+    clean_env,
+    job_request,
+    jobs_in_queue,
+    raw_entries,
+    wait_for_workers,
+)
 
 
 async def _run_cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> tuple[int, str, str]:

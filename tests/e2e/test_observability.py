@@ -22,12 +22,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from tests.support.jobs import WorkerProcess, clean_env, job_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobStatus
 from tests.support import REPO_ROOT, free_port
+from tests.support.jobs import WorkerProcess, clean_env, job_request
 
 ROOT = REPO_ROOT
 RULES = ROOT / "deploy/prometheus/slotq-alerts.yaml"

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from tests.support import REPO_ROOT
 
-
 INNER_TEST = '''
 import json
 import os

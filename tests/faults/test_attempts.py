@@ -17,15 +17,15 @@ import pytest
 from rich.console import Console
 
 from slotq.engine import FinishReason, Usage
-from slotq.jobs.protocol import dead_letters
+from slotq.jobs.cli.status_view import render
 from slotq.jobs.producer.client import JobHandle, SlotqClient
+from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.keys import retry_counter_key, stream_key
 from slotq.jobs.protocol.redis_queue import AttemptOutcomes
 from slotq.jobs.protocol.schemas import EntryKind, JobResult, JobStatus, QueueInfo, StreamEntry
-from slotq.jobs.cli.status_view import render
 from slotq.jobs.protocol.streams import encode_entry
-from tests.support.jobs import chunks, collect_stream, job_request, raw_entries
 from tests.support.faults import Fleet, check_job, worker_env
+from tests.support.jobs import chunks, collect_stream, job_request, raw_entries
 
 MAX_TRIES = 2
 JOB_TOKENS = 300

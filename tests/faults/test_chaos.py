@@ -32,8 +32,8 @@ import pytest
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus, StreamEntry
 from slotq.jobs.worker.worker import EXIT_MARGIN_S
-from tests.support.jobs import job_request, raw_entries
 from tests.support.faults import LOCK_TTL_S, Fleet, LatencyProxy, check_job, report, worker_env
+from tests.support.jobs import job_request, raw_entries
 
 pytestmark = pytest.mark.fault
 

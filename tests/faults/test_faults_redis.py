@@ -14,8 +14,8 @@ import time
 import pytest
 
 from slotq.jobs.protocol.schemas import EntryKind, JobStatus
-from tests.support.jobs import job_request, raw_entries
 from tests.support.faults import FaultyProxy, Fleet, check_job, report, stream_summary, worker_env
+from tests.support.jobs import job_request, raw_entries
 
 pytestmark = pytest.mark.fault
 

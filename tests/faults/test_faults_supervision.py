@@ -12,8 +12,8 @@ import pytest
 
 from slotq.jobs.protocol.schemas import JobStatus
 from slotq.jobs.worker.worker import EXIT_ENGINE_DIED
-from tests.support.jobs import job_request
 from tests.support.faults import Fleet, check_job, worker_env
+from tests.support.jobs import job_request
 
 pytestmark = pytest.mark.fault
 

@@ -22,8 +22,8 @@ from pydantic import ValidationError
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest, JobStatus
 from slotq.jobs.protocol.serialization import deserialize, serialize
-from tests.support.jobs import jobs_in_queue, raw_entries, settings_for
 from tests.support.faults import Fleet, known_bug, worker_env
+from tests.support.jobs import jobs_in_queue, raw_entries, settings_for
 
 pytestmark = pytest.mark.fault
 

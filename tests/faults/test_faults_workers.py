@@ -26,9 +26,19 @@ import pytest
 from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TextDelta
 from slotq.jobs.protocol.keys import job_record_key, result_key, retry_counter_key
 from slotq.jobs.protocol.schemas import EntryKind, JobResult, JobStatus
+from tests.support.faults import (
+    LOCK_TTL_S,
+    FaultyProxy,
+    Fleet,
+    check_job,
+    entry_time,
+    known_bug,
+    percentile,
+    report,
+    stream_summary,
+    worker_env,
+)
 from tests.support.jobs import job_request, raw_entries
-from tests.support.faults import (LOCK_TTL_S, FaultyProxy, Fleet, check_job, entry_time, known_bug, percentile, report,
-                            stream_summary, worker_env)
 
 pytestmark = pytest.mark.fault
 

@@ -22,13 +22,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from tests.support.gateway import Event, Stack, chunk_text, free_port, sse_events
-from tests.support.jobs import SLOTQ_BIN, clean_env
 from openai import AsyncOpenAI, OpenAI
 from redis.asyncio import Redis
 
 from slotq.engine import ErrorInfo
 from slotq.jobs.protocol import dead_letters
+from tests.support.gateway import Event, Stack, chunk_text, free_port, sse_events
+from tests.support.jobs import SLOTQ_BIN, clean_env
 
 pytestmark = pytest.mark.timeout(180)
 

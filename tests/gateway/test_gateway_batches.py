@@ -20,11 +20,11 @@ import httpx
 import openai
 import pytest
 import redis as sync_redis
-from tests.support.gateway import GatewayProcess, Stack
 from openai import OpenAI
 
 from slotq.jobs.gateway.records import batch_key
 from slotq.jobs.protocol.keys import QueueKeys
+from tests.support.gateway import GatewayProcess, Stack
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -23,13 +23,13 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.support.gateway import Stack
 from redis.asyncio import Redis
 
 from slotq.engine import ErrorInfo, bundled_model_path
-from slotq.jobs.protocol import dead_letters
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.schemas import JobRequest
+from tests.support.gateway import Stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from tests.support.gateway import Stack
 
 from slotq.jobs.protocol.redis_queue import RedisQueue
+from tests.support.gateway import Stack
 
 pytestmark = pytest.mark.timeout(180)
 

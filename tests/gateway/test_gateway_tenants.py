@@ -18,11 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.support.gateway import GatewayProcess, Stack
 
 from slotq.jobs.gateway.settings import key_tenant
-from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.producer.sync_client import SyncSlotqClient
+from slotq.jobs.protocol.schemas import JobRequest
+from tests.support.gateway import GatewayProcess, Stack
 
 pytestmark = pytest.mark.timeout(180)
 

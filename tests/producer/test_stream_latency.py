@@ -15,13 +15,13 @@ import time
 
 import pytest
 
-from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.errors import StreamGone
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.schemas import EntryKind, JobStatus, StreamEntry
 from slotq.jobs.worker.stream_writer import StreamWriter
-from tests.support.jobs import collect_stream, job_request, settings_for
 from tests.support.faults import LatencyProxy
+from tests.support.jobs import collect_stream, job_request, settings_for
 
 
 async def follow_all(client: SlotqClient, job_ids: list[str]) -> list[list[StreamEntry]]:

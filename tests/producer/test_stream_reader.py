@@ -12,8 +12,8 @@ import pytest
 from redis.asyncio import Redis
 
 from slotq.jobs.errors import StreamGone
-from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.producer.stream_reader import StreamReader, format_id, parse_id
+from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.worker.stream_writer import StreamWriter
 
 NEVER_MS = 600_000       # a blocked read that times out on its own would outlast every test

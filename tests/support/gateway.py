@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tests.support import free_port
-from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env
 
 from slotq.jobs.cli.redis_server import EmbeddedRedis
+from tests.support import free_port
+from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env
 
 LOCK_TTL_S = 3      # heartbeat every second: routing and slot counts follow the fleet quickly
 

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import redis as sync_redis
 
+from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import job_record_key, stream_key
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, StreamEntry
-from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.protocol.streams import decode_entry
+from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker
 
 __all__ = [

@@ -24,9 +24,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from tests.support.faults import RedisProxy
 
 from slotq.jobs.cli.redis_server import _free_port, valkey_binary
+from tests.support.faults import RedisProxy
 
 SERVICE = "mymaster"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 
 from slotq.engine import EngineStats
-from slotq.jobs.worker import metrics
 from slotq.jobs.protocol.schemas import JobResult, JobStatus
+from slotq.jobs.worker import metrics
 
 
 def _stats(**overrides: float) -> EngineStats:

@@ -7,9 +7,9 @@ import pytest
 from redis.asyncio import Redis
 
 from slotq.engine import FinishReason
+from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.protocol.streams import decode_entry
 from slotq.jobs.worker.stream_writer import FlushPolicy, StreamWriter
 

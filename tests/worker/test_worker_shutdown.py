@@ -21,11 +21,11 @@ import time
 import pytest
 import yaml
 
-from slotq.jobs.worker.fault_injection import BEAT_BEFORE_STOP, RENEW_AFTER_FINISH
 from slotq.jobs.protocol.schemas import JobStatus
+from slotq.jobs.worker.fault_injection import BEAT_BEFORE_STOP, RENEW_AFTER_FINISH
 from slotq.jobs.worker.worker import EXIT_MARGIN_S
-from tests.support.jobs import WorkerProcess, clean_env, job_request, wait_for_workers
 from tests.support import REPO_ROOT
+from tests.support.jobs import WorkerProcess, clean_env, job_request, wait_for_workers
 
 DRAIN_GRACE_S = 1
 
