@@ -85,8 +85,8 @@ def summary_table(summary: BulkSummary) -> Table:
         ("failed", f"[red]{summary.failed:,}[/red]" if summary.failed else "0"),
     ]
     if summary.interrupted:
-        rows.append(("interrupted", f"{summary.left_in_queue:,} lines still in the queue; run the same command "
-                                    "again to finish"))
+        rows.append(("interrupted", (f"{summary.left_in_queue:,} lines still in the queue; run the same command "
+                                     "again to finish")))
     rows += [
         ("tokens", f"{summary.prompt_tokens:,} prompt + {summary.completion_tokens:,} generated"),
         ("time", f"{summary.wall_s:,.1f} s, {summary.tokens_per_s:,.1f} generated tokens/s"),

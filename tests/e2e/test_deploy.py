@@ -46,7 +46,7 @@ def test_the_worker_probes_are_served() -> None:
     for probe in ("readinessProbe", "livenessProbe"):
         statuses: list[str] = []
         body = b"".join(serve({"PATH_INFO": worker[probe]["httpGet"]["path"], "REQUEST_METHOD": "GET"},
-                              lambda status, _headers: statuses.append(status)))
+                              lambda status, _headers, statuses=statuses: statuses.append(status)))
         assert statuses == ["200 OK"] and b'"ok": true' in body, (probe, statuses, body[:200])
 
 

@@ -110,7 +110,7 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(fclien
             """Fault i hits once the producer reached milestone i (and holds there)."""
             for milestone, fault in zip(milestones, faults):
                 async with enqueued_more:
-                    await enqueued_more.wait_for(lambda: enqueued >= milestone)
+                    await enqueued_more.wait_for(lambda milestone=milestone: enqueued >= milestone)
                 running = len(outstanding) - len(await client.finished(list(outstanding)))
                 if fault == "kill":
                     fleet.kill(rng.choice(await serving()))

@@ -219,7 +219,7 @@ async def test_enqueued_payloads_carry_the_schema_version(client):
 
     job = await client.enqueue(job_request("hello"))
     stored = deserialize(await client.redis.get(job_record_key(job.id)))["a"][0]
-    assert stored["schema_version"] == "%d.%d" % SCHEMA_VERSION
+    assert stored["schema_version"] == "{}.{}".format(*SCHEMA_VERSION)
 
 
 async def test_a_dead_letter_is_requeued_on_the_queue_it_ran_on(client):

@@ -64,7 +64,7 @@ async def test_many_followers_share_one_read_and_each_gets_its_own_entries(redis
         jobs = [f"job-{i}" for i in range(6)]
         followers = [asyncio.create_task(texts(reader, job)) for job in jobs]
         for step in range(5):                            # interleaved, as a worker's flushes are
-            for i, job in enumerate(jobs):
+            for job in jobs:
                 writer.add(job, chunk(f"{job}:{step}", step + 1))
             await writer.flush()
         for job in jobs:

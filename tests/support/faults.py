@@ -83,7 +83,7 @@ class LimitedWorkerProcess(WorkerProcess):
     def __init__(self, name: str, env: dict[str, str], cwd: Path) -> None:
         self.name = name
         self.log = cwd / f"{name}.log"
-        self._log_file = open(self.log, "wb")
+        self._log_file = open(self.log, "wb")  # noqa: SIM115  (the child writes it until stop() closes it)
         self.proc = subprocess.Popen([str(SLOTQ_BIN), "worker"], env=env | {"SLOTQ_WORKER_NAME": name}, cwd=cwd,
                                      stdout=self._log_file, stderr=subprocess.STDOUT, preexec_fn=_limit_memory)
 

@@ -30,7 +30,7 @@ class GatewayProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = cwd / f"{name}.log"
-        self._log_file = open(self.log, "wb")
+        self._log_file = open(self.log, "wb")  # noqa: SIM115  (the child writes it until stop() closes it)
         self.proc = subprocess.Popen([str(SLOTQ_BIN), "gateway", "--port", str(self.port), *args], env=env, cwd=cwd,
                                      stdout=self._log_file, stderr=subprocess.STDOUT)
 

@@ -189,7 +189,7 @@ class WorkerProcess:
     def __init__(self, name: str, env: dict[str, str], cwd: Path) -> None:
         self.name = name
         self.log = cwd / f"{name}.log"
-        self._log_file = open(self.log, "wb")
+        self._log_file = open(self.log, "wb")  # noqa: SIM115  (the child writes it until stop() closes it)
         self.proc = subprocess.Popen(SLOTQ_WORKER, env=env | {"SLOTQ_WORKER_NAME": name}, cwd=cwd,
                                      stdout=self._log_file, stderr=subprocess.STDOUT)
 
