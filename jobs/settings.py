@@ -110,19 +110,21 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         None, description="the name clients ask for (the gateway's `model`); unset = the model file's name without "
                           "its quantization suffix, e.g. SmolLM2-135M-Instruct for SmolLM2-135M-Instruct.Q4_1.gguf")
     poll_delay_s: float = Field(
-        1.0, gt=0, le=60, description="fallback tick: reap expired leases, promote due retries; enqueues wake workers at once")
+        1.0, gt=0, le=60, description="fallback tick: reap expired leases, promote due retries; enqueues wake "
+                                      "workers at once")
     job_timeout_s: int = Field(3600, ge=1, description="hard cap on one attempt")
     lock_ttl_s: int = Field(15, ge=3, description="job lease TTL, renewed by the heartbeat; bounds crash recovery")
     max_tries: int = Field(
-        5, ge=1, le=100, description="tries of a job: an attempt spends one when it fails (a retryable error) or is lost "
-                                     "(worker killed or stalled) before delivering new tokens; beyond this many the "
-                                     "job is dead-lettered")
+        5, ge=1, le=100, description="tries of a job: an attempt spends one when it fails (a retryable error) or is "
+                                     "lost (worker killed or stalled) before delivering new tokens; beyond this many "
+                                     "the job is dead-lettered")
     max_interruptions: int = Field(
         20, ge=0, le=1000, description="attempts of a job that may be lost after delivering new tokens: they spend no "
                                        "try (the next attempt resumes from them), but beyond this many the job is "
                                        "dead-lettered, so nothing runs forever")
     retry_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each try")
-    drain_grace_s: int = Field(25, ge=0, description="on SIGTERM, let running jobs finish this long (Heroku allows 30 s)")
+    drain_grace_s: int = Field(
+        25, ge=0, description="on SIGTERM, let running jobs finish this long (Heroku allows 30 s)")
     stream_flush_ms: float = Field(
         100.0, gt=0, le=1000, description="generated text waits at most this long before it is written to the job's "
                                           "stream; earlier once a write carries more tokens than it costs Redis "

@@ -83,7 +83,8 @@ async def _follow(client: SlotqClient, view: JobView) -> None:
             view.status = entry.finish_reason.value if entry.finish_reason else entry.kind.value
 
 
-async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: int = 48, stagger_s: float = 0.25) -> None:
+async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: int = 48,
+                   stagger_s: float = 0.25) -> None:
     console = Console()
     with contextlib.ExitStack() as stack:
         url = settings.redis_url
@@ -119,7 +120,8 @@ async def _demo_body(worker: SlotqWorker, client: SlotqClient, console: Console,
     return views, await _solo_rate(client, max_tokens)
 
 
-async def _run_jobs(client: SlotqClient, console: Console, n_jobs: int, max_tokens: int, stagger_s: float) -> list[JobView]:
+async def _run_jobs(client: SlotqClient, console: Console, n_jobs: int, max_tokens: int,
+                    stagger_s: float) -> list[JobView]:
     started = time.monotonic()
     views: list[JobView] = []
     followers: list[asyncio.Task[None]] = []
@@ -147,7 +149,8 @@ async def _solo_rate(client: SlotqClient, max_tokens: int) -> float:
     """Tokens per second of one job running alone (the one-at-a-time baseline)."""
     started = time.monotonic()
     job = await client.enqueue(JobRequest(messages=[{"role": "user", "content": PROMPTS[0]}],
-                                          max_tokens=max_tokens, ignore_eos=True, sampling={"temperature": 0.7, "seed": 0}))
+                                          max_tokens=max_tokens, ignore_eos=True,
+                                          sampling={"temperature": 0.7, "seed": 0}))
     result = await job.result(timeout=300)
     return result.usage.completion_tokens / (time.monotonic() - started)
 
@@ -165,6 +168,7 @@ def _summary(console: Console, views: list[JobView], solo_rate: float) -> None:
         table.add_row(v.id[:8], f"{(v.ttft or 0) * 1000:.0f} ms", str(v.tokens), v.status)
     one_at_a_time = tokens / solo_rate if solo_rate else float("nan")
     console.print(Group(table,
-                        f"{len(views)} jobs, {tokens} tokens in {wall:.1f} s: [bold]{tokens / wall:.1f} tokens/s[/] aggregate",
+                        f"{len(views)} jobs, {tokens} tokens in {wall:.1f} s: "
+                        f"[bold]{tokens / wall:.1f} tokens/s[/] aggregate",
                         f"one at a time (measured solo rate {solo_rate:.1f} tokens/s) these jobs would take about "
                         f"{one_at_a_time:.1f} s: continuous batching gave {one_at_a_time / wall:.1f}x that throughput"))

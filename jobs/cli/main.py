@@ -87,7 +87,8 @@ def _describe(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or exc.title
-        got = f" (got {err['input']!r})" if err.get("type") != "missing" and not isinstance(err.get("input"), dict) else ""
+        shows_input = err.get("type") != "missing" and not isinstance(err.get("input"), dict)
+        got = f" (got {err['input']!r})" if shows_input else ""
         lines.append(f"{where}: {err['msg']}{got}")
     return "\n".join(lines)
 
@@ -156,9 +157,10 @@ async def _enqueue(args: argparse.Namespace) -> int:
         system = [{"role": "system", "content": args.system}] if args.system else []
         text = {"messages": [*system, {"role": "user", "content": args.text}]}
     try:
+        seed = {"seed": args.seed} if args.seed is not None else {}
         request = JobRequest(**text, max_tokens=args.max_tokens, stop=args.stop or [], ignore_eos=args.ignore_eos,
                              idempotency_key=args.idempotency_key, priority=args.priority, lane=args.lane,
-                             sampling={"temperature": args.temperature, **({"seed": args.seed} if args.seed is not None else {})})
+                             sampling={"temperature": args.temperature, **seed})
     except ValidationError as exc:
         print(f"invalid request:\n{_describe(exc)}", file=sys.stderr)
         return EXIT_INVALID
@@ -415,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("enqueue", "enqueue one job and print its id; with --stream or --json wait for it (the id then "
                            "goes first, to stderr), and Ctrl-C or SIGTERM cancels the job unless --detach")
     p.add_argument("text", help="the user's message (the model's chat template applies), or with --raw a raw prompt")
-    p.add_argument("--raw", action="store_true", help="send TEXT as a plain completion prompt, without the chat template")
+    p.add_argument("--raw", action="store_true",
+                   help="send TEXT as a plain completion prompt, without the chat template")
     p.add_argument("--system", help="a system message before TEXT (not with --raw)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -469,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_async(_bulk))
 
     p = command("redis", "run the embedded Redis (Valkey) in the foreground for other slotq processes", None)
-    p.add_argument("--port", type=int, help="default SLOTQ_EMBEDDED_REDIS_PORT (6399); data in SLOTQ_DATA_DIR/redis-PORT")
+    p.add_argument("--port", type=int,
+                   help="default SLOTQ_EMBEDDED_REDIS_PORT (6399); data in SLOTQ_DATA_DIR/redis-PORT")
     p.set_defaults(func=cmd_redis)
 
     p = command("demo", "zero-config demo: embedded Redis, one worker, a dozen streamed jobs", WorkerSettings)

@@ -4,9 +4,9 @@ through :class:`~slotq.jobs.gateway.records.BatchRecords` (which holds the keys 
 A batch is a hash (one JSON value per field of OpenAI's batch object, plus the queue it runs on),
 so that the driver's progress writes and a cancel from any replica touch different fields and never
 overwrite each other. A batch belongs to the tenant that created it: the index for listing is per
-tenant, and another tenant's batch is looked up as one that does not exist. Status changes go through one script that checks the current status first
-(``transition``): a batch being cancelled cannot be marked completed by a driver that had not
-noticed yet, and the other way round.
+tenant, and another tenant's batch is looked up as one that does not exist. Status changes go
+through one script that checks the current status first (``transition``): a batch being cancelled
+cannot be marked completed by a driver that had not noticed yet, and the other way round.
 
 The lease (a token with a TTL) says which gateway drives a
 batch; the driver renews it while it runs (:mod:`slotq.jobs.gateway.batch_driver`). Batches not yet
@@ -151,7 +151,8 @@ class BatchStore:
     # ------------------------------------------------------------------ the objects
     async def create(self, request: CreateBatch, tenant: str) -> Batch:
         now = int(time.time())
-        batch = Batch(id="batch_" + secrets.token_hex(12), endpoint=request.endpoint, input_file_id=request.input_file_id,
+        batch = Batch(id="batch_" + secrets.token_hex(12), endpoint=request.endpoint,
+                      input_file_id=request.input_file_id,
                       status="validating", created_at=now, expires_at=now + COMPLETION_WINDOW_S,
                       metadata=request.metadata, tenant=tenant)
         await self.records.add(batch.id, tenant, {name: getattr(batch, name) for name in Batch.model_fields},

@@ -61,7 +61,8 @@ class ChunkRenderer:
     def opening(self) -> list[str]:
         if self.after is not None or self.kind != "chat":
             return []
-        return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in range(self.n)]
+        return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                for i in range(self.n)]
 
     def feed(self, entry: StreamEntry) -> list[str]:
         """The events for one entry that the client has not seen yet."""
@@ -120,10 +121,12 @@ class ChunkRenderer:
 
     def _unfinished(self, reason: FinishReason) -> ApiError:
         if reason == FinishReason.DEADLINE:
-            return ApiError.deadline(f"job {self.job_id}: the deadline passed; the partial result is at /v1/jobs/{self.job_id}")
+            return ApiError.deadline(f"job {self.job_id}: the deadline passed; "
+                                     f"the partial result is at /v1/jobs/{self.job_id}")
         return ApiError(409, f"job {self.job_id} was cancelled", code="job_cancelled")
 
-    def _choice(self, index: int, *, text: str | None = None, reason: str | None = None) -> ChatChunkChoice | TextChoice:
+    def _choice(self, index: int, *, text: str | None = None,
+                reason: str | None = None) -> ChatChunkChoice | TextChoice:
         if self.kind == "chat":
             return ChatChunkChoice(index=index, delta=Delta(content=text), finish_reason=reason)
         return TextChoice(index=index, text=text or "", finish_reason=reason)

@@ -44,7 +44,8 @@ TENANT_TOKENS = Counter("slotq_gateway_tenant_reserved_tokens",
                         "Tokens the tenant's new jobs reserved (what SLOTQ_TENANT_TOKENS_PER_MIN counts), by tenant",
                         ["tenant"], registry=REGISTRY)
 QUOTA_REFUSALS = Counter("slotq_gateway_quota_refusals",
-                         "Requests refused with 429 by a tenant's quota, by tenant and quota (waiting, in_flight, tokens)",
+                         ("Requests refused with 429 by a tenant's quota, "
+                          "by tenant and quota (waiting, in_flight, tokens)"),
                          ["tenant", "quota"], registry=REGISTRY)
 
 

@@ -1,7 +1,8 @@
 """The gateway's own records in Redis: every key name they use and every Redis command on them.
 
 ================================  ======  ===========================================================
-``slotq:gateway:job:{<id>}``      STRING  a job the gateway created (:class:`JobRecord`, JSON), kept as long as its result
+``slotq:gateway:job:{<id>}``      STRING  a job the gateway created (:class:`JobRecord`, JSON), kept as long
+                                          as its result
 ``slotq:gateway:models``          HASH    served model name -> unix time it was last seen live
 ``slotq:gateway:file:{<id>}``     STRING  a Batch API file's object and tenant (JSON)
 ``slotq:gateway:files[:<t>]``     ZSET    file id -> created (ms), per tenant (the default tenant's has no suffix)

@@ -75,7 +75,8 @@ async def complete(request: Request, caller: Caller, body: WireRequest) -> Respo
         return await _resume(request, gateway, caller, body)
     job = to_job_request(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
     handle, record = await gateway.submit(job, body.model, kind, wire_param(body))
-    keep = body.keep_on_disconnect if body.keep_on_disconnect is not None else gateway.settings.gateway_keep_on_disconnect
+    keep = (body.keep_on_disconnect if body.keep_on_disconnect is not None
+            else gateway.settings.gateway_keep_on_disconnect)
     owner_cancels = handle.created and not keep       # only the request that created a job cancels it
     headers = {"X-Slotq-Job-Id": handle.id}
     if body.stream:
@@ -115,7 +116,8 @@ async def _resume(request: Request, gateway: Gateway, caller: Caller, body: Wire
     key = body.idempotency_key or request.headers.get("idempotency-key")
     if not key:
         raise ApiError.invalid("Last-Event-ID resumes the job created under the same idempotency key, and this request "
-                               "has none: send the original request's idempotency_key (or read GET /v1/jobs/{id}/events)",
+                               "has none: send the original request's idempotency_key "
+                               "(or read GET /v1/jobs/{id}/events)",
                                "idempotency_key", code="missing_idempotency_key")
     job_id, client, record = await gateway.find(caller.tenant, key)
     if await client.status(job_id) == JobStatus.NOT_FOUND:

@@ -48,7 +48,8 @@ class Gateway:
     def __init__(self, client: SlotqClient, settings: GatewaySettings) -> None:
         self.client = client
         self.settings = settings
-        self.router = ModelRouter(client, ttl_s=settings.gateway_routing_ttl_s, memory_s=settings.gateway_model_memory_s)
+        self.router = ModelRouter(client, ttl_s=settings.gateway_routing_ttl_s,
+                                  memory_s=settings.gateway_model_memory_s)
         self.records = JobRecords(client.redis)
         self._queues: dict[str, SlotqClient] = {settings.queue_name: client}
         self._background: set[asyncio.Task[None]] = set()

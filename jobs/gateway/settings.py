@@ -66,26 +66,30 @@ class GatewaySettings(ClientSettings):
     gateway_max_body_mb: float = Field(4.0, gt=0, description="largest request body (413 above it); a file upload "
                                                               "has SLOTQ_GATEWAY_MAX_FILE_MB instead")
     gateway_max_metadata_bytes: int = Field(16_384, ge=0, description="largest `metadata` of a job, as JSON")
-    gateway_header_timeout_s: float = Field(10.0, gt=0, le=3600, description="a request's headers must arrive "
-                                                                              "within this long, or the connection is closed")
+    gateway_header_timeout_s: float = Field(10.0, gt=0, le=3600, description="a request's headers must arrive within "
+                                                                              "this long, or the connection is closed")
     gateway_body_timeout_s: float = Field(60.0, gt=0, le=86_400, description="a request's whole body must arrive "
                                                                              "within this long (408 after)")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated origins allowed by CORS ('*' for any); empty = no CORS")
     gateway_keep_on_disconnect: bool = Field(
         False, description="default for requests that do not say: keep a job running when its streaming client leaves")
-    gateway_keepalive_s: float = Field(5.0, gt=0, le=60, description="SSE comment sent when a stream is quiet this long")
+    gateway_keepalive_s: float = Field(
+        5.0, gt=0, le=60, description="SSE comment sent when a stream is quiet this long")
     gateway_retry_after_s: int = Field(2, ge=1, description="Retry-After of a 429 when the queue is full, or a "
                                                                "tenant's waiting or in-flight quota is reached")
-    gateway_routing_ttl_s: float = Field(1.0, gt=0, le=60, description="how long the model -> queue map from heartbeats is reused")
+    gateway_routing_ttl_s: float = Field(
+        1.0, gt=0, le=60, description="how long the model -> queue map from heartbeats is reused")
     gateway_model_memory_s: int = Field(
         86_400, ge=0, description="a model seen this recently but with no live worker is a 503, not a 404")
     gateway_files_dir: Path | None = Field(
         None, description="where uploaded files and batch outputs are kept (a volume every replica shares); "
                           "unset = <SLOTQ_DATA_DIR>/gateway-files")
-    gateway_max_file_mb: int = Field(200, ge=1, description="largest file POST /v1/files accepts (OpenAI's batch limit)")
+    gateway_max_file_mb: int = Field(
+        200, ge=1, description="largest file POST /v1/files accepts (OpenAI's batch limit)")
     gateway_batch_lease_s: float = Field(
-        30.0, ge=1, le=3600, description="a batch whose gateway stopped renewing its lease this long is resumed by another")
+        30.0, ge=1, le=3600, description="a batch whose gateway stopped renewing its lease this long is resumed "
+                                         "by another")
     gateway_batch_window: int = Field(256, ge=1, le=100_000, description="lines of one batch in Redis at once")
 
     @property

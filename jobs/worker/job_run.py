@@ -282,7 +282,8 @@ class JobRun:
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=tokens[choice])
             finished[choice] = Finished(request_id=self.job_id, choice=choice, finish_reason=FinishReason.CANCELLED,
                                         usage=usage, timings=Timings())
-            self.writer.add(self.job_id, self._entry(EntryKind.DONE, choice=choice, finish_reason=FinishReason.CANCELLED,
+            self.writer.add(self.job_id, self._entry(EntryKind.DONE, choice=choice,
+                                                     finish_reason=FinishReason.CANCELLED,
                                                      usage=usage, final=i == len(open_choices) - 1))
         await asyncio.shield(self._flush_final())
         result = self._result(texts, finished)

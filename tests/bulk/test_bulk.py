@@ -278,7 +278,8 @@ async def test_forget_removes_a_finished_job_only(client, worker):
 
 
 # ---------------------------------------------------------------------- cancel (the Batch API's cancel)
-@pytest.mark.parametrize("reason", [None, ErrorInfo(code="batch_expired", message="the window ran out", retryable=False)],
+@pytest.mark.parametrize("reason",
+                         [None, ErrorInfo(code="batch_expired", message="the window ran out", retryable=False)],
                          ids=["plain", "with-a-reason"])
 async def test_cancel_ends_the_lines_in_flight_as_cancelled(reason, client, redis_url, tiny_model_path, tmp_path):
     """A plain cancel lists the lines it cut short; a cancel with a reason (a batch's completion

@@ -72,7 +72,8 @@ def test_server_dies_when_the_process_that_started_it_is_killed(tmp_path: Path) 
         assert alive(valkey_pid) and port_is_serving(port)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        wait_for(lambda: not alive(valkey_pid), 5, f"valkey-server {valkey_pid} did not exit after its parent's SIGKILL")
+        wait_for(lambda: not alive(valkey_pid), 5,
+                 f"valkey-server {valkey_pid} did not exit after its parent's SIGKILL")
     finally:
         parent.kill()
         parent.wait()
@@ -151,7 +152,8 @@ def test_slotq_redis_on_two_ports_keeps_two_directories(tmp_path: Path, slotq_re
     ports = [free_port(), free_port()]
     procs = [slotq_redis(p) for p in ports]
     for proc, port in zip(procs, ports):
-        assert f"listening on redis://127.0.0.1:{port}/0; data in {tmp_path / f'redis-{port}'}" in proc.stdout.readline()
+        data_dir = tmp_path / f"redis-{port}"
+        assert f"listening on redis://127.0.0.1:{port}/0; data in {data_dir}" in proc.stdout.readline()
         sync_redis.Redis(port=port).set("owner", str(port))
     for proc in procs:
         proc.send_signal(signal.SIGTERM)

@@ -92,7 +92,8 @@ async def test_a_task_that_returns_early_is_reported() -> None:
 
 
 # ----------------------------------------------------------------------------- the commands
-def run_cli(args: list[str], tmp_path: Path, timeout: float, **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def run_cli(args: list[str], tmp_path: Path, timeout: float,
+            **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
     proc = subprocess.run([str(SLOTQ_BIN), *args], env=clean_env(data_dir=str(tmp_path / "data"), **env), cwd=tmp_path,
                           capture_output=True, text=True, timeout=timeout, check=False)

@@ -125,7 +125,8 @@ async def test_rules_and_dashboard_use_only_metrics_a_real_worker_serves(
             assert worker.proc.poll() is None and time.monotonic() < deadline, worker.log_tail()
             await asyncio.sleep(0.2)
         ready = json.loads(body)
-        assert ready == ready | {"ok": True, "state": "ready", "worker": "obs1", "slots_active": 2, "degradation": "none"}
+        expected = {"ok": True, "state": "ready", "worker": "obs1", "slots_active": 2, "degradation": "none"}
+        assert ready == ready | expected
         assert _get(f"http://127.0.0.1:{port}/live")[0] == 200
         job = await client.enqueue(job_request(max_tokens=8))
         assert (await job.result(timeout=60)).status == JobStatus.SUCCEEDED
@@ -146,7 +147,8 @@ def test_live_fails_when_the_event_loop_stops_stamping_and_ready_says_why() -> N
     from slotq.jobs.worker.health import Health, serve
 
     state = {"ok": False}
-    health = Health(stuck_after_s=0.3, ready_check=lambda: (state["ok"], {"state": "ready" if state["ok"] else "warming_up"}))
+    health = Health(stuck_after_s=0.3,
+                    ready_check=lambda: (state["ok"], {"state": "ready" if state["ok"] else "warming_up"}))
     port = free_port()
     server = serve(port, health, addr="127.0.0.1")
     try:

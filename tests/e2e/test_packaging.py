@@ -41,7 +41,8 @@ def test_the_wheel_installs_only_the_slotq_namespace(tmp_path: Path) -> None:
     top_level = {name.split("/")[0] for name in names}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"slotq"}
     assert "slotq/jobs/cli/main.py" in names and "slotq/engine/engine.py" in names
-    assert "slotq/jobs/gateway/static/index.html" in names or any(n.startswith("slotq/jobs/gateway/static/") for n in names)
+    assert ("slotq/jobs/gateway/static/index.html" in names
+            or any(n.startswith("slotq/jobs/gateway/static/") for n in names))
     assert not any("bench" in n.split("/") for n in names), "the benchmarks stay out of the wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "slotq = slotq.jobs.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -45,7 +45,8 @@ GRAMMARS = st.sampled_from([
     'root ::= "a"', 'root ::= [a-z]+', 'root ::= "a" | "b" root', 'root ::= ( "x" )* "y"', 'root ::= [^a]',
     'root ::= "', 'root ::= [', 'root ::= [a-', 'root ::= root', 'root ::= x', 'x ::= "a"', 'root ::=', "root",
     '::= "a"', 'root ::= "\\', 'root ::= "\\x"', 'root ::= "\\u12"', 'root ::= ("a"',
-    'root ::= "a"{99999}', 'root ::= "a"{2,1}', 'root ::= [\\]', "root ::= 'a'", "", "\x00", 'root ::= "" ', 'root ::= "\U0001f600"+']) | ODD_TEXT
+    'root ::= "a"{99999}', 'root ::= "a"{2,1}', 'root ::= [\\]', "root ::= 'a'", "", "\x00", 'root ::= "" ',
+    'root ::= "\U0001f600"+']) | ODD_TEXT
 SCHEMAS = st.sampled_from([
     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
     {"type": "string", "pattern": "^[a-c]+$"}, {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},

@@ -405,7 +405,8 @@ async def _dump_stuck(client, handles, fleet, kills, redis_restarts) -> None:
             entries = await raw_entries(client, h.id)
             lane, _ = await client.queue.place(h.id)
             deadline = await r.zscore(keys.running(lane), h.id) if lane else None
-            f.write(f"  {h.id} status={await client.status(h.id)} lane={lane} owner={await r.hget(keys.owners, h.id)!r} "
+            f.write(f"  {h.id} status={await client.status(h.id)} lane={lane} "
+                    f"owner={await r.hget(keys.owners, h.id)!r} "
                     f"lease_deadline_in_s={(deadline / 1000 - time.time()) if deadline else None} "
                     f"retry={await r.get(retry_counter_key(h.id))!r} job={await r.exists(job_record_key(h.id))} "
                     f"entries={[(e.kind.value, e.attempt, len(e.token_ids), e.final) for e in entries]}\n")
@@ -421,8 +422,8 @@ async def test_chaos_kill9_workers_nothing_lost(fclient, fsync_redis, tiny_model
     references = await _greedy_references(tiny_model_path, CHAOS_MAX_TOKENS)
     # job_timeout 20 s: a job that hangs for any reason fails in 20 s, not an hour; max_tries 20: a job
     # may be hit by several kills in a row -- the retry budget is not under test
-    fleet = Fleet(client, worker_env(fsync_redis.url, tiny_model_path, slots=4, ctx=CHAOS_CTX, ubatch=1, job_timeout_s=20,
-                                     max_tries=20), tmp_path)
+    fleet = Fleet(client, worker_env(fsync_redis.url, tiny_model_path, slots=4, ctx=CHAOS_CTX, ubatch=1,
+                                     job_timeout_s=20, max_tries=20), tmp_path)
     names = [fleet.spawn().name for _ in range(CHAOS_WORKERS)]
     pending: set[str] = set()
     stuck_claims: set[str] = set()
@@ -557,7 +558,8 @@ async def test_chaos_kill9_workers_nothing_lost(fclient, fsync_redis, tiny_model
         info = await client.queue_info()
         report(f"RELIABILITY jobs={CHAOS_JOBS} workers_killed={len(kills)} redis_restarts={len(redis_restarts)} "
                f"lost={len(lost)} duplicated_chunks={len(duplicated)} missing_tokens={len(missing)} "
-               f"diverged_from_solo_greedy={len(diverged)}{diverged_at or ''} retried={sum(r.attempts > 1 for r in results)} "
+               f"diverged_from_solo_greedy={len(diverged)}{diverged_at or ''} "
+               f"retried={sum(r.attempts > 1 for r in results)} "
                f"max_attempts={max(r.attempts for r in results)} recoveries_measured={len(recoveries)} "
                f"recovery_p50_s={percentile(recoveries, 0.5):.2f} recovery_max_s={max(recoveries, default=0):.2f} "
                f"lease_takeovers={takeovers} stuck_claims={len(stuck_claims)} wall_s={wall:.1f}")

@@ -451,15 +451,18 @@ def test_401_without_a_valid_key(stack):
 
 def test_cors_for_the_configured_origins_only(stack):
     url = stack.gateways[2].url              # SLOTQ_CORS_ORIGINS=https://app.example
-    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
     allowed = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "https://app.example"} | preflight)
     assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == "https://app.example"
     refused = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "https://evil.example"} | preflight)
     assert "access-control-allow-origin" not in refused.headers
-    reply = httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example", "Authorization": f"Bearer {KEYS[0]}"})
+    reply = httpx.get(f"{url}/v1/models",
+                      headers={"Origin": "https://app.example", "Authorization": f"Bearer {KEYS[0]}"})
     assert reply.headers["access-control-allow-origin"] == "https://app.example"
-    assert "access-control-allow-origin" not in httpx.get(f"{stack.url}/health", headers={"Origin": "https://app.example"}).headers
+    health = httpx.get(f"{stack.url}/health", headers={"Origin": "https://app.example"})
+    assert "access-control-allow-origin" not in health.headers
 
 
 def test_429_with_retry_after_when_the_queue_is_full(stack):
@@ -598,7 +601,8 @@ def test_two_models_on_two_workers_are_routed_by_model(stack):
         reply = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=4, extra_body=greedy())
         assert reply.model == model
         assert reply.slotq["worker"] == {"tiny-a": "gw-worker-a", "tiny-b": "gw-worker-b"}[model]
-        assert job(stack.url, reply.slotq["job_id"])["queue"] == {"tiny-a": "slotq:queue", "tiny-b": "slotq:queue:b"}[model]
+        expected_queue = {"tiny-a": "slotq:queue", "tiny-b": "slotq:queue:b"}[model]
+        assert job(stack.url, reply.slotq["job_id"])["queue"] == expected_queue
 
 
 # ---------------------------------------------------------------------- operations

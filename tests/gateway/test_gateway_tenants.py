@@ -38,7 +38,8 @@ BATCH_LINE = {"custom_id": "line-1", "method": "POST", "url": "/v1/chat/completi
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
     with Stack.started(tmp_path_factory.mktemp("tenants"), tiny_model_path) as s:
         s.start_worker("tenants-worker", "tiny", ctx=CTX)
-        s.start_gateway("keyed", api_keys=f"{KEY_A},{KEY_B},teamC={KEY_C1},teamC={KEY_C2}", admin_keys=f"ops={KEY_ADMIN}",
+        s.start_gateway("keyed", api_keys=f"{KEY_A},{KEY_B},teamC={KEY_C1},teamC={KEY_C2}",
+                        admin_keys=f"ops={KEY_ADMIN}",
                         gateway_max_body_mb=0.25, gateway_max_metadata_bytes=1024, gateway_header_timeout_s=1,
                         gateway_body_timeout_s=2)
         s.start_gateway("keyless", cors_origins="https://app.example")
@@ -267,7 +268,8 @@ def test_slow_headers_and_slow_bodies_are_cut_off(stack):
             break
     assert closed and time.monotonic() - started < 4
     sock = _raw_http(gateway.port, b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-                                   + KEY_A.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+                                   + KEY_A.encode()
+                                   + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
     started = time.monotonic()
     sock.settimeout(0.5)
     answer = b""
@@ -286,7 +288,8 @@ def test_slow_headers_and_slow_bodies_are_cut_off(stack):
 # ---------------------------------------------------------------------- keyless mode
 def test_keyless_serves_loopback_and_allowed_hosts_only(keyless):
     assert httpx.get(f"{keyless.url}/v1/models", timeout=10).status_code == 200
-    assert httpx.get(f"{keyless.url}/v1/models", headers={"Host": f"localhost:{keyless.port}"}, timeout=10).status_code == 200
+    by_name = httpx.get(f"{keyless.url}/v1/models", headers={"Host": f"localhost:{keyless.port}"}, timeout=10)
+    assert by_name.status_code == 200
     rebound = httpx.get(f"{keyless.url}/v1/models", headers={"Host": "attacker.example"}, timeout=10)
     assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
 

@@ -27,7 +27,8 @@ from tests.support import REPO_ROOT
 
 # ---------------------------------------------------------------------- translation
 def chat(**fields) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields)
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields)
 
 
 def test_translation_maps_openai_fields_to_the_job():

@@ -238,7 +238,8 @@ class RedisProxy:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError
 
-    async def _open_upstream(self, client_w: asyncio.StreamWriter) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    async def _open_upstream(
+            self, client_w: asyncio.StreamWriter) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """Register this connection's task (``close`` ends it) and connect to Redis; None, with the
         client's side closed, when Redis is not there. ``_handle`` discards the task when done."""
         task = asyncio.current_task()

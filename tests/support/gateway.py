@@ -97,7 +97,8 @@ class Stack:
         while time.monotonic() < deadline:
             for worker in self.workers.values():
                 if worker.proc.poll() is not None:
-                    raise RuntimeError(f"worker {worker.name} exited with {worker.proc.returncode}:\n{worker.log_tail()}")
+                    raise RuntimeError(f"worker {worker.name} exited with {worker.proc.returncode}:\n"
+                                       f"{worker.log_tail()}")
             seen = set(httpx.get(f"{url or self.url}/health", timeout=5).json()["models"])
             if models <= seen:
                 return

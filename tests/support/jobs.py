@@ -123,7 +123,8 @@ async def worker(start_worker: Callable[..., Awaitable[SlotqWorker]]) -> SlotqWo
 
 
 # ---------------------------------------------------------------------- reading
-async def collect_stream(client: SlotqClient, job_id: str, last_id: str = "0-0", timeout: float = 60) -> list[StreamEntry]:
+async def collect_stream(client: SlotqClient, job_id: str, last_id: str = "0-0",
+                         timeout: float = 60) -> list[StreamEntry]:
     """Every entry after ``last_id`` up to the final one."""
     async with asyncio.timeout(timeout):
         return [e async for e in client.stream(job_id, last_id=last_id)]

@@ -79,7 +79,8 @@ def test_degradation_steps_in_order_under_sustained_memory_pressure_and_back() -
     times = [t for t, _, _ in levels]
     assert times[1] - times[0] >= 5 and times[2] - times[1] >= 5     # each held degrade_after_s
     down = run(c, 40, 80, mem=0.3)
-    assert [d.split(":")[0] for d in down] == ["degradation refuse -> cap_tokens", "degradation cap_tokens -> small_batch",
+    assert [d.split(":")[0] for d in down] == ["degradation refuse -> cap_tokens",
+                                               "degradation cap_tokens -> small_batch",
                                                "degradation small_batch -> none"]
     assert "memory clear for" in down[0]
 

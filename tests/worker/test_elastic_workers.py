@@ -181,7 +181,8 @@ async def test_degradation_steps_on_under_sustained_pressure_and_off_afterwards(
     await until(lambda: step("cap_tokens"), "step 2: max_tokens cap", w)
     capped = await (await client.enqueue(job_request("capped", max_tokens=64))).result(timeout=60)
     assert capped.status == JobStatus.SUCCEEDED and capped.usage.completion_tokens == 8
-    assert capped.max_tokens_cap is not None and (capped.max_tokens_cap.requested, capped.max_tokens_cap.applied) == (64, 8)
+    cap = capped.max_tokens_cap
+    assert cap is not None and (cap.requested, cap.applied) == (64, 8)
     assert "SLOTQ_DEGRADED_MAX_TOKENS" in capped.max_tokens_cap.reason
 
     await until(lambda: step("refuse"), "step 3: refusing new jobs", w)

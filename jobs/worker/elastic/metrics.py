@@ -6,7 +6,8 @@ from prometheus_client import Counter, Gauge
 
 from slotq.jobs.worker.elastic.controller import Change, Degradation, Observation
 
-SLOTS_ACTIVE = Gauge("slotq_slots_active", "Active slots: the most sequences this worker runs now (<= slotq_slots_total)")
+SLOTS_ACTIVE = Gauge("slotq_slots_active",
+                     "Active slots: the most sequences this worker runs now (<= slotq_slots_total)")
 SLOT_CHANGES = Counter("slotq_slot_changes", "Changes of the active slot count", ["direction", "cause"])
 DEGRADATION_LEVEL = Gauge("slotq_degradation_level",
                           "Degradation step in force: 0 none, 1 small batch, 2 max_tokens cap, 3 refusing new jobs")
