@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 from slotq.engine import ErrorInfo
 from slotq.jobs.protocol.keys import DEAD_LETTER_INDEX, dead_letter_key
+from slotq.jobs.protocol.replies import reply
 
 
 class DeadLetter(BaseModel):
@@ -48,7 +49,7 @@ async def record(redis: Redis, job_id: str, payload: Any, error: ErrorInfo, atte
 
 
 async def get(redis: Redis, job_id: str) -> DeadLetter | None:
-    raw = await redis.hgetall(dead_letter_key(job_id))
+    raw = await reply(redis.hgetall(dead_letter_key(job_id)))
     if not raw:
         return None
     f = {k.decode(): v.decode() for k, v in raw.items()}
@@ -69,7 +70,7 @@ async def list_ids(redis: Redis, limit: int = 1000) -> list[str]:
 
 
 async def count(redis: Redis) -> int:
-    return await redis.zcard(DEAD_LETTER_INDEX)
+    return int(await redis.zcard(DEAD_LETTER_INDEX))
 
 
 async def remove(redis: Redis, job_id: str) -> bool:

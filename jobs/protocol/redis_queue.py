@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 
@@ -40,6 +40,7 @@ from slotq.jobs.protocol.keys import (
     retry_counter_key,
     stream_key,
 )
+from slotq.jobs.protocol.replies import reply
 
 WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at most (one per waiting job below that)
 PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
@@ -194,7 +195,7 @@ class RedisQueue:
     async def tenants_waiting(self) -> dict[str, int]:
         """Each tenant's jobs waiting or deferred, for the tenants with some (one HGETALL,
         O(tenants with waiting jobs))."""
-        raw = await self.redis.hgetall(self.keys.tenant_waiting)
+        raw = await reply(self.redis.hgetall(self.keys.tenant_waiting))
         return {tenant.decode(): int(count) for tenant, count in raw.items() if int(count) > 0}
 
     async def cancel(self, job_id: str) -> int:
@@ -244,17 +245,17 @@ class RedisQueue:
 
     async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
         """WAIT: how many replicas acknowledged this connection's writes within ``timeout_ms``."""
-        return int(await self.redis.execute_command("WAIT", replicas, timeout_ms))
+        return int(await self.redis.wait(replicas, timeout_ms))
 
     async def in_queue(self, job_ids: Sequence[str]) -> list[bool]:
         """Whether each job is still queued, deferred or running (one HMGET)."""
         if not job_ids:
             return []
-        return [entry is not None for entry in await self.redis.hmget(self.keys.jobs, list(job_ids))]
+        return [entry is not None for entry in await reply(self.redis.hmget(self.keys.jobs, list(job_ids)))]
 
     async def attempt_outcomes(self) -> AttemptOutcomes:
         """Interrupted and failed attempts of every job since the queue began (one HMGET)."""
-        interrupted, failed = await self.redis.hmget(self.keys.attempt_outcomes, ["interrupted", "failed"])
+        interrupted, failed = await reply(self.redis.hmget(self.keys.attempt_outcomes, ["interrupted", "failed"]))
         return AttemptOutcomes(interrupted=int(interrupted or 0), failed=int(failed or 0))
 
     async def place(self, job_id: str) -> tuple[str | None, bool]:
@@ -281,7 +282,7 @@ class RedisQueue:
             raw = await pipe.execute()
         heads = [head[0] if head else None for head in raw[3:-1:4]]
         present = [h for h in heads if h is not None]
-        entries = dict(zip(present, await self.redis.hmget(k.jobs, present))) if present else {}
+        entries = dict(zip(present, await reply(self.redis.hmget(k.jobs, present)))) if present else {}
         out = []
         for i, lane in enumerate(k.lanes):
             waiting, deferred, running, _ = raw[4 * i: 4 * i + 4]
@@ -321,11 +322,15 @@ class RedisQueue:
 
     async def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a wake token arrives (one enqueue wakes one waiting worker) or the timeout."""
-        return await self.redis.blpop([self.keys.wake], timeout=timeout_s) is not None
+        # redis-py annotates blpop's timeout as int, but BLPOP takes a float (Redis >= 6) and redis-py passes it
+        # on unchanged; its reply is annotated as a list: it is a (key, value) tuple, or None at the timeout
+        popped = await cast("Awaitable[tuple[bytes, bytes] | None]",
+                            self.redis.blpop([self.keys.wake], timeout=timeout_s))  # type: ignore[arg-type]
+        return popped is not None
 
     async def return_wake_token(self) -> None:
         """A token this worker cannot use (its slots filled meanwhile): pass it on."""
-        await self.redis.rpush(self.keys.wake, "1")
+        await reply(self.redis.rpush(self.keys.wake, "1"))
 
     async def wait_for_preemption(self, below_lane: str, timeout_s: float) -> str | None:
         """For a busy worker whose lowest job runs in ``below_lane``: block until a preemption
@@ -336,12 +341,14 @@ class RedisQueue:
         if not above:
             return None
         lists = {k.preempt(lane): lane for lane in above}
-        popped = await self.redis.blpop(list(lists), timeout=timeout_s)
+        # blpop's float timeout and real reply: see wait_for_work
+        popped = await cast("Awaitable[tuple[bytes, bytes] | None]",
+                            self.redis.blpop(list(lists), timeout=timeout_s))  # type: ignore[arg-type]
         return None if popped is None else lists[popped[0].decode()]
 
     async def return_preemption_token(self, lane: str) -> None:
         """A preemption token this worker cannot use (its lower-lane jobs ended meanwhile): pass it on."""
-        await self.redis.rpush(self.keys.preempt(lane), "1")
+        await reply(self.redis.rpush(self.keys.preempt(lane), "1"))
 
     async def renew(self, jobs: Sequence[ClaimedJob], lease_ms: int) -> list[bool]:
         """Extend the leases of ``jobs``; False for each job its lease no longer owns."""
@@ -365,7 +372,8 @@ class RedisQueue:
 
     async def interruptions(self, job_id: str) -> int:
         """How many attempts of a job still in the queue were interrupted after making progress."""
-        entry = await self.redis.hget(self.keys.progress, job_id)
+        # redis-py types hget's reply as str; this client (no decode_responses) gets bytes
+        entry = await cast("Awaitable[bytes | None]", self.redis.hget(self.keys.progress, job_id))
         return int(entry.decode().rsplit("\t", 1)[1]) if entry else 0
 
     async def finish(self, job: ClaimedJob, result: bytes | None, result_ttl_ms: int) -> bool:

@@ -9,7 +9,7 @@ letting arq fail it silently.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -28,7 +28,7 @@ def _to_plain(obj: Any) -> Any:
 
 
 def serialize(data: dict[str, Any]) -> bytes:
-    return msgpack.packb(data, default=_to_plain, use_bin_type=True)
+    return cast(bytes, msgpack.packb(data, default=_to_plain, use_bin_type=True))   # msgpack is untyped
 
 
 def deserialize(raw: bytes) -> dict[str, Any]:
