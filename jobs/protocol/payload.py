@@ -35,7 +35,7 @@ _logged_ignored: set[tuple[str, ...]] = set()
 
 def encode_payload(request: JobRequest) -> dict[str, Any]:
     """The payload a producer enqueues: the request's non-default fields plus the schema version."""
-    return {VERSION_FIELD: "%d.%d" % SCHEMA_VERSION, **request.model_dump(mode="json", exclude_defaults=True)}
+    return {VERSION_FIELD: "{}.{}".format(*SCHEMA_VERSION), **request.model_dump(mode="json", exclude_defaults=True)}
 
 
 @dataclass

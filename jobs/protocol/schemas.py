@@ -120,7 +120,8 @@ class JobResult(BaseModel):
     choices: list[ChoiceResult] = Field(default_factory=list)
     error: ErrorInfo | None = None
     worker: str | None = Field(None, description="the worker whose attempt wrote the job's final stream entry")
-    attempts: int = Field(0, description="the attempt that ended the job (attempts handed back on shutdown do not count)")
+    attempts: int = Field(
+        0, description="the attempt that ended the job (attempts handed back on shutdown do not count)")
     interruptions: int = Field(
         0, description="earlier attempts lost (worker killed or stalled) after delivering new tokens: they spent no "
                        "try, so the tries spent are attempts - interruptions")

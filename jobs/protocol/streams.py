@@ -66,7 +66,8 @@ def encode_entry(entry: StreamEntry) -> dict[str, str]:
 
 def decode_entry(entry_id: bytes | str, raw: Mapping[Any, Any]) -> StreamEntry:
     """An entry from its id and fields, as bytes (XRANGE, XREAD) or as text."""
-    f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+    f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+         for k, v in raw.items()}
     ids = f.get("ids", "")
     return StreamEntry(
         id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
