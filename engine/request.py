@@ -91,6 +91,10 @@ class GenerationRequest(GenerationParams):
     """One generation as the engine runs it."""
 
     id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    priority_class: int = Field(
+        0, ge=0, le=64,
+        description="coarse precedence set by the engine's owner, compared before priority: the job layer "
+                    "gives each lane its rank, so a higher lane's prompt is admitted and prefilled first")
     resume_tokens: list[int] = Field(
         default_factory=list,
         description="tokens already delivered by an earlier attempt: prefilled after the prompt, "

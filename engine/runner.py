@@ -193,6 +193,7 @@ class Runner:
                 n_prompt=len(prepared.prompt_tokens),
                 max_new_tokens=req.max_tokens,
                 choice=choice,
+                priority_class=req.priority_class,
                 priority=req.priority,
                 fork_of=leader,
                 fork_len=len(base),

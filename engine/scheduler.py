@@ -10,16 +10,19 @@ Policy, in order of precedence:
    inter-token latency never waits behind someone else's prompt. Decode tokens go in slot order:
    with a KV stream per slot, llama.cpp puts only consecutive seq ids into one micro-batch, so
    slot order keeps a step's decode tokens in as few graph runs as the free slots allow.
-2. Admission: waiting sequences (priority, then arrival) take free slots (an uncached one before
-   an idle prefix cache, the lowest first, for the same reason). With one shared pool
+2. Admission: waiting sequences (priority class, then priority, then arrival) take free slots (an
+   uncached one before an idle prefix cache, the lowest first, for the same reason). With one shared pool
    (``kv_stream_cells`` None) a sequence is admitted when its worst-case KV need fits the pool
    (``kv_cells * overcommit``), and idle prefix caches are evicted before a request is made to
    wait. With a stream per slot a free slot is enough: the stream is the sequence's own, and the
    engine refuses at submit any sequence longer than a stream. In static mode nothing is admitted
    until the running batch drains.
 3. Prefill: prompt chunks of admitted sequences fill the rest of the ``n_batch`` budget, at most
-   ``prefill_chunk`` tokens per sequence per step, oldest first, so one long prompt cannot starve
-   the others.
+   ``prefill_chunk`` tokens per sequence per step, highest priority first, then oldest, so one long
+   prompt cannot starve the others. Only the highest priority class that has a prompt to prefill
+   gets prefill in a step: a lower class's prompt (a bulk job, a resumed one re-prefilling its
+   tokens) waits for the next step rather than make the higher class's first token wait for its
+   chunk. The job layer sets the class from the lane (engine.request.GenerationRequest).
 4. Prefix reuse: an admitted sequence starts from the longest prefix of its tokens that any slot
    already holds in KV (a running sequence or an idle cache), copied instead of recomputed. If a
    running sequence is still prefilling a longer shared prefix, the newcomer waits for it and
@@ -29,8 +32,8 @@ Policy, in order of precedence:
    only when it is at least ``min_copy_tokens`` long; reusing a slot's own idle cache costs
    nothing in either layout.
 5. KV full (shared pool only; a stream per slot never fills, see 2): halve the prefill budget and
-   retry; if a batch with no prefill still does not fit, preempt the youngest, lowest-priority
-   sequence and requeue it with its progress.
+   retry; if a batch with no prefill still does not fit, preempt the youngest sequence of the lowest
+   class and priority and requeue it with its progress.
 6. Runtime limits (:class:`SchedulerLimits`, set by the owner while it runs, e.g. an elastic worker):
    at most ``active_slots`` sequences hold a slot, and the batch and prefill chunk may be smaller
    than configured. Lowering ``active_slots`` never stops a running sequence: no new one is
@@ -184,10 +187,12 @@ class Scheduler:
                 out.items.append(BatchItem(seq, seq.n_computed, 1, sample=True))
                 budget -= 1
         chunk_cap = max(1, int(self.limits.prefill_chunk * self._prefill_scale))
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        prefilling = [s for s in self.running if s.fork_of is None and not s.is_decoding and s.n_pending > 0]
+        top_class = max((s.priority_class for s in prefilling), default=0)
+        for seq in sorted(prefilling, key=lambda s: (-s.priority, s.arrival)):
             if budget <= 0:
                 break
-            if seq.fork_of is not None or seq.is_decoding or seq.n_pending == 0:
+            if seq.priority_class < top_class:
                 continue
             n = min(budget, chunk_cap, seq.n_pending)
             out.items.append(BatchItem(seq, seq.n_computed, n, sample=n == seq.n_pending))
@@ -395,7 +400,7 @@ class Scheduler:
     def _preemption_victim(self) -> Sequence | None:
         if len(self.running) <= 1:
             return None
-        return max(self.running, key=lambda s: (-s.priority, s.arrival))
+        return max(self.running, key=lambda s: (-s.priority_class, -s.priority, s.arrival))
 
     def _running_ids(self) -> set[int]:
         return {s.seq_id for s in self.running if s.seq_id is not None}

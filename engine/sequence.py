@@ -30,6 +30,7 @@ class Sequence:
     n_prompt: int                    # tokens given as input (prompt + resumed tokens)
     max_new_tokens: int              # generation budget of this attempt
     choice: int = 0
+    priority_class: int = 0          # compared before priority (the job layer's lane rank)
     priority: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     state: SeqState = SeqState.WAITING

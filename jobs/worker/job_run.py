@@ -171,6 +171,7 @@ class JobRun:
             self.writer.add(self.job_id, self._entry(EntryKind.RESTART))
             delivered = Delivered()
         params = job.model_dump(include=set(GenerationParams.model_fields))     # the job layer's own fields stay here
+        params["priority_class"] = self._lane_rank(job.lane)
         if self.verdict is not None:
             verdict = self.verdict(max_tokens=job.max_tokens, resuming=bool(delivered.tokens))
             if verdict.refuse is not None:
@@ -214,6 +215,12 @@ class JobRun:
             log.warning("job %s attempt %d: of the attempts lost before it, %d had delivered new tokens (interrupted, "
                         "no try spent) and %d had not (failed, a try each); try %d, %d interruptions so far",
                         self.job_id, self.attempt, start.interrupted, start.failed, self.tries, self.interruptions)
+
+    def _lane_rank(self, lane: str) -> int:
+        """The engine's priority class of a lane: the lowest lane 0, each higher one more, so a higher
+        lane's prompt is admitted and prefilled before a lower lane's (engine/scheduler.py, rule 3)."""
+        lanes = self.settings.lanes
+        return len(lanes) - 1 - lanes.index(lane) if lane in lanes else 0
 
     # ------------------------------------------------------------------ streaming
     async def _follow(self, handle: RunningRequest, request: GenerationRequest, job: JobRequest,

@@ -60,6 +60,37 @@ def test_prefill_respects_n_batch_and_prefill_chunk_oldest_first() -> None:
     assert [(i.seq, i.start, i.n_tokens) for i in out.items] == [(seqs[0], 12, 12), (seqs[1], 12, 12), (seqs[2], 8, 8)]
 
 
+def test_a_higher_class_prompt_is_prefilled_alone_and_lower_ones_resume_after() -> None:
+    """Rule 3: a bulk prompt (class 0) that is mid-prefill steps aside while an interactive one
+    (class 1) prefills, so the interactive first token waits for no bulk chunk; decode goes on."""
+    s = Scheduler(config(n_slots=4, n_batch=64, prefill_chunk=16))
+    sim = Sim(s)
+    decoding = make_seq(2, max_new=50)
+    s.add(decoding)
+    sim.step()
+    bulk = make_seq(40)
+    s.add(bulk)
+    sim.step()                                           # bulk's first chunk
+    interactive = make_seq(20, priority_class=1)
+    s.add(interactive)
+    steps = []
+    while interactive.n_generated == 0:
+        out = sim.step()
+        steps.append({i.seq: i.n_tokens for i in out.items})
+    assert steps == [{decoding: 1, interactive: 16}, {decoding: 1, interactive: 4}]
+    out = sim.step()
+    assert {i.seq: i.n_tokens for i in out.items} == {decoding: 1, interactive: 1, bulk: 16}
+
+
+def test_priority_orders_prefill_within_a_class() -> None:
+    s = Scheduler(config(n_slots=3, n_batch=20, prefill_chunk=16))
+    old, urgent = make_seq(30), make_seq(30, priority=5)
+    s.add(old)
+    s.add(urgent)
+    out = s.schedule()
+    assert [(i.seq, i.n_tokens) for i in out.items] == [(urgent, 16), (old, 4)]
+
+
 def test_prefill_samples_only_when_chunk_reaches_the_end() -> None:
     s = Scheduler(config(n_slots=1, n_batch=64, prefill_chunk=10))
     sim = Sim(s)
@@ -136,6 +167,21 @@ def test_priority_then_arrival_order_of_admission() -> None:
         if not s.waiting and not s.running:
             break
     assert order == [high, high2, mid, low]
+
+
+def test_priority_class_comes_before_priority_in_admission() -> None:
+    s = Scheduler(config(n_slots=1))
+    sim = Sim(s)
+    blocker = make_seq(2, max_new=2)
+    s.add(blocker)
+    sim.step()
+    bulk_urgent, interactive = make_seq(2, priority=100), make_seq(2, priority=-100, priority_class=1)
+    s.add(bulk_urgent)
+    s.add(interactive)
+    order = []
+    while s.waiting or s.running:
+        order += [a.seq for a in sim.step().admitted]
+    assert order == [interactive, bulk_urgent]
 
 
 # ----------------------------------------------------------------------------- whole-policy property
