@@ -35,7 +35,8 @@ class KVLayout(StrEnum):
 
     ``split``: one KV stream per slot (llama.cpp ``kv_unified=false``). A step's attention covers
     each sequence's own cells only, so its cost grows with the longest context, not with the sum
-    of all of them; each slot owns ``kv_cells / slots`` cells, which caps its sequence. ``unified``:
+    of all of them; each slot (and cache slot) owns ``kv_cells / (slots + cache_slots)`` cells, which
+    caps its sequence. ``unified``:
     one pool shared by every slot (``kv_unified=true``); every step's attention spans the whole
     pool, but a sequence may use any free cell. ``auto``: ``split`` when every slot gets its full
     ``ctx`` (``kv_cells`` unset or >= slots x ctx), else ``unified``, the only layout that serves
@@ -66,7 +67,15 @@ class EngineKnobs(BaseModel):
 
     slots: int = Field(8, ge=1, le=256, description="concurrent sequences = jobs a worker runs at once")
     ctx: int = Field(4096, ge=64, le=1_048_576, description="per-sequence context in tokens (prompt + output)")
-    kv_cells: int | None = Field(None, ge=64, description="total KV cells of all slots; unset = slots x ctx")
+    cache_slots: int = Field(
+        1, ge=0, le=16,
+        description="KV streams beyond slots that never decode, only keep idle prefix caches (one more ctx of KV "
+                    "memory each): a sequence that gives up its slot (a job handed back for a higher lane) leaves its "
+                    "cells in its stream while the newcomer takes a spare one, and resumes there without recomputing "
+                    "them; 0 = off")
+    kv_cells: int | None = Field(None, ge=64,
+                                 description="total KV cells of all slots; unset = (slots + cache_slots) x ctx (a set "
+                                             "value gives cache slots only what is left beyond slots x ctx)")
     kv_layout: KVLayout = Field(
         KVLayout.AUTO,
         description="split = one KV stream per slot (a step pays each sequence's own context; each slot is capped at "
@@ -122,8 +131,22 @@ class EngineConfig(EngineKnobs):
         return self
 
     @property
+    def usable_cache_slots(self) -> int:
+        """The cache slots the KV cells allow: with ``kv_cells`` unset each gets ``ctx`` cells of its
+        own; a set ``kv_cells`` gives them only what is left beyond ``slots x ctx`` (maybe none), so
+        sizing the pool for the slots alone keeps the layout and every slot's full context."""
+        if self.kv_cells is None:
+            return self.cache_slots
+        return min(self.cache_slots, max(0, self.kv_cells // self.ctx - self.slots))
+
+    @property
+    def kv_sequences(self) -> int:
+        """llama.cpp's ``n_seq_max``: the decoding slots plus the cache-only ones."""
+        return self.slots + self.usable_cache_slots
+
+    @property
     def total_kv_cells(self) -> int:
-        return self.kv_cells or self.slots * self.ctx
+        return self.kv_cells or self.kv_sequences * self.ctx
 
     @property
     def resolved_kv_layout(self) -> KVLayout:

@@ -82,6 +82,7 @@ class Engine:
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
         self.scheduler = Scheduler(SchedulerConfig(
             n_slots=config.slots,
+            cache_slots=config.usable_cache_slots,
             n_batch=self.info.n_batch,
             kv_cells=self.info.n_ctx,
             prefill_chunk=min(config.prefill_chunk, self.info.n_batch),

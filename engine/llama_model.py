@@ -120,7 +120,7 @@ class LlamaModel:
             n_ctx=config.total_kv_cells,
             n_batch=config.batch,
             n_ubatch=min(config.ubatch, config.batch),
-            n_seq_max=config.slots,
+            n_seq_max=config.kv_sequences,
             n_threads=threads,
             n_threads_batch=threads,
             kv_unified=layout == KVLayout.UNIFIED,
@@ -134,7 +134,8 @@ class LlamaModel:
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
             raise RuntimeError(
-                f"llama.cpp could not create a context of {config.total_kv_cells} KV cells with {config.slots} slots "
+                f"llama.cpp could not create a context of {config.total_kv_cells} KV cells with {config.kv_sequences} "
+                "sequences "
                 "(out of memory? lower SLOTQ_CTX / SLOTQ_SLOTS)"
             )
         self._mem = llama_cpp.llama_get_memory(self._ctx)
@@ -151,8 +152,9 @@ class LlamaModel:
             model_size_bytes=llama_cpp.llama_model_size(self._model),
             kv_layout=layout,
         )
-        if self.info.n_seq_max < config.slots:
-            raise RuntimeError(f"llama.cpp allows only {self.info.n_seq_max} sequences; asked for {config.slots} slots")
+        if self.info.n_seq_max < config.kv_sequences:
+            raise RuntimeError(f"llama.cpp allows only {self.info.n_seq_max} sequences; asked for {config.slots} slots "
+                               f"+ {config.usable_cache_slots} cache slots")
         self._batch = llama_cpp.llama_batch_init(self.info.n_batch, 0, 1)
         self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self.info.n_batch,))
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.info.n_batch,))

@@ -38,6 +38,14 @@ Policy, in order of precedence:
    at most ``active_slots`` sequences hold a slot, and the batch and prefill chunk may be smaller
    than configured. Lowering ``active_slots`` never stops a running sequence: no new one is
    admitted until enough have finished. Decode tokens are never cut by a smaller batch.
+7. Cache slots (``cache_slots``): KV sequences beyond ``n_slots`` that never count as active. A
+   newcomer takes an uncached free slot first (see 2), so when a sequence gives up its slot (its job
+   handed back for a higher lane) and the newcomer arrives, the newcomer takes a spare and the
+   leaver's cells stay in its own slot as an idle cache; when it comes back it reuses them (its own
+   idle cache costs nothing) instead of recomputing its prompt and delivered tokens. To keep it so,
+   with cache slots a newcomer that matches an idle cache by fewer than ``min_copy_tokens`` (a BOS,
+   a chat template's header) takes an uncached free slot while one exists and recomputes those few
+   tokens, and among caches it matches equally it takes over the least recently used (always).
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ class BatchingMode(StrEnum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    n_slots: int
+    n_slots: int                    # sequences that decode at once (the most active_slots can be)
     n_batch: int
     kv_cells: int                   # all cells: the pool, or the sum of the streams
     prefill_chunk: int
@@ -76,6 +84,7 @@ class SchedulerConfig:
     kv_stream_cells: int | None = None  # cells of each slot's own KV stream; None = one pool shared by all slots
     min_copy_tokens: int = 32       # streams: copy a running slot's prefix only when it saves this much (a copy
                                     # moves the whole stream; docs/architecture.md, "KV layout", has the figures)
+    cache_slots: int = 0            # KV sequences beyond n_slots that only keep idle caches (rule 7)
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ class Scheduler:
         self.waiting = RequestQueue()
         self.running: list[Sequence] = []
         self.ledger = KVLedger(shared_copies=config.kv_stream_cells is None)
-        self._free_slots = list(range(config.n_slots))
+        self._free_slots = list(range(config.n_slots + config.cache_slots))
         self._cache: dict[int, list[int]] = {}          # idle seq id -> tokens its KV holds
         self._cache_lru: list[int] = []                 # idle seq ids, least recently used first
         self._prefill_scale = 1.0
@@ -349,16 +358,23 @@ class Scheduler:
         # A running slot's prefix is copied; with a stream per slot that copies its whole stream.
         copy_floor = self.config.min_copy_tokens if self.config.kv_stream_cells is not None else 0
         candidates = [(s.seq_id, s.tokens[: s.n_computed]) for s in self.running if s.seq_id is not None]
-        candidates += list(self._cache.items())
+        candidates += [(seq_id, self._cache[seq_id]) for seq_id in self._cache_lru]     # least recently used first
         for seq_id, held in candidates:
             n = _common_prefix(held, seq.tokens, cap)
             if seq_id not in self._cache and n < copy_floor:
                 continue
-            if n > best_n or (n == best_n and n > 0 and seq_id in self._cache):
+            # an idle cache beats a running slot (no copy); among equal caches the least recently used
+            if n > best_n or (n == best_n and n > 0 and seq_id in self._cache and best not in self._cache):
                 best, best_n = seq_id, n
         if best_n < self.config.min_reuse_tokens:
             return None, 0
+        if (self.config.cache_slots and best in self._cache and best_n < self.config.min_copy_tokens
+                and self._has_uncached_free_slot()):
+            return None, 0      # rule 7: keep the cache for a sequence that matches it longer; recompute a few
         return best, best_n
+
+    def _has_uncached_free_slot(self) -> bool:
+        return any(s not in self._cache for s in self._free_slots)
 
     def _coldest_free_slot(self, exclude: int | None) -> int:
         uncached = [s for s in self._free_slots if s not in self._cache]

@@ -21,7 +21,9 @@ def test_auto_splits_when_every_slot_gets_its_full_context(tiny_model_path: Path
         return EngineConfig(model_path=tiny_model_path, slots=8, ctx=256, **kw).resolved_kv_layout  # type: ignore[arg-type]
 
     assert layout() == KVLayout.SPLIT
-    assert layout(kv_cells=8 * 256) == KVLayout.SPLIT
+    assert layout(kv_cells=8 * 256) == KVLayout.SPLIT          # no cells left for the cache slot: it is dropped
+    assert EngineConfig(model_path=tiny_model_path, slots=8, ctx=256, kv_cells=8 * 256).kv_sequences == 8
+    assert EngineConfig(model_path=tiny_model_path, slots=8, ctx=256).kv_sequences == 9
     assert layout(kv_cells=512) == KVLayout.UNIFIED            # a pool smaller than slots x ctx is shared
     assert layout(kv_cells=512, kv_layout="split") == KVLayout.SPLIT
     assert layout(kv_layout="unified") == KVLayout.UNIFIED
@@ -81,4 +83,34 @@ async def test_split_layout_runs_every_slot_at_full_context(tiny_model_path: Pat
         stats = engine.stats()
     assert all(len(tokens) == 240 for _, tokens, _ in results)
     assert stats.kv_full_events == 0 and stats.preemptions == 0
-    assert stats.kv_cells_total == 4 * 256
+    assert stats.kv_cells_total == (4 + 1) * 256      # one cache slot (EngineKnobs.cache_slots) by default
+
+
+@pytest.mark.parametrize("cache_slots", [1, 0])
+async def test_a_handed_back_request_resumes_from_its_cells_in_a_cache_slot(tiny_model_path: Path,
+                                                                             cache_slots: int) -> None:
+    """As a worker hands a bulk job back for an interactive one: the bulk request is cancelled after
+    some tokens, the interactive one runs, then the bulk one resumes with its delivered tokens. With
+    a cache slot the interactive request takes the spare stream, the resumed one reuses its own
+    cells (prompt + delivered, all but one token) and still generates what an uninterrupted run does."""
+    exact = {"flash_attention": "off", "kv_type": "f32"}
+    bulk = greedy(PREFIX + " a long bulk job", 60)
+    async with running_engine(tiny_model_path, slots=2, cache_slots=cache_slots, ctx=512, **exact) as engine:
+        assert engine.info.n_seq_max == 2 + cache_slots and engine.stats().slots_total == 2
+        _, uninterrupted, _ = await run_one(engine, bulk)
+        neighbour = engine.submit(greedy("the neighbour keeps its slot busy", 400))
+        first, delivered = engine.submit(bulk), []
+        async for event in first:
+            delivered += getattr(event, "token_ids", [])
+            if len(delivered) >= 10:
+                break
+        first.cancel()
+        await run_one(engine, greedy("an interactive job", 8))
+        _, rest, fin = await run_one(engine, greedy(PREFIX + " a long bulk job", 60, resume_tokens=delivered))
+        neighbour.cancel()
+    assert delivered + rest == uninterrupted
+    cached = fin[0].usage.cached_prompt_tokens
+    if cache_slots:
+        assert cached >= 290 + len(delivered) - 1, cached
+    else:
+        assert cached < 290, cached

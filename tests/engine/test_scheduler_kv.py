@@ -6,6 +6,8 @@ plays the runner on a fake unified KV cache).
 
 from __future__ import annotations
 
+import pytest
+
 from slotq.engine.kv_ledger import KVLedger
 from slotq.engine.scheduler import KVFullAction, Scheduler
 from slotq.engine.sequence import SeqState, Sequence
@@ -331,3 +333,32 @@ def test_ledger_copy_of_a_copy_and_removing_the_source() -> None:
     assert led.used_cells() == 3
 
 
+
+
+# ----------------------------------------------------------------------------- cache slots
+@pytest.mark.parametrize("cache_slots", [1, 0])
+def test_a_handed_back_sequence_resumes_from_its_own_cells_when_a_cache_slot_is_spare(cache_slots: int) -> None:
+    """Rule 7: a bulk sequence leaves its slot (its job handed back for an interactive one). With a
+    cache slot the newcomer takes the spare, so the bulk job's cells survive and its resumed
+    attempt reuses them all but the last token; without one the newcomer overwrites them."""
+    s = Scheduler(config(n_slots=2, cache_slots=cache_slots, prefill_chunk=64))
+    sim = Sim(s)
+    bulk, other = make_seq(30, max_new=50), make_seq(30, max_new=50)
+    s.add(bulk)
+    s.add(other)
+    while bulk.n_generated < 5:
+        sim.step()
+    bulk_slot = bulk.slot
+    sim.finish(bulk)                                     # the worker cancels the handed-back attempt
+    interactive = make_seq(10, max_new=3, priority_class=1)
+    s.add(interactive)
+    while interactive.state != SeqState.FINISHED:
+        sim.step()
+    assert len(s.running) <= s.limits.active_slots == 2
+    resumed = make_seq(bulk.tokens[:34], max_new=46)     # prompt + the 4 tokens its stream holds
+    s.add(resumed)
+    sim.step()
+    if cache_slots:
+        assert interactive.seq_id is None and resumed.seq_id == bulk_slot and resumed.n_reused == 33
+    else:
+        assert resumed.n_reused == 0
