@@ -44,8 +44,9 @@ Policy, in order of precedence:
    leaver's cells stay in its own slot as an idle cache; when it comes back it reuses them (its own
    idle cache costs nothing) instead of recomputing its prompt and delivered tokens. To keep it so,
    with cache slots a newcomer that matches an idle cache by fewer than ``min_copy_tokens`` (a BOS,
-   a chat template's header) takes an uncached free slot while one exists and recomputes those few
-   tokens, and among caches it matches equally it takes over the least recently used (always).
+   a chat template's header) does not take it over for that: it takes the coldest free slot (an
+   uncached one, else the least recently used cache, never the one just left) and recomputes those
+   few tokens; among caches it matches equally it takes over the least recently used (always).
 """
 
 from __future__ import annotations
@@ -368,13 +369,9 @@ class Scheduler:
                 best, best_n = seq_id, n
         if best_n < self.config.min_reuse_tokens:
             return None, 0
-        if (self.config.cache_slots and best in self._cache and best_n < self.config.min_copy_tokens
-                and self._has_uncached_free_slot()):
+        if self.config.cache_slots and best in self._cache and best_n < self.config.min_copy_tokens:
             return None, 0      # rule 7: keep the cache for a sequence that matches it longer; recompute a few
         return best, best_n
-
-    def _has_uncached_free_slot(self) -> bool:
-        return any(s not in self._cache for s in self._free_slots)
 
     def _coldest_free_slot(self, exclude: int | None) -> int:
         uncached = [s for s in self._free_slots if s not in self._cache]
