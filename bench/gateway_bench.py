@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ import httpx
 from bench.queue_bench import OneRequest, _closed_loop, _queue_request
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import bundled_model_path
-from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.settings import ClientSettings
@@ -60,12 +59,6 @@ def _gateway_request(http: httpx.AsyncClient, max_tokens: int) -> OneRequest:
     return one
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _measure(paths: dict[str, OneRequest], concurrency: list[int], per_client: int) -> list[dict[str, Any]]:
     """Both paths at each concurrency, ``ROUNDS`` rounds with the order swapped: mean tokens/s, pooled TTFTs."""
     samples: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
@@ -91,7 +84,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp:
         server = EmbeddedRedis(Path(tmp) / "redis")
         url = server.start()
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(bundled_model_path()),
                "SLOTQ_MODEL_NAME": MODEL_NAME, "SLOTQ_SLOTS": str(SLOTS), "SLOTQ_CTX": str(CTX),
                "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_LOG_LEVEL": "WARNING"}

@@ -38,11 +38,11 @@ import httpx
 
 from bench import llama_server
 from bench.isolated import IsolatedProcess
-from bench.peers_bench import _free_port, _wait_http
+from bench.peers_bench import _wait_http
 from bench.queue_bench import timed_job
 from bench.report import distinct_prompt, markdown_table, progress, write_results
 from slotq.engine import Engine, EngineConfig, GenerationRequest, KVLayout, SamplingParams
-from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest
@@ -195,7 +195,7 @@ async def _at(streams: int, tokens: int, tmp: Path, model: Path, url: str, serve
     ports: dict[str, int] = {}
     if server_binary is not None:
         for system, extra in (("llama-server", []), ("llama-server-kvu", ["-kvu"])):
-            port = ports[system] = _free_port()
+            port = ports[system] = free_port()
             children[system] = ChildProcess(f"{system} at {streams} slots", [
                 str(server_binary), "-m", str(model), "--parallel", str(streams), "-c", str(CTX * streams),
                 "-t", str(THREADS), "--host", "127.0.0.1", "--port", str(port),

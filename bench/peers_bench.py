@@ -48,7 +48,7 @@ from bench.report import TOPICS, percentile, progress, write_results
 from slotq.engine import EngineConfig, bundled_model_path
 from slotq.engine.config import CpuRepack
 from slotq.engine.cpu_features import decide_repack, this_cpu_flags
-from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest
@@ -155,14 +155,6 @@ def process_peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Fleet:
     """Every system's processes at one concurrency (``slots``), started together, stopped together."""
 
@@ -183,12 +175,12 @@ class Fleet:
                     env=base | {"SLOTQ_QUEUE_NAME": "peers-static", "SLOTQ_MODEL_NAME": "peers-static",
                                 "SLOTQ_BATCHING": "static"})
         if server_binary is not None:
-            port = self.ports["llama-server"] = _free_port()
+            port = self.ports["llama-server"] = free_port()
             self._child("llama-server", "llama-server", [
                 str(server_binary), "-m", str(model), "--parallel", str(slots), "-c", str(CTX * slots),
                 "-t", str(THREADS), "--host", "127.0.0.1", "--port", str(port), *([] if repack else ["--no-repack"])])
         if "llama-cpp-python-server" not in skipped:
-            port = self.ports["llama-cpp-python-server"] = _free_port()
+            port = self.ports["llama-cpp-python-server"] = free_port()
             self._child("llama-cpp-python-server", "llama-cpp-python server", [
                 sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", str(CTX),
                 "--n_threads", str(THREADS), "--host", "127.0.0.1", "--port", str(port),
@@ -246,7 +238,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     with tempfile.TemporaryDirectory(prefix="slotq-bench-peers-") as tmp:
         redis = EmbeddedRedis(Path(tmp) / "redis")
         url = redis.start()
-        gateway_port = _free_port()
+        gateway_port = free_port()
         gateway = ChildProcess("slotq gateway",
                                [sys.executable, "-m", "slotq.jobs.cli", "gateway", "--port", str(gateway_port)],
                                env={**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_LOG_LEVEL": "WARNING"},

@@ -76,7 +76,8 @@ def valkey_binary() -> Path:
     return get_binary_path()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it), for a server about to start."""
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -181,7 +182,7 @@ class EmbeddedRedis:
         return self._proc.poll() if self._proc else None
 
     def start(self) -> str:
-        port = self._wanted_port or _free_port()
+        port = self._wanted_port or free_port()
         self._lock.acquire(port)
         try:
             self._spawn(port)
@@ -248,7 +249,7 @@ class EmbeddedRedis:
 
     def restart(self) -> None:
         """Stop (if running) and start again on the same port, so clients reconnect."""
-        port = self.port or self._wanted_port or _free_port()
+        port = self.port or self._wanted_port or free_port()
         self._terminate(signal.SIGTERM)
         self._lock.acquire(port)
         self._spawn(port)

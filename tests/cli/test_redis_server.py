@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
-from slotq.jobs.cli.redis_server import DataDirInUse, EmbeddedRedis, port_data_dir, port_is_serving
+from slotq.jobs.cli.redis_server import DataDirInUse, EmbeddedRedis, free_port, port_data_dir, port_is_serving
 from tests.support.jobs import SLOTQ_BIN, clean_env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux")
@@ -48,12 +47,6 @@ def wait_for(condition, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} within {timeout} s")
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- no orphans

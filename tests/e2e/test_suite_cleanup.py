@@ -25,7 +25,7 @@ import subprocess
 import threading
 import time
 
-from slotq.jobs.cli.redis_server import EmbeddedRedis, _free_port, valkey_binary
+from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port, valkey_binary
 from tests.support.jobs import SLOTQ_BIN, clean_env
 
 
@@ -34,7 +34,7 @@ def test_starts_children_then_waits(tmp_path, tiny_model_path):
     starter = threading.Thread(target=threaded.start)
     starter.start()
     starter.join()
-    plain = subprocess.Popen([str(valkey_binary()), "--port", str(_free_port()), "--save", ""], cwd=tmp_path,
+    plain = subprocess.Popen([str(valkey_binary()), "--port", str(free_port()), "--save", ""], cwd=tmp_path,
                              stdout=subprocess.DEVNULL)
     worker = subprocess.Popen([str(SLOTQ_BIN), "worker"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                               stderr=subprocess.STDOUT,

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from slotq.jobs.cli.redis_server import _free_port, valkey_binary
+from slotq.jobs.cli.redis_server import free_port, valkey_binary
 from tests.support.faults import RedisProxy
 
 SERVICE = "mymaster"
@@ -35,9 +35,9 @@ class SentinelCluster:
     def __init__(self, directory: Path, *, down_after_ms: int = 1000) -> None:
         self.dir = directory
         self.down_after_ms = down_after_ms
-        self.primary_port = _free_port()
-        self.replica_port = _free_port()
-        self.sentinel_ports = [_free_port() for _ in range(3)]
+        self.primary_port = free_port()
+        self.replica_port = free_port()
+        self.sentinel_ports = [free_port() for _ in range(3)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
