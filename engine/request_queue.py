@@ -14,22 +14,22 @@ from slotq.engine.sequence import Sequence
 
 class RequestQueue:
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Sequence]] = []
+        self._heap: list[tuple[tuple[int, int, int], Sequence]] = []
 
     def push(self, seq: Sequence) -> None:
-        heapq.heappush(self._heap, (-seq.priority_class, -seq.priority, seq.arrival, seq))
+        heapq.heappush(self._heap, (seq.queue_order, seq))
 
     def peek(self) -> Sequence | None:
-        return self._heap[0][-1] if self._heap else None
+        return self._heap[0][1] if self._heap else None
 
     def pop(self) -> Sequence:
-        return heapq.heappop(self._heap)[-1]
+        return heapq.heappop(self._heap)[1]
 
     def remove_request(self, request_id: str) -> list[Sequence]:
         """Take every waiting sequence of a request out of the queue (cancellation)."""
-        removed = [e[-1] for e in self._heap if e[-1].request_id == request_id]
+        removed = [e[1] for e in self._heap if e[1].request_id == request_id]
         if removed:
-            self._heap = [e for e in self._heap if e[-1].request_id != request_id]
+            self._heap = [e for e in self._heap if e[1].request_id != request_id]
             heapq.heapify(self._heap)
         return removed
 
@@ -37,4 +37,4 @@ class RequestQueue:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Sequence]:
-        return (e[-1] for e in sorted(self._heap))
+        return (e[1] for e in sorted(self._heap))

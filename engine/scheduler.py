@@ -199,7 +199,7 @@ class Scheduler:
         chunk_cap = max(1, int(self.limits.prefill_chunk * self._prefill_scale))
         prefilling = [s for s in self.running if s.fork_of is None and not s.is_decoding and s.n_pending > 0]
         top_class = max((s.priority_class for s in prefilling), default=0)
-        for seq in sorted(prefilling, key=lambda s: (-s.priority, s.arrival)):
+        for seq in sorted(prefilling, key=lambda s: s.queue_order):
             if budget <= 0:
                 break
             if seq.priority_class < top_class:
@@ -413,7 +413,7 @@ class Scheduler:
     def _preemption_victim(self) -> Sequence | None:
         if len(self.running) <= 1:
             return None
-        return max(self.running, key=lambda s: (-s.priority_class, -s.priority, s.arrival))
+        return max(self.running, key=lambda s: s.queue_order)
 
     def _running_ids(self) -> set[int]:
         return {s.seq_id for s in self.running if s.seq_id is not None}

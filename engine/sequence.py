@@ -55,6 +55,12 @@ class Sequence:
         return self.seq_id
 
     @property
+    def queue_order(self) -> tuple[int, int, int]:
+        """Lower goes first: the higher priority class, then the higher priority, then the older.
+        The waiting queue admits in this order, prefill serves it, KV-full preemption takes the last."""
+        return -self.priority_class, -self.priority, self.arrival
+
+    @property
     def n_generated(self) -> int:
         return len(self.tokens) - self.n_prompt
 
