@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slotq.engine.scheduler import BatchingMode
 
+MAX_KV_SEQUENCES = 256
+"""llama.cpp's ``LLAMA_MAX_SEQ`` (``llama_max_parallel_sequences()``): the most sequences one context
+holds. The ``slots`` limit is this; cache slots only ever take what the slots leave of it."""
+
 
 class KVCacheType(StrEnum):
     F16 = "f16"
@@ -65,7 +69,7 @@ class EngineKnobs(BaseModel):
     handles overflow (see the scheduler).
     """
 
-    slots: int = Field(8, ge=1, le=256, description="concurrent sequences = jobs a worker runs at once")
+    slots: int = Field(8, ge=1, le=MAX_KV_SEQUENCES, description="concurrent sequences = jobs a worker runs at once")
     ctx: int = Field(4096, ge=64, le=1_048_576, description="per-sequence context in tokens (prompt + output)")
     cache_slots: int = Field(
         1, ge=0, le=16,
@@ -134,10 +138,13 @@ class EngineConfig(EngineKnobs):
     def usable_cache_slots(self) -> int:
         """The cache slots the KV cells allow: with ``kv_cells`` unset each gets ``ctx`` cells of its
         own; a set ``kv_cells`` gives them only what is left beyond ``slots x ctx`` (maybe none), so
-        sizing the pool for the slots alone keeps the layout and every slot's full context."""
+        sizing the pool for the slots alone keeps the layout and every slot's full context. Either way
+        slots and cache slots together stay within llama.cpp's :data:`MAX_KV_SEQUENCES` (so 256 slots
+        have none)."""
+        room = MAX_KV_SEQUENCES - self.slots
         if self.kv_cells is None:
-            return self.cache_slots
-        return min(self.cache_slots, max(0, self.kv_cells // self.ctx - self.slots))
+            return min(self.cache_slots, room)
+        return min(self.cache_slots, room, max(0, self.kv_cells // self.ctx - self.slots))
 
     @property
     def kv_sequences(self) -> int:

@@ -86,6 +86,15 @@ async def test_split_layout_runs_every_slot_at_full_context(tiny_model_path: Pat
     assert stats.kv_cells_total == (4 + 1) * 256      # one cache slot (EngineKnobs.cache_slots) by default
 
 
+async def test_the_most_slots_llama_cpp_holds_start_with_no_cache_slot_left(tiny_model_path: Path) -> None:
+    """256 slots are llama.cpp's limit (LLAMA_MAX_SEQ): the default cache slot must not ask for a 257th
+    sequence, which llama.cpp refuses (a `--slots 256` worker failed to start)."""
+    async with running_engine(tiny_model_path, slots=256, ctx=64) as engine:
+        assert engine.info.n_seq_max == 256 and engine.config.usable_cache_slots == 0
+        _, tokens, fin = await run_one(engine, greedy("the last slot", 8))
+    assert len(tokens) == 8 and fin[0].error is None
+
+
 @pytest.mark.parametrize("cache_slots", [1, 0])
 async def test_a_handed_back_request_resumes_from_its_cells_in_a_cache_slot(tiny_model_path: Path,
                                                                              cache_slots: int) -> None:
