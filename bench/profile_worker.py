@@ -1,14 +1,25 @@
-"""Where a worker's time goes: ``python -m bench.profile_worker`` (needs py-spy: ``pip install 'slotq[bench]'``).
+"""Where a worker's time goes: ``python -m bench.profile_worker [--tiny-streams S]`` (needs py-spy:
+``pip install 'slotq[bench]'``).
 
-Starts Valkey and a ``slotq worker`` (bundled model, 8 slots), warms it up, then records it with
-py-spy (native frames, every thread, idle samples included) while 8 closed-loop clients run 64-token
-jobs through Redis, and reads Valkey's ``INFO commandstats`` over the same window. Prints, per
-thread, the share of samples by leaf frame, and the Redis commands per generated token. Profiling
-with native frames slows the worker, so its tokens/s here is not a benchmark figure.
+Starts Valkey and a ``slotq worker``, warms it up, then records it with py-spy (native frames, every
+thread, idle samples included) while jobs run through Redis, and reads Valkey's ``INFO
+commandstats`` over the same window. Two workloads:
+
+- default: the bundled model, 8 slots, 8 closed-loop clients running 64-token jobs;
+- ``--tiny-streams S``: ``slotq bench overhead``'s workload, the suite's tiny model with S slots of
+  1,024 tokens and S streams of 256 tokens started together, where decode costs little and the job
+  layer's per-token work shows.
+
+Prints, per thread, the share of samples by leaf frame and by slotq function (the innermost
+``slotq`` frame of each sample: where the job layer spends its own time), and the Redis commands per
+generated token. Profiling with native frames slows the worker, so its tokens/s here is not a
+benchmark figure. ``--keep PATH`` keeps py-spy's raw stacks (for a flame graph: ``py-spy``'s
+``--format raw`` output feeds ``flamegraph.pl`` or speedscope).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import os
@@ -19,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import overhead_bench
+from bench.overhead_bench import write_tiny_model
 from bench.queue_bench import _closed_loop, _queue_request
 from slotq.engine import bundled_model_path
 from slotq.jobs.cli.redis_server import EmbeddedRedis
@@ -29,59 +42,101 @@ from slotq.jobs.settings import ClientSettings
 CLIENTS, PER_CLIENT, MAX_TOKENS = 8, 6, 64
 
 
-def summarize(raw_profile: Path, top: int = 6) -> str:
-    """py-spy's raw (collapsed) stacks -> per thread: idle share and the busiest leaf frames."""
-    by_thread: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+def summarize(raw_profile: Path, top: int = 8) -> str:
+    """py-spy's raw (collapsed) stacks -> per thread: the busiest leaf frames, and the busiest
+    innermost slotq frames (the job layer's and the engine's own functions, callees included)."""
+    leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    ours: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for line in raw_profile.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        by_thread[frames[0]][frames[-1]] += int(count)
+        thread = frames[0]
+        leaves[thread][frames[-1]] += int(count)
+        inner = next((f for f in reversed(frames) if _is_slotq(f)), "(no slotq frame)")
+        ours[thread][inner] += int(count)
     out = []
-    for thread, leaves in sorted(by_thread.items(), key=lambda kv: -sum(kv[1].values())):
-        total = sum(leaves.values())
-        leaf, most = leaves.most_common(1)[0]
+    for thread, counts in sorted(leaves.items(), key=lambda kv: -sum(kv[1].values())):
+        total = sum(counts.values())
+        leaf, most = counts.most_common(1)[0]
         if most > 0.99 * total and leaf.startswith("0x"):
             continue                                    # an executor thread that only ever slept
         out.append(f"{thread}: {total} samples")
-        out += [f"  {n / total:6.1%}  {leaf}" for leaf, n in leaves.most_common(top)]
+        out += [f"  {n / total:6.1%}  {leaf}" for leaf, n in counts.most_common(top)]
+        out.append("  innermost slotq frame:")
+        out += [f"  {n / total:6.1%}  {frame}" for frame, n in ours[thread].most_common(top)]
     return "\n".join(out)
 
 
-async def main() -> None:
+def _is_slotq(frame: str) -> bool:
+    """A frame of slotq's own code: py-spy names a frame ``function (path:line)``, the path relative
+    to its ``sys.path`` entry (``jobs/...``, ``engine/...`` in a checkout; ``slotq/...`` installed)."""
+    return any(f"({root}/" in frame for root in ("jobs", "engine", "slotq"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile_worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny-streams", type=int, metavar="S",
+                        help="profile slotq bench overhead's workload: the tiny model, S slots, S streams")
+    parser.add_argument("--keep", type=Path, metavar="PATH", help="keep py-spy's raw stacks here")
+    args = parser.parse_args()
+    asyncio.run(_run(args.tiny_streams, args.keep))
+
+
+async def _run(tiny_streams: int | None, keep: Path | None) -> None:
     if shutil.which("py-spy") is None and not (Path(sys.executable).parent / "py-spy").exists():
         raise SystemExit("py-spy is not installed: pip install 'slotq[bench]'")
     spy_bin = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     with tempfile.TemporaryDirectory(prefix="slotq-profile-") as tmp:
         redis = EmbeddedRedis(Path(tmp) / "redis")
         url = redis.start()
-        env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(bundled_model_path()), "SLOTQ_SLOTS": "8",
-               "SLOTQ_CTX": "512", "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_LOG_LEVEL": "WARNING"}
+        if tiny_streams:
+            env |= {"SLOTQ_MODEL": str(write_tiny_model(Path(tmp) / "tiny.gguf")), "SLOTQ_SLOTS": str(tiny_streams),
+                    "SLOTQ_CTX": str(overhead_bench.CTX), "SLOTQ_THREADS": str(overhead_bench.THREADS),
+                    "SLOTQ_ELASTIC": "false"}
+        else:
+            env |= {"SLOTQ_MODEL": str(bundled_model_path()), "SLOTQ_SLOTS": "8", "SLOTQ_CTX": "512",
+                    "SLOTQ_PREFIX_CACHE": "false"}
         worker = ChildProcess("the profiled worker", [sys.executable, "-m", "slotq.jobs.cli", "worker"], env=env,
                               log_path=Path(tmp) / "worker.log")
+        out = keep or Path(tmp) / "profile.txt"
         try:
-            await run_watched(_profile(url, worker, spy_bin, Path(tmp) / "profile.txt"), worker)
+            await run_watched(_profile(url, worker, spy_bin, out, tiny_streams), worker)
         finally:
             worker.stop()
             redis.stop()
 
 
-async def _profile(url: str, worker: ChildProcess, spy_bin: str, out: Path) -> None:
+async def _profile(url: str, worker: ChildProcess, spy_bin: str, out: Path, tiny_streams: int | None) -> None:
     async with await SlotqClient.connect(url, ClientSettings(redis_url=url)) as client:
         while not (await client.queue_info()).workers:
             await asyncio.sleep(0.2)
-        one = _queue_request(client, MAX_TOKENS)
-        await _closed_loop(one, CLIENTS, 1)                                   # warm-up
+        if tiny_streams:
+            tokens = tiny_streams * overhead_bench.TOKENS
+            label = f"{tiny_streams} streams x {overhead_bench.TOKENS} tokens (tiny model)"
+
+            async def workload() -> float:
+                return await overhead_bench.all_streams(
+                    overhead_bench._redis_stream(client, overhead_bench.TOKENS, 1_000_000), tiny_streams)
+            await overhead_bench.all_streams(overhead_bench._redis_stream(client, 8, 2_000_000), tiny_streams)
+        else:
+            tokens = CLIENTS * PER_CLIENT * MAX_TOKENS
+            label = f"{CLIENTS} clients x {PER_CLIENT} jobs x {MAX_TOKENS} tokens"
+            one = _queue_request(client, MAX_TOKENS)
+
+            async def workload() -> float:
+                return (await _closed_loop(one, CLIENTS, PER_CLIENT))[0]
+            await _closed_loop(one, CLIENTS, 1)                                   # warm-up
         await client.redis.execute_command("CONFIG", "RESETSTAT")
         spy = subprocess.Popen([spy_bin, "record", "--pid", str(worker.proc.pid), "--native", "--threads", "--idle",
                                 "--rate", "50", "--format", "raw", "-o", str(out)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await asyncio.sleep(1.0)
-        tokens_per_s, _ = await _closed_loop(one, CLIENTS, PER_CLIENT)
+        tokens_per_s = await workload()
         spy.send_signal(signal.SIGINT)
         spy.wait()
         stats = await client.redis.execute_command("INFO", "commandstats")
-    tokens = CLIENTS * PER_CLIENT * MAX_TOKENS
-    print(f"{CLIENTS} clients x {PER_CLIENT} jobs x {MAX_TOKENS} tokens at {tokens_per_s:.1f} tokens/s under py-spy")
+    print(f"{label} at {tokens_per_s:.1f} tokens/s under py-spy")
     print(summarize(out))
     print("Redis commands per generated token (INFO commandstats, commands inside scripts included):")
     rows = sorted(stats.items(), key=lambda kv: -kv[1]["calls"])
@@ -91,4 +146,4 @@ async def _profile(url: str, worker: ChildProcess, spy_bin: str, out: Path) -> N
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()
