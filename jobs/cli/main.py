@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from slotq.jobs.errors import SlotqError
+from slotq.jobs.errors import JobTimeout, SlotqError
 from slotq.jobs.settings import ClientSettings, WorkerSettings, add_settings_flags, from_command_line
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ log = logging.getLogger("slotq")
 
 EXIT_FAILED = 1
 EXIT_INVALID = 2
+EXIT_TIMED_OUT = 124       # what coreutils' `timeout` reports for a command that ran out of time
 EXIT_INTERRUPTED = 130     # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141     # 128 + SIGPIPE, what a shell reports for `yes | head -1`'s yes
 
@@ -179,6 +180,9 @@ async def _enqueue(args: argparse.Namespace) -> int:
             except BrokenPipeError:     # stdout's reader left (`| head`): the job should not outlive it either
                 await _let_go(job, detach=args.detach, why="the reader of the output went away")
                 raise
+            except JobTimeout:          # the caller's wait is over, as with Ctrl-C: its job goes with it
+                await _let_go(job, detach=args.detach, why=f"no result within --timeout {args.timeout:g} s")
+                return EXIT_TIMED_OUT
             if code is not None:
                 return code
         elif not interrupted.is_set():
@@ -432,10 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
                                              "existing job, Ctrl-C leaves that job running")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated (stdout: the text only)")
     p.add_argument("--json", action="store_true", help="wait and print the result as one JSON object")
-    p.add_argument("--timeout", type=float, default=600, help="seconds to wait with --json")
-    p.add_argument("--detach", action="store_true", help="with --stream or --json: Ctrl-C or SIGTERM stops the "
-                                                         "waiting but leaves the job running (`slotq result ID` "
-                                                         "waits again, `slotq cancel ID` cancels it)")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds to wait with --json; then the job is cancelled (kept with --detach) and the "
+                        "exit code is 124")
+    p.add_argument("--detach", action="store_true", help="with --stream or --json: Ctrl-C, SIGTERM or --timeout "
+                                                         "stops the waiting but leaves the job running (`slotq "
+                                                         "result ID` waits again, `slotq cancel ID` cancels it)")
     p.set_defaults(func=_async(_enqueue))
 
     p = command("result", "wait for a job's result and print it as JSON")

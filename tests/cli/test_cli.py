@@ -5,6 +5,7 @@ subprocess, a real Redis, and an in-process worker on the tiny model where a job
   (``--detach`` keeps it; a job merely attached to through ``--idempotency-key`` is left alone), and
   the job's id is printed first, so it can always be followed or cancelled.
 * A reader that goes away (``slotq result ID | head -5``) ends the command quietly, exit code 141.
+* ``enqueue --json --timeout`` that runs out lets go of its job as Ctrl-C does, exit code 124.
 * ``slotq dlq`` says when there is nothing, and fails on a job that is not a dead letter.
 """
 
@@ -179,6 +180,30 @@ async def test_enqueue_stream_into_a_closed_pipe_cancels_its_job(client: SlotqCl
     assert f"the reader of the output went away; job {job_id} cancelled" in err
     assert not any(marker in err for marker in QUIET_STDERR_MARKERS), err
     assert (await client.result(job_id, timeout=60)).status == JobStatus.CANCELLED
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["cancels", "detach-keeps"])
+async def test_enqueue_json_that_times_out_lets_go_of_its_job(detach: bool, client: SlotqClient,
+                                                              start_worker: StartWorker, redis_url: str,
+                                                              tmp_path: Path) -> None:
+    """Before: `--timeout` ended the command (exit 1) and left the job it created running for nobody, unlike
+    Ctrl-C. Now the wait's end is the caller's, as with Ctrl-C: the job is cancelled unless --detach."""
+    await start_worker(**LONG_JOB_WORKER)
+    extra = ["--json", "--timeout", "1", *(["--detach"] if detach else [])]
+    code, out, err = await _run(*LONG_JOB, *extra, redis_url=redis_url, cwd=tmp_path)
+
+    job_id = _printed_job_id(err)
+    assert code == 124, err
+    assert out == ""
+    assert "no result within --timeout 1 s" in err
+    assert not any(marker in err for marker in QUIET_STDERR_MARKERS), err
+    if detach:
+        assert f"job {job_id} keeps running (--detach)" in err
+        assert await client.status(job_id) in (JobStatus.QUEUED, JobStatus.RUNNING)
+        await client.cancel(job_id)
+    else:
+        assert f"job {job_id} cancelled" in err
+        assert (await client.result(job_id, timeout=60)).status == JobStatus.CANCELLED
 
 
 # ---------------------------------------------------------------------- dead letters
