@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.queue_bench import OneRequest, _closed_loop, _queue_request
+from bench.queue_bench import OneRequest, Timed, _closed_loop, _queue_request
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import bundled_model_path
 from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
@@ -43,7 +43,7 @@ def _gateway_request(http: httpx.AsyncClient, max_tokens: int) -> OneRequest:
     body = {"model": MODEL_NAME, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
 
-    async def one(i: int, started: float) -> tuple[float, int]:
+    async def one(i: int, started: float) -> Timed:
         first, tokens = None, 0
         async with http.stream("POST", "/v1/completions", json=body | {"prompt": distinct_prompt(i)}) as response:
             response.raise_for_status()
@@ -55,7 +55,7 @@ def _gateway_request(http: httpx.AsyncClient, max_tokens: int) -> OneRequest:
                     first = time.perf_counter() - started
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-        return first or 0.0, tokens
+        return Timed(first, tokens, None)
     return one
 
 
@@ -67,10 +67,10 @@ async def _measure(paths: dict[str, OneRequest], concurrency: list[int], per_cli
             order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
             for path in order:
                 progress(f"round {round_ + 1}: {path} path at concurrency {c}")
-                tps, ttfts = await _closed_loop(paths[path], c, per_client)
+                tps, timed = await _closed_loop(paths[path], c, per_client)
                 rates, all_ttfts = samples.setdefault((path, c), ([], []))
                 rates.append(tps)
-                all_ttfts.extend(ttfts)
+                all_ttfts.extend(t.first_s or 0.0 for t in timed)
     return [{"path": path, "concurrency": c, "tokens_per_s": round(sum(rates) / len(rates), 1),
              "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1)}
             for (path, c), (rates, ttfts) in samples.items()]

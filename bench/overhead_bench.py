@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -127,13 +128,13 @@ def _redis_stream(client: SlotqClient, tokens: int, first: int) -> OneStream:
     async def one(i: int) -> int:
         request = JobRequest(prompt=distinct_prompt(first + i), max_tokens=tokens, ignore_eos=True,
                              sampling={"temperature": 0})
-        _, generated = await timed_job(client, request, time.perf_counter())
-        return generated
+        return (await timed_job(client, request, time.perf_counter())).tokens
     return one
 
 
 # ----------------------------------------------------------------------------- the run
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # one INFO line per request otherwise
     streams_list = [16, 64] if quick else STREAMS
     tokens = 32 if quick else TOKENS
     skipped: dict[str, str] = {}

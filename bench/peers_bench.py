@@ -138,9 +138,10 @@ def http_completion(http: httpx.AsyncClient, model: str, extra: dict[str, Any] |
 def slotq_completion(client: SlotqClient) -> OneRequest:
     async def one(i: int) -> Sample:
         started = time.perf_counter()
-        first, tokens = await timed_job(client, JobRequest(prompt=peer_prompt(i), max_tokens=MAX_TOKENS,
-                                                           ignore_eos=True, sampling={"temperature": 0}), started)
-        return Sample(first if first is not None else float("nan"), time.perf_counter() - started, tokens)
+        timed = await timed_job(client, JobRequest(prompt=peer_prompt(i), max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True, sampling={"temperature": 0}), started)
+        first = timed.first_s if timed.first_s is not None else float("nan")
+        return Sample(first, time.perf_counter() - started, timed.tokens)
     return one
 
 

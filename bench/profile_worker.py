@@ -40,6 +40,7 @@ from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.settings import ClientSettings
 
 CLIENTS, PER_CLIENT, MAX_TOKENS = 8, 6, 64
+TINY_ROUNDS = 5
 
 
 def summarize(raw_profile: Path, top: int = 8) -> str:
@@ -112,12 +113,14 @@ async def _profile(url: str, worker: ChildProcess, spy_bin: str, out: Path, tiny
         while not (await client.queue_info()).workers:
             await asyncio.sleep(0.2)
         if tiny_streams:
-            tokens = tiny_streams * overhead_bench.TOKENS
-            label = f"{tiny_streams} streams x {overhead_bench.TOKENS} tokens (tiny model)"
+            tokens = TINY_ROUNDS * tiny_streams * overhead_bench.TOKENS
+            label = f"{TINY_ROUNDS} rounds of {tiny_streams} streams x {overhead_bench.TOKENS} tokens (tiny model)"
 
-            async def workload() -> float:
-                return await overhead_bench.all_streams(
-                    overhead_bench._redis_stream(client, overhead_bench.TOKENS, 1_000_000), tiny_streams)
+            async def workload() -> float:      # a round lasts a second or two: several, so the window is mostly work
+                rates = [await overhead_bench.all_streams(
+                    overhead_bench._redis_stream(client, overhead_bench.TOKENS, 1_000_000 + r * tiny_streams),
+                    tiny_streams) for r in range(TINY_ROUNDS)]
+                return sum(rates) / len(rates)
             await overhead_bench.all_streams(overhead_bench._redis_stream(client, 8, 2_000_000), tiny_streams)
         else:
             tokens = CLIENTS * PER_CLIENT * MAX_TOKENS
@@ -131,7 +134,7 @@ async def _profile(url: str, worker: ChildProcess, spy_bin: str, out: Path, tiny
         spy = subprocess.Popen([spy_bin, "record", "--pid", str(worker.proc.pid), "--native", "--threads", "--idle",
                                 "--rate", "50", "--format", "raw", "-o", str(out)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)                # py-spy attaches (its first second is idle in every thread)
         tokens_per_s = await workload()
         spy.send_signal(signal.SIGINT)
         spy.wait()

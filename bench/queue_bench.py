@@ -6,12 +6,17 @@ job's stream). Reported: aggregate tokens/s and its ratio, time to first token p
 paths and the difference, and Redis round trips per generated token as the server counts them
 (requests received from every client: the worker, the producers and the stream readers).
 
-Added TTFT is also given in decode steps (a step at concurrency C lasts C / engine tokens/s). A
-request that arrives mid-step waits for that step to end before it joins the batch -- half a step
-on average -- on both paths alike, so that wait is inside both TTFTs and not in their difference:
-the added TTFT is the queue's own cost (enqueue, the worker's wake-up and claim, the first stream
-write and the reader's wake-up), and a difference below one step means a queued job usually joins
-the same step the in-process request would have.
+Added TTFT is also given in decode steps (a step at concurrency C lasts C / engine tokens/s), with
+the engine's own wait of each path (``Timings.queue_ms``: submit to admission into a slot, as the
+engine reports it). A request that reaches the engine mid-step waits for that step to end before
+it joins the batch. In-process closed-loop clients resubmit within microseconds of their last
+token, at a step boundary, so they hardly wait; through the queue the next job reaches the engine
+after the client read its final entry, enqueued, and the worker claimed it, which is mid-step:
+about half a step of the added TTFT is that wait, the rest is the queue's own path (enqueue, the
+worker's wake-up and claim, the first stream write and the reader's wake-up).
+
+Each concurrency starts with one unmeasured request per client on both paths, so the first wave
+(every client arriving at once on an idle engine) does not weigh on the percentiles.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
 
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
-from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
+from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, Timings, bundled_model_path
 from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
@@ -40,58 +46,66 @@ CTX = 512
 CONCURRENCY = [1, 4, 8]
 
 
-OneRequest = Callable[[int, float], Awaitable[tuple[float, int]]]   # (index, start) -> (ttft s, tokens)
 
 
-async def _closed_loop(one: OneRequest, clients: int, per_client: int) -> tuple[float, list[float]]:
-    """C clients each send ``per_client`` requests back to back: (tokens/s, TTFTs)."""
-    ttfts: list[float] = []
-    generated = 0
+@dataclass(frozen=True)
+class Timed:
+    """One request as a client saw it: seconds from its start to the first chunk (None if none
+    came), completion tokens, and the engine's own timings (None if it reported none)."""
+
+    first_s: float | None
+    tokens: int
+    timings: Timings | None
+
+
+OneRequest = Callable[[int, float], Awaitable[Timed]]      # (index, start) -> what the client saw
+
+
+async def _closed_loop(one: OneRequest, clients: int, per_client: int, first: int = 0) -> tuple[float, list[Timed]]:
+    """C clients each send ``per_client`` requests back to back (prompts ``first`` on): (tokens/s,
+    every request as timed)."""
+    timed: list[Timed] = []
 
     async def client(c: int) -> None:
-        nonlocal generated
         for r in range(per_client):
-            ttft, tokens = await one(c * per_client + r, time.perf_counter())
-            ttfts.append(ttft)
-            generated += tokens
+            timed.append(await one(first + c * per_client + r, time.perf_counter()))
 
     started = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(clients)))
-    return generated / (time.perf_counter() - started), ttfts
+    return sum(t.tokens for t in timed) / (time.perf_counter() - started), timed
 
 
 def _engine_request(engine: Engine, max_tokens: int) -> OneRequest:
-    async def one(i: int, started: float) -> tuple[float, int]:
-        first, tokens = None, 0
+    async def one(i: int, started: float) -> Timed:
+        first, tokens, timings = None, 0, None
         request = GenerationRequest(prompt=distinct_prompt(i), max_tokens=max_tokens, ignore_eos=True,
                                     sampling=SamplingParams(temperature=0))
         async for event in engine.generate(request):
             if event.kind == "delta" and first is None:
                 first = time.perf_counter() - started
             elif event.kind == "finished":
-                tokens = event.usage.completion_tokens
-        return first or 0.0, tokens
+                tokens, timings = event.usage.completion_tokens, event.timings
+        return Timed(first, tokens, timings)
     return one
 
 
-async def timed_job(client: SlotqClient, request: JobRequest, started: float) -> tuple[float | None, int]:
-    """Enqueue ``request`` and read its stream to the end: (seconds from ``started`` to the first
-    chunk, None if none came; completion tokens)."""
-    first, tokens = None, 0
+async def timed_job(client: SlotqClient, request: JobRequest, started: float) -> Timed:
+    """Enqueue ``request`` and read its stream to the end, timed from ``started``."""
+    first, tokens, timings = None, 0, None
     job = await client.enqueue(request)
     async for entry in job.stream():
         if entry.kind == EntryKind.CHUNK and first is None:
             first = time.perf_counter() - started
-        elif entry.kind == EntryKind.DONE and entry.usage:
-            tokens = entry.usage.completion_tokens
-    return first, tokens
+        elif entry.kind == EntryKind.DONE:
+            tokens = entry.usage.completion_tokens if entry.usage else tokens
+            timings = entry.timings or timings
+    return Timed(first, tokens, timings)
 
 
 def _queue_request(client: SlotqClient, max_tokens: int) -> OneRequest:
-    async def one(i: int, started: float) -> tuple[float, int]:
-        first, tokens = await timed_job(client, JobRequest(prompt=distinct_prompt(i), max_tokens=max_tokens,
-                                                           ignore_eos=True, sampling={"temperature": 0}), started)
-        return first or 0.0, tokens
+    async def one(i: int, started: float) -> Timed:
+        return await timed_job(client, JobRequest(prompt=distinct_prompt(i), max_tokens=max_tokens,
+                                                  ignore_eos=True, sampling={"temperature": 0}), started)
     return one
 
 
@@ -104,7 +118,7 @@ async def _server_counters(redis: Redis) -> tuple[int, int]:
 
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
     concurrency = [1, 4] if quick else CONCURRENCY
-    per_client = 2 if quick else 4
+    per_client = 2 if quick else 8
     max_tokens = 16 if quick else 64
     model = bundled_model_path()
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp:
@@ -140,28 +154,34 @@ async def _measure(url: str, model: Path, concurrency: list[int], per_client: in
             await asyncio.sleep(0.2)
         results: list[dict[str, Any]] = []
         commands = reads = tokens = 0
+        first = 0
         for c in concurrency:
-            progress(f"engine path at concurrency {c}")
-            tps, ttft = await _closed_loop(_engine_request(engine, max_tokens), c, per_client)
-            results.append(_row("engine", c, tps, ttft))
-            progress(f"queue path at concurrency {c}")
-            commands_before, reads_before = await _server_counters(client.redis)
-            tps, ttft = await _closed_loop(_queue_request(client, max_tokens), c, per_client)
-            commands_after, reads_after = await _server_counters(client.redis)
-            commands += commands_after - commands_before
-            reads += reads_after - reads_before
-            tokens += c * per_client * max_tokens
-            results.append(_row("queue", c, tps, ttft))
+            paths = {"engine": _engine_request(engine, max_tokens), "queue": _queue_request(client, max_tokens)}
+            for path, one in paths.items():
+                progress(f"{path} path at concurrency {c}")
+                await _closed_loop(one, c, 1, first)                  # the first wave, not measured
+                commands_before, reads_before = await _server_counters(client.redis)
+                tps, timed = await _closed_loop(one, c, per_client, first + c)
+                first += c * (per_client + 1)
+                results.append(_row(path, c, tps, timed))
+                if path == "queue":
+                    commands_after, reads_after = await _server_counters(client.redis)
+                    commands += commands_after - commands_before
+                    reads += reads_after - reads_before
+                    tokens += sum(t.tokens for t in timed)
         return results, reads, commands, tokens
     finally:
         await engine.close()
         await client.close()
 
 
-def _row(path: str, c: int, tps: float, ttfts: list[float]) -> dict[str, Any]:
+def _row(path: str, c: int, tps: float, timed: list[Timed]) -> dict[str, Any]:
+    ttfts = [t.first_s or 0.0 for t in timed]
+    waits = [t.timings.queue_ms for t in timed if t.timings is not None]
     return {"path": path, "concurrency": c, "tokens_per_s": round(tps, 1),
             "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1),
-            "ttft_p95_ms": round(percentile(ttfts, 95) * 1000, 1)}
+            "ttft_p95_ms": round(percentile(ttfts, 95) * 1000, 1),
+            "engine_wait_p50_ms": round(percentile(waits, 50), 1) if waits else None}
 
 
 def decode_step_ms(concurrency: int, engine_tokens_per_s: float) -> float:
@@ -183,10 +203,12 @@ def _table(results: list[dict[str, Any]], concurrency: list[int], reads_per_toke
                      f"{e['ttft_p50_ms']:.1f} / {e['ttft_p95_ms']:.1f}",
                      f"{q['ttft_p50_ms']:.1f} / {q['ttft_p95_ms']:.1f}",
                      f"{added:+.1f} / {q['ttft_p95_ms'] - e['ttft_p95_ms']:+.1f}", f"{step_ms:.1f}",
-                     f"{added / step_ms:+.2f}"])
+                     f"{added / step_ms:+.2f}",
+                     f"{e['engine_wait_p50_ms']} / {q['engine_wait_p50_ms']}"])
     table = markdown_table(["concurrency", "engine tok/s", "queue tok/s", "queue / engine",
                             "engine TTFT p50/p95 ms", "queue TTFT p50/p95 ms", "added TTFT p50/p95 ms",
-                            "decode step ms", "added TTFT p50 in steps"], rows)
+                            "decode step ms", "added TTFT p50 in steps",
+                            "engine wait p50 ms: in-process / queue"], rows)
     return table + (f"\n\nRedis round trips per generated token (requests received by the server, all clients: "
                     f"worker, producers and stream readers): {reads_per_token:.2f}; commands per token, counting "
                     f"those inside Lua scripts: {commands_per_token:.2f}")
