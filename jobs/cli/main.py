@@ -321,7 +321,8 @@ async def _dlq(args: argparse.Namespace) -> int:
             for job_id in ids:
                 letter = await dead_letters.get(redis, job_id)
                 if letter:
-                    print(f"{job_id}  attempts={letter.attempts}  {letter.error.code}: {letter.error.message}")
+                    print(f"{job_id}  attempts={letter.attempts} (interrupted={letter.interruptions})  "
+                          f"{letter.error.code}: {letter.error.message}")
         elif args.action == "requeue":
             for job_id in ids:
                 if await dead_letters.get(redis, job_id) is None:

@@ -212,6 +212,18 @@ async def test_dlq_list_says_when_there_are_none(redis_url: str, tmp_path: Path)
     assert (code, out, err) == (0, "", "no dead-lettered jobs\n")
 
 
+async def test_dlq_list_shows_how_many_attempts_were_interruptions(client: SlotqClient, redis_url: str,
+                                                                   tmp_path: Path) -> None:
+    """A job dead-lettered after 5 attempts of which 4 were lost while making progress reads very
+    differently from one that failed 5 times: the listing says which. Before: attempts only."""
+    await dead_letters.record(client.redis, "lost-often", encode_payload(job_request()),
+                              ErrorInfo(code="interruptions_exhausted", message="lost", retryable=True), attempts=5,
+                              enqueued_at=None, interruptions=4)
+    code, out, err = await _run("dlq", "list", redis_url=redis_url, cwd=tmp_path)
+    assert (code, err) == (0, ""), err
+    assert out == "lost-often  attempts=5 (interrupted=4)  interruptions_exhausted: lost\n"
+
+
 @pytest.mark.parametrize("action", ["requeue", "purge"])
 async def test_dlq_action_on_a_job_that_is_no_dead_letter_fails(action: str, client: SlotqClient, redis_url: str,
                                                                 tmp_path: Path) -> None:
