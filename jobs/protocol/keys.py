@@ -40,10 +40,11 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ================================  ======  ===========================================================
 
 A job's *place* in its lane is its fair-share tag (:mod:`slotq.jobs.protocol.scripts`, ``ENQUEUE``):
-``max(place of the lane's next job - 1, place of its tenant's newest job) + 1``, or its ready
-time + 1 in an empty lane. Within a tenant, places follow enqueue order; a tenant with nothing
-waiting ties with the lane's next job (equal places go in job id order), however many jobs other
-tenants have queued. A job handed
+``place of its tenant's newest job + 1`` while the tenant has jobs waiting in the lane, else
+``ceil(place of the lane's next job) - 0.5``, or its ready time + 1 in an empty lane. Within a
+tenant, places follow enqueue order; a tenant with nothing waiting goes just ahead of the lane's
+next job (level with another tenant that did the same; equal places go in job id order), however
+many jobs other tenants have queued. A job handed
 back, reaped or promoted after its retry backoff keeps its place. An entry of ``Q:jobs`` written
 before places existed (``lane<TAB>ready ms``) has its ready time as its place, and one written
 before tenants were counted belongs to the default tenant.

@@ -65,10 +65,12 @@ end
 # tenant's last place. Tokens are a fixed window per tenant (``minute<TAB>tokens``): a job is
 # admitted while the minute's tokens plus its own stay within the quota, or into an empty minute
 # (a job larger than the whole quota runs alone in its minute rather than never).
-# The job's place is its fair-share tag: max(the place of the lane's next job - 1, its tenant's
-# newest place) + 1 -- a tenant with nothing waiting ties with the next job, one with a backlog
-# goes behind it -- or, in an empty lane, its ready time + 1, every tenant's newest place being
-# history then. Equal places are claimed in job id order.
+# The job's place is its fair-share tag. A tenant with jobs waiting in the lane (its newest place
+# is at or behind the lane's next job) goes behind its newest: newest + 1. A tenant with nothing
+# waiting there (no newest place, or one the lane's head has passed) goes half a place ahead of the
+# next job's whole place, ceil(head) - 0.5: ahead of every backlog's next job, level with another
+# tenant that just did the same. In an empty lane the place is the ready time + 1, every tenant's
+# newest place being history then. Equal places are claimed in job id order.
 # It wakes one idle worker, and when a lower lane has running jobs it also leaves a preemption
 # token for one busy worker (the worker decides; see PREEMPT).
 ENQUEUE = _COUNT + """
@@ -102,11 +104,13 @@ if in_lane == 0 then
   redis.call('DEL', KEYS[5])
   place = tonumber(ARGV[4]) + 1
 else
-  local head = redis.call('ZRANGE', KEYS[9], 0, 0, 'WITHSCORES')
-  place = math.max(tonumber(head[2]) - 1, tonumber(redis.call('ZSCORE', KEYS[5], tenant) or 0)) + 1
+  local head = tonumber(redis.call('ZRANGE', KEYS[9], 0, 0, 'WITHSCORES')[2])
+  local newest = redis.call('ZSCORE', KEYS[5], tenant)
+  if newest and tonumber(newest) >= head then place = tonumber(newest) + 1 else place = math.ceil(head) - 0.5 end
 end
 redis.call('ZADD', KEYS[5], place, tenant)
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+place = string.format('%.1f', place)      -- whole or half: exact, where Lua's own text keeps 14 digits
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[5] .. '\t' .. ARGV[4] .. '\t' .. place .. '\t' .. tenant)
 redis.call('ZADD', KEYS[9], place, ARGV[1])
 count(KEYS[6], tenant, 1)
