@@ -41,7 +41,8 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 
 A job's *place* in its lane is its fair-share tag (:mod:`slotq.jobs.protocol.scripts`, ``ENQUEUE``):
 ``place of its tenant's newest job + 1`` while the tenant has jobs waiting in the lane, else
-``ceil(place of the lane's next job) - 0.5``, or its ready time + 1 in an empty lane. Within a
+``ceil(place of the lane's next job) - 0.5``, or in an empty lane its ready time + 1, never below
+the lane's newest place + 1 (so a job handed back goes ahead of every job enqueued after it). Within a
 tenant, places follow enqueue order; a tenant with nothing waiting goes just ahead of the lane's
 next job (level with another tenant that did the same; equal places go in job id order), however
 many jobs other tenants have queued. A job handed

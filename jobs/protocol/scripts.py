@@ -70,7 +70,11 @@ end
 # waiting there (no newest place, or one the lane's head has passed) goes half a place ahead of the
 # next job's whole place, ceil(head) - 0.5: ahead of every backlog's next job, level with another
 # tenant that just did the same. In an empty lane the place is the ready time + 1, every tenant's
-# newest place being history then. Equal places are claimed in job id order.
+# newest place being history then -- but never below the lane's newest place given so far + 1: a
+# burst of enqueues hands out places faster than the clock runs, and a job enqueued into the lane
+# just emptied by claims must still go behind those jobs, or one of them handed back (preempted,
+# its worker stopped) would wait behind a job enqueued after it. Equal places are claimed in job id
+# order.
 # It wakes one idle worker, and when a lower lane has running jobs it also leaves a preemption
 # token for one busy worker (the worker decides; see PREEMPT).
 ENQUEUE = _COUNT + """
@@ -101,8 +105,9 @@ if max_tokens then
 end
 local place
 if in_lane == 0 then
+  local newest = redis.call('ZRANGE', KEYS[5], -1, -1, 'WITHSCORES')[2]
+  place = math.max(tonumber(ARGV[4]) + 1, math.floor(tonumber(newest or '0')) + 1)
   redis.call('DEL', KEYS[5])
-  place = tonumber(ARGV[4]) + 1
 else
   local head = tonumber(redis.call('ZRANGE', KEYS[9], 0, 0, 'WITHSCORES')[2])
   local newest = redis.call('ZSCORE', KEYS[5], tenant)

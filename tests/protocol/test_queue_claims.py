@@ -249,6 +249,22 @@ async def test_a_tenants_backlog_does_not_delay_another_tenants_job(queue):
     assert a_jobs + rest == [f"a-{i:04d}" for i in range(1000)]   # FIFO within the tenant, nothing lost
 
 
+async def test_a_job_handed_back_goes_ahead_of_jobs_enqueued_after_it_even_across_an_emptied_lane(queue):
+    """A burst of enqueues hands out places faster than the clock (one per job, the clock a
+    millisecond); claims then empty the lane, and the next job used to get its ready time + 1 as
+    its place, below the burst's. A burst job handed back (preempted for an interactive one) then
+    waited behind that later job: in `slotq bench bulk` a preempted bulk job of the first wave
+    resumed only after the second wave's jobs, seconds later, and held up the run's end."""
+    burst = [f"burst-{i:03d}" for i in range(200)]
+    for job_id in burst:
+        await put(queue, job_id, "bulk")
+    claimed = await queue.claim(200, "w1", LEASE_MS)
+    assert [j.id for j in claimed] == burst                      # the lane is empty now
+    await put(queue, "after", "bulk")
+    assert await queue.hand_back(claimed[-1])
+    assert [j.id for j in await queue.claim(2, "w2", LEASE_MS)] == [burst[-1], "after"]
+
+
 # ---------------------------------------------------------------------- tenants' counts and quotas
 async def counts_of(queue: RedisQueue, tenant: str) -> tuple[int, int]:
     counts = await queue.tenant_counts(tenant)
