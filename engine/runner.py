@@ -340,7 +340,7 @@ class Runner:
             return
         state: _Choice = seq.payload
         request = state.prepared.request
-        self.scheduler.finish(seq, reusable=reusable)
+        self.scheduler.finish(seq, reusable=reusable, cancelled=reason == FinishReason.CANCELLED)
         if request.id in self._deadlines and not self._has_open_choices(request.id):
             del self._deadlines[request.id]
         if flush and reason != FinishReason.ERROR:

@@ -349,7 +349,7 @@ def test_a_handed_back_sequence_resumes_from_its_own_cells_when_a_cache_slot_is_
     while bulk.n_generated < 5:
         sim.step()
     bulk_slot = bulk.slot
-    sim.finish(bulk)                                     # the worker cancels the handed-back attempt
+    sim.finish(bulk, cancelled=True)                     # the worker cancels the handed-back attempt
     interactive = make_seq(10, max_new=3, priority_class=1)
     s.add(interactive)
     while interactive.state != SeqState.FINISHED:
@@ -362,3 +362,48 @@ def test_a_handed_back_sequence_resumes_from_its_own_cells_when_a_cache_slot_is_
         assert interactive.seq_id is None and resumed.seq_id == bulk_slot and resumed.n_reused == 33
     else:
         assert resumed.n_reused == 0
+
+
+# ----------------------------------------------------------------------------- which free slot (rule 8)
+def _eight_running_with_a_spare() -> tuple[Scheduler, Sim, list[Sequence]]:
+    """8 slots of their own KV streams plus one cache slot (the defaults' shape), all 8 decoding."""
+    s = Scheduler(config(n_slots=8, cache_slots=1, n_batch=256, kv_cells=9 * 1000, kv_stream_cells=1000))
+    sim = Sim(s)
+    seqs = sim.generating(8)
+    assert sorted(q.slot for q in seqs) == list(range(8))
+    return s, sim, seqs
+
+
+def test_a_newcomer_fills_the_gap_a_finished_sequence_left_so_the_running_slots_stay_consecutive() -> None:
+    """With a KV stream per slot llama.cpp runs each run of consecutive seq ids as a micro-batch of
+    its own, so a gap costs every step an extra graph run (36 % slower steps at 8 slots on the
+    bundled model). Before: the newcomer took the uncached spare at the end, and the gap stayed."""
+    s, sim, seqs = _eight_running_with_a_spare()
+    middle = next(q for q in seqs if q.slot == 3)
+    sim.finish(middle)                                   # it ended by itself (its KV stays a cache)
+    newcomer = make_seq(5, max_new=4)
+    s.add(newcomer)
+    sim.step()
+    assert newcomer.slot == 3
+    assert sorted(q.slot for q in s.running) == list(range(8))
+
+
+def test_a_cancelled_sequences_cells_are_left_for_its_return_and_the_gap_closes_when_it_comes_back() -> None:
+    """A job handed back for a higher lane is cancelled here and comes back for its cells: the
+    newcomer takes the spare (a gap while it runs), and the returning sequence takes its own cache."""
+    s, sim, seqs = _eight_running_with_a_spare()
+    bulk = next(q for q in seqs if q.slot == 3)
+    while bulk.n_generated < 40:                         # cells worth keeping: >= min_copy_tokens
+        sim.step()
+    sim.finish(bulk, cancelled=True)
+    interactive = make_seq(5, max_new=2, priority_class=1)
+    s.add(interactive)
+    sim.step()
+    assert interactive.slot == 8
+    while interactive.state != SeqState.FINISHED:
+        sim.step()
+    resumed = make_seq(bulk.tokens[:-1], max_new=20)     # prompt + what its stream held
+    s.add(resumed)
+    sim.step()
+    assert resumed.slot == 3 and resumed.n_reused == len(bulk.tokens) - 2
+    assert sorted(q.slot for q in s.running) == list(range(8))

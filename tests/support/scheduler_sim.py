@@ -135,8 +135,8 @@ class Sim:
             self.step()
         return seqs
 
-    def finish(self, seq: Sequence, reusable: bool = True) -> None:
-        self.s.finish(seq, reusable=reusable)
+    def finish(self, seq: Sequence, reusable: bool = True, cancelled: bool = False) -> None:
+        self.s.finish(seq, reusable=reusable, cancelled=cancelled)
         self.finished.append(seq)
 
     def run(self, max_steps: int = 10_000) -> None:
