@@ -127,11 +127,16 @@ class _Bulk:
 
 async def _ttft_ms(client: SlotqClient, i: int, tenant: str = "default") -> float:
     """Enqueue to first streamed token of one interactive job of ``PROBE_TOKENS`` tokens."""
+    return (await _probe(client, i, tenant))[0]
+
+
+async def _probe(client: SlotqClient, i: int, tenant: str = "default") -> tuple[float, str]:
+    """:func:`_ttft_ms` and the job's id (its result, once it ends, has the engine's own timings)."""
     started = time.perf_counter()
     job = await client.enqueue(JobRequest(**_request(10_000_000 + i, PROBE_TOKENS), tenant=tenant))
     async for entry in job.stream():
         if entry.kind == EntryKind.CHUNK:
-            return (time.perf_counter() - started) * 1000
+            return (time.perf_counter() - started) * 1000, job.id
     raise RuntimeError(f"interactive job {job.id} ended without a token")
 
 
@@ -173,7 +178,9 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     model = bundled_model_path()
     # The worker's settings, read as the worker reads them (SLOTQ_THREADS etc. from the environment),
     # so the in-process engine runs with exactly the worker's engine configuration.
-    config = WorkerSettings(model=str(model), slots=SLOTS, ctx=CTX, prefix_cache=False).engine_config()
+    # The prefix cache stays on, as a worker has it by default: a job handed back for an interactive one
+    # resumes from its cells in a cache slot only with it (the prompts share no prefix worth reusing).
+    config = WorkerSettings(model=str(model), slots=SLOTS, ctx=CTX).engine_config()
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp_name:
         tmp = Path(tmp_name)
         server = EmbeddedRedis(tmp / "redis")
@@ -181,7 +188,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         # Fixed slots (SLOTQ_ELASTIC off): the rows compare a worker whose every slot is busy with
         # the engine's SLOTS; on a busy shared machine the elastic controller would shrink them.
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
-               "SLOTQ_CTX": str(CTX), "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_ELASTIC": "false", "COLUMNS": "200"}
+               "SLOTQ_CTX": str(CTX), "SLOTQ_ELASTIC": "false", "COLUMNS": "200"}
         worker = ChildProcess("the benchmark's worker (slotq worker)",
                               [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                               env=env, log_path=tmp / "worker.log")
@@ -306,16 +313,27 @@ async def _flood(client: SlotqClient, sizes: Sizes, idle: list[float]) -> dict[s
     progress(f"tenant a queues {sizes.flood_jobs:,} interactive jobs; tenant b sends {sizes.probes}, one at a time")
     flood = [await client.enqueue(JobRequest(**_request(300_000 + i, _spread(i, *FLOOD_TOKENS)), tenant="a"))
              for i in range(sizes.flood_jobs)]
-    ttft, least_waiting = [], sizes.flood_jobs
+    ttft, ids, least_waiting = [], [], sizes.flood_jobs
     for i in range(sizes.probes):
         least_waiting = min(least_waiting, {c.lane: c for c in await client.queue.counts()}["interactive"].waiting)
-        ttft.append(await _ttft_ms(client, 2_000 + i, tenant="b"))
+        ms, job_id = await _probe(client, 2_000 + i, tenant="b")
+        ttft.append(ms)
+        ids.append(job_id)
     progress(f"cancelling tenant a's {sizes.flood_jobs:,} jobs")
     await asyncio.gather(*(job.cancel() for job in flood))
+    # Where b's TTFT went, from the engine's own timings: submit -> admitted into a slot (the step
+    # in progress) and submit -> first token (that wait and b's prefill in a batch busy with a's
+    # jobs); the rest of the TTFT is outside the engine (waiting for a slot to turn over, the claim,
+    # the first stream write and its read).
+    timings = [t for t in [(await client.result(job_id, timeout=60)).timings for job_id in ids] if t and t.ttft_ms]
+    engine_ttft = [t.ttft_ms or 0.0 for t in timings]
     return {"tenant_a_jobs": sizes.flood_jobs, "tenant_a_least_waiting": least_waiting,
             "tenant_a_tokens": list(FLOOD_TOKENS), "probes": len(ttft),
             "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p95_ms": round(percentile(ttft, 95), 1),
             "ttft_ms": [round(x, 1) for x in ttft],
+            "engine_wait_p50_ms": round(percentile([t.queue_ms for t in timings], 50), 1),
+            "engine_ttft_p50_ms": round(percentile(engine_ttft, 50), 1),
+            "outside_engine_p50_ms": round(percentile([a - b for a, b in zip(ttft, engine_ttft)], 50), 1),
             "ttft_p50_target_ms": round(2 * percentile(idle, 50), 1)}
 
 
@@ -373,7 +391,9 @@ def _table(d: dict[str, Any]) -> str:
         [f"tenant b's TTFT p50 / p95, tenant a with {flood['tenant_a_least_waiting']:,}+ jobs waiting",
          f"{flood['ttft_p50_ms']:.0f} / {flood['ttft_p95_ms']:.0f} ms",
          (f"{flood['ttft_p50_ms'] / idle_p50:.2f} x idle p50 (target <= 2); "
-          f"p95 {flood['ttft_p95_ms'] / idle_p95:.2f} x idle p95")],
+          f"p95 {flood['ttft_p95_ms'] / idle_p95:.2f} x idle p95; p50s: {flood['outside_engine_p50_ms']:.0f} ms "
+          f"outside the engine (slot turnover, claim, stream), {flood['engine_ttft_p50_ms']:.0f} ms in it "
+          f"({flood['engine_wait_p50_ms']:.0f} waiting for the step in progress)")],
         [f"slotq bulk peak RSS, {d['lines']:,} lines", f"{d['peak_rss_mb']:.0f} MB",
          "RSS over time (s, MB): " + ", ".join(f"{t:g}: {v:.0f}" for t, v in m["rss_mb_over_time"])],
         ["Redis used_memory peak", f"{d['redis_peak_mb']:.1f} MB",
