@@ -270,10 +270,7 @@ class Scheduler:
         and ``reusable``; a failed decode's KV is not) and let unforked siblings prefill alone.
         ``cancelled``: it did not end by itself and may come back for its cells (rule 8)."""
         if seq.state == SeqState.RUNNING:
-            slot = seq.seq_id
-            self._release_slot(seq, keep_cache=self.config.prefix_cache and reusable)
-            if cancelled and slot in self._cache:
-                self._returning.add(slot)
+            self._release_slot(seq, keep_cache=self.config.prefix_cache and reusable, returning=cancelled)
             self._hold_admissions = False
         for sib in self.running:
             if sib.fork_of is seq:
@@ -332,9 +329,7 @@ class Scheduler:
             keep, copy_from = 0, (source if n_reuse else None)
         self._free_slots.remove(slot)
         if slot in self._cache:
-            del self._cache[slot]
-            self._cache_lru.remove(slot)
-            self._returning.discard(slot)
+            self._forget_cache(slot)
         self.ledger.truncate(slot, keep)
         if copy_from is not None:
             self.ledger.copy_prefix(copy_from, slot, n_reuse)
@@ -405,13 +400,17 @@ class Scheduler:
                 self._evict_cache(seq_id)
 
     def _evict_cache(self, seq_id: int) -> None:
-        del self._cache[seq_id]
-        self._cache_lru.remove(seq_id)
-        self._returning.discard(seq_id)
+        self._forget_cache(seq_id)
         self.ledger.remove(seq_id)
         self._pending_evictions.append(seq_id)
 
-    def _release_slot(self, seq: Sequence, keep_cache: bool) -> None:
+    def _forget_cache(self, seq_id: int) -> None:
+        """Drop an idle cache's record (its slot is taken over, or its KV evicted)."""
+        del self._cache[seq_id]
+        self._cache_lru.remove(seq_id)
+        self._returning.discard(seq_id)
+
+    def _release_slot(self, seq: Sequence, keep_cache: bool, returning: bool = False) -> None:
         slot = seq.seq_id
         self.running.remove(seq)
         seq.state = SeqState.WAITING
@@ -421,6 +420,8 @@ class Scheduler:
         if keep_cache and seq.n_computed > 0:
             self._cache[slot] = seq.tokens[: seq.n_computed]
             self._cache_lru.append(slot)
+            if returning:
+                self._returning.add(slot)
         else:
             self.ledger.remove(slot)
             self._pending_evictions.append(slot)
