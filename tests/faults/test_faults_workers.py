@@ -324,8 +324,12 @@ async def test_worker_killed_right_after_claiming_a_job_frees_it_within_lock_ttl
     try:
         await fleet.wait_ready("c1", "c2")
         job_id = "claim-window-1"
-        # the claim script's reply: the job id, then its lane index (an integer: 0 = interactive)
-        proxy.arm(job_id.encode() + b"\r\n:0\r\n", "freeze", on="reply")
+        # The claim script's reply for one job: an array of 3 (id, lane index, ready ms) that starts
+        # with the id and lane 0 (interactive). Its header is part of the needle: the id followed by
+        # ":0" alone also ends the waiting lane's head in the replies of the worker's queue counts (its
+        # elastic loop and metrics read them every second), which froze that connection instead when
+        # it ran between the enqueue and the claim, and the job was still queued.
+        proxy.arm(b"*3\r\n$%d\r\n%s\r\n:0\r\n" % (len(job_id), job_id.encode()), "freeze", on="reply")
         fleet.pause("c2")
         try:
             job = await client.enqueue(job_request("claimed, then gone", max_tokens=16, idempotency_key=job_id))
