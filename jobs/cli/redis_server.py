@@ -21,25 +21,21 @@ into the child, for two guarantees:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-from slotq.jobs.cli.watch import describe_returncode, log_tail
+from slotq.jobs.cli.watch import describe_returncode, die_with_parent, log_tail
 from slotq.jobs.errors import SlotqError
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
 LOCK_FILE = "slotq.lock"
 LOG_FILE = "valkey.log"
 
@@ -81,31 +77,6 @@ def free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive SIGTERM when its parent dies.
-
-    PR_SET_PDEATHSIG fires when the parent *thread* that forked the child exits, not the process.
-    slotq starts its embedded server from the main thread (``slotq worker``/``redis`` before their
-    event loop, ``slotq demo`` and the benchmarks inside ``asyncio.run`` on the main thread), and
-    the main thread lives as long as the process. From any other thread the signal would kill the
-    server when that thread ends, so there it is not set (with a warning).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        log.warning("embedded Redis started outside the main thread: it will not stop by itself if this "
-                    "process is killed")
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl     # looked up before the fork
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:        # the parent died before prctl took effect
-            os._exit(1)
-    return preexec
 
 
 class _DirLock:
@@ -200,7 +171,7 @@ class EmbeddedRedis:
             offset = log_file.tell()
             # preexec_fn runs between fork and exec; ours only calls prctl (looked up beforehand) and getppid.
             self._proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=self.data_dir,
-                                          preexec_fn=_die_with_parent(), start_new_session=True,
+                                          preexec_fn=die_with_parent(), start_new_session=True,
                                           pass_fds=(self._lock.fd,) if self._lock.fd is not None else ())
         self.port = port
         deadline = time.monotonic() + self._start_timeout_s

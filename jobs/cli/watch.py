@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import logging
+import os
 import signal
 import subprocess
+import sys
+import threading
 import traceback
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 TAIL_LINES = 20
+PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
 
 
 class ChildExited(RuntimeError):
@@ -59,8 +67,36 @@ def describe_returncode(code: int) -> str:
     return f"exit code {code}"
 
 
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGTERM when its parent dies.
+
+    PR_SET_PDEATHSIG fires when the parent *thread* that forked the child exits, not the process.
+    slotq starts its children (the embedded server, the benchmarks' workers and fleet processes) from
+    the main thread (``slotq worker``/``redis`` before their event loop, ``slotq demo`` and the
+    benchmarks inside ``asyncio.run`` on the main thread), and the main thread lives as long as the
+    process. From any other thread the signal would kill the child when that thread ends, so there
+    it is not set (with a warning).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("a child process started outside the main thread will not stop by itself if this "
+                    "process is killed")
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl     # looked up before the fork
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:        # the parent died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
 class ChildProcess:
-    """A subprocess whose stdout and stderr go to ``log_path``, so its last lines can be shown."""
+    """A subprocess whose stdout and stderr go to ``log_path``, so its last lines can be shown. It
+    gets SIGTERM when this process dies (:func:`die_with_parent`), so a benchmark stopped by a signal
+    leaves no worker or fleet process behind."""
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path, env: Mapping[str, str] | None = None,
                  cwd: Path | None = None, poll_s: float = 0.1) -> None:
@@ -69,7 +105,7 @@ class ChildProcess:
         self._poll_s = poll_s
         self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - open for the child's lifetime; closed in stop()
         self.proc = subprocess.Popen(list(argv), env=dict(env) if env is not None else None, cwd=cwd,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
 
     def report(self) -> str:
         code = self.proc.poll()

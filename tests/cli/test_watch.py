@@ -92,6 +92,37 @@ async def test_a_task_that_returns_early_is_reported() -> None:
 
 
 # ----------------------------------------------------------------------------- the commands
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_a_child_ends_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
+    """A benchmark stopped by a signal runs no cleanup; its workers and fleet processes must still
+    end (they get SIGTERM from the kernel), not run on against a Redis that went with it."""
+    script = (f"import sys, time\nfrom pathlib import Path\nfrom slotq.jobs.cli.watch import ChildProcess\n"
+              f"child = ChildProcess('sleeper', [sys.executable, '-c', 'import time; time.sleep(600)'], "
+              f"log_path=Path({str(tmp_path / 'child.log')!r}))\nprint(child.proc.pid, flush=True)\ntime.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child_pid):
+            assert time.monotonic() < deadline, f"the child {child_pid} outlived its parent by 10 s"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie (an orphan's zombie is reaped by init, not at once)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 def run_cli(args: list[str], tmp_path: Path, timeout: float,
             **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
