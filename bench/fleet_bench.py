@@ -32,7 +32,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,30 @@ class Enqueued:
     task: asyncio.Task[Any]
 
 
+@dataclass
+class Followers:
+    """The stream readers' tasks, and how they ended: a reader that fails stops the step, as an
+    enqueue that fails does, so a broken reader cannot pass for a light streaming load."""
+
+    running: set[asyncio.Task[None]] = field(default_factory=set)
+    ended: int = 0
+    errors: list[BaseException] = field(default_factory=list)
+
+    def start(self, reader: StreamReader, job_id: str) -> None:
+        task = asyncio.create_task(_follow(reader, job_id))
+        self.running.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.running.discard(task)
+        if task.cancelled():
+            return
+        if (error := task.exception()) is not None:
+            self.errors.append(error)
+        else:
+            self.ended += 1
+
+
 # ---------------------------------------------------------------------- one step
 async def measure_step(design: Design, slots: int, rate: float, plan: Plan, settings: FleetSettings,
                        workdir: Path) -> dict[str, Any]:
@@ -158,10 +182,10 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
     stats_redis = Redis.from_url(url)
     pids = [h.proc.pid for h in hosts] + [os.getpid()]
     jobs: dict[str, Enqueued] = {}
-    reader_tasks: set[asyncio.Task[None]] = set()
+    followers = Followers()
     try:
         await _wait_ready(producers[0], records, workers)
-        producing = asyncio.create_task(_produce(producers, reader, rate, settings, jobs, reader_tasks))
+        producing = asyncio.create_task(_produce(producers, reader, rate, settings, jobs, followers))
         # until the jobs enqueued first have finished: the number running is then steady
         await _sleep_polling(max(plan.warmup_s, settings.job_seconds + 2), records)
         lag = LagProbe()
@@ -179,15 +203,18 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
         failed = [j for j in jobs.values() if j.task.done() and not j.task.cancelled() and j.task.exception()]
         if failed:
             raise RuntimeError(f"{len(failed)} enqueues failed; the first: {failed[0].task.exception()!r}")
+        if followers.errors:
+            raise RuntimeError(f"{len(followers.errors)} stream readers failed; the first: {followers.errors[0]!r}")
         for r in records:
             r.poll()
         now_ms = time.time() * 1000
         return {**_row(rate, jobs, records, start, end, start_ms, end_ms, now_ms),
                 "driver_loop_lag_max_ms": round(driver_lag_ms, 1),
+                "streams_followed_to_the_end": followers.ended,
                 "enqueues_unanswered_after_1s": sum(not j.task.done() and j.at_ms < now_ms - 1000
                                                     for j in jobs.values())}
     finally:
-        leftovers = [*reader_tasks, *(j.task for j in jobs.values() if not j.task.done())]
+        leftovers = [*followers.running, *(j.task for j in jobs.values() if not j.task.done())]
         for task in leftovers:
             task.cancel()
         await asyncio.gather(*leftovers, return_exceptions=True)
@@ -220,7 +247,7 @@ async def _sleep_polling(seconds: float, records: list[RecordReader]) -> None:
 
 
 async def _produce(producers: list[SlotqClient], reader: StreamReader, rate: float, settings: FleetSettings,
-                   jobs: dict[str, Enqueued], reader_tasks: set[asyncio.Task[None]]) -> None:
+                   jobs: dict[str, Enqueued], followers: Followers) -> None:
     """Poisson arrivals at ``rate``; each enqueue is its own task, so a slow reply never slows the rate."""
     rng = random.Random(13)
     next_at = time.monotonic()
@@ -233,9 +260,7 @@ async def _produce(producers: list[SlotqClient], reader: StreamReader, rate: flo
         task = asyncio.create_task(producers[i % len(producers)].enqueue(request))
         jobs[job_id] = Enqueued(time.time() * 1000, task)
         if i % READ_EVERY == 0:
-            reader = asyncio.create_task(_follow(reader, job_id))
-            reader_tasks.add(reader)
-            reader.add_done_callback(reader_tasks.discard)
+            followers.start(reader, job_id)
         i += 1
 
 
