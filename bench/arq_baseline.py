@@ -39,10 +39,11 @@ from redis.exceptions import RedisError
 
 from slotq.jobs.errors import QueueFull
 from slotq.jobs.producer.client import JobHandle, SlotqClient
+from slotq.jobs.protocol import registry
 from slotq.jobs.protocol.connection import redis_settings
-from slotq.jobs.protocol.keys import JOB_FUNCTION, worker_key
+from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import encode_payload
-from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.protocol.schemas import JobRequest, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
@@ -217,17 +218,18 @@ class BaselineWorker:
             stats = self.engine.stats()
             job_ids = [j for j in self.arq.job_tasks if j not in self.arq.lease_lost]
             try:
-                async with self.arq.pool.pipeline(transaction=False) as pipe:
-                    for job_id in job_ids:
-                        await self._renew(keys=[in_progress_key_prefix + job_id, self.settings.queue_name],
-                                          args=[self.token, job_id, self.ttl_ms], client=pipe)
-                    pipe.hset(worker_key(self.id), mapping={
-                        "id": self.id, "queue": self.settings.queue_name, "ctx": self.engine.ctx_per_seq,
-                        "model": stats.model, "slots_total": stats.slots_total, "slots_busy": stats.slots_busy,
-                        "waiting": stats.waiting, "generated_tokens": stats.generated_tokens,
-                        "started_at": self.started_at, "updated_at": time.time(), "draining": 0})
-                    pipe.expire(worker_key(self.id), max(3, int(interval * 3)))
-                    await pipe.execute()
+                if job_ids:
+                    async with self.arq.pool.pipeline(transaction=False) as pipe:
+                        for job_id in job_ids:
+                            await self._renew(keys=[in_progress_key_prefix + job_id, self.settings.queue_name],
+                                              args=[self.token, job_id, self.ttl_ms], client=pipe)
+                        await pipe.execute()
+                # the worker registry slotq's producers read (the benchmark waits for every worker in it)
+                await registry.beat(self.arq.pool, WorkerInfo(
+                    id=self.id, queue=self.settings.queue_name, ctx=self.engine.ctx_per_seq, model=stats.model,
+                    slots_total=stats.slots_total, slots_busy=stats.slots_busy, waiting=stats.waiting,
+                    generated_tokens=stats.generated_tokens, started_at=self.started_at, updated_at=time.time(),
+                    draining=False), interval_s=interval)
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s); retrying", exc)
             await asyncio.sleep(interval)
