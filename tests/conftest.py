@@ -18,7 +18,8 @@ Why not ``PR_SET_PDEATHSIG`` on every child: the suite starts children in many p
 threads, and the parent-death signal fires when the *thread* that forked the child exits, so a
 server restarted from ``asyncio.to_thread`` would be killed at once or not protected at all. One
 handler here covers them all. What no handler can cover is SIGKILL of pytest itself; there the
-embedded servers' own ``PR_SET_PDEATHSIG`` (``slotq.jobs.cli.redis_server``, main thread only) still applies.
+embedded servers' and ``ChildProcess`` children's own ``PR_SET_PDEATHSIG``
+(``slotq.jobs.cli.watch.die_with_parent``, main thread only) still applies.
 """
 
 from __future__ import annotations
