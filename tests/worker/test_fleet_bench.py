@@ -1,0 +1,36 @@
+"""``slotq bench fleet``'s measuring step, run small: both claim paths, real fleet processes
+(``bench/fleet_host.py``), a real Valkey, the real producer client and stream readers.
+
+The benchmark's figures are only as good as its load. Two defects went unseen because nothing ran
+it: every stream reader but the first failed at once (so the tables streamed far less than their
+captions said), and the arq baseline never entered the worker registry (so the benchmark waited
+three minutes for it and stopped). This test asserts counts only, never timings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.fleet_bench import READ_EVERY, FleetSettings, Plan, measure_step
+from bench.fleet_host import Design
+from bench.sim_engine import SimulationParams
+
+SLOTS = 100                  # two workers of 50, one per fleet process
+RATE = 20.0                  # enqueues/s
+# 20-token jobs at 50 tokens/s (0.4 s each): the first ones finish within the warm-up.
+SETTINGS = FleetSettings(job_tokens=20, sim=SimulationParams(tokens_per_s=50, step_s=0.1), stream_flush_ms=100)
+PLAN = Plan(sizes=(SLOTS,), warmup_s=1, window_s=2, min_jobs=0, max_window_s=2, tail_s=1.5, up=(), down=())
+
+
+@pytest.mark.parametrize("design", ["slotq", "baseline"])
+async def test_a_small_fleet_step_claims_every_job_and_follows_one_stream_in_ten(design: Design,
+                                                                                 tmp_path: Path) -> None:
+    row = await measure_step(design, SLOTS, RATE, PLAN, SETTINGS, tmp_path / design)
+    assert row["workers"] == 2
+    assert row["jobs_measured"] > 0
+    assert row["unclaimed_jobs"] == 0
+    assert row["enqueues_unanswered_after_1s"] == 0
+    # about 5 s of enqueues at 20/s, one in READ_EVERY followed; most of them have ended
+    enqueued_before_the_tail = RATE * (SETTINGS.job_seconds + 2 + PLAN.window_s)
+    assert row["streams_followed_to_the_end"] >= enqueued_before_the_tail / READ_EVERY / 2
