@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,17 +18,9 @@ import redis as sync_redis
 
 from slotq.jobs.cli.redis_server import DataDirInUse, EmbeddedRedis, free_port, port_data_dir, port_is_serving
 from tests.support.jobs import SLOTQ_BIN, clean_env
+from tests.support.processes import alive, wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux")
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper counts as gone: it serves nothing and holds nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def children_of(pid: int) -> list[int]:
@@ -39,14 +30,6 @@ def children_of(pid: int) -> list[int]:
             if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(stat.parent.name))
     return found
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout} s")
-        time.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------- no orphans

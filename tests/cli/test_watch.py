@@ -15,6 +15,7 @@ import pytest
 from slotq.jobs.cli.redis_server import port_is_serving
 from slotq.jobs.cli.watch import ChildExited, ChildProcess, WatchedTask, run_watched
 from tests.support.jobs import SLOTQ_BIN, clean_env
+from tests.support.processes import alive, wait_for
 
 
 async def forever() -> None:
@@ -105,22 +106,10 @@ def test_a_child_ends_when_the_process_that_started_it_is_killed(tmp_path: Path)
         child_pid = int(parent.stdout.readline())
         parent.kill()
         parent.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(child_pid):
-            assert time.monotonic() < deadline, f"the child {child_pid} outlived its parent by 10 s"
-            time.sleep(0.05)
+        wait_for(lambda: not alive(child_pid), 10, f"the child {child_pid} did not end after its parent's SIGKILL")
     finally:
         parent.kill()
         parent.wait()
-
-
-def _alive(pid: int) -> bool:
-    """Running, and not a zombie (an orphan's zombie is reaped by init, not at once)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def run_cli(args: list[str], tmp_path: Path, timeout: float,
