@@ -73,10 +73,11 @@ class EngineKnobs(BaseModel):
     ctx: int = Field(4096, ge=64, le=1_048_576, description="per-sequence context in tokens (prompt + output)")
     cache_slots: int = Field(
         1, ge=0, le=16,
-        description="KV streams beyond slots that never decode, only keep idle prefix caches (one more ctx of KV "
-                    "memory each): a sequence that gives up its slot (a job handed back for a higher lane) leaves its "
-                    "cells in its stream while the newcomer takes a spare one, and resumes there without recomputing "
-                    "them; 0 = off")
+        description="spare KV streams beyond slots (one more ctx of KV memory each): a job of a higher lane that "
+                    "finds every slot busy with lower-lane work runs in one beside them (the reserve: nothing is "
+                    "handed back, a step decodes one sequence more); otherwise they keep idle prefix caches, and a "
+                    "job handed back for a higher lane leaves its cells there and resumes without recomputing them; "
+                    "0 = off")
     kv_cells: int | None = Field(None, ge=64,
                                  description="total KV cells of all slots; unset = (slots + cache_slots) x ctx (a set "
                                              "value gives cache slots only what is left beyond slots x ctx)")

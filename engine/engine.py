@@ -80,9 +80,13 @@ class Engine:
         self.template = ChatTemplate(self.model.chat_template(), self.model.token_text(self.model.bos_token),
                                      self.model.token_text(self.model.eos_token))
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
+        cache_slots = config.usable_cache_slots
+        # the reserve lends the cache slots to a higher lane (scheduler rule 6) while one batch can hold them
+        self.reserve_slots = cache_slots if self.info.n_batch >= config.slots + cache_slots else 0
         self.scheduler = Scheduler(SchedulerConfig(
             n_slots=config.slots,
-            cache_slots=config.usable_cache_slots,
+            cache_slots=cache_slots,
+            reserve_slots=self.reserve_slots,
             n_batch=self.info.n_batch,
             kv_cells=self.info.n_ctx,
             prefill_chunk=min(config.prefill_chunk, self.info.n_batch),

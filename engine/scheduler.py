@@ -37,12 +37,20 @@ Policy, in order of precedence:
 6. Runtime limits (:class:`SchedulerLimits`, set by the owner while it runs, e.g. an elastic worker):
    at most ``active_slots`` sequences hold a slot, and the batch and prefill chunk may be smaller
    than configured. Lowering ``active_slots`` never stops a running sequence: no new one is
-   admitted until enough have finished. Decode tokens are never cut by a smaller batch.
-7. Cache slots (``cache_slots``): KV sequences beyond ``n_slots`` that never count as active. When
-   a sequence gives up its slot (its job handed back for a higher lane: the runner cancels it) and
-   the newcomer arrives, the newcomer takes a spare (rule 8) and the leaver's cells stay in its own
-   slot as an idle cache; when it comes back it reuses them (its own idle cache costs nothing)
-   instead of recomputing its prompt and delivered tokens. To keep it so, with cache slots a
+   admitted until enough have finished. Decode tokens are never cut by a smaller batch. The one
+   exception is the reserve (``reserve_slots``, at most the cache slots): a sequence of a priority
+   class above a running sequence's may be admitted beyond ``active_slots`` into a spare KV stream
+   and decode beside the others, up to ``active_slots + reserve_slots`` sequences, rather than wait
+   for the lower class to finish or to be handed back. A step then decodes one sequence more: on
+   the bundled model on a CPU, 9 sequences in consecutive slots cost a step 17 % more than 8, where
+   a victim handed back costs the lower class its slot, and its gap among the running slots (8)
+   costs every step 23 % more until it returns (bench/step_shapes.py).
+7. Cache slots (``cache_slots``): KV sequences beyond ``n_slots`` that count as active only while
+   the reserve (6) lends them to a higher class. When a sequence gives up its slot (its job handed
+   back for a higher lane: the runner cancels it) and the newcomer arrives, the newcomer takes a
+   spare (rule 8) and the leaver's cells stay in its own slot as an idle cache; when it comes back
+   it reuses them (its own idle cache costs nothing) instead of recomputing its prompt and
+   delivered tokens. To keep it so, with cache slots a
    newcomer that matches an idle cache by fewer than ``min_copy_tokens`` (a BOS, a chat template's
    header) does not take it over for that: it takes a slot by rule 8 and recomputes those few
    tokens; among caches it matches equally it takes over the least recently used (always).
@@ -92,7 +100,8 @@ class SchedulerConfig:
     kv_stream_cells: int | None = None  # cells of each slot's own KV stream; None = one pool shared by all slots
     min_copy_tokens: int = 32       # streams: copy a running slot's prefix only when it saves this much (a copy
                                     # moves the whole stream; docs/architecture.md, "KV layout", has the figures)
-    cache_slots: int = 0            # KV sequences beyond n_slots that only keep idle caches (rule 7)
+    cache_slots: int = 0            # KV sequences beyond n_slots that keep idle caches (rule 7)
+    reserve_slots: int = 0          # of those, how many a higher priority class may decode in (rule 6)
 
 
 @dataclass(frozen=True)
@@ -161,8 +170,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
-        if config.prefill_chunk < 1 or config.n_batch < config.n_slots:
-            raise ValueError("need prefill_chunk >= 1 and n_batch >= n_slots (one decode token per slot)")
+        if config.prefill_chunk < 1 or config.n_batch < config.n_slots + config.reserve_slots:
+            raise ValueError("need prefill_chunk >= 1 and n_batch >= n_slots + reserve_slots (one decode token per "
+                             "sequence)")
+        if config.reserve_slots > config.cache_slots:
+            raise ValueError("reserve_slots are cache slots: need reserve_slots <= cache_slots")
         self.config = config
         self.limits = SchedulerLimits.full(config)
         self.waiting = RequestQueue()
@@ -296,9 +308,11 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput) -> None:
         if self.running and (self._hold_admissions or self.config.mode == BatchingMode.STATIC):
             return
-        while self.waiting and self._free_slots and len(self.running) < self.limits.active_slots:
+        while self.waiting and self._free_slots:
             seq = self.waiting.peek()
             assert seq is not None
+            if len(self.running) >= self._slot_limit(seq):
+                return
             if seq.fork_of is not None and (seq.fork_of.state != SeqState.RUNNING
                                             or seq.fork_of.n_computed >= seq.fork_len):
                 seq.fork_of = None   # the leader is gone or already past the prompt: reuse its cache instead
@@ -313,6 +327,13 @@ class Scheduler:
                     return
             self.waiting.pop()
             out.admitted.append(self._place(seq, source, n_reuse))
+
+    def _slot_limit(self, seq: Sequence) -> int:
+        """How many sequences may run once ``seq`` is admitted: the active slots, plus the reserve
+        while a sequence of a lower priority class runs (rule 6)."""
+        if self.config.reserve_slots and any(s.priority_class < seq.priority_class for s in self.running):
+            return self.limits.active_slots + self.config.reserve_slots
+        return self.limits.active_slots
 
     def _fits(self, need: int) -> bool:
         if self.config.kv_stream_cells is not None:

@@ -365,9 +365,10 @@ def test_a_handed_back_sequence_resumes_from_its_own_cells_when_a_cache_slot_is_
 
 
 # ----------------------------------------------------------------------------- which free slot (rule 8)
-def _eight_running_with_a_spare() -> tuple[Scheduler, Sim, list[Sequence]]:
+def _eight_running_with_a_spare(reserve_slots: int = 0) -> tuple[Scheduler, Sim, list[Sequence]]:
     """8 slots of their own KV streams plus one cache slot (the defaults' shape), all 8 decoding."""
-    s = Scheduler(config(n_slots=8, cache_slots=1, n_batch=256, kv_cells=9 * 1000, kv_stream_cells=1000))
+    s = Scheduler(config(n_slots=8, cache_slots=1, reserve_slots=reserve_slots, n_batch=256, kv_cells=9 * 1000,
+                         kv_stream_cells=1000))
     sim = Sim(s)
     seqs = sim.generating(8)
     assert sorted(q.slot for q in seqs) == list(range(8))
@@ -407,3 +408,45 @@ def test_a_cancelled_sequences_cells_are_left_for_its_return_and_the_gap_closes_
     sim.step()
     assert resumed.slot == 3 and resumed.n_reused == len(bulk.tokens) - 2
     assert sorted(q.slot for q in s.running) == list(range(8))
+
+
+# ----------------------------------------------------------------------------- the reserve (rule 6)
+def test_a_higher_class_decodes_in_the_reserve_beside_a_full_batch_of_a_lower_one() -> None:
+    """Rule 6's reserve: with every slot held by class 0, a class 1 sequence is admitted at once
+    into the spare stream, next to the running slots (one run of consecutive ids), and all nine
+    decode in the next step. A second class 1 sequence finds the reserve taken and waits, and so
+    does a class 0 one: the reserve is only for a class above a running one."""
+    s, sim, seqs = _eight_running_with_a_spare(reserve_slots=1)
+    interactive = make_seq(5, max_new=10, priority_class=1)
+    s.add(interactive)
+    sim.step()
+    assert interactive.slot == 8 and interactive.n_computed == 5
+    assert all(q.state == SeqState.RUNNING for q in seqs)
+    later, bulk = make_seq(5, max_new=3, priority_class=1), make_seq(5, max_new=3)
+    s.add(later)
+    s.add(bulk)
+    out = sim.step()
+    assert sorted(i.seq.slot for i in out.items) == list(range(9))         # nine decode tokens, no prefill
+    assert later.state == bulk.state == SeqState.WAITING
+    sim.finish(seqs[0])                                  # a slot frees: the higher class takes it first
+    sim.step()
+    assert later.state == SeqState.RUNNING and bulk.state == SeqState.WAITING and len(s.running) == 9
+
+
+def test_the_reserve_is_not_used_without_a_lower_class_running_nor_beyond_the_cache_slots() -> None:
+    s, sim, _ = _eight_running_with_a_spare(reserve_slots=0)
+    interactive = make_seq(5, max_new=3, priority_class=1)
+    s.add(interactive)
+    sim.step()
+    assert interactive.state == SeqState.WAITING                 # no reserve: it waits (or a job is handed back)
+    s = Scheduler(config(n_slots=2, cache_slots=1, reserve_slots=1, n_batch=64))
+    sim = Sim(s)
+    top = [make_seq(5, max_new=50, priority_class=1) for _ in range(3)]
+    for q in top:
+        s.add(q)
+    sim.step()
+    assert [q.state for q in top] == [SeqState.RUNNING, SeqState.RUNNING, SeqState.WAITING]
+    with pytest.raises(ValueError, match="reserve_slots"):
+        Scheduler(config(n_slots=2, cache_slots=0, reserve_slots=1))
+    with pytest.raises(ValueError, match="reserve_slots"):
+        Scheduler(config(n_slots=8, cache_slots=1, reserve_slots=1, n_batch=8))
