@@ -85,6 +85,7 @@ class SimulatedEngine:
         self.params = params
         self.info = SimulatedModel()
         self.ctx_per_seq = config.ctx
+        self.reserve_slots = 0          # no spare KV streams to lend a higher lane: it preempts instead
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._by_request: dict[str, list[_Sequence]] = {}

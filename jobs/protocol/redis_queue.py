@@ -303,16 +303,19 @@ class RedisQueue:
             args=[int(time.time() * 1000), max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT])
         return self._claimed(flat, lease)
 
-    async def preempt(self, victim_lane: str, token: str, lease_ms: int) -> ClaimedJob | None:
+    async def preempt(self, victim_lane: str, token: str, lease_ms: int, *,
+                      hand_back: bool = True) -> ClaimedJob | None:
         """Claim one waiting job of a lane above ``victim_lane`` for a busy worker, which then
-        hands its victim back to give the job its slot; counts the preemption for ``victim_lane``.
-        None: nothing above waits, or a worker with a free slot took the wake-up and claims it."""
+        hands its victim back to give the job its slot (counted as a preemption of
+        ``victim_lane``), or with ``hand_back`` false runs it in its reserve beside the victim (not
+        counted: nothing yields). None: nothing above waits, or a worker with a free slot took the
+        wake-up and claims it."""
         k = self.keys
         lease = f"{token}#{next(self._claim_numbers)}"
         above = k.lanes[:k.lanes.index(victim_lane)]
         flat = await self._scripts["PREEMPT"](
             keys=[k.jobs, k.owners, k.wake, k.preemptions, k.tenant_waiting, k.tenant_running, *k.lane_groups(above)],
-            args=[int(time.time() * 1000), lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, victim_lane])
+            args=[int(time.time() * 1000), lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, victim_lane if hand_back else ""])
         claimed = self._claimed(flat, lease)
         return claimed[0] if claimed else None
 

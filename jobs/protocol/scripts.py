@@ -194,20 +194,21 @@ return out
 
 # KEYS: jobs, owners, wake, preemptions, tenant waiting, tenant running, then the lane group of every
 #       lane above the victim's, highest priority first
-# ARGV: now ms, lease ms, lease, token cap, promote limit, the victim's lane
+# ARGV: now ms, lease ms, lease, token cap, promote limit, the victim's lane ('' = none yields: the
+#       job runs in the worker's reserve, beside its slots)
 # A busy worker that took a preemption token claims one job of a lane above its victim's, to run
-# in the slot the victim yields. It declines (returns nothing, touches nothing) while the wake
-# list is empty: the enqueue's wake-up was taken by a worker with a free slot, which claims the
-# job without anyone yielding. Otherwise it claims as CLAIM does (promoting due retries, fair
-# within a lane), counts the preemption for the victim's lane, takes one wake token for the job
-# it claimed, and keeps each lane's preemption tokens at one per job still waiting.
+# in the slot the victim yields or in its reserve. It declines (returns nothing, touches nothing)
+# while the wake list is empty: the enqueue's wake-up was taken by a worker with a free slot, which
+# claims the job without anyone yielding. Otherwise it claims as CLAIM does (promoting due retries,
+# fair within a lane), counts the preemption for the victim's lane when one yields, takes one wake
+# token for the job it claimed, and keeps each lane's preemption tokens at one per job still waiting.
 # Returns the flat claim list of CLAIM (at most one job; the lane index counts from the top lane).
 PREEMPT = _CLAIM_LANES + _SYNC_TOKENS + """
 if redis.call('LLEN', KEYS[3]) == 0 then return {} end
 local now = tonumber(ARGV[1])
 local out, left = claim_lanes(7, 1, now, now + tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5]), KEYS[5], KEYS[6])
 if #out > 0 then
-  redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
+  if ARGV[6] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[6], 1) end
   redis.call('LPOP', KEYS[3])
 end
 for n = 1, #left do sync_tokens(KEYS[6 + 4 * n], left[n], tonumber(ARGV[4])) end

@@ -41,6 +41,12 @@ class JobEngine(Protocol):
     def ctx_per_seq(self) -> int: ...
 
     @property
+    def reserve_slots(self) -> int:
+        """Sequences beyond the active slots that a job of a higher lane than a running one may run
+        in at once (the engine's spare KV streams, ``engine.scheduler`` rule 6); 0 = none."""
+        ...
+
+    @property
     def failure(self) -> BaseException | None:
         """The exception that killed the engine, or None while it can run requests."""
         ...

@@ -45,6 +45,9 @@ QUEUE_OLDEST_AGE = Gauge("slotq_queue_oldest_waiting_age_seconds", "Age of the o
 LANE_PREEMPTIONS = Counter(
     "slotq_lane_preemptions", "Jobs this worker handed back (no try spent, resumed from their stream) to give their "
     "slot to a waiting job of a higher lane, by the lane of the job handed back", ["lane"])
+LANE_RESERVE_RUNS = Counter(
+    "slotq_lane_reserve_runs", "Jobs of a higher lane this worker ran in its reserve (a spare KV stream) beside a "
+    "full batch of lower-lane jobs, instead of handing one back, by the lane of the job run", ["lane"])
 QUEUE_PREEMPTED = Gauge("slotq_queue_preempted", "Jobs of this lane that yielded their slot to a higher lane, whole "
                         "fleet, since the queue began", ["lane"])
 PICKUP = Histogram("slotq_queue_pickup_seconds", "Enqueue (or retry due) to claim by this worker", ["lane"],

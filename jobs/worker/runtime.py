@@ -14,7 +14,10 @@ the fallback tick (``poll_delay_s``), which also reaps expired leases and re-che
 
 A worker whose slots are all busy and that runs a job of a lower lane waits instead for a
 preemption token of a lane above it (one enqueue wakes at most one busy worker). It then claims
-the waiting job (``PREEMPT``: exactly one worker wins it) and hands back its victim
+the waiting job (``PREEMPT``: exactly one worker wins it). While its *reserve* is free (``reserve``:
+the engine's spare KV streams that a higher lane may decode in, ``engine.scheduler`` rule 6) the
+job runs there, beside the lower-lane jobs, and nobody yields: the worker holds ``slots + 1`` jobs
+until one leaves, and claims again only below ``slots``. Otherwise it hands back its victim
 (:mod:`slotq.jobs.protocol.preemption`): the victim's attempt is cancelled at the engine's next
 step, flushes what it generated to its stream and is handed back without using a try; the claimed
 job takes its slot as soon as it has left, and the victim resumes from its stream on any worker.
@@ -49,7 +52,8 @@ class QueueRuntime:
     ``may_claim()``: whether the worker may take jobs now (ready, heartbeat current, not refusing);
     ``on_job_started(job)``: a claim starts here; ``progress(job_id)``: how far a running job's
     attempt has got (the victim policy weighs it); ``on_preempted(victim)``: a job of this worker
-    yields its slot to a higher lane. ``on_startup`` runs before the first claim (the model load),
+    yields its slot to a higher lane; ``on_reserve(job)``: a higher-lane job runs in the reserve,
+    beside a full worker's slots. ``on_startup`` runs before the first claim (the model load),
     ``on_shutdown`` in :meth:`close` once every attempt has left."""
 
     def __init__(self, *, function_name: str, job: JobFunction, queue: RedisQueue, token: str, lease_ms: int,
@@ -58,12 +62,14 @@ class QueueRuntime:
                  on_job_started: Callable[[ClaimedJob], None] | None = None,
                  progress: Callable[[str], Progress] = lambda job_id: NOT_STARTED,
                  on_preempted: Callable[[ClaimedJob], None] | None = None,
+                 on_reserve: Callable[[ClaimedJob], None] | None = None,
                  on_startup: Callable[[], Awaitable[None]] | None = None,
                  on_shutdown: Callable[[], Awaitable[None]] | None = None) -> None:
         self.queue = queue
         self.token = token
         self.lease_ms = lease_ms
         self.slots = slots                      # jobs held at most; the elastic loop moves it (<= the initial)
+        self.reserve = 0                        # jobs beyond slots a higher lane may run (the engine's, once up)
         self.poll_delay_s = poll_delay_s
         self.on_job_started = on_job_started
         self.claimed: dict[str, ClaimedJob] = {}     # job id -> the claim whose attempt runs here
@@ -74,6 +80,7 @@ class QueueRuntime:
         self._may_claim = may_claim
         self._progress = progress
         self._on_preempted = on_preempted
+        self._on_reserve = on_reserve
         self._on_startup = on_startup
         self._on_shutdown = on_shutdown
         self._claiming = True
@@ -271,9 +278,10 @@ class QueueRuntime:
             and not self._runner.is_aborting(job_id))
 
     async def _preempt(self, token_lane: str) -> None:
-        """A preemption token of ``token_lane`` arrived: claim the waiting job and give it the
-        victim's slot. With a free slot meanwhile, the main loop's claim takes the job instead;
-        with no victim left (its lower-lane jobs ended), the token goes back for another worker."""
+        """A preemption token of ``token_lane`` arrived: claim the waiting job and run it in the
+        reserve while that is free, else give it the victim's slot. With a free slot meanwhile, the
+        main loop's claim takes the job instead; with no victim left (its lower-lane jobs ended),
+        the token goes back for another worker."""
         if self._can_claim():
             return
         victim = self._victim()
@@ -282,12 +290,19 @@ class QueueRuntime:
                 await self.queue.return_preemption_token(token_lane)
             return
         victim_job = self.claimed[victim.job_id]
+        in_reserve = self._held < self.slots + self.reserve
         try:
-            job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms)
+            job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms, hand_back=not in_reserve)
         except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job
             log.warning("preemption claim failed (%s: %s)", type(exc).__name__, exc)
             return
         if job is None:
+            return
+        if in_reserve:
+            log.info("job %s (%s) runs in the reserve beside %d jobs", job.id, job.lane, self._held)
+            if self._on_reserve is not None:
+                self._on_reserve(job)
+            self._start(job)
             return
         if self.claimed.get(victim.job_id) is not victim_job:      # it ended meanwhile: its slot is free
             self._start(job)

@@ -120,6 +120,7 @@ class SlotqWorker:
             poll_delay_s=self.settings.poll_delay_s, serializer=serialize, deserializer=deserialize,
             may_claim=self._may_claim, on_job_started=self._observe_pickup, progress=self._progress,
             on_preempted=lambda victim: metrics.LANE_PREEMPTIONS.labels(lane=victim.lane).inc(),
+            on_reserve=lambda job: metrics.LANE_RESERVE_RUNS.labels(lane=job.lane).inc(),
             on_startup=self._on_startup, on_shutdown=self._on_shutdown)
         if handle_signals:
             self._owns_process = True
@@ -173,6 +174,7 @@ class SlotqWorker:
                  config.ctx)
         self.engine = await self.engine_factory(config)
         assert self.queue is not None and self.runtime is not None
+        self.runtime.reserve = self.engine.reserve_slots
         self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
                                    ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,

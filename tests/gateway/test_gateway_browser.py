@@ -59,7 +59,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
     model = bundled_model_path() if SCREENSHOT_TO else tiny_model_path
     with Stack.started(tmp_path_factory.mktemp("dashboard"), model) as s:
         engine = {"ctx": 2048, "threads": 2} if SCREENSHOT_TO else {"ctx": 16_384}
-        s.start_worker("browser-worker", MODEL_NAME, slots=2, **engine)
+        # no cache slot, so no reserve: the playground reply takes a bulk job's slot, which the charts show
+        s.start_worker("browser-worker", MODEL_NAME, slots=2, cache_slots=0, **engine)
         s.start_gateway("browser-gateway").wait_ready()
         s.wait_for_models({MODEL_NAME})
         yield s

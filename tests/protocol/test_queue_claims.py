@@ -362,6 +362,11 @@ async def test_preemption_tokens_and_the_preempt_claim(queue, redis):
     assert winner is not None and (winner.id, winner.lane) == ("chat-0", "interactive")
     assert await queue.preempt("bulk", "w2", LEASE_MS) is None              # the job goes to one worker
     assert {c.lane: c.preempted for c in await queue.counts()} == {"interactive": 0, "bulk": 1}
+    await put(queue, "chat-1")                      # the next one runs in w1's reserve: nobody yields
+    in_reserve = await queue.preempt("bulk", "w1", LEASE_MS, hand_back=False)
+    assert in_reserve is not None and in_reserve.id == "chat-1"
+    assert {c.lane: c.preempted for c in await queue.counts()} == {"interactive": 0, "bulk": 1}
+    assert {c.lane: c.running for c in await queue.counts()} == {"interactive": 3, "bulk": 2}
 
 
 async def test_preempt_declines_when_an_idle_worker_took_the_wake_up(queue, redis):
