@@ -10,15 +10,22 @@ One invocation, the bundled model, a ``slotq worker`` subprocess with ``SLOTS`` 
 * **interactive TTFT**: one interactive job at a time (enqueue to first streamed token), on the
   idle fleet and while a bulk run (output lengths spread over a quarter to all of ``max_tokens``)
   keeps every slot busy with jobs still waiting in the bulk lane.
-* **long bulk jobs** (issue 20): ``LONG_TOKENS``-token bulk jobs (ignore_eos) in ``LONG_WAVES``
-  waves of ``SLOTS``, alone and with an occasional interactive job (one at a time, each sent while
-  bulk jobs hold every slot), rounds alternating: interactive TTFT p50/p95 against the idle
-  fleet's, and bulk tokens/s against bulk alone. A decode step of the full batch is ``SLOTS``
-  tokens at bulk alone's rate; targets: saturated p95 <= idle p95 + 3 such steps, bulk with
-  interactive >= 0.95 x bulk alone.
+* **long bulk jobs** (issue 20): ``SLOTS`` bulk jobs of ``LONG_TOKENS`` tokens (ignore_eos), alone
+  and with occasional interactive jobs, in back-to-back pairs of runs: interactive TTFT p50/p95
+  against the idle fleet's, and bulk tokens/s against bulk alone (the median of the pairs'
+  mixed/alone ratios: this machine's speed drifts by 20 % within minutes, so each ratio compares
+  two runs half a minute apart). A decode step of the full batch is
+  ``SLOTS`` tokens at the round's bulk-alone rate. "Occasional" is one interactive job every
+  ``PROBE_GAP_STEPS`` such steps (start to start, sent only while bulk jobs hold every slot) for
+  the whole mixed run: counted in steps, the interactive jobs take the same share of the worker on
+  a fast machine and a slow one, where a gap in seconds made them 2.5 x as frequent on a machine
+  2.5 x slower. Each interactive job runs in the worker's reserve (a spare KV stream) or, if that
+  is taken, preempts a bulk job; the row says how many did which. Targets: saturated p95 <= idle
+  p95 + 3 full-batch steps, bulk with interactive >= 0.95 x bulk alone.
 * **a flooding tenant** (issue 20): tenant ``a`` queues ``FLOOD_JOBS`` interactive jobs (short,
   of spread lengths) and tenant ``b`` sends one job at a time while they wait; target: b's TTFT p50
-  <= 2 x the idle fleet's. The flood is cancelled afterwards.
+  <= 2 x the idle fleet's, measured around the flood (half the idle jobs just before it, half just
+  after it is cancelled), again because the machine drifts. The flood is cancelled afterwards.
 * **memory**: a ``slotq bulk`` run of ``RSS_LINES`` one-token lines: the command's peak RSS (it
   reports its own ``ru_maxrss``) and Redis ``used_memory`` sampled throughout, at its peak.
 """
@@ -49,11 +56,12 @@ SLOTS = 8
 CTX = 512
 RSS_LINES = 5_000           # a minute or two on 2 cores; 100,000 lines (40 min) showed the same flat RSS
 LONG_TOKENS = 300
-LONG_WAVES = 2
 PROBE_TOKENS = 8
-PROBE_GAP_S = 1.5           # "occasional" interactive traffic: one job, then this pause
+PROBE_GAP_STEPS = 48        # "occasional" interactive traffic: one job per this many full-batch steps
+                            # (1.5 s on the quiet machine of the first runs, 32 ms steps)
 FLOOD_JOBS = 2_000
 FLOOD_TOKENS = (8, 32)      # the flooding tenant's output lengths spread over this range
+WORKER_LOG = "worker.log"
 
 
 def _request(i: int, max_tokens: int) -> dict[str, Any]:
@@ -169,7 +177,7 @@ class Sizes:
         if quick:
             return cls(rounds=1, long_rounds=1, batch=16, max_tokens=16, probes=3, long_tokens=48, flood_jobs=200,
                        rss_lines=500)
-        return cls(rounds=3, long_rounds=2, batch=32, max_tokens=64, probes=16, long_tokens=LONG_TOKENS,
+        return cls(rounds=3, long_rounds=6, batch=32, max_tokens=64, probes=16, long_tokens=LONG_TOKENS,
                    flood_jobs=FLOOD_JOBS, rss_lines=RSS_LINES)
 
 
@@ -191,7 +199,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
                "SLOTQ_CTX": str(CTX), "SLOTQ_ELASTIC": "false", "COLUMNS": "200"}
         worker = ChildProcess("the benchmark's worker (slotq worker)",
                               [sys.executable, "-m", "slotq.jobs.cli", "worker"],
-                              env=env, log_path=tmp / "worker.log")
+                              env=env, log_path=tmp / WORKER_LOG)
         try:
             data = await run_watched(_measure(url, config, tmp, _Bulk(env, tmp), sizes), worker)
         finally:
@@ -236,7 +244,7 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, sizes
             progress(f"only {len(saturated)} probes ran while bulk jobs were waiting")
 
         long_bulk = await _long_bulk(client, bulk, tmp, sizes, idle)
-        flood = await _flood(client, sizes, idle)
+        flood = await _flood(client, sizes)
 
         progress(f"memory: slotq bulk on {sizes.rss_lines:,} one-token lines")
         rss_run = await _memory_run(client, bulk, _write_short_lines(tmp / "rss.jsonl", sizes.rss_lines))
@@ -262,31 +270,37 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, sizes
 async def _long_bulk(client: SlotqClient, bulk: _Bulk, tmp: Path, sizes: Sizes, idle: list[float]) -> dict[str, Any]:
     """Long bulk jobs alone and with occasional interactive jobs, rounds alternating: what the
     interactive jobs wait (preemption's job) and what it costs the bulk run."""
-    jobs = LONG_WAVES * SLOTS
+    jobs = SLOTS
     alone_tps, mixed_tps, ttft, preempted_before = [], [], [], await _preempted(client)
+    reserve_before = _reserve_runs(tmp)
     for r in range(sizes.long_rounds):
         first = 200_000 + 2 * r * jobs
         progress(f"long bulk round {r + 1}/{sizes.long_rounds}: {jobs} jobs x {sizes.long_tokens} tokens, alone")
         summary = await bulk.finish(bulk.start(_write_input(tmp / f"long-{r}.jsonl", first, jobs, sizes.long_tokens)))
         alone_tps.append(summary["completion_tokens"] / summary["wall_s"])
-        progress(f"long bulk round {r + 1}/{sizes.long_rounds}: the same, an interactive job every {PROBE_GAP_S:g} s")
+        gap_s = PROBE_GAP_STEPS * SLOTS / alone_tps[-1]
+        progress(f"long bulk round {r + 1}/{sizes.long_rounds}: the same, an interactive job every "
+                 f"{PROBE_GAP_STEPS} steps ({gap_s:.1f} s)")
         child = bulk.start(_write_input(tmp / f"long-mixed-{r}.jsonl", first + jobs, jobs, sizes.long_tokens))
         await _saturated(client)
-        while len(ttft) < sizes.probes * (r + 1) // sizes.long_rounds and await _bulk_holds_every_slot(client, child):
+        while await _bulk_holds_every_slot(client, child):
+            sent = time.perf_counter()
             ttft.append(await _ttft_ms(client, 1_000 + len(ttft)))
-            await asyncio.sleep(PROBE_GAP_S)
+            await asyncio.sleep(max(0.0, gap_s - (time.perf_counter() - sent)))
         summary = await bulk.finish(child)
         mixed_tps.append(summary["completion_tokens"] / summary["wall_s"])
-    alone, mixed = statistics.median(alone_tps), statistics.median(mixed_tps)
+    alone = statistics.median(alone_tps)
     step_ms = SLOTS / alone * 1000          # one decode step of the full batch, at bulk alone's rate
     return {
-        "jobs": jobs, "max_tokens": sizes.long_tokens, "probes": len(ttft), "probe_gap_s": PROBE_GAP_S,
+        "jobs": jobs, "max_tokens": sizes.long_tokens, "probes": len(ttft), "probe_gap_steps": PROBE_GAP_STEPS,
         "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p95_ms": round(percentile(ttft, 95), 1),
         "ttft_ms": [round(x, 1) for x in ttft], "full_batch_step_ms": round(step_ms, 1),
         "ttft_p95_target_ms": round(percentile(idle, 95) + 3 * step_ms, 1),
-        "bulk_alone_tokens_per_s": round(alone, 1), "bulk_mixed_tokens_per_s": round(mixed, 1),
+        "bulk_alone_tokens_per_s": round(alone, 1), "bulk_mixed_tokens_per_s": round(statistics.median(mixed_tps), 1),
+        "mixed_over_alone": round(statistics.median(m / a for m, a in zip(mixed_tps, alone_tps)), 3),
         "rounds": {"alone": [round(x, 1) for x in alone_tps], "mixed": [round(x, 1) for x in mixed_tps]},
         "preemptions": await _preempted(client) - preempted_before,
+        "reserve_runs": _reserve_runs(tmp) - reserve_before,
     }
 
 
@@ -307,9 +321,18 @@ async def _preempted(client: SlotqClient) -> int:
     return sum(lane.preempted for lane in await client.queue.counts())
 
 
-async def _flood(client: SlotqClient, sizes: Sizes, idle: list[float]) -> dict[str, Any]:
+def _reserve_runs(tmp: Path) -> int:
+    """Interactive jobs the worker ran in its reserve beside a full batch (its log says so; a
+    reserve run is not a preemption, so the queue does not count it)."""
+    return (tmp / WORKER_LOG).read_text(errors="replace").count(") runs in the reserve beside")
+
+
+async def _flood(client: SlotqClient, sizes: Sizes) -> dict[str, Any]:
     """Tenant b's TTFT, one job at a time, while tenant a has ``flood_jobs`` jobs waiting in the
-    same lane; the flood is cancelled afterwards."""
+    same lane, against the idle worker's just before and just after; the flood is cancelled
+    afterwards."""
+    progress(f"interactive TTFT on the idle fleet before the flood ({sizes.probes // 2} jobs)")
+    idle = [await _ttft_ms(client, 3_000 + i) for i in range(sizes.probes // 2)]
     progress(f"tenant a queues {sizes.flood_jobs:,} interactive jobs; tenant b sends {sizes.probes}, one at a time")
     flood = [await client.enqueue(JobRequest(**_request(300_000 + i, _spread(i, *FLOOD_TOKENS)), tenant="a"))
              for i in range(sizes.flood_jobs)]
@@ -321,10 +344,10 @@ async def _flood(client: SlotqClient, sizes: Sizes, idle: list[float]) -> dict[s
         ids.append(job_id)
     progress(f"cancelling tenant a's {sizes.flood_jobs:,} jobs")
     await asyncio.gather(*(job.cancel() for job in flood))
-    # Where b's TTFT went, from the engine's own timings: submit -> admitted into a slot (the step
-    # in progress) and submit -> first token (that wait and b's prefill in a batch busy with a's
-    # jobs); the rest of the TTFT is outside the engine (waiting for a slot to turn over, the claim,
-    # the first stream write and its read).
+    while {c.lane: c for c in await client.queue.counts()}["interactive"].running:
+        await asyncio.sleep(0.05)
+    progress(f"interactive TTFT on the idle fleet after the flood ({sizes.probes - sizes.probes // 2} jobs)")
+    idle += [await _ttft_ms(client, 4_000 + i) for i in range(sizes.probes - sizes.probes // 2)]
     timings = [t for t in [(await client.result(job_id, timeout=60)).timings for job_id in ids] if t and t.ttft_ms]
     engine_ttft = [t.ttft_ms or 0.0 for t in timings]
     return {"tenant_a_jobs": sizes.flood_jobs, "tenant_a_least_waiting": least_waiting,
@@ -334,7 +357,8 @@ async def _flood(client: SlotqClient, sizes: Sizes, idle: list[float]) -> dict[s
             "engine_wait_p50_ms": round(percentile([t.queue_ms for t in timings], 50), 1),
             "engine_ttft_p50_ms": round(percentile(engine_ttft, 50), 1),
             "outside_engine_p50_ms": round(percentile([a - b for a, b in zip(ttft, engine_ttft)], 50), 1),
-            "ttft_p50_target_ms": round(2 * percentile(idle, 50), 1)}
+            "idle_ttft_p50_ms": round(percentile(idle, 50), 1), "idle_ttft_p95_ms": round(percentile(idle, 95), 1),
+            "idle_ttft_ms": [round(x, 1) for x in idle], "ttft_p50_target_ms": round(2 * percentile(idle, 50), 1)}
 
 
 async def _memory_run(client: SlotqClient, bulk: _Bulk, inp: Path) -> dict[str, Any]:
@@ -383,15 +407,18 @@ def _table(d: dict[str, Any]) -> str:
          f"{long['ttft_p50_ms']:.0f} / {long['ttft_p95_ms']:.0f} ms",
          (f"idle {idle_p50:.0f} / {idle_p95:.0f} ms; p95 target <= idle p95 + 3 steps of the full batch "
           f"({long['full_batch_step_ms']:.0f} ms each) = {long['ttft_p95_target_ms']:.0f} ms: "
-          f"{long['ttft_p95_ms'] / long['ttft_p95_target_ms']:.2f} x the target; {long['probes']} jobs, "
-          f"{long['preemptions']} preemptions")],
-        ["bulk throughput with occasional interactive jobs", f"{long['bulk_mixed_tokens_per_s']:.1f} tok/s",
-         (f"{long['bulk_mixed_tokens_per_s'] / long['bulk_alone_tokens_per_s']:.3f} x bulk alone "
-          f"({long['bulk_alone_tokens_per_s']:.1f} tok/s; target >= 0.95)")],
+          f"{long['ttft_p95_ms'] / long['ttft_p95_target_ms']:.2f} x the target; {long['probes']} jobs: "
+          f"{long['reserve_runs']} ran in the worker's reserve, {long['preemptions']} took a bulk job's slot")],
+        [f"bulk throughput, an interactive job every {long['probe_gap_steps']} steps",
+         f"{long['bulk_mixed_tokens_per_s']:.1f} tok/s",
+         (f"{long['mixed_over_alone']:.3f} x bulk alone (median of {len(long['rounds']['alone'])} back-to-back "
+          f"rounds; {long['bulk_alone_tokens_per_s']:.1f} tok/s; target >= 0.95)")],
         [f"tenant b's TTFT p50 / p95, tenant a with {flood['tenant_a_least_waiting']:,}+ jobs waiting",
          f"{flood['ttft_p50_ms']:.0f} / {flood['ttft_p95_ms']:.0f} ms",
-         (f"{flood['ttft_p50_ms'] / idle_p50:.2f} x idle p50 (target <= 2); "
-          f"p95 {flood['ttft_p95_ms'] / idle_p95:.2f} x idle p95; p50s: {flood['outside_engine_p50_ms']:.0f} ms "
+         (f"{flood['ttft_p50_ms'] / flood['idle_ttft_p50_ms']:.2f} x idle p50 (target <= 2; idle "
+          f"{flood['idle_ttft_p50_ms']:.0f} / {flood['idle_ttft_p95_ms']:.0f} ms around the flood); "
+          f"p95 {flood['ttft_p95_ms'] / flood['idle_ttft_p95_ms']:.2f} x idle p95; "
+          f"p50s: {flood['outside_engine_p50_ms']:.0f} ms "
           f"outside the engine (slot turnover, claim, stream), {flood['engine_ttft_p50_ms']:.0f} ms in it "
           f"({flood['engine_wait_p50_ms']:.0f} waiting for the step in progress)")],
         [f"slotq bulk peak RSS, {d['lines']:,} lines", f"{d['peak_rss_mb']:.0f} MB",
