@@ -14,8 +14,8 @@ One invocation, the bundled model, a ``slotq worker`` subprocess with ``SLOTS`` 
   and with occasional interactive jobs, in back-to-back pairs of runs: interactive TTFT p50/p95
   against the idle fleet's, and bulk tokens/s against bulk alone (the median of the pairs'
   mixed/alone ratios: this machine's speed drifts by 20 % within minutes, so each ratio compares
-  two runs half a minute apart). A decode step of the full batch is
-  ``SLOTS`` tokens at the round's bulk-alone rate. "Occasional" is one interactive job every
+  two runs half a minute apart). A decode step of the full batch is ``SLOTS`` tokens at bulk
+  alone's rate (the pair's for the gap below, the median for the target). "Occasional" is one interactive job every
   ``PROBE_GAP_STEPS`` such steps (start to start, sent only while bulk jobs hold every slot) for
   the whole mixed run: counted in steps, the interactive jobs take the same share of the worker on
   a fast machine and a slow one, where a gap in seconds made them 2.5 x as frequent on a machine
@@ -39,16 +39,20 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
 from slotq.jobs.bulk import BulkOptions
-from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildExited, ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.redis_queue import LaneCounts
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
 from slotq.jobs.settings import ClientSettings, WorkerSettings
 
@@ -61,7 +65,6 @@ PROBE_GAP_STEPS = 48        # "occasional" interactive traffic: one job per this
                             # (1.5 s on the quiet machine of the first runs, 32 ms steps)
 FLOOD_JOBS = 2_000
 FLOOD_TOKENS = (8, 32)      # the flooding tenant's output lengths spread over this range
-WORKER_LOG = "worker.log"
 
 
 def _request(i: int, max_tokens: int) -> dict[str, Any]:
@@ -150,13 +153,12 @@ async def _probe(client: SlotqClient, i: int, tenant: str = "default") -> tuple[
 
 async def _saturated(client: SlotqClient) -> None:
     """Until a bulk run just started holds every slot."""
-    while (await _bulk_lane(client))[0] < SLOTS:
+    while (await _lane(client, "bulk")).running < SLOTS:
         await asyncio.sleep(0.02)
 
 
-async def _bulk_lane(client: SlotqClient) -> tuple[int, int]:
-    lane = {c.lane: c for c in await client.queue.counts()}["bulk"]
-    return lane.running, lane.waiting
+async def _lane(client: SlotqClient, name: str) -> LaneCounts:
+    return {c.lane: c for c in await client.queue.counts()}[name]
 
 
 @dataclass(frozen=True)
@@ -196,12 +198,14 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         # Fixed slots (SLOTQ_ELASTIC off): the rows compare a worker whose every slot is busy with
         # the engine's SLOTS; on a busy shared machine the elastic controller would shrink them.
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SLOTS),
-               "SLOTQ_CTX": str(CTX), "SLOTQ_ELASTIC": "false", "COLUMNS": "200"}
+               "SLOTQ_CTX": str(CTX), "SLOTQ_ELASTIC": "false", "SLOTQ_METRICS_PORT": str(free_port()),
+               "COLUMNS": "200"}
         worker = ChildProcess("the benchmark's worker (slotq worker)",
                               [sys.executable, "-m", "slotq.jobs.cli", "worker"],
-                              env=env, log_path=tmp / WORKER_LOG)
+                              env=env, log_path=tmp / "worker.log")
         try:
-            data = await run_watched(_measure(url, config, tmp, _Bulk(env, tmp), sizes), worker)
+            metrics_url = f"http://127.0.0.1:{env['SLOTQ_METRICS_PORT']}/metrics"
+            data = await run_watched(_measure(url, metrics_url, config, tmp, _Bulk(env, tmp), sizes), worker)
         finally:
             worker.stop()
             server.stop()
@@ -213,7 +217,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
                                  "redis_peak_mb", "lines")}, table
 
 
-async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, sizes: Sizes) -> dict[str, Any]:
+async def _measure(url: str, metrics_url: str, config: EngineConfig, tmp: Path, bulk: _Bulk,
+                   sizes: Sizes) -> dict[str, Any]:
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url))
     engine = await Engine.start(config)
     batch, max_tokens, probes = sizes.batch, sizes.max_tokens, sizes.probes
@@ -237,13 +242,13 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, sizes
         child = bulk.start(_write_input(tmp / "saturate.jsonl", 100_000, 12 * SLOTS, max_tokens, varied=True))
         await _saturated(client)
         saturated = []
-        while len(saturated) < probes and (await _bulk_lane(client))[1] > 0:
+        while len(saturated) < probes and (await _lane(client, "bulk")).waiting > 0:
             saturated.append(await _ttft_ms(client, probes + len(saturated)))
         await bulk.finish(child)
         if len(saturated) < probes:
             progress(f"only {len(saturated)} probes ran while bulk jobs were waiting")
 
-        long_bulk = await _long_bulk(client, bulk, tmp, sizes, idle)
+        long_bulk = await _long_bulk(client, metrics_url, bulk, tmp, sizes, idle)
         flood = await _flood(client, sizes)
 
         progress(f"memory: slotq bulk on {sizes.rss_lines:,} one-token lines")
@@ -267,12 +272,13 @@ async def _measure(url: str, config: EngineConfig, tmp: Path, bulk: _Bulk, sizes
     }
 
 
-async def _long_bulk(client: SlotqClient, bulk: _Bulk, tmp: Path, sizes: Sizes, idle: list[float]) -> dict[str, Any]:
+async def _long_bulk(client: SlotqClient, metrics_url: str, bulk: _Bulk, tmp: Path, sizes: Sizes,
+                     idle: list[float]) -> dict[str, Any]:
     """Long bulk jobs alone and with occasional interactive jobs, rounds alternating: what the
     interactive jobs wait (preemption's job) and what it costs the bulk run."""
     jobs = SLOTS
     alone_tps, mixed_tps, ttft, preempted_before = [], [], [], await _preempted(client)
-    reserve_before = _reserve_runs(tmp)
+    reserve_before = await _reserve_runs(metrics_url)
     for r in range(sizes.long_rounds):
         first = 200_000 + 2 * r * jobs
         progress(f"long bulk round {r + 1}/{sizes.long_rounds}: {jobs} jobs x {sizes.long_tokens} tokens, alone")
@@ -300,7 +306,7 @@ async def _long_bulk(client: SlotqClient, bulk: _Bulk, tmp: Path, sizes: Sizes, 
         "mixed_over_alone": round(statistics.median(m / a for m, a in zip(mixed_tps, alone_tps)), 3),
         "rounds": {"alone": [round(x, 1) for x in alone_tps], "mixed": [round(x, 1) for x in mixed_tps]},
         "preemptions": await _preempted(client) - preempted_before,
-        "reserve_runs": _reserve_runs(tmp) - reserve_before,
+        "reserve_runs": await _reserve_runs(metrics_url) - reserve_before,
     }
 
 
@@ -308,10 +314,10 @@ async def _bulk_holds_every_slot(client: SlotqClient, child: ChildProcess) -> bo
     """Wait until bulk jobs hold every slot again (the last probe's slot went back to its victim);
     False once the run has too few jobs left to fill them."""
     while child.proc.poll() is None:
-        running, waiting = await _bulk_lane(client)
-        if running >= SLOTS:
+        lane = await _lane(client, "bulk")
+        if lane.running >= SLOTS:
             return True
-        if running + waiting < SLOTS:
+        if lane.running + lane.waiting < SLOTS:
             return False
         await asyncio.sleep(0.02)
     return False
@@ -321,10 +327,18 @@ async def _preempted(client: SlotqClient) -> int:
     return sum(lane.preempted for lane in await client.queue.counts())
 
 
-def _reserve_runs(tmp: Path) -> int:
-    """Interactive jobs the worker ran in its reserve beside a full batch (its log says so; a
-    reserve run is not a preemption, so the queue does not count it)."""
-    return (tmp / WORKER_LOG).read_text(errors="replace").count(") runs in the reserve beside")
+async def _reserve_runs(metrics_url: str) -> int:
+    """Interactive jobs the worker ran in its reserve beside a full batch, every lane, from its
+    ``slotq_lane_reserve_runs_total`` (a reserve run is not a preemption, so the queue does not
+    count it)."""
+    def scrape() -> str:
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            body: bytes = response.read()
+        return body.decode()
+
+    families = text_string_to_metric_families(await asyncio.to_thread(scrape))
+    return round(sum(sample.value for family in families if family.name == "slotq_lane_reserve_runs"
+                     for sample in family.samples if sample.name == "slotq_lane_reserve_runs_total"))
 
 
 async def _flood(client: SlotqClient, sizes: Sizes) -> dict[str, Any]:
@@ -338,16 +352,20 @@ async def _flood(client: SlotqClient, sizes: Sizes) -> dict[str, Any]:
              for i in range(sizes.flood_jobs)]
     ttft, ids, least_waiting = [], [], sizes.flood_jobs
     for i in range(sizes.probes):
-        least_waiting = min(least_waiting, {c.lane: c for c in await client.queue.counts()}["interactive"].waiting)
+        least_waiting = min(least_waiting, (await _lane(client, "interactive")).waiting)
         ms, job_id = await _probe(client, 2_000 + i, tenant="b")
         ttft.append(ms)
         ids.append(job_id)
     progress(f"cancelling tenant a's {sizes.flood_jobs:,} jobs")
     await asyncio.gather(*(job.cancel() for job in flood))
-    while {c.lane: c for c in await client.queue.counts()}["interactive"].running:
+    while (await _lane(client, "interactive")).running:
         await asyncio.sleep(0.05)
     progress(f"interactive TTFT on the idle fleet after the flood ({sizes.probes - sizes.probes // 2} jobs)")
     idle += [await _ttft_ms(client, 4_000 + i) for i in range(sizes.probes - sizes.probes // 2)]
+    # Where b's TTFT went, from the engine's own timings: submit -> admitted into a slot (the step
+    # in progress) and submit -> first token (that wait and b's prefill in a batch busy with a's
+    # jobs); the rest of the TTFT is outside the engine (waiting for a slot to turn over, the claim,
+    # the first stream write and its read).
     timings = [t for t in [(await client.result(job_id, timeout=60)).timings for job_id in ids] if t and t.ttft_ms]
     engine_ttft = [t.ttft_ms or 0.0 for t in timings]
     return {"tenant_a_jobs": sizes.flood_jobs, "tenant_a_least_waiting": least_waiting,
