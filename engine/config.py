@@ -75,9 +75,10 @@ class EngineKnobs(BaseModel):
         1, ge=0, le=16,
         description="spare KV streams beyond slots (one more ctx of KV memory each): a job of a higher lane that "
                     "finds every slot busy with lower-lane work runs in one beside them (the reserve: nothing is "
-                    "handed back, a step decodes one sequence more); otherwise they keep idle prefix caches, and a "
-                    "job handed back for a higher lane leaves its cells there and resumes without recomputing them; "
-                    "0 = off")
+                    "handed back, a step decodes one sequence more), and so does a request the owner lends it (the "
+                    "worker: the first job of a tenant with nothing running); otherwise they keep idle prefix "
+                    "caches, and a job handed back for a higher lane leaves its cells there and resumes without "
+                    "recomputing them; 0 = off")
     kv_cells: int | None = Field(None, ge=64,
                                  description="total KV cells of all slots; unset = (slots + cache_slots) x ctx (a set "
                                              "value gives cache slots only what is left beyond slots x ctx)")

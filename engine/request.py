@@ -95,6 +95,11 @@ class GenerationRequest(GenerationParams):
         0, ge=0, le=64,
         description="coarse precedence set by the engine's owner, compared before priority: the job layer "
                     "gives each lane its rank, so a higher lane's prompt is admitted and prefilled first")
+    lent_reserve: bool = Field(
+        False,
+        description="the owner lends this request the reserve (engine.scheduler rule 6) though no lower class "
+                    "runs: the job layer does for the job of a tenant with nothing running while other tenants' "
+                    "jobs hold every slot, so one tenant's backlog never makes another's first job wait for a slot")
     resume_tokens: list[int] = Field(
         default_factory=list,
         description="tokens already delivered by an earlier attempt: prefilled after the prompt, "

@@ -195,6 +195,7 @@ class Runner:
                 choice=choice,
                 priority_class=req.priority_class,
                 priority=req.priority,
+                lent_reserve=req.lent_reserve,
                 fork_of=leader,
                 fork_len=len(base),
                 payload=state,

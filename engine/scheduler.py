@@ -9,7 +9,9 @@ Policy, in order of precedence:
 1. Decode first: every sequence that is generating gets exactly one token in every batch, so
    inter-token latency never waits behind someone else's prompt. Decode tokens go in slot order:
    with a KV stream per slot, llama.cpp puts only consecutive seq ids into one micro-batch, so
-   slot order keeps a step's decode tokens in as few graph runs as the free slots allow.
+   slot order keeps a step's decode tokens in as few graph runs as the free slots allow. The one
+   exception: the step that computes the last prompt chunk of a sequence lent the reserve (6) is
+   that prefill alone, and the others' decode tokens go in the next step (see 3).
 2. Admission: waiting sequences (priority class, then priority, then arrival) take free slots (see
    8 for which one, when no idle cache of theirs decides it). With one shared pool
    (``kv_stream_cells`` None) a sequence is admitted when its worst-case KV need fits the pool
@@ -22,7 +24,16 @@ Policy, in order of precedence:
    prompt cannot starve the others. Only the highest priority class that has a prompt to prefill
    gets prefill in a step: a lower class's prompt (a bulk job, a resumed one re-prefilling its
    tokens) waits for the next step rather than make the higher class's first token wait for its
-   chunk. The job layer sets the class from the lane (engine.request.GenerationRequest).
+   chunk. The job layer sets the class from the lane (engine.request.GenerationRequest). A
+   sequence lent the reserve (6) ranks above the rest of its class here, and its last chunk has a
+   step to itself: it was lent the reserve so that its first token would not wait behind the
+   batch, and on a CPU a step costs about its tokens (bundled model, this machine: 8 decode
+   tokens 90 ms, a 25-token prompt alone 189 ms, both 272 ms, with a second prompt 602 ms). The
+   others' next token then comes about when it would have (after the prompt's step and their
+   own, rather than one step holding both), and the lent one's first comes a batch's decode
+   sooner. On a GPU, where decode tokens ride along with a prompt almost free, it costs the
+   others one step per lent sequence -- one per fresh tenant's job on a full worker, at most
+   ``reserve_slots`` at a time.
 4. Prefix reuse: an admitted sequence starts from the longest prefix of its tokens that any slot
    already holds in KV (a running sequence or an idle cache), copied instead of recomputed. If a
    running sequence is still prefilling a longer shared prefix, the newcomer waits for it and
@@ -41,7 +52,9 @@ Policy, in order of precedence:
    exception is the reserve (``reserve_slots``, at most the cache slots): a sequence of a priority
    class above a running sequence's may be admitted beyond ``active_slots`` into a spare KV stream
    and decode beside the others, up to ``active_slots + reserve_slots`` sequences, rather than wait
-   for the lower class to finish or to be handed back. A step then decodes one sequence more: on
+   for the lower class to finish or to be handed back. The owner may also lend the reserve to a
+   sequence of the running class (``Sequence.lent_reserve``): the job layer does for the job of a
+   tenant with nothing running while other tenants' jobs hold every slot. A step then decodes one sequence more: on
    the bundled model on a CPU, 9 sequences in consecutive slots cost a step 17 % more than 8, where
    a victim handed back costs the lower class its slot, and its gap among the running slots (8)
    costs every step 23 % more until it returns (bench/step_shapes.py).
@@ -212,17 +225,19 @@ class Scheduler:
         self._admit(out)
         out.evicted_caches, self._pending_evictions = self._pending_evictions, []
         budget = self.limits.n_batch
-        for seq in sorted(self.running, key=_slot):
-            if seq.fork_of is None and seq.is_decoding:
-                out.items.append(BatchItem(seq, seq.n_computed, 1, sample=True))
-                budget -= 1
         chunk_cap = max(1, int(self.limits.prefill_chunk * self._prefill_scale))
         prefilling = [s for s in self.running if s.fork_of is None and not s.is_decoding and s.n_pending > 0]
-        top_class = max((s.priority_class for s in prefilling), default=0)
+        top_rank = max((_prefill_rank(s) for s in prefilling), default=(0, False))
+        lent_prompt_ends = any(s.lent_reserve and _prefill_rank(s) == top_rank and s.n_pending <= min(chunk_cap, budget)
+                               for s in prefilling)    # rule 1's exception
+        for seq in sorted(self.running, key=_slot):
+            if seq.fork_of is None and seq.is_decoding and not lent_prompt_ends:
+                out.items.append(BatchItem(seq, seq.n_computed, 1, sample=True))
+                budget -= 1
         for seq in sorted(prefilling, key=lambda s: s.queue_order):
             if budget <= 0:
                 break
-            if seq.priority_class < top_class:
+            if _prefill_rank(seq) < top_rank:
                 continue
             n = min(budget, chunk_cap, seq.n_pending)
             out.items.append(BatchItem(seq, seq.n_computed, n, sample=n == seq.n_pending))
@@ -330,8 +345,9 @@ class Scheduler:
 
     def _slot_limit(self, seq: Sequence) -> int:
         """How many sequences may run once ``seq`` is admitted: the active slots, plus the reserve
-        while a sequence of a lower priority class runs (rule 6)."""
-        if self.config.reserve_slots and any(s.priority_class < seq.priority_class for s in self.running):
+        when ``seq`` is lent it or a sequence of a lower priority class runs (rule 6)."""
+        if self.config.reserve_slots and (seq.lent_reserve
+                                          or any(s.priority_class < seq.priority_class for s in self.running)):
             return self.limits.active_slots + self.config.reserve_slots
         return self.limits.active_slots
 
@@ -455,6 +471,11 @@ class Scheduler:
 
     def _running_ids(self) -> set[int]:
         return {s.seq_id for s in self.running if s.seq_id is not None}
+
+
+def _prefill_rank(seq: Sequence) -> tuple[int, bool]:
+    """Only the sequences of the highest rank with a prompt to prefill get prefill in a step (rule 3)."""
+    return seq.priority_class, seq.lent_reserve
 
 
 def _slot(seq: Sequence) -> int:

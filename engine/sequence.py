@@ -32,6 +32,7 @@ class Sequence:
     choice: int = 0
     priority_class: int = 0          # compared before priority (the job layer's lane rank)
     priority: int = 0
+    lent_reserve: bool = False       # may decode in the reserve though no lower class runs (scheduler rule 6)
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     state: SeqState = SeqState.WAITING
     seq_id: int | None = None

@@ -82,6 +82,30 @@ def test_a_higher_class_prompt_is_prefilled_alone_and_lower_ones_resume_after() 
     assert {i.seq: i.n_tokens for i in out.items} == {decoding: 1, interactive: 1, bulk: 16}
 
 
+def test_a_prompt_lent_the_reserve_is_prefilled_alone() -> None:
+    """Rules 1 and 3: a sequence lent the reserve ranks above the rest of its class for prefill
+    (an older prompt admitted with it waits a step), and the step of its last chunk holds nothing
+    else: the decoding sequence's token goes in the next step, so the lent one's first token pays
+    for no one else's tokens (on a CPU a step costs about its tokens). Earlier chunks share."""
+    s = Scheduler(config(n_slots=4, n_batch=64, prefill_chunk=16))
+    sim = Sim(s)
+    decoding = make_seq(2, max_new=50)
+    s.add(decoding)
+    sim.step()
+    older, lent = make_seq(20), make_seq(20, lent_reserve=True)
+    s.add(older)
+    s.add(lent)
+    steps = [{i.seq: i.n_tokens for i in sim.step().items} for _ in range(3)]
+    assert steps == [{decoding: 1, lent: 16}, {lent: 4}, {decoding: 1, lent: 1, older: 16}]
+    s.finish(older)
+    interactive = make_seq(8, priority_class=1)          # a higher class prefills: the lent one's prompt waits,
+    lent_again = make_seq(8, lent_reserve=True)          # and so nobody pauses for it
+    s.add(interactive)
+    s.add(lent_again)
+    assert {i.seq: i.n_tokens for i in sim.step().items} == {decoding: 1, lent: 1, interactive: 8}
+    assert {i.seq: i.n_tokens for i in sim.step().items} == {lent_again: 8}
+
+
 def test_priority_orders_prefill_within_a_class() -> None:
     s = Scheduler(config(n_slots=3, n_batch=20, prefill_chunk=16))
     old, urgent = make_seq(30), make_seq(30, priority=5)

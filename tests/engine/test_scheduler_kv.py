@@ -433,6 +433,26 @@ def test_a_higher_class_decodes_in_the_reserve_beside_a_full_batch_of_a_lower_on
     assert later.state == SeqState.RUNNING and bulk.state == SeqState.WAITING and len(s.running) == 9
 
 
+def test_a_sequence_lent_the_reserve_decodes_beside_a_full_batch_of_its_own_class() -> None:
+    """The owner lends the reserve to a sequence of the running class (a job of a tenant with
+    nothing running, while another tenant holds every slot): it is admitted at once into the spare
+    stream; an unlent one of the same class waits for a slot, and a second lent one for the reserve."""
+    s, sim, seqs = _eight_running_with_a_spare(reserve_slots=1)
+    plain, lent, second = make_seq(5, max_new=3), make_seq(5, max_new=10, lent_reserve=True), \
+        make_seq(5, max_new=3, lent_reserve=True)
+    s.add(plain)
+    s.add(lent)
+    sim.step()
+    assert plain.state == SeqState.WAITING                   # older, but not lent: it waits for a slot...
+    assert lent.state == SeqState.WAITING                    # ...and the queue's head holds the rest back
+    s.cancel(plain.request_id)
+    sim.step()
+    assert lent.slot == 8 and all(q.state == SeqState.RUNNING for q in seqs)
+    s.add(second)
+    out = sim.step()
+    assert second.state == SeqState.WAITING and sorted(i.seq.slot for i in out.items) == list(range(9))
+
+
 def test_the_reserve_is_not_used_without_a_lower_class_running_nor_beyond_the_cache_slots() -> None:
     s, sim, _ = _eight_running_with_a_spare(reserve_slots=0)
     interactive = make_seq(5, max_new=3, priority_class=1)

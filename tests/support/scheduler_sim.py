@@ -21,12 +21,12 @@ _ids = itertools.count()
 
 
 def make_seq(tokens: list[int] | int, max_new: int = 8, *, priority: int = 0, priority_class: int = 0,
-             request_id: str | None = None, fork_of: Sequence | None = None) -> Sequence:
+             lent_reserve: bool = False, request_id: str | None = None, fork_of: Sequence | None = None) -> Sequence:
     if isinstance(tokens, int):
         tokens = [100_000 * (1 + next(_ids)) + i for i in range(tokens)]   # distinct per sequence
     return Sequence(request_id=request_id or f"r{next(_ids)}", tokens=list(tokens), n_prompt=len(tokens),
                     max_new_tokens=max_new, priority=priority, priority_class=priority_class,
-                    fork_of=fork_of)
+                    lent_reserve=lent_reserve, fork_of=fork_of)
 
 
 def config(**kw: Any) -> SchedulerConfig:
