@@ -24,6 +24,8 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:jobs``                        HASH    job id -> ``lane<TAB>ready ms<TAB>place<TAB>tenant``, every job in the queue
 ``Q:tags:L``                      ZSET    tenant -> place of its newest job in lane L (dropped when L runs dry)
 ``Q:preempt:L``                   LIST    one token per job of lane L that waits while a lower lane runs (capped)
+``Q:fair:L``                      LIST    one token per job of lane L whose tenant had nothing running or waiting while
+                                          lane L had running jobs (capped): a full worker lends it its reserve
 ``Q:preemptions``                 HASH    lane -> jobs of that lane that yielded their slot to a higher lane
 ``Q:tenant_waiting``              HASH    tenant -> its jobs waiting or deferred (only tenants with some)
 ``Q:tenant_running``              HASH    tenant -> its jobs running (only tenants with some)
@@ -137,6 +139,9 @@ class QueueKeys:
 
     def preempt(self, lane: str) -> str:
         return f"{self.queue}:preempt:{lane}"
+
+    def fair(self, lane: str) -> str:
+        return f"{self.queue}:fair:{lane}"
 
     @property
     def preemptions(self) -> str:

@@ -92,6 +92,17 @@ class ClaimedJob:
     lane: str
     ready_ms: int
     lease: str
+    lent_reserve: bool = False      # claimed by LEND_RESERVE: its engine request is lent the reserve
+
+
+@dataclass(frozen=True)
+class BusyToken:
+    """A token a full worker took: a job of ``lane`` waits that it may give a lower lane's slot
+    (a preemption token, ``fair`` False) or run in its reserve for a tenant with nothing running
+    (a fair-share token, ``fair`` True)."""
+
+    lane: str
+    fair: bool
 
 
 @dataclass(frozen=True)
@@ -146,8 +157,8 @@ class RedisQueue:
         self.keys = QueueKeys(name, tuple(lanes))
         self._claim_numbers = itertools.count(1)     # makes each claim's lease unique
         self._scripts = {name: redis.register_script(getattr(scripts, name))
-                         for name in ("ENQUEUE", "CLAIM", "PREEMPT", "RENEW", "FINISH", "RETRY_LATER", "HAND_BACK",
-                                      "REAP", "CANCEL", "FORGET", "START_ATTEMPT")}
+                         for name in ("ENQUEUE", "CLAIM", "PREEMPT", "LEND_RESERVE", "RENEW", "FINISH", "RETRY_LATER",
+                                      "HAND_BACK", "REAP", "CANCEL", "FORGET", "START_ATTEMPT")}
 
     def lane_of(self, index: int) -> str:
         return self.keys.lanes[index]
@@ -157,8 +168,9 @@ class RedisQueue:
                       tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Serializer,
                       quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0) -> Enqueued:
         """Write the job record (arq's format) and put the job in its lane at its tenant's fair
-        place (round-robin across tenants, see keys.py); wake one idle worker, and leave a
-        preemption token when a lower lane has running jobs. FULL when ``max_waiting`` jobs
+        place (round-robin across tenants, see keys.py); wake one idle worker, leave a
+        preemption token when a lower lane has running jobs, and a fair-share token when the
+        tenant has nothing waiting or running while its lane has running jobs. FULL when ``max_waiting`` jobs
         already wait (None: no limit); TENANT_* when the tenant's ``quotas`` refuse it, ``tokens``
         being what the job reserves of its tenant's tokens per minute."""
         now_ms = int(time.time() * 1000)
@@ -170,7 +182,7 @@ class RedisQueue:
                   for limit in (quotas.max_waiting, quotas.max_in_flight, quotas.tokens_per_min)]
         code = await self._scripts["ENQUEUE"](
             keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, k.tags(lane), k.tenant_waiting,
-                  k.tenant_running, k.tenant_tokens, *k.lane_group(lane), *counted, *below],
+                  k.tenant_running, k.tenant_tokens, *k.lane_group(lane), k.fair(lane), *counted, *below],
             args=[job_id, record, RECORD_TTL_MS, now_ms, lane, max_waiting if max_waiting is not None else 2**53,
                   WAKE_CAP, tenant, len(k.lanes), k.lanes.index(lane), *limits, tokens, now_ms // TOKENS_WINDOW_MS])
         return Enqueued(int(code))
@@ -319,8 +331,23 @@ class RedisQueue:
         claimed = self._claimed(flat, lease)
         return claimed[0] if claimed else None
 
-    def _claimed(self, flat: list[Any], lease: str) -> list[ClaimedJob]:
-        return [ClaimedJob(flat[i].decode(), self.lane_of(int(flat[i + 1])), int(float(flat[i + 2])), lease)
+    async def lend_reserve(self, lane: str, token: str, lease_ms: int) -> ClaimedJob | None:
+        """Claim the next job of ``lane`` for a full worker to run in its reserve, when that job's
+        tenant has nothing running (``LEND_RESERVE``). None: it has, nothing waits, or a worker
+        with a free slot took the wake-up and claims it."""
+        k = self.keys
+        lease = f"{token}#{next(self._claim_numbers)}"
+        flat = await self._scripts["LEND_RESERVE"](
+            keys=[k.jobs, k.owners, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_group(lane)],
+            args=[int(time.time() * 1000), lease_ms, lease, PROMOTE_LIMIT])
+        claimed = self._claimed(flat, lease, lanes=(lane,), lent_reserve=True)
+        return claimed[0] if claimed else None
+
+    def _claimed(self, flat: list[Any], lease: str, *, lanes: Sequence[str] | None = None,
+                 lent_reserve: bool = False) -> list[ClaimedJob]:
+        """The claim list of a claim script; its lane indexes count from ``lanes[0]`` (default: the top lane)."""
+        lanes = self.keys.lanes if lanes is None else lanes
+        return [ClaimedJob(flat[i].decode(), lanes[int(flat[i + 1])], int(float(flat[i + 2])), lease, lent_reserve)
                 for i in range(0, len(flat), 3)]
 
     async def wait_for_work(self, timeout_s: float) -> bool:
@@ -335,23 +362,27 @@ class RedisQueue:
         """A token this worker cannot use (its slots filled meanwhile): pass it on."""
         await reply(self.redis.rpush(self.keys.wake, "1"))
 
-    async def wait_for_preemption(self, below_lane: str, timeout_s: float) -> str | None:
-        """For a busy worker whose lowest job runs in ``below_lane``: block until a preemption
-        token of a lane above it arrives (one enqueue wakes at most one busy worker); returns that
-        lane, or None at the timeout."""
+    async def wait_for_busy_token(self, timeout_s: float, *, below_lane: str | None,
+                                  fair_lane: str | None) -> BusyToken | None:
+        """For a full worker: block until a preemption token of a lane above ``below_lane`` (the
+        lane of the job it would hand back) or a fair-share token of ``fair_lane`` (its lowest
+        lane, while its reserve is free) arrives -- one enqueue wakes at most one busy worker for
+        each; None at the timeout, or at once when there is neither to wait for."""
         k = self.keys
-        above = k.lanes[:k.lanes.index(below_lane)]
-        if not above:
+        lists = {} if below_lane is None else {
+            k.preempt(lane): BusyToken(lane, fair=False) for lane in k.lanes[:k.lanes.index(below_lane)]}
+        if fair_lane is not None:
+            lists[k.fair(fair_lane)] = BusyToken(fair_lane, fair=True)
+        if not lists:
             return None
-        lists = {k.preempt(lane): lane for lane in above}
         # blpop's float timeout and real reply: see wait_for_work
         popped = await cast("Awaitable[tuple[bytes, bytes] | None]",
                             self.redis.blpop(list(lists), timeout=timeout_s))  # type: ignore[arg-type]
         return None if popped is None else lists[popped[0].decode()]
 
-    async def return_preemption_token(self, lane: str) -> None:
-        """A preemption token this worker cannot use (its lower-lane jobs ended meanwhile): pass it on."""
-        await reply(self.redis.rpush(self.keys.preempt(lane), "1"))
+    async def return_busy_token(self, token: BusyToken) -> None:
+        """A token this worker cannot use (its lower-lane jobs ended, its reserve was taken): pass it on."""
+        await reply(self.redis.rpush(self.keys.fair(token.lane) if token.fair else self.keys.preempt(token.lane), "1"))
 
     async def renew(self, jobs: Sequence[ClaimedJob], lease_ms: int) -> list[bool]:
         """Extend the leases of ``jobs``; False for each job its lease no longer owns."""

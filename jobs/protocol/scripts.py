@@ -9,8 +9,9 @@ made for an attempt (stream batches included) first checks that its lease still 
 an attempt that stalled past its lease and was reaped can never write again, not even from a
 buffer its worker re-sends after claiming the job anew.
 
-Costs: enqueue O(lanes + log N), claim and preempt O(lanes + k log N) for k jobs, renew O(jobs renewed), reap
-O(lanes + expired), everything else O(1) or O(lanes). Nothing scans running jobs.
+Costs: enqueue O(lanes + log N), claim and preempt O(lanes + k log N) for k jobs, lending the
+reserve O(log N), renew O(jobs renewed), reap O(lanes + expired), everything else O(1) or O(lanes).
+Nothing scans running jobs.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ end
 """
 
 # KEYS: record, result, jobs, wake, the job's lane's tags, tenant waiting, tenant running, tenant tokens,
-#       then its lane group (waiting, deferred, running, preempt), then waiting + deferred of every lane,
-#       then running of every lane below the job's
+#       then its lane group (waiting, deferred, running, preempt), its lane's fair-share tokens, then
+#       waiting + deferred of every lane, then running of every lane below the job's
 # ARGV: job id, record, record ttl ms, ready ms, lane, max waiting, token cap, tenant, number of lanes,
 #       the lane's index, the tenant's quotas: max waiting, max in flight (waiting or running), tokens
 #       per minute ('' = none for each), then the job's tokens, the current minute (ms // 60000)
@@ -76,16 +77,18 @@ end
 # its worker stopped) would wait behind a job enqueued after it. Equal places are claimed in job id
 # order.
 # It wakes one idle worker, and when a lower lane has running jobs it also leaves a preemption
-# token for one busy worker (the worker decides; see PREEMPT).
+# token for one busy worker (the worker decides; see PREEMPT). When the job's tenant had nothing
+# waiting or running and its lane has running jobs (other tenants' then), it leaves a fair-share
+# token for one full worker, which may run the job in its reserve (see LEND_RESERVE).
 ENQUEUE = _COUNT + """
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1
    or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
   return 0
 end
 local lanes, cap, tenant = tonumber(ARGV[9]), tonumber(ARGV[7]), ARGV[8]
-local own = 13 + 2 * tonumber(ARGV[10])
+local own = 14 + 2 * tonumber(ARGV[10])
 local waiting, in_lane = 0, 0
-for i = 13, 12 + 2 * lanes do
+for i = 14, 13 + 2 * lanes do
   local n = redis.call('ZCARD', KEYS[i])
   waiting = waiting + n
   if i == own then in_lane = n end
@@ -93,10 +96,9 @@ end
 if waiting >= tonumber(ARGV[6]) then return -1 end
 local max_waiting, max_in_flight, max_tokens = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local tenant_waiting = tonumber(redis.call('HGET', KEYS[6], tenant) or '0')
+local tenant_running = tonumber(redis.call('HGET', KEYS[7], tenant) or '0')
 if max_waiting and tenant_waiting >= max_waiting then return -2 end
-if max_in_flight and tenant_waiting + tonumber(redis.call('HGET', KEYS[7], tenant) or '0') >= max_in_flight then
-  return -3
-end
+if max_in_flight and tenant_waiting + tenant_running >= max_in_flight then return -3 end
 if max_tokens then
   local minute, used = string.match(redis.call('HGET', KEYS[8], tenant) or '', '^([^\t]*)\t(.*)$')
   used = minute == ARGV[15] and tonumber(used) or 0
@@ -120,7 +122,11 @@ redis.call('HSET', KEYS[3], ARGV[1], ARGV[5] .. '\t' .. ARGV[4] .. '\t' .. place
 redis.call('ZADD', KEYS[9], place, ARGV[1])
 count(KEYS[6], tenant, 1)
 if redis.call('LLEN', KEYS[4]) < cap then redis.call('RPUSH', KEYS[4], '1') end
-for i = 13 + 2 * lanes, #KEYS do
+if tenant_waiting + tenant_running == 0 and redis.call('ZCARD', KEYS[11]) > 0
+   and redis.call('LLEN', KEYS[13]) < cap then
+  redis.call('RPUSH', KEYS[13], '1')
+end
+for i = 14 + 2 * lanes, #KEYS do
   if redis.call('ZCARD', KEYS[i]) > 0 then
     if redis.call('LLEN', KEYS[12]) < cap then redis.call('RPUSH', KEYS[12], '1') end
     break
@@ -212,6 +218,29 @@ if #out > 0 then
   redis.call('LPOP', KEYS[3])
 end
 for n = 1, #left do sync_tokens(KEYS[6 + 4 * n], left[n], tonumber(ARGV[4])) end
+return out
+"""
+
+# KEYS: jobs, owners, wake, tenant waiting, tenant running, then the lane group of one lane
+# ARGV: now ms, lease ms, lease, promote limit
+# A full worker whose lowest running lane is this one took a fair-share token (ENQUEUE): it claims
+# the lane's next job to run in its reserve, beside its slots, if that job's tenant has nothing
+# running anywhere -- one tenant's backlog holding every slot then does not make another tenant's
+# first job wait for one to free. It declines (returns nothing; due retries may have been promoted)
+# when the next job's tenant has work running, when the lane is empty, or while the wake list is
+# empty (a worker with a free slot took the enqueue's wake-up and claims the job: see PREEMPT).
+# Otherwise it claims as CLAIM does and takes one wake token for the job it claimed.
+# Returns the flat claim list of CLAIM (at most one job; lane index 0 is this lane).
+LEND_RESERVE = _CLAIM_LANES + """
+if redis.call('LLEN', KEYS[3]) == 0 then return {} end
+local now = tonumber(ARGV[1])
+promote(KEYS[1], KEYS[7], KEYS[6], now, tonumber(ARGV[4]))
+local next_job = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
+if not next_job then return {} end
+local _, _, _, tenant = read_entry(redis.call('HGET', KEYS[1], next_job) or '')
+if redis.call('HEXISTS', KEYS[5], tenant) == 1 then return {} end
+local out = claim_lanes(6, 1, now, now + tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), KEYS[4], KEYS[5])
+redis.call('LPOP', KEYS[3])
 return out
 """
 

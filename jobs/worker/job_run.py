@@ -100,9 +100,10 @@ class JobRun:
                  job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
                  is_abort: Callable[[], bool], lease_lost: Callable[[], bool],
                  verdict: Callable[..., Verdict] | None = None, ledger: AttemptLedger | None = None,
-                 faults: JobFaults = JobFaults()) -> None:
+                 lent_reserve: bool = False, faults: JobFaults = JobFaults()) -> None:
         """``ledger`` judges lost attempts (interrupted or failed); without one (arq's own queue, as
-        the arq baseline runs) every attempt spends a try."""
+        the arq baseline runs) every attempt spends a try. ``lent_reserve``: the claim lent this
+        attempt the worker's reserve (its tenant had nothing running), and so does its engine request."""
         self.engine = engine
         self.writer = writer
         self.settings = settings
@@ -116,6 +117,7 @@ class JobRun:
         self.is_abort = is_abort
         self.lease_lost = lease_lost
         self.verdict = verdict
+        self.lent_reserve = lent_reserve
         self.faults = faults
         self.metadata: dict[str, Any] = {}
         self.cap: MaxTokensCap | None = None
@@ -172,6 +174,7 @@ class JobRun:
             delivered = Delivered()
         params = job.model_dump(include=set(GenerationParams.model_fields))     # the job layer's own fields stay here
         params["priority_class"] = self._lane_rank(job.lane)
+        params["lent_reserve"] = self.lent_reserve
         if self.verdict is not None:
             verdict = self.verdict(max_tokens=job.max_tokens, resuming=bool(delivered.tokens))
             if verdict.refuse is not None:

@@ -48,6 +48,9 @@ LANE_PREEMPTIONS = Counter(
 LANE_RESERVE_RUNS = Counter(
     "slotq_lane_reserve_runs", "Jobs of a higher lane this worker ran in its reserve (a spare KV stream) beside a "
     "full batch of lower-lane jobs, instead of handing one back, by the lane of the job run", ["lane"])
+TENANT_RESERVE_RUNS = Counter(
+    "slotq_tenant_reserve_runs", "Jobs of a tenant with nothing running this worker ran in its reserve beside a full "
+    "batch of other tenants' jobs of their lane, instead of leaving them to wait for a slot, by lane", ["lane"])
 QUEUE_PREEMPTED = Gauge("slotq_queue_preempted", "Jobs of this lane that yielded their slot to a higher lane, whole "
                         "fleet, since the queue began", ["lane"])
 PICKUP = Histogram("slotq_queue_pickup_seconds", "Enqueue (or retry due) to claim by this worker", ["lane"],

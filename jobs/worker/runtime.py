@@ -22,6 +22,12 @@ until one leaves, and claims again only below ``slots``. Otherwise it hands back
 step, flushes what it generated to its stream and is handed back without using a try; the claimed
 job takes its slot as soon as it has left, and the victim resumes from its stream on any worker.
 
+Within a lane nothing is handed back, but one tenant's backlog must not hold every slot against
+another tenant's first job: while its reserve is free, a full worker also waits for a fair-share
+token of its lowest lane (left by an enqueue whose tenant had nothing waiting or running) and
+claims that job into the reserve (``LEND_RESERVE``: only if its tenant still has nothing running),
+telling the engine it is lent the reserve (``ClaimedJob.lent_reserve``).
+
 What the worker uses: :meth:`~QueueRuntime.run` and :meth:`~QueueRuntime.close`, ``slots`` (the
 elastic loop moves it), :attr:`~QueueRuntime.running`, :meth:`~QueueRuntime.stop_claiming`,
 :meth:`~QueueRuntime.hand_back_and_wait`, the lease calls (:meth:`~QueueRuntime.leases`,
@@ -40,7 +46,7 @@ from typing import Any
 
 from slotq.jobs.protocol.arq_adapter import ArqJobRunner, Deserializer, ExitKind, JobExit, JobFunction, Serializer
 from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress, choose_victim
-from slotq.jobs.protocol.redis_queue import ClaimedJob, RedisQueue
+from slotq.jobs.protocol.redis_queue import BusyToken, ClaimedJob, RedisQueue
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +58,10 @@ class QueueRuntime:
     ``may_claim()``: whether the worker may take jobs now (ready, heartbeat current, not refusing);
     ``on_job_started(job)``: a claim starts here; ``progress(job_id)``: how far a running job's
     attempt has got (the victim policy weighs it); ``on_preempted(victim)``: a job of this worker
-    yields its slot to a higher lane; ``on_reserve(job)``: a higher-lane job runs in the reserve,
-    beside a full worker's slots. ``on_startup`` runs before the first claim (the model load),
-    ``on_shutdown`` in :meth:`close` once every attempt has left."""
+    yields its slot to a higher lane; ``on_reserve(job)``: a job runs in the reserve, beside a full
+    worker's slots (a higher lane's, or one lent it for its tenant: ``job.lent_reserve``).
+    ``on_startup`` runs before the first claim (the model load), ``on_shutdown`` in :meth:`close`
+    once every attempt has left."""
 
     def __init__(self, *, function_name: str, job: JobFunction, queue: RedisQueue, token: str, lease_ms: int,
                  slots: int, job_timeout_s: float, keep_result_s: float, max_tries: int, poll_delay_s: float,
@@ -69,7 +76,7 @@ class QueueRuntime:
         self.token = token
         self.lease_ms = lease_ms
         self.slots = slots                      # jobs held at most; the elastic loop moves it (<= the initial)
-        self.reserve = 0                        # jobs beyond slots a higher lane may run (the engine's, once up)
+        self.reserve = 0                        # jobs beyond slots the reserve may run (the engine's, once up)
         self.poll_delay_s = poll_delay_s
         self.on_job_started = on_job_started
         self.claimed: dict[str, ClaimedJob] = {}     # job id -> the claim whose attempt runs here
@@ -93,7 +100,7 @@ class QueueRuntime:
         self._leaving: set[str] = set()         # finishing, retrying or being handed back right now
         self._slot_freed = asyncio.Event()
         self._wake_task: asyncio.Task[bool] | None = None
-        self._preempt_task: asyncio.Task[str | None] | None = None
+        self._busy_task: asyncio.Task[BusyToken | None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -227,31 +234,36 @@ class QueueRuntime:
 
     async def _wait(self, timeout: float) -> None:
         """Until a slot frees, a wake token arrives (only while slots are free), a preemption
-        token arrives (only while every slot is busy and a lower-lane job runs) or ``timeout``."""
+        token (only while every slot is busy and a lower-lane job runs) or a fair-share token
+        (only while every slot is busy and the reserve is free) arrives, or ``timeout``. The token
+        lists a busy wait listens to are chosen when it starts; it ends within ``poll_delay_s``."""
         self._slot_freed.clear()
         waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._slot_freed.wait())}
         if self._can_claim() and self._wake_task is None:
             self._wake_task = asyncio.create_task(self.queue.wait_for_work(self.poll_delay_s), name="slotq-wake")
-        victim = self._victim()
-        if victim is not None and self._preempt_task is None:
-            self._preempt_task = asyncio.create_task(
-                self.queue.wait_for_preemption(self.queue.lane_of(victim.lane_index), self.poll_delay_s),
-                name="slotq-preempt-wake")
-        waiters |= {t for t in (self._wake_task, self._preempt_task) if t is not None}
+        victim, fair_lane = self._victim(), self._fair_lane()
+        if (victim is not None or fair_lane is not None) and self._busy_task is None:
+            below = None if victim is None else self.queue.lane_of(victim.lane_index)
+            self._busy_task = asyncio.create_task(
+                self.queue.wait_for_busy_token(self.poll_delay_s, below_lane=below, fair_lane=fair_lane),
+                name="slotq-busy-wake")
+        waiters |= {t for t in (self._wake_task, self._busy_task) if t is not None}
         done, pending = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         for fut in pending:
-            if fut is not self._wake_task and fut is not self._preempt_task:
+            if fut is not self._wake_task and fut is not self._busy_task:
                 fut.cancel()
         if self._wake_task is not None and self._wake_task.done():
             task, self._wake_task = self._wake_task, None
             if await self._token_taken(task) and not self._can_claim():
                 with contextlib.suppress(Exception):
                     await self.queue.return_wake_token()   # full meanwhile: pass it on
-        if self._preempt_task is not None and self._preempt_task.done():
-            preempt_task, self._preempt_task = self._preempt_task, None
-            lane = preempt_task.result() if await self._token_taken(preempt_task) else None
-            if lane is not None:
-                await self._preempt(lane)
+        if self._busy_task is not None and self._busy_task.done():
+            busy_task, self._busy_task = self._busy_task, None
+            token = busy_task.result() if await self._token_taken(busy_task) else None
+            if token is not None and token.fair:
+                await self._lend_reserve(token)
+            elif token is not None:
+                await self._preempt(token)
 
     @staticmethod
     async def _token_taken(task: asyncio.Task[Any]) -> bool:
@@ -277,17 +289,52 @@ class QueueRuntime:
             and job_id not in self._lease_lost and job_id not in self._successors
             and not self._runner.is_aborting(job_id))
 
-    async def _preempt(self, token_lane: str) -> None:
-        """A preemption token of ``token_lane`` arrived: claim the waiting job and run it in the
+    def _fair_lane(self) -> str | None:
+        """The lane whose fair-share tokens this worker takes: its lowest running lane, while every
+        slot is busy, its reserve is free and it may claim (a job of a higher lane than that comes
+        by a preemption token; lending the reserve to a lower one would take it from this worker's
+        own lane)."""
+        if not (self._claiming and self.full and self._held < self.slots + self.reserve and self._may_claim()):
+            return None
+        lanes = self.queue.keys.lanes
+        return max((job.lane for job in self.claimed.values()), key=lanes.index, default=None)
+
+    async def _lend_reserve(self, token: BusyToken) -> None:
+        """A fair-share token of ``token.lane`` arrived: claim that lane's next job into the reserve
+        if its tenant has nothing running (the script checks). With a free slot meanwhile, the main
+        loop's claim takes the job instead; with the reserve taken or the worker's lowest lane
+        changed, the token goes back for another worker."""
+        if self._can_claim():
+            return
+        if self._fair_lane() != token.lane:
+            with contextlib.suppress(Exception):
+                await self.queue.return_busy_token(token)
+            return
+        try:
+            job = await self.queue.lend_reserve(token.lane, self.token, self.lease_ms)
+        except Exception as exc:  # Redis down: the token is lost; the job waits for a slot as any other
+            log.warning("claim for the reserve failed (%s: %s)", type(exc).__name__, exc)
+            return
+        if job is not None:
+            self._run_in_reserve(job, "its tenant has nothing running")
+
+    def _run_in_reserve(self, job: ClaimedJob, why: str) -> None:
+        log.info("job %s (%s) runs in the reserve beside %d jobs: %s", job.id, job.lane, self._held, why)
+        if self._on_reserve is not None:
+            self._on_reserve(job)
+        self._start(job)
+
+    async def _preempt(self, token: BusyToken) -> None:
+        """A preemption token of ``token.lane`` arrived: claim the waiting job and run it in the
         reserve while that is free, else give it the victim's slot. With a free slot meanwhile, the
         main loop's claim takes the job instead; with no victim left (its lower-lane jobs ended),
         the token goes back for another worker."""
         if self._can_claim():
             return
         victim = self._victim()
-        if victim is None or victim.lane_index <= self.queue.keys.lanes.index(token_lane):
+        if victim is None or victim.lane_index <= self.queue.keys.lanes.index(token.lane):
             with contextlib.suppress(Exception):
-                await self.queue.return_preemption_token(token_lane)
+                await self.queue.return_busy_token(token)
             return
         victim_job = self.claimed[victim.job_id]
         in_reserve = self._held < self.slots + self.reserve
@@ -299,10 +346,7 @@ class QueueRuntime:
         if job is None:
             return
         if in_reserve:
-            log.info("job %s (%s) runs in the reserve beside %d jobs", job.id, job.lane, self._held)
-            if self._on_reserve is not None:
-                self._on_reserve(job)
-            self._start(job)
+            self._run_in_reserve(job, f"a lane above {victim_job.lane}")
             return
         if self.claimed.get(victim.job_id) is not victim_job:      # it ended meanwhile: its slot is free
             self._start(job)
@@ -385,7 +429,7 @@ class QueueRuntime:
             self._maintenance.cancel()
             with contextlib.suppress(BaseException):
                 await self._maintenance
-        for task in (self._wake_task, self._preempt_task):
+        for task in (self._wake_task, self._busy_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):

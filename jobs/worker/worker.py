@@ -120,7 +120,8 @@ class SlotqWorker:
             poll_delay_s=self.settings.poll_delay_s, serializer=serialize, deserializer=deserialize,
             may_claim=self._may_claim, on_job_started=self._observe_pickup, progress=self._progress,
             on_preempted=lambda victim: metrics.LANE_PREEMPTIONS.labels(lane=victim.lane).inc(),
-            on_reserve=lambda job: metrics.LANE_RESERVE_RUNS.labels(lane=job.lane).inc(),
+            on_reserve=lambda job: (metrics.TENANT_RESERVE_RUNS if job.lent_reserve
+                                    else metrics.LANE_RESERVE_RUNS).labels(lane=job.lane).inc(),
             on_startup=self._on_startup, on_shutdown=self._on_shutdown)
         if handle_signals:
             self._owns_process = True
@@ -360,7 +361,8 @@ class SlotqWorker:
                      is_abort=lambda: runtime.is_aborting(job_id),
                      lease_lost=lambda: runtime.has_lost_lease(job_id),
                      verdict=self.elastic.verdict if self.elastic else None,
-                     ledger=AttemptLedger(self.queue, claim), faults=self._job_faults)
+                     ledger=AttemptLedger(self.queue, claim), lent_reserve=claim.lent_reserve,
+                     faults=self._job_faults)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)

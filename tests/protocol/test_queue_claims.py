@@ -11,7 +11,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from slotq.jobs.protocol.keys import ABORTS, QueueKeys, job_record_key, retry_counter_key
-from slotq.jobs.protocol.redis_queue import NO_QUOTAS, AttemptOutcomes, Enqueued, RedisQueue, TenantQuotas
+from slotq.jobs.protocol.redis_queue import (
+    NO_QUOTAS,
+    AttemptOutcomes,
+    BusyToken,
+    Enqueued,
+    RedisQueue,
+    TenantQuotas,
+)
 from slotq.jobs.protocol.serialization import serialize
 
 LEASE_MS = 60_000
@@ -355,9 +362,9 @@ async def test_preemption_tokens_and_the_preempt_claim(queue, redis):
     await queue.claim(2, "w1", LEASE_MS)                                     # both bulk jobs run on w1
     await put(queue, "bulk-2", "bulk")                                       # bulk work waits too
     await put(queue, "chat-0")
-    assert await queue.wait_for_preemption("bulk", 0.1) == "interactive"    # one token, one busy worker
-    assert await queue.wait_for_preemption("bulk", 0.1) is None
-    assert await queue.wait_for_preemption("interactive", 0.1) is None      # nothing is above the top lane
+    assert await preemption_token(queue, "bulk") == BusyToken("interactive", fair=False)   # one token, one worker
+    assert await preemption_token(queue, "bulk") is None
+    assert await preemption_token(queue, "interactive") is None      # nothing is above the top lane
     winner = await queue.preempt("bulk", "w1", LEASE_MS)
     assert winner is not None and (winner.id, winner.lane) == ("chat-0", "interactive")
     assert await queue.preempt("bulk", "w2", LEASE_MS) is None              # the job goes to one worker
@@ -369,6 +376,10 @@ async def test_preemption_tokens_and_the_preempt_claim(queue, redis):
     assert {c.lane: c.running for c in await queue.counts()} == {"interactive": 3, "bulk": 2}
 
 
+async def preemption_token(queue: RedisQueue, below_lane: str) -> BusyToken | None:
+    return await queue.wait_for_busy_token(0.1, below_lane=below_lane, fair_lane=None)
+
+
 async def test_preempt_declines_when_an_idle_worker_took_the_wake_up(queue, redis):
     """A worker with a free slot takes the enqueue's wake token and claims the job itself, so no
     busy worker yields a slot for it."""
@@ -378,6 +389,43 @@ async def test_preempt_declines_when_an_idle_worker_took_the_wake_up(queue, redi
     assert await queue.wait_for_work(0.1)                                   # an idle worker's wake-up
     assert await queue.preempt("bulk", "busy", LEASE_MS) is None
     assert [j.id for j in await queue.claim(1, "idle", LEASE_MS)] == ["chat-0"]
+
+
+# ---------------------------------------------------------------------- the reserve lent to a tenant
+async def test_fair_share_tokens_and_the_lend_reserve_claim(queue, redis):
+    """A tenant's first job, enqueued while another tenant's jobs of its lane run (and more wait),
+    leaves a fair-share token; the full worker that takes it claims that job into its reserve,
+    marked lent. A job of a tenant with work running or waiting leaves no token, and is not lent
+    the reserve even when a token is left over: the claim checks the next job's tenant."""
+    fair = queue.keys.fair("interactive")
+    for i in range(3):
+        await put(queue, f"a-{i}", tenant="A")
+    assert await redis.llen(fair) == 0                       # nothing ran in the lane at A's first job
+    await queue.claim(2, "w1", LEASE_MS)                     # A holds both of w1's slots; a-2 waits
+    await put(queue, "a-3", tenant="A")
+    await put(queue, "c-0", "bulk", tenant="C")              # nothing runs in the bulk lane
+    assert await redis.llen(fair) == await redis.llen(queue.keys.fair("bulk")) == 0
+    await put(queue, "b-0", tenant="B")
+    token = await queue.wait_for_busy_token(0.1, below_lane=None, fair_lane="interactive")
+    assert token == BusyToken("interactive", fair=True)
+    assert await queue.wait_for_busy_token(0.1, below_lane=None, fair_lane="interactive") is None
+    lent = await queue.lend_reserve("interactive", "w1", LEASE_MS)
+    assert lent is not None and (lent.id, lent.lane, lent.lent_reserve) == ("b-0", "interactive", True)
+    assert await counts_of(queue, "B") == (0, 1)
+    assert await queue.lend_reserve("interactive", "w2", LEASE_MS) is None     # next is a-2: A runs jobs
+    await put(queue, "b-1", tenant="B")                      # ahead of A's backlog, but B has a job running
+    assert await redis.llen(fair) == 0
+    assert await queue.lend_reserve("interactive", "w2", LEASE_MS) is None
+    assert [j.id for j in await queue.claim(1, "w2", LEASE_MS)] == ["b-1"]      # its turn at the next free slot
+
+
+async def test_lend_reserve_declines_when_an_idle_worker_took_the_wake_up(queue):
+    await put(queue, "a-0", tenant="A")
+    await queue.claim(1, "busy", LEASE_MS)
+    await put(queue, "b-0", tenant="B")
+    assert await queue.wait_for_work(0.1)                    # an idle worker's wake-up: it claims b-0 itself
+    assert await queue.lend_reserve("interactive", "busy", LEASE_MS) is None
+    assert [j.id for j in await queue.claim(1, "idle", LEASE_MS)] == ["b-0"]
 
 
 def test_lane_names_are_checked():

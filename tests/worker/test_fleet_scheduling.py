@@ -1,6 +1,7 @@
-"""Scheduling across the fleet, on the tiny model and a real Valkey: preemption across lanes (real
-``slotq worker`` processes) and deadlines that cannot be met. The claim scripts' own rules
-(tenants' fair share, preemption tokens) are tested on Valkey alone in tests/protocol/test_queue_claims.py.
+"""Scheduling across the fleet, on the tiny model and a real Valkey: preemption across lanes and
+the reserve lent to a tenant (real ``slotq worker`` processes), and deadlines that cannot be met.
+The claim scripts' own rules (tenants' fair share, preemption and fair-share tokens) are tested on
+Valkey alone in tests/protocol/test_queue_claims.py.
 
 Workers of two slots each are filled with long bulk jobs (more bulk work waits behind them), then
 interactive jobs are enqueued. Each must finish while every bulk job that was running when it
@@ -26,7 +27,8 @@ from tests.support.jobs import WorkerProcess, chunks, clean_env, job_request, ra
 
 BULK_TOKENS = 6000       # seconds of decoding on the tiny model: still running when the interactive job ends
 HANDED_BACK_RE = re.compile(r"job (\S+) \(bulk\) hands its slot to job (\S+) \(interactive\)")
-IN_RESERVE_RE = re.compile(r"job (\S+) \(interactive\) runs in the reserve")
+IN_RESERVE_RE = re.compile(r"job (\S+) \(interactive\) runs in the reserve beside \d+ jobs: a lane above")
+LENT_RE = re.compile(r"job (\S+) \(interactive\) runs in the reserve beside \d+ jobs: its tenant has nothing running")
 
 
 async def running_with_tokens(client: SlotqClient, jobs: list[JobHandle], slots: int = 4,
@@ -110,6 +112,32 @@ async def test_a_full_worker_runs_an_interactive_job_in_its_reserve_and_hands_ba
     handed_back = {m[1] for m in HANDED_BACK_RE.finditer(log)}
     assert len(handed_back) == 1 and handed_back <= set(results)
     await assert_whole(client, results, handed_back)
+
+
+async def test_a_tenants_first_job_runs_in_the_reserve_beside_another_tenants_full_slots(
+        client, redis_url, tiny_model_path, tmp_path: Path):
+    """Within a lane nothing is handed back, so a tenant with a backlog holds every slot as its
+    jobs turn over. Another tenant's first job runs at once in the worker's reserve beside them:
+    it finishes while each of the first tenant's running jobs still runs, none of them yields,
+    and the worker logs it as lent for its tenant, not as a higher lane's reserve run."""
+    env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=2, threads=1, ctx=6144, poll_delay_s=0.2)
+    proc = WorkerProcess("fair-w", env, tmp_path)
+    try:
+        await wait_for_workers(client, {"fair-w"}, procs=[proc])
+        flood = [await client.enqueue(job_request(f"tenant a's request {i}", max_tokens=BULK_TOKENS, tenant="a"))
+                 for i in range(3)]
+        running = await running_with_tokens(client, flood, slots=2)
+        first = await client.enqueue(job_request("tenant b's request", max_tokens=8, tenant="b"))
+        result = await first.result(timeout=60)
+        assert result.status == JobStatus.SUCCEEDED and result.usage.completion_tokens == 8
+        assert all(await client.queue.in_queue([j.id for j in running]))
+        assert {c.lane: c.preempted for c in await client.queue.counts()} == {"interactive": 0, "bulk": 0}
+        for job in flood:
+            await job.cancel()
+    finally:
+        proc.stop()
+    log = proc.log_tail(10**7)
+    assert [m[1] for m in LENT_RE.finditer(log)] == [first.id] and not IN_RESERVE_RE.search(log)
 
 
 async def test_a_worker_listens_for_preemption_as_soon_as_its_slots_fill(client, start_worker):
