@@ -23,9 +23,12 @@ One invocation, the bundled model, a ``slotq worker`` subprocess with ``SLOTS`` 
   is taken, preempts a bulk job; the row says how many did which. Targets: saturated p95 <= idle
   p95 + 3 full-batch steps, bulk with interactive >= 0.95 x bulk alone.
 * **a flooding tenant** (issue 20): tenant ``a`` queues ``FLOOD_JOBS`` interactive jobs (short,
-  of spread lengths) and tenant ``b`` sends one job at a time while they wait; target: b's TTFT p50
-  <= 2 x the idle fleet's, measured around the flood (half the idle jobs just before it, half just
-  after it is cancelled), again because the machine drifts. The flood is cancelled afterwards.
+  of spread lengths) and tenant ``b`` sends one job at a time while they wait, each once the one
+  before has ended: b's single job, as the issue puts it (until 2026-12-02 the next was sent at the
+  first token of the last, so b nearly always had a job running). Target: b's TTFT p50 <= 2 x the
+  idle fleet's (its jobs sent the same way), measured around the flood (half the idle jobs just
+  before it, half just after it is cancelled), again because the machine drifts. The row counts
+  b's jobs that ran in the reserve lent for their tenant. The flood is cancelled afterwards.
 * **memory**: a ``slotq bulk`` run of ``RSS_LINES`` one-token lines: the command's peak RSS (it
   reports its own ``ru_maxrss``) and Redis ``used_memory`` sampled throughout, at its peak.
 """
@@ -136,18 +139,22 @@ class _Bulk:
         return json.loads(text[text.rindex("\n{"):] if "\n{" in text else text)
 
 
-async def _ttft_ms(client: SlotqClient, i: int, tenant: str = "default") -> float:
+async def _ttft_ms(client: SlotqClient, i: int, tenant: str = "default", *, whole: bool = False) -> float:
     """Enqueue to first streamed token of one interactive job of ``PROBE_TOKENS`` tokens."""
-    return (await _probe(client, i, tenant))[0]
+    return (await _probe(client, i, tenant, whole=whole))[0]
 
 
-async def _probe(client: SlotqClient, i: int, tenant: str = "default") -> tuple[float, str]:
-    """:func:`_ttft_ms` and the job's id (its result, once it ends, has the engine's own timings)."""
+async def _probe(client: SlotqClient, i: int, tenant: str = "default", *, whole: bool = False) -> tuple[float, str]:
+    """:func:`_ttft_ms` and the job's id (its result, once it ends, has the engine's own timings).
+    ``whole``: return once the job has ended, so the next one is its tenant's only job."""
     started = time.perf_counter()
     job = await client.enqueue(JobRequest(**_request(10_000_000 + i, PROBE_TOKENS), tenant=tenant))
     async for entry in job.stream():
         if entry.kind == EntryKind.CHUNK:
-            return (time.perf_counter() - started) * 1000, job.id
+            ms = (time.perf_counter() - started) * 1000
+            if whole:
+                await job.result(timeout=60)
+            return ms, job.id
     raise RuntimeError(f"interactive job {job.id} ended without a token")
 
 
@@ -249,7 +256,7 @@ async def _measure(url: str, metrics_url: str, config: EngineConfig, tmp: Path, 
             progress(f"only {len(saturated)} probes ran while bulk jobs were waiting")
 
         long_bulk = await _long_bulk(client, metrics_url, bulk, tmp, sizes, idle)
-        flood = await _flood(client, sizes)
+        flood = await _flood(client, metrics_url, sizes)
 
         progress(f"memory: slotq bulk on {sizes.rss_lines:,} one-token lines")
         rss_run = await _memory_run(client, bulk, _write_short_lines(tmp / "rss.jsonl", sizes.rss_lines))
@@ -327,41 +334,43 @@ async def _preempted(client: SlotqClient) -> int:
     return sum(lane.preempted for lane in await client.queue.counts())
 
 
-async def _reserve_runs(metrics_url: str) -> int:
-    """Interactive jobs the worker ran in its reserve beside a full batch, every lane, from its
-    ``slotq_lane_reserve_runs_total`` (a reserve run is not a preemption, so the queue does not
-    count it)."""
+async def _reserve_runs(metrics_url: str, family_name: str = "slotq_lane_reserve_runs") -> int:
+    """Jobs the worker ran in its reserve beside a full batch, every lane, from its counter
+    ``family_name``: for a higher lane ``slotq_lane_reserve_runs``, lent for their tenant
+    ``slotq_tenant_reserve_runs`` (a reserve run is not a preemption, so the queue does not count it)."""
     def scrape() -> str:
         with urllib.request.urlopen(metrics_url, timeout=10) as response:
             body: bytes = response.read()
         return body.decode()
 
     families = text_string_to_metric_families(await asyncio.to_thread(scrape))
-    return round(sum(sample.value for family in families if family.name == "slotq_lane_reserve_runs"
-                     for sample in family.samples if sample.name == "slotq_lane_reserve_runs_total"))
+    return round(sum(sample.value for family in families if family.name == family_name
+                     for sample in family.samples if sample.name == f"{family_name}_total"))
 
 
-async def _flood(client: SlotqClient, sizes: Sizes) -> dict[str, Any]:
+async def _flood(client: SlotqClient, metrics_url: str, sizes: Sizes) -> dict[str, Any]:
     """Tenant b's TTFT, one job at a time, while tenant a has ``flood_jobs`` jobs waiting in the
     same lane, against the idle worker's just before and just after; the flood is cancelled
     afterwards."""
     progress(f"interactive TTFT on the idle fleet before the flood ({sizes.probes // 2} jobs)")
-    idle = [await _ttft_ms(client, 3_000 + i) for i in range(sizes.probes // 2)]
+    idle = [await _ttft_ms(client, 3_000 + i, whole=True) for i in range(sizes.probes // 2)]
     progress(f"tenant a queues {sizes.flood_jobs:,} interactive jobs; tenant b sends {sizes.probes}, one at a time")
     flood = [await client.enqueue(JobRequest(**_request(300_000 + i, _spread(i, *FLOOD_TOKENS)), tenant="a"))
              for i in range(sizes.flood_jobs)]
     ttft, ids, least_waiting = [], [], sizes.flood_jobs
+    lent_before = await _reserve_runs(metrics_url, "slotq_tenant_reserve_runs")
     for i in range(sizes.probes):
         least_waiting = min(least_waiting, (await _lane(client, "interactive")).waiting)
-        ms, job_id = await _probe(client, 2_000 + i, tenant="b")
+        ms, job_id = await _probe(client, 2_000 + i, tenant="b", whole=True)
         ttft.append(ms)
         ids.append(job_id)
+    lent = await _reserve_runs(metrics_url, "slotq_tenant_reserve_runs") - lent_before
     progress(f"cancelling tenant a's {sizes.flood_jobs:,} jobs")
     await asyncio.gather(*(job.cancel() for job in flood))
     while (await _lane(client, "interactive")).running:
         await asyncio.sleep(0.05)
     progress(f"interactive TTFT on the idle fleet after the flood ({sizes.probes - sizes.probes // 2} jobs)")
-    idle += [await _ttft_ms(client, 4_000 + i) for i in range(sizes.probes - sizes.probes // 2)]
+    idle += [await _ttft_ms(client, 4_000 + i, whole=True) for i in range(sizes.probes - sizes.probes // 2)]
     # Where b's TTFT went, from the engine's own timings: submit -> admitted into a slot (the step
     # in progress) and submit -> first token (that wait and b's prefill in a batch busy with a's
     # jobs); the rest of the TTFT is outside the engine (waiting for a slot to turn over, the claim,
@@ -369,7 +378,7 @@ async def _flood(client: SlotqClient, sizes: Sizes) -> dict[str, Any]:
     timings = [t for t in [(await client.result(job_id, timeout=60)).timings for job_id in ids] if t and t.ttft_ms]
     engine_ttft = [t.ttft_ms or 0.0 for t in timings]
     return {"tenant_a_jobs": sizes.flood_jobs, "tenant_a_least_waiting": least_waiting,
-            "tenant_a_tokens": list(FLOOD_TOKENS), "probes": len(ttft),
+            "tenant_a_tokens": list(FLOOD_TOKENS), "probes": len(ttft), "lent_reserve": lent,
             "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p95_ms": round(percentile(ttft, 95), 1),
             "ttft_ms": [round(x, 1) for x in ttft],
             "engine_wait_p50_ms": round(percentile([t.queue_ms for t in timings], 50), 1),
@@ -438,7 +447,8 @@ def _table(d: dict[str, Any]) -> str:
           f"p95 {flood['ttft_p95_ms'] / flood['idle_ttft_p95_ms']:.2f} x idle p95; "
           f"p50s: {flood['outside_engine_p50_ms']:.0f} ms "
           f"outside the engine (slot turnover, claim, stream), {flood['engine_ttft_p50_ms']:.0f} ms in it "
-          f"({flood['engine_wait_p50_ms']:.0f} waiting for the step in progress)")],
+          f"({flood['engine_wait_p50_ms']:.0f} waiting for the step in progress); {flood['probes']} jobs, one at a "
+          f"time: {flood['lent_reserve']} ran in the reserve lent for their tenant")],
         [f"slotq bulk peak RSS, {d['lines']:,} lines", f"{d['peak_rss_mb']:.0f} MB",
          "RSS over time (s, MB): " + ", ".join(f"{t:g}: {v:.0f}" for t, v in m["rss_mb_over_time"])],
         ["Redis used_memory peak", f"{d['redis_peak_mb']:.1f} MB",

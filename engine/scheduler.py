@@ -27,8 +27,9 @@ Policy, in order of precedence:
    chunk. The job layer sets the class from the lane (engine.request.GenerationRequest). A
    sequence lent the reserve (6) ranks above the rest of its class here, and its last chunk has a
    step to itself: it was lent the reserve so that its first token would not wait behind the
-   batch, and on a CPU a step costs about its tokens (bundled model, this machine: 8 decode
-   tokens 90 ms, a 25-token prompt alone 189 ms, both 272 ms, with a second prompt 602 ms). The
+   batch, and on a CPU a step costs about its tokens (``python -m bench.step_shapes``, bundled
+   model: 8 decode tokens and a 25-token prompt 331 ms in one step, the prompt alone 229 ms, the
+   decode alone 100 ms; a second such prompt in the step took it from 272 to 602 ms). The
    others' next token then comes about when it would have (after the prompt's step and their
    own, rather than one step holding both), and the lent one's first comes a batch's decode
    sooner. On a GPU, where decode tokens ride along with a prompt almost free, it costs the
