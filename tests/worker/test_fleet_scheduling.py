@@ -15,9 +15,12 @@ repeated across a hand-back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,18 +83,28 @@ async def test_interactive_jobs_preempt_bulk_jobs_on_every_worker(client, redis_
     await assert_whole(client, results, handed_back)
 
 
+@contextlib.asynccontextmanager
+async def full_worker(client: SlotqClient, name: str, redis_url: str, model: Path, tmp_path: Path, prompt: str,
+                      **fields: Any) -> AsyncIterator[tuple[WorkerProcess, list[JobHandle], list[JobHandle]]]:
+    """A worker of two slots and one cache slot (the default), both slots running one of three
+    long jobs of ``fields``: the process, the three jobs and the two running; stopped on exit."""
+    env = clean_env(redis_url=redis_url, model=model, slots=2, threads=1, ctx=6144, poll_delay_s=0.2)
+    proc = WorkerProcess(name, env, tmp_path)
+    try:
+        await wait_for_workers(client, {name}, procs=[proc])
+        jobs = [await client.enqueue(job_request(f"{prompt} {i}", max_tokens=BULK_TOKENS, **fields)) for i in range(3)]
+        yield proc, jobs, await running_with_tokens(client, jobs, slots=2)
+    finally:
+        proc.stop()
+
+
 async def test_a_full_worker_runs_an_interactive_job_in_its_reserve_and_hands_back_for_the_next(
         client, redis_url, tiny_model_path, tmp_path: Path):
     """With a cache slot (the default) the engine has a spare KV stream: an interactive job on a
     worker whose slots all run bulk jobs streams at once beside them, and no bulk job yields. A
     second one, while the first still runs, finds the reserve taken: a bulk job is handed back."""
-    env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=2, threads=1, ctx=6144, poll_delay_s=0.2)
-    proc = WorkerProcess("reserve-w", env, tmp_path)
-    try:
-        await wait_for_workers(client, {"reserve-w"}, procs=[proc])
-        bulk = [await client.enqueue(job_request(f"bulk request {i}", max_tokens=BULK_TOKENS, lane="bulk"))
-                for i in range(3)]
-        running = await running_with_tokens(client, bulk, slots=2)
+    async with full_worker(client, "reserve-w", redis_url, tiny_model_path, tmp_path, "bulk request",
+                           lane="bulk") as (proc, bulk, running):
         beside = await client.enqueue(job_request("a long interactive request", max_tokens=BULK_TOKENS))
         async with asyncio.timeout(30):
             while not chunks(await raw_entries(client, beside.id)):
@@ -105,8 +118,6 @@ async def test_a_full_worker_runs_an_interactive_job_in_its_reserve_and_hands_ba
         assert {c.lane: c.preempted for c in await client.queue.counts()}["bulk"] == 1
         await beside.cancel()
         results = {j.id: await j.result(timeout=300) for j in bulk}
-    finally:
-        proc.stop()
     log = proc.log_tail(10**7)
     assert [m[1] for m in IN_RESERVE_RE.finditer(log)] == [beside.id]
     handed_back = {m[1] for m in HANDED_BACK_RE.finditer(log)}
@@ -120,13 +131,8 @@ async def test_a_tenants_first_job_runs_in_the_reserve_beside_another_tenants_fu
     jobs turn over. Another tenant's first job runs at once in the worker's reserve beside them:
     it finishes while each of the first tenant's running jobs still runs, none of them yields,
     and the worker logs it as lent for its tenant, not as a higher lane's reserve run."""
-    env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=2, threads=1, ctx=6144, poll_delay_s=0.2)
-    proc = WorkerProcess("fair-w", env, tmp_path)
-    try:
-        await wait_for_workers(client, {"fair-w"}, procs=[proc])
-        flood = [await client.enqueue(job_request(f"tenant a's request {i}", max_tokens=BULK_TOKENS, tenant="a"))
-                 for i in range(3)]
-        running = await running_with_tokens(client, flood, slots=2)
+    async with full_worker(client, "fair-w", redis_url, tiny_model_path, tmp_path, "tenant a's request",
+                           tenant="a") as (proc, flood, running):
         first = await client.enqueue(job_request("tenant b's request", max_tokens=8, tenant="b"))
         result = await first.result(timeout=60)
         assert result.status == JobStatus.SUCCEEDED and result.usage.completion_tokens == 8
@@ -134,8 +140,6 @@ async def test_a_tenants_first_job_runs_in_the_reserve_beside_another_tenants_fu
         assert {c.lane: c.preempted for c in await client.queue.counts()} == {"interactive": 0, "bulk": 0}
         for job in flood:
             await job.cancel()
-    finally:
-        proc.stop()
     log = proc.log_tail(10**7)
     assert [m[1] for m in LENT_RE.finditer(log)] == [first.id] and not IN_RESERVE_RE.search(log)
 
