@@ -55,10 +55,10 @@ Policy, in order of precedence:
    and decode beside the others, up to ``active_slots + reserve_slots`` sequences, rather than wait
    for the lower class to finish or to be handed back. The owner may also lend the reserve to a
    sequence of the running class (``Sequence.lent_reserve``): the job layer does for the job of a
-   tenant with nothing running while other tenants' jobs hold every slot. A step then decodes one sequence more: on
-   the bundled model on a CPU, 9 sequences in consecutive slots cost a step 17 % more than 8, where
-   a victim handed back costs the lower class its slot, and its gap among the running slots (8)
-   costs every step 23 % more until it returns (bench/step_shapes.py).
+   tenant with nothing running while other tenants' jobs hold every slot. A step then decodes one
+   sequence more: on the bundled model on a CPU, 9 sequences in consecutive slots cost a step 9-17 %
+   more than 8, where a victim handed back costs the lower class its slot, and its gap among the
+   running slots (8) costs every step 9-23 % more until it returns (bench/step_shapes.py, three runs).
 7. Cache slots (``cache_slots``): KV sequences beyond ``n_slots`` that count as active only while
    the reserve (6) lends them to a higher class. When a sequence gives up its slot (its job handed
    back for a higher lane: the runner cancels it) and the newcomer arrives, the newcomer takes a

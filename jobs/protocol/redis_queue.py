@@ -170,8 +170,8 @@ class RedisQueue:
         """Write the job record (arq's format) and put the job in its lane at its tenant's fair
         place (round-robin across tenants, see keys.py); wake one idle worker, leave a
         preemption token when a lower lane has running jobs, and a fair-share token when the
-        tenant has nothing waiting or running while its lane has running jobs. FULL when ``max_waiting`` jobs
-        already wait (None: no limit); TENANT_* when the tenant's ``quotas`` refuse it, ``tokens``
+        tenant has nothing waiting or running while its lane has running jobs. FULL when
+        ``max_waiting`` jobs already wait (None: no limit); TENANT_* when the tenant's ``quotas`` refuse it, ``tokens``
         being what the job reserves of its tenant's tokens per minute."""
         now_ms = int(time.time() * 1000)
         record = job_record(function, payload, now_ms, serializer)

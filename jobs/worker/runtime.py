@@ -115,6 +115,11 @@ class QueueRuntime:
         return self._held >= self.slots
 
     @property
+    def reserve_free(self) -> bool:
+        """A job may still run beyond ``slots`` here, in the engine's reserve (its spare KV streams)."""
+        return self._held < self.slots + self.reserve
+
+    @property
     def idle(self) -> bool:
         """No attempt is running here (every one has left, through its finishing write)."""
         return all(t.done() for t in self._tasks.values())
@@ -294,7 +299,7 @@ class QueueRuntime:
         slot is busy, its reserve is free and it may claim (a job of a higher lane than that comes
         by a preemption token; lending the reserve to a lower one would take it from this worker's
         own lane)."""
-        if not (self._claiming and self.full and self._held < self.slots + self.reserve and self._may_claim()):
+        if not (self._claiming and self.full and self.reserve_free and self._may_claim()):
             return None
         lanes = self.queue.keys.lanes
         return max((job.lane for job in self.claimed.values()), key=lanes.index, default=None)
@@ -337,7 +342,7 @@ class QueueRuntime:
                 await self.queue.return_busy_token(token)
             return
         victim_job = self.claimed[victim.job_id]
-        in_reserve = self._held < self.slots + self.reserve
+        in_reserve = self.reserve_free
         try:
             job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms, hand_back=not in_reserve)
         except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job
