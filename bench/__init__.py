@@ -1,4 +1,4 @@
-"""Benchmarks (``slotq bench engine|queue|prefix|gateway|fleet|bulk|peers|overhead``). Each measures its
+"""Benchmarks (``slotq bench engine|queue|prefix|gateway|fleet|bulk|peers|overhead|constraints``). Each measures its
 variants side by side in one run, prints a table with ratios (or one JSON object with ``--json``) and writes the
 table to ``bench/results/<name>.md`` for the README.
 
@@ -21,6 +21,7 @@ from slotq.jobs.cli.watch import ChildExited
 def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> dict[str, Any]:
     from bench import (
         bulk_bench,
+        constraints_bench,
         engine_bench,
         fleet_bench,
         gateway_bench,
@@ -39,6 +40,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         "bulk": bulk_bench.run,
         "peers": peers_bench.run,
         "overhead": overhead_bench.run,
+        "constraints": constraints_bench.run,
     }
     try:
         data, table = asyncio.run(runners[which](quick))

@@ -12,8 +12,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from slotq.engine.constraints import GrammarKnobs
 from slotq.engine.scheduler import BatchingMode
 
 MAX_KV_SEQUENCES = 256
@@ -59,7 +60,7 @@ class CpuRepack(StrEnum):
     OFF = "off"
 
 
-class EngineKnobs(BaseModel):
+class EngineKnobs(GrammarKnobs):
     """Sizes follow llama-server's meaning where one exists.
 
     ``ctx`` is the per-sequence context (prompt + generated tokens of one request). The KV cache

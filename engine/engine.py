@@ -23,6 +23,7 @@ from typing import Protocol
 
 from slotq.engine.chat import ChatTemplate
 from slotq.engine.config import EngineConfig, KVLayout
+from slotq.engine.constraints import ConstraintCompiler, TokenMatcher, constraint_for
 from slotq.engine.errors import EngineError, InvalidRequest, PromptTooLong
 from slotq.engine.events import Event, Finished
 from slotq.engine.fault_injection import EngineFaults
@@ -30,7 +31,7 @@ from slotq.engine.llama_model import LlamaModel
 from slotq.engine.outbox import Sink
 from slotq.engine.request import GenerationRequest, SamplingParams
 from slotq.engine.runner import PreparedRequest, Runner
-from slotq.engine.sampling import SamplerChain, build_chain, check_grammar, check_resume_tokens, grammar_for
+from slotq.engine.sampling import SamplerChain, build_chain
 from slotq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerLimits
 from slotq.engine.state import EngineState, Lifecycle
 from slotq.engine.stats import EngineStats
@@ -80,6 +81,7 @@ class Engine:
         self.template = ChatTemplate(self.model.chat_template(), self.model.token_text(self.model.bos_token),
                                      self.model.token_text(self.model.eos_token))
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
+        self._constraints = ConstraintCompiler(self.model.vocab, self.info.n_vocab, self._eog_tokens, config)
         cache_slots = config.usable_cache_slots
         # the reserve lends the cache slots to a higher lane (scheduler rule 6) while one batch can hold them
         self.reserve_slots = cache_slots if self.info.n_batch >= config.slots + cache_slots else 0
@@ -140,24 +142,24 @@ class Engine:
         if bad:
             raise InvalidRequest(f"resume_tokens: token id {bad[0]} is outside the vocabulary "
                                  f"(0..{self.info.n_vocab - 1})", field="resume_tokens")
-        grammar = grammar_for(request)
-        if grammar is not None:
+        constraint = constraint_for(request.sampling)
+        matcher: TokenMatcher | None = None
+        if constraint is not None:
             if request.ignore_eos:
-                # A completed grammar allows only end-of-generation tokens; banning them leaves
-                # nothing to sample and llama.cpp's grammar aborts the process.
-                raise InvalidRequest("ignore_eos cannot be combined with grammar or json_schema", field="ignore_eos")
-            check_grammar(self.model.vocab, grammar)
-            if request.resume_tokens:
-                check_resume_tokens(self.model.vocab, grammar, request.resume_tokens)
+                # A satisfied constraint allows only end-of-generation tokens: with them banned there is
+                # nothing the request could end with.
+                raise InvalidRequest(f"ignore_eos cannot be combined with {constraint.field}", field="ignore_eos")
+            matcher = self._constraints.matcher(constraint, request.resume_tokens)
         seed = request.sampling.seed
 
         def make_chain(choice: int) -> SamplerChain:
-            return build_chain(request, self.model.vocab, self.info.n_vocab, self._eog_tokens, grammar,
+            return build_chain(request, self.model.vocab, self.info.n_vocab, self._eog_tokens,
+                               matcher.fork() if matcher is not None else None,
                                seed=(seed + choice) % 0xFFFFFFFF if seed is not None else self.config.seed)
 
         # Build one chain now so logit-bias errors surface at submit time, then free it.
         make_chain(0).free()
-        return PreparedRequest(request, tokens, grammar, handle.sink, make_chain)
+        return PreparedRequest(request, tokens, handle.sink, make_chain)
 
     def _context_limit_reason(self) -> str:
         if self.ctx_per_seq < self.config.ctx:

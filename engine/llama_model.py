@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llama_cpp
 import numpy as np
@@ -21,6 +22,9 @@ import numpy as np
 from slotq.engine.config import CpuRepack, EngineConfig, FlashAttention, KVCacheType, KVLayout
 from slotq.engine.cpu_features import RepackDecision, decide_repack, this_cpu_flags
 from slotq.engine.llama_devices import resolve_gpu_layers
+
+if TYPE_CHECKING:
+    from slotq.engine.sampling import SamplerChain
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +244,9 @@ class LlamaModel:
         self._batch.n_tokens = n
         return int(llama_cpp.llama_decode(self._ctx, self._batch))
 
-    def sample(self, sampler: llama_cpp.llama_sampler_p, batch_index: int) -> int:
+    def sample(self, chain: SamplerChain, batch_index: int) -> int:
         """Sample (and accept) a token from the logits row of ``batch_index`` of the last decode."""
-        return int(llama_cpp.llama_sampler_sample(sampler, self._ctx, batch_index))
+        return chain.sample(self._ctx, batch_index)
 
     def kv_remove(self, seq_id: int, start: int = -1) -> None:
         """Drop ``seq_id``'s cells from position ``start`` on (-1: all of them)."""

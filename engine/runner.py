@@ -32,7 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from slotq.engine.errors import DecodeFailed, EngineDead, EngineError, EngineStopped, KVExhausted, RequestFailed
+from slotq.engine.errors import (
+    DecodeFailed,
+    EngineDead,
+    EngineError,
+    EngineStopped,
+    GrammarError,
+    KVExhausted,
+    RequestFailed,
+)
 from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
@@ -51,11 +59,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class PreparedRequest:
-    """A validated request, ready for the engine thread: tokens are known, the grammar parses."""
+    """A validated request, ready for the engine thread: tokens are known, its constraint compiles."""
 
     request: GenerationRequest
     prompt_tokens: list[int]
-    grammar: str | None
     sink: Sink
     make_chain: Callable[[int], SamplerChain]     # choice index -> a fresh sampler chain
     submitted_at: float = field(default_factory=time.monotonic)
@@ -291,7 +298,11 @@ class Runner:
 
     def _sample(self, seq: Sequence, batch_index: int) -> None:
         state: _Choice = seq.payload
-        token = self.model.sample(state.chain.handle, batch_index)
+        try:
+            token = self.model.sample(state.chain, batch_index)
+        except GrammarError as exc:     # its constraint ran out of fuel: this request ends, the batch goes on
+            self._finish(seq, FinishReason.ERROR, error=exc)
+            return
         seq.tokens.append(token)
         self.counters.generated += 1
         now = time.monotonic()

@@ -1,38 +1,33 @@
 """Per-sequence sampler chains on llama.cpp's sampler API.
 
-Each sequence owns one chain (its penalty history, grammar state and RNG are its own). The chain
-order follows llama-server: logit bias -> penalties -> grammar -> greedy, or
-top-k -> top-p -> min-p -> temperature -> dist(seed).
+Each sequence owns one chain (its penalty history, constraint state and RNG are its own). The
+chain order follows llama-server: the constraint's mask (a JSON schema or grammar, enforced by
+llguidance: see ``slotq.engine.constraints``) -> logit bias -> penalties -> greedy, or top-k ->
+top-p -> min-p -> temperature -> dist(seed). The mask comes first, as a grammar sampler placed
+before the others would: it sets forbidden tokens to -inf in the logits row itself.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
-import math
-import re
-import threading
+from typing import Any
 
 import llama_cpp
-from llama_cpp import llama_grammar
 
-from slotq.engine.errors import GrammarError, InvalidRequest
+from slotq.engine.constraints import TokenMatcher
+from slotq.engine.errors import InvalidRequest
 from slotq.engine.request import GenerationRequest
 
-_grammar_lock = threading.Lock()
-# llama.cpp logs grammar parse errors but reports them only as NULL; the lock keeps concurrent
-# validations from interleaving (grammar init is not documented as thread-safe).
-
-# A "ban" is a huge finite penalty, not -inf: if a grammar allows only banned tokens, every logit
-# would be -inf, sampling would pick a token the grammar rejects, and llama.cpp aborts the process.
+# A "ban" is a huge finite penalty, not -inf: if a constraint allows only banned tokens, they must
+# still outrank the -inf of the forbidden ones, or sampling would pick a token the constraint rejects.
 BAN_BIAS = -1e30
 
 
 class SamplerChain:
     """Owns one llama_sampler chain; free it exactly once."""
 
-    def __init__(self, handle: llama_cpp.llama_sampler_p) -> None:
+    def __init__(self, handle: llama_cpp.llama_sampler_p, matcher: TokenMatcher | None = None) -> None:
         self._handle: llama_cpp.llama_sampler_p | None = handle
+        self._matcher = matcher
 
     @property
     def handle(self) -> llama_cpp.llama_sampler_p:
@@ -41,8 +36,20 @@ class SamplerChain:
             raise RuntimeError("the sampler chain was used after free()")
         return self._handle
 
+    def sample(self, ctx: Any, batch_index: int) -> int:
+        """Sample (and accept) a token from the logits row of ``batch_index`` of the last decode.
+        Raises :class:`~slotq.engine.errors.GrammarError` when the constraint fails (a mask step
+        over its fuel): the caller ends this sequence."""
+        if self._matcher is not None:
+            self._matcher.mask(llama_cpp.llama_get_logits_ith(ctx, batch_index))
+        token = int(llama_cpp.llama_sampler_sample(self.handle, ctx, batch_index))
+        if self._matcher is not None:
+            self._matcher.accept(token)
+        return token
+
     def accept(self, token: int) -> None:
-        """Feed a token the chain did not sample itself (a resumed attempt's delivered tokens)."""
+        """Feed a token the chain did not sample itself (a resumed attempt's delivered tokens; the
+        constraint, if any, was walked past them when the request was checked)."""
         llama_cpp.llama_sampler_accept(self.handle, token)
 
     def free(self) -> None:
@@ -51,30 +58,12 @@ class SamplerChain:
             self._handle = None
 
 
-# llama-cpp-python's converter lets raw control characters into JSON strings, which JSON forbids.
-_LOOSE_JSON_CHAR = 'char ::= [^"\\\\] |'
-_STRICT_JSON_CHAR = 'char ::= [^"\\\\\\x00-\\x1F\\x7F] |'
-
-
-def grammar_for(request: GenerationRequest) -> str | None:
-    """The GBNF grammar a request asks for, converting a JSON schema if given."""
-    params = request.sampling
-    if params.json_schema is not None:
-        try:
-            grammar: str = llama_grammar.json_schema_to_gbnf(json.dumps(params.json_schema))
-        except Exception as exc:  # the converter raises assorted errors on unsupported schemas
-            raise GrammarError(f"sampling.json_schema: cannot be converted to a grammar: {exc}",
-                               field="sampling.json_schema") from exc
-        return grammar.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
-    return params.grammar
-
-
 def build_chain(request: GenerationRequest, vocab: llama_cpp.llama_vocab_p, n_vocab: int,
-                eog_tokens: list[int], grammar: str | None, seed: int) -> SamplerChain:
-    """A new chain for one sequence. Raises :class:`GrammarError` for a grammar llama.cpp rejects."""
+                eog_tokens: list[int], matcher: TokenMatcher | None, seed: int) -> SamplerChain:
+    """A new chain for one sequence, constrained by ``matcher`` when given (the chain owns it)."""
     params = request.sampling
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-    result = SamplerChain(chain)
+    result = SamplerChain(chain, matcher)
     try:
         bias = {token: max(value, BAN_BIAS) for token, value in params.logit_bias.items()}
         if request.ignore_eos:
@@ -92,8 +81,6 @@ def build_chain(request: GenerationRequest, vocab: llama_cpp.llama_vocab_p, n_vo
         if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             _add(chain, _penalties(n_vocab, params.penalty_last_n, params.repeat_penalty,
                                    params.frequency_penalty, params.presence_penalty))
-        if grammar is not None:
-            _add(chain, _grammar_sampler(vocab, grammar))
         if params.temperature <= 0.0:
             _add(chain, llama_cpp.llama_sampler_init_greedy())
         else:
@@ -109,58 +96,6 @@ def build_chain(request: GenerationRequest, vocab: llama_cpp.llama_vocab_p, n_vo
         result.free()
         raise
     return result
-
-
-_GBNF_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*')
-_GBNF_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
-MAX_GRAMMAR_REPEAT = 1000
-
-
-def check_grammar(vocab: llama_cpp.llama_vocab_p, grammar: str) -> None:
-    """Parse a grammar once and throw it away: a bad grammar fails the request at submit time.
-
-    Repetition counts are checked first: llama.cpp expands ``x{m,n}`` into rules, never returns
-    from an inverted range such as ``{2,1}`` (it allocates until the host runs out of memory) and
-    grows without bound with huge counts.
-    """
-    for match in _GBNF_REPEAT.finditer(_GBNF_LITERALS.sub('""', grammar)):
-        low, high = int(match.group(1)), match.group(2)
-        if high not in (None, "") and int(high) < low:
-            raise GrammarError(f"sampling.grammar: repetition {match.group(0)} has its maximum below its minimum",
-                               field="sampling.grammar")
-        if max(low, int(high or 0)) > MAX_GRAMMAR_REPEAT:
-            raise GrammarError(f"sampling.grammar: repetition {match.group(0)} exceeds {MAX_GRAMMAR_REPEAT}",
-                               field="sampling.grammar")
-    llama_cpp.llama_sampler_free(_grammar_sampler(vocab, grammar))
-
-
-def check_resume_tokens(vocab: llama_cpp.llama_vocab_p, grammar: str, tokens: list[int]) -> None:
-    """Walk the grammar through an earlier attempt's tokens before the engine replays them:
-    llama.cpp throws a C++ exception (the process aborts) when a sampler chain is made to accept
-    a token its grammar forbids, so a forbidden one must be refused here, as a bad request."""
-    sampler = _grammar_sampler(vocab, grammar)
-    try:
-        candidate = llama_cpp.llama_token_data()
-        candidates = llama_cpp.llama_token_data_array(data=ctypes.pointer(candidate), size=1, selected=-1, sorted=False)
-        for i, token in enumerate(tokens):
-            candidate.id, candidate.logit, candidate.p = llama_cpp.llama_token(token), 0.0, 0.0
-            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(candidates))
-            if math.isinf(candidate.logit):
-                raise InvalidRequest(f"resume_tokens: token {token} at position {i} is not allowed by the grammar",
-                                     field="resume_tokens")
-            llama_cpp.llama_sampler_accept(sampler, token)
-    finally:
-        llama_cpp.llama_sampler_free(sampler)
-
-
-def _grammar_sampler(vocab: llama_cpp.llama_vocab_p, grammar: str) -> llama_cpp.llama_sampler_p:
-    sampler: llama_cpp.llama_sampler_p     # llama_cpp's ctypes bindings are typed Any; this is their restype
-    with _grammar_lock:
-        sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
-    if not sampler:
-        raise GrammarError("sampling.grammar: llama.cpp could not parse the GBNF grammar (it needs a 'root' rule)",
-                           field="sampling.grammar")
-    return sampler
 
 
 def _penalties(n_vocab: int, last_n: int, repeat: float, freq: float, present: float) -> llama_cpp.llama_sampler_p:
@@ -179,4 +114,4 @@ def _add(chain: llama_cpp.llama_sampler_p, sampler: llama_cpp.llama_sampler_p) -
     llama_cpp.llama_sampler_chain_add(chain, sampler)
 
 
-__all__ = ["SamplerChain", "build_chain", "check_grammar", "check_resume_tokens", "grammar_for"]
+__all__ = ["SamplerChain", "build_chain"]

@@ -25,6 +25,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 
 from slotq.engine import EngineConfig, EngineKnobs, resolve_model_path
+from slotq.engine.constraints import GrammarKnobs
 from slotq.jobs.worker.elastic.knobs import ElasticKnobs
 
 if TYPE_CHECKING:
@@ -34,8 +35,10 @@ DOTENV = ".env"
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[Ff](?:16|32)|BF16|bf16)$")
 
 
-class ClientSettings(BaseSettings):
-    """What every slotq process needs to reach the queue."""
+class ClientSettings(BaseSettings, GrammarKnobs):
+    """What every slotq process needs to reach the queue. The bounds on structured output
+    (``SLOTQ_GRAMMAR_*``, the engine's :class:`GrammarKnobs`) are here too: a producer refuses a
+    schema the workers would refuse before it is queued, so both must be given the same values."""
 
     model_config = SettingsConfigDict(env_prefix="SLOTQ_", env_file=None, extra="ignore")
 

@@ -91,8 +91,12 @@ class ApiError(Exception):
     @classmethod
     def from_rejection(cls, exc: JobRejected, param: Callable[[str | None], str | None] = public_param) -> ApiError:
         """A request enqueue refused (e.g. ``max_tokens`` beyond every worker's context): a 400 naming
-        the parameter as the request did."""
-        return cls.invalid(str(exc), param(exc.field), code=_REJECTION_CODES.get(exc.field, "invalid_value"))
+        the parameter as the request did, in the message too (a message that starts with the job
+        layer's field name, as the engine's checks write them, starts with the request's name)."""
+        message, public = str(exc), param(exc.field)
+        if public and message.startswith(f"{exc.field}: "):
+            message = f"{public}{message[len(exc.field):]}"
+        return cls.invalid(message, public, code=_REJECTION_CODES.get(exc.field, "invalid_value"))
 
 
 def param_path(loc: Sequence[str | int]) -> str | None:

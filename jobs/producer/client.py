@@ -19,7 +19,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from slotq.engine import ErrorInfo, FinishReason
+from slotq.engine import ErrorInfo, FinishReason, GrammarError
+from slotq.engine.constraints import check_constraint
 from slotq.jobs.errors import (
     JobNotFound,
     JobRejected,
@@ -130,8 +131,9 @@ class SlotqClient:
         sent as the user's chat message (the model's chat template applies, as in llama.cpp's
         conversation mode). For a raw completion prompt pass ``JobRequest(prompt=...)``.
 
-        Raises pydantic.ValidationError (field named), JobRejected (an unknown lane, or a limit the
-        workers of this queue advertise, e.g. max_tokens beyond their context), QueueFull or
+        Raises pydantic.ValidationError (field named), JobRejected (an unknown lane, a limit the
+        workers of this queue advertise, e.g. max_tokens beyond their context, or a JSON schema or
+        grammar over the structured-output limits, ``SLOTQ_GRAMMAR_*``), QueueFull or
         QuotaExceeded (the request's tenant is at a ``SLOTQ_TENANT_*`` quota); nothing is queued
         then. One enqueue wakes at most one idle worker.
         """
@@ -145,6 +147,8 @@ class SlotqClient:
             raise JobRejected(f"lane {request.lane!r} is not one of this queue's lanes {self.settings.lanes} "
                               "(SLOTQ_LANES)", field="lane")
         await self._check_fits(request)
+        if request.sampling.json_schema is not None or request.sampling.grammar is not None:
+            await self._check_constraint(request)
         job_id = tenant_job_id(request.tenant, request.idempotency_key or uuid.uuid4().hex)
         outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
                                            tenant=request.tenant, max_waiting=self.settings.max_queue_length,
@@ -158,6 +162,15 @@ class SlotqClient:
         if self.settings.redis_wait_replicas:
             await self._wait_replicas(job_id)
         return JobHandle(self, job_id, created=outcome == Enqueued.CREATED)
+
+    async def _check_constraint(self, request: JobRequest) -> None:
+        """Compile the request's JSON schema or grammar as a worker would, under the same limits
+        (``SLOTQ_GRAMMAR_*``), so one a worker would refuse is never queued. Off the event loop:
+        a large grammar takes a few hundred milliseconds to refuse."""
+        try:
+            await asyncio.to_thread(check_constraint, request.sampling, self.settings)
+        except GrammarError as exc:
+            raise JobRejected(str(exc), field=exc.field or "sampling") from None
 
     def _quota_exceeded(self, outcome: Enqueued, request: JobRequest) -> QuotaExceeded:
         """The refusal of a tenant's quota, saying which limit and when to try again: the tokens

@@ -153,6 +153,16 @@ async def test_max_tokens_beyond_the_advertised_context_is_refused_at_enqueue(cl
     assert (await other.enqueue("hello", max_tokens=100_000)).created
 
 
+async def test_a_schema_over_the_structured_output_limits_is_refused_at_enqueue(client):
+    """Checked with the worker's own compiler before anything is queued (issue 32): no worker sees it."""
+    bomb = {"enum": [f"v{i}" for i in range(100_000)]}
+    with pytest.raises(JobRejected, match="SLOTQ_GRAMMAR_INITIAL_FUEL") as info:
+        await client.enqueue("hello", max_tokens=3, sampling={"json_schema": bomb})
+    assert info.value.field == "sampling.json_schema"
+    assert sum(lane.queued for lane in (await client.queue_info()).lanes) == 0
+    assert (await client.enqueue("hello", max_tokens=3, sampling={"json_schema": {"type": "object"}})).created
+
+
 async def test_cli_reports_a_rejected_request_in_one_line(redis_url, worker, tmp_path):
     async with asyncio.timeout(30):
         probe = await SlotqClient.connect(redis_url)

@@ -230,13 +230,12 @@ def test_stop_string_ends_the_reply_before_it(stack):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
-# (No integer bounds: llama-cpp-python's schema-to-grammar converter does not enforce minimum/maximum.)
 SCHEMA = {
     "type": "object",
     "properties": {
         "ok": {"type": "boolean"},
         "color": {"enum": ["red", "green", "blue"]},
-        "count": {"type": "integer"},
+        "count": {"type": "integer", "minimum": 2, "maximum": 40},   # llguidance enforces bounds (issue 32)
     },
     "required": ["ok", "color", "count"],
     "additionalProperties": False,
@@ -250,6 +249,31 @@ def test_json_schema_output_parses_and_validates(stack, prompt):
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}})
     assert reply.choices[0].finish_reason == "stop"        # the grammar closed the object
     jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+
+
+def test_the_probes_schema_bombs_cost_their_sender_nothing_beyond_its_limits(stack):
+    """Issue 32's probe: a 200-byte schema with minItems 10^8 took a worker to 12 GB and the next
+    request got a 503. It now runs in bounded work (llguidance keeps repetitions symbolic); an enum
+    of 100,000 values is refused before it is queued, naming the parameter and the limit."""
+    bomb = {"type": "array", "minItems": 100_000_000, "items": {"type": "string"}}
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-a", "messages": PROMPT, "max_tokens": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bomb}}})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+
+    enum = {"enum": [f"v{i}" for i in range(100_000)]}
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-a", "messages": PROMPT, "max_tokens": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": enum}}})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "response_format" and error["message"].startswith("response_format: ")
+    assert "SLOTQ_GRAMMAR_INITIAL_FUEL" in error["message"]
+
+    after = sdk(stack.url).chat.completions.create(model="tiny-a", messages=PROMPT, max_tokens=4,
+                                                   extra_body=greedy())
+    assert after.usage.completion_tokens == 4                # the worker serves on
 
 
 def test_n_choices_stream_and_not(stack):
