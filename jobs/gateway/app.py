@@ -22,10 +22,11 @@ from slotq.jobs.gateway.batch_driver import BatchDriver
 from slotq.jobs.gateway.batches import BatchStore
 from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.history import FleetHistory
-from slotq.jobs.gateway.limits import BodyLimits, KeylessGuard
+from slotq.jobs.gateway.limits import AmbiguousFraming, BodyLimits, KeylessGuard
 from slotq.jobs.gateway.metrics import MetricsMiddleware
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.gateway.surfaces import PrivatePort, SecurityHeaders
 from slotq.jobs.producer.client import SlotqClient
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -46,17 +47,22 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.gateway = gateway = Gateway(await SlotqClient.connect(redis_url, settings), settings)
-        app.state.files = FileStore(gateway.client.redis, settings.files_dir,
-                                    max_bytes=settings.gateway_max_file_mb << 20)
-        app.state.batches = BatchStore(gateway.client.redis, lease_s=settings.gateway_batch_lease_s)
-        app.state.batch_driver = driver = BatchDriver(gateway, app.state.batches, app.state.files)
+        app.state.files = files = FileStore(
+            gateway.client.redis, settings.files_dir, max_bytes=settings.gateway_max_file_mb << 20,
+            tenant_max_files=settings.gateway_tenant_max_files,
+            tenant_max_bytes=settings.gateway_tenant_max_files_mb << 20,
+            default_expiry_s=settings.gateway_file_expiry_s)
+        app.state.batches = batches = BatchStore(gateway.client.redis, lease_s=settings.gateway_batch_lease_s)
+        app.state.batch_driver = driver = BatchDriver(gateway, batches, files)
         driver.start()
+        files.start(in_use=batches.active_input_ids)
         app.state.history = history = FleetHistory(gateway)
         history.start()
         try:
             yield
         finally:
             await history.close()
+            await files.close()
             await driver.close()
             await gateway.close()
 
@@ -68,12 +74,18 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     for router in (routes_openai.router, routes_jobs.router, routes_files.router, routes_batches.router,
                    routes_ops.router, routes_ops.api):
         app.include_router(router)
-    app.router.routes.append(Dashboard("/", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard"))
+    app.router.routes.append(Dashboard("/", SecurityHeaders(StaticFiles(directory=STATIC_DIR, html=True)),
+                                       name="dashboard"))
+    # Starlette runs the middleware added last first: metrics see every answer; ambiguous framing is
+    # refused before anything else can answer and leave the connection open.
     app.add_middleware(BodyLimits, settings=settings)
     if not settings.has_keys:
         app.add_middleware(KeylessGuard, settings=settings)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Slotq-Job-Id", "Retry-After"])
+    if settings.gateway_metrics_port:
+        app.add_middleware(PrivatePort, metrics_port=settings.gateway_metrics_port)
+    app.add_middleware(AmbiguousFraming)
     app.add_middleware(MetricsMiddleware)
     return app

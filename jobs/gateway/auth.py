@@ -11,16 +11,18 @@ and cross-origin posts).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from slotq.jobs.gateway.errors import ApiError
-from slotq.jobs.gateway.settings import GatewaySettings, parse_key_entries, read_keys_file
+from slotq.jobs.gateway.settings import GatewaySettings, KeyEntry, check_key_entries, key_entries, read_keys_file
 from slotq.jobs.protocol.schemas import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
@@ -44,41 +46,42 @@ def _digest(key: str) -> bytes:
 
 class KeyRing:
     """Every configured key, by hash. The keys file is re-read when it changes (checked at most
-    every KEYS_FILE_CHECK_S), so a key is added or retired without a restart; a file that cannot
-    be read or parsed keeps the keys read last, with a warning."""
+    every KEYS_FILE_CHECK_S, off the event loop: the file may sit on a slow volume), so a key is
+    added or retired without a restart; a file that cannot be read or parsed, or that repeats a key
+    (:func:`~slotq.jobs.gateway.settings.check_key_entries`), keeps the keys read last, with a warning."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.required = settings.has_keys
-        self._fixed = {_digest(key): Caller(tenant, admin=False)
-                       for tenant, key in parse_key_entries(settings.api_keys, "SLOTQ_API_KEYS")}
-        self._admins = {_digest(key): Caller(tenant, admin=True)
-                        for tenant, key in parse_key_entries(settings.admin_keys, "SLOTQ_ADMIN_KEYS")}
+        self._allow_default = settings.gateway_allow_default_tenant_keys
+        self._fixed_entries = settings.fixed_key_entries()
+        self._fixed = {_digest(e.key): Caller(e.tenant, e.admin) for e in self._fixed_entries}
         self._file = settings.api_keys_file
         self._file_keys: dict[bytes, Caller] = {}
         self._file_mtime: float | None = None
-        self._checked_at = float("-inf")
+        self._checked_at = time.monotonic()
+        if self._file is not None:           # at start, before the loop runs: no request waits for a first read
+            self._reload_file(self._file)
 
-    def caller(self, key: str) -> Caller | None:
+    async def caller(self, key: str) -> Caller | None:
+        if self._file is not None and time.monotonic() - self._checked_at >= KEYS_FILE_CHECK_S:
+            self._checked_at = time.monotonic()      # before the await: one reader at a time
+            await asyncio.to_thread(self._reload_file, self._file)
         digest = _digest(key)
-        if digest in self._admins:
-            return self._admins[digest]
-        self._reload_file()
         return self._fixed.get(digest) or self._file_keys.get(digest)
 
-    def _reload_file(self) -> None:
-        if self._file is None or time.monotonic() - self._checked_at < KEYS_FILE_CHECK_S:
-            return
-        self._checked_at = time.monotonic()
+    def _reload_file(self, path: Path) -> None:
         try:
-            mtime = self._file.stat().st_mtime
+            mtime = path.stat().st_mtime
             if mtime == self._file_mtime:
                 return
-            self._file_keys = {_digest(key): Caller(tenant, admin=False) for tenant, key in read_keys_file(self._file)}
+            entries: list[KeyEntry] = key_entries(read_keys_file(path), str(path))
+            check_key_entries(self._fixed_entries + entries, allow_default_tenant=self._allow_default)
+            self._file_keys = {_digest(e.key): Caller(e.tenant, admin=False) for e in entries}
             self._file_mtime = mtime
-            log.info("API keys file %s read: %d keys", self._file, len(self._file_keys))
+            log.info("API keys file %s read: %d keys", path, len(self._file_keys))
         except (OSError, ValueError) as exc:
             log.warning("API keys file %s not re-read (%s); keeping the %d keys read before",
-                        self._file, exc, len(self._file_keys))
+                        path, exc, len(self._file_keys))
 
 
 async def authenticate(request: Request) -> Caller:
@@ -87,7 +90,7 @@ async def authenticate(request: Request) -> Caller:
     if not keys.required:
         return KEYLESS_CALLER
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    caller = keys.caller(token.strip()) if scheme.lower() == "bearer" else None
+    caller = await keys.caller(token.strip()) if scheme.lower() == "bearer" else None
     if caller is None:
         raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with a key from "
                             "SLOTQ_API_KEYS", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -63,6 +63,11 @@ class BatchDriver:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop().create_task(self._adopt_forever(), name="slotq-batch-adopter")
 
+    @property
+    def running(self) -> bool:
+        """Whether its scan for batches to drive is alive (the gateway's /ready)."""
+        return self._loop is not None and not self._loop.done()
+
     def kick(self) -> None:
         """A batch was created: look for work now rather than at the next scan."""
         self._wake.set()
@@ -193,7 +198,7 @@ class _BatchRun:
         Returns the batch in progress, or None: failed, or no worker serves the model right now
         (the lease is released and a later scan tries again)."""
         path = self.driver.files.path(batch.input_file_id)
-        if not path.is_file():
+        if not await self.driver.files.exists(batch.input_file_id):
             return await self._fail(batch, BatchError(code="file_not_found", param="input_file_id", message=(
                 f"the contents of {batch.input_file_id} are missing from SLOTQ_GATEWAY_FILES_DIR")))
         model, line = await _first_model(InputFile(path, ""), batch)
@@ -262,7 +267,7 @@ class _BatchRun:
         outputs: dict[str, object] = {"request_counts": self.counts, "usage": self.usage}
         for field, file_id, name in (("output_file_id", output_file_id(batch.id), "output"),
                                      ("error_file_id", error_file_id(batch.id), "errors")):
-            if files.size(file_id):                 # OpenAI gives no file id for an empty output
+            if await files.size(file_id):           # OpenAI gives no file id for an empty output
                 outputs[field] = (await files.register(file_id, f"{batch.id}_{name}.jsonl", "batch_output",
                                                        batch.tenant)).id
         if self.ending == "expired":

@@ -201,6 +201,14 @@ class BatchStore:
     async def active_ids(self) -> list[str]:
         return await self.records.active_ids()
 
+    async def active_inputs(self) -> dict[str, Batch]:
+        """The unfinished batches by their input file (a file they may still read)."""
+        batches = [await self.find(batch_id) for batch_id in await self.records.active_ids()]
+        return {b.input_file_id: b for b in batches if b is not None and b.status not in FINAL_STATUSES}
+
+    async def active_input_ids(self) -> set[str]:
+        return set(await self.active_inputs())
+
     async def retire(self, batch_id: str) -> None:
         """The batch is finished: no gateway needs to look at it again."""
         await self.records.retire(batch_id)

@@ -8,11 +8,14 @@ so this module imports no web framework: the HTTP side is :mod:`slotq.jobs.gatew
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from slotq.engine import ErrorInfo
 from slotq.jobs.errors import JobNotFound, JobRejected, StreamGone
+
+log = logging.getLogger(__name__)
 
 # Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
 BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})
@@ -62,13 +65,15 @@ class ApiError(Exception):
     @classmethod
     def from_stream_error(cls, exc: Exception, job_id: str) -> ApiError:
         """A job's stream that could not be read to its end: gone for good (410: read the job's
-        result instead), no such job (404), or Redis out of reach (503: resume with Last-Event-ID)."""
+        result instead), no such job (404), or Redis out of reach (503: resume with Last-Event-ID;
+        the cause, which names Redis' host, is logged here and not sent)."""
         if isinstance(exc, JobNotFound):
             return cls.job_not_found(job_id)
         if isinstance(exc, StreamGone):
             return cls(410, f"{exc} (GET /v1/jobs/{job_id} has the result)", type="invalid_request_error",
                        code="stream_gone")
-        return cls(503, f"lost the job's stream ({type(exc).__name__}: {exc}); resume with Last-Event-ID",
+        log.warning("job %s: lost its stream (%s: %s)", job_id, type(exc).__name__, exc)
+        return cls(503, f"lost the job's stream ({type(exc).__name__}); resume with Last-Event-ID",
                    type="server_error", code="stream_unavailable")
 
     @classmethod

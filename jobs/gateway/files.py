@@ -7,6 +7,17 @@ place, as ``slotq bulk`` does with local files. Redis holds a small record per f
 ``GET /v1/files/{id}`` returns, plus its tenant) and an index per tenant by creation for listing,
 so any replica can answer (:class:`~slotq.jobs.gateway.records.FileRecords`). A file of another
 tenant is looked up as one that does not exist.
+
+Bounded per tenant: at most ``SLOTQ_GATEWAY_TENANT_MAX_FILES`` files and
+``SLOTQ_GATEWAY_TENANT_MAX_FILES_MB`` of them (uploads are refused past either, checked in the
+script that records the file, so concurrent uploads cannot both take the last place; batch outputs
+count but are never refused: the batch has run). Every file expires: OpenAI's ``expires_after``
+(``{"anchor": "created_at", "seconds": N}``, 1 hour to 30 days) or ``SLOTQ_GATEWAY_FILE_EXPIRY_S``.
+An expired file is gone at once for its tenant, and a sweep every ``SWEEP_S`` on each replica
+removes its record and contents, except a batch input while its batch runs (the next sweep after).
+
+Disk work (copying an upload, stat, unlink) runs in threads: a shared volume can be slow, and the
+event loop serves every other request meanwhile.
 """
 
 from __future__ import annotations
@@ -14,21 +25,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Literal
 
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from slotq.jobs.gateway.errors import ApiError
-from slotq.jobs.gateway.records import FileRecords
+from slotq.jobs.gateway.records import FileQuotaExceeded, FileRecords
 from slotq.jobs.protocol.schemas import DEFAULT_TENANT
 
+log = logging.getLogger(__name__)
+
 FILE_ID_RE = re.compile(r"file-[0-9A-Za-z_-]{1,100}")
+EXPIRES_AFTER_S = (3600, 30 * 86_400)      # OpenAI's bounds on expires_after.seconds
+SWEEP_S = 60.0
+SWEEP_BATCH = 100
 
 Purpose = Literal["batch", "batch_output"]
 
@@ -70,31 +89,123 @@ class FileDeleted(BaseModel):
     deleted: bool = True
 
 
+def expiry_seconds(anchor: str | None, seconds: int | None) -> int | None:
+    """OpenAI's ``expires_after`` of an upload as seconds after its creation (None: not given), or
+    a 400 naming the part that is wrong."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise ApiError.invalid(f"expires_after.anchor: must be 'created_at' (got {anchor!r})", "expires_after.anchor")
+    low, high = EXPIRES_AFTER_S
+    if seconds is None or not low <= seconds <= high:
+        raise ApiError.invalid(f"expires_after.seconds: must be {low} to {high} (got {seconds})",
+                               "expires_after.seconds")
+    return seconds
+
+
 class FileStore:
-    def __init__(self, redis: Redis, directory: Path, *, max_bytes: int) -> None:
+    def __init__(self, redis: Redis, directory: Path, *, max_bytes: int, tenant_max_files: int,
+                 tenant_max_bytes: int, default_expiry_s: int, clock: Callable[[], float] = time.time) -> None:
         self.records = FileRecords(redis)
         self.directory = directory
         self.max_bytes = max_bytes
+        self.tenant_max_files = tenant_max_files
+        self.tenant_max_bytes = tenant_max_bytes
+        self.default_expiry_s = default_expiry_s
+        self.clock = clock
+        self.in_use: Callable[[], Awaitable[set[str]]] = _nothing_in_use
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ the sweep
+    def start(self, in_use: Callable[[], Awaitable[set[str]]]) -> None:
+        """Sweep expired files every SWEEP_S, keeping those ``in_use`` names (inputs of running batches)."""
+        self.in_use = in_use
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="slotq-file-sweep")
+
+    @property
+    def running(self) -> bool:
+        return self._sweeper is not None and not self._sweeper.done()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except (RedisError, OSError) as exc:
+                log.warning("file sweep failed (%s: %s); retrying in %g s", type(exc).__name__, exc, SWEEP_S)
+            await asyncio.sleep(SWEEP_S)
+
+    async def sweep(self) -> int:
+        """Remove every expired file but those in use; how many were removed."""
+        keep = await self.in_use()
+        removed = 0
+        while ids := [i for i in await self.records.expired(self.clock(), SWEEP_BATCH + len(keep)) if i not in keep]:
+            for file_id in ids[:SWEEP_BATCH]:
+                raw = await self.records.get(file_id)
+                if raw is None:
+                    await self.records.forget_expiry(file_id)
+                    continue
+                removed += await self._remove(FileObject.model_validate_json(raw))
+        if removed:
+            log.info("removed %d expired files", removed)
+        return removed
+
+    async def _remove(self, obj: FileObject) -> bool:
+        removed = await self.records.remove(obj.id, obj.tenant, obj.bytes)
+        if removed:
+            await asyncio.to_thread(self.path(obj.id).unlink, missing_ok=True)
+        return removed
+
+    # ------------------------------------------------------------------ the files
 
     def path(self, file_id: str) -> Path:
         if not FILE_ID_RE.fullmatch(file_id):           # never a path outside the directory
             raise file_not_found(file_id)
         return self.directory / file_id
 
-    def size(self, file_id: str) -> int:
+    async def size(self, file_id: str) -> int:
         """Bytes in the file's contents; 0 when there are none."""
         try:
-            return self.path(file_id).stat().st_size
+            return (await asyncio.to_thread(self.path(file_id).stat)).st_size
         except FileNotFoundError:
             return 0
 
-    async def upload(self, source: IO[bytes], filename: str, purpose: Purpose, tenant: str) -> FileObject:
-        """Copy an upload into the directory (refusing it past ``max_bytes``) and record it."""
-        file_id = new_file_id()
-        size = await asyncio.to_thread(self._copy, source, file_id)
-        return await self.register(file_id, filename, purpose, tenant, size)
+    async def exists(self, file_id: str) -> bool:
+        return await asyncio.to_thread(self.path(file_id).is_file)
 
-    def _copy(self, source: IO[bytes], file_id: str) -> int:
+    def _quota_error(self, what: Literal["files", "bytes"]) -> ApiError:
+        if what == "files":
+            return ApiError.invalid(f"file: this tenant keeps {self.tenant_max_files} files already, the limit "
+                                    "(SLOTQ_GATEWAY_TENANT_MAX_FILES); delete some, or let them expire", "file",
+                                    code="tenant_files_limit_exceeded")
+        return ApiError.invalid(f"file: this tenant's files would pass the limit of {self.tenant_max_bytes >> 20} MB "
+                                "in all (SLOTQ_GATEWAY_TENANT_MAX_FILES_MB); delete some, or let them expire", "file",
+                                code="tenant_file_bytes_limit_exceeded")
+
+    async def upload(self, source: IO[bytes], filename: str, purpose: Purpose, tenant: str,
+                     expires_after_s: int | None = None) -> FileObject:
+        """Copy an upload into the directory (refusing it past ``max_bytes`` or the tenant's caps)
+        and record it, expiring ``expires_after_s`` (default: SLOTQ_GATEWAY_FILE_EXPIRY_S) after now."""
+        count, used = await self.records.usage(tenant)
+        if count >= self.tenant_max_files:
+            raise self._quota_error("files")
+        file_id = new_file_id()
+        size = await asyncio.to_thread(self._copy, source, file_id, self.tenant_max_bytes - used)
+        try:
+            return await self._record(file_id, filename, purpose, tenant, size, expires_after_s,
+                                      caps=(self.tenant_max_files, self.tenant_max_bytes))
+        except Exception as exc:          # not recorded: its contents must not stay behind
+            await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
+            if isinstance(exc, FileQuotaExceeded):             # another upload took the room meanwhile
+                raise self._quota_error(exc.what) from None
+            raise
+
+    def _copy(self, source: IO[bytes], file_id: str, room: int) -> int:
+        """The upload into the directory; ``room``: the bytes the tenant has left."""
         self.directory.mkdir(parents=True, exist_ok=True)
         partial = self.directory / f".upload-{file_id}"
         size = 0
@@ -105,6 +216,8 @@ class FileStore:
                     if size > self.max_bytes:
                         raise ApiError.invalid(f"file: larger than the limit of {self.max_bytes // (1 << 20)} MB "
                                                "(SLOTQ_GATEWAY_MAX_FILE_MB)", "file", code="file_too_large")
+                    if size > room:
+                        raise self._quota_error("bytes")
                     out.write(chunk)
                 out.flush()
                 os.fsync(out.fileno())
@@ -114,22 +227,31 @@ class FileStore:
                 partial.unlink()
         return size
 
-    async def register(self, file_id: str, filename: str, purpose: Purpose, tenant: str,
-                       size: int | None = None) -> FileObject:
-        """Record a file already in the directory (an upload, or a batch's output) as the tenant's."""
-        if size is None:
-            size = self.path(file_id).stat().st_size
-        now = time.time()
-        obj = FileObject(id=file_id, bytes=size, created_at=int(now), filename=filename, purpose=purpose, tenant=tenant)
+    async def register(self, file_id: str, filename: str, purpose: Purpose, tenant: str) -> FileObject:
+        """Record a file already in the directory (a batch's output) as the tenant's. It counts
+        toward the tenant's caps but is never refused by them: the batch has run."""
+        size = await self.size(file_id)
+        return await self._record(file_id, filename, purpose, tenant, size, None, caps=None)
+
+    async def _record(self, file_id: str, filename: str, purpose: Purpose, tenant: str, size: int,
+                      expires_after_s: int | None, caps: tuple[int, int] | None) -> FileObject:
+        now = self.clock()
+        created = int(now)
+        obj = FileObject(id=file_id, bytes=size, created_at=created, filename=filename, purpose=purpose, tenant=tenant,
+                         expires_at=created + (expires_after_s or self.default_expiry_s))
         await self.records.add(file_id, tenant, json.dumps(obj.model_dump(mode="json") | {"tenant": tenant}),
-                               created_ms=int(now * 1000))
+                               created_ms=int(now * 1000), size=size, expires_at=obj.expires_at, caps=caps)
         return obj
 
+    def _live(self, obj: FileObject) -> bool:
+        """Not expired (files recorded before expiry existed have no expires_at and stay)."""
+        return obj.expires_at is None or obj.expires_at > self.clock()
+
     async def get(self, file_id: str, tenant: str) -> FileObject:
-        """The tenant's file; 404 for another tenant's, as for none."""
+        """The tenant's file; 404 for another tenant's, as for none, and for an expired one."""
         raw = await self.records.get(file_id)
         obj = None if raw is None else FileObject.model_validate_json(raw)
-        if obj is None or obj.tenant != tenant:
+        if obj is None or obj.tenant != tenant or not self._live(obj):
             raise file_not_found(file_id)
         return obj
 
@@ -152,14 +274,16 @@ class FileStore:
             for raw in await self.records.get_many(ids):
                 if raw is not None:
                     obj = FileObject.model_validate_json(raw)
-                    if purpose is None or obj.purpose == purpose:
+                    if (purpose is None or obj.purpose == purpose) and self._live(obj):
                         found.append(obj)
         data = found[:limit]
         return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
                         has_more=len(found) > limit)
 
     async def delete(self, file_id: str, tenant: str) -> FileDeleted:
-        await self.get(file_id, tenant)
-        await self.records.remove(file_id, tenant)
-        await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
+        await self._remove(await self.get(file_id, tenant))
         return FileDeleted(id=file_id)
+
+
+async def _nothing_in_use() -> set[str]:
+    return set()

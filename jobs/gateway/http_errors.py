@@ -7,6 +7,8 @@ share, does not import the web stack.
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -15,6 +17,8 @@ from starlette.exceptions import HTTPException
 
 from slotq.jobs.errors import RedisUnavailable
 from slotq.jobs.gateway.errors import ApiError, from_validation
+
+log = logging.getLogger(__name__)
 
 # FastAPI's own HTTP errors (routing, body limits) -> OpenAI-style codes.
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
@@ -47,7 +51,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     @app.exception_handler(RedisUnavailable)
     async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
-        """Redis out of reach beyond the client's retries: come back later, as /health says."""
-        return response(ApiError(503, f"the queue's Redis is unavailable ({type(exc).__name__}: {exc}); retry later",
+        """Redis out of reach beyond the client's retries: come back later, as /health says. The
+        cause names Redis' host and port (and a URL may hold its password): logged, never sent."""
+        log.warning("%s %s: Redis unavailable (%s: %s)", request.method, request.url.path, type(exc).__name__, exc)
+        return response(ApiError(503, "the queue's Redis is unavailable; retry later",
                                  type="server_error", code="redis_unavailable",
                                  headers={"Retry-After": str(request.app.state.settings.gateway_retry_after_s)}))

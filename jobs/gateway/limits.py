@@ -1,5 +1,11 @@
 """What the gateway refuses before any route runs, and before anything reaches Redis.
 
+* :class:`AmbiguousFraming` (pure ASGI, outside every other check): a request with both
+  ``Content-Length`` and ``Transfer-Encoding`` is a 400 and its connection is closed (RFC 9112
+  §6.3). uvicorn frames such a body by its chunked encoding and keeps the connection open, so a
+  proxy in front that trusts ``Content-Length`` would read a different request boundary than the
+  gateway does: the bytes it takes for the end of one body are, here, a second request (request
+  smuggling). Closing the connection discards whatever was sent after the headers.
 * :class:`BodyLimits` (pure ASGI): a body larger than its cap is a 413, decided from
   ``Content-Length`` before a byte of it is read, or as soon as a chunked body passes the cap; a
   body that has not fully arrived within ``gateway_body_timeout_s`` is a 408. Both close the
@@ -35,6 +41,24 @@ MULTIPART_SLACK = 64 * 1024      # a file upload's other form parts and boundari
 FILE_UPLOAD = ("POST", "/v1/files")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 CLOSE = {"Connection": "close"}
+
+
+class AmbiguousFraming:
+    """Refuses a request that declares its body's length twice (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                error = ApiError(400, "the request has both Content-Length and Transfer-Encoding, which frame its "
+                                      "body differently (RFC 9112 section 6.3): send one of them",
+                                 code="ambiguous_framing", headers=CLOSE)
+                await response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimits:
@@ -152,7 +176,8 @@ class KeylessGuard:
             return None
         origin = headers.get("origin")
         same_origin = origin is not None and urlsplit(origin).netloc == host
-        foreign = (origin is not None and not same_origin and origin not in self.origins and "*" not in self.origins
+        # no '*' here: settings refuse SLOTQ_CORS_ORIGINS=* without keys (GatewaySettings)
+        foreign = (origin is not None and not same_origin and origin not in self.origins
                    or origin is None and headers.get("sec-fetch-site") == "cross-site")
         if foreign:
             return ApiError(403, f"a {scope['method']} from origin {origin or '(cross-site)'} is refused: without API "

@@ -1,9 +1,15 @@
 """Prometheus metrics of the gateway (``GET /metrics``), named ``slotq_gateway_*``.
 
-Requests are counted and timed per route template (never per job id, so the label set stays
-small); a streamed response is timed until its last event.
+Every label comes from a bounded set, whatever a caller sends: the route is the template of the
+route that matched (never the path, which holds job ids), ``static`` or ``unmatched``; the method is
+one of HTTP's standard ones or ``other`` (h11 accepts any token as a method, and one request with a
+12,000-byte method used to add 24 KB to every scrape for good); the status is a number.
 
-They live in a registry of their own: the worker's families (``slotq.jobs.worker.metrics``) are defined when
+The families with a ``tenant`` label are kept apart (:data:`TENANT_REGISTRY`): a tenant's name and
+usage are no business of other tenants, so ``/metrics`` shows them only to the fleet view (an admin
+key, the private metrics port, or keyless mode; :mod:`slotq.jobs.gateway.routes_ops`).
+
+They live in registries of their own: the worker's families (``slotq.jobs.worker.metrics``) are defined when
 that module is imported, and on the default registry a gateway would export them as constant zeros,
 which alerts would read as an idle fleet.
 """
@@ -20,6 +26,7 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    generate_latest,
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,6 +37,22 @@ ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 GCCollector(registry=REGISTRY)
 
+TENANT_REGISTRY = CollectorRegistry()
+
+STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
+
+def method_label(method: str) -> str:
+    """The method as a label: one of HTTP's standard methods (RFC 9110, and PATCH), else ``other``."""
+    return method if method in STANDARD_METHODS else "other"
+
+
+def exposition(*, tenants: bool) -> bytes:
+    """The text format of the gateway's metrics, with the per-tenant families or without."""
+    text = generate_latest(REGISTRY)
+    return text + generate_latest(TENANT_REGISTRY) if tenants else text
+
+
 REQUESTS = Counter("slotq_gateway_requests", "HTTP requests by route, method and status", ["route", "method", "status"],
                    registry=REGISTRY)
 REQUEST_SECONDS = Histogram("slotq_gateway_request_duration_seconds", "Request start to the end of the response",
@@ -39,14 +62,14 @@ DISCONNECT_CANCELS = Counter("slotq_gateway_disconnect_cancels", "Jobs cancelled
                              registry=REGISTRY)
 # Per tenant: tenants come from the configured keys, so the label set stays as small as the key list.
 TENANT_JOBS = Counter("slotq_gateway_tenant_jobs", "Jobs created through the API, by tenant", ["tenant"],
-                      registry=REGISTRY)
+                      registry=TENANT_REGISTRY)
 TENANT_TOKENS = Counter("slotq_gateway_tenant_reserved_tokens",
                         "Tokens the tenant's new jobs reserved (what SLOTQ_TENANT_TOKENS_PER_MIN counts), by tenant",
-                        ["tenant"], registry=REGISTRY)
+                        ["tenant"], registry=TENANT_REGISTRY)
 QUOTA_REFUSALS = Counter("slotq_gateway_quota_refusals",
                          ("Requests refused with 429 by a tenant's quota, "
                           "by tenant and quota (waiting, in_flight, tokens)"),
-                         ["tenant", "quota"], registry=REGISTRY)
+                         ["tenant", "quota"], registry=TENANT_REGISTRY)
 
 
 class MetricsMiddleware:
@@ -72,5 +95,5 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             route = getattr(scope.get("route"), "path", None) or ("static" if status < 400 else "unmatched")
-            REQUESTS.labels(route=route, method=scope["method"], status=str(status)).inc()
+            REQUESTS.labels(route=route, method=method_label(scope["method"]), status=str(status)).inc()
             REQUEST_SECONDS.labels(route=route).observe(time.perf_counter() - started)

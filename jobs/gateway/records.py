@@ -6,6 +6,8 @@
 ``slotq:gateway:models``          HASH    served model name -> unix time it was last seen live
 ``slotq:gateway:file:{<id>}``     STRING  a Batch API file's object and tenant (JSON)
 ``slotq:gateway:files[:<t>]``     ZSET    file id -> created (ms), per tenant (the default tenant's has no suffix)
+``slotq:gateway:file-bytes:<t>``  STRING  bytes of the tenant's files (the cap on them; their count is the ZSET's)
+``slotq:gateway:file-expiry``     ZSET    file id -> expires_at (unix s), for the sweep
 ``slotq:gateway:batch:{<id>}``    HASH    a batch: one JSON value per field of its object (plus queue, tenant)
 ``slotq:gateway:batches[:<t>]``   ZSET    batch id -> created (ms), per tenant (the default tenant's has no suffix)
 ``slotq:gateway:batches:active``  SET     batches not finished yet (scanned for expired leases)
@@ -37,6 +39,7 @@ MODELS_SEEN_KEY = "slotq:gateway:models"
 FILES_INDEX_KEY = "slotq:gateway:files"
 BATCHES_INDEX_KEY = "slotq:gateway:batches"
 ACTIVE_BATCHES_KEY = "slotq:gateway:batches:active"
+FILE_EXPIRY_KEY = "slotq:gateway:file-expiry"     # not under files:, where tenants' indexes are
 
 
 def gateway_job_key(job_id: str) -> str:
@@ -51,6 +54,10 @@ def file_key(file_id: str) -> str:
 def files_index_key(tenant: str) -> str:
     """The default tenant's files keep the key they had before tenants."""
     return FILES_INDEX_KEY if tenant == DEFAULT_TENANT else f"{FILES_INDEX_KEY}:{tenant}"
+
+
+def file_bytes_key(tenant: str) -> str:
+    return f"slotq:gateway:file-bytes:{tenant}"
 
 
 def batch_key(batch_id: str) -> str:
@@ -109,17 +116,77 @@ class ModelsSeen:
 
 
 # ---------------------------------------------------------------------- files
+# KEYS: the file, the tenant's index, the tenant's bytes, the expiry index.
+# ARGV: id, record, created (ms), size, expires_at ('' = never), max files and max bytes (-1 = unchecked).
+# -> 1 added, -1 the tenant keeps max files already, -2 its bytes would pass max bytes. Recording a
+# file again (a batch's output after its driver was taken over) replaces it and counts the difference.
+_ADD_FILE = """
+local old = redis.call('GET', KEYS[1])
+local grows = tonumber(ARGV[4])
+if old then grows = grows - cjson.decode(old)['bytes'] end
+local max_files = tonumber(ARGV[6])
+if max_files >= 0 then
+  if not old and redis.call('ZCARD', KEYS[2]) >= max_files then return -1 end
+  if tonumber(redis.call('GET', KEYS[3]) or '0') + grows > tonumber(ARGV[7]) then return -2 end
+end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], 'NX', ARGV[3], ARGV[1])
+redis.call('INCRBY', KEYS[3], grows)
+if ARGV[5] ~= '' then redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1]) end
+return 1
+"""
+# Same KEYS; ARGV: id, size. Only the call that deletes the record takes its bytes off (two
+# replicas sweeping, or a delete racing the sweep, count it once); files recorded before bytes
+# were counted could take the total below zero, so it stops at zero.
+_REMOVE_FILE = """
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+if redis.call('DEL', KEYS[1]) == 0 then return 0 end
+if redis.call('DECRBY', KEYS[3], ARGV[2]) < 0 then redis.call('SET', KEYS[3], 0) end
+return 1
+"""
+
+
+class FileQuotaExceeded(Exception):
+    """The tenant's files are at SLOTQ_GATEWAY_TENANT_MAX_FILES (``what="files"``) or would pass
+    SLOTQ_GATEWAY_TENANT_MAX_FILES_MB (``what="bytes"``)."""
+
+    def __init__(self, what: Literal["files", "bytes"]) -> None:
+        super().__init__(what)
+        self.what = what
+
+
 class FileRecords:
-    """Each file's object as JSON, and the per-tenant index by creation."""
+    """Each file's object as JSON, the per-tenant index by creation (its size is the tenant's file
+    count), the tenant's bytes, and the index by expiry."""
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
+        self._add = redis.register_script(_ADD_FILE)
+        self._remove = redis.register_script(_REMOVE_FILE)
 
-    async def add(self, file_id: str, tenant: str, record: str, *, created_ms: int) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(file_key(file_id), record)
-            pipe.zadd(files_index_key(tenant), {file_id: created_ms})
-            await pipe.execute()
+    def _keys(self, file_id: str, tenant: str) -> list[str]:
+        return [file_key(file_id), files_index_key(tenant), file_bytes_key(tenant), FILE_EXPIRY_KEY]
+
+    async def add(self, file_id: str, tenant: str, record: str, *, created_ms: int, size: int,
+                  expires_at: int | None, caps: tuple[int, int] | None) -> None:
+        """Record the file; with ``caps`` (max files, max bytes), only if the tenant stays within
+        them, checked in the same script that adds it (FileQuotaExceeded otherwise)."""
+        max_files, max_bytes = caps or (-1, -1)
+        added = await self._add(keys=self._keys(file_id, tenant), args=[
+            file_id, record, created_ms, size, "" if expires_at is None else expires_at, max_files, max_bytes])
+        if added == -1:
+            raise FileQuotaExceeded("files")
+        if added == -2:
+            raise FileQuotaExceeded("bytes")
+
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        """The tenant's files and their bytes."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(files_index_key(tenant))
+            pipe.get(file_bytes_key(tenant))
+            count, size = await pipe.execute()
+        return int(count), int(size or 0)
 
     async def get(self, file_id: str) -> bytes | None:
         return await self.redis.get(file_key(file_id))
@@ -137,11 +204,18 @@ class FileRecords:
         ids = await self.redis.zrange(files_index_key(tenant), start, start + count - 1, desc=newest_first)
         return [i.decode() for i in ids]
 
-    async def remove(self, file_id: str, tenant: str) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(file_key(file_id))
-            pipe.zrem(files_index_key(tenant), file_id)
-            await pipe.execute()
+    async def expired(self, now: float, count: int) -> list[str]:
+        """Up to ``count`` ids of files whose expires_at has passed, oldest first."""
+        ids = await self.redis.zrangebyscore(FILE_EXPIRY_KEY, "-inf", now, start=0, num=count)
+        return [i.decode() for i in ids]
+
+    async def forget_expiry(self, file_id: str) -> None:
+        """For an id in the expiry index whose record is gone."""
+        await self.redis.zrem(FILE_EXPIRY_KEY, file_id)
+
+    async def remove(self, file_id: str, tenant: str, size: int) -> bool:
+        """Forget the file; False when another call did first."""
+        return bool(await self._remove(keys=self._keys(file_id, tenant), args=[file_id, size]) == 1)
 
 
 # ---------------------------------------------------------------------- batches

@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse
 from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.batches import BatchStore
 from slotq.jobs.gateway.errors import ApiError
-from slotq.jobs.gateway.files import FileDeleted, FileList, FileObject, FileStore
+from slotq.jobs.gateway.files import FileDeleted, FileList, FileObject, FileStore, expiry_seconds
 
 router = APIRouter(prefix="/v1/files", dependencies=[Depends(authenticate)])
 
@@ -20,15 +20,22 @@ def files_of(request: Request) -> FileStore:
     return request.app.state.files
 
 
+ExpiresAnchor = Annotated[str | None, Form(alias="expires_after[anchor]")]
+ExpiresSeconds = Annotated[int | None, Form(alias="expires_after[seconds]")]
+
+
 @router.post("")
-async def upload_file(request: Request, file: Annotated[UploadFile, File()],
-                      purpose: Annotated[str, Form()], caller: CallerDep) -> FileObject:
-    """Multipart, as the SDKs send it: ``file`` and ``purpose`` (``batch``: the Batch API's input).
+async def upload_file(request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
+                      caller: CallerDep, expires_anchor: ExpiresAnchor = None,
+                      expires_seconds: ExpiresSeconds = None) -> FileObject:
+    """Multipart, as the SDKs send it: ``file``, ``purpose`` (``batch``: the Batch API's input) and
+    optionally ``expires_after`` (the SDKs send ``expires_after[anchor]`` and ``expires_after[seconds]``).
     A body declared larger than the limit was refused before it was read (slotq.jobs.gateway.limits)."""
     if purpose != "batch":
         raise ApiError.invalid(f"purpose: slotq keeps files for the Batch API only: purpose must be 'batch' "
                                f"(got {purpose!r})", "purpose")
-    return await files_of(request).upload(file.file, file.filename or "upload.jsonl", "batch", caller.tenant)
+    return await files_of(request).upload(file.file, file.filename or "upload.jsonl", "batch", caller.tenant,
+                                          expiry_seconds(expires_anchor, expires_seconds))
 
 
 @router.get("")
@@ -47,11 +54,10 @@ async def get_file(file_id: str, request: Request, caller: CallerDep) -> FileObj
 async def file_content(file_id: str, request: Request, caller: CallerDep) -> FileResponse:
     store = files_of(request)
     obj = await store.get(file_id, caller.tenant)
-    path = store.path(file_id)
-    if not path.is_file():
+    if not await store.exists(file_id):
         raise ApiError(404, f"the contents of {file_id} are missing from SLOTQ_GATEWAY_FILES_DIR", param="file_id",
                        code="file_not_found")
-    return FileResponse(path, media_type="application/jsonl", filename=obj.filename)
+    return FileResponse(store.path(file_id), media_type="application/jsonl", filename=obj.filename)
 
 
 @router.delete("/{file_id}")
@@ -59,9 +65,8 @@ async def delete_file(file_id: str, request: Request, caller: CallerDep) -> File
     """Refused (409) for the input of a batch that has not finished: resuming it reads the file."""
     await files_of(request).get(file_id, caller.tenant)          # another tenant's file is not found
     batches: BatchStore = request.app.state.batches
-    for batch_id in await batches.active_ids():
-        batch = await batches.find(batch_id)
-        if batch is not None and batch.input_file_id == file_id:
-            raise ApiError(409, f"file {file_id} is the input of {batch_id}, which is {batch.status}; cancel it or "
-                           "wait for it to finish", param="file_id", code="file_in_use")
+    batch = (await batches.active_inputs()).get(file_id)
+    if batch is not None:
+        raise ApiError(409, f"file {file_id} is the input of {batch.id}, which is {batch.status}; cancel it or "
+                       "wait for it to finish", param="file_id", code="file_in_use")
     return await files_of(request).delete(file_id, caller.tenant)

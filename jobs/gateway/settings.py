@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from slotq.jobs.protocol.keys import DEFAULT_TENANT
 from slotq.jobs.protocol.schemas import TENANT_PATTERN
 from slotq.jobs.settings import ClientSettings
 
@@ -37,6 +39,49 @@ def parse_key_entries(entries: list[str], where: str) -> list[tuple[str, str]]:
         else:
             pairs.append((name, key))
     return pairs
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """One configured key, and where it was given (for errors, which never show the key)."""
+
+    tenant: str
+    key: str
+    admin: bool
+    where: str              # "SLOTQ_API_KEYS entry 2"
+
+    @property
+    def named(self) -> str:
+        return f"{self.where} (tenant {self.tenant!r})"
+
+
+def key_entries(pairs: list[tuple[str, str]], where: str, *, admin: bool = False) -> list[KeyEntry]:
+    """(tenant, key) pairs from :func:`parse_key_entries` as entries that know their place."""
+    return [KeyEntry(tenant, key, admin, f"{where} entry {number}") for number, (tenant, key) in enumerate(pairs, 1)]
+
+
+def check_key_entries(entries: list[KeyEntry], *, allow_default_tenant: bool) -> None:
+    """Refuse the two key configurations that silently do what nobody meant (ValueError naming the
+    entries, never a key):
+
+    * one key in two entries: the lookup would keep one of them, so a tenant's key would quietly
+      act as another tenant's (or as an admin's), and its own jobs would turn into 404s;
+    * a key for the ``default`` tenant, unless SLOTQ_GATEWAY_ALLOW_DEFAULT_TENANT_KEYS says it is
+      meant: that tenant owns every job enqueued without one (``slotq enqueue``, the Python client)
+      and everything made in keyless mode, so its key reads all of them.
+    """
+    seen: dict[bytes, KeyEntry] = {}
+    for entry in entries:
+        if entry.tenant == DEFAULT_TENANT and not allow_default_tenant:
+            raise ValueError(f"{entry.where} gives a key to the reserved tenant {DEFAULT_TENANT!r}, which owns every "
+                             "job enqueued without a tenant (slotq enqueue, the Python client) and everything made "
+                             "without keys: name another tenant, or set SLOTQ_GATEWAY_ALLOW_DEFAULT_TENANT_KEYS=true "
+                             "if that key is meant to read them")
+        digest = hashlib.sha256(entry.key.encode()).digest()
+        if digest in seen:
+            raise ValueError(f"{entry.named} has the same key as {seen[digest].named}: a key must belong to one "
+                             "entry (one tenant, admin or not); give each its own key")
+        seen[digest] = entry
 
 
 def read_keys_file(path: Path) -> list[tuple[str, str]]:
@@ -70,8 +115,16 @@ class GatewaySettings(ClientSettings):
                                                                               "this long, or the connection is closed")
     gateway_body_timeout_s: float = Field(60.0, gt=0, le=86_400, description="a request's whole body must arrive "
                                                                              "within this long (408 after)")
+    gateway_allow_default_tenant_keys: bool = Field(
+        False, description="allow keys for the reserved tenant 'default', which owns every job enqueued without a "
+                           "tenant and everything made without keys (refused at start unless this is set)")
+    gateway_metrics_port: int = Field(
+        0, ge=0, le=65535, description="a second, private port on SLOTQ_GATEWAY_HOST serving only /metrics (with "
+                                       "the per-tenant families), the detailed /health and /ready, with no key: "
+                                       "for Prometheus inside the cluster, never published; 0 = off")
     cors_origins: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="comma-separated origins allowed by CORS ('*' for any); empty = no CORS")
+        default_factory=list, description="comma-separated origins allowed by CORS ('*' for any, with API keys "
+                                          "only); empty = no CORS")
     gateway_keep_on_disconnect: bool = Field(
         False, description="default for requests that do not say: keep a job running when its streaming client leaves")
     gateway_keepalive_s: float = Field(
@@ -87,6 +140,14 @@ class GatewaySettings(ClientSettings):
                           "unset = <SLOTQ_DATA_DIR>/gateway-files")
     gateway_max_file_mb: int = Field(
         200, ge=1, description="largest file POST /v1/files accepts (OpenAI's batch limit)")
+    gateway_tenant_max_files: int = Field(
+        1000, ge=1, description="files one tenant may keep (uploads and batch outputs); an upload past it is a 400")
+    gateway_tenant_max_files_mb: int = Field(
+        10_240, ge=1, description="MB of files one tenant may keep (uploads and batch outputs); an upload past it is "
+                                  "a 400")
+    gateway_file_expiry_s: int = Field(
+        30 * 86_400, ge=1, description="a file's lifetime when its upload sets no expires_after (OpenAI's default "
+                                       "for batch files: 30 days); batch outputs get it too")
     gateway_batch_lease_s: float = Field(
         30.0, ge=1, le=3600, description="a batch whose gateway stopped renewing its lease this long is resumed "
                                          "by another")
@@ -105,15 +166,38 @@ class GatewaySettings(ClientSettings):
 
     @model_validator(mode="after")
     def _keys_parse(self) -> GatewaySettings:
-        """Bad key entries or an unreadable keys file stop the gateway at start, not at the first request."""
-        parse_key_entries(self.api_keys, "SLOTQ_API_KEYS")
-        parse_key_entries(self.admin_keys, "SLOTQ_ADMIN_KEYS")
+        """Bad key entries, duplicate keys, an unmeant key for the default tenant or an unreadable keys
+        file stop the gateway at start, not at the first request."""
+        entries = self.fixed_key_entries()
         if self.api_keys_file is not None:
             try:
-                read_keys_file(self.api_keys_file)
+                entries += key_entries(read_keys_file(self.api_keys_file), str(self.api_keys_file))
             except OSError as exc:
                 raise ValueError(f"SLOTQ_API_KEYS_FILE: cannot read {self.api_keys_file}: {exc.strerror}") from None
+        check_key_entries(entries, allow_default_tenant=self.gateway_allow_default_tenant_keys)
         return self
+
+    @model_validator(mode="after")
+    def _no_open_cors_without_keys(self) -> GatewaySettings:
+        """Without keys the gateway trusts every request that reaches it from this machine; what keeps a
+        web page the user visits out is the browser's same-origin rule, and '*' switches it off."""
+        if "*" in self.cors_origins and not self.has_keys:
+            raise ValueError("SLOTQ_CORS_ORIGINS=*: without API keys every request from this machine is trusted, "
+                             "so '*' would let any web page the user visits read the gateway and post jobs to it. "
+                             "List the origins that may call it, or set SLOTQ_API_KEYS")
+        return self
+
+    @model_validator(mode="after")
+    def _metrics_port_apart(self) -> GatewaySettings:
+        if self.gateway_metrics_port and self.gateway_metrics_port == self.gateway_port:
+            raise ValueError(f"SLOTQ_GATEWAY_METRICS_PORT={self.gateway_metrics_port} is SLOTQ_GATEWAY_PORT: the "
+                             "private metrics port must be another one")
+        return self
+
+    def fixed_key_entries(self) -> list[KeyEntry]:
+        """The keys given in SLOTQ_API_KEYS and SLOTQ_ADMIN_KEYS (the keys file is read apart: it changes)."""
+        return (key_entries(parse_key_entries(self.api_keys, "SLOTQ_API_KEYS"), "SLOTQ_API_KEYS")
+                + key_entries(parse_key_entries(self.admin_keys, "SLOTQ_ADMIN_KEYS"), "SLOTQ_ADMIN_KEYS", admin=True))
 
     @property
     def has_keys(self) -> bool:

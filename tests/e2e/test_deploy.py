@@ -58,14 +58,17 @@ def test_the_gateway_manifest_matches_the_gateway(tmp_path: Path) -> None:
     # it binds beyond loopback, so it must get API keys (the gateway refuses to start without them)
     assert env["SLOTQ_GATEWAY_HOST"]["value"] == "0.0.0.0" and "secretKeyRef" in env["SLOTQ_API_KEYS"]["valueFrom"]
     settings = GatewaySettings(_env_file=None, gateway_host="0.0.0.0", api_keys="k",
-                               gateway_port=int(env["SLOTQ_GATEWAY_PORT"]["value"]))
+                               gateway_port=int(env["SLOTQ_GATEWAY_PORT"]["value"]),
+                               gateway_metrics_port=int(env["SLOTQ_GATEWAY_METRICS_PORT"]["value"]))
     assert settings.bind_error(settings.gateway_host) is None
-    [port] = gateway["ports"]
-    assert port["containerPort"] == settings.gateway_port
-    # probes and the Prometheus scrape hit routes the app serves
+    ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert ports == {"http": settings.gateway_port, "metrics": settings.gateway_metrics_port}
+    # probes and the Prometheus scrape hit routes the app serves; Prometheus scrapes the private port
     routes = set(create_app(settings, "redis://127.0.0.1:1/0").openapi()["paths"])
     assert gateway["readinessProbe"]["httpGet"]["path"] in routes
-    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"] in routes
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] in routes
+    assert int(annotations["prometheus.io/port"]) == settings.gateway_metrics_port
     # the Batch API's files live on the shared volume
     [mount] = gateway["volumeMounts"]
     assert mount["mountPath"] == env["SLOTQ_GATEWAY_FILES_DIR"]["value"]
@@ -74,7 +77,8 @@ def test_the_gateway_manifest_matches_the_gateway(tmp_path: Path) -> None:
     assert "ReadWriteMany" in claim["spec"]["accessModes"]            # every replica mounts it
     service = docs[("Service", "slotq-gateway")]
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
-    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+    # the Service publishes the API only: the metrics port shows every tenant and stays private
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
     # the secret example offers every key the manifests read
     secret = docs[("Secret", "slotq")]["stringData"]
     refs = {e["valueFrom"]["secretKeyRef"]["key"] for doc in docs.values() if doc["kind"] == "Deployment"

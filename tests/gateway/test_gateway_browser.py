@@ -2,7 +2,9 @@
 a real gateway, worker and Redis: the fleet table shows the worker, a dead letter is requeued
 with its button, a playground reply streams in (preempting one of two tenants' bulk jobs that fill
 the slots), the lane charts draw that traffic and the tenant table its backlog, and a reply
-survives a page reload mid-stream.
+survives a page reload mid-stream. Behind API keys, the key typed into the page is kept for the tab
+(sessionStorage), never in localStorage; and the page runs under the gateway's Content-Security-
+Policy without a single violation.
 
 ``make test`` installs Chromium (``make test-deps``). Without it the test fails in CI (``CI=true``)
 and is skipped elsewhere, saying why. ``SLOTQ_SCREENSHOT_TO=docs/dashboard.png`` runs it on the
@@ -41,6 +43,13 @@ SCREENSHOT_TO = os.environ.get("SLOTQ_SCREENSHOT_TO")
 MODEL_NAME = "smollm2" if SCREENSHOT_TO else "tiny"
 LONG_TOKENS = 300 if SCREENSHOT_TO else 16_000   # still generating after the page has sampled a while
 BULK_BACKLOG = {"acme": 5, "globex": 3}           # bulk jobs per tenant: two fill the slots, the rest wait
+ADMIN_KEY = "sk-dashboard"
+# Every Content-Security-Policy violation the page causes, as the browser reports them to the page.
+# (Playwright evaluates a waited-for *expression* with eval, which the policy refuses: the waits
+# below are functions, "() => ...".)
+RECORD_VIOLATIONS = ("window.policyViolations = [];"
+                     "document.addEventListener('securitypolicyviolation',"
+                     " (e) => window.policyViolations.push(`${e.violatedDirective} ${e.blockedURI}`));")
 
 
 def _require_chromium() -> None:
@@ -62,6 +71,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
         # no cache slot, so no reserve: the playground reply takes a bulk job's slot, which the charts show
         s.start_worker("browser-worker", MODEL_NAME, slots=2, cache_slots=0, **engine)
         s.start_gateway("browser-gateway").wait_ready()
+        s.start_gateway("browser-keyed", admin_keys=f"ops={ADMIN_KEY}").wait_ready()
         s.wait_for_models({MODEL_NAME})
         yield s
 
@@ -77,6 +87,7 @@ def page(stack: Stack, tmp_path: Path) -> Iterator[Any]:
         try:
             page = context.new_page()
             page.set_default_timeout(60_000)
+            page.add_init_script(RECORD_VIOLATIONS)
             yield page
         finally:
             context.close()
@@ -129,6 +140,10 @@ def _cancel(stack: Stack, job_ids: list[str]) -> None:
     _in_a_loop(cancel)
 
 
+def _assert_no_policy_violation(page: Any) -> None:
+    assert page.evaluate("window.policyViolations") == []
+
+
 def _chart(page: Any, name: str) -> dict[str, float]:
     return page.evaluate(f"(({{points, max}}) => ({{points: +points, max: +max}}))"
                          f"(document.querySelector('#chart-{name}').dataset)")
@@ -163,7 +178,7 @@ def test_dashboard_fleet_dead_letters_and_playground(stack, page, tmp_path):
     # two tenants' bulk jobs fill both slots and wait: the tenant table shows who waits
     backlog = _bulk_backlog(stack)
     try:
-        page.wait_for_function("document.querySelectorAll('#tenants tbody tr[data-tenant]').length == "
+        page.wait_for_function("() => document.querySelectorAll('#tenants tbody tr[data-tenant]').length == "
                                f"{len(BULK_BACKLOG)}")
         assert {row.get_attribute("data-tenant") for row in page.query_selector_all("#tenants tr[data-tenant]")} \
             == set(BULK_BACKLOG)
@@ -172,17 +187,18 @@ def test_dashboard_fleet_dead_letters_and_playground(stack, page, tmp_path):
         # is exactly the job's result
         page.wait_for_selector(f'#play-model option:text-is("{MODEL_NAME}")', state="attached")
         _send(page, "Write one sentence about queues.", 48)
-        page.wait_for_function("document.querySelector('#play-status').textContent.startsWith('done')")
+        page.wait_for_function("() => document.querySelector('#play-status').textContent.startsWith('done')")
         state = _playground(page)
         result = _finished(stack, state["request"]["idempotency_key"])["result"]
         assert page.inner_text("#play-output") != "" and state["text"] == result["text"]
 
         # the lane charts: tokens/s and queue depth over time, and the preemption the reply caused
-        page.wait_for_function("+document.querySelector('#chart-preempted').dataset.max > 0", timeout=60_000)
-        page.wait_for_function("+document.querySelector('#chart-tokens').dataset.max > 0", timeout=60_000)
+        page.wait_for_function("() => +document.querySelector('#chart-preempted').dataset.max > 0", timeout=60_000)
+        page.wait_for_function("() => +document.querySelector('#chart-tokens').dataset.max > 0", timeout=60_000)
         assert _chart(page, "waiting")["max"] > 0 and _chart(page, "tokens")["points"] >= 2
         assert page.query_selector_all("#chart-tokens polyline") and page.query_selector_all("#chart-preempted rect")
         assert "preempted in 15 min" in page.inner_text('#lane-legend [data-lane="bulk"]')
+        _assert_no_policy_violation(page)
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     finally:
         _cancel(stack, backlog)
@@ -194,12 +210,12 @@ def test_playground_reply_survives_a_reload_mid_stream(stack, page):
     page.goto(stack.url)
     page.wait_for_selector(f'#play-model option:text-is("{MODEL_NAME}")', state="attached")
     _send(page, "Tell me a long story.", 300 if SCREENSHOT_TO else 4000, ignore_eos=True)
-    page.wait_for_function("(JSON.parse(localStorage.getItem('slotq.playground')) || {}).lastId")
+    page.wait_for_function("() => (JSON.parse(localStorage.getItem('slotq.playground')) || {}).lastId")
     job_id = _playground(page)["request"]["idempotency_key"]
     assert _job(stack, job_id)["status"] == "running"            # reloading mid-stream, not after the end
     before = _playground(page)
     page.reload()
-    page.wait_for_function("document.querySelector('#play-status').textContent.startsWith('done')",
+    page.wait_for_function("() => document.querySelector('#play-status').textContent.startsWith('done')",
                            timeout=120_000)
     after = _playground(page)
     assert "resumed after reload" in page.inner_text("#play-status")
@@ -207,3 +223,18 @@ def test_playground_reply_survives_a_reload_mid_stream(stack, page):
     job = _finished(stack, job_id)
     assert job["status"] == "succeeded" and job["result"]["attempts"] == 1     # the reload did not cancel it
     assert after["text"] == job["result"]["text"]                # nothing lost, nothing repeated
+    _assert_no_policy_violation(page)
+
+
+def test_the_key_is_kept_for_the_tab_only(stack, page):
+    keyed = stack.gateways[1]                                    # SLOTQ_ADMIN_KEYS: the page asks for a key
+    page.goto(keyed.url)
+    page.wait_for_selector("#key-form", state="visible")
+    page.fill("#key", ADMIN_KEY)
+    page.click("#key-form button[type=submit]")
+    page.wait_for_selector('#workers tbody tr[data-worker="browser-worker"]')
+    assert page.evaluate("sessionStorage.getItem('slotq.apiKey')") == ADMIN_KEY
+    assert page.evaluate("localStorage.getItem('slotq.apiKey')") is None
+    # the slot bars are drawn through the CSSOM, which the policy allows where style attributes are refused
+    assert page.evaluate("document.querySelector('#workers .bar > span').style.width").endswith("%")
+    _assert_no_policy_violation(page)

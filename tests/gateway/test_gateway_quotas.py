@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 
 A, B, C = ({"Authorization": f"Bearer sk-{name}"} for name in ("alpha", "beta", "gamma"))
 KEYS = "alpha=sk-alpha,beta=sk-beta,gamma=sk-gamma"
+ADMIN_KEYS = "ops=sk-ops"          # the per-tenant metrics are the fleet view's
 HELD_QUEUE = "held:queue"
 LANES = ["interactive", "bulk"]
 RETRY_AFTER_S = 7
@@ -38,9 +39,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
     with Stack.started(tmp_path_factory.mktemp("quotas"), tiny_model_path) as s:
         s.start_worker("held-worker", "held", queue=HELD_QUEUE, fault_warmup_delay_s=3600)
         s.start_worker("tiny-worker", "tiny")
-        s.start_gateway("waiting-and-tokens", api_keys=KEYS, tenant_max_waiting=2, tenant_tokens_per_min=100,
+        s.start_gateway("waiting-and-tokens", api_keys=KEYS, admin_keys=ADMIN_KEYS, tenant_max_waiting=2,
+                        tenant_tokens_per_min=100, gateway_retry_after_s=RETRY_AFTER_S)
+        s.start_gateway("in-flight", api_keys=KEYS, admin_keys=ADMIN_KEYS, tenant_max_in_flight=2,
                         gateway_retry_after_s=RETRY_AFTER_S)
-        s.start_gateway("in-flight", api_keys=KEYS, tenant_max_in_flight=2, gateway_retry_after_s=RETRY_AFTER_S)
         for gateway in s.gateways:
             gateway.wait_ready()
         s.wait_for_models({"held", "tiny"})
@@ -75,7 +77,8 @@ def assert_quota_refusal(response: httpx.Response, code: str, type: str) -> None
 
 
 def refusals(url: str, tenant: str, quota: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+    admin = {"Authorization": "Bearer sk-ops"}
+    for line in httpx.get(f"{url}/metrics", headers=admin, timeout=30).text.splitlines():
         if line.startswith("slotq_gateway_quota_refusals_total{") and f'tenant="{tenant}"' in line \
                 and f'quota="{quota}"' in line:
             return float(line.rsplit(" ", 1)[1])

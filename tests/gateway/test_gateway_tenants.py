@@ -348,11 +348,18 @@ def test_gateway_metrics_are_the_gateways_own_and_no_cdn_docs(stack):
 
 # ---------------------------------------------------------------------- Redis out of reach
 def test_redis_unreachable_is_a_503_in_openais_shape(tmp_path, tiny_model_path):
+    """...that never names Redis' host or port (the log does), and /ready and /health say 503."""
     with Stack.started(tmp_path, tiny_model_path) as s:
-        gateway = s.start_gateway("gateway", redis_connect_timeout_s=1)
+        gateway = s.start_gateway("gateway", redis_connect_timeout_s=1, api_keys=KEY_A)
         gateway.wait_ready()
+        redis_port = str(s.redis.port)
         s.redis.kill()
         for method, path in (("GET", "/v1/jobs/some-job"), ("GET", "/v1/files"), ("POST", "/v1/chat/completions")):
-            response = httpx.request(method, f"{gateway.url}{path}", json=CHAT, timeout=30)
+            response = httpx.request(method, f"{gateway.url}{path}", headers=A, json=CHAT, timeout=30)
             assert response.status_code == 503, (path, response.text)
             assert response.json()["error"]["code"] == "redis_unavailable" and response.headers["retry-after"]
+            assert redis_port not in response.text and "127.0.0.1" not in response.text, response.text
+        health, ready = (httpx.get(f"{gateway.url}{path}", timeout=30) for path in ("/health", "/ready"))
+        assert (health.status_code, health.json()) == (503, {"status": "unavailable"})
+        assert (ready.status_code, ready.json()) == (503, {"ok": False, "state": "redis_unavailable"})
+        assert f":{redis_port}" in gateway.log_tail(20_000)          # the operator's log has the cause

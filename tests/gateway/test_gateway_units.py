@@ -1,12 +1,14 @@
 """The gateway's pure parts, without Redis or a model: request translation (its refusals, shared
 with Batch lines, are in test_openai_translation.py), the stream-entry -> SSE renderers (resume,
-usage, errors, restart), routing from heartbeats, the bind rule, and API keys (tenants, the keys
-file)."""
+usage, errors, restart), routing from heartbeats, the bind rule, API keys (tenants, the keys
+file, the configurations refused at start), metric labels and the access log's redaction."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -16,10 +18,12 @@ from slotq.engine import ErrorInfo, FinishReason, Usage
 from slotq.jobs.gateway import auth
 from slotq.jobs.gateway.auth import Caller, KeyRing
 from slotq.jobs.gateway.chunks import DONE, ChunkRenderer, NativeRenderer, parse_stream_id
+from slotq.jobs.gateway.metrics import method_label
 from slotq.jobs.gateway.openai.translate import to_job_request
 from slotq.jobs.gateway.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.gateway.routing import routes_from
 from slotq.jobs.gateway.settings import GatewaySettings, key_tenant
+from slotq.jobs.gateway.surfaces import redact_target
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry, WorkerInfo
 from slotq.jobs.settings import ClientSettings
 from tests.support import REPO_ROOT
@@ -204,21 +208,109 @@ def test_every_gateway_setting_is_documented():
         assert var in page, f"{var} missing from docs/gateway.md"
 
 
-def test_keys_name_tenants_and_the_keys_file_is_reread(tmp_path, monkeypatch):
+def _touch(path, text: str, ahead_s: float = 5) -> None:
+    """Write the file with a new mtime, whatever the clock's resolution."""
+    path.write_text(text)
+    os.utime(path, (time.time() + ahead_s, time.time() + ahead_s))
+
+
+async def test_keys_name_tenants_and_the_keys_file_is_reread(tmp_path, monkeypatch):
     keys_file = tmp_path / "keys"
     keys_file.write_text("# rotation: the new key first\nteamA=sk-new\n")
     ring = KeyRing(GatewaySettings(_env_file=None, api_keys="teamA=sk-old,sk-bare", admin_keys="ops=sk-ops",
                                    api_keys_file=keys_file))
-    assert ring.caller("sk-old") == ring.caller("sk-new") == Caller("teamA", admin=False)
-    bare = ring.caller("sk-bare")
+    assert await ring.caller("sk-old") == await ring.caller("sk-new") == Caller("teamA", admin=False)
+    bare = await ring.caller("sk-bare")
     assert bare is not None and bare.tenant == key_tenant("sk-bare") and "sk-bare" not in bare.tenant
-    assert ring.caller("sk-ops") == Caller("ops", admin=True) and ring.caller("sk-nope") is None
+    assert await ring.caller("sk-ops") == Caller("ops", admin=True) and await ring.caller("sk-nope") is None
     monkeypatch.setattr(auth, "KEYS_FILE_CHECK_S", 0)
-    keys_file.write_text("teamA=sk-newer\n")
-    os.utime(keys_file, (time.time() + 5, time.time() + 5))     # a new mtime whatever the clock's resolution
-    assert ring.caller("sk-newer") == Caller("teamA", admin=False) and ring.caller("sk-new") is None
+    _touch(keys_file, "teamA=sk-newer\n")
+    assert await ring.caller("sk-newer") == Caller("teamA", admin=False) and await ring.caller("sk-new") is None
+    _touch(keys_file, "teamB=sk-old\n", ahead_s=10)            # a key SLOTQ_API_KEYS gives teamA: not taken
+    assert await ring.caller("sk-old") == Caller("teamA", admin=False)
+    assert await ring.caller("sk-newer") == Caller("teamA", admin=False)
     keys_file.unlink()                                          # unreadable: the keys read last stay
-    assert ring.caller("sk-newer") == Caller("teamA", admin=False)
+    assert await ring.caller("sk-newer") == Caller("teamA", admin=False)
+
+
+async def test_the_keys_file_is_read_off_the_event_loop(tmp_path, monkeypatch):
+    """A keys file on a slow volume must not stall every request: while it is read, the loop runs."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("teamA=sk-a\n")
+    ring = KeyRing(GatewaySettings(_env_file=None, api_keys_file=keys_file))
+    reading, release = threading.Event(), threading.Event()
+    read = auth.read_keys_file
+
+    def slow_read(path):
+        reading.set()
+        release.wait(10)
+        return read(path)
+
+    monkeypatch.setattr(auth, "read_keys_file", slow_read)
+    monkeypatch.setattr(auth, "KEYS_FILE_CHECK_S", 0)
+    _touch(keys_file, "teamA=sk-a2\n")
+    lookup = asyncio.ensure_future(ring.caller("sk-a2"))
+    assert await asyncio.to_thread(reading.wait, 10)       # the read has begun, and this coroutine still runs
+    assert not lookup.done()
+    release.set()
+    assert await lookup == Caller("teamA", admin=False)
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"api_keys": "alice=sk-a,bob=sk-a"}, ("SLOTQ_API_KEYS entry 2 (tenant 'bob') has the same key as "
+                                          "SLOTQ_API_KEYS entry 1 (tenant 'alice')")),
+    ({"api_keys": "alice=sk-a,alice=sk-a"}, "SLOTQ_API_KEYS entry 2 (tenant 'alice') has the same key"),
+    ({"api_keys": "alice=sk-a", "admin_keys": "ops=sk-a"}, "SLOTQ_ADMIN_KEYS entry 1 (tenant 'ops') has the same key"),
+    ({"api_keys": "sk-a,sk-a"}, "SLOTQ_API_KEYS entry 2"),
+    ({"api_keys": "default=sk-a"}, "SLOTQ_API_KEYS entry 1 gives a key to the reserved tenant 'default'"),
+    ({"admin_keys": "default=sk-a"}, "SLOTQ_ADMIN_KEYS entry 1 gives a key to the reserved tenant 'default'"),
+])
+def test_duplicate_keys_and_keys_of_the_default_tenant_refuse_to_start(settings, named):
+    with pytest.raises(ValidationError) as caught:
+        GatewaySettings(_env_file=None, **settings)
+    assert named in str(caught.value) and "sk-a" not in str(caught.value)
+
+
+def test_duplicates_across_the_keys_file_are_refused_and_the_default_tenant_needs_an_opt_in(tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# ops\nbob=sk-a\n")
+    with pytest.raises(ValidationError) as caught:
+        GatewaySettings(_env_file=None, api_keys="alice=sk-a", api_keys_file=keys_file)
+    assert f"{keys_file} entry 1 (tenant 'bob') has the same key as SLOTQ_API_KEYS entry 1" in str(caught.value)
+    assert "SLOTQ_GATEWAY_ALLOW_DEFAULT_TENANT_KEYS" in str(pytest.raises(
+        ValidationError, GatewaySettings, _env_file=None, api_keys="default=sk-d").value)
+    assert GatewaySettings(_env_file=None, api_keys="default=sk-d", gateway_allow_default_tenant_keys=True).has_keys
+
+
+def test_open_cors_without_keys_refuses_to_start():
+    with pytest.raises(ValidationError) as caught:
+        GatewaySettings(_env_file=None, cors_origins="*")
+    assert "SLOTQ_CORS_ORIGINS=*" in str(caught.value) and "SLOTQ_API_KEYS" in str(caught.value)
+    assert GatewaySettings(_env_file=None, cors_origins="*", api_keys="sk-a").cors_origins == ["*"]
+    assert GatewaySettings(_env_file=None, cors_origins="https://app.example").cors_origins == ["https://app.example"]
+
+
+def test_the_private_metrics_port_is_another_port():
+    with pytest.raises(ValidationError, match="SLOTQ_GATEWAY_METRICS_PORT=8000 is SLOTQ_GATEWAY_PORT"):
+        GatewaySettings(_env_file=None, gateway_metrics_port=8000)
+    assert GatewaySettings(_env_file=None, gateway_metrics_port=9401).gateway_metrics_port == 9401
+
+
+def test_metric_methods_are_standard_or_other():
+    assert [method_label(m) for m in ("GET", "PATCH", "get", "FOO", "X" * 12_000)] == [
+        "GET", "PATCH", "other", "other", "other"]
+
+
+@pytest.mark.parametrize(("target", "logged"), [
+    ("/v1/models", "/v1/models"),
+    ("/v1/files?limit=5&order=asc&after=file-1", "/v1/files?limit=5&order=asc&after=file-1"),
+    ("/v1/models?api_key=sk-secret", "/v1/models?api_key=***"),
+    ("/v1/models?Token=sk-secret&limit=2", "/v1/models?Token=***&limit=2"),
+    ("/v1/models?sk-secret", "/v1/models?***"),
+    ("/v1/models?x=sk-secret", "/v1/models?***"),
+])
+def test_the_access_log_never_holds_a_query_strings_secrets(target, logged):
+    assert redact_target(target) == logged
 
 
 def test_bad_key_entries_are_refused_without_showing_the_key():

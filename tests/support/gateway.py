@@ -29,6 +29,11 @@ class GatewayProcess:
     def __init__(self, name: str, env: dict[str, str], cwd: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        metrics_port = env.get("SLOTQ_GATEWAY_METRICS_PORT")
+        self.private_url = f"http://127.0.0.1:{metrics_port}" if metrics_port else None
+        admin = next((entry for entry in env.get("SLOTQ_ADMIN_KEYS", "").split(",") if entry), None)
+        # the first admin key, for the fleet view (/health's models, /metrics' tenants); none without one
+        self.admin = {"Authorization": f"Bearer {admin.partition('=')[2] or admin}"} if admin else {}
         self.log = cwd / f"{name}.log"
         self._log_file = open(self.log, "wb")  # noqa: SIM115  (the child writes it until stop() closes it)
         self.proc = subprocess.Popen([str(SLOTQ_BIN), "gateway", "--port", str(self.port), *args], env=env, cwd=cwd,
@@ -92,14 +97,16 @@ class Stack:
         return gateway
 
     def wait_for_models(self, models: set[str], url: str | None = None, timeout: float = 90) -> None:
-        """Until the gateway's /health lists every model (i.e. their workers' heartbeats are seen)."""
+        """Until the gateway's /health lists every model (i.e. their workers' heartbeats are seen):
+        the fleet view, so a gateway with keys needs an admin key (GatewayProcess.admin)."""
+        gateway = next(g for g in self.gateways if g.url == (url or self.url))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for worker in self.workers.values():
                 if worker.proc.poll() is not None:
                     raise RuntimeError(f"worker {worker.name} exited with {worker.proc.returncode}:\n"
                                        f"{worker.log_tail()}")
-            seen = set(httpx.get(f"{url or self.url}/health", timeout=5).json()["models"])
+            seen = set(httpx.get(f"{gateway.url}/health", headers=gateway.admin, timeout=5).json()["models"])
             if models <= seen:
                 return
             time.sleep(0.1)

@@ -1,15 +1,21 @@
 // slotq dashboard: polls the gateway's small JSON API and runs a chat playground whose stream
 // survives a page reload (the last SSE event id is kept in localStorage and sent back as
 // Last-Event-ID). No build step, no dependencies.
+//
+// The gateway sends a Content-Security-Policy without 'unsafe-inline': nothing here writes a style
+// attribute into HTML (bar widths and colours are set through element.style after rendering) and
+// nothing runs inline script. The API key lives in sessionStorage: it survives a reload of this
+// tab (so a reply resumes) but not the browser session, and other tabs and sites never see it.
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
 const PLAY_KEY = "slotq.playground";
 const API_KEY = "slotq.apiKey";
+localStorage.removeItem(API_KEY);          // where earlier versions kept it, for good
 
 // ------------------------------------------------------------------ HTTP
 function headers(extra = {}) {
-  const key = localStorage.getItem(API_KEY);
+  const key = sessionStorage.getItem(API_KEY);
   return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
 }
 
@@ -26,7 +32,7 @@ async function api(path, options = {}) {
 
 $("#key-form").addEventListener("submit", (event) => {
   event.preventDefault();
-  localStorage.setItem(API_KEY, $("#key").value.trim());
+  sessionStorage.setItem(API_KEY, $("#key").value.trim());
   $("#key-form").hidden = true;
   refresh();
 });
@@ -36,24 +42,33 @@ const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&
 const ago = (seconds) => seconds == null ? "–" : seconds < 1 ? "now" : seconds < 90 ? `${seconds.toFixed(0)} s` : `${(seconds / 60).toFixed(0)} min`;
 const bar = (used, total, cls = "") => {
   const pct = total ? Math.min(100, (100 * used) / total) : 0;
-  return `<span class="bar ${cls}"><span style="width:${pct}%"></span></span>`;
+  return `<span class="bar ${cls}"><span data-width="${pct}"></span></span>`;
 };
+
+// innerHTML, then the styles the markup names (data-width: a bar's %, data-color: a swatch) through
+// the CSSOM, which the page's Content-Security-Policy allows where style attributes are refused.
+function render(selector, html) {
+  const root = $(selector);
+  root.innerHTML = html;
+  for (const node of root.querySelectorAll("[data-width]")) node.style.width = `${node.dataset.width}%`;
+  for (const node of root.querySelectorAll("[data-color]")) node.style.background = node.dataset.color;
+}
 
 // ------------------------------------------------------------------ fleet
 function renderFleet(fleet) {
   const lanes = (q) => q.lanes.map((l) => `<span class="lane">${esc(l.lane)} ${l.queued}·${l.running}</span>`).join(" ");
-  $("#queues tbody").innerHTML = fleet.queues.map((q) => `
+  render("#queues tbody", fleet.queues.map((q) => `
     <tr data-queue="${esc(q.queue)}"><td>${esc(q.queue)}</td><td>${esc(q.models.join(", ") || "–")}</td>
       <td class="num">${q.workers}</td><td>${bar(q.slots_busy, q.slots_total)}${q.slots_busy} / ${q.slots_total}</td>
       <td class="num">${q.queued}</td><td class="num">${q.running}</td><td class="num">${q.deferred}</td>
-      <td class="num">${ago(q.oldest_queued_age_s)}</td><td>${lanes(q)}</td></tr>`).join("");
-  $("#workers tbody").innerHTML = fleet.workers.map((w) => {
+      <td class="num">${ago(q.oldest_queued_age_s)}</td><td>${lanes(q)}</td></tr>`).join(""));
+  render("#workers tbody", fleet.workers.map((w) => {
     const kv = w.kv_cells_total ? `${bar(w.kv_cells_used, w.kv_cells_total, "kv")}${((100 * w.kv_cells_used) / w.kv_cells_total).toFixed(0)} %` : "–";
     return `<tr data-worker="${esc(w.id)}"><td>${esc(w.id)}</td><td>${esc(w.model)}</td><td>${esc(w.queue)}</td>
       <td class="slots">${bar(w.slots_busy, w.slots_total)}${w.slots_busy} / ${w.slots_total}</td><td>${kv}</td>
       <td class="num">${w.tokens_per_s.toFixed(1)}</td><td class="num">${w.generated_tokens}</td>
       <td class="num">${w.waiting}</td><td class="num">${ago(fleet.time - w.updated_at)}</td></tr>`;
-  }).join("");
+  }).join(""));
   $("#no-workers").hidden = fleet.workers.length > 0;
   const badge = $("#dlq-count");
   badge.textContent = fleet.dead_letters;
@@ -152,17 +167,17 @@ function renderHistory(history) {
   drawChart($("#chart-waiting"), series("waiting"), { now, span });
   drawChart($("#chart-preempted"), preempted, { now, span, bars: true });
   const last = samples.length ? samples[samples.length - 1].lanes : {};
-  $("#lane-legend").innerHTML = lanes.map((lane, i) => {
+  render("#lane-legend", lanes.map((lane, i) => {
     const l = last[lane] || { tokens_per_s: 0, waiting: 0, running: 0 };
     const window = preempted[i].points.reduce((sum, [, v]) => sum + v, 0);
-    return `<span data-lane="${esc(lane)}"><span class="swatch" style="background:${color(lane)}"></span><b>${esc(lane)}</b>
+    return `<span data-lane="${esc(lane)}"><span class="swatch" data-color="${color(lane)}"></span><b>${esc(lane)}</b>
       ${l.tokens_per_s.toFixed(1)} tok/s · ${l.waiting} waiting · ${l.running} running · ${window} preempted in 15 min</span>`;
-  }).join("") || `<span class="muted">No samples yet (one every ${history.every_s} s).</span>`;
+  }).join("") || `<span class="muted">No samples yet (one every ${history.every_s} s).</span>`);
   const tenants = Object.entries(history.tenants_waiting);
   const most = Math.max(1, ...tenants.map(([, n]) => n));
-  $("#tenants tbody").innerHTML = tenants.map(([tenant, n]) => `
+  render("#tenants tbody", tenants.map(([tenant, n]) => `
     <tr data-tenant="${esc(tenant)}"><td>${esc(tenant)}</td><td>${bar(n, most)}${n}</td></tr>`).join("")
-    || `<tr><td class="muted" colspan="2">No job waiting.</td></tr>`;
+    || `<tr><td class="muted" colspan="2">No job waiting.</td></tr>`);
 }
 
 async function refreshHistory() {
