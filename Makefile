@@ -89,3 +89,4 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench bulk
 	$(VENV)/bin/slotq bench peers
 	$(VENV)/bin/slotq bench overhead
+	$(VENV)/bin/slotq bench constraints
