@@ -7,16 +7,18 @@ thread) and one ``slotq gateway`` subprocess on one Redis. Each round:
 
 * **idle**: ``IDLE_PROBES`` probes, one at a time: a streamed chat request (``PROBE_TOKENS`` tokens),
   TTFT = request sent to the first content chunk;
-* **writing**: a batch of ``LINES`` chat lines is created, and probes run one at a time until it is
-  completed. Every line's result (``TEXT_CHARS`` characters of text) is stored in Redis under the
-  line's job id beforehand, as a gateway that died mid-batch leaves them, so the batch asks nothing
-  of the worker: its whole cost is in the gateway, which adopts the results, writes ~100 MB of output
-  records and fsyncs them, on the event loop that also serves the probes.
+* **writing**, once to the local disk and once to an emulated network volume (``VOLUME_MB_S``, the
+  gateway runs through :mod:`bench.slow_volume`): a batch of ``LINES`` chat lines is created, and
+  probes run one at a time until it is completed. Every line's result (``TEXT_CHARS`` characters of
+  text) is stored in Redis under the line's job id beforehand, as a gateway that died mid-batch
+  leaves them, so the batch asks nothing of the worker: its whole cost is in the gateway, which
+  adopts the results and writes ~100 MB of output records, in the process whose event loop also
+  serves the probes.
 
-Rounds alternate the two phases on one warm stack, so a busy neighbour on a shared machine does not
-favour one. Reported: TTFT p50, p95 and max of each phase (all rounds pooled), the ratios (p50 also for each
-round against the idle probes just before it), the output's size and the time the gateway took to write it.
-Target: writing p50 <= 1.2 x idle p50.
+Rounds repeat the three phases on one warm stack, so a busy neighbour on a shared machine does not
+favour one. Reported: TTFT p50, p95 and max of each phase (all rounds pooled), the ratios to idle (p50 also
+for each round against the idle probes just before it), the output's size and the time the gateway took to
+write it. Target: writing p50 <= 1.2 x idle p50.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from bench import slow_volume
 from bench.gateway_bench import MODEL_NAME, _ready
 from bench.overhead_bench import write_tiny_model
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
@@ -53,6 +56,9 @@ CTX = 512
 LINES = 5_000
 TEXT_CHARS = 20_000          # LINES x ~20 KB records: ~100 MB of output
 ROUNDS = 3
+VOLUME_MB_S = 100            # the emulated network volume's bandwidth (bench/slow_volume.py)
+VOLUMES = {"local disk": 0, f"network volume, {VOLUME_MB_S} MB/s": VOLUME_MB_S}
+PHASES = ["idle", *VOLUMES]
 IDLE_PROBES = 30
 PROBE_TOKENS = 8
 RESULT_TTL_MS = 3_600_000
@@ -71,9 +77,10 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
                "SLOTQ_PREFIX_CACHE": "false", "SLOTQ_LOG_LEVEL": "WARNING",
                "SLOTQ_GATEWAY_FILES_DIR": str(Path(tmp) / "files")}
         children = [ChildProcess(f"the benchmark's {name} (slotq {name})",
-                                 [sys.executable, "-m", "slotq.jobs.cli", *argv],
+                                 [sys.executable, "-m", module, *argv],
                                  env=env, log_path=Path(tmp) / f"{name}.log")
-                    for name, argv in (("worker", ["worker"]), ("gateway", ["gateway", "--port", str(port)]))]
+                    for name, module, argv in (("worker", "slotq.jobs.cli", ["worker"]),
+                                               ("gateway", "bench.slow_volume", ["gateway", "--port", str(port)]))]
         try:
             data = await run_watched(_rounds(url, port, Path(tmp), lines, rounds), *children)
         finally:
@@ -89,27 +96,33 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
 async def _rounds(url: str, port: int, tmp: Path, lines: int, rounds: int) -> dict[str, Any]:
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url))
     http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    files_dir = tmp / "files"
     try:
         progress("waiting for the worker and the gateway")
         await _ready(client, http)
         queue = (await client.workers())[0].queue
         for i in range(4):                                            # warm-up
             await _probe(http, i)
-        idle: list[float] = []
-        writing: list[float] = []
+        ttfts: dict[str, list[float]] = {phase: [] for phase in PHASES}
         per_round: list[dict[str, Any]] = []
         for round_ in range(rounds):
             progress(f"round {round_ + 1}: {IDLE_PROBES} probes on the idle gateway")
-            idle_now = [await _probe(http, i) for i in range(IDLE_PROBES)]
-            progress(f"round {round_ + 1}: storing {lines} results of {TEXT_CHARS} characters")
-            file_id = await _batch_ready(client, http, queue, tmp / f"round{round_}.jsonl", round_, lines)
-            progress(f"round {round_ + 1}: probes while the gateway writes the batch's output")
-            writing_now, write = await _while_writing(http, tmp / "files", file_id)
-            idle += idle_now
-            writing += writing_now
-            per_round.append(write | {"p50_ratio": round(percentile(writing_now, 50) / percentile(idle_now, 50), 2)})
-        return {"lines": lines, "text_chars": TEXT_CHARS, "rounds": per_round, "idle": _stats(idle),
-                "writing": _stats(writing)}
+            idle = [await _probe(http, i) for i in range(IDLE_PROBES)]
+            ttfts["idle"] += idle
+            for phase, mb_per_s in VOLUMES.items():
+                progress(f"round {round_ + 1}: storing {lines} results of {TEXT_CHARS} characters")
+                file_id = await _batch_ready(client, http, queue, tmp / f"{round_}-{mb_per_s}.jsonl", lines)
+                control = files_dir / slow_volume.CONTROL_FILE
+                if mb_per_s:
+                    control.write_text(str(mb_per_s))
+                progress(f"round {round_ + 1}: probes while the gateway writes the batch's output ({phase})")
+                writing, write = await _while_writing(http, files_dir, file_id)
+                control.unlink(missing_ok=True)
+                ttfts[phase] += writing
+                per_round.append(write | {"round": round_ + 1, "phase": phase, "p50_ratio": round(
+                    percentile(writing, 50) / percentile(idle, 50), 2)})
+        return {"lines": lines, "text_chars": TEXT_CHARS, "volume_mb_s": VOLUME_MB_S,
+                "phases": {phase: _stats(values) for phase, values in ttfts.items()}, "rounds": per_round}
     finally:
         await http.aclose()
         await client.close()
@@ -128,11 +141,10 @@ async def _probe(http: httpx.AsyncClient, i: int) -> float:
     raise RuntimeError("a probe streamed no content")
 
 
-async def _batch_ready(client: SlotqClient, http: httpx.AsyncClient, queue: str, path: Path, round_: int,
-                       lines: int) -> str:
+async def _batch_ready(client: SlotqClient, http: httpx.AsyncClient, queue: str, path: Path, lines: int) -> str:
     """Upload a batch input and store every line's result under the job id the gateway's run gives it."""
     path.write_text("".join(json.dumps({
-        "custom_id": f"r{round_}-{n}", "method": "POST", "url": "/v1/chat/completions",
+        "custom_id": f"{path.stem}-{n}", "method": "POST", "url": "/v1/chat/completions",
         "body": {"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": f"line {n}"}]}})
         + "\n" for n in range(1, lines + 1)))
     source = InputFile(path, queue)
@@ -181,14 +193,15 @@ def _stats(ttfts: list[float]) -> dict[str, float]:
 
 
 def _table(d: dict[str, Any]) -> str:
-    idle, writing = d["idle"], d["writing"]
-    rounds = d["rounds"]
-    mb = sum(r["output_mb"] for r in rounds) / len(rounds)
-    seconds = sum(r["seconds"] for r in rounds) / len(rounds)
+    idle = d["phases"]["idle"]
     rows = [["idle", str(idle["n"]), f"{idle['p50_ms']:.1f}", f"{idle['p95_ms']:.1f}", f"{idle['max_ms']:.1f}", "",
-             "", ""],
-            [f"writing a {mb:.0f} MB batch output ({seconds:.1f} s)", str(writing["n"]), f"{writing['p50_ms']:.1f}",
-             f"{writing['p95_ms']:.1f}", f"{writing['max_ms']:.1f}", f"{writing['p50_ms'] / idle['p50_ms']:.2f}",
-             ", ".join(f"{r['p50_ratio']:.2f}" for r in rounds), f"{writing['p95_ms'] / idle['p95_ms']:.2f}"]]
+             "", ""]]
+    for phase in VOLUMES:
+        stats, rounds = d["phases"][phase], [r for r in d["rounds"] if r["phase"] == phase]
+        mb, seconds = (sum(r[k] for r in rounds) / len(rounds) for k in ("output_mb", "seconds"))
+        rows.append([f"writing {mb:.0f} MB to the {phase} ({seconds:.1f} s)", str(stats["n"]),
+                     f"{stats['p50_ms']:.1f}", f"{stats['p95_ms']:.1f}", f"{stats['max_ms']:.1f}",
+                     f"{stats['p50_ms'] / idle['p50_ms']:.2f}", ", ".join(f"{r['p50_ratio']:.2f}" for r in rounds),
+                     f"{stats['p95_ms'] / idle['p95_ms']:.2f}"])
     return markdown_table(["gateway", "probes", "TTFT p50 ms", "TTFT p95 ms", "TTFT max ms", "p50 / idle",
                            "p50 / idle, each round", "p95 / idle"], rows)
