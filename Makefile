@@ -85,6 +85,7 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench queue
 	$(VENV)/bin/slotq bench prefix
 	$(VENV)/bin/slotq bench gateway
+	$(VENV)/bin/slotq bench gateway-batch
 	$(VENV)/bin/slotq bench fleet
 	$(VENV)/bin/slotq bench bulk
 	$(VENV)/bin/slotq bench peers

@@ -1,6 +1,6 @@
-"""Benchmarks (``slotq bench engine|queue|prefix|gateway|fleet|bulk|peers|overhead|constraints``). Each measures its
-variants side by side in one run, prints a table with ratios (or one JSON object with ``--json``) and writes the
-table to ``bench/results/<name>.md`` for the README.
+"""Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints``).
+Each measures its variants side by side in one run, prints a table with ratios (or one JSON object with ``--json``)
+and writes the table to ``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
 ``slotq worker``, the fleet benchmark's fleet processes) runs under
@@ -24,6 +24,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         constraints_bench,
         engine_bench,
         fleet_bench,
+        gateway_batch_bench,
         gateway_bench,
         overhead_bench,
         peers_bench,
@@ -36,6 +37,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         "queue": queue_bench.run,
         "prefix": prefix_bench.run,
         "gateway": gateway_bench.run,
+        "gateway-batch": gateway_batch_bench.run,
         "fleet": fleet_bench.run,
         "bulk": bulk_bench.run,
         "peers": peers_bench.run,

@@ -36,13 +36,20 @@ async def open_bulk(client: SlotqClient, input: str | Path, output: str | Path, 
                     options: BulkOptions | None = None, observer: BulkObserver | None = None) -> AsyncIterator[BulkRun]:
     """A run of ``input`` (a path, gzip or not, or ``"-"`` for stdin) into ``output``; await its
     ``run()``. Call ``stop()`` (e.g. on Ctrl-C) to leave early, ``cancel()`` to cancel what is in flight."""
-    sink = OutputFiles(Path(output), Path(errors) if errors is not None else None)
-    source = InputFile(input, client.settings.queue_name, spool_dir=sink.output.resolve().parent)
+    sink, source = await asyncio.to_thread(_files, input, output, errors, client.settings.queue_name)
     try:
         yield BulkRun(client, source, sink, options=options or BulkOptions(), observer=observer,
                       names=("<stdin>" if str(input) == STDIN else str(input), str(sink.output), str(sink.errors)))
     finally:
         source.close()
+
+
+def _files(input: str | Path, output: str | Path, errors: str | Path | None,
+           queue_name: str) -> tuple[OutputFiles, InputFile]:
+    """The run's files, checked (and stdin spooled) in a thread: a bulk run inside the gateway never
+    makes its event loop wait on a disk."""
+    sink = OutputFiles(Path(output), Path(errors) if errors is not None else None)
+    return sink, InputFile(input, queue_name, spool_dir=sink.output.resolve().parent)
 
 
 async def run_bulk(client: SlotqClient, input: str | Path, output: str | Path, *, errors: str | Path | None = None,

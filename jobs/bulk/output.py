@@ -7,20 +7,21 @@ there is no side file that a crash could leave out of step. A crash in the middl
 at most a partial last line, which the rerun cuts off (that line runs again, or its kept result is
 picked up). Records are flushed to the OS as they are written and fsynced (:meth:`commit`) before
 the run removes their results from Redis, so a power cut cannot lose a line that Redis no longer
-holds either.
+holds either. Every call on the files runs in a thread of their own, in order
+(:mod:`slotq.jobs.bulk.disk`): the gateway's event loop never waits on them.
 
 The errors file lists the lines that failed in this run; a rerun tries them again and rewrites it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from collections import deque
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from slotq.jobs.bulk.disk import FileThread
 from slotq.jobs.bulk.formats import job_id_in
 from slotq.jobs.bulk.identity import parse_job_id
 from slotq.jobs.bulk.source import InputScan
@@ -77,15 +78,24 @@ class OutputFiles:
         self._done = bytearray()
         self._out: IO[bytes] | None = None
         self._err: IO[bytes] | None = None
+        self._disk: FileThread | None = None       # every call on the two files runs there, off the event loop
 
     async def open(self, scan: InputScan) -> int:
         self._done = bytearray(scan.lines // 8 + 1)
+        self._disk = FileThread("slotq-bulk-output")
         try:
-            done = await asyncio.to_thread(self._read_back, scan)
-            self._out = open(self.output, "ab")  # noqa: SIM115 - held for the run, closed in close()
-            self._err = open(self.errors, "wb")  # noqa: SIM115
+            return await self._disk.call(self._open_files, scan)
         except OSError as exc:
             raise OutputError(f"cannot write {exc.filename}: {exc.strerror}") from None
+        finally:
+            if self._err is None:               # not opened: close() will not be called
+                self._disk.close(last=self._close_files)
+
+    def _open_files(self, scan: InputScan) -> int:
+        """In the file thread: read the output back, then open both files for the run."""
+        done = self._read_back(scan)
+        self._out = open(self.output, "ab")  # noqa: SIM115 - held for the run, closed in close()
+        self._err = open(self.errors, "wb")  # noqa: SIM115
         return done
 
     def _read_back(self, scan: InputScan) -> int:
@@ -122,21 +132,37 @@ class OutputFiles:
         return bool(self._done[line >> 3] & (1 << (line & 7)))
 
     async def write(self, outputs: list[tuple[int, dict[str, Any]]], errors: list[dict[str, Any]]) -> None:
+        """Encode here and write in the file thread: encoding holds the GIL, and a thread that holds
+        it makes the event loop wait up to a switch interval (5 ms) every time it wants it back,
+        several times per request it serves; a write releases it."""
+        assert self._disk is not None
+        if outputs or errors:
+            await self._disk.call(self._append, b"".join(encode(record) for _, record in outputs),
+                                  b"".join(encode(record) for record in errors))
+        for line, _ in outputs:
+            self._done[line >> 3] |= 1 << (line & 7)
+
+    def _append(self, outputs: bytes, errors: bytes) -> None:
+        """In the file thread: write one batch of records to each file, and flush them to the OS."""
         assert self._out is not None and self._err is not None
-        if outputs:
-            self._out.write(b"".join(encode(record) for _, record in outputs))
-            self._out.flush()
-            for line, _ in outputs:
-                self._done[line >> 3] |= 1 << (line & 7)
-        if errors:
-            self._err.write(b"".join(encode(record) for record in errors))
-            self._err.flush()
+        for f, data in ((self._out, outputs), (self._err, errors)):
+            if data:
+                f.write(data)
+                f.flush()
 
     async def commit(self) -> None:
-        assert self._out is not None and self._err is not None
-        await asyncio.to_thread(_fsync, self._out, self._err)
+        assert self._disk is not None and self._out is not None and self._err is not None
+        await self._disk.call(_fsync, self._out, self._err)
 
     async def close(self) -> None:
+        if self._disk is None:
+            return
+        try:
+            await self._disk.call(self._close_files)
+        finally:
+            self._disk.close()
+
+    def _close_files(self) -> None:
         for f in (self._out, self._err):
             if f is not None:
                 f.close()

@@ -19,18 +19,21 @@ import hashlib
 import shutil
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
 import numpy as np
 
+from slotq.jobs.bulk.disk import FileThread
 from slotq.jobs.bulk.identity import identity_of, new_hasher
 from slotq.jobs.errors import SlotqError
 
 GZIP_MAGIC = b"\x1f\x8b"
 STDIN = "-"
+READ_LINES = 1000                 # lines a run's read hands over at a time ...
+READ_BYTES = 1 << 20              # ... or bytes of text, whichever comes first
 
 
 class InputError(SlotqError, ValueError):
@@ -92,7 +95,7 @@ class InputFile:
             compressed = probe.read(2) == GZIP_MAGIC
         return gzip.open(self.path, "rb") if compressed else open(self.path, "rb")
 
-    def _numbered(self) -> Iterator[tuple[int, bytes]]:
+    def _numbered(self) -> Generator[tuple[int, bytes], None, None]:
         """(line number, line without its end-of-line), blank lines included."""
         try:
             with self._open() as f:
@@ -129,17 +132,36 @@ class InputFile:
         return InputScan(identity_of(hasher), lines, requests)
 
     async def lines(self) -> AsyncIterator[tuple[int, bytes]]:
-        """Non-blank lines with their numbers."""
-        for number, raw in self._numbered():
-            if raw.strip():
-                yield number, raw
-            if number % 1000 == 0:
-                await asyncio.sleep(0)        # a long stretch of finished lines must not hold the loop
+        """Non-blank lines with their numbers, read (and gunzipped) a batch at a time in a thread of
+        the file's own (:mod:`slotq.jobs.bulk.disk`), so the event loop never waits on the disk, and
+        only one batch is held. Each batch is an await, so a long stretch of lines the output already
+        holds (skipped without an await) cannot hold the loop either."""
+        numbered = self._numbered()
+        disk = FileThread("slotq-bulk-input")
+        try:
+            while batch := await disk.call(_take, numbered):
+                for number, raw in batch:
+                    if raw.strip():
+                        yield number, raw
+        finally:
+            disk.close(last=numbered.close)
 
     def close(self) -> None:
         if self._spooled is not None:
             with contextlib.suppress(OSError):
                 self._spooled.unlink()
+
+
+def _take(lines: Iterator[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """The next lines, up to READ_LINES of them or READ_BYTES of text (at least one line, however long)."""
+    batch: list[tuple[int, bytes]] = []
+    size = 0
+    for item in lines:
+        batch.append(item)
+        size += len(item[1])
+        if len(batch) >= READ_LINES or size >= READ_BYTES:
+            break
+    return batch
 
 
 def _repeated(keys: array.array) -> set[int]:

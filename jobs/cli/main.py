@@ -489,13 +489,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse), "
-                         "gateway (HTTP overhead), fleet (the claim path at 100 to 10,000 simulated slots), "
+                         "gateway (HTTP overhead), gateway-batch (chat TTFT while the gateway writes a 100 MB "
+                         "batch output), fleet (the claim path at 100 to 10,000 simulated slots), "
                          "bulk (bulk runs beside interactive jobs), peers (slotq beside llama-server and "
                          "llama-cpp-python's server), overhead (many streams on a tiny model: slotq beside "
                          "llama-server in both KV layouts), constraints (what one JSON schema costs its "
                          "batch: llguidance beside llama.cpp's grammar sampler)", None)
-    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "fleet", "bulk", "peers", "overhead",
-                                       "constraints"])
+    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "gateway-batch", "fleet", "bulk", "peers",
+                                     "overhead", "constraints"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
     p.set_defaults(func=cmd_bench)

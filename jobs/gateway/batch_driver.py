@@ -201,7 +201,8 @@ class _BatchRun:
         if not await self.driver.files.exists(batch.input_file_id):
             return await self._fail(batch, BatchError(code="file_not_found", param="input_file_id", message=(
                 f"the contents of {batch.input_file_id} are missing from SLOTQ_GATEWAY_FILES_DIR")))
-        model, line = await _first_model(InputFile(path, ""), batch)
+        # the input's checks and reads run in threads (jobs/bulk/disk.py): this loop serves HTTP too
+        model, line = await _first_model(await asyncio.to_thread(InputFile, path, ""), batch)
         if model is None:
             return await self._fail(batch, BatchError(code="invalid_input_file", param="input_file_id", message=(
                 f"no line of {batch.input_file_id} is a valid {batch.endpoint.value} batch line")))

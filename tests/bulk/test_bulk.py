@@ -8,13 +8,17 @@ many times each line was generated, across runs of the bulk command.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import gzip
 import json
+import os
 import re
 import signal
+import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -309,3 +313,82 @@ async def test_cancel_ends_the_lines_in_flight_as_cancelled(reason, client, redi
     else:
         assert sorted(done | {e["line"] for e in errors}) == list(range(1, 61))
     assert (await client.queue_info()).queued == 0 and await leftover_keys(client) == []
+
+
+# ---------------------------------------------------------------------- the event loop never waits on a disk
+class ThreadNotingFile:
+    """A real open file that notes which thread makes each call on it (``calls``: file name, method, thread id)."""
+
+    def __init__(self, file: IO[bytes], calls: list[tuple[str, str, int]]) -> None:
+        self._file = file
+        self._calls = calls
+
+    def _note(self, method: str) -> None:
+        self._calls.append((Path(self._file.name).name, method, threading.get_ident()))
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._file, name)
+        if not callable(attr):
+            return attr
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            self._note(name)
+            return attr(*args, **kwargs)
+        return noted
+
+    def __iter__(self) -> ThreadNotingFile:
+        return self
+
+    def __next__(self) -> bytes:
+        self._note("__next__")
+        return next(self._file)
+
+    def __enter__(self) -> ThreadNotingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@pytest.fixture
+def file_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
+    """(file name, call, thread id) of every call on a file in ``tmp_path`` (opened with ``open``,
+    which gzip uses too) and every ``stat``/``lstat`` of one, while the test runs."""
+    calls: list[tuple[str, str, int]] = []
+    real_open, real_stat, real_lstat = builtins.open, os.stat, os.lstat
+
+    def ours(path: Any) -> bool:
+        return isinstance(path, str | os.PathLike) and Path(os.fsdecode(path)).parent == tmp_path
+
+    def noting_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+        opened = real_open(file, *args, **kwargs)
+        return ThreadNotingFile(opened, calls) if ours(file) else opened
+
+    def noting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if ours(path):
+                calls.append((Path(os.fsdecode(path)).name, name, threading.get_ident()))
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(builtins, "open", noting_open)
+    monkeypatch.setattr(os, "stat", noting("stat", real_stat))
+    monkeypatch.setattr(os, "lstat", noting("lstat", real_lstat))
+    return calls
+
+
+async def test_input_and_output_files_are_read_and_written_off_the_event_loop(client, worker, tmp_path, file_calls):
+    """The gateway runs Batch API jobs as bulk runs inside its own event loop, beside every HTTP
+    request it serves, so no call on a run's files (checks, gzip reads, output writes, fsync, close)
+    may block that loop: each runs in a thread."""
+    inp = tmp_path / "in.jsonl.gz"
+    inp.write_bytes(gzip.compress(b"".join(json.dumps(line).encode() + b"\n" for line in slotq_lines(30))))
+    file_calls.clear()
+    summary = await run_bulk(client, inp, tmp_path / "out.jsonl", options=BulkOptions(window=8, commit_s=0.05))
+    calls = list(file_calls)
+    assert summary.all_succeeded and len(read_jsonl(tmp_path / "out.jsonl")) == 30
+    seen = {(name, call) for name, call, _ in calls}
+    assert {("in.jsonl.gz", "stat"), ("in.jsonl.gz", "read"), ("out.jsonl", "write"), ("out.jsonl", "fileno"),
+            ("out.jsonl", "close")} <= seen                                   # the spy saw the run's files
+    loop_thread = threading.get_ident()
+    assert sorted({(name, call) for name, call, thread in calls if thread == loop_thread}) == []

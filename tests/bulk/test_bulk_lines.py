@@ -22,7 +22,7 @@ from slotq.jobs.bulk.formats import (
 )
 from slotq.jobs.bulk.identity import job_id, parse_job_id
 from slotq.jobs.bulk.output import OutputError, OutputFiles, default_errors_path
-from slotq.jobs.bulk.source import InputFile
+from slotq.jobs.bulk.source import READ_BYTES, READ_LINES, InputFile
 from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
 
 
@@ -59,6 +59,18 @@ async def test_repeated_ids_are_found_with_their_first_line(tmp_path):
     result, _ = await scan(tmp_path / "in.jsonl")
     assert result.first_line_with("x") == 1 and result.first_line_with("y") == 2
     assert result.first_line_with("5") is None and result.first_line_with("zzz") is None
+
+
+async def test_lines_are_read_in_bounded_batches_and_none_is_lost_between_them(tmp_path):
+    """lines() hands the run READ_LINES lines (or READ_BYTES of text) at a time from its own thread:
+    every line arrives once, in order, across batch boundaries and past a line longer than a batch."""
+    long_line = b'{"prompt": "' + b"x" * READ_BYTES + b'"}'
+    lines = [b'{"prompt": "%d"}' % n if n % 7 else b"" for n in range(1, 2 * READ_LINES + 500)]
+    lines[READ_LINES + 3] = long_line
+    (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    source = InputFile(tmp_path / "in.jsonl.gz", "q")
+    read = [(n, raw) async for n, raw in source.lines()]
+    assert read == [(n, raw) for n, raw in enumerate(lines, 1) if raw]
 
 
 def test_missing_input_is_one_clear_error(tmp_path):
