@@ -31,7 +31,7 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:tenant_running``              HASH    tenant -> its jobs running (only tenants with some)
 ``Q:tenant_tokens``               HASH    tenant -> ``minute<TAB>tokens`` admitted in that minute (the tokens quota)
 ``Q:owners``                      HASH    job id -> lease of the attempt running it (``<worker token>#<claim number>``)
-``Q:progress``                    HASH    job id -> ``accounted<TAB>started<TAB>tokens<TAB>interruptions`` (see below)
+``Q:progress``                    HASH    job id -> ``accounted<TAB>started<TAB>tokens<TAB>interruptions<TAB>deaths``
 ``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
 ``Q:wake``                        LIST    one token per waiting job (capped): an idle worker BLPOPs one
 ``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
@@ -59,7 +59,8 @@ tenant's quotas against them (:class:`slotq.jobs.protocol.redis_queue.TenantQuot
 ``Q:progress`` is how a lost attempt is told from a failed one (:mod:`slotq.jobs.protocol.scripts`,
 ``START_ATTEMPT``): attempts up to ``accounted`` have been judged; attempt ``started`` began with
 ``tokens`` delivered tokens in the job's stream; ``interruptions`` earlier attempts were lost after
-delivering new tokens, and so spent no try.
+delivering new tokens, and so spent no try; the last ``deaths`` attempts that started were lost
+without delivering any (their worker died), in a row: at ``SLOTQ_MAX_WORKER_DEATHS`` the job is refused.
 
 Counts are O(1): ZCARD of a lane's sets, HLEN of ``Q:jobs`` (everything not finished, the demand
 KEDA scales on), HGET of a tenant's counts. This module is the only place that knows arq's key names.

@@ -115,16 +115,32 @@ class LaneCounts:
     preempted: int = 0                   # jobs of this lane that yielded their slot to a higher lane, ever
 
 
+class AttemptVerdict(Enum):
+    """What ``START_ATTEMPT`` decided about an attempt (see :mod:`slotq.jobs.protocol.scripts`)."""
+
+    LEASE_LOST = 0      # another claim owns the job: nothing was written
+    STARTED = 1
+    START_ISOLATED = 2  # a suspect (its last started attempts died with their worker, none made progress):
+    #                     not started; start it once no other attempt of this worker is without progress
+    REFUSED = 3         # as many deaths in a row as the limit: not started, dead-letter it (killed_its_worker)
+
+
 @dataclass(frozen=True)
 class AttemptStart:
     """What :meth:`RedisQueue.start_attempt` found. ``interruptions``: earlier attempts of the job
     lost after delivering new tokens (they spent no try); ``interrupted`` / ``failed``: how many of
-    the attempts just judged were lost that way / lost before delivering anything new."""
+    the attempts just judged were lost that way / lost before delivering anything new;
+    ``worker_deaths``: the started attempts lost in a row without progress, as their worker died."""
 
-    owned: bool
+    verdict: AttemptVerdict
     interruptions: int
     interrupted: int
     failed: int
+    worker_deaths: int = 0
+
+    @property
+    def owned(self) -> bool:
+        return self.verdict != AttemptVerdict.LEASE_LOST
 
 
 @dataclass(frozen=True)
@@ -135,8 +151,10 @@ class AttemptLedger:
     queue: RedisQueue
     claim: ClaimedJob
 
-    async def start(self, attempt: int, delivered_tokens: int) -> AttemptStart:
-        return await self.queue.start_attempt(self.claim, attempt, delivered_tokens)
+    async def start(self, attempt: int, delivered_tokens: int, *, max_worker_deaths: int | None = None,
+                    isolated: bool = False) -> AttemptStart:
+        return await self.queue.start_attempt(self.claim, attempt, delivered_tokens,
+                                              max_worker_deaths=max_worker_deaths, isolated=isolated)
 
     async def interruptions(self) -> int:
         return await self.queue.interruptions(self.claim.id)
@@ -394,21 +412,29 @@ class RedisQueue:
             args=[deadline, *(x for j in jobs for x in (j.id, j.lease))])
         return [bool(x) for x in owned]
 
-    async def start_attempt(self, job: ClaimedJob, attempt: int, delivered_tokens: int) -> AttemptStart:
+    async def start_attempt(self, job: ClaimedJob, attempt: int, delivered_tokens: int, *,
+                            max_worker_deaths: int | None = None, isolated: bool = False) -> AttemptStart:
         """Attempt ``attempt`` of ``job`` starts with ``delivered_tokens`` tokens in its stream:
         judge the earlier attempts that were lost (interrupted if the stream grew since the last
-        one started, else failed) and note this start. ``owned`` False: the lease is gone."""
+        one started, else failed, and a worker death) and note this start.
+
+        With ``max_worker_deaths`` the deaths in a row decide: at the limit the attempt is
+        ``REFUSED``; below it, above none, it starts only if ``isolated`` (no other attempt of its
+        worker is without progress), else it is ``START_ISOLATED`` and not started. None: it
+        always starts (deaths are still counted)."""
         k = self.keys
-        owned, interruptions, interrupted, failed = await self._scripts["START_ATTEMPT"](
-            keys=[k.owners, k.progress, k.attempt_outcomes], args=[job.lease, job.id, attempt, delivered_tokens])
-        return AttemptStart(owned=bool(owned), interruptions=int(interruptions), interrupted=int(interrupted),
-                            failed=int(failed))
+        verdict, interruptions, interrupted, failed, deaths = await self._scripts["START_ATTEMPT"](
+            keys=[k.owners, k.progress, k.attempt_outcomes],
+            args=[job.lease, job.id, attempt, delivered_tokens, "" if max_worker_deaths is None else max_worker_deaths,
+                  "1" if isolated else ""])
+        return AttemptStart(verdict=AttemptVerdict(int(verdict)), interruptions=int(interruptions),
+                            interrupted=int(interrupted), failed=int(failed), worker_deaths=int(deaths))
 
     async def interruptions(self, job_id: str) -> int:
         """How many attempts of a job still in the queue were interrupted after making progress."""
         # redis-py types hget's reply as str; this client (no decode_responses) gets bytes
         entry = await cast("Awaitable[bytes | None]", self.redis.hget(self.keys.progress, job_id))
-        return int(entry.decode().rsplit("\t", 1)[1]) if entry else 0
+        return int(entry.decode().split("\t")[3]) if entry else 0
 
     async def finish(self, job: ClaimedJob, result: bytes | None, result_ttl_ms: int) -> bool:
         """Store the result and remove the job from the queue. False: not ours (left alone)."""

@@ -286,36 +286,61 @@ redis.call('DEL', unpack(KEYS, 2))
 return 1
 """
 
-# Reads and writes one job's ``progress`` entry (see keys.py): accounted, started, tokens, interruptions.
+# Reads and writes one job's ``progress`` entry (see keys.py): accounted, started, tokens, interruptions,
+# deaths. An entry written before deaths were counted has none (0).
 _PROGRESS = """
 local function read_progress(progress, id)
   local entry = redis.call('HGET', progress, id)
-  if not entry then return 0, 0, 0, 0 end
-  local accounted, started, tokens, interruptions = string.match(entry, '^(%d+)\t(%d+)\t(%d+)\t(%d+)$')
-  return tonumber(accounted), tonumber(started), tonumber(tokens), tonumber(interruptions)
+  if not entry then return 0, 0, 0, 0, 0 end
+  local accounted, started, tokens, interruptions, deaths =
+    string.match(entry, '^(%d+)\t(%d+)\t(%d+)\t(%d+)\t?(%d*)$')
+  return tonumber(accounted), tonumber(started), tonumber(tokens), tonumber(interruptions), tonumber(deaths) or 0
 end
-local function write_progress(progress, id, accounted, started, tokens, interruptions)
-  redis.call('HSET', progress, id, accounted .. '\t' .. started .. '\t' .. tokens .. '\t' .. interruptions)
+local function write_progress(progress, id, accounted, started, tokens, interruptions, deaths)
+  redis.call('HSET', progress, id,
+             accounted .. '\t' .. started .. '\t' .. tokens .. '\t' .. interruptions .. '\t' .. deaths)
 end
 """
 
-# KEYS: owners, progress, attempt outcomes; ARGV: lease, job id, attempt, tokens in the stream now
+# KEYS: owners, progress, attempt outcomes
+# ARGV: lease, job id, attempt, tokens in the stream now, max worker deaths ('' = do not act on them),
+#       '1' when the attempt starts isolated (no other attempt of its worker is without progress), else ''
 # An attempt starts: judge the attempts before it that nobody judged (they were lost: the worker
 # was killed, or stalled past its lease), then note where this one starts. The attempt that
 # started last was *interrupted* if the stream now holds more tokens than when it started (it
 # spent no try), else it *failed*, as did any attempt lost before it could start.
-# Returns {1, interruptions so far, newly interrupted (0/1), newly failed}, or {0, 0, 0, 0} when
-# the lease no longer owns the job (nothing written).
+# A started attempt lost without progress is also a *worker death*: ``deaths`` counts them in a row
+# (an interruption or a retryable error ends the run; an attempt lost before it started neither
+# adds nor ends one, as it cannot have killed its worker). With deaths at the limit the job is
+# *refused*: nothing is started, and the caller dead-letters it (``killed_its_worker``). So the
+# worker that claims a job after two deaths (the default limit) never runs it. With deaths below
+# the limit the job is a *suspect*: it starts only isolated, so that a worker it kills takes no
+# other job's attempt without progress down with it (which would count as that job's death too);
+# otherwise nothing is started and the caller isolates the attempt and asks again.
+# Why here and not in REAP, which could keep such a job from ever being claimed: only the next
+# attempt knows whether the lost one made progress (it has just read the job's stream), and only a
+# worker can write the dead letter, the stream's final error entry and arq's result record. The lease
+# fences it: of two workers that both claimed the job (the first stalled past its lease), only the
+# owner is answered, and the count stays at the limit, so every later claim is refused as well.
+# A lost attempt that was only stalled (its worker frozen, or cut off from Redis longer than the
+# lease) cannot be told from a death here: one caught before its first token counts as one.
+# Returns {verdict, interruptions so far, newly interrupted (0/1), newly failed, deaths in a row};
+# verdict 1 started, 2 a suspect not started (start it isolated), 3 refused, 0 the lease no longer
+# owns the job (nothing written).
 START_ATTEMPT = _PROGRESS + """
-if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return {0, 0, 0, 0} end
+if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return {0, 0, 0, 0, 0} end
 local attempt, tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
-local accounted, started, before, interruptions = read_progress(KEYS[2], ARGV[2])
+local accounted, started, before, interruptions, deaths = read_progress(KEYS[2], ARGV[2])
 local interrupted, failed = 0, 0
 if started == attempt then
   accounted = attempt - 1          -- the same try again after a hand-back: nothing was lost
 else
   if started > accounted and started < attempt then
-    if tokens > before then interrupted = 1 else failed = 1 end
+    if tokens > before then
+      interrupted, deaths = 1, 0
+    else
+      failed, deaths = 1, deaths + 1
+    end
     accounted = started
   end
   failed = failed + math.max(0, attempt - 1 - accounted)
@@ -324,22 +349,32 @@ end
 interruptions = interruptions + interrupted
 if interrupted > 0 then redis.call('HINCRBY', KEYS[3], 'interrupted', interrupted) end
 if failed > 0 then redis.call('HINCRBY', KEYS[3], 'failed', failed) end
-write_progress(KEYS[2], ARGV[2], accounted, attempt, tokens, interruptions)
-return {1, interruptions, interrupted, failed}
+local max_deaths, verdict = tonumber(ARGV[5]), 1
+if max_deaths and deaths >= max_deaths then
+  verdict = 3
+elseif max_deaths and deaths > 0 and ARGV[6] ~= '1' then
+  verdict = 2
+end
+if verdict == 1 then
+  write_progress(KEYS[2], ARGV[2], accounted, attempt, tokens, interruptions, deaths)
+else
+  write_progress(KEYS[2], ARGV[2], accounted, started, before, interruptions, deaths)
+end
+return {verdict, interruptions, interrupted, failed, deaths}
 """
 
 # KEYS: owners, running, deferred, progress, attempt outcomes, jobs, tenant waiting, tenant running
 # ARGV: lease, job id, run-at ms
-# The attempt failed with a retryable error: it is judged here (a failure), not when the next starts.
-# A deferred job counts as waiting for its tenant. Returns 1 deferred, 0 the lease no longer owns
-# the job (nothing done).
+# The attempt failed with a retryable error: it is judged here (a failure), not when the next starts,
+# and it ends a run of worker deaths (its worker lived). A deferred job counts as waiting for its
+# tenant. Returns 1 deferred, 0 the lease no longer owns the job (nothing done).
 RETRY_LATER = _PROGRESS + _ENTRY + _COUNT + """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
 local _, _, _, tenant = read_entry(redis.call('HGET', KEYS[6], ARGV[2]) or '')
 count(KEYS[8], tenant, -1)
 count(KEYS[7], tenant, 1)
 local _, started, tokens, interruptions = read_progress(KEYS[4], ARGV[2])
-write_progress(KEYS[4], ARGV[2], started, started, tokens, interruptions)
+write_progress(KEYS[4], ARGV[2], started, started, tokens, interruptions, 0)
 redis.call('HINCRBY', KEYS[5], 'failed', 1)
 redis.call('HDEL', KEYS[1], ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[2])

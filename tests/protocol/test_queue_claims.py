@@ -14,6 +14,7 @@ from slotq.jobs.protocol.keys import ABORTS, QueueKeys, job_record_key, retry_co
 from slotq.jobs.protocol.redis_queue import (
     NO_QUOTAS,
     AttemptOutcomes,
+    AttemptVerdict,
     BusyToken,
     Enqueued,
     RedisQueue,
@@ -193,6 +194,38 @@ async def test_lost_attempts_are_judged_by_the_progress_they_left_in_the_stream(
     assert await queue.interruptions("job") == 2                            # the intruder wrote nothing
     assert await queue.finish(job, b"done", 60_000)
     assert not await redis.hexists(queue.keys.progress, "job")
+
+
+async def test_attempts_lost_without_progress_in_a_row_are_worker_deaths(queue, redis):
+    """START_ATTEMPT with a limit of 2 worker deaths: a started attempt lost without progress is a
+    death; after one the job starts only isolated; an interruption ends the run of deaths, an
+    attempt lost before it started neither adds nor ends one; at 2 the job is refused, again at
+    every later claim, and nothing is started."""
+    await put(queue, "job")
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+
+    async def start(attempt: int, tokens: int, isolated: bool = False) -> tuple[AttemptVerdict, int, int]:
+        s = await queue.start_attempt(job, attempt, tokens, max_worker_deaths=2, isolated=isolated)
+        return s.verdict, s.failed, s.worker_deaths
+
+    assert await start(1, 0) == (AttemptVerdict.STARTED, 0, 0)
+    assert await start(2, 0) == (AttemptVerdict.START_ISOLATED, 1, 1)        # 1 died without progress
+    assert await start(2, 0, isolated=True) == (AttemptVerdict.STARTED, 0, 1)
+    assert await start(3, 30) == (AttemptVerdict.STARTED, 0, 0)              # 2 delivered 30 tokens
+    assert await start(4, 30) == (AttemptVerdict.START_ISOLATED, 1, 1)       # 3 died without progress
+    assert await start(6, 30) == (AttemptVerdict.START_ISOLATED, 2, 1)       # 4 and 5 were lost before they started
+    assert await start(6, 30, isolated=True) == (AttemptVerdict.STARTED, 0, 1)
+    assert await start(6, 30) == (AttemptVerdict.START_ISOLATED, 0, 1)       # 6 again after a hand-back
+    assert await start(6, 30, isolated=True) == (AttemptVerdict.STARTED, 0, 1)
+    assert await start(7, 30) == (AttemptVerdict.REFUSED, 1, 2)              # 6 died without progress: 2 in a row
+    assert await start(8, 30, isolated=True) == (AttemptVerdict.REFUSED, 1, 2)   # 7 never started
+    assert (await queue.start_attempt(dataclasses.replace(job, lease="intruder#1"), 9, 30,
+                                      max_worker_deaths=2)).verdict == AttemptVerdict.LEASE_LOST
+    # without a limit the caller is told the count, and every attempt starts
+    assert (await queue.start_attempt(job, 9, 30)).verdict == AttemptVerdict.STARTED
+    assert await queue.retry_later(job, 0)                                   # its worker lived: the run ends
+    [job] = await queue.claim(1, "w2", LEASE_MS)
+    assert await start(10, 30) == (AttemptVerdict.STARTED, 0, 0)
 
 
 async def test_cancel_queued_and_running(queue, redis):
