@@ -321,8 +321,9 @@ async def _dlq(args: argparse.Namespace) -> int:
             for job_id in ids:
                 letter = await dead_letters.get(redis, job_id)
                 if letter:
-                    print(f"{job_id}  attempts={letter.attempts} (interrupted={letter.interruptions})  "
-                          f"{letter.error.code}: {letter.error.message}")
+                    deaths = f" worker_deaths={letter.worker_deaths}" if letter.worker_deaths else ""
+                    print(f"{job_id}  attempts={letter.attempts} (interrupted={letter.interruptions}){deaths}  "
+                          f"{letter.reason}: {letter.error.message}")
         elif args.action == "requeue":
             for job_id in ids:
                 if await dead_letters.get(redis, job_id) is None:

@@ -27,6 +27,11 @@ def _state(w: WorkerInfo) -> Text:
     return Text("ready", style="green") if w.ready else Text("warming up", style="cyan")
 
 
+def _by_reason(reasons: dict[str, int]) -> str:
+    """`` (2 killed_its_worker, 1 tries_exhausted)``, or nothing when no dead letter has a reason."""
+    return f" ({', '.join(f'{n} {reason}' for reason, n in reasons.items())})" if reasons else ""
+
+
 def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
     lanes = Table("lane", "queued", "oldest wait", "deferred", "running", "preempted", title=f"queue {info.queue}")
     for lane in info.lanes:
@@ -45,7 +50,8 @@ def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
     active_total = sum(w.slots_active if w.slots_active is not None else w.slots_total for w in info.workers)
     summary = (f"fleet: {info.slots_busy}/{active_total} active slots busy ({info.slots_total} max) across "
                f"{len(info.workers)} workers, {sum(w.ready for w in info.workers)} ready; "
-               f"{info.dead_letters} dead letters; {info.interrupted_attempts} attempts interrupted (no try "
+               f"{info.dead_letters} dead letters{_by_reason(info.dead_letters_by_reason)}; "
+               f"{info.interrupted_attempts} attempts interrupted (no try "
                f"spent), {info.failed_attempts} failed (a try each)")
     if at is not None:
         summary += f"; updated {time.strftime('%H:%M:%S', time.localtime(at))}"

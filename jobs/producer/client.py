@@ -377,6 +377,7 @@ class SlotqClient:
             lanes=lanes,
             workers=[w for w in await self.workers() if w.queue == self.settings.queue_name],
             dead_letters=await dead_letters.count(self.redis),
+            dead_letters_by_reason=await dead_letters.by_reason(self.redis),
             interrupted_attempts=outcomes.interrupted,
             failed_attempts=outcomes.failed,
         )

@@ -11,6 +11,7 @@ keeps them in one slot):
 ``slotq:stream-mark:<writer>``    STRING  the last flush a stream writer applied, and its answer
 ``slotq:dlq:{<id>}``              HASH    a dead letter (:mod:`slotq.jobs.protocol.dead_letters`)
 ``slotq:dlq``                     ZSET    job id -> time it was dead-lettered
+``slotq:dlq:reasons``             HASH    reason (the error code) -> dead letters kept with it
 ``slotq:worker:<worker id>``      HASH    a live worker's heartbeat, with a TTL (:mod:`slotq.jobs.protocol.registry`)
 ``slotq:workers``                 ZSET    worker id -> time of its last heartbeat (ms)
 ================================  ======  ===========================================================
@@ -77,6 +78,7 @@ LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)
 JOB_FUNCTION = "generate"        # the one arq function name
 DEAD_LETTER_INDEX = "slotq:dlq"
+DEAD_LETTER_REASONS = "slotq:dlq:reasons"
 WORKER_INDEX = "slotq:workers"
 
 

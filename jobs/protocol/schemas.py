@@ -199,6 +199,8 @@ class QueueInfo(BaseModel):
     lanes: list[LaneInfo]
     workers: list[WorkerInfo]
     dead_letters: int
+    dead_letters_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="dead letters kept per reason (their error code, e.g. killed_its_worker)")
     interrupted_attempts: int = Field(
         0, description="attempts lost after delivering new tokens, since the queue began: resumed, no try spent")
     failed_attempts: int = Field(

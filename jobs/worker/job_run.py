@@ -333,12 +333,13 @@ class JobRun:
         await self._flush_final()
         return self._failed(error)
 
-    async def _dead_letter(self, error: ErrorInfo) -> JobResult:
+    async def _dead_letter(self, error: ErrorInfo, *, worker_deaths: int = 0) -> JobResult:
         await dead_letters.record(self.writer.redis, self.job_id, self.payload, error, self.attempt, self.enqueued_at,
-                                  queue=self.settings.queue_name, interruptions=self.interruptions)
-        metrics.DEAD_LETTERS.inc()
-        log.error("job %s dead-lettered after %d attempts (%d of them interrupted after making progress): %s",
-                  self.job_id, self.attempt, self.interruptions, error.code)
+                                  queue=self.settings.queue_name, interruptions=self.interruptions,
+                                  worker_deaths=worker_deaths)
+        metrics.DEAD_LETTERS.labels(reason=error.code).inc()
+        log.error("job %s dead-lettered after %d attempts (%d of them interrupted after making progress, %d worker "
+                  "deaths in a row): %s", self.job_id, self.attempt, self.interruptions, worker_deaths, error.code)
         return await self._fail(error)
 
     def _entry(self, kind: EntryKind, **fields: Any) -> StreamEntry:

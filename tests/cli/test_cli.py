@@ -224,6 +224,26 @@ async def test_dlq_list_shows_how_many_attempts_were_interruptions(client: Slotq
     assert out == "lost-often  attempts=5 (interrupted=4)  interruptions_exhausted: lost\n"
 
 
+async def test_dead_letters_are_counted_by_reason(client: SlotqClient, redis_url: str, tmp_path: Path) -> None:
+    """``slotq status`` says why jobs were dead-lettered and ``dlq list`` how many workers a job
+    killed; a job dead-lettered twice counts once, a purged one no more. Before: a total only."""
+    payload = encode_payload(job_request())
+    killed = ErrorInfo(code="killed_its_worker", message="killed 2 workers", retryable=False)
+    exhausted = ErrorInfo(code="tries_exhausted", message="tries", retryable=True)
+    for job_id, error in [("killer", killed), ("killer", killed), ("flaky", exhausted), ("flakier", exhausted)]:
+        await dead_letters.record(client.redis, job_id, payload, error, attempts=3, enqueued_at=None,
+                                  worker_deaths=2 if error is killed else 0)
+    assert await dead_letters.by_reason(client.redis) == {"killed_its_worker": 1, "tries_exhausted": 2}
+    code, out, err = await _run("status", redis_url=redis_url, cwd=tmp_path)
+    assert code == 0, err
+    assert "3 dead letters (1 killed_its_worker, 2 tries_exhausted)" in out, out
+    code, out, err = await _run("dlq", "list", redis_url=redis_url, cwd=tmp_path)
+    assert "killer  attempts=3 (interrupted=0) worker_deaths=2  killed_its_worker: killed 2 workers\n" in out, out
+    code, out, err = await _run("dlq", "purge", "flaky", redis_url=redis_url, cwd=tmp_path)
+    assert code == 0, err
+    assert await dead_letters.by_reason(client.redis) == {"killed_its_worker": 1, "tries_exhausted": 1}
+
+
 @pytest.mark.parametrize("action", ["requeue", "purge"])
 async def test_dlq_action_on_a_job_that_is_no_dead_letter_fails(action: str, client: SlotqClient, redis_url: str,
                                                                 tmp_path: Path) -> None:
