@@ -125,6 +125,11 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         20, ge=0, le=1000, description="attempts of a job that may be lost after delivering new tokens: they spend no "
                                        "try (the next attempt resumes from them), but beyond this many the job is "
                                        "dead-lettered, so nothing runs forever")
+    max_worker_deaths: int = Field(
+        2, ge=1, le=100, description="attempts of a job in a row that may end with their worker dying (killed, out "
+                                     "of memory, crashed) before any progress; the worker that claims it next "
+                                     "dead-letters it (killed_its_worker) instead of running it. A job whose last "
+                                     "attempt died so starts alone in its worker")
     retry_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each try")
     drain_grace_s: int = Field(
         25, ge=0, description="on SIGTERM, let running jobs finish this long (Heroku allows 30 s)")

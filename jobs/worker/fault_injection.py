@@ -130,13 +130,14 @@ def _switch(environ: Mapping[str, str], name: str) -> bool:
 
 KILL_BEFORE_TOKEN = "SLOTQ_FAULT_KILL_BEFORE_TOKEN"
 KILL_AFTER_NEW_TOKENS = "SLOTQ_FAULT_KILL_AFTER_NEW_TOKENS"
+KILL_WORKER_AT_START_OF = "SLOTQ_FAULT_KILL_WORKER_AT_START_OF"
 
 
 @dataclass(frozen=True)
 class JobFaults:
     """Hooks that SIGKILL the worker in the middle of a job (as the OOM killer or a lost node
     would), at a chosen token and after everything before it reached the job's stream, so what an
-    interrupted attempt delivered is exact. Every job of the worker is subject to them.
+    interrupted attempt delivered is exact. Every job of the worker is subject to the first two.
 
     ``SLOTQ_FAULT_KILL_BEFORE_TOKEN=K``
         Dies before a job's K-th token (its count, resumed tokens included) is written: every
@@ -144,10 +145,15 @@ class JobFaults:
         (K = 1: before its first token).
     ``SLOTQ_FAULT_KILL_AFTER_NEW_TOKENS=M``
         Dies once an attempt has written M tokens of its own: each attempt makes progress, then dies.
+    ``SLOTQ_FAULT_KILL_WORKER_AT_START_OF=ID[,ID...]``
+        Dies when an attempt of one of these jobs has started and is handed to the engine, the
+        point where a job that kills its worker does it (a grammar that exhausts memory, a prompt
+        that crashes llama.cpp): poison jobs among ordinary ones.
     """
 
     kill_before_token: int | None = None
     kill_after_new_tokens: int | None = None
+    kill_worker_at_start_of: frozenset[str] = frozenset()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> JobFaults:
@@ -157,8 +163,11 @@ class JobFaults:
                 raise ValueError(f"{name} must be a whole number >= 1, not {raw!r}")
             return int(raw) if raw else None
 
-        faults = cls(kill_before_token=count(KILL_BEFORE_TOKEN), kill_after_new_tokens=count(KILL_AFTER_NEW_TOKENS))
-        if faults.kill_before_token or faults.kill_after_new_tokens:
+        poison = frozenset(part.strip() for part in (environ.get(KILL_WORKER_AT_START_OF) or "").split(",")
+                           if part.strip())
+        faults = cls(kill_before_token=count(KILL_BEFORE_TOKEN), kill_after_new_tokens=count(KILL_AFTER_NEW_TOKENS),
+                     kill_worker_at_start_of=poison)
+        if faults.kill_before_token or faults.kill_after_new_tokens or faults.kill_worker_at_start_of:
             log.warning("fault injection is armed (tests only): %s", faults)
         return faults
 
@@ -167,6 +176,10 @@ class JobFaults:
         ones (``new`` of them by this attempt). Cheap: it runs for every text delta."""
         return ((self.kill_before_token is not None and delivered + arriving >= self.kill_before_token)
                 or (self.kill_after_new_tokens is not None and new >= self.kill_after_new_tokens))
+
+    def kills_at_start(self, job_id: str) -> bool:
+        """Whether the worker must die as this job's attempt is handed to the engine."""
+        return job_id in self.kill_worker_at_start_of
 
     async def kill_worker(self, flush: Awaitable[None]) -> NoReturn:
         """Let ``flush`` put what came before in the stream, then SIGKILL this process."""

@@ -14,6 +14,11 @@ it was *interrupted* and spent no try (the next attempt resumes from what it del
 it *failed* like an attempt that raised a retryable error, so a job that kills its worker before
 its first token, or at the same token every time, is still dead-lettered after ``max_tries``.
 ``max_interruptions`` bounds the rest, so nothing runs forever.
+
+A job that kills workers is stopped sooner: once ``max_worker_deaths`` of its started attempts in
+a row were lost without progress, the next attempt refuses to run it and dead-letters it
+(``killed_its_worker``), and after one such death it starts only isolated in its worker
+(:mod:`slotq.jobs.worker.start_gate`), so the jobs beside it are not taken for killers.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from slotq.jobs.protocol import dead_letters, streams
 from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
 from slotq.jobs.protocol.payload import decode_payload
 from slotq.jobs.protocol.preemption import Progress
-from slotq.jobs.protocol.redis_queue import AttemptLedger
+from slotq.jobs.protocol.redis_queue import AttemptLedger, AttemptStart, AttemptVerdict
 from slotq.jobs.protocol.schemas import (
     ChoiceResult,
     EntryKind,
@@ -58,6 +63,7 @@ from slotq.jobs.worker import metrics
 from slotq.jobs.worker.elastic.admission import Verdict
 from slotq.jobs.worker.engine_api import JobEngine, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
+from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)
@@ -100,10 +106,12 @@ class JobRun:
                  job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
                  is_abort: Callable[[], bool], lease_lost: Callable[[], bool],
                  verdict: Callable[..., Verdict] | None = None, ledger: AttemptLedger | None = None,
-                 lent_reserve: bool = False, faults: JobFaults = JobFaults()) -> None:
+                 lent_reserve: bool = False, faults: JobFaults = JobFaults(), gate: StartGate | None = None) -> None:
         """``ledger`` judges lost attempts (interrupted or failed); without one (arq's own queue, as
         the arq baseline runs) every attempt spends a try. ``lent_reserve``: the claim lent this
-        attempt the worker's reserve (its tenant had nothing running), and so does its engine request."""
+        attempt the worker's reserve (its tenant had nothing running), and so does its engine request.
+        ``gate``: the worker's, where suspects start isolated (with a ledger; without one, a suspect
+        starts like any job). Whoever runs the attempt calls ``gate.leave`` when it ends."""
         self.engine = engine
         self.writer = writer
         self.settings = settings
@@ -119,6 +127,7 @@ class JobRun:
         self.verdict = verdict
         self.lent_reserve = lent_reserve
         self.faults = faults
+        self.gate = gate
         self.metadata: dict[str, Any] = {}
         self.cap: MaxTokensCap | None = None
         self.tokens_left: int | None = None    # still to generate, all choices (None until the request is known)
@@ -152,7 +161,12 @@ class JobRun:
         delivered = await read_delivered(self.writer, self.job_id)
         if delivered.final is not None:
             return await self._result_from_stream(delivered)   # an earlier attempt finished; only its finish was lost
-        await self._start_attempt(delivered)
+        start = await self._start_attempt(delivered)
+        if start is not None and start.verdict == AttemptVerdict.REFUSED:
+            return await self._dead_letter(ErrorInfo(code=dead_letters.KILLED_ITS_WORKER, retryable=False, message=(
+                f"its last {start.worker_deaths} attempts that started ended with their worker dying (killed, out of "
+                f"memory, crashed) or stalling past its lease before delivering any token; at SLOTQ_MAX_WORKER_DEATHS "
+                f"({self.settings.max_worker_deaths}) it is not run again")), worker_deaths=start.worker_deaths)
         if self.tries > self.settings.max_tries:
             return await self._dead_letter(ErrorInfo(code="tries_exhausted", retryable=True, message=(
                 f"attempt {self.attempt} would be try {self.tries}, over max_tries ({self.settings.max_tries}): the "
@@ -162,6 +176,8 @@ class JobRun:
             return await self._dead_letter(ErrorInfo(code="interruptions_exhausted", retryable=True, message=(
                 f"{self.interruptions} attempts were lost after making progress, over max_interruptions "
                 f"({self.settings.max_interruptions}); the stream holds {delivered.token_count} tokens")))
+        if start is not None and start.verdict == AttemptVerdict.START_ISOLATED:
+            await self._start_isolated(delivered, start.worker_deaths)
         if job.deadline is not None and not delivered.tokens:
             first_token_s = self._first_token_s()
             if time.time() + first_token_s >= job.deadline:
@@ -186,6 +202,8 @@ class JobRun:
         if len(resume) >= job.max_tokens:
             return await self._complete_delivered(GenerationRequest(id=self.job_id, **params), delivered)
         request = GenerationRequest(id=self.job_id, resume_tokens=resume, **params)
+        if self.faults.kills_at_start(self.job_id):
+            await self.faults.kill_worker(self.writer.write_all(self.job_id))
         try:
             handle = await self.engine.submit_async(request)
         except EngineError as exc:
@@ -202,13 +220,18 @@ class JobRun:
         stats = self.engine.stats()
         return stats.generating_seconds / stats.generating_steps if stats.generating_steps else 0.0
 
-    async def _start_attempt(self, delivered: Delivered) -> None:
+    async def _start_attempt(self, delivered: Delivered) -> AttemptStart | None:
         """Judge the attempts lost before this one and note where this one starts (the queue's
         ``START_ATTEMPT``): the last one was an interruption, spending no try, if the stream
-        grew while it ran."""
+        grew while it ran, else a failure and a worker death. At ``max_worker_deaths`` deaths in a
+        row the attempt is refused; a suspect (fewer, but some) is not started yet: see
+        :meth:`_start_isolated`. None: no ledger."""
         if self.ledger is None:
-            return
-        start = await self.ledger.start(self.attempt, delivered.token_count)
+            return None
+        if self.gate is not None:
+            await self.gate.enter(self.job_id)
+        start = await self.ledger.start(self.attempt, delivered.token_count,
+                                        max_worker_deaths=self.settings.max_worker_deaths, isolated=self.gate is None)
         if not start.owned:
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
         self.interruptions = start.interruptions
@@ -216,8 +239,23 @@ class JobRun:
         metrics.ATTEMPTS_LOST.labels(counted_as="failure").inc(start.failed)
         if start.interrupted or start.failed:
             log.warning("job %s attempt %d: of the attempts lost before it, %d had delivered new tokens (interrupted, "
-                        "no try spent) and %d had not (failed, a try each); try %d, %d interruptions so far",
-                        self.job_id, self.attempt, start.interrupted, start.failed, self.tries, self.interruptions)
+                        "no try spent) and %d had not (failed, a try each); try %d, %d interruptions so far, %d "
+                        "worker deaths in a row", self.job_id, self.attempt, start.interrupted, start.failed,
+                        self.tries, self.interruptions, start.worker_deaths)
+        return start
+
+    async def _start_isolated(self, delivered: Delivered, worker_deaths: int) -> None:
+        """A suspect starts once it is alone in this worker without progress (the worker's
+        :class:`~slotq.jobs.worker.start_gate.StartGate`), so that if it kills the worker, no other
+        job's attempt dies with it before making progress."""
+        assert self.ledger is not None and self.gate is not None
+        log.warning("job %s attempt %d: its last %d started attempts were lost with their worker before any progress; "
+                    "it starts once it is alone here without progress", self.job_id, self.attempt, worker_deaths)
+        await self.gate.enter_isolated(self.job_id)
+        start = await self.ledger.start(self.attempt, delivered.token_count,
+                                        max_worker_deaths=self.settings.max_worker_deaths, isolated=True)
+        if not start.owned:
+            raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
 
     def _lane_rank(self, lane: str) -> int:
         """The engine's priority class of a lane: the lowest lane 0, each higher one more, so a higher
@@ -243,6 +281,8 @@ class JobRun:
                     self.tokens_left = (self.tokens_left or 0) - len(event.token_ids)
                     self.writer.add_chunk(self.job_id, attempt=self.attempt, choice=event.choice, text=event.text,
                                           token_ids=event.token_ids, n_tokens=event.n_tokens)
+                    if self.gate is not None and self.generated == len(event.token_ids):
+                        await self._made_progress()
                     continue
                 finished[event.choice] = event
                 if event.error is not None:
@@ -264,6 +304,14 @@ class JobRun:
             return await self._cancelled(texts, tokens, finished, request, job)
         await self._flush_final()
         return self._result(texts, finished)
+
+    async def _made_progress(self) -> None:
+        """This attempt's first tokens are in hand: it holds no suspect back any more, and if it
+        is the suspect that runs isolated, no one, once they are in its stream."""
+        assert self.gate is not None
+        if self.gate.isolated(self.job_id):
+            await self.writer.write_all(self.job_id)
+        self.gate.leave(self.job_id)
 
     async def _complete_delivered(self, request: GenerationRequest, delivered: Delivered) -> JobResult:
         """An earlier attempt streamed every token but died before its final entry: finish the

@@ -54,6 +54,7 @@ from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
 from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
 from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.runtime import QueueRuntime
+from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
 from slotq.jobs.worker.supervisor import Supervisor
 
@@ -101,6 +102,7 @@ class SlotqWorker:
         self._faults = WorkerFaults.from_env()
         self._job_faults = JobFaults.from_env()
         self._runs: dict[str, JobRun] = {}   # the attempts running here, by job id
+        self._start_gate = StartGate(flush=self._write_all_streams)     # suspects start isolated
 
     # ------------------------------------------------------------------ running
     async def run(self, *, handle_signals: bool = True) -> int:
@@ -346,6 +348,12 @@ class SlotqWorker:
         run = self._runs.get(job_id)
         return run.progress if run is not None else NOT_STARTED
 
+    async def _write_all_streams(self) -> None:
+        """Return once every entry the running attempts have added is in their streams."""
+        assert self.writer is not None
+        for job_id in list(self._runs):
+            await self.writer.write_all(job_id)
+
     def _observe_pickup(self, job: ClaimedJob) -> None:
         metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, time.time() - job.ready_ms / 1000))
 
@@ -362,7 +370,7 @@ class SlotqWorker:
                      lease_lost=lambda: runtime.has_lost_lease(job_id),
                      verdict=self.elastic.verdict if self.elastic else None,
                      ledger=AttemptLedger(self.queue, claim), lent_reserve=claim.lent_reserve,
-                     faults=self._job_faults)
+                     faults=self._job_faults, gate=self._start_gate)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)
@@ -380,6 +388,7 @@ class SlotqWorker:
             log.info("job %s %s", job_id, "abandoned (lease lost)" if runtime.has_lost_lease(job_id) else "handed back")
             raise
         finally:
+            self._start_gate.leave(job_id)
             self.writer.unbind(job_id)
             if self._runs.get(job_id) is run:
                 del self._runs[job_id]

@@ -28,6 +28,9 @@ from tests.support.faults import Fleet, check_job, worker_env
 from tests.support.jobs import chunks, collect_stream, job_request, raw_entries
 
 MAX_TRIES = 2
+# These kills hit every job of the worker: the tries are under test here, not the worker deaths that
+# dead-letter a job sooner (SLOTQ_MAX_WORKER_DEATHS, tests/faults/test_poison.py).
+MAX_WORKER_DEATHS = 10
 JOB_TOKENS = 300
 
 
@@ -56,7 +59,7 @@ async def _run_with_restarts(fleet: Fleet, job: JobHandle, timeout: float = 90) 
 
 
 async def _kill_scenario(client: SlotqClient, redis_url: str, model, tmp_path, **faults: int) -> tuple[JobResult, int]:
-    env = worker_env(redis_url, model, max_tries=MAX_TRIES, poll_delay_s=0.2,
+    env = worker_env(redis_url, model, max_tries=MAX_TRIES, max_worker_deaths=MAX_WORKER_DEATHS, poll_delay_s=0.2,
                      **{f"fault_{name}": value for name, value in faults.items()})
     fleet = Fleet(client, env, tmp_path)
     try:

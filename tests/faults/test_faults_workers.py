@@ -424,10 +424,11 @@ async def test_chaos_kill9_workers_nothing_lost(fclient, fsync_redis, tiny_model
     client = fclient
     rng = random.Random(CHAOS_SEED)
     references = await _greedy_references(tiny_model_path, CHAOS_MAX_TOKENS)
-    # job_timeout 20 s: a job that hangs for any reason fails in 20 s, not an hour; max_tries 20: a job
-    # may be hit by several kills in a row -- the retry budget is not under test
+    # job_timeout 20 s: a job that hangs for any reason fails in 20 s, not an hour; max_tries and
+    # max_worker_deaths 20: a job may be hit by several kills in a row before its first token -- the
+    # retry budget is not under test, nor the quarantine of jobs that kill their workers
     fleet = Fleet(client, worker_env(fsync_redis.url, tiny_model_path, slots=4, ctx=CHAOS_CTX, ubatch=1,
-                                     job_timeout_s=20, max_tries=20), tmp_path)
+                                     job_timeout_s=20, max_tries=20, max_worker_deaths=20), tmp_path)
     names = [fleet.spawn().name for _ in range(CHAOS_WORKERS)]
     pending: set[str] = set()
     stuck_claims: set[str] = set()
