@@ -6,6 +6,11 @@
 * A heartbeat RENEW that reaches Redis after the job's FINISH: the job succeeded, and yet the
   worker logged that its lease had expired and the job was requeued.
   ``SLOTQ_FAULT_RENEW_AFTER_FINISH`` forces that order.
+* SIGTERM while the worker compiles constraints that take it seconds (issue 32). With llama.cpp's
+  grammar sampler the worker handed its jobs back at once, then waited for the builds (the loop's
+  default executor is joined at exit) until its exit deadline ended it with code 70 (180 kB GBNF:
+  11 s per build, two per job). llguidance (engine/constraints.py) compiles under the
+  ``SLOTQ_GRAMMAR_*`` bounds and lets the event loop run meanwhile; this test keeps it so.
 * The deploy manifests' grace periods outlast the bound.
 """
 
@@ -28,6 +33,22 @@ from tests.support import REPO_ROOT
 from tests.support.jobs import WorkerProcess, clean_env, job_request, wait_for_workers
 
 DRAIN_GRACE_S = 1
+BOUND_S = DRAIN_GRACE_S + EXIT_MARGIN_S
+# Legal, 60 kB, within the default SLOTQ_GRAMMAR_* limits and GenerationParams' 200,000 characters:
+# the slowest grammar to compile found for the tiny model (0.9 s to prepare a request here, more
+# with four at once; 30,000 optional rules in a row, about the most llguidance's parser takes).
+SLOW_GRAMMAR = "root ::= " + "x " * 30_000 + '\nx ::= "a"?\n'
+
+
+async def _sigterm(worker: WorkerProcess) -> tuple[int, float]:
+    """SIGTERM the worker; its exit code and the seconds it took to exit, or fail past its bound."""
+    worker.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        code = await asyncio.to_thread(worker.proc.wait, BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the worker did not exit within its bound of {BOUND_S} s after SIGTERM:\n{worker.log_tail()}")
+    return code, time.monotonic() - sent
 
 
 async def test_sigterm_exits_within_the_bound_when_a_beat_races_the_stop(client, redis_url, tiny_model_path,
@@ -35,25 +56,43 @@ async def test_sigterm_exits_within_the_bound_when_a_beat_races_the_stop(client,
     env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=1, threads=1, ctx=256, lock_ttl_s=3,
                     drain_grace_s=DRAIN_GRACE_S) | {BEAT_BEFORE_STOP: "1"}
     worker = WorkerProcess("beat-races-stop", env, tmp_path)
-    bound_s = DRAIN_GRACE_S + EXIT_MARGIN_S
     try:
         await wait_for_workers(client, {"beat-races-stop"}, procs=[worker])
         assert (await (await client.enqueue(job_request(max_tokens=8))).result(timeout=60)).status == \
             JobStatus.SUCCEEDED
-        worker.proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        try:
-            code = await asyncio.to_thread(worker.proc.wait, bound_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the worker did not exit within its bound of {bound_s} s after SIGTERM:\n"
-                        f"{worker.log_tail()}")
-        took = time.monotonic() - sent
+        code, took = await _sigterm(worker)
     finally:
         worker.stop()
     log = worker.log_tail(20_000)
     assert "the beat event fired right before the stop" in log, log     # the race really was forced
     assert code == 0, log            # a clean exit, not the exit deadline's
-    assert took < bound_s
+    assert took < BOUND_S
+
+
+async def test_sigterm_exits_within_the_bound_while_grammars_are_being_compiled(client, redis_url, tiny_model_path,
+                                                                               tmp_path):
+    """Four jobs whose grammar takes the worker seconds: SIGTERM once they run, and the worker
+    hands them back and exits cleanly within its bound."""
+    env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=4, threads=1, ctx=256, lock_ttl_s=3,
+                    drain_grace_s=DRAIN_GRACE_S)
+    worker = WorkerProcess("builds-grammars", env, tmp_path)
+    try:
+        await wait_for_workers(client, {"builds-grammars"}, procs=[worker])
+        ids = [(await client.enqueue(job_request(f"slow grammar {i}", max_tokens=8, ignore_eos=False,
+                                                 sampling={"temperature": 0, "grammar": SLOW_GRAMMAR}))).id
+               for i in range(4)]
+        async with asyncio.timeout(30):
+            while not all([(await client.queue.place(job_id))[1] for job_id in ids]):
+                await asyncio.sleep(0.05)
+        code, took = await _sigterm(worker)
+    finally:
+        worker.stop()
+    log = worker.log_tail(20_000)
+    assert code == 0, log            # a clean exit, not the exit deadline's
+    assert took < BOUND_S
+    assert log.count("handed back") == 4, log
+    assert await client.finished(ids) == {}, log                           # none was done with its grammar
+    assert [await client.queue.place(job_id) for job_id in ids] == [("interactive", False)] * 4
 
 
 async def test_a_job_that_finished_is_not_reported_as_requeued(client, start_worker, monkeypatch, caplog):
