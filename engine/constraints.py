@@ -68,7 +68,9 @@ class GrammarKnobs(BaseModel):
         50_000, ge=100, le=10_000_000,
         description="distinct lexer states one grammar may build (about 1-2 kB each): bounds its memory")
     grammar_max_size: int = Field(
-        500_000, ge=100, le=100_000_000, description="symbols in a grammar's productions after compilation")
+        50_000, ge=100, le=65_000,
+        description="symbols in a grammar after compilation; llguidance's own ceiling is 65,525, which it checks "
+                    "only with a model's tokenizer (in the worker), so the bound producers check is kept below it")
 
     def parser_limits(self) -> llguidance.LLParserLimits:
         return llguidance.LLParserLimits(initial_lexer_fuel=self.grammar_initial_fuel,

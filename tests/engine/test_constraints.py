@@ -58,6 +58,14 @@ def test_a_gbnf_grammar_is_checked_the_same_way() -> None:
         check_constraint(SamplingParams(grammar='rule ::= "a"'), GrammarKnobs())
 
 
+def test_the_producer_refuses_what_only_a_worker_could_find_too_large() -> None:
+    """llguidance asserts fewer than 65,525 symbols only when it builds the matcher with a model's
+    tokenizer; the producer's check must refuse such a grammar too, or the two would disagree."""
+    many_rules = "root ::= " + "x " * 90_000 + '\nx ::= "a"?\n'
+    with pytest.raises(GrammarError, match="SLOTQ_GRAMMAR_MAX_SIZE=50000"):
+        check_constraint(SamplingParams(grammar=many_rules), GrammarKnobs())
+
+
 async def test_the_engine_refuses_the_enum_bomb_and_runs_the_min_items_one_in_bounded_memory(
         tiny_model_path: Path) -> None:
     async with running_engine(tiny_model_path, slots=2) as engine:

@@ -37,7 +37,7 @@ BOUND_S = DRAIN_GRACE_S + EXIT_MARGIN_S
 # Legal, 60 kB, within the default SLOTQ_GRAMMAR_* limits and GenerationParams' 200,000 characters:
 # the slowest grammar to compile found for the tiny model (0.9 s to prepare a request here, more
 # with four at once; 30,000 optional rules in a row, about the most llguidance's parser takes).
-SLOW_GRAMMAR = "root ::= " + "x " * 30_000 + '\nx ::= "a"?\n'
+SLOW_GRAMMAR = "root ::= " + "x " * 24_000 + '\nx ::= "a"?\n'
 
 
 async def _sigterm(worker: WorkerProcess) -> tuple[int, float]:
