@@ -80,6 +80,10 @@ class ClientSettings(BaseSettings, GrammarKnobs):
     stream_ttl_s: int = Field(3600, ge=1, description="how long a job's output stream lives after its final event")
     stream_maxlen: int = Field(100_000, ge=100, description="cap on entries per output stream")
     log_level: str = Field("INFO", description="log level of slotq commands (DEBUG, INFO, WARNING, ...)")
+    clock_offset_s: float = Field(
+        0.0, ge=-86_400, le=86_400,
+        description="for tests: shift this process's wall clock by this many seconds where it stamps records (a host "
+                    "whose clock runs off); leases, reaping, ready times and quota minutes use Redis' clock")
 
     def tenant_quotas(self) -> TenantQuotas:
         """The quotas every producer with these settings applies to each tenant's enqueues."""

@@ -92,7 +92,7 @@ class SlotqClient:
                  reader: StreamReader | None = None) -> None:
         self.redis = redis
         self.settings = settings
-        self.queue = RedisQueue(redis, settings.queue_name, settings.lanes)
+        self.queue = RedisQueue(redis, settings.queue_name, settings.lanes, clock_offset_s=settings.clock_offset_s)
         self.reader = reader or StreamReader(redis)    # one XREAD for every stream this client follows
         self._owns_connection = owns_connection
         self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
@@ -366,10 +366,8 @@ class SlotqClient:
     async def queue_info(self) -> QueueInfo:
         """Counts per lane (each O(1)), the oldest waiting job, live workers, dead letters, and the
         attempts lost to interruptions apart from those that spent a try."""
-        now_ms = time.time() * 1000
         lanes = [LaneInfo(lane=c.lane, queued=c.waiting, deferred=c.deferred, running=c.running,
-                          oldest_queued_age_s=max(0.0, (now_ms - c.oldest_waiting_ms) / 1000)
-                          if c.oldest_waiting_ms is not None else None, preempted=c.preempted)
+                          oldest_queued_age_s=c.oldest_waiting_age_s, preempted=c.preempted)
                  for c in await self.queue.counts()]
         outcomes = await self.queue.attempt_outcomes()
         return QueueInfo(

@@ -122,8 +122,7 @@ class JobExit:
     kind: ExitKind
     result: bytes | None = None    # FINISHED: the result record (None: results are not kept)
     result_ttl_ms: int = 0         # FINISHED: how long producers may read it
-    ready_shift_ms: int = 0        # RETRY_LATER: how far the job's ready time moves (its backoff plus the
-    #                                time since the ready time the attempt started with)
+    retry_delay_ms: int = 0        # RETRY_LATER: the backoff the job asked for (``Retry(defer=...)``)
 
 
 JobFunction = Callable[[Attempt, Any], Awaitable[Any]]
@@ -141,14 +140,19 @@ class _Worker(Worker):
     def __init__(self, on_exit: OnExit, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._report_exit = on_exit
+        # job id -> the delay of the Retry its function raised. arq hands finish_job only the shift of
+        # the job's score, the delay plus the time since that score by this host's clock; the queue
+        # counts the delay from Redis' clock instead (scripts.RETRY_LATER), so it needs the delay alone.
+        self.retry_delays: dict[str, int] = {}
 
     async def finish_job(self, job_id: str, finish: bool, result_data: bytes | None, result_timeout_s: float | None,
                          keep_result_forever: bool, incr_score: int | None, keep_in_progress: float | None) -> None:
         # A Retry without a delay leaves incr_score None (its score unchanged): a hand-back, as before.
+        retry_delay_ms = self.retry_delays.pop(job_id, 0)
         if finish:
             exit_ = JobExit(ExitKind.FINISHED, result_data, int(1000 * (result_timeout_s or self.keep_result_s)))
         elif incr_score:
-            exit_ = JobExit(ExitKind.RETRY_LATER, ready_shift_ms=incr_score)
+            exit_ = JobExit(ExitKind.RETRY_LATER, retry_delay_ms=retry_delay_ms)
         else:
             exit_ = JobExit(ExitKind.HAND_BACK)
         await self._report_exit(job_id, exit_)
@@ -179,15 +183,19 @@ class ArqJobRunner:
         logging.getLogger("arq.worker").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
 
     def start(self, job_id: str, ready_ms: int) -> asyncio.Task[None]:
-        """Run an attempt of the claimed job ``job_id`` (``ready_ms``: its ready time, which a
-        ``Retry``'s delay is counted from). The task ends after ``on_exit``."""
+        """Run an attempt of the claimed job ``job_id`` (``ready_ms``: its ready time, arq's score,
+        which only arq's own log lines use). The task ends after ``on_exit``."""
         return asyncio.get_running_loop().create_task(self._worker.run_job(job_id, ready_ms))
 
     async def _call(self, ctx: dict[str, Any], payload: Any) -> Any:
         # run_job's per-job ctx (arq 0.28): job_id, job_try (the retry counter it just incremented),
         # enqueue_time (a datetime from the job record) and score.
         job_id = ctx["job_id"]
-        result = await self._job(Attempt(job_id, ctx["job_try"], ctx["enqueue_time"].timestamp()), payload)
+        try:
+            result = await self._job(Attempt(job_id, ctx["job_try"], ctx["enqueue_time"].timestamp()), payload)
+        except Retry as retry:
+            self._worker.retry_delays[job_id] = retry.defer_score or 0
+            raise
         # An abort that came too late to stop the job: run_job clears aborting_tasks only when the
         # cancellation lands, and a later attempt of this job here would otherwise count as aborted.
         self._worker.aborting_tasks.discard(job_id)

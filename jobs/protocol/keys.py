@@ -20,8 +20,8 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 
 ================================  ======  ===========================================================
 ``Q:waiting:L``                   ZSET    job id -> place in line (its fair-share tag); claimed lowest first
-``Q:deferred:L``                  ZSET    job id -> run-at time (ms) of a retry waiting out its backoff
-``Q:running:L``                   ZSET    job id -> lease deadline (ms); the reaper requeues expired ones
+``Q:deferred:L``                  ZSET    job id -> run-at time (ms, Redis' clock) of a retry waiting out its backoff
+``Q:running:L``                   ZSET    job id -> lease deadline ms (Redis' clock); expired ones are reaped
 ``Q:jobs``                        HASH    job id -> ``lane<TAB>ready ms<TAB>place<TAB>tenant``, every job in the queue
 ``Q:tags:L``                      ZSET    tenant -> place of its newest job in lane L (dropped when L runs dry)
 ``Q:preempt:L``                   LIST    one token per job of lane L that waits while a lower lane runs (capped)

@@ -46,7 +46,7 @@ WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at m
 PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
 REAP_LIMIT = 100               # expired leases requeued per lane per reap
 RECORD_TTL_MS = 7 * 86_400_000  # a job not claimed within a week expires (arq fails it as "job expired")
-TOKENS_WINDOW_MS = 60_000       # the tokens quota's window: a fixed minute of the clock
+TOKENS_WINDOW_MS = 60_000       # the tokens quota's window: a fixed minute of Redis' clock
 
 
 class Enqueued(Enum):
@@ -90,8 +90,9 @@ class ClaimedJob:
 
     id: str
     lane: str
-    ready_ms: int
+    ready_ms: int                   # when it became ready to claim (enqueued, or its retry due): Redis' clock
     lease: str
+    claimed_ms: int                 # when it was claimed, Redis' clock: claimed_ms - ready_ms is its wait
     lent_reserve: bool = False      # claimed by LEND_RESERVE: its engine request is lent the reserve
 
 
@@ -111,7 +112,7 @@ class LaneCounts:
     waiting: int
     deferred: int
     running: int
-    oldest_waiting_ms: float | None      # ready time of the job next in line
+    oldest_waiting_age_s: float | None   # how long the job next in line has been ready (Redis' clock)
     preempted: int = 0                   # jobs of this lane that yielded their slot to a higher lane, ever
 
 
@@ -170,9 +171,16 @@ class AttemptOutcomes:
 
 
 class RedisQueue:
-    def __init__(self, redis: Redis, name: str, lanes: Sequence[str]) -> None:
+    """The queue ``name`` with ``lanes`` (highest first) on ``redis``. Every lease deadline, reap,
+    ready time and quota window uses Redis' clock (``TIME`` inside the scripts, see
+    :mod:`slotq.jobs.protocol.scripts`); this process's clock, shifted by ``clock_offset_s``
+    (``SLOTQ_CLOCK_OFFSET_S``: a test's host whose clock runs off), only stamps the records it
+    writes (:meth:`wall_ms`)."""
+
+    def __init__(self, redis: Redis, name: str, lanes: Sequence[str], *, clock_offset_s: float = 0.0) -> None:
         self.redis = redis
         self.keys = QueueKeys(name, tuple(lanes))
+        self._clock_offset_ms = clock_offset_s * 1000
         self._claim_numbers = itertools.count(1)     # makes each claim's lease unique
         self._scripts = {name: redis.register_script(getattr(scripts, name))
                          for name in ("ENQUEUE", "CLAIM", "PREEMPT", "LEND_RESERVE", "RENEW", "FINISH", "RETRY_LATER",
@@ -180,6 +188,11 @@ class RedisQueue:
 
     def lane_of(self, index: int) -> str:
         return self.keys.lanes[index]
+
+    def wall_ms(self) -> int:
+        """This process's wall clock (ms, with the offset): the enqueue time in a job record, the
+        times in a result record. Nothing the queue decides with."""
+        return int(time.time() * 1000 + self._clock_offset_ms)
 
     # ------------------------------------------------------------------ producers
     async def enqueue(self, job_id: str, function: str, payload: dict[str, Any], *, lane: str,
@@ -191,8 +204,7 @@ class RedisQueue:
         tenant has nothing waiting or running while its lane has running jobs. FULL when
         ``max_waiting`` jobs already wait (None: no limit); TENANT_* when the tenant's ``quotas`` refuse it, ``tokens``
         being what the job reserves of its tenant's tokens per minute."""
-        now_ms = int(time.time() * 1000)
-        record = job_record(function, payload, now_ms, serializer)
+        record = job_record(function, payload, self.wall_ms(), serializer)
         k = self.keys
         counted = [key for lane_ in k.lanes for key in (k.waiting(lane_), k.deferred(lane_))]
         below = [k.running(lane_) for lane_ in k.lanes[k.lanes.index(lane) + 1:]]
@@ -201,8 +213,8 @@ class RedisQueue:
         code = await self._scripts["ENQUEUE"](
             keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, k.tags(lane), k.tenant_waiting,
                   k.tenant_running, k.tenant_tokens, *k.lane_group(lane), k.fair(lane), *counted, *below],
-            args=[job_id, record, RECORD_TTL_MS, now_ms, lane, max_waiting if max_waiting is not None else 2**53,
-                  WAKE_CAP, tenant, len(k.lanes), k.lanes.index(lane), *limits, tokens, now_ms // TOKENS_WINDOW_MS])
+            args=[job_id, record, RECORD_TTL_MS, lane, max_waiting if max_waiting is not None else 2**53,
+                  WAKE_CAP, tenant, len(k.lanes), k.lanes.index(lane), *limits, tokens, TOKENS_WINDOW_MS])
         return Enqueued(int(code))
 
     async def tenant_counts(self, tenant: str) -> TenantCounts:
@@ -235,12 +247,12 @@ class RedisQueue:
         counted = [key for lane in k.lanes for key in (k.waiting(lane), k.deferred(lane))]
         return int(await self._scripts["CANCEL"](
             keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, k.progress, k.tenant_waiting, *counted],
-            args=[job_id, int(time.time() * 1000), k.abort_channel("")]))
+            args=[job_id, k.abort_channel("")]))
 
     async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int,
                            serializer: Serializer) -> None:
         """Store the result record (arq's format) of a job no worker ran, e.g. cancelled while queued."""
-        record = result_record(job_id, function, result, self.keys.queue, int(time.time() * 1000), serializer)
+        record = result_record(job_id, function, result, self.keys.queue, self.wall_ms(), serializer)
         await self.redis.psetex(result_key(job_id), ttl_ms, record)
 
     async def result_record(self, job_id: str, deserializer: Deserializer) -> ResultRecord | None:
@@ -300,7 +312,8 @@ class RedisQueue:
 
     async def counts(self) -> list[LaneCounts]:
         """Waiting, deferred and running jobs and preemptions of each lane: O(1) per lane, two
-        round trips (the second reads the ready time of each lane's next job)."""
+        round trips (the second reads the ready time of each lane's next job, and Redis' clock
+        to age it with: ready times are Redis' time, whatever this host's clock says)."""
         k = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for lane in k.lanes:
@@ -310,27 +323,34 @@ class RedisQueue:
                 pipe.zrange(k.waiting(lane), 0, 0)
             pipe.hmget(k.preemptions, list(k.lanes))
             raw = await pipe.execute()
-        heads = [head[0] if head else None for head in raw[3:-1:4]]
+        heads: list[bytes | None] = [head[0] if head else None for head in raw[3:-1:4]]
         present = [h for h in heads if h is not None]
-        entries = dict(zip(present, await reply(self.redis.hmget(k.jobs, present)))) if present else {}
+        entries: dict[bytes | None, bytes | None] = {}
+        now_ms = 0.0
+        if present:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(k.jobs, present)
+                pipe.time()
+                found, (seconds, micros) = await pipe.execute()
+            entries, now_ms = dict(zip(present, found)), seconds * 1000 + micros / 1000
         out = []
         for i, lane in enumerate(k.lanes):
             waiting, deferred, running, _ = raw[4 * i: 4 * i + 4]
             entry = entries.get(heads[i])
-            ready = float(entry.decode().split("\t")[1]) if entry else None
-            out.append(LaneCounts(lane, waiting, deferred, running, ready, int(raw[-1][i] or 0)))
+            age = max(0.0, (now_ms - float(entry.decode().split("\t")[1])) / 1000) if entry else None
+            out.append(LaneCounts(lane, waiting, deferred, running, age, int(raw[-1][i] or 0)))
         return out
 
     # ------------------------------------------------------------------ workers
     async def claim(self, max_jobs: int, token: str, lease_ms: int) -> list[ClaimedJob]:
         """Up to ``max_jobs`` jobs, highest lane first, oldest first within a lane; each is owned
-        by this claim's lease (``token#n``, fresh for every claim) until its lease deadline (renew
-        it), and starts its next attempt."""
+        by this claim's lease (``token#n``, fresh for every claim) until ``lease_ms`` after the
+        claim by Redis' clock (renew it), and starts its next attempt."""
         k = self.keys
         lease = f"{token}#{next(self._claim_numbers)}"
         flat = await self._scripts["CLAIM"](
             keys=[k.jobs, k.owners, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
-            args=[int(time.time() * 1000), max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT])
+            args=[max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT])
         return self._claimed(flat, lease)
 
     async def preempt(self, victim_lane: str, token: str, lease_ms: int, *,
@@ -345,7 +365,7 @@ class RedisQueue:
         above = k.lanes[:k.lanes.index(victim_lane)]
         flat = await self._scripts["PREEMPT"](
             keys=[k.jobs, k.owners, k.wake, k.preemptions, k.tenant_waiting, k.tenant_running, *k.lane_groups(above)],
-            args=[int(time.time() * 1000), lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, victim_lane if hand_back else ""])
+            args=[lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, victim_lane if hand_back else ""])
         claimed = self._claimed(flat, lease)
         return claimed[0] if claimed else None
 
@@ -357,16 +377,19 @@ class RedisQueue:
         lease = f"{token}#{next(self._claim_numbers)}"
         flat = await self._scripts["LEND_RESERVE"](
             keys=[k.jobs, k.owners, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_group(lane)],
-            args=[int(time.time() * 1000), lease_ms, lease, PROMOTE_LIMIT])
+            args=[lease_ms, lease, PROMOTE_LIMIT])
         claimed = self._claimed(flat, lease, lanes=(lane,), lent_reserve=True)
         return claimed[0] if claimed else None
 
     def _claimed(self, flat: list[Any], lease: str, *, lanes: Sequence[str] | None = None,
                  lent_reserve: bool = False) -> list[ClaimedJob]:
-        """The claim list of a claim script; its lane indexes count from ``lanes[0]`` (default: the top lane)."""
+        """The claims in a claim script's reply (Redis' time of the claim, then id, lane index,
+        ready ms for each job; empty when the script declined); its lane indexes count from
+        ``lanes[0]`` (default: the top lane)."""
         lanes = self.keys.lanes if lanes is None else lanes
-        return [ClaimedJob(flat[i].decode(), lanes[int(flat[i + 1])], int(float(flat[i + 2])), lease, lent_reserve)
-                for i in range(0, len(flat), 3)]
+        return [ClaimedJob(flat[i].decode(), lanes[int(flat[i + 1])], int(float(flat[i + 2])), lease, int(flat[0]),
+                           lent_reserve)
+                for i in range(1, len(flat), 3)]
 
     async def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a wake token arrives (one enqueue wakes one waiting worker) or the timeout."""
@@ -403,13 +426,13 @@ class RedisQueue:
         await reply(self.redis.rpush(self.keys.fair(token.lane) if token.fair else self.keys.preempt(token.lane), "1"))
 
     async def renew(self, jobs: Sequence[ClaimedJob], lease_ms: int) -> list[bool]:
-        """Extend the leases of ``jobs``; False for each job its lease no longer owns."""
+        """Extend the leases of ``jobs`` to ``lease_ms`` from now by Redis' clock; False for each
+        job its lease no longer owns."""
         if not jobs:
             return []
-        deadline = int(time.time() * 1000) + lease_ms
         owned = await self._scripts["RENEW"](
             keys=[self.keys.owners, *(self.keys.running(j.lane) for j in jobs)],
-            args=[deadline, *(x for j in jobs for x in (j.id, j.lease))])
+            args=[lease_ms, *(x for j in jobs for x in (j.id, j.lease))])
         return [bool(x) for x in owned]
 
     async def start_attempt(self, job: ClaimedJob, attempt: int, delivered_tokens: int, *,
@@ -444,13 +467,14 @@ class RedisQueue:
                   result_key(job.id), ABORTS, k.progress, k.tenant_running],
             args=[job.lease, job.id, result or b"", result_ttl_ms]))
 
-    async def retry_later(self, job: ClaimedJob, run_at_ms: int) -> bool:
-        """Defer the job until ``run_at_ms`` after its attempt failed (a try spent). False: not ours."""
+    async def retry_later(self, job: ClaimedJob, backoff_ms: int) -> bool:
+        """Defer the job for ``backoff_ms`` (by Redis' clock) after its attempt failed (a try
+        spent). False: not ours."""
         k = self.keys
         return bool(await self._scripts["RETRY_LATER"](
             keys=[k.owners, k.running(job.lane), k.deferred(job.lane), k.progress, k.attempt_outcomes, k.jobs,
                   k.tenant_waiting, k.tenant_running],
-            args=[job.lease, job.id, run_at_ms]))
+            args=[job.lease, job.id, backoff_ms]))
 
     async def hand_back(self, job: ClaimedJob) -> bool:
         """Return a job to its place in line without using a try (worker shutdown, dead engine)."""
@@ -461,8 +485,9 @@ class RedisQueue:
             args=[job.lease, job.id, WAKE_CAP]))
 
     async def reap(self) -> int:
-        """Requeue jobs whose lease expired (their worker died or stalled); promote due retries."""
+        """Requeue jobs whose lease expired by Redis' clock (their worker died or stalled);
+        promote due retries."""
         k = self.keys
         return int(await self._scripts["REAP"](
             keys=[k.owners, k.jobs, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
-            args=[int(time.time() * 1000), REAP_LIMIT, WAKE_CAP]))
+            args=[REAP_LIMIT, WAKE_CAP]))

@@ -9,6 +9,30 @@ made for an attempt (stream batches included) first checks that its lease still 
 an attempt that stalled past its lease and was reaped can never write again, not even from a
 buffer its worker re-sends after claiming the job anew.
 
+Clocks: every time a script decides with is Redis' own (``TIME``, :data:`_NOW`), never a client's,
+so a producer or worker whose clock runs off cannot reap live leases, keep dead ones, or disagree
+with others about a tokens minute. What each script reads it for:
+
+* lease deadlines (CLAIM, PREEMPT, LEND_RESERVE set them, RENEW extends them) and the reap (REAP
+  requeues what is past its deadline): server time, so a lease lives exactly its TTL after the
+  claim or the last renewal, whatever the worker's clock says;
+* due retries (RETRY_LATER sets the run-at time as server time + the backoff; CLAIM, PREEMPT,
+  LEND_RESERVE and REAP promote what is due): server time, the same clock on both sides;
+* a job's ready time (ENQUEUE): server time. It is the job's place in an empty lane, the start of
+  its retry backoff, and what queue ages and pickup latency are measured from, each against
+  server time too (``RedisQueue.counts``, the claim's reply), so producers on different hosts
+  place jobs on one timeline;
+* the tokens quota's window (ENQUEUE): the server's minute, one window for every producer (two
+  producers a minute apart would otherwise reset each other's count);
+* the abort time (CANCEL, arq's ``arq:abort`` score): server time, for one clock in the set.
+  arq's own clean-up compares it with the worker's clock (it drops aborts more than 60 s in the
+  worker's future after acting on them once): harmless, as every worker reads them first.
+
+What still carries a client's clock: the job record's enqueue time (arq's format, written by the
+producer: logs and dead letters show it) and the result record's times (the worker's). A TIME call
+is allowed in a script that writes because scripts replicate their effects, not themselves (the
+default since Redis 5, the only mode since Redis 7 and in Valkey).
+
 Costs: enqueue O(lanes + log N), claim and preempt O(lanes + k log N) for k jobs, lending the
 reserve O(log N), renew O(jobs renewed), reap O(lanes + expired), everything else O(1) or O(lanes).
 Nothing scans running jobs.
@@ -17,6 +41,14 @@ Nothing scans running jobs.
 from __future__ import annotations
 
 from slotq.jobs.protocol.keys import DEFAULT_TENANT
+
+# Redis' clock in whole ms: the one clock of leases, reaping, ready times and retries (see above).
+_NOW = """
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
 
 # A job's ``Q:jobs`` entry: lane, ready ms (enqueued, or its retry due), place in line, tenant (see
 # keys.py; an entry written before places existed has its ready time as its place, one written
@@ -57,9 +89,10 @@ end
 # KEYS: record, result, jobs, wake, the job's lane's tags, tenant waiting, tenant running, tenant tokens,
 #       then its lane group (waiting, deferred, running, preempt), its lane's fair-share tokens, then
 #       waiting + deferred of every lane, then running of every lane below the job's
-# ARGV: job id, record, record ttl ms, ready ms, lane, max waiting, token cap, tenant, number of lanes,
-#       the lane's index, the tenant's quotas: max waiting, max in flight (waiting or running), tokens
-#       per minute ('' = none for each), then the job's tokens, the current minute (ms // 60000)
+# ARGV: job id, record, record ttl ms, lane, max waiting, token cap, tenant, number of lanes, the lane's
+#       index, the tenant's quotas: max waiting, max in flight (waiting or running), tokens per minute
+#       ('' = none for each), then the job's tokens, the tokens window ms (a minute)
+# The job's ready time is the server's now; so is the tokens window it counts in (now // window).
 # Returns 1 enqueued, 0 the id exists (a queued/running job or a kept result), -1 queue full, or a
 # tenant's quota refused it: -2 waiting, -3 in flight, -4 tokens this minute.
 # Quotas are checked in the same step that counts the job, so two enqueues can never both take a
@@ -80,35 +113,37 @@ end
 # token for one busy worker (the worker decides; see PREEMPT). When the job's tenant had nothing
 # waiting or running and its lane has running jobs (other tenants' then), it leaves a fair-share
 # token for one full worker, which may run the job in its reserve (see LEND_RESERVE).
-ENQUEUE = _COUNT + """
+ENQUEUE = _NOW + _COUNT + """
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1
    or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
   return 0
 end
-local lanes, cap, tenant = tonumber(ARGV[9]), tonumber(ARGV[7]), ARGV[8]
-local own = 14 + 2 * tonumber(ARGV[10])
+local lanes, cap, tenant = tonumber(ARGV[8]), tonumber(ARGV[6]), ARGV[7]
+local own = 14 + 2 * tonumber(ARGV[9])
+local now = server_ms()
 local waiting, in_lane = 0, 0
 for i = 14, 13 + 2 * lanes do
   local n = redis.call('ZCARD', KEYS[i])
   waiting = waiting + n
   if i == own then in_lane = n end
 end
-if waiting >= tonumber(ARGV[6]) then return -1 end
-local max_waiting, max_in_flight, max_tokens = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
+if waiting >= tonumber(ARGV[5]) then return -1 end
+local max_waiting, max_in_flight, max_tokens = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
 local tenant_waiting = tonumber(redis.call('HGET', KEYS[6], tenant) or '0')
 local tenant_running = tonumber(redis.call('HGET', KEYS[7], tenant) or '0')
 if max_waiting and tenant_waiting >= max_waiting then return -2 end
 if max_in_flight and tenant_waiting + tenant_running >= max_in_flight then return -3 end
 if max_tokens then
+  local this_minute = string.format('%d', math.floor(now / tonumber(ARGV[14])))
   local minute, used = string.match(redis.call('HGET', KEYS[8], tenant) or '', '^([^\t]*)\t(.*)$')
-  used = minute == ARGV[15] and tonumber(used) or 0
-  if used > 0 and used + tonumber(ARGV[14]) > max_tokens then return -4 end
-  redis.call('HSET', KEYS[8], tenant, ARGV[15] .. '\t' .. (used + tonumber(ARGV[14])))
+  used = minute == this_minute and tonumber(used) or 0
+  if used > 0 and used + tonumber(ARGV[13]) > max_tokens then return -4 end
+  redis.call('HSET', KEYS[8], tenant, this_minute .. '\t' .. (used + tonumber(ARGV[13])))
 end
 local place
 if in_lane == 0 then
   local newest = redis.call('ZRANGE', KEYS[5], -1, -1, 'WITHSCORES')[2]
-  place = math.max(tonumber(ARGV[4]) + 1, math.floor(tonumber(newest or '0')) + 1)
+  place = math.max(now + 1, math.floor(tonumber(newest or '0')) + 1)
   redis.call('DEL', KEYS[5])
 else
   local head = tonumber(redis.call('ZRANGE', KEYS[9], 0, 0, 'WITHSCORES')[2])
@@ -118,7 +153,7 @@ end
 redis.call('ZADD', KEYS[5], place, tenant)
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 place = string.format('%.1f', place)      -- whole or half: exact, where Lua's own text keeps 14 digits
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[5] .. '\t' .. ARGV[4] .. '\t' .. place .. '\t' .. tenant)
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[4] .. '\t' .. string.format('%d', now) .. '\t' .. place .. '\t' .. tenant)
 redis.call('ZADD', KEYS[9], place, ARGV[1])
 count(KEYS[6], tenant, 1)
 if redis.call('LLEN', KEYS[4]) < cap then redis.call('RPUSH', KEYS[4], '1') end
@@ -149,33 +184,37 @@ end
 """
 
 # Claims up to ``want`` jobs from the lane groups (4 keys each) that start at KEYS[first], highest
-# lane first, lowest place first within a lane; KEYS[1] is ``jobs``, KEYS[2] ``owners``; each
-# claimed job moves from its tenant's waiting count to its running count. Returns the flat claim
-# list (id, lane index counted from the first group, ready ms) and the jobs left waiting per lane.
-_CLAIM_LANES = _PROMOTE + _COUNT + """
-local function claim_lanes(first, want, now, deadline, lease, promote_limit, tenant_waiting, tenant_running)
-  local out, left, ids = {}, {}, {}
-  for i = first, #KEYS, 4 do
-    local waiting, running = KEYS[i], KEYS[i + 2]
-    promote(KEYS[1], KEYS[i + 1], waiting, now, promote_limit)
-    if #ids < want then
-      local popped = redis.call('ZPOPMIN', waiting, want - #ids)
-      for j = 1, #popped, 2 do
-        redis.call('ZADD', running, deadline, popped[j])
-        redis.call('HSET', KEYS[2], popped[j], lease)
-        ids[#ids + 1] = popped[j]
-        out[#out + 1] = popped[j]
-        out[#out + 1] = (i - first) / 4
-        out[#out + 1] = now
-      end
+# lane first, lowest place first within a lane. KEYS[1] is ``jobs``, KEYS[2] ``owners``; each
+# claimed job moves from its tenant's waiting count to its running count, and its lease deadline is
+# the server's now + ``lease_ms``. Due retries of every lane are promoted first. Returns the claim
+# reply (the server's now, then id, lane index counted from the first group, ready ms for each
+# claimed job) and the jobs left waiting per lane.
+_CLAIM_LANES = _NOW + _PROMOTE + _COUNT + """
+local function claim_lanes(first, want, lease_ms, lease, promote_limit, tenant_waiting, tenant_running)
+  local now = server_ms()
+  local deadline = now + lease_ms
+  local out, left, ids = {now}, {}, {}
+  local function take(i, n)
+    local popped = redis.call('ZPOPMIN', KEYS[i], n)
+    for j = 1, #popped, 2 do
+      redis.call('ZADD', KEYS[i + 2], deadline, popped[j])
+      redis.call('HSET', KEYS[2], popped[j], lease)
+      ids[#ids + 1] = popped[j]
+      out[#out + 1] = popped[j]
+      out[#out + 1] = (i - first) / 4
+      out[#out + 1] = now
     end
-    left[#left + 1] = redis.call('ZCARD', waiting)
+  end
+  for i = first, #KEYS, 4 do promote(KEYS[1], KEYS[i + 1], KEYS[i], now, promote_limit) end
+  for i = first, #KEYS, 4 do
+    if #ids < want then take(i, want - #ids) end
+    left[#left + 1] = redis.call('ZCARD', KEYS[i])
   end
   if #ids > 0 then
     local entries = redis.call('HMGET', KEYS[1], unpack(ids))
     for n = 1, #ids do
       local _, ready, _, tenant = read_entry(entries[n] or '')
-      if ready then out[3 * n] = ready end
+      if ready then out[3 * n + 1] = ready end
       count(tenant_waiting, tenant, -1)
       count(tenant_running, tenant, 1)
     end
@@ -186,43 +225,42 @@ end
 
 # KEYS: jobs, owners, wake, tenant waiting, tenant running, then the lane group (waiting, deferred,
 #       running, preempt) of every lane, highest priority first
-# ARGV: now ms, max jobs, lease ms, lease (``<worker token>#<claim number>``), token cap, promote limit
-# Returns a flat list: id, lane index (0-based), ready ms, ... for each claimed job.
+# ARGV: max jobs, lease ms, lease (``<worker token>#<claim number>``), token cap, promote limit
+# Returns the claim reply: the server's now (ms, the claim time), then id, lane index (0-based),
+# ready ms for each claimed job.
 CLAIM = _CLAIM_LANES + _SYNC_TOKENS + """
-local now = tonumber(ARGV[1])
-local out, left = claim_lanes(6, tonumber(ARGV[2]), now, now + tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[6]),
-                              KEYS[4], KEYS[5])
+local out, left = claim_lanes(6, tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5]), KEYS[4], KEYS[5])
 local waiting = 0
 for _, n in ipairs(left) do waiting = waiting + n end
-sync_tokens(KEYS[3], waiting, tonumber(ARGV[5]))
+sync_tokens(KEYS[3], waiting, tonumber(ARGV[4]))
 return out
 """
 
 # KEYS: jobs, owners, wake, preemptions, tenant waiting, tenant running, then the lane group of every
 #       lane above the victim's, highest priority first
-# ARGV: now ms, lease ms, lease, token cap, promote limit, the victim's lane ('' = none yields: the
-#       job runs in the worker's reserve, beside its slots)
+# ARGV: lease ms, lease, token cap, promote limit, the victim's lane ('' = none yields: the job runs
+#       in the worker's reserve, beside its slots)
 # A busy worker that took a preemption token claims one job of a lane above its victim's, to run
 # in the slot the victim yields or in its reserve. It declines (returns nothing, touches nothing)
 # while the wake list is empty: the enqueue's wake-up was taken by a worker with a free slot, which
 # claims the job without anyone yielding. Otherwise it claims as CLAIM does (promoting due retries,
-# fair within a lane), counts the preemption for the victim's lane when one yields, takes one wake
-# token for the job it claimed, and keeps each lane's preemption tokens at one per job still waiting.
-# Returns the flat claim list of CLAIM (at most one job; the lane index counts from the top lane).
+# fair within a lane), counts the preemption for the victim's lane when one yields,
+# takes one wake token for the job it claimed, and keeps each lane's preemption tokens at one per
+# job still waiting. Returns the claim reply of CLAIM (at most one job; the lane index counts from
+# the top lane), or nothing when it declines.
 PREEMPT = _CLAIM_LANES + _SYNC_TOKENS + """
 if redis.call('LLEN', KEYS[3]) == 0 then return {} end
-local now = tonumber(ARGV[1])
-local out, left = claim_lanes(7, 1, now, now + tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5]), KEYS[5], KEYS[6])
-if #out > 0 then
-  if ARGV[6] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[6], 1) end
+local out, left = claim_lanes(7, 1, tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[4]), KEYS[5], KEYS[6])
+if #out > 1 then
+  if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[5], 1) end
   redis.call('LPOP', KEYS[3])
 end
-for n = 1, #left do sync_tokens(KEYS[6 + 4 * n], left[n], tonumber(ARGV[4])) end
+for n = 1, #left do sync_tokens(KEYS[6 + 4 * n], left[n], tonumber(ARGV[3])) end
 return out
 """
 
 # KEYS: jobs, owners, wake, tenant waiting, tenant running, then the lane group of one lane
-# ARGV: now ms, lease ms, lease, promote limit
+# ARGV: lease ms, lease, promote limit
 # A full worker whose lowest running lane is this one took a fair-share token (ENQUEUE): it claims
 # the lane's next job to run in its reserve, beside its slots, if that job's tenant has nothing
 # running anywhere -- one tenant's backlog holding every slot then does not make another tenant's
@@ -230,28 +268,29 @@ return out
 # when the next job's tenant has work running, when the lane is empty, or while the wake list is
 # empty (a worker with a free slot took the enqueue's wake-up and claims the job: see PREEMPT).
 # Otherwise it claims as CLAIM does and takes one wake token for the job it claimed.
-# Returns the flat claim list of CLAIM (at most one job; lane index 0 is this lane).
+# Returns the claim reply of CLAIM (at most one job; lane index 0 is this lane), or nothing.
 LEND_RESERVE = _CLAIM_LANES + """
 if redis.call('LLEN', KEYS[3]) == 0 then return {} end
-local now = tonumber(ARGV[1])
-promote(KEYS[1], KEYS[7], KEYS[6], now, tonumber(ARGV[4]))
+promote(KEYS[1], KEYS[7], KEYS[6], server_ms(), tonumber(ARGV[3]))
 local next_job = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
 if not next_job then return {} end
 local _, _, _, tenant = read_entry(redis.call('HGET', KEYS[1], next_job) or '')
 if redis.call('HEXISTS', KEYS[5], tenant) == 1 then return {} end
-local out = claim_lanes(6, 1, now, now + tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), KEYS[4], KEYS[5])
+local out = claim_lanes(6, 1, tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), KEYS[4], KEYS[5])
 redis.call('LPOP', KEYS[3])
 return out
 """
 
 # KEYS: owners, then the running set of each job (same order as the jobs)
-# ARGV: new deadline ms, then job id, lease for each job
+# ARGV: lease ms, then job id, lease for each job
+# Each lease still owning its job gets the deadline server now + lease ms.
 # Returns one 1/0 per job: 0 = the lease no longer owns the job (reaped, claimed again).
-RENEW = """
+RENEW = _NOW + """
+local deadline = server_ms() + tonumber(ARGV[1])
 local out = {}
 for i = 2, #ARGV, 2 do
   if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
-    redis.call('ZADD', KEYS[i / 2 + 1], 'XX', ARGV[1], ARGV[i])
+    redis.call('ZADD', KEYS[i / 2 + 1], 'XX', deadline, ARGV[i])
     out[#out + 1] = 1
   else
     out[#out + 1] = 0
@@ -364,11 +403,11 @@ return {verdict, interruptions, interrupted, failed, deaths}
 """
 
 # KEYS: owners, running, deferred, progress, attempt outcomes, jobs, tenant waiting, tenant running
-# ARGV: lease, job id, run-at ms
+# ARGV: lease, job id, backoff ms (the job may run again at the server's now + this)
 # The attempt failed with a retryable error: it is judged here (a failure), not when the next starts,
 # and it ends a run of worker deaths (its worker lived). A deferred job counts as waiting for its
 # tenant. Returns 1 deferred, 0 the lease no longer owns the job (nothing done).
-RETRY_LATER = _PROGRESS + _ENTRY + _COUNT + """
+RETRY_LATER = _NOW + _PROGRESS + _ENTRY + _COUNT + """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return 0 end
 local _, _, _, tenant = read_entry(redis.call('HGET', KEYS[6], ARGV[2]) or '')
 count(KEYS[8], tenant, -1)
@@ -378,7 +417,7 @@ write_progress(KEYS[4], ARGV[2], started, started, tokens, interruptions, 0)
 redis.call('HINCRBY', KEYS[5], 'failed', 1)
 redis.call('HDEL', KEYS[1], ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[2])
-redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+redis.call('ZADD', KEYS[3], server_ms() + tonumber(ARGV[3]), ARGV[2])
 return 1
 """
 
@@ -402,16 +441,16 @@ return 1
 
 # KEYS: owners, jobs, wake, tenant waiting, tenant running, then the lane group (waiting, deferred,
 #       running, preempt) of every lane
-# ARGV: now ms, limit per lane, wake cap
-# Requeues jobs whose lease deadline passed (their worker died or stalled) at their old place in
-# line, and promotes due retries. Returns the number of jobs requeued.
-REAP = _PROMOTE + _COUNT + """
-local now = tonumber(ARGV[1])
+# ARGV: limit per lane, wake cap
+# Requeues jobs whose lease deadline passed by the server's clock (their worker died or stalled) at
+# their old place in line, and promotes due retries. Returns the number of jobs requeued.
+REAP = _NOW + _PROMOTE + _COUNT + """
+local now = server_ms()
 local reaped = 0
 for i = 6, #KEYS, 4 do
   local waiting, running = KEYS[i], KEYS[i + 2]
-  promote(KEYS[2], KEYS[i + 1], waiting, now, tonumber(ARGV[2]))
-  local expired = redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT', 0, ARGV[2])
+  promote(KEYS[2], KEYS[i + 1], waiting, now, tonumber(ARGV[1]))
+  local expired = redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT', 0, ARGV[1])
   for _, id in ipairs(expired) do
     local entry = redis.call('HGET', KEYS[2], id)
     redis.call('ZREM', running, id)
@@ -425,16 +464,17 @@ for i = 6, #KEYS, 4 do
     end
   end
 end
-local room = tonumber(ARGV[3]) - redis.call('LLEN', KEYS[3])
+local room = tonumber(ARGV[2]) - redis.call('LLEN', KEYS[3])
 for _ = 1, math.min(reaped, room) do redis.call('RPUSH', KEYS[3], '1') end
 return reaped
 """
 
 # KEYS: jobs, owners, record, aborts, progress, tenant waiting, then waiting + deferred of every lane
-# ARGV: job id, now ms, abort channel prefix
+# ARGV: job id, abort channel prefix
+# A running job's abort is noted at the server's now (arq's ``arq:abort`` set).
 # Returns 1 removed before it started (or while waiting out a retry), -1 running (abort
 # requested; FINISH ends it), 0 not in the queue.
-CANCEL = _ENTRY + _COUNT + """
+CANCEL = _NOW + _ENTRY + _COUNT + """
 local entry = redis.call('HGET', KEYS[1], ARGV[1])
 if not entry then return 0 end
 for i = 7, #KEYS do
@@ -447,10 +487,10 @@ for i = 7, #KEYS do
     return 1
   end
 end
-redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[4], server_ms(), ARGV[1])
 local lease = redis.call('HGET', KEYS[2], ARGV[1])
 local owner = lease and string.match(lease, '^(.*)#')
-if owner then redis.call('PUBLISH', ARGV[3] .. owner, ARGV[1]) end
+if owner then redis.call('PUBLISH', ARGV[2] .. owner, ARGV[1]) end
 return -1
 """
 

@@ -10,7 +10,6 @@ worker's own metrics are in :mod:`slotq.jobs.worker.elastic.metrics`. Engine cou
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -114,13 +113,11 @@ class EngineSampler:
         KV_CACHED.set(stats.kv_cells_cached / stats.kv_cells_total if stats.kv_cells_total else 0)
 
 
-def sample_queue(counts: Sequence[LaneCounts], now_ms: float | None = None) -> None:
+def sample_queue(counts: Sequence[LaneCounts]) -> None:
     """Per-lane queue gauges from :meth:`RedisQueue.counts` (each O(1) in Redis)."""
-    now_ms = time.time() * 1000 if now_ms is None else now_ms
     for c in counts:
         QUEUE_WAITING.labels(lane=c.lane).set(c.waiting)
         QUEUE_DEFERRED.labels(lane=c.lane).set(c.deferred)
         QUEUE_RUNNING.labels(lane=c.lane).set(c.running)
         QUEUE_PREEMPTED.labels(lane=c.lane).set(c.preempted)
-        age = (now_ms - c.oldest_waiting_ms) / 1000 if c.oldest_waiting_ms is not None else 0.0
-        QUEUE_OLDEST_AGE.labels(lane=c.lane).set(max(0.0, age))
+        QUEUE_OLDEST_AGE.labels(lane=c.lane).set(c.oldest_waiting_age_s or 0.0)

@@ -407,7 +407,7 @@ class QueueRuntime:
         if exit_.kind is ExitKind.FINISHED:
             done = await self.queue.finish(job, exit_.result, exit_.result_ttl_ms)
         elif exit_.kind is ExitKind.RETRY_LATER:
-            done = await self.queue.retry_later(job, job.ready_ms + exit_.ready_shift_ms)
+            done = await self.queue.retry_later(job, exit_.retry_delay_ms)
         else:
             done = await self.queue.hand_back(job)
         if not done and job_id not in self._lease_lost:

@@ -114,7 +114,8 @@ class SlotqWorker:
                      self.settings.metrics_port)
         redis = await connect(self.redis_url, patient=True, queue_name=self.settings.queue_name,
                               ca_file=self.settings.redis_ca_file)
-        self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes)
+        self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes,
+                                clock_offset_s=self.settings.clock_offset_s)
         self.runtime = QueueRuntime(
             function_name=JOB_FUNCTION, job=self.run_job, queue=self.queue, token=self.token, lease_ms=self.lease_ms,
             slots=self.settings.slots, job_timeout_s=self.settings.job_timeout_s,
@@ -355,7 +356,7 @@ class SlotqWorker:
             await self.writer.write_all(job_id)
 
     def _observe_pickup(self, job: ClaimedJob) -> None:
-        metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, time.time() - job.ready_ms / 1000))
+        metrics.PICKUP.labels(lane=job.lane).observe(max(0.0, (job.claimed_ms - job.ready_ms) / 1000))
 
     # ------------------------------------------------------------------ the job function
     async def run_job(self, attempt: Attempt, payload: Any) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 
@@ -22,3 +23,12 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} within {timeout} s")
         time.sleep(0.05)
+
+
+async def wait_for_async(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    """:func:`wait_for` for a condition that asks Redis (or anything else awaited)."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout} s")
+        await asyncio.sleep(0.05)
