@@ -29,6 +29,16 @@ One invocation, the bundled model, a ``slotq worker`` subprocess with ``SLOTS`` 
   idle fleet's (its jobs sent the same way), measured around the flood (half the idle jobs just
   before it, half just after it is cancelled), again because the machine drifts. The row counts
   b's jobs that ran in the reserve lent for their tenant. The flood is cancelled afterwards.
+* **bulk under saturating interactive load** (issue 32): ``CHAT_CLIENTS`` closed-loop interactive
+  clients (twice the slots, so interactive jobs always wait) keep the worker full; bulk jobs of the
+  throughput rows' shape are then enqueued into the bulk lane (as ``slotq bulk`` enqueues its lines)
+  and timed to their end, against the same jobs on the idle worker just before. With strict lanes
+  none would start while the interactive load lasts; with ``SLOTQ_LANE_MIN_SHARE`` (1/8: one of
+  the ``SLOTS`` slots) bulk keeps its share. Reported: bulk's share of the slots (the running
+  bulk jobs, sampled, over ``SLOTS``), its share of the tokens the worker generated meanwhile, and
+  its tokens/s against bulk alone's. Targets: the slot share and the tokens/s ratio >= the
+  configured share. The run stops at a bound (strict lanes would never end it) and reports what
+  finished.
 * **memory**: a ``slotq bulk`` run of ``RSS_LINES`` one-token lines: the command's peak RSS (it
   reports its own ``ru_maxrss``) and Redis ``used_memory`` sampled throughout, at its peak.
 """
@@ -55,6 +65,7 @@ from slotq.jobs.bulk import BulkOptions
 from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildExited, ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.preemption import guaranteed_slots
 from slotq.jobs.protocol.redis_queue import LaneCounts
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
 from slotq.jobs.settings import ClientSettings, WorkerSettings
@@ -68,6 +79,8 @@ PROBE_GAP_STEPS = 48        # "occasional" interactive traffic: one job per this
                             # (1.5 s on the quiet machine of the first runs, 32 ms steps)
 FLOOD_JOBS = 2_000
 FLOOD_TOKENS = (8, 32)      # the flooding tenant's output lengths spread over this range
+CHAT_CLIENTS = 2 * SLOTS    # closed-loop interactive clients that saturate the worker
+CHAT_TOKENS = 16
 
 
 def _request(i: int, max_tokens: int) -> dict[str, Any]:
@@ -179,15 +192,16 @@ class Sizes:
     probes: int                 # interactive jobs per TTFT measurement
     long_tokens: int            # output length of a long bulk job
     flood_jobs: int             # the flooding tenant's waiting jobs
+    starved_lines: int          # bulk jobs timed under saturating interactive load
     rss_lines: int              # lines of the memory run
 
     @classmethod
     def of(cls, quick: bool) -> Sizes:
         if quick:
             return cls(rounds=1, long_rounds=1, batch=16, max_tokens=16, probes=3, long_tokens=48, flood_jobs=200,
-                       rss_lines=500)
+                       starved_lines=8, rss_lines=500)
         return cls(rounds=3, long_rounds=6, batch=32, max_tokens=64, probes=16, long_tokens=LONG_TOKENS,
-                   flood_jobs=FLOOD_JOBS, rss_lines=RSS_LINES)
+                   flood_jobs=FLOOD_JOBS, starved_lines=16, rss_lines=RSS_LINES)
 
 
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
@@ -197,7 +211,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     # so the in-process engine runs with exactly the worker's engine configuration.
     # The prefix cache stays on, as a worker has it by default: a job handed back for an interactive one
     # resumes from its cells in a cache slot only with it (the prompts share no prefix worth reusing).
-    config = WorkerSettings(model=str(model), slots=SLOTS, ctx=CTX).engine_config()
+    worker_settings = WorkerSettings(model=str(model), slots=SLOTS, ctx=CTX)
+    config = worker_settings.engine_config()
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp_name:
         tmp = Path(tmp_name)
         server = EmbeddedRedis(tmp / "redis")
@@ -212,7 +227,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
                               env=env, log_path=tmp / "worker.log")
         try:
             metrics_url = f"http://127.0.0.1:{env['SLOTQ_METRICS_PORT']}/metrics"
-            data = await run_watched(_measure(url, metrics_url, config, tmp, _Bulk(env, tmp), sizes), worker)
+            data = await run_watched(_measure(url, metrics_url, config, tmp, _Bulk(env, tmp), sizes,
+                                              worker_settings.lane_min_share), worker)
         finally:
             worker.stop()
             server.stop()
@@ -220,12 +236,12 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     if not quick:
         write_results("bulk", data, table, "slotq bench bulk")
     return {k: data[k] for k in ("bulk_tokens_per_s", "engine_tokens_per_s", "interactive_ttft_p50_ms_idle",
-                                 "interactive_ttft_p50_ms_saturated", "long_bulk", "flood", "peak_rss_mb",
+                                 "interactive_ttft_p50_ms_saturated", "long_bulk", "flood", "starved", "peak_rss_mb",
                                  "redis_peak_mb", "lines")}, table
 
 
 async def _measure(url: str, metrics_url: str, config: EngineConfig, tmp: Path, bulk: _Bulk,
-                   sizes: Sizes) -> dict[str, Any]:
+                   sizes: Sizes, lane_min_share: float) -> dict[str, Any]:
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url))
     engine = await Engine.start(config)
     batch, max_tokens, probes = sizes.batch, sizes.max_tokens, sizes.probes
@@ -257,6 +273,7 @@ async def _measure(url: str, metrics_url: str, config: EngineConfig, tmp: Path, 
 
         long_bulk = await _long_bulk(client, metrics_url, bulk, tmp, sizes, idle)
         flood = await _flood(client, metrics_url, sizes)
+        starved = await _starved(client, sizes, lane_min_share)
 
         progress(f"memory: slotq bulk on {sizes.rss_lines:,} one-token lines")
         rss_run = await _memory_run(client, bulk, _write_short_lines(tmp / "rss.jsonl", sizes.rss_lines))
@@ -270,7 +287,7 @@ async def _measure(url: str, metrics_url: str, config: EngineConfig, tmp: Path, 
         "interactive_ttft_p50_ms_idle": round(percentile(idle, 50), 1),
         "interactive_ttft_p95_ms_idle": round(percentile(idle, 95), 1),
         "interactive_ttft_p50_ms_saturated": round(percentile(saturated, 50), 1),
-        "long_bulk": long_bulk, "flood": flood,
+        "long_bulk": long_bulk, "flood": flood, "starved": starved,
         "peak_rss_mb": rss_run["peak_rss_mb"], "redis_peak_mb": rss_run["redis_peak_mb"], "lines": sizes.rss_lines,
         "rounds": {"engine_tokens_per_s": [round(x, 1) for x in engine_tps],
                    "bulk_tokens_per_s": [round(x, 1) for x in bulk_tps]},
@@ -388,6 +405,73 @@ async def _flood(client: SlotqClient, metrics_url: str, sizes: Sizes) -> dict[st
             "idle_ttft_ms": [round(x, 1) for x in idle], "ttft_p50_target_ms": round(2 * percentile(idle, 50), 1)}
 
 
+async def _starved(client: SlotqClient, sizes: Sizes, share: float) -> dict[str, Any]:
+    """Bulk jobs alone, then the same number under ``CHAT_CLIENTS`` closed-loop interactive clients:
+    how much of the worker the bulk lane keeps (its guaranteed share, ``SLOTQ_LANE_MIN_SHARE``)."""
+    lines, tokens = sizes.starved_lines, sizes.max_tokens
+    progress(f"bulk alone: {lines} jobs x {tokens} tokens")
+    alone = await _bulk_lines(client, 500_000, lines, tokens, timeout_s=600)
+    alone_tps = alone["tokens"] / alone["wall_s"]
+    guaranteed = guaranteed_slots(SLOTS, share)
+    # One slot at bulk alone's per-slot rate needs lines x tokens / (alone / SLOTS) s; allow 4 x that.
+    bound_s = 4 * lines * tokens / (alone_tps / SLOTS) + 10
+    progress(f"bulk under {CHAT_CLIENTS} closed-loop interactive clients (share {share}: {guaranteed} of {SLOTS} "
+             f"slots; stops after {bound_s:.0f} s)")
+    stop = asyncio.Event()
+    chat_tokens: list[int] = []
+
+    async def chat_client(c: int) -> None:
+        i = 0
+        while not stop.is_set():
+            job = await client.enqueue(JobRequest(**_request(20_000_000 + 1000 * c + i, CHAT_TOKENS)))
+            chat_tokens.append((await job.result(timeout=120)).usage.completion_tokens)
+            i += 1
+
+    chats = [asyncio.create_task(chat_client(c)) for c in range(CHAT_CLIENTS)]
+    try:
+        while (await _lane(client, "interactive")).waiting == 0:       # saturated: interactive jobs wait
+            await asyncio.sleep(0.02)
+        chat_before = sum(chat_tokens)
+        loaded = await _bulk_lines(client, 600_000, lines, tokens, timeout_s=bound_s)
+        chat_during = sum(chat_tokens) - chat_before
+    finally:
+        stop.set()
+        await asyncio.gather(*chats, return_exceptions=True)
+    loaded_tps = loaded["tokens"] / loaded["wall_s"]
+    return {"share": share, "guaranteed_slots": guaranteed, "slots": SLOTS, "lines": lines, "tokens": tokens,
+            "chat_clients": CHAT_CLIENTS, "chat_tokens": CHAT_TOKENS,
+            "alone_tokens_per_s": round(alone_tps, 1), "alone_wall_s": round(alone["wall_s"], 1),
+            "loaded_lines_done": loaded["done"], "loaded_wall_s": round(loaded["wall_s"], 1),
+            "loaded_tokens_per_s": round(loaded_tps, 1), "over_alone": round(loaded_tps / alone_tps, 3),
+            "slot_share": round(loaded["slot_share"], 3),
+            "token_share": round(loaded["tokens"] / (loaded["tokens"] + chat_during), 3) if loaded["tokens"] else 0.0,
+            "interactive_waiting_share": round(loaded["interactive_waiting_share"], 3)}
+
+
+async def _bulk_lines(client: SlotqClient, first: int, lines: int, tokens: int, *, timeout_s: float) -> dict[str, Any]:
+    """Enqueue ``lines`` bulk jobs of ``tokens`` tokens and wait (at most ``timeout_s``) for them to
+    end: the jobs done, their tokens, the wall time, and from ``counts()`` sampled meanwhile the mean
+    share of the slots that bulk jobs held and how often interactive jobs were waiting. Jobs not
+    done at the bound are cancelled."""
+    started = time.perf_counter()
+    jobs = {(job := await client.enqueue(JobRequest(**_request(first + i, tokens), lane="bulk"))).id: job
+            for i in range(lines)}
+    pending, bulk_running, chat_waiting = list(jobs), [], []
+    while pending and time.perf_counter() - started < timeout_s:
+        lanes = {c.lane: c for c in await client.queue.counts()}
+        bulk_running.append(lanes["bulk"].running)
+        chat_waiting.append(lanes["interactive"].waiting > 0)
+        pending = [job_id for job_id, queued in zip(pending, await client.queue.in_queue(pending)) if queued]
+        await asyncio.sleep(0.05)
+    wall_s = time.perf_counter() - started
+    for job_id in pending:
+        await jobs[job_id].cancel()
+    done = [await job.result(timeout=60) for job_id, job in jobs.items() if job_id not in pending]
+    return {"done": len(done), "tokens": sum(r.usage.completion_tokens for r in done), "wall_s": wall_s,
+            "slot_share": statistics.mean(bulk_running) / SLOTS if bulk_running else 0.0,
+            "interactive_waiting_share": statistics.mean(chat_waiting) if chat_waiting else 0.0}
+
+
 async def _memory_run(client: SlotqClient, bulk: _Bulk, inp: Path) -> dict[str, Any]:
     """Run ``inp`` through ``slotq bulk`` while sampling Redis's used_memory and the command's RSS."""
     baseline = int((await client.redis.info("memory"))["used_memory"])
@@ -421,7 +505,7 @@ def _rss_mb(pid: int) -> float | None:
 
 
 def _table(d: dict[str, Any]) -> str:
-    m, long, flood = d["memory_run"], d["long_bulk"], d["flood"]
+    m, long, flood, starved = d["memory_run"], d["long_bulk"], d["flood"], d["starved"]
     idle_p50, idle_p95 = d["interactive_ttft_p50_ms_idle"], d["interactive_ttft_p95_ms_idle"]
     rows = [
         ["bulk throughput", f"{d['bulk_tokens_per_s']:.1f} tok/s",
@@ -449,6 +533,14 @@ def _table(d: dict[str, Any]) -> str:
           f"outside the engine (slot turnover, claim, stream), {flood['engine_ttft_p50_ms']:.0f} ms in it "
           f"({flood['engine_wait_p50_ms']:.0f} waiting for the step in progress); {flood['probes']} jobs, one at a "
           f"time: {flood['lent_reserve']} ran in the reserve lent for their tenant")],
+        [f"bulk lines under saturating interactive load ({starved['chat_clients']} closed-loop clients)",
+         f"{starved['loaded_tokens_per_s']:.1f} tok/s",
+         (f"{starved['over_alone']:.3f} x bulk alone ({starved['alone_tokens_per_s']:.1f} tok/s); "
+          f"{starved['slot_share']:.3f} of the slots, {starved['token_share']:.3f} of the tokens generated; target >= "
+          f"the share {starved['share']:g} ({starved['guaranteed_slots']} of {starved['slots']} slots, "
+          f"SLOTQ_LANE_MIN_SHARE); {starved['loaded_lines_done']}/{starved['lines']} jobs of {starved['tokens']} "
+          f"tokens in {starved['loaded_wall_s']:.1f} s, interactive jobs waiting in "
+          f"{100 * starved['interactive_waiting_share']:.0f} % of samples")],
         [f"slotq bulk peak RSS, {d['lines']:,} lines", f"{d['peak_rss_mb']:.0f} MB",
          "RSS over time (s, MB): " + ", ".join(f"{t:g}: {v:.0f}" for t, v in m["rss_mb_over_time"])],
         ["Redis used_memory peak", f"{d['redis_peak_mb']:.1f} MB",

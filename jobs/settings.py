@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 
 from slotq.engine import EngineConfig, EngineKnobs, resolve_model_path
@@ -116,6 +116,11 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
     model_name: str | None = Field(
         None, description="the name clients ask for (the gateway's `model`); unset = the model file's name without "
                           "its quantization suffix, e.g. SmolLM2-135M-Instruct for SmolLM2-135M-Instruct.Q4_1.gguf")
+    lane_min_share: float = Field(
+        0.125, ge=0, le=0.5,
+        description="no lane starves: each lane below the top keeps floor(slots x this) of the worker's slots while "
+                    "it has jobs waiting (the claim fills them from that lane first, and a higher lane never "
+                    "preempts them); 0.125 = 1 slot in 8, 0 = strict lanes")
     poll_delay_s: float = Field(
         1.0, gt=0, le=60, description="fallback tick: reap expired leases, promote due retries; enqueues wake "
                                       "workers at once")
@@ -143,6 +148,14 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
                                           "commands (a job's first entry and final entries go at once)")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
+
+    @model_validator(mode="after")
+    def _top_lane_keeps_half(self) -> WorkerSettings:
+        below = len(self.lanes) - 1
+        if self.lane_min_share * below > 0.5:
+            raise ValueError(f"lane_min_share (SLOTQ_LANE_MIN_SHARE={self.lane_min_share}) x {below} lanes below the "
+                             f"top (SLOTQ_LANES) leaves the top lane under half the slots: at most {0.5 / below:.3f}")
+        return self
 
     @property
     def max_attempts(self) -> int:

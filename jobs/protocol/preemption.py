@@ -1,5 +1,11 @@
 """Which running job a busy worker hands back when a job of a higher lane waits: a pure policy.
 
+Never chosen: a job of a lane that holds no more than its guaranteed slots on this worker
+(:func:`guaranteed_slots`, ``SLOTQ_LANE_MIN_SHARE``). The claim fills those slots from that lane
+first (``CLAIM`` in :mod:`slotq.jobs.protocol.scripts`); handing one back would give the slot to the
+higher lane and starve the lane again. A job that runs in the worker's reserve makes nobody yield,
+so the guarantee does not apply to choosing the lane it must be above (``guaranteed=0``).
+
 Precedence, first rule that tells two candidates apart wins:
 
 1. the lowest lane (bulk yields before anything above it), since the job that waits must be of a
@@ -22,7 +28,7 @@ already yielding its slot is never a victim.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 # A job with this many tokens left or fewer is "about to finish": 16 decode steps are about half a
@@ -56,6 +62,19 @@ def _precedence(c: Candidate) -> tuple[int, bool, bool, float, int, str]:
             c.job_id)
 
 
-def choose_victim(candidates: Iterable[Candidate]) -> Candidate | None:
-    """The job to hand back by the precedence above, or None when there is none."""
-    return min(candidates, key=_precedence, default=None)
+def guaranteed_slots(slots: int, share: float) -> int:
+    """Slots of a worker with ``slots`` slots that each lane below the top keeps while it has work:
+    floor(slots x share), so 1 of 8 at the default share of 1/8, and none on a worker too small for
+    a whole slot (a slot-time share there would need a slot that yields in turns, which is a
+    preemption by another name)."""
+    return math.floor(slots * share + 1e-9)
+
+
+def choose_victim(candidates: Iterable[Candidate], *, lane_jobs: Mapping[int, int] | None = None,
+                  guaranteed: int = 0) -> Candidate | None:
+    """The job to hand back by the precedence above, or None when there is none. With
+    ``guaranteed`` slots per lane, a lane holding at most that many of the worker's slots
+    (``lane_jobs``: the jobs holding a slot, by lane index) gives no candidate."""
+    jobs = lane_jobs or {}
+    eligible = (c for c in candidates if not guaranteed or jobs.get(c.lane_index, 0) > guaranteed)
+    return min(eligible, key=_precedence, default=None)

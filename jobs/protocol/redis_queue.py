@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, cast
@@ -342,15 +342,19 @@ class RedisQueue:
         return out
 
     # ------------------------------------------------------------------ workers
-    async def claim(self, max_jobs: int, token: str, lease_ms: int) -> list[ClaimedJob]:
-        """Up to ``max_jobs`` jobs, highest lane first, oldest first within a lane; each is owned
-        by this claim's lease (``token#n``, fresh for every claim) until ``lease_ms`` after the
-        claim by Redis' clock (renew it), and starts its next attempt."""
+    async def claim(self, max_jobs: int, token: str, lease_ms: int, *,
+                    owed: Mapping[str, int] | None = None) -> list[ClaimedJob]:
+        """Up to ``max_jobs`` jobs: first up to ``owed[lane]`` of each lane named there (slots the
+        worker owes a lower lane under its guaranteed share, see ``CLAIM``), then highest lane
+        first; oldest first within a lane. Each is owned by this claim's lease (``token#n``, fresh
+        for every claim) until ``lease_ms`` after the claim by Redis' clock (renew it), and starts
+        its next attempt."""
         k = self.keys
         lease = f"{token}#{next(self._claim_numbers)}"
+        owed = owed or {}
         flat = await self._scripts["CLAIM"](
             keys=[k.jobs, k.owners, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
-            args=[max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT])
+            args=[max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, *(owed.get(lane, 0) for lane in k.lanes)])
         return self._claimed(flat, lease)
 
     async def preempt(self, victim_lane: str, token: str, lease_ms: int, *,

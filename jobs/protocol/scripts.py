@@ -183,14 +183,16 @@ local function promote(jobs, deferred, waiting, now, limit)
 end
 """
 
-# Claims up to ``want`` jobs from the lane groups (4 keys each) that start at KEYS[first], highest
-# lane first, lowest place first within a lane. KEYS[1] is ``jobs``, KEYS[2] ``owners``; each
+# Claims up to ``want`` jobs from the lane groups (4 keys each) that start at KEYS[first]: first,
+# for each lane n with ``owed[n]`` > 0 (CLAIM: slots of the worker guaranteed to that lane that it
+# does not hold), up to that many of the lane's jobs; then highest lane first. Lowest place first
+# within a lane. KEYS[1] is ``jobs``, KEYS[2] ``owners``; each
 # claimed job moves from its tenant's waiting count to its running count, and its lease deadline is
 # the server's now + ``lease_ms``. Due retries of every lane are promoted first. Returns the claim
 # reply (the server's now, then id, lane index counted from the first group, ready ms for each
 # claimed job) and the jobs left waiting per lane.
 _CLAIM_LANES = _NOW + _PROMOTE + _COUNT + """
-local function claim_lanes(first, want, lease_ms, lease, promote_limit, tenant_waiting, tenant_running)
+local function claim_lanes(first, want, lease_ms, lease, promote_limit, tenant_waiting, tenant_running, owed)
   local now = server_ms()
   local deadline = now + lease_ms
   local out, left, ids = {now}, {}, {}
@@ -206,6 +208,9 @@ local function claim_lanes(first, want, lease_ms, lease, promote_limit, tenant_w
     end
   end
   for i = first, #KEYS, 4 do promote(KEYS[1], KEYS[i + 1], KEYS[i], now, promote_limit) end
+  for n, slots in ipairs(owed or {}) do
+    if slots > 0 and #ids < want then take(first + 4 * (n - 1), math.min(slots, want - #ids)) end
+  end
   for i = first, #KEYS, 4 do
     if #ids < want then take(i, want - #ids) end
     left[#left + 1] = redis.call('ZCARD', KEYS[i])
@@ -225,11 +230,23 @@ end
 
 # KEYS: jobs, owners, wake, tenant waiting, tenant running, then the lane group (waiting, deferred,
 #       running, preempt) of every lane, highest priority first
-# ARGV: max jobs, lease ms, lease (``<worker token>#<claim number>``), token cap, promote limit
+# ARGV: max jobs, lease ms, lease (``<worker token>#<claim number>``), token cap, promote limit, then
+#       for every lane (same order) the slots owed to it: how many of the worker's slots guaranteed
+#       to that lane it does not hold now (0 for the top lane)
+# No lane starves: lanes are strict except for owed slots. Each lane below the top is guaranteed
+# floor(slots x SLOTQ_LANE_MIN_SHARE) of every worker's slots while it has work (runtime.py's
+# owed_slots), so the worker passes max(0, guaranteed - its jobs of that lane) and the claim fills
+# that many slots from that lane first, if it has jobs waiting (else they go to whatever waits,
+# strictly by lane). The worker never hands back a job of a lane that holds no more than its
+# guaranteed slots there (preemption.py, rule 0), so a job claimed under the guarantee runs to its
+# end, and the next claim after it ends refills the slot from the same lane.
 # Returns the claim reply: the server's now (ms, the claim time), then id, lane index (0-based),
 # ready ms for each claimed job.
 CLAIM = _CLAIM_LANES + _SYNC_TOKENS + """
-local out, left = claim_lanes(6, tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5]), KEYS[4], KEYS[5])
+local owed = {}
+for n = 6, #ARGV do owed[#owed + 1] = tonumber(ARGV[n]) end
+local out, left = claim_lanes(6, tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5]), KEYS[4], KEYS[5],
+                              owed)
 local waiting = 0
 for _, n in ipairs(left) do waiting = waiting + n end
 sync_tokens(KEYS[3], waiting, tonumber(ARGV[4]))
@@ -244,7 +261,7 @@ return out
 # in the slot the victim yields or in its reserve. It declines (returns nothing, touches nothing)
 # while the wake list is empty: the enqueue's wake-up was taken by a worker with a free slot, which
 # claims the job without anyone yielding. Otherwise it claims as CLAIM does (promoting due retries,
-# fair within a lane), counts the preemption for the victim's lane when one yields,
+# fair within a lane; no slots owed), counts the preemption for the victim's lane when one yields,
 # takes one wake token for the job it claimed, and keeps each lane's preemption tokens at one per
 # job still waiting. Returns the claim reply of CLAIM (at most one job; the lane index counts from
 # the top lane), or nothing when it declines.

@@ -22,6 +22,14 @@ until one leaves, and claims again only below ``slots``. Otherwise it hands back
 step, flushes what it generated to its stream and is handed back without using a try; the claimed
 job takes its slot as soon as it has left, and the victim resumes from its stream on any worker.
 
+No lane starves: each lane below the top is guaranteed ``guaranteed_slots(slots, lane_min_share)``
+of this worker's slots while it has jobs waiting (``SLOTQ_LANE_MIN_SHARE``, 1 in 8 by default).
+Each claim passes what the worker owes each such lane (:meth:`~QueueRuntime.owed_slots`) and
+``CLAIM`` fills those slots from that lane first; the victim rule never takes a job from a lane
+that holds no more than its guarantee here (a job run in the reserve makes nobody yield, so it
+needs no victim of its own). Under a flood of interactive jobs the bulk lane thus keeps its slots:
+at every turnover of one, the claim refills it from bulk.
+
 Within a lane nothing is handed back, but one tenant's backlog must not hold every slot against
 another tenant's first job: while its reserve is free, a full worker also waits for a fair-share
 token of its lowest lane (left by an enqueue whose tenant had nothing waiting or running) and
@@ -41,11 +49,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slotq.jobs.protocol.arq_adapter import ArqJobRunner, Deserializer, ExitKind, JobExit, JobFunction, Serializer
-from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress, choose_victim
+from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress, choose_victim, guaranteed_slots
 from slotq.jobs.protocol.redis_queue import BusyToken, ClaimedJob, RedisQueue
 
 log = logging.getLogger(__name__)
@@ -61,11 +70,13 @@ class QueueRuntime:
     yields its slot to a higher lane; ``on_reserve(job)``: a job runs in the reserve, beside a full
     worker's slots (a higher lane's, or one lent it for its tenant: ``job.lent_reserve``).
     ``on_startup`` runs before the first claim (the model load), ``on_shutdown`` in :meth:`close`
-    once every attempt has left."""
+    once every attempt has left. ``lane_min_share``: the share of the slots each lane below the top
+    keeps while it has work (``SLOTQ_LANE_MIN_SHARE``; 0 = strict lanes)."""
 
     def __init__(self, *, function_name: str, job: JobFunction, queue: RedisQueue, token: str, lease_ms: int,
                  slots: int, job_timeout_s: float, keep_result_s: float, max_tries: int, poll_delay_s: float,
-                 serializer: Serializer, deserializer: Deserializer, may_claim: Callable[[], bool] = lambda: True,
+                 serializer: Serializer, deserializer: Deserializer, lane_min_share: float = 0.0,
+                 may_claim: Callable[[], bool] = lambda: True,
                  on_job_started: Callable[[ClaimedJob], None] | None = None,
                  progress: Callable[[str], Progress] = lambda job_id: NOT_STARTED,
                  on_preempted: Callable[[ClaimedJob], None] | None = None,
@@ -77,6 +88,7 @@ class QueueRuntime:
         self.lease_ms = lease_ms
         self.slots = slots                      # jobs held at most; the elastic loop moves it (<= the initial)
         self.reserve = 0                        # jobs beyond slots the reserve may run (the engine's, once up)
+        self.lane_min_share = lane_min_share
         self.poll_delay_s = poll_delay_s
         self.on_job_started = on_job_started
         self.claimed: dict[str, ClaimedJob] = {}     # job id -> the claim whose attempt runs here
@@ -118,6 +130,19 @@ class QueueRuntime:
     def reserve_free(self) -> bool:
         """A job may still run beyond ``slots`` here, in the engine's reserve (its spare KV streams)."""
         return self._held < self.slots + self.reserve
+
+    def owed_slots(self) -> dict[str, int]:
+        """Slots this worker owes each lane below the top: its guaranteed slots less the lane's jobs
+        holding a slot here (only lanes owed some). ``CLAIM`` fills them from that lane first."""
+        guaranteed = guaranteed_slots(self.slots, self.lane_min_share)
+        held = self._slot_lanes()
+        return {lane: guaranteed - held[lane] for lane in self.queue.keys.lanes[1:] if held[lane] < guaranteed}
+
+    def _slot_lanes(self) -> Counter[str]:
+        """The jobs holding a slot here, by lane; a slot being handed over (a victim yielding it, a
+        lost attempt leaving it to the job's new claim) counts for the claim that takes it."""
+        return Counter(self._successors[job_id].lane if job_id in self._successors else job.lane
+                       for job_id, job in self.claimed.items())
 
     @property
     def idle(self) -> bool:
@@ -174,7 +199,7 @@ class QueueRuntime:
 
     async def _claim(self, free: int) -> list[ClaimedJob]:
         try:
-            claimed = await self.queue.claim(free, self.token, self.lease_ms)
+            claimed = await self.queue.claim(free, self.token, self.lease_ms, owed=self.owed_slots())
         except Exception as exc:  # Redis down: the next tick tries again (commands already retried ~30 s)
             log.warning("claim failed (%s: %s); retrying", type(exc).__name__, exc)
             await asyncio.sleep(1)
@@ -246,7 +271,7 @@ class QueueRuntime:
         waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._slot_freed.wait())}
         if self._can_claim() and self._wake_task is None:
             self._wake_task = asyncio.create_task(self.queue.wait_for_work(self.poll_delay_s), name="slotq-wake")
-        victim, fair_lane = self._victim(), self._fair_lane()
+        victim, fair_lane = self._victim(yielding=not self.reserve_free), self._fair_lane()
         if (victim is not None or fair_lane is not None) and self._busy_task is None:
             below = None if victim is None else self.queue.lane_of(victim.lane_index)
             self._busy_task = asyncio.create_task(
@@ -280,19 +305,24 @@ class QueueRuntime:
             return False
         return bool(task.result())
 
-    def _victim(self) -> Candidate | None:
+    def _victim(self, *, yielding: bool) -> Candidate | None:
         """The job this worker would hand back for a higher lane (:func:`choose_victim`); None
         unless every slot is busy and the worker may claim. A job is a candidate while its job
-        function runs and it is neither leaving, lost, aborted nor already yielding its slot."""
+        function runs and it is neither leaving, lost, aborted nor already yielding its slot.
+        ``yielding``: the job must give up its slot (no reserve is free), so a lane holding no more
+        than its guaranteed slots gives none; otherwise the candidate only names the lane a job
+        run in the reserve must be above."""
         if not (self._claiming and self.full and self._may_claim()):
             return None
         lanes = self.queue.keys.lanes
         return choose_victim(
-            Candidate(job_id, lanes.index(job.lane), self._progress(job_id))
-            for job_id, job in self.claimed.items()
-            if self._runner.function_running(job_id) and job.lane != lanes[0] and job_id not in self._leaving
-            and job_id not in self._lease_lost and job_id not in self._successors
-            and not self._runner.is_aborting(job_id))
+            (Candidate(job_id, lanes.index(job.lane), self._progress(job_id))
+             for job_id, job in self.claimed.items()
+             if self._runner.function_running(job_id) and job.lane != lanes[0] and job_id not in self._leaving
+             and job_id not in self._lease_lost and job_id not in self._successors
+             and not self._runner.is_aborting(job_id)),
+            lane_jobs={lanes.index(lane): jobs for lane, jobs in self._slot_lanes().items()},
+            guaranteed=guaranteed_slots(self.slots, self.lane_min_share) if yielding else 0)
 
     def _fair_lane(self) -> str | None:
         """The lane whose fair-share tokens this worker takes: its lowest running lane, while every
@@ -336,13 +366,13 @@ class QueueRuntime:
         the token goes back for another worker."""
         if self._can_claim():
             return
-        victim = self._victim()
+        in_reserve = self.reserve_free
+        victim = self._victim(yielding=not in_reserve)
         if victim is None or victim.lane_index <= self.queue.keys.lanes.index(token.lane):
             with contextlib.suppress(Exception):
                 await self.queue.return_busy_token(token)
             return
         victim_job = self.claimed[victim.job_id]
-        in_reserve = self.reserve_free
         try:
             job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms, hand_back=not in_reserve)
         except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job

@@ -121,7 +121,8 @@ class SlotqWorker:
             slots=self.settings.slots, job_timeout_s=self.settings.job_timeout_s,
             keep_result_s=self.settings.keep_result_s, max_tries=self.settings.max_attempts + 1,
             poll_delay_s=self.settings.poll_delay_s, serializer=serialize, deserializer=deserialize,
-            may_claim=self._may_claim, on_job_started=self._observe_pickup, progress=self._progress,
+            lane_min_share=self.settings.lane_min_share, may_claim=self._may_claim,
+            on_job_started=self._observe_pickup, progress=self._progress,
             on_preempted=lambda victim: metrics.LANE_PREEMPTIONS.labels(lane=victim.lane).inc(),
             on_reserve=lambda job: (metrics.TENANT_RESERVE_RUNS if job.lent_reserve
                                     else metrics.LANE_RESERVE_RUNS).labels(lane=job.lane).inc(),

@@ -8,7 +8,7 @@ took it again, and a job still in its prefill step made the waiting job wait for
 
 from __future__ import annotations
 
-from slotq.jobs.protocol.preemption import FINISHING_TOKENS, Candidate, Progress, choose_victim
+from slotq.jobs.protocol.preemption import FINISHING_TOKENS, Candidate, Progress, choose_victim, guaranteed_slots
 
 BULK, BATCH = 2, 1          # lane indexes: 0 is the highest lane
 
@@ -67,3 +67,19 @@ def test_about_to_finish_means_at_most_finishing_tokens_left() -> None:
 def test_equal_starts_fall_back_to_most_tokens_left_then_job_id() -> None:
     assert victim(job("a", left=100), job("b", left=200), job("prefilling", left=300, generated=0)) == "b"
     assert victim(job("b", left=200), job("a", left=200), job("prefilling", left=300, generated=0)) == "a"
+
+
+def test_a_lane_within_its_guaranteed_slots_yields_none() -> None:
+    """No lane starves (SLOTQ_LANE_MIN_SHARE): a lane holding no more than its guaranteed slots on
+    the worker gives no victim, so the job claimed under the guarantee runs to its end; a lane above
+    its guarantee still yields, and a higher lane's surplus yields before the guarantee is touched."""
+    bulk, batch = job("bulk", lane=BULK, started=0), job("batch", lane=BATCH, started=1)
+    assert choose_victim([bulk], lane_jobs={BULK: 1}, guaranteed=1) is None
+    assert choose_victim([bulk], lane_jobs={BULK: 2}, guaranteed=1) == bulk
+    assert choose_victim([bulk, batch], lane_jobs={BULK: 1, BATCH: 3}, guaranteed=1) == batch
+    assert choose_victim([bulk], lane_jobs={BULK: 1}) == bulk             # no guarantee (0): strict lanes
+
+
+def test_the_guarantee_is_whole_slots_of_each_worker() -> None:
+    assert [guaranteed_slots(slots, 0.125) for slots in (1, 4, 7, 8, 16, 64)] == [0, 0, 0, 1, 2, 8]
+    assert guaranteed_slots(4, 0.25) == 1 and guaranteed_slots(8, 0.0) == 0

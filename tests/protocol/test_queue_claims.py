@@ -424,6 +424,23 @@ async def test_preempt_declines_when_an_idle_worker_took_the_wake_up(queue, redi
     assert [j.id for j in await queue.claim(1, "idle", LEASE_MS)] == ["chat-0"]
 
 
+# ---------------------------------------------------------------------- no lane starves
+async def test_a_claim_fills_the_slots_owed_to_a_lower_lane_first(queue):
+    """CLAIM takes up to ``owed[lane]`` jobs of each lower lane before the strict order, so a worker
+    owing bulk one slot gets a bulk job even while interactive jobs wait; a slot owed to a lane with
+    nothing waiting goes to the higher lane, and without owed slots lanes are strict."""
+    for i in range(2):
+        await put(queue, f"bulk-{i}", "bulk")
+    for i in range(4):
+        await put(queue, f"chat-{i}")
+    assert [j.id for j in await queue.claim(2, "w1", LEASE_MS, owed={"bulk": 1})] == ["bulk-0", "chat-0"]
+    assert [j.id for j in await queue.claim(1, "w1", LEASE_MS)] == ["chat-1"]                # nothing owed: strict
+    assert [j.id for j in await queue.claim(3, "w2", LEASE_MS, owed={"bulk": 2})] == ["bulk-1", "chat-2", "chat-3"]
+    await put(queue, "chat-4")
+    assert [j.id for j in await queue.claim(1, "w3", LEASE_MS, owed={"bulk": 1})] == ["chat-4"]   # bulk is empty
+    assert {c.lane: c.running for c in await queue.counts()} == {"interactive": 5, "bulk": 2}
+
+
 # ---------------------------------------------------------------------- the reserve lent to a tenant
 async def test_fair_share_tokens_and_the_lend_reserve_claim(queue, redis):
     """A tenant's first job, enqueued while another tenant's jobs of its lane run (and more wait),
