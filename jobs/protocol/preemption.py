@@ -3,8 +3,8 @@
 Never chosen: a job of a lane that holds no more than its guaranteed slots on this worker
 (:func:`guaranteed_slots`, ``SLOTQ_LANE_MIN_SHARE``). The claim fills those slots from that lane
 first (``CLAIM`` in :mod:`slotq.jobs.protocol.scripts`); handing one back would give the slot to the
-higher lane and starve the lane again. A job that runs in the worker's reserve makes nobody yield,
-so the guarantee does not apply to choosing the lane it must be above (``guaranteed=0``).
+higher lane and starve the lane again. The worker runs a higher lane's job in its reserve only
+where there is a victim too: a job in the reserve would take the slot a guaranteed job leaves.
 
 Precedence, first rule that tells two candidates apart wins:
 

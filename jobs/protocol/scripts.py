@@ -186,11 +186,11 @@ end
 # Claims up to ``want`` jobs from the lane groups (4 keys each) that start at KEYS[first]: first,
 # for each lane n with ``owed[n]`` > 0 (CLAIM: slots of the worker guaranteed to that lane that it
 # does not hold), up to that many of the lane's jobs; then highest lane first. Lowest place first
-# within a lane. KEYS[1] is ``jobs``, KEYS[2] ``owners``; each
-# claimed job moves from its tenant's waiting count to its running count, and its lease deadline is
-# the server's now + ``lease_ms``. Due retries of every lane are promoted first. Returns the claim
-# reply (the server's now, then id, lane index counted from the first group, ready ms for each
-# claimed job) and the jobs left waiting per lane.
+# within a lane. KEYS[1] is ``jobs``, KEYS[2] ``owners``; each claimed job moves from its tenant's
+# waiting count to its running count, and its lease deadline is the server's now + ``lease_ms``.
+# Due retries of every lane are promoted first. Returns the claim reply (the server's now, then id,
+# lane index counted from the first group, ready ms for each claimed job) and the jobs left waiting
+# per lane.
 _CLAIM_LANES = _NOW + _PROMOTE + _COUNT + """
 local function claim_lanes(first, want, lease_ms, lease, promote_limit, tenant_waiting, tenant_running, owed)
   local now = server_ms()

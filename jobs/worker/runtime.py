@@ -26,9 +26,10 @@ No lane starves: each lane below the top is guaranteed ``guaranteed_slots(slots,
 of this worker's slots while it has jobs waiting (``SLOTQ_LANE_MIN_SHARE``, 1 in 8 by default).
 Each claim passes what the worker owes each such lane (:meth:`~QueueRuntime.owed_slots`) and
 ``CLAIM`` fills those slots from that lane first; the victim rule never takes a job from a lane
-that holds no more than its guarantee here (a job run in the reserve makes nobody yield, so it
-needs no victim of its own). Under a flood of interactive jobs the bulk lane thus keeps its slots:
-at every turnover of one, the claim refills it from bulk.
+that holds no more than its guarantee here, and without a victim nothing runs in the reserve
+either: a worker whose lower-lane jobs are all guaranteed ones is as full as one of the top lane
+alone. Under a flood of interactive jobs the bulk lane thus keeps its slots: at every turnover of
+one, the claim refills it from bulk (a job in the reserve would take the slot it leaves).
 
 Within a lane nothing is handed back, but one tenant's backlog must not hold every slot against
 another tenant's first job: while its reserve is free, a full worker also waits for a fair-share
@@ -271,7 +272,7 @@ class QueueRuntime:
         waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._slot_freed.wait())}
         if self._can_claim() and self._wake_task is None:
             self._wake_task = asyncio.create_task(self.queue.wait_for_work(self.poll_delay_s), name="slotq-wake")
-        victim, fair_lane = self._victim(yielding=not self.reserve_free), self._fair_lane()
+        victim, fair_lane = self._victim(), self._fair_lane()
         if (victim is not None or fair_lane is not None) and self._busy_task is None:
             below = None if victim is None else self.queue.lane_of(victim.lane_index)
             self._busy_task = asyncio.create_task(
@@ -305,13 +306,12 @@ class QueueRuntime:
             return False
         return bool(task.result())
 
-    def _victim(self, *, yielding: bool) -> Candidate | None:
+    def _victim(self) -> Candidate | None:
         """The job this worker would hand back for a higher lane (:func:`choose_victim`); None
         unless every slot is busy and the worker may claim. A job is a candidate while its job
-        function runs and it is neither leaving, lost, aborted nor already yielding its slot.
-        ``yielding``: the job must give up its slot (no reserve is free), so a lane holding no more
-        than its guaranteed slots gives none; otherwise the candidate only names the lane a job
-        run in the reserve must be above."""
+        function runs and it is neither leaving, lost, aborted nor already yielding its slot, and
+        its lane holds more than its guaranteed slots here. A job of a higher lane runs in the
+        reserve only where there is a victim, though none yields then."""
         if not (self._claiming and self.full and self._may_claim()):
             return None
         lanes = self.queue.keys.lanes
@@ -322,7 +322,7 @@ class QueueRuntime:
              and job_id not in self._lease_lost and job_id not in self._successors
              and not self._runner.is_aborting(job_id)),
             lane_jobs={lanes.index(lane): jobs for lane, jobs in self._slot_lanes().items()},
-            guaranteed=guaranteed_slots(self.slots, self.lane_min_share) if yielding else 0)
+            guaranteed=guaranteed_slots(self.slots, self.lane_min_share))
 
     def _fair_lane(self) -> str | None:
         """The lane whose fair-share tokens this worker takes: its lowest running lane, while every
@@ -366,13 +366,13 @@ class QueueRuntime:
         the token goes back for another worker."""
         if self._can_claim():
             return
-        in_reserve = self.reserve_free
-        victim = self._victim(yielding=not in_reserve)
+        victim = self._victim()
         if victim is None or victim.lane_index <= self.queue.keys.lanes.index(token.lane):
             with contextlib.suppress(Exception):
                 await self.queue.return_busy_token(token)
             return
         victim_job = self.claimed[victim.job_id]
+        in_reserve = self.reserve_free
         try:
             job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms, hand_back=not in_reserve)
         except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job

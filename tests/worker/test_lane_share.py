@@ -68,6 +68,35 @@ async def test_a_job_in_the_guaranteed_slot_is_not_preempted(client, start_worke
             await job.cancel()
 
 
+async def test_the_slot_a_guaranteed_job_leaves_goes_back_to_its_lane_not_to_the_reserve(client, start_worker):
+    """One bulk job in the guaranteed slot and three long interactive jobs fill the worker; a
+    fourth interactive job does not run in the reserve beside them (the bulk job is no victim), so
+    when the bulk job ends its slot goes straight to the next bulk job, while that interactive job
+    still waits for an interactive slot."""
+    await start_worker(slots=SLOTS, lane_min_share=SHARE, ctx=CHAT_TOKENS + 64, poll_delay_s=0.1)
+    first = await client.enqueue(job_request("bulk request 0", max_tokens=BULK_TOKENS, lane="bulk"))
+    async with asyncio.timeout(60):
+        while (await lanes(client))["bulk"] != (0, 1, 0):
+            await asyncio.sleep(0.02)
+    chats = [await client.enqueue(job_request(f"interactive request {i}", max_tokens=CHAT_TOKENS))
+             for i in range(SLOTS - 1)]
+    async with asyncio.timeout(60):
+        while (await lanes(client))["interactive"] != (0, SLOTS - 1, 0):
+            await asyncio.sleep(0.02)
+    chats.append(await client.enqueue(job_request("one interactive request too many", max_tokens=CHAT_TOKENS)))
+    second = await client.enqueue(job_request("bulk request 1", max_tokens=BULK_TOKENS, lane="bulk"))
+    try:
+        async with asyncio.timeout(120):
+            while (await client.queue.place(second.id)) != ("bulk", True):
+                assert (await lanes(client))["interactive"][1] == SLOTS - 1, "an interactive job ran in the reserve"
+                await asyncio.sleep(0.02)
+        assert (await first.result(timeout=10)).status == JobStatus.SUCCEEDED
+        assert (await lanes(client))["interactive"][:2] == (1, SLOTS - 1)      # the fourth still waits
+    finally:
+        for job in (first, second, *chats):
+            await job.cancel()
+
+
 async def lanes(client: SlotqClient) -> dict[str, tuple[int, int, int]]:
     """(waiting, running, preempted) of each lane."""
     return {c.lane: (c.waiting, c.running, c.preempted) for c in await client.queue.counts()}
