@@ -23,9 +23,9 @@ from collections import Counter
 
 import pytest
 
-from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TextDelta
 from slotq.jobs.protocol.keys import job_record_key, result_key, retry_counter_key
 from slotq.jobs.protocol.schemas import EntryKind, JobResult, JobStatus
+from tests.support.engine import solo_greedy_tokens
 from tests.support.faults import (
     LOCK_TTL_S,
     FaultyProxy,
@@ -368,20 +368,6 @@ CHAOS_PROMPTS = [f"chaos prompt {i}: {w}" for i, w in enumerate(
     ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"])]
 
 
-async def _greedy_references(model_path, max_tokens: int) -> dict[str, list[int]]:
-    """Uninterrupted greedy tokens of every chaos prompt, computed in-process with the workers' settings."""
-    engine = await Engine.start(EngineConfig(model_path=model_path, slots=1, ctx=CHAOS_CTX, threads=1, ubatch=1))
-    try:
-        out = {}
-        for prompt in CHAOS_PROMPTS:
-            handle = engine.submit(GenerationRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True,
-                                                     sampling=SamplingParams(temperature=0)))
-            out[prompt] = [t async for ev in handle if isinstance(ev, TextDelta) for t in ev.token_ids]
-        return out
-    finally:
-        await engine.close()
-
-
 def _diagnose(result, request, entries, expected, kills) -> None:
     """Write what a broken job's stream looks like to /tmp/slotq_chaos_failures.txt."""
     with open("/tmp/slotq_chaos_failures.txt", "a") as f:
@@ -423,7 +409,8 @@ async def test_chaos_kill9_workers_nothing_lost(fclient, fsync_redis, tiny_model
     the tokens of an uninterrupted greedy run in its stream."""
     client = fclient
     rng = random.Random(CHAOS_SEED)
-    references = await _greedy_references(tiny_model_path, CHAOS_MAX_TOKENS)
+    references = await solo_greedy_tokens(tiny_model_path, CHAOS_PROMPTS, max_tokens=CHAOS_MAX_TOKENS,
+                                          ctx=CHAOS_CTX)
     # job_timeout 20 s: a job that hangs for any reason fails in 20 s, not an hour; max_tries and
     # max_worker_deaths 20: a job may be hit by several kills in a row before its first token -- the
     # retry budget is not under test, nor the quarantine of jobs that kill their workers

@@ -19,11 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TextDelta
 from slotq.jobs.cli.status_view import render
 from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.schemas import JobResult, JobStatus
 from tests.support import free_port
+from tests.support.engine import solo_greedy_tokens
 from tests.support.faults import Fleet, check_job, worker_env
 from tests.support.jobs import chunks, job_request, raw_entries
 
@@ -32,21 +32,6 @@ pytestmark = pytest.mark.fault
 POISON = "poison-job"
 MAX_TOKENS = 32
 CTX = 512
-
-
-async def _solo_greedy(model_path, prompts: list[str]) -> dict[str, list[int]]:
-    """Each prompt's greedy tokens from an engine of its own, one sequence at a time (the workers'
-    settings: one-token micro-batches, so a resumed attempt prefills exactly what was decoded)."""
-    engine = await Engine.start(EngineConfig(model_path=model_path, slots=1, ctx=CTX, threads=1, ubatch=1))
-    try:
-        out = {}
-        for prompt in prompts:
-            handle = engine.submit(GenerationRequest(prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                     sampling=SamplingParams(temperature=0)))
-            out[prompt] = [t async for ev in handle if isinstance(ev, TextDelta) for t in ev.token_ids]
-        return out
-    finally:
-        await engine.close()
 
 
 def _dead_letters_counted(port: int) -> dict[str, float]:
@@ -61,7 +46,7 @@ async def test_a_job_that_kills_its_workers_is_dead_lettered_after_two_and_the_o
         fclient, fsync_redis, tiny_model_path, tmp_path):
     prompts = [f"ordinary job {i}: {word}"
                for i, word in enumerate(["amber", "birch", "cedar", "dune", "ember", "fjord", "grove", "heath"])]
-    references = await _solo_greedy(tiny_model_path, prompts)
+    references = await solo_greedy_tokens(tiny_model_path, prompts, max_tokens=MAX_TOKENS, ctx=CTX)
     # Enqueued before any worker runs: the first worker to be ready claims the poison with three others.
     handles = [await fclient.enqueue(job_request(prompt, max_tokens=MAX_TOKENS)) for prompt in prompts[:1]]
     poison = await fclient.enqueue(job_request("poison", max_tokens=MAX_TOKENS, idempotency_key=POISON))

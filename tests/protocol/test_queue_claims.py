@@ -26,15 +26,6 @@ LEASE_MS = 60_000
 
 
 @pytest.fixture
-async def redis(redis_url):
-    r = aioredis.Redis.from_url(redis_url)
-    try:
-        yield r
-    finally:
-        await r.aclose()
-
-
-@pytest.fixture
 def queue(redis) -> RedisQueue:
     return RedisQueue(redis, "test:q", ["interactive", "bulk"])
 

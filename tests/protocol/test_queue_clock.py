@@ -29,15 +29,6 @@ SKEWS = pytest.mark.parametrize("worker_s, reaper_s", [(-SKEW_S, SKEW_S), (SKEW_
                                 ids=["worker-behind", "worker-ahead"])
 
 
-@pytest.fixture
-async def redis(redis_url):
-    r = aioredis.Redis.from_url(redis_url)
-    try:
-        yield r
-    finally:
-        await r.aclose()
-
-
 def queue_at(redis: aioredis.Redis, offset_s: float) -> RedisQueue:
     """The queue as a process whose clock is ``offset_s`` off sees it."""
     return RedisQueue(redis, "test:clock", LANES, clock_offset_s=offset_s)

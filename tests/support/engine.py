@@ -73,3 +73,20 @@ def greedy(prompt: str, max_tokens: int, **kw: Any) -> GenerationRequest:
 
 async def run_one(engine: Engine, request: GenerationRequest) -> tuple[str, list[int], list[Finished]]:
     return await collect(engine.submit(request))
+
+
+async def solo_greedy_tokens(model_path: Path, prompts: list[str], *, max_tokens: int,
+                             ctx: int) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens (EOS ignored) from an engine of its own, one sequence at a time, with
+    the fault tests' worker settings (one-token micro-batches, so a resumed attempt prefills exactly
+    what was decoded): the reference a job interrupted and resumed anywhere must match."""
+    engine = await Engine.start(EngineConfig(model_path=model_path, slots=1, ctx=ctx, threads=1, ubatch=1))
+    try:
+        out = {}
+        for prompt in prompts:
+            handle = engine.submit(GenerationRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True,
+                                                     sampling=SamplingParams(temperature=0)))
+            out[prompt] = [t async for ev in handle if isinstance(ev, TextDelta) for t in ev.token_ids]
+        return out
+    finally:
+        await engine.close()
