@@ -8,6 +8,7 @@ llama.cpp thread each, SIGKILL/SIGTERM sent to real processes.
 from __future__ import annotations
 
 import asyncio
+import re
 import resource
 import signal
 import ssl as ssl_module
@@ -265,20 +266,29 @@ class FaultyProxy(RedisProxy):
 
     With ``on="reply"`` the needle is looked for in Redis's replies instead (``freeze`` only): the
     request was executed, and its reply and everything after it never reach the client.
+
+    A needle is bytes to find, or a compiled bytes pattern for replies that hold a value the test
+    cannot know (the server's clock in a claim reply).
     """
 
     def __init__(self, upstream_port: int) -> None:
         super().__init__(upstream_port)
-        self.needle: bytes | None = None
+        self.needle: bytes | re.Pattern[bytes] | None = None
         self.mode = "drop_reply"
         self.on = "request"
         self.delay_s = 1.0
         self.fired = asyncio.Event()
 
-    def arm(self, needle: bytes, mode: str = "drop_reply", delay_s: float = 1.0, on: str = "request") -> None:
+    def arm(self, needle: bytes | re.Pattern[bytes], mode: str = "drop_reply", delay_s: float = 1.0,
+            on: str = "request") -> None:
         assert mode in ("drop_reply", "freeze", "delay") and on in ("request", "reply")
         assert on == "request" or mode == "freeze"
         self.needle, self.mode, self.delay_s, self.on = needle, mode, delay_s, on
+
+    def _armed_for(self, data: bytes) -> bool:
+        if self.needle is None:
+            return False
+        return self.needle in data if isinstance(self.needle, bytes) else self.needle.search(data) is not None
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         upstream = await self._open_upstream(client_w)
@@ -289,7 +299,7 @@ class FaultyProxy(RedisProxy):
 
         async def upstream_to_client() -> None:
             while data := await up_r.read(65536):
-                if self.on == "reply" and self.needle is not None and self.needle in data:
+                if self.on == "reply" and self._armed_for(data):
                     self.needle = None
                     cut.set()
                     self.fired.set()
@@ -303,7 +313,7 @@ class FaultyProxy(RedisProxy):
             while data := await client_r.read(65536):
                 if cut.is_set():                    # a reply needle froze this connection
                     await asyncio.Event().wait()        # until close() cancels us
-                armed = self.on == "request" and self.needle is not None and self.needle in data
+                armed = self.on == "request" and self._armed_for(data)
                 if armed and self.mode == "delay":
                     self.needle = None
                     self.fired.set()
