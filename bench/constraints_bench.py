@@ -27,10 +27,11 @@ from llama_cpp import llama_grammar
 
 from bench.overhead_bench import THREADS
 from bench.report import markdown_table, progress, write_results
-from slotq.engine import EngineConfig, KVLayout, SamplingParams, bundled_model_path
-from slotq.engine.constraints import ConstraintCompiler, GrammarKnobs, TokenMatcher, constraint_for
+from slotq.engine import EngineConfig, GenerationRequest, KVLayout, SamplingParams, bundled_model_path
+from slotq.engine.constraints import ConstraintCompiler, GrammarKnobs, constraint_for
 from slotq.engine.errors import GrammarError
 from slotq.engine.llama_model import LlamaModel
+from slotq.engine.sampling import build_chain
 
 SLOTS = 8
 PROMPT = 32
@@ -69,23 +70,20 @@ class LlamaGrammarSampler:
 
 
 class GuidanceSampler:
-    """slotq's path: the llguidance mask, then a greedy chain."""
+    """slotq's own path: the sampler chain the engine builds for a constrained greedy request."""
 
-    def __init__(self, compiler: ConstraintCompiler, schema: dict[str, Any]) -> None:
-        constraint = constraint_for(SamplingParams(json_schema=schema))
+    def __init__(self, model: LlamaModel, compiler: ConstraintCompiler, eog: list[int], schema: dict[str, Any]) -> None:
+        request = GenerationRequest(prompt="x", sampling=SamplingParams(temperature=0, json_schema=schema))
+        constraint = constraint_for(request.sampling)
         assert constraint is not None
-        self.matcher: TokenMatcher = compiler.matcher(constraint, [])
-        self.chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        llama_cpp.llama_sampler_chain_add(self.chain, llama_cpp.llama_sampler_init_greedy())
+        self.chain = build_chain(request, model.vocab, model.n_vocab, eog,
+                                 compiler.matcher(constraint, []), seed=0)
 
     def sample(self, model: LlamaModel, index: int) -> int:
-        self.matcher.mask(llama_cpp.llama_get_logits_ith(model._ctx, index))
-        token = int(llama_cpp.llama_sampler_sample(self.chain, model._ctx, index))
-        self.matcher.accept(token)
-        return token
+        return model.sample(self.chain, index)
 
     def free(self) -> None:
-        llama_cpp.llama_sampler_free(self.chain)
+        self.chain.free()
 
 
 def _timed(call: Any) -> tuple[Any, float]:
@@ -120,6 +118,8 @@ def _batch_steps(model: LlamaModel, samplers: dict[str, Any], steps: int) -> dic
             token, ms = _timed(lambda index=index: int(llama_cpp.llama_sampler_sample(plain, model._ctx, index)))
             tokens.append(token)
             plain_ms.append(ms)
+        # In the order given: llguidance masks the logits row in place, so it samples last (llama.cpp's
+        # sampler copies the row; the plain samples above are already taken).
         for name, sampler in samplers.items():
             try:
                 _, ms = _timed(lambda sampler=sampler: sampler.sample(model, 0))
@@ -150,11 +150,11 @@ def _batch_steps(model: LlamaModel, samplers: dict[str, Any], steps: int) -> dic
     return out
 
 
-def _compile_row(compiler: ConstraintCompiler, name: str, schema: dict[str, Any],
+def _compile_row(model: LlamaModel, compiler: ConstraintCompiler, eog: list[int], name: str, schema: dict[str, Any],
                  smaller: dict[str, Any] | None) -> dict[str, Any]:
     row: dict[str, Any] = {"schema": name}
     try:
-        sampler, row["llguidance_build_ms"] = _timed(lambda: GuidanceSampler(compiler, schema))
+        sampler, row["llguidance_build_ms"] = _timed(lambda: GuidanceSampler(model, compiler, eog, schema))
         sampler.free()
         row["llguidance"] = "accepted"
     except GrammarError as exc:
@@ -178,7 +178,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         for name, schema in SCHEMAS.items():
             progress(f"{name}: {steps} steps of {SLOTS} sequences, both engines on sequence 0's logits")
             samplers: dict[str, Any] = {"llama.cpp grammar": LlamaGrammarSampler(model, schema),
-                                        "llguidance": GuidanceSampler(compiler, schema)}
+                                        "llguidance": GuidanceSampler(model, compiler, eog, schema)}
             try:
                 result = _batch_steps(model, samplers, steps)
             finally:
@@ -196,7 +196,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         bomb_rows = []
         for name, (schema, smaller) in BOMBS.items():
             progress(f"compiling {name}")
-            row = _compile_row(compiler, name, schema, smaller)
+            row = _compile_row(model, compiler, eog, name, schema, smaller)
             data["bombs"].append(row)
             build = row["llguidance_build_ms"]
             bomb_rows.append([name, row["llguidance"], "" if build is None else f"{build:.1f}",

@@ -199,7 +199,7 @@ class ConstraintCompiler:
         result = TokenMatcher(matcher, constraint, self.knobs, self._n_vocab)
         result.raise_if_error()
         for i, token in enumerate(resume_tokens):
-            if not matcher.consume_token(token) or matcher.is_error():
+            if not matcher.consume_token(token):      # False: the matcher is in its error state
                 raise InvalidRequest(f"resume_tokens: token {token} at position {i} is not allowed by "
                                      f"{constraint.field}", field="resume_tokens")
         return result
