@@ -268,9 +268,9 @@ class _BatchRun:
         outputs: dict[str, object] = {"request_counts": self.counts, "usage": self.usage}
         for field, file_id, name in (("output_file_id", output_file_id(batch.id), "output"),
                                      ("error_file_id", error_file_id(batch.id), "errors")):
-            if await files.size(file_id):           # OpenAI gives no file id for an empty output
+            if size := await files.size(file_id):   # OpenAI gives no file id for an empty output
                 outputs[field] = (await files.register(file_id, f"{batch.id}_{name}.jsonl", "batch_output",
-                                                       batch.tenant)).id
+                                                       batch.tenant, size)).id
         if self.ending == "expired":
             done = await self.batches.transition(batch.id, {"in_progress", "cancelling"}, "expired", **outputs)
         elif self.ending is None and await self.batches.transition(batch.id, {"in_progress"}, "finalizing"):

@@ -141,11 +141,13 @@ class FileStore:
 
     async def sweep(self) -> int:
         """Remove every expired file but those in use; how many were removed."""
+        if not await self.records.expired(self.clock(), 1):
+            return 0                  # the common case: nothing expired, so no batch needs reading either
         keep = await self.in_use()
         removed = 0
         while ids := [i for i in await self.records.expired(self.clock(), SWEEP_BATCH + len(keep)) if i not in keep]:
-            for file_id in ids[:SWEEP_BATCH]:
-                raw = await self.records.get(file_id)
+            chunk = ids[:SWEEP_BATCH]
+            for file_id, raw in zip(chunk, await self.records.get_many(chunk)):
                 if raw is None:
                     await self.records.forget_expiry(file_id)
                     continue
@@ -227,10 +229,10 @@ class FileStore:
                 partial.unlink()
         return size
 
-    async def register(self, file_id: str, filename: str, purpose: Purpose, tenant: str) -> FileObject:
-        """Record a file already in the directory (a batch's output) as the tenant's. It counts
-        toward the tenant's caps but is never refused by them: the batch has run."""
-        size = await self.size(file_id)
+    async def register(self, file_id: str, filename: str, purpose: Purpose, tenant: str, size: int) -> FileObject:
+        """Record a file already in the directory (a batch's output, of ``size`` bytes: the caller has
+        measured it) as the tenant's. It counts toward the tenant's caps but is never refused by them:
+        the batch has run."""
         return await self._record(file_id, filename, purpose, tenant, size, None, caps=None)
 
     async def _record(self, file_id: str, filename: str, purpose: Purpose, tenant: str, size: int,

@@ -70,18 +70,17 @@ def check_key_entries(entries: list[KeyEntry], *, allow_default_tenant: bool) ->
       meant: that tenant owns every job enqueued without one (``slotq enqueue``, the Python client)
       and everything made in keyless mode, so its key reads all of them.
     """
-    seen: dict[bytes, KeyEntry] = {}
+    seen: dict[str, KeyEntry] = {}
     for entry in entries:
         if entry.tenant == DEFAULT_TENANT and not allow_default_tenant:
             raise ValueError(f"{entry.where} gives a key to the reserved tenant {DEFAULT_TENANT!r}, which owns every "
                              "job enqueued without a tenant (slotq enqueue, the Python client) and everything made "
                              "without keys: name another tenant, or set SLOTQ_GATEWAY_ALLOW_DEFAULT_TENANT_KEYS=true "
                              "if that key is meant to read them")
-        digest = hashlib.sha256(entry.key.encode()).digest()
-        if digest in seen:
-            raise ValueError(f"{entry.named} has the same key as {seen[digest].named}: a key must belong to one "
+        if entry.key in seen:
+            raise ValueError(f"{entry.named} has the same key as {seen[entry.key].named}: a key must belong to one "
                              "entry (one tenant, admin or not); give each its own key")
-        seen[digest] = entry
+        seen[entry.key] = entry
 
 
 def read_keys_file(path: Path) -> list[tuple[str, str]]:
