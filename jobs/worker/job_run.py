@@ -230,10 +230,7 @@ class JobRun:
             return None
         if self.gate is not None:
             await self.gate.enter(self.job_id)
-        start = await self.ledger.start(self.attempt, delivered.token_count,
-                                        max_worker_deaths=self.settings.max_worker_deaths, isolated=self.gate is None)
-        if not start.owned:
-            raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
+        start = await self._ledger_start(delivered, isolated=self.gate is None)
         self.interruptions = start.interruptions
         metrics.ATTEMPTS_LOST.labels(counted_as="interruption").inc(start.interrupted)
         metrics.ATTEMPTS_LOST.labels(counted_as="failure").inc(start.failed)
@@ -252,10 +249,16 @@ class JobRun:
         log.warning("job %s attempt %d: its last %d started attempts were lost with their worker before any progress; "
                     "it starts once it is alone here without progress", self.job_id, self.attempt, worker_deaths)
         await self.gate.enter_isolated(self.job_id)
+        await self._ledger_start(delivered, isolated=True)
+
+    async def _ledger_start(self, delivered: Delivered, *, isolated: bool) -> AttemptStart:
+        """The queue's ``START_ATTEMPT`` for this attempt; a lease lost meanwhile cancels the run."""
+        assert self.ledger is not None
         start = await self.ledger.start(self.attempt, delivered.token_count,
-                                        max_worker_deaths=self.settings.max_worker_deaths, isolated=True)
+                                        max_worker_deaths=self.settings.max_worker_deaths, isolated=isolated)
         if not start.owned:
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
+        return start
 
     def _lane_rank(self, lane: str) -> int:
         """The engine's priority class of a lane: the lowest lane 0, each higher one more, so a higher
@@ -299,11 +302,18 @@ class JobRun:
                 # Hand back: the next attempt resumes from what reached the stream (bounded wait,
                 # so a shutdown during a Redis outage still ends).
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.shield(asyncio.wait_for(self.writer.write_all(self.job_id), 10))
+                    await asyncio.shield(self._write_all_within(10))
                 raise
             return await self._cancelled(texts, tokens, finished, request, job)
         await self._flush_final()
         return self._result(texts, finished)
+
+    async def _write_all_within(self, timeout_s: float) -> None:
+        """Everything pending for this job written, or TimeoutError after ``timeout_s`` (the write
+        cancelled). Shielded by the caller as a whole, so the bound holds for the write itself:
+        ``asyncio.timeout`` around a shield would cancel only the shield and leave the write running."""
+        async with asyncio.timeout(timeout_s):
+            await self.writer.write_all(self.job_id)
 
     async def _made_progress(self) -> None:
         """This attempt's first tokens are in hand: it holds no suspect back any more, and if it
