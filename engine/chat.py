@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -38,13 +39,18 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         return env.from_string(self.source)
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
+    def render(self, messages: Sequence[ChatMessage | dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt for ``messages`` (models, or dicts already shaped for the template), with
+        ``tools`` passed as Hugging Face templates expect them when the model may call any."""
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             return self._template.render(
-                messages=[m.model_dump() for m in messages],
+                messages=[m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}", field="messages") from exc

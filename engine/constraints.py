@@ -118,8 +118,13 @@ def check_constraint(sampling: SamplingParams, knobs: GrammarKnobs) -> None:
     compiled and validated under the same limits, without a tokenizer (no model needed)."""
     constraint = constraint_for(sampling)
     if constraint is not None:
-        _raise_if_error(constraint, llguidance.LLMatcher.validate_grammar(constraint.grammar, None,
-                                                                          limits=knobs.parser_limits()), knobs)
+        validate_constraint(constraint, knobs)
+
+
+def validate_constraint(constraint: Constraint, knobs: GrammarKnobs) -> None:
+    """Raise :class:`GrammarError` naming the constraint's field if it breaks the limits."""
+    _raise_if_error(constraint, llguidance.LLMatcher.validate_grammar(constraint.grammar, None,
+                                                                      limits=knobs.parser_limits()), knobs)
 
 
 def _raise_if_error(constraint: Constraint, message: str, knobs: GrammarKnobs) -> None:
@@ -179,7 +184,7 @@ class ConstraintCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+    def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
                 from llguidance.llamacpp import lltokenizer_from_vocab  # imports llama_cpp: engine side only
@@ -194,7 +199,7 @@ class ConstraintCompiler:
         """A matcher for a new request, already past ``resume_tokens`` (an earlier attempt's
         output). Raises :class:`GrammarError` for a grammar over the limits and
         :class:`InvalidRequest` (field ``resume_tokens``) for tokens the constraint forbids."""
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), constraint.grammar, log_level=0,
+        matcher = llguidance.LLMatcher(self.tokenizer(), constraint.grammar, log_level=0,
                                        limits=self.knobs.parser_limits())
         result = TokenMatcher(matcher, constraint, self.knobs, self._n_vocab)
         result.raise_if_error()
@@ -205,4 +210,5 @@ class ConstraintCompiler:
         return result
 
 
-__all__ = ["Constraint", "ConstraintCompiler", "GrammarKnobs", "TokenMatcher", "check_constraint", "constraint_for"]
+__all__ = ["Constraint", "ConstraintCompiler", "GrammarKnobs", "TokenMatcher", "check_constraint", "constraint_for",
+           "validate_constraint"]

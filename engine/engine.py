@@ -29,12 +29,14 @@ from slotq.engine.events import Event, Finished
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
 from slotq.engine.outbox import Sink
+from slotq.engine.reply_parser import ToolCallFormat, detect_tool_format
 from slotq.engine.request import GenerationRequest, SamplingParams
 from slotq.engine.runner import PreparedRequest, Runner
 from slotq.engine.sampling import SamplerChain, build_chain
 from slotq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerLimits
 from slotq.engine.state import EngineState, Lifecycle
 from slotq.engine.stats import EngineStats
+from slotq.engine.tools import CallChecker, plan_tools, reply_setup, template_messages
 
 
 class CancelsRequests(Protocol):
@@ -80,6 +82,7 @@ class Engine:
         self.ctx_per_seq = min(config.ctx, self.info.n_ctx_seq)   # a split layout caps it at one stream
         self.template = ChatTemplate(self.model.chat_template(), self.model.token_text(self.model.bos_token),
                                      self.model.token_text(self.model.eos_token))
+        self.tool_format = detect_tool_format(self.model.chat_template())    # how this model's calls are written
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
         self._constraints = ConstraintCompiler(self.model.vocab, self.info.n_vocab, self._eog_tokens, config)
         cache_slots = config.usable_cache_slots
@@ -111,10 +114,17 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
-        if request.messages is not None:
-            text = self.template.render(request.messages)
-        else:
-            text = request.prompt or ""
+        return self._tokens_of(self._prompt_text(request))
+
+    def _prompt_text(self, request: GenerationRequest) -> str:
+        if request.messages is None:
+            return request.prompt or ""
+        native_tools = request.calls_tools and self.tool_format != ToolCallFormat.GENERIC
+        return self.template.render(template_messages(request, self.tool_format),
+                                    tools=[t.model_dump(exclude_none=True) for t in request.tools or ()]
+                                    if native_tools else None)
+
+    def _tokens_of(self, text: str) -> list[int]:
         tokens = self.model.tokenize(text)
         bos = self.model.bos_token
         if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
@@ -128,7 +138,8 @@ class Engine:
         if request.n > self.config.slots:
             raise InvalidRequest(f"n is {request.n}; it must be <= the number of slots ({self.config.slots})",
                                  field="n")
-        tokens = self.prompt_tokens(request)
+        prompt = self._prompt_text(request)
+        tokens = self._tokens_of(prompt)
         if not tokens:
             raise InvalidRequest("prompt is empty after tokenization", field="prompt")
         limit = self.ctx_per_seq
@@ -142,7 +153,10 @@ class Engine:
         if bad:
             raise InvalidRequest(f"resume_tokens: token id {bad[0]} is outside the vocabulary "
                                  f"(0..{self.info.n_vocab - 1})", field="resume_tokens")
-        constraint = constraint_for(request.sampling)
+        plan = plan_tools(request, self.tool_format)
+        constraint = plan.constraint if plan is not None else constraint_for(request.sampling)
+        checker = (CallChecker(self._constraints.tokenizer(), plan, self.config.parser_limits())
+                   if plan is not None and plan.constraint is None else None)
         matcher: TokenMatcher | None = None
         if constraint is not None:
             if request.ignore_eos:
@@ -159,7 +173,8 @@ class Engine:
 
         # Build one chain now so logit-bias errors surface at submit time, then free it.
         make_chain(0).free()
-        return PreparedRequest(request, tokens, handle.sink, make_chain)
+        return PreparedRequest(request, tokens, handle.sink, make_chain,
+                               reply=reply_setup(request, request.id, prompt, plan, checker))
 
     def _context_limit_reason(self) -> str:
         if self.ctx_per_seq < self.config.ctx:

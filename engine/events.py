@@ -6,9 +6,12 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from slotq.engine.reply_parser import ToolCallDelta
+
 
 class FinishReason(StrEnum):
     STOP = "stop"            # EOS or a stop string
+    TOOL_CALLS = "tool_calls"  # ended after calling tools (the reply's calls are complete and checked)
     LENGTH = "length"        # max_tokens or the per-sequence context was reached
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
@@ -36,13 +39,17 @@ class ErrorInfo(BaseModel):
 
 
 class TextDelta(BaseModel):
-    """New text for one choice. ``token_ids`` are exactly the tokens this text came from, so a
-    consumer that stores them can resume generation after a crash (prompt + delivered tokens)."""
+    """New output for one choice. ``token_ids`` are exactly the tokens it came from, so a
+    consumer that stores them can resume generation after a crash (prompt + delivered tokens).
+    A chat reply is split as it streams (:mod:`slotq.engine.reply_parser`): ``text`` is what the
+    reply says, ``reasoning`` what it thought (think tags), ``tool_calls`` the next pieces of its calls."""
 
     kind: str = "delta"
     request_id: str
     choice: int = 0
     text: str
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = Field(default_factory=list)
     token_ids: list[int]
     n_tokens: int = Field(description="tokens generated so far for this choice, including these")
 

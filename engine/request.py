@@ -14,12 +14,84 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"     # OpenAI's rule for a function's name
+MAX_TOOLS = 128                                  # OpenAI's limit
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=1_000_000, description="the arguments as JSON text, as the model wrote them")
+
+
+class ToolCallSpec(BaseModel):
+    """A tool call an assistant message made (a previous turn sent back with the conversation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(max_length=200)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str = ""
+    tool_calls: list[ToolCallSpec] | None = Field(None, max_length=MAX_TOOLS, description="assistant messages only")
+    tool_call_id: str | None = Field(None, max_length=200, description="tool messages: the call this result answers")
+    name: str | None = Field(None, max_length=64)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _none_is_empty(cls, value: Any) -> Any:
+        """An assistant message that only called tools has ``content: null`` in OpenAI's shape."""
+        return "" if value is None else value
+
+    @model_validator(mode="after")
+    def _calls_from_assistant(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry them (this one is {self.role!r})")
+        return self
+
+
+class FunctionDef(BaseModel):
+    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = Field(None, max_length=100_000)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}},
+                                       description="JSON schema of the arguments (an object)")
+    strict: bool | None = Field(None, description="accepted; slotq always constrains a forced call to the schema")
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class SamplingParams(BaseModel):
@@ -75,6 +147,15 @@ class GenerationParams(BaseModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = Field(0, ge=-100, le=100, description="higher runs first among waiting requests")
     deadline: float | None = Field(None, description="unix time after which generation stops (finish_reason deadline)")
+    tools: list[ToolSpec] | None = Field(None, min_length=1, max_length=MAX_TOOLS,
+                                         description="functions the model may call (chat messages only)")
+    tool_choice: ToolChoice = Field(
+        "auto", description="none: never call; auto: the model decides; required: at least one call; "
+                            "a named function: exactly that one (required and named are grammar-constrained)")
+    parallel_tool_calls: bool = Field(True, description="whether one reply may hold several calls")
+    reasoning_format: Literal["deepseek", "none"] = Field(
+        "deepseek", description="deepseek: a reply's leading <think>...</think> goes to `reasoning`, not the text; "
+                                "none: think tags stay in the text")
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> GenerationParams:
@@ -85,6 +166,28 @@ class GenerationParams(BaseModel):
         if any(len(s) > 256 for s in self.stop):
             raise ValueError("each stop string must be at most 256 characters")
         return self
+
+    @model_validator(mode="after")
+    def _tools_fit(self) -> GenerationParams:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tools and self.prompt is not None:
+            raise ValueError("tools: need messages (a chat); a raw prompt has no template to render them")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: names {choice.function.name!r}, which is not in tools ({names})")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        if self.calls_tools and (self.sampling.json_schema is not None or self.sampling.grammar is not None):
+            raise ValueError("tools: cannot be combined with json_schema or grammar (a call's arguments are "
+                             "already constrained by its parameters)")
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model may call tools in this reply: it has tools and tool_choice is not 'none'."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class GenerationRequest(GenerationParams):

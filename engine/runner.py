@@ -46,6 +46,7 @@ from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
 from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.outbox import Outbox, Sink
+from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCallError
 from slotq.engine.request import GenerationRequest
 from slotq.engine.sampling import SamplerChain
 from slotq.engine.scheduler import KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
@@ -53,6 +54,7 @@ from slotq.engine.sequence import SeqState, Sequence
 from slotq.engine.state import EngineState, Lifecycle
 from slotq.engine.stats import EngineCounters, EngineStats
 from slotq.engine.text import StopMatcher, Utf8Stream
+from slotq.engine.tools import ReplySetup
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class PreparedRequest:
     prompt_tokens: list[int]
     sink: Sink
     make_chain: Callable[[int], SamplerChain]     # choice index -> a fresh sampler chain
+    reply: ReplySetup | None = None               # how a chat reply is split (None: plain text)
     submitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -76,6 +79,7 @@ class _Choice:
     chain: SamplerChain
     utf8: Utf8Stream = field(default_factory=Utf8Stream)
     stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
+    parser: ReplyParser | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
 
@@ -219,7 +223,8 @@ class Runner:
         try:
             for token in prepared.request.resume_tokens:
                 chain.accept(token)
-            state = _Choice(prepared, chain, stops=StopMatcher(list(prepared.request.stop)))
+            state = _Choice(prepared, chain, stops=StopMatcher(list(prepared.request.stop)),
+                            parser=prepared.reply.parser(choice) if prepared.reply is not None else None)
             self._replay_delivered_text(state, prepared.request.resume_tokens)
         except BaseException:
             chain.free()
@@ -228,9 +233,13 @@ class Runner:
 
     def _replay_delivered_text(self, state: _Choice, tokens: list[int]) -> None:
         """A resumed attempt rebuilds its text state from the tokens already delivered, so a
-        character or stop-string match that spanned the crash point continues seamlessly."""
+        character, a stop-string match or a tool call that spanned the crash point continues
+        seamlessly. What the parser makes of them was delivered by the earlier attempt (it is
+        deterministic, call ids included), so it is dropped here: each piece reaches the stream once."""
         for token in tokens:
-            state.stops.push(state.utf8.push(self.model.token_bytes(token)))
+            text = state.stops.push(state.utf8.push(self.model.token_bytes(token))).emit
+            if state.parser is not None and text:
+                state.parser.push(text)
 
     def _cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End every choice of a request, queued or running."""
@@ -313,12 +322,26 @@ class Runner:
             self._finish(seq, FinishReason.STOP)
             return
         match = state.stops.push(state.utf8.push(self.model.token_bytes(token)))
-        self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=match.emit,
+        reply = state.parser.push(match.emit) if state.parser is not None else ReplyDelta(content=match.emit)
+        self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
+                                             reasoning=reply.reasoning, tool_calls=reply.tool_calls,
                                              token_ids=[token], n_tokens=seq.n_generated))
-        if match.stopped:
-            self._finish(seq, FinishReason.STOP, flush=False)
+        if match.stopped or (state.parser is not None and state.parser.error is not None):
+            self._finish(seq, FinishReason.STOP, flush=False)      # a broken call fails it there (_reply_tail)
         elif seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
             self._finish(seq, FinishReason.LENGTH)
+
+    @staticmethod
+    def _reply_tail(state: _Choice, text: str, reason: FinishReason) -> list[ReplyDelta]:
+        """What is left of a reply that ends for ``reason``: the text held back, and (a reply
+        that ended normally) what its parser held, its calls checked. Raises ToolCallError."""
+        if state.parser is None:
+            return [ReplyDelta(content=text)] if text else []
+        tails = [state.parser.push(text)] if text else []
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            assert state.prepared.reply is not None
+            tails.append(state.prepared.reply.finish(state.parser))
+        return [t for t in tails if t.content or t.reasoning or t.tool_calls]
 
     def _has_open_choices(self, request_id: str) -> bool:
         return any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting))
@@ -355,12 +378,23 @@ class Runner:
         self.scheduler.finish(seq, reusable=reusable, cancelled=reason == FinishReason.CANCELLED)
         if request.id in self._deadlines and not self._has_open_choices(request.id):
             del self._deadlines[request.id]
-        if flush and reason != FinishReason.ERROR:
+        if reason != FinishReason.ERROR:
             # Held partial stop matches are text; a held incomplete character is dropped (Utf8Stream).
-            tail = state.stops.flush()
-            if tail:
-                self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=tail,
-                                                     token_ids=[], n_tokens=seq.n_generated))
+            try:
+                for tail in self._reply_tail(state, state.stops.flush() if flush else "", reason):
+                    self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice,
+                                                         text=tail.content, reasoning=tail.reasoning,
+                                                         tool_calls=tail.tool_calls, token_ids=[],
+                                                         n_tokens=seq.n_generated))
+            except ToolCallError as exc:        # a call the reply cannot stand by: this request fails
+                if reason == FinishReason.LENGTH:
+                    exc = ToolCallError(f"the reply reached its length limit (max_tokens {request.max_tokens}, or "
+                                        f"the context) inside a tool call; raise max_tokens ({exc.message})",
+                                        field="max_tokens")
+                reason, error = FinishReason.ERROR, exc
+            else:
+                if reason == FinishReason.STOP and state.parser is not None and state.parser.tool_calls:
+                    reason = FinishReason.TOOL_CALLS
         state.chain.free()
         now = time.monotonic()
         n_new = max(0, seq.n_generated)

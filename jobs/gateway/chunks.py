@@ -21,8 +21,17 @@ from collections.abc import Callable
 from slotq.engine import FinishReason, Usage
 from slotq.jobs.gateway.errors import ApiError, public_param
 from slotq.jobs.gateway.openai.translate import Kind, completion_id, finish_reason, usage_out
-from slotq.jobs.gateway.openai.wire import ChatChunkChoice, ChatCompletionChunk, Delta, TextChoice, TextCompletionChunk
+from slotq.jobs.gateway.openai.wire import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    Delta,
+    FunctionDelta,
+    TextChoice,
+    TextCompletionChunk,
+    ToolCallDeltaOut,
+)
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
+from slotq.jobs.protocol.streams import merge_tool_call_deltas
 
 DONE = "data: [DONE]\n\n"
 
@@ -71,7 +80,7 @@ class ChunkRenderer:
         events: list[str] = []
         if entry.kind == EntryKind.CHUNK:
             if new:
-                events.append(self._chunk([self._choice(entry.choice, text=entry.text)], id=entry.id))
+                events.append(self._chunk([self._reply_piece(entry)], id=entry.id))
         elif entry.kind == EntryKind.DONE:
             if entry.usage is not None:
                 self._usage[entry.choice] = entry.usage
@@ -124,6 +133,17 @@ class ChunkRenderer:
             return ApiError.deadline(f"job {self.job_id}: the deadline passed; "
                                      f"the partial result is at /v1/jobs/{self.job_id}")
         return ApiError(409, f"job {self.job_id} was cancelled", code="job_cancelled")
+
+    def _reply_piece(self, entry: StreamEntry) -> ChatChunkChoice | TextChoice:
+        """A chunk entry as a chunk's choice: text, and (chat) reasoning and tool call pieces."""
+        if self.kind != "chat" or not (entry.reasoning or entry.tool_calls):
+            return self._choice(entry.choice, text=entry.text)
+        calls = [ToolCallDeltaOut(index=d.index, id=d.id, type="function" if d.id is not None else None,
+                                  function=FunctionDelta(name=d.name, arguments=d.arguments))
+                 for d in merge_tool_call_deltas(entry.tool_calls)]
+        return ChatChunkChoice(index=entry.choice, delta=Delta(content=entry.text or None,
+                                                               reasoning_content=entry.reasoning or None,
+                                                               tool_calls=calls or None))
 
     def _choice(self, index: int, *, text: str | None = None,
                 reason: str | None = None) -> ChatChunkChoice | TextChoice:

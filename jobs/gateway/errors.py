@@ -9,6 +9,7 @@ so this module imports no web framework: the HTTP side is :mod:`slotq.jobs.gatew
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -120,6 +121,9 @@ class ValidationFailure(Protocol):
     def errors(self) -> Sequence[Any]: ...
 
 
+_LEADING_FIELD = re.compile(r"^([a-z_]+): ")
+
+
 def from_validation(exc: ValidationFailure,
                     rename: Callable[[tuple[str | int, ...]], tuple[str | int, ...]] = lambda loc: loc) -> ApiError:
     """The first validation error as a 400 naming the parameter and the limit. ``rename`` maps a
@@ -136,4 +140,7 @@ def from_validation(exc: ValidationFailure,
         return ApiError.invalid(f"{param}: required", param, code="missing_required_parameter")
     value = err.get("input")
     shown = f" (got {value!r})" if isinstance(value, int | float | bool | str) and len(repr(value)) < 80 else ""
-    return ApiError.invalid(f"{param}: {msg}{shown}" if param else f"{msg}{shown}", param)
+    if not param:           # a rule across fields names the one at fault first ("tool_choice: ...")
+        named = _LEADING_FIELD.match(msg)
+        return ApiError.invalid(f"{msg}{shown}", named[1] if named else None)
+    return ApiError.invalid(f"{param}: {msg}{shown}", param)

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from slotq.engine import ErrorInfo, FinishReason, GrammarError
 from slotq.engine.constraints import check_constraint
+from slotq.engine.tools import check_tools
 from slotq.jobs.errors import (
     JobNotFound,
     JobRejected,
@@ -147,7 +148,7 @@ class SlotqClient:
             raise JobRejected(f"lane {request.lane!r} is not one of this queue's lanes {self.settings.lanes} "
                               "(SLOTQ_LANES)", field="lane")
         await self._check_fits(request)
-        if request.sampling.json_schema is not None or request.sampling.grammar is not None:
+        if request.sampling.json_schema is not None or request.sampling.grammar is not None or request.calls_tools:
             await self._check_constraint(request)
         job_id = tenant_job_id(request.tenant, request.idempotency_key or uuid.uuid4().hex)
         outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
@@ -164,11 +165,15 @@ class SlotqClient:
         return JobHandle(self, job_id, created=outcome == Enqueued.CREATED)
 
     async def _check_constraint(self, request: JobRequest) -> None:
-        """Compile the request's JSON schema or grammar as a worker would, under the same limits
-        (``SLOTQ_GRAMMAR_*``), so one a worker would refuse is never queued. Off the event loop:
-        a large grammar takes a few hundred milliseconds to refuse."""
+        """Compile the request's JSON schema, grammar or tools' parameters as a worker would, under
+        the same limits (``SLOTQ_GRAMMAR_*``), so one a worker would refuse is never queued. Off the
+        event loop: a large grammar takes a few hundred milliseconds to refuse."""
+        def check() -> None:
+            check_constraint(request.sampling, self.settings)
+            check_tools(request, self.settings)
+
         try:
-            await asyncio.to_thread(check_constraint, request.sampling, self.settings)
+            await asyncio.to_thread(check)
         except GrammarError as exc:
             raise JobRejected(str(exc), field=exc.field or "sampling") from None
 

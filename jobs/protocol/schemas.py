@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
 from slotq.engine import ErrorInfo, FinishReason, GenerationParams, Timings, Usage
+from slotq.engine.reply_parser import ToolCallDelta
+from slotq.engine.request import FunctionCall, ToolCallSpec
 from slotq.jobs.protocol.keys import DEFAULT_TENANT
 from slotq.jobs.protocol.serialization import serialize
 
@@ -74,8 +77,13 @@ class JobRequest(GenerationParams):
         return None if self.idempotency_key is None else tenant_job_id(self.tenant, self.idempotency_key)
 
     def prompt_chars(self) -> int:
-        """The characters of the prompt, or of every message's content."""
-        return len(self.prompt or "") + sum(len(m.content) for m in self.messages or ())
+        """The characters of the prompt, or of every message (its content and the calls it made),
+        and of the tools the template will describe."""
+        messages = sum(len(m.content) + sum(len(c.function.name) + len(c.function.arguments)
+                                            for c in m.tool_calls or ())
+                       for m in self.messages or ())
+        tools = sum(len(t.function.model_dump_json()) for t in self.tools or ())
+        return len(self.prompt or "") + messages + tools
 
     def quota_tokens(self) -> int:
         """What the job reserves of its tenant's tokens per minute when it is admitted: its prompt
@@ -97,6 +105,10 @@ class JobStatus(StrEnum):
 class ChoiceResult(BaseModel):
     index: int
     text: str
+    reasoning: str = Field("", description="what the reply thought (its think tags), apart from its text")
+    tool_calls: list[ToolCallSpec] = Field(
+        default_factory=list, description="the calls the reply made (finish_reason tool_calls), in OpenAI's shape: "
+                                          "send them back in the next turn's assistant message")
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
@@ -137,6 +149,20 @@ class EntryKind(StrEnum):
     RESTART = "restart" # a retried attempt could not resume (n > 1): discard earlier chunks
 
 
+def assemble_tool_calls(deltas: Iterable[ToolCallDelta]) -> list[ToolCallSpec]:
+    """The calls a reply's streamed pieces add up to: the first piece of a call names it, the
+    rest extend its arguments."""
+    calls: dict[int, ToolCallSpec] = {}
+    for delta in deltas:
+        call = calls.get(delta.index)
+        if call is None:
+            calls[delta.index] = ToolCallSpec(id=delta.id or "", function=FunctionCall(name=delta.name or "",
+                                                                                      arguments=delta.arguments))
+        else:
+            call.function.arguments += delta.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
 class StreamEntry(BaseModel):
     """One entry of ``slotq:stream:{job_id}``, as readers see it. ``id`` is the Redis stream id:
     resume reading after it and nothing is missed or repeated."""
@@ -146,6 +172,9 @@ class StreamEntry(BaseModel):
     attempt: int
     choice: int = 0
     text: str = ""
+    reasoning: str = Field("", description="chunk: the next piece of the reply's reasoning (think tags)")
+    tool_calls: list[ToolCallDelta] = Field(
+        default_factory=list, description="chunk: the next pieces of the reply's tool calls (OpenAI's delta shape)")
     token_ids: list[int] = Field(default_factory=list)
     n_tokens: int = 0
     finish_reason: FinishReason | None = None

@@ -13,10 +13,11 @@ so a reader that only needs an id or :func:`is_final` decodes nothing.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any
 
@@ -24,6 +25,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from slotq.engine import ErrorInfo, FinishReason, Timings, Usage
+from slotq.engine.reply_parser import ToolCallDelta
 from slotq.jobs.protocol.keys import stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts import STREAM_FLUSH
@@ -35,18 +37,53 @@ RETRY_S = 0.2                                   # between tries of a flush while
 
 
 # ---------------------------------------------------------------------- the codec
-def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[int], n_tokens: int) -> dict[str, str]:
+def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[int], n_tokens: int,
+                 reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = ()) -> dict[str, str]:
     """A chunk's fields, built without a StreamEntry: the worker's writer merges tokens into
-    chunks on its per-token path and encodes each chunk once, here."""
-    return {"k": EntryKind.CHUNK.value, "a": str(attempt), "c": str(choice), "t": text,
-            "ids": " ".join(map(str, token_ids)), "n": str(n_tokens)}
+    chunks on its per-token path and encodes each chunk once, here. Reasoning (``r``) and tool call
+    pieces (``tc``) are written only when there are some, so plain text costs nothing more, and an
+    entry without them (from an older worker too) decodes as none."""
+    fields = {"k": EntryKind.CHUNK.value, "a": str(attempt), "c": str(choice), "t": text,
+              "ids": " ".join(map(str, token_ids)), "n": str(n_tokens)}
+    if reasoning:
+        fields["r"] = reasoning
+    if tool_calls:
+        fields["tc"] = json.dumps([_tool_call_fields(d) for d in merge_tool_call_deltas(tool_calls)],
+                                  ensure_ascii=False, separators=(",", ":"))
+    return fields
+
+
+def merge_tool_call_deltas(deltas: Iterable[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive pieces of one call's arguments as one piece (what a merged chunk carries)."""
+    merged: list[ToolCallDelta] = []
+    for delta in deltas:
+        last = merged[-1] if merged else None
+        if last is not None and last.index == delta.index and delta.id is None and delta.name is None:
+            merged[-1] = replace(last, arguments=last.arguments + delta.arguments)
+        else:
+            merged.append(delta)
+    return merged
+
+
+def _tool_call_fields(delta: ToolCallDelta) -> dict[str, Any]:
+    fields: dict[str, Any] = {"i": delta.index, "a": delta.arguments}
+    if delta.id is not None:
+        fields["id"] = delta.id
+    if delta.name is not None:
+        fields["n"] = delta.name
+    return fields
+
+
+def _tool_call_deltas(raw: str | None) -> list[ToolCallDelta]:
+    return [ToolCallDelta(index=d["i"], id=d.get("id"), name=d.get("n"), arguments=d.get("a", ""))
+            for d in json.loads(raw)] if raw else []
 
 
 def encode_entry(entry: StreamEntry) -> dict[str, str]:
     """Flat string fields, readable with redis-cli."""
     if entry.kind == EntryKind.CHUNK:
         fields = encode_chunk(attempt=entry.attempt, choice=entry.choice, text=entry.text, token_ids=entry.token_ids,
-                              n_tokens=entry.n_tokens)
+                              n_tokens=entry.n_tokens, reasoning=entry.reasoning, tool_calls=entry.tool_calls)
     else:
         fields = {"k": entry.kind.value, "a": str(entry.attempt), "c": str(entry.choice)}
     if entry.finish_reason is not None:
@@ -75,6 +112,8 @@ def decode_entry(entry_id: bytes | str, raw: Mapping[Any, Any]) -> StreamEntry:
         attempt=int(f.get("a", 1)),
         choice=int(f.get("c", 0)),
         text=f.get("t", ""),
+        reasoning=f.get("r", ""),
+        tool_calls=_tool_call_deltas(f.get("tc")),
         token_ids=[int(x) for x in ids.split()] if ids else [],
         n_tokens=int(f.get("n", 0)),
         finish_reason=FinishReason(f["fr"]) if "fr" in f else None,

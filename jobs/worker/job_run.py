@@ -43,6 +43,7 @@ from slotq.engine import (
     Timings,
     Usage,
 )
+from slotq.engine.reply_parser import ToolCallDelta
 from slotq.jobs.protocol import dead_letters, streams
 from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
 from slotq.jobs.protocol.payload import decode_payload
@@ -56,6 +57,7 @@ from slotq.jobs.protocol.schemas import (
     JobStatus,
     MaxTokensCap,
     StreamEntry,
+    assemble_tool_calls,
 )
 from slotq.jobs.protocol.serialization import POISON_MARKER
 from slotq.jobs.settings import WorkerSettings
@@ -72,11 +74,33 @@ ENGINE_DEAD = EngineDead.code
 
 
 @dataclass
+class Replies:
+    """What each choice's reply said so far, as the stream carries it: its text, its reasoning,
+    and the pieces of its tool calls in order."""
+
+    text: dict[int, str] = field(default_factory=dict)
+    reasoning: dict[int, str] = field(default_factory=dict)
+    tool_calls: dict[int, list[ToolCallDelta]] = field(default_factory=dict)
+
+    def add(self, choice: int, text: str, reasoning: str, tool_calls: list[ToolCallDelta]) -> None:
+        self.text[choice] = self.text.get(choice, "") + text
+        if reasoning:
+            self.reasoning[choice] = self.reasoning.get(choice, "") + reasoning
+        if tool_calls:
+            self.tool_calls.setdefault(choice, []).extend(tool_calls)
+
+    def choice(self, index: int, finish_reason: FinishReason, usage: Usage, timings: Timings) -> ChoiceResult:
+        return ChoiceResult(index=index, text=self.text.get(index, ""), reasoning=self.reasoning.get(index, ""),
+                            tool_calls=assemble_tool_calls(self.tool_calls.get(index, ())),
+                            finish_reason=finish_reason, usage=usage, timings=timings)
+
+
+@dataclass
 class Delivered:
     """What earlier attempts already put in the stream."""
 
     tokens: dict[int, list[int]] = field(default_factory=dict)
-    text: dict[int, str] = field(default_factory=dict)
+    replies: Replies = field(default_factory=Replies)
     done: dict[int, StreamEntry] = field(default_factory=dict)
     final: StreamEntry | None = None
 
@@ -93,7 +117,7 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
             delivered = Delivered()
         elif entry.kind == EntryKind.CHUNK:
             delivered.tokens.setdefault(entry.choice, []).extend(entry.token_ids)
-            delivered.text[entry.choice] = delivered.text.get(entry.choice, "") + entry.text
+            delivered.replies.add(entry.choice, entry.text, entry.reasoning, entry.tool_calls)
         elif entry.kind == EntryKind.DONE:
             delivered.done[entry.choice] = entry
         if entry.final:
@@ -269,7 +293,7 @@ class JobRun:
     # ------------------------------------------------------------------ streaming
     async def _follow(self, handle: RunningRequest, request: GenerationRequest, job: JobRequest,
                       delivered: Delivered) -> JobResult:
-        texts = {c: delivered.text.get(c, "") for c in range(job.n)}
+        replies = delivered.replies
         tokens = {c: len(delivered.tokens.get(c, [])) for c in range(job.n)}
         finished: dict[int, Finished] = {}
         try:
@@ -278,12 +302,13 @@ class JobRun:
                     if self.faults.kill_due(delivered=sum(tokens.values()), new=self.generated,
                                             arriving=len(event.token_ids)):
                         await self.faults.kill_worker(self.writer.write_all(self.job_id))
-                    texts[event.choice] += event.text
+                    replies.add(event.choice, event.text, event.reasoning, event.tool_calls)
                     tokens[event.choice] += len(event.token_ids)
                     self.generated += len(event.token_ids)
                     self.tokens_left = (self.tokens_left or 0) - len(event.token_ids)
                     self.writer.add_chunk(self.job_id, attempt=self.attempt, choice=event.choice, text=event.text,
-                                          token_ids=event.token_ids, n_tokens=event.n_tokens)
+                                          token_ids=event.token_ids, n_tokens=event.n_tokens,
+                                          reasoning=event.reasoning, tool_calls=event.tool_calls)
                     if self.gate is not None and self.generated == len(event.token_ids):
                         await self._made_progress()
                     continue
@@ -304,9 +329,9 @@ class JobRun:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.shield(self._write_all_within(10))
                 raise
-            return await self._cancelled(texts, tokens, finished, request, job)
+            return await self._cancelled(replies, tokens, finished, request, job)
         await self._flush_final()
-        return self._result(texts, finished)
+        return self._result(replies, finished)
 
     async def _write_all_within(self, timeout_s: float) -> None:
         """Everything pending for this job written, or TimeoutError after ``timeout_s`` (the write
@@ -331,7 +356,7 @@ class JobRun:
         self.writer.add(self.job_id, self._entry(EntryKind.DONE, finish_reason=FinishReason.LENGTH, usage=usage,
                                                  final=True))
         await self._flush_final()
-        return self._result({0: delivered.text.get(0, "")}, {0: finished})
+        return self._result(delivered.replies, {0: finished})
 
     async def _flush_final(self) -> None:
         """The final entry was queued with the last DONE; make sure it reached Redis."""
@@ -339,7 +364,7 @@ class JobRun:
         if self.lease_lost():
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost while finishing")
 
-    async def _cancelled(self, texts: dict[int, str], tokens: dict[int, int], finished: dict[int, Finished],
+    async def _cancelled(self, replies: Replies, tokens: dict[int, int], finished: dict[int, Finished],
                          request: GenerationRequest, job: JobRequest) -> JobResult:
         """Cancelled while running: each choice still open ends here with what it really cost, the
         prompt and the tokens it delivered (the engine's own final event for a cancelled sequence
@@ -354,7 +379,7 @@ class JobRun:
                                                      finish_reason=FinishReason.CANCELLED,
                                                      usage=usage, final=i == len(open_choices) - 1))
         await asyncio.shield(self._flush_final())
-        result = self._result(texts, finished)
+        result = self._result(replies, finished)
         result.status = JobStatus.CANCELLED
         result.finish_reason = FinishReason.CANCELLED
         return result
@@ -406,10 +431,10 @@ class JobRun:
         return StreamEntry(id="", kind=kind, attempt=self.attempt, worker=self.worker_id, **fields)
 
     # ------------------------------------------------------------------ results
-    def _result(self, texts: dict[int, str], finished: dict[int, Finished]) -> JobResult:
-        return self._summarize([ChoiceResult(index=c, text=texts[c], finish_reason=f.finish_reason, usage=f.usage,
-                                             timings=f.timings) for c, f in sorted(finished.items())],
-                               status=JobStatus.SUCCEEDED, text=texts.get(0, ""))
+    def _result(self, replies: Replies, finished: dict[int, Finished]) -> JobResult:
+        return self._summarize([replies.choice(c, f.finish_reason, f.usage, f.timings)
+                                for c, f in sorted(finished.items())],
+                               status=JobStatus.SUCCEEDED, text=replies.text.get(0, ""))
 
     async def _result_from_stream(self, delivered: Delivered) -> JobResult:
         """The stream is complete: an earlier attempt wrote its final entry, and only its finish
@@ -420,11 +445,10 @@ class JobRun:
         if final.kind == EntryKind.ERROR:
             result = self._failed(final.error)
         else:
-            choices = [ChoiceResult(index=c, text=delivered.text.get(c, ""), finish_reason=d.finish_reason,
-                                    usage=d.usage or Usage(), timings=d.timings or Timings())
+            choices = [delivered.replies.choice(c, d.finish_reason, d.usage or Usage(), d.timings or Timings())
                        for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
             status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED
-            result = self._summarize(choices, status=status, text=delivered.text.get(0, ""),
+            result = self._summarize(choices, status=status, text=delivered.replies.text.get(0, ""),
                                      fallback_reason=final.finish_reason)
         result.worker, result.attempts = final.worker, final.attempt
         result.interruptions = await self.ledger.interruptions() if self.ledger is not None else 0

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -23,6 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from slotq.engine.reply_parser import ToolCallDelta
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
 
@@ -39,10 +40,13 @@ class _Chunk:
     texts: list[str]
     token_ids: list[int]
     n_tokens: int
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def fields(self) -> dict[str, str]:
         return encode_chunk(attempt=self.attempt, choice=self.choice, text="".join(self.texts),
-                            token_ids=self.token_ids, n_tokens=self.n_tokens)
+                            token_ids=self.token_ids, n_tokens=self.n_tokens, reasoning="".join(self.reasoning),
+                            tool_calls=self.tool_calls)
 
 
 @dataclass
@@ -153,8 +157,8 @@ class StreamWriter:
         self._leases.pop(job_id, None)
 
     def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
-                  n_tokens: int) -> None:
-        """Queue generated text; consecutive chunks of one choice and attempt merge into one entry."""
+                  n_tokens: int, reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = ()) -> None:
+        """Queue generated output; consecutive chunks of one choice and attempt merge into one entry."""
         batch = self._batch(job_id)
         last = batch.entries[-1] if batch.entries else None
         if isinstance(last, _Chunk) and last.choice == choice and last.attempt == attempt:
@@ -162,8 +166,13 @@ class StreamWriter:
             last.token_ids.extend(token_ids)
             last.n_tokens = n_tokens
         else:
-            batch.entries.append(_Chunk(attempt, choice, [text], list(token_ids), n_tokens))
+            last = _Chunk(attempt, choice, [text], list(token_ids), n_tokens)
+            batch.entries.append(last)
             self._entries += 1
+        if reasoning:
+            last.reasoning.append(reasoning)
+        if tool_calls:
+            last.tool_calls.extend(tool_calls)
         self._tokens += len(token_ids)
         self._added()
 
@@ -171,7 +180,8 @@ class StreamWriter:
         """Queue an entry (a chunk merges with the one before it, as :meth:`add_chunk`)."""
         if entry.kind == EntryKind.CHUNK:
             self.add_chunk(job_id, attempt=entry.attempt, choice=entry.choice, text=entry.text,
-                           token_ids=entry.token_ids, n_tokens=entry.n_tokens)
+                           token_ids=entry.token_ids, n_tokens=entry.n_tokens, reasoning=entry.reasoning,
+                           tool_calls=entry.tool_calls)
             return
         batch = self._batch(job_id)
         batch.entries.append(entry)

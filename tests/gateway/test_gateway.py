@@ -298,6 +298,71 @@ def test_n_choices_stream_and_not(stack):
     assert {c["index"]: c["text"] for c in stored} == texts
 
 
+# ---------------------------------------------------------------------- tool calls
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"enum": ["Paris", "Tokyo"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}}]
+
+
+def test_a_forced_tool_call_through_the_sdk_streamed_and_not(stack):
+    client = sdk(stack.url)
+    ask = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    reply = client.chat.completions.create(model="tiny-a", messages=ask, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=200, temperature=0)
+    [choice] = reply.choices
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+    # streamed: the SDK's own accumulation of delta.tool_calls gives the same call
+    with client.chat.completions.stream(model="tiny-a", messages=ask, tools=TOOLS, tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=200, temperature=0) as stream:
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+
+    # the second turn: the call and its result go back; the job's result has them in OpenAI's shape
+    again = client.chat.completions.create(model="tiny-a", max_tokens=300, temperature=0, tools=TOOLS,
+                                           parallel_tool_calls=False, messages=[
+        *ask, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert again.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    stored = job(stack.url, reply.slotq["job_id"])
+    assert stored["result"]["choices"][0]["tool_calls"][0]["function"] == call.function.model_dump()
+
+
+def test_tool_calls_resume_with_last_event_id_exactly_once(stack):
+    key = f"tools-{uuid.uuid4().hex}"
+    body = {"model": "tiny-a", "messages": PROMPT, "stream": True, "max_tokens": 200, "idempotency_key": key,
+            "keep_on_disconnect": True, "temperature": 0, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "note", "parameters": {
+                "type": "object", "required": ["text"], "additionalProperties": False,
+                "properties": {"text": {"type": "string", "maxLength": 60}}}}}]}
+    status, first, _ = post_stream(stack.url, "/v1/chat/completions", body, stop_after=4)
+    assert status == 200
+    last_id = [e.id for e in first if e.id][-1]
+    _, rest, _ = post_stream(stack.url, "/v1/chat/completions", body, {"Last-Event-ID": last_id})
+
+    def pieces(events: list[Event]) -> list[dict[str, Any]]:
+        return [call for e in events if e.data.startswith('{"id"') and e.json()["choices"]
+                for call in e.json()["choices"][0]["delta"].get("tool_calls") or ()]
+    calls: dict[int, dict[str, str]] = {}
+    for piece in pieces(first) + pieces(rest):
+        call = calls.setdefault(piece["index"], {"id": "", "name": "", "arguments": ""})
+        if piece.get("id"):
+            assert not call["id"], "a call was started twice"
+            call["id"], call["name"] = piece["id"], piece["function"]["name"]
+        call["arguments"] += piece["function"].get("arguments") or ""
+    result = wait_job(stack.url, key)["result"]["choices"][0]["tool_calls"]
+    assert [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in result] == [calls[i] for i in sorted(calls)]
+
+
 # ---------------------------------------------------------------------- resumable streams
 def test_resume_with_last_event_id_gets_exactly_the_rest(stack):
     key = f"resume-{uuid.uuid4().hex}"
@@ -406,7 +471,9 @@ def _error(exc: openai.APIStatusError) -> dict[str, Any]:
     ({"stop": ["a"] * 20}, "stop"),
     ({"logit_bias": {"abc": 1}}, "logit_bias.abc"),
     ({"frobnicate": True}, "frobnicate"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),

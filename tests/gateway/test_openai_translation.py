@@ -83,14 +83,16 @@ CASES = [
     case("format-and-grammar", chat(response_format={"type": "json_object"}, grammar='root ::= "a"'),
          "response_format", "invalid_value", "not several"),
     # ---- what slotq cannot honour, named
-    case("tools", chat(tools=[{"type": "function"}]), "tools", "unsupported_parameter", "not supported by slotq"),
+    case("tools", chat(tools=[{"type": "function"}]), "tools[0].function", "missing_required_parameter", "required"),
+    case("functions", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter", "not supported by slotq"),
+    case("tool-choice-without-tools", chat(tool_choice="required"), "tool_choice", "invalid_value", "needs tools"),
     case("logprobs", chat(logprobs=True), "logprobs", "unsupported_parameter"),
     case("best_of", chat(best_of=3), "best_of", "unsupported_parameter"),
     case("tenant", chat(tenant="other"), "tenant", "unsupported_parameter"),
     case("image-part", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
          "messages[0].content", "invalid_value", "only 'text' parts"),
     case("tool-calls", chat(messages=[{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
-         "messages[0].tool_calls", "invalid_value", "tool calls are not supported"),
+         "messages[0].tool_calls[0].function", "missing_required_parameter", "required"),
     # ---- shape
     case("no-messages", chat(messages=[]), "messages", "invalid_value", "at least 1 item"),
     case("role", chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),

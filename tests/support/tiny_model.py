@@ -24,10 +24,27 @@ CHATML_TEMPLATE = (
 )
 
 
+# A template that renders tools as Qwen 2.5's does (shortened): tools in the system message, calls in
+# <tool_call> tags, results in <tool_response> tags.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call functions:\n<tools>\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}</tools>\nCall one as <tool_call>\n{\"name\": <name>, \"arguments\": "
+    "<args>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message['content'] }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}{% for call in message.get('tool_calls', []) %}<tool_call>\n{\"name\": "
+    "\"{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] | tojson }}}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: int = 128, n_layer: int = 2,
-                     n_ctx_train: int = 8192, quant: gguf.GGMLQuantizationType | None = None) -> Path:
+                     n_ctx_train: int = 8192, quant: gguf.GGMLQuantizationType | None = None,
+                     chat_template: str = CHATML_TEMPLATE) -> Path:
     """``quant`` (e.g. Q4_0) quantizes the matrices that feed matrix multiplications, so llama.cpp
-    has something to repack; the default keeps every weight F32."""
+    has something to repack; the default keeps every weight F32. ``chat_template``: plain ChatML
+    (no tools, as the bundled model's) unless a test needs another, e.g. :data:`HERMES_TEMPLATE`."""
     rng = np.random.default_rng(seed)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + list(LETTERS)
     types = [2, 3, 3] + [6] * 256 + [1] * 27
@@ -56,7 +73,7 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
-    w.add_chat_template(CHATML_TEMPLATE)
+    w.add_chat_template(chat_template)
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -6,7 +6,7 @@ OpenAI Batch lines (:func:`parse_request`). Every refusal is an :class:`ApiError
 parameter as the request spelled it, with the limit: ``temperature: Input should be less than or
 equal to 2 (got 9)``.
 
-Finish reasons: ``stop`` and ``length`` pass through. A job that was cancelled or whose deadline
+Finish reasons: ``stop``, ``length`` and ``tool_calls`` pass through. A job that was cancelled or whose deadline
 passed did not finish its reply, so OpenAI's ``finish_reason`` has no honest value for it: the
 gateway reports it as an error instead (409 ``job_cancelled`` / 504 ``deadline_exceeded``, or an
 ``error`` event in a stream), and the partial text stays available at ``GET /v1/jobs/{id}``.
@@ -33,7 +33,7 @@ from slotq.jobs.gateway.openai.wire import (
     TextCompletion,
     UsageOut,
 )
-from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus
+from slotq.jobs.protocol.schemas import ChoiceResult, JobRequest, JobResult, JobStatus
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest
@@ -72,8 +72,11 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         "idempotency_key": request.idempotency_key or idempotency_key, "tenant": tenant,
     }
     if isinstance(request, ChatCompletionRequest):
-        fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+        fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or "",
+                               "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id, "name": m.name}
                               for m in request.messages]
+        fields.update(tools=request.tools, tool_choice=request.tool_choice,
+                      parallel_tool_calls=request.parallel_tool_calls, reasoning_format=request.reasoning_format)
         if request.max_completion_tokens is not None:
             fields["max_tokens"] = request.max_completion_tokens
         fmt = request.response_format
@@ -119,7 +122,7 @@ def wire_param(request: WireRequest) -> Callable[[str | None], str | None]:
 
 def finish_reason(reason: FinishReason | None) -> str | None:
     """OpenAI's name for a finish reason that ends a reply normally (see the module docstring)."""
-    return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+    return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS) else None
 
 
 def usage_out(usage: Usage) -> UsageOut:
@@ -143,6 +146,12 @@ def unfinished_error(result: JobResult, param: Callable[[str | None], str | None
     return None
 
 
+def assistant_message(choice: ChoiceResult) -> AssistantMessage:
+    """A choice as OpenAI's message: a reply that only called tools has null content."""
+    return AssistantMessage(content=None if choice.tool_calls and not choice.text else choice.text,
+                            tool_calls=choice.tool_calls or None, reasoning_content=choice.reasoning or None)
+
+
 def completion_id(kind: Kind, job_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
 
@@ -154,7 +163,7 @@ def to_response(kind: Kind, result: JobResult, model: str, created: int) -> Chat
     rid = completion_id(kind, result.id)
     if kind == "chat":
         return ChatCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
-            ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                       finish_reason=finish_reason(c.finish_reason)) for c in result.choices])
+            ChatChoice(index=c.index, message=assistant_message(c), finish_reason=finish_reason(c.finish_reason))
+            for c in result.choices])
     return TextCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
         TextChoice(index=c.index, text=c.text, finish_reason=finish_reason(c.finish_reason)) for c in result.choices])

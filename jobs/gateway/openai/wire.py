@@ -11,19 +11,30 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
+from slotq.engine.request import ToolCallSpec, ToolChoice, ToolSpec
 from slotq.jobs.protocol.schemas import JobResult, JobStatus
 
 # Parameters of OpenAI's API that slotq cannot honour. Sent with an "off" value (null, false, "",
-# [], tool_choice "none"/"auto", best_of 1) they are dropped; any other value is a 400 naming them.
+# [], best_of 1) they are dropped; any other value is a 400 naming them. ``tools`` is honoured, and
+# dropped only when empty (some clients always send the list); ``functions``/``function_call`` are
+# the API's deprecated spelling of tools, refused by name: send ``tools``.
 _OFF_VALUES: tuple[Any, ...] = (None, False, "", [], {})
-_OFF_SPECIAL: dict[str, tuple[Any, ...]] = {"tool_choice": ("none", "auto"), "best_of": (1,), "top_logprobs": (0,)}
+_OFF_SPECIAL: dict[str, tuple[Any, ...]] = {"best_of": (1,), "top_logprobs": (0,)}
 _DROPPED_WHEN_OFF = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "echo",
-                     "suffix", "best_of", "modalities", "audio", "prediction",
-                     "web_search_options", "reasoning_effort")
+                     "suffix", "best_of", "modalities", "audio", "prediction", "web_search_options", "reasoning_effort")
 MAX_STOP_STRINGS = 4       # OpenAI's limit
-_IGNORED = ("user", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
+_IGNORED = ("user", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
 def _is_off(key: str, value: Any) -> bool:
@@ -119,11 +130,13 @@ class _Generation(BaseModel):
 
 
 class WireMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")     # name, refusal, annotations, ... of echoed messages
+    model_config = ConfigDict(extra="ignore")     # refusal, annotations, reasoning_content, ... of echoed messages
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallSpec] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -140,18 +153,16 @@ class WireMessage(BaseModel):
             return "".join(texts)
         return value
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tool calls are not supported by slotq")
-        return value
-
 
 class ChatCompletionRequest(_Generation):
     messages: list[WireMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_format: Literal["deepseek", "none"] | None = Field(
+        None, description="llama-server's: deepseek (default) moves a reply's think tags to reasoning_content")
 
 
 class CompletionRequest(_Generation):
@@ -183,8 +194,16 @@ class UsageOut(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the reply only called tools, as OpenAI's")
     refusal: str | None = None          # part of OpenAI's message object; slotq's models never refuse
+    tool_calls: list[ToolCallSpec] | None = None
+    reasoning_content: str | None = Field(None, description="what the reply thought (llama-server's field)")
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """OpenAI leaves out what a message does not have; content and refusal stay (null)."""
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k in ("content", "refusal")}
 
 
 class ChatChoice(BaseModel):
@@ -231,9 +250,26 @@ class TextCompletion(BaseModel):
     slotq: SlotqInfo
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(BaseModel):
+    """One piece of a streamed call (OpenAI's ``delta.tool_calls[i]``): the first names it, the
+    rest extend its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,0 +1,289 @@
+"""Tool calls: how a request's tools reach the model, and how its calls are held to their schemas.
+
+The model's chat template decides the way, as in llama-server (``--jinja``):
+
+* **Native.** The template renders ``tools`` itself (Qwen 2.5/3 and Hermes, Llama 3.x, Mistral), so
+  the model answers in its family's format (:class:`~slotq.engine.reply_parser.ToolCallFormat`),
+  which the reply parser reads.
+* **Generic.** The template knows no tools (the bundled SmolLM2's plain ChatML). A system message
+  describes the tools, and the whole reply is JSON: ``{"tool_calls": [{"name": ..., "arguments":
+  {...}}]}`` or ``{"response": "..."}``. Earlier calls and their results are written into the
+  conversation in the same JSON (a tool's result as a user message), since such a template may
+  refuse a ``tool`` role.
+
+How a call is held to its function's ``parameters``:
+
+* ``required`` and a named function are constrained by the grammar engine
+  (:mod:`slotq.engine.constraints`): the reply can only be a call of the allowed functions with
+  arguments that match their schemas, so even a 135M model's call validates. llama-server answered
+  such requests on the same model with prose (``finish_reason: length``, no ``tool_calls``).
+* ``auto`` in the generic format is constrained the same way (a call, or a ``response``).
+* ``auto`` in a native format is free text until the model writes a call; the call's arguments are
+  checked against the schema when the reply ends, and a call that does not match fails the request
+  (``invalid_tool_call``) rather than reaching the caller half right.
+
+Native grammars spell their markers (``<tool_call>``, ``[TOOL_CALLS]``) as text: where a model has
+them as special tokens, a constrained call is written with the marker's ordinary tokens, which the
+parser reads the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from slotq.engine.constraints import Constraint, GrammarKnobs, validate_constraint
+from slotq.engine.errors import GrammarError
+from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCall, ToolCallError, ToolCallFormat
+from slotq.engine.request import ChatMessage, GenerationParams, NamedToolChoice, ToolSpec
+
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
+_LENIENT_JSON: Any = {"whitespace_flexible": True}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the engine does with one request's tools: the format its reply is parsed in, the
+    constraint (None: free text, calls checked when the reply ends) and each allowed function's
+    argument schema."""
+
+    tool_format: ToolCallFormat
+    constraint: Constraint | None
+    parameters: dict[str, dict[str, Any]]
+
+    @property
+    def native(self) -> bool:
+        return self.tool_format != ToolCallFormat.GENERIC
+
+
+def plan_tools(request: GenerationParams, tool_format: ToolCallFormat) -> ToolPlan | None:
+    """The plan for a request that may call tools (None when it has none, or tool_choice is 'none')
+    on a model whose template answers in ``tool_format`` (:func:`detect_tool_format`). Raises
+    :class:`GrammarError` naming ``tools`` when a function's parameters cannot be compiled."""
+    if not request.calls_tools:
+        return None
+    allowed = _allowed(request)
+    parameters = {tool.function.name: tool.function.parameters for tool in allowed}
+    forced = request.tool_choice != "auto"
+    if tool_format == ToolCallFormat.GENERIC:
+        schema = generic_schema(allowed, forced=forced, parallel=request.parallel_tool_calls)
+        return ToolPlan(tool_format, _compiled_schema(schema), parameters)
+    if not forced:
+        return ToolPlan(tool_format, None, parameters)
+    return ToolPlan(tool_format, _compiled_lark(native_grammar(tool_format, allowed, request.parallel_tool_calls)),
+                    parameters)
+
+
+def check_tools(request: GenerationParams, knobs: GrammarKnobs) -> None:
+    """What a producer checks before enqueue, without knowing the model: the generic format's
+    constraint, which holds every allowed function's schema, so parameters any worker would refuse
+    are refused here, under the same limits. Raises :class:`GrammarError` naming ``tools``."""
+    if request.calls_tools:
+        validate_constraint(_compiled_schema(generic_schema(_allowed(request), forced=request.tool_choice != "auto",
+                                                            parallel=request.parallel_tool_calls)), knobs)
+
+
+def _allowed(request: GenerationParams) -> list[ToolSpec]:
+    tools = request.tools or []
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return [tool for tool in tools if tool.function.name == choice.function.name]
+    return list(tools)
+
+
+# ---------------------------------------------------------------------------- grammars
+def _call_schema(tool: ToolSpec, arguments_key: str = "arguments") -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+            "properties": {"name": {"const": tool.function.name}, arguments_key: tool.function.parameters}}
+
+
+def _one_of_calls(tools: list[ToolSpec], arguments_key: str = "arguments") -> dict[str, Any]:
+    calls = [_call_schema(tool, arguments_key) for tool in tools]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def generic_schema(tools: list[ToolSpec], *, forced: bool, parallel: bool) -> dict[str, Any]:
+    """The generic format's reply: calls of ``tools``, or (unless ``forced``) a plain response."""
+    calls: dict[str, Any] = {"type": "array", "items": _one_of_calls(tools), "minItems": 1}
+    if not parallel:
+        calls["maxItems"] = 1
+    tool_calls = {"type": "object", "additionalProperties": False, "required": ["tool_calls"],
+                  "properties": {"tool_calls": calls}}
+    if forced:
+        return tool_calls
+    response = {"type": "object", "additionalProperties": False, "required": ["response"],
+                "properties": {"response": {"type": "string"}}}
+    return {"anyOf": [tool_calls, response]}
+
+
+def native_grammar(tool_format: ToolCallFormat, tools: list[ToolSpec], parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect, JSON schemas inline with ``%json``) whose only
+    sentences are calls of ``tools`` in ``tool_format``."""
+    repeat = "+" if parallel else ""
+    if tool_format == ToolCallFormat.HERMES:
+        call = json.dumps(_one_of_calls(tools))
+        return f'start: block{repeat}\nblock: "<tool_call>\\n" call "\\n</tool_call>" "\\n"?\ncall: %json {call}\n'
+    if tool_format == ToolCallFormat.LLAMA3:
+        call = json.dumps(_one_of_calls(tools, "parameters"))
+        more = '("; " call)*' if parallel else ""
+        return f'start: "<|python_tag|>"? call {more}\ncall: %json {call}\n'
+    if tool_format == ToolCallFormat.MISTRAL:
+        call = json.dumps(_one_of_calls(tools))
+        more = '(", " call)*' if parallel else ""
+        return f'start: "[TOOL_CALLS]" "[" call {more} "]"\ncall: %json {call}\n'
+    raise ValueError(f"no native grammar for {tool_format}")
+
+
+def _compiled_schema(schema: dict[str, Any]) -> Constraint:
+    try:
+        return Constraint("tools", llguidance.LLMatcher.grammar_from_json_schema(schema, _JSON_OPTIONS))
+    except Exception as exc:  # llguidance raises ValueError, and its converter assorted errors
+        raise GrammarError(f"tools: a function's parameters cannot be compiled: {exc}", field="tools") from None
+
+
+def _compiled_lark(lark: str) -> Constraint:
+    try:
+        return Constraint("tools", llguidance.LLMatcher.grammar_from_lark(lark))
+    except Exception as exc:
+        raise GrammarError(f"tools: a function's parameters cannot be compiled: {exc}", field="tools") from None
+
+
+# ---------------------------------------------------------------------------- the conversation
+def template_messages(request: GenerationParams, tool_format: ToolCallFormat) -> list[dict[str, Any]]:
+    """The messages as the chat template receives them. Natively, a call's arguments are an object
+    (Hugging Face's convention, which tool-aware templates serialise themselves). In the generic
+    format, the tools are described in a system message, and calls and their results are written in
+    the reply format, the results as user messages (also when this reply may call none)."""
+    messages = request.messages or []
+    tool_turns = any(m.tool_calls or m.role == "tool" for m in messages)
+    if tool_format != ToolCallFormat.GENERIC or not (request.tools or tool_turns):
+        return [_native_message(m) for m in messages]
+    converted = [_generic_message(m) for m in messages]
+    if not request.calls_tools:         # tool_choice none: earlier calls stay in the conversation, no new ones
+        return converted
+    instructions = _generic_instructions(request)
+    if converted and converted[0]["role"] == "system":
+        converted[0] = {**converted[0], "content": f"{converted[0]['content']}\n\n{instructions}"}
+    else:
+        converted.insert(0, {"role": "system", "content": instructions})
+    return converted
+
+
+def _native_message(message: ChatMessage) -> dict[str, Any]:
+    out = message.model_dump(exclude_none=True)
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.function.name,
+                                           "arguments": _as_object(call.function.arguments)}}
+                             for call in message.tool_calls]
+    return out
+
+
+def _generic_message(message: ChatMessage) -> dict[str, Any]:
+    if message.role == "tool":
+        result = {"tool_call_id": message.tool_call_id, "name": message.name, "content": message.content}
+        return {"role": "user",
+                "content": json.dumps({"tool_response": {k: v for k, v in result.items() if v is not None}},
+                                      ensure_ascii=False)}
+    if message.tool_calls:
+        calls = [{"name": call.function.name, "arguments": _as_object(call.function.arguments)}
+                 for call in message.tool_calls]
+        return {"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)}
+    return {"role": message.role, "content": message.content}
+
+
+def _generic_instructions(request: GenerationParams) -> str:
+    functions = [tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in _allowed(request)]
+    described = json.dumps(functions, ensure_ascii=False)
+    if request.tool_choice == "auto":
+        how = ("Respond in JSON, either with `tool_calls` (a list of calls of these functions, each with its "
+               "`name` and `arguments`) or with `response` (your reply to the user).")
+    else:
+        how = ("Respond in JSON with `tool_calls`: a list of calls of these functions, each with its `name` and "
+               "`arguments`.")
+    return f"You can call these functions (`parameters` is the JSON schema of a call's arguments):\n{described}\n{how}"
+
+
+def _as_object(arguments: str) -> Any:
+    """A previous call's arguments as the template expects them: the object, or the text as sent
+    when it is not JSON (a template then writes it as it is)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+# ---------------------------------------------------------------------------- reading the reply
+@dataclass(frozen=True)
+class ReplySetup:
+    """How one request's reply is read, token text by token text: what :class:`ReplyParser` each
+    choice gets, and the checker of unconstrained calls (None: calls are constrained, or none)."""
+
+    request_id: str
+    tool_format: ToolCallFormat | None
+    reasoning: bool
+    starts_in_reasoning: bool
+    checker: CallChecker | None = None
+
+    def parser(self, choice: int) -> ReplyParser:
+        return ReplyParser(tool_format=self.tool_format, call_id_prefix=call_id_prefix(self.request_id, choice),
+                           reasoning=self.reasoning, starts_in_reasoning=self.starts_in_reasoning)
+
+    def finish(self, parser: ReplyParser) -> ReplyDelta:
+        """The parser's last output; raises :class:`ToolCallError` for a call that is unfinished,
+        not JSON, or (when unconstrained) does not match its function."""
+        tail = parser.finish()
+        if self.checker is not None:
+            self.checker.check(parser.tool_calls)
+        return tail
+
+
+def reply_setup(request: GenerationParams, request_id: str, prompt: str, plan: ToolPlan | None,
+                checker: CallChecker | None) -> ReplySetup | None:
+    """None when the reply is plain text: a raw prompt, or a chat without tools whose think tags
+    stay in the text (``reasoning_format`` none)."""
+    reasoning = request.reasoning_format == "deepseek"
+    if request.messages is None or (plan is None and not reasoning):
+        return None
+    return ReplySetup(request_id, plan.tool_format if plan else None, reasoning,
+                      starts_in_reasoning=reasoning and prompt.rstrip().endswith("<think>"), checker=checker)
+
+
+# ---------------------------------------------------------------------------- checking calls
+def call_id_prefix(request_id: str, choice: int) -> str:
+    """Tool call ids derive from the request and the choice, so an attempt that resumes the reply
+    gives the calls the ids the interrupted one streamed."""
+    return "call_" + hashlib.sha256(f"{request_id}/{choice}".encode()).hexdigest()[:20]
+
+
+class CallChecker:
+    """Checks, when an unconstrained reply ends, that each call names an allowed function and that
+    its arguments match that function's schema. Compiling needs the model's tokenizer (the worker's
+    :class:`~slotq.engine.constraints.ConstraintCompiler` provides it), so it runs in the engine."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, plan: ToolPlan, limits: llguidance.LLParserLimits) -> None:
+        self._tokenizer = tokenizer
+        self._plan = plan
+        self._limits = limits
+
+    def check(self, calls: list[ToolCall]) -> None:
+        for call in calls:
+            schema = self._plan.parameters.get(call.name)
+            if schema is None:
+                raise ToolCallError(f"the model called {call.name!r}, which is not among the allowed functions "
+                                    f"({sorted(self._plan.parameters)})")
+            matcher = llguidance.LLMatcher(self._tokenizer,
+                                           llguidance.LLMatcher.grammar_from_json_schema(schema, _LENIENT_JSON),
+                                           log_level=0, limits=self._limits)
+            matcher.consume_tokens(self._tokenizer.tokenize_str(call.arguments))
+            if matcher.is_error() or not matcher.is_accepting():
+                raise ToolCallError(f"the model's call of {call.name!r} has arguments that do not match its "
+                                    f"parameters: {call.arguments[:200]}")
+
+
+__all__ = ["CallChecker", "ReplySetup", "ToolPlan", "call_id_prefix", "check_tools", "generic_schema",
+           "native_grammar", "plan_tools", "reply_setup", "template_messages"]

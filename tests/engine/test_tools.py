@@ -1,0 +1,160 @@
+"""Tool calls in the engine (issue 33), on real llama.cpp: the tiny random model answers every
+forced call with arguments that validate against the function's schema, in the generic format
+(a template without tools, like the bundled model's) and in a native one (a Hermes template), and a
+resumed reply delivers the rest of a call exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from slotq.engine import FinishReason, GenerationRequest, SamplingParams, TextDelta
+from slotq.engine.reply_parser import ToolCall, ToolCallError, ToolCallFormat
+from slotq.engine.request import GenerationParams
+from slotq.engine.tools import CallChecker, ToolPlan, plan_tools, template_messages
+from slotq.jobs.protocol.schemas import assemble_tool_calls
+from tests.support.engine import running_engine
+from tests.support.tiny_model import HERMES_TEMPLATE, TINY_SCALE, TINY_SEED, write_tiny_llama
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"enum": ["Paris", "Tokyo", "Zürich"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["UTC", "CET"]}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def tool_request(**fields: Any) -> GenerationRequest:
+    fields.setdefault("messages", ASK)
+    return GenerationRequest(tools=TOOLS, max_tokens=120, sampling=SamplingParams(temperature=0.0), **fields)
+
+
+async def reply_of(engine: Any, request: GenerationRequest) -> tuple[list[TextDelta], Any]:
+    deltas, finished = [], []
+    async for event in engine.submit(request):
+        (deltas if isinstance(event, TextDelta) else finished).append(event)
+    assert len(finished) == 1
+    return deltas, finished[0]
+
+
+def calls_of(deltas: list[TextDelta]) -> list[dict[str, str]]:
+    return [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in assemble_tool_calls(d for delta in deltas for d in delta.tool_calls)]
+
+
+def assert_valid(calls: list[dict[str, str]], allowed: set[str]) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call["name"] in allowed
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        assert call["id"].startswith("call_")
+
+
+@pytest.fixture(scope="module")
+def hermes_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("hermes") / "hermes.gguf", seed=TINY_SEED, scale=TINY_SCALE,
+                            chat_template=HERMES_TEMPLATE)
+
+
+# ---------------------------------------------------------------------- the plan and the conversation
+def test_the_generic_format_describes_the_tools_and_writes_earlier_calls_as_json():
+    request = GenerationParams(tools=TOOLS, messages=[
+        {"role": "system", "content": "Be brief."}, *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    messages = template_messages(request, ToolCallFormat.GENERIC)
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
+    assert "get_weather" in messages[0]["content"] and "`response`" in messages[0]["content"]
+    assert json.loads(messages[2]["content"]) == {"tool_calls": [{"name": "get_weather",
+                                                                  "arguments": {"city": "Paris", "days": 3}}]}
+    assert messages[3] == {"role": "user", "content": json.dumps(
+        {"tool_response": {"tool_call_id": "call_1", "content": "sunny"}})}
+    native = template_messages(request, ToolCallFormat.HERMES)
+    assert native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 3}
+    assert native[3]["role"] == "tool"
+
+
+def test_which_requests_are_constrained():
+    auto = GenerationParams(tools=TOOLS, messages=ASK)
+    assert plan_tools(GenerationParams(tools=TOOLS, messages=ASK, tool_choice="none"), ToolCallFormat.GENERIC) is None
+    generic = plan_tools(auto, ToolCallFormat.GENERIC)
+    assert generic is not None and generic.constraint is not None            # a call or a response, always JSON
+    native_auto = plan_tools(auto, ToolCallFormat.HERMES)
+    assert native_auto is not None and native_auto.constraint is None       # free text, calls checked at the end
+    named = plan_tools(GenerationParams(tools=TOOLS, messages=ASK,
+                                        tool_choice={"type": "function", "function": {"name": "get_time"}}),
+                       ToolCallFormat.HERMES)
+    assert named is not None and named.constraint is not None and set(named.parameters) == {"get_time"}
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": None}, "needs tools"),
+    ({"sampling": {"json_schema": {"type": "object"}}}, "cannot be combined"),
+    ({"tools": TOOLS + TOOLS[:1]}, "unique"),
+])
+def test_bad_tool_requests_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationParams(**{"tools": TOOLS, "messages": ASK, **fields})
+
+
+# ---------------------------------------------------------------------- real llama.cpp
+async def test_a_forced_call_validates_even_on_a_random_model(tiny_model_path: Path):
+    async with running_engine(tiny_model_path, slots=2, ctx=2048) as engine:
+        assert engine.tool_format == ToolCallFormat.GENERIC        # plain ChatML knows no tools
+        deltas, finished = await reply_of(engine, tool_request(tool_choice="required", parallel_tool_calls=False))
+        assert finished.finish_reason == FinishReason.TOOL_CALLS, finished
+        calls = calls_of(deltas)
+        assert len(calls) == 1
+        assert_valid(calls, {"get_weather", "get_time"})
+        assert "".join(d.text for d in deltas) == ""             # the call's JSON is not text
+
+        named = {"type": "function", "function": {"name": "get_time"}}
+        deltas, finished = await reply_of(engine, tool_request(tool_choice=named))
+        assert finished.finish_reason == FinishReason.TOOL_CALLS
+        assert_valid(calls_of(deltas), {"get_time"})
+
+
+async def test_a_native_template_gets_the_tools_and_its_forced_calls_parse(hermes_model_path: Path):
+    async with running_engine(hermes_model_path, slots=2, ctx=2048) as engine:
+        assert engine.tool_format == ToolCallFormat.HERMES
+        request = tool_request(tool_choice="required", parallel_tool_calls=False)
+        prompt = "".join(engine.model.token_bytes(t).decode("utf-8", "replace") for t in engine.prompt_tokens(request))
+        assert "<tools>" in prompt and "get_weather" in prompt              # the template rendered them
+        deltas, finished = await reply_of(engine, request)
+        assert finished.finish_reason == FinishReason.TOOL_CALLS, finished
+        assert_valid(calls_of(deltas), {"get_weather", "get_time"})
+
+
+async def test_a_resumed_reply_delivers_the_rest_of_its_call_exactly_once(tiny_model_path: Path):
+    request = tool_request(tool_choice="required", parallel_tool_calls=False)
+    async with running_engine(tiny_model_path, slots=2, ctx=2048) as engine:
+        deltas, _ = await reply_of(engine, request)
+        tokens = [t for d in deltas for t in d.token_ids]
+        for cut in (1, len(tokens) // 3, len(tokens) // 2, len(tokens) - 2):
+            resumed = request.model_copy(update={"resume_tokens": tokens[:cut]})
+            rest, finished = await reply_of(engine, resumed)
+            assert finished.finish_reason == FinishReason.TOOL_CALLS
+            before = [d for d in deltas if d.n_tokens <= cut]
+            assert calls_of(before + rest) == calls_of(deltas), cut
+
+
+async def test_an_unconstrained_call_that_breaks_its_schema_fails_the_request(hermes_model_path: Path):
+    async with running_engine(hermes_model_path, slots=1, ctx=2048) as engine:
+        plan = ToolPlan(ToolCallFormat.HERMES, None, SCHEMAS)
+        checker = CallChecker(engine._constraints.tokenizer(), plan, engine.config.parser_limits())
+        checker.check([ToolCall(id="c", name="get_weather", arguments='{"city": "Paris", "days": 3}')])
+        with pytest.raises(ToolCallError, match="do not match"):
+            checker.check([ToolCall(id="c", name="get_weather", arguments='{"city": "Rome", "days": 3}')])
+        with pytest.raises(ToolCallError, match="not among"):
+            checker.check([ToolCall(id="c", name="rm_rf", arguments="{}")])
