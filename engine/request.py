@@ -152,7 +152,9 @@ class GenerationParams(BaseModel):
     tool_choice: ToolChoice = Field(
         "auto", description="none: never call; auto: the model decides; required: at least one call; "
                             "a named function: exactly that one (required and named are grammar-constrained)")
-    parallel_tool_calls: bool = Field(True, description="whether one reply may hold several calls")
+    parallel_tool_calls: bool = Field(
+        False, description="whether one reply may hold several calls; off unless asked, as in llama-server (OpenAI's "
+                           "default is on): a small model allowed several tends to repeat one call until max_tokens")
     reasoning_format: Literal["deepseek", "none"] = Field(
         "deepseek", description="deepseek: a reply's leading <think>...</think> goes to `reasoning`, not the text; "
                                 "none: think tags stay in the text")

@@ -8,8 +8,8 @@ The model's chat template decides the way, as in llama-server (``--jinja``):
 * **Generic.** The template knows no tools (the bundled SmolLM2's plain ChatML). A system message
   describes the tools, and the whole reply is JSON: ``{"tool_calls": [{"name": ..., "arguments":
   {...}}]}`` or ``{"response": "..."}``. Earlier calls and their results are written into the
-  conversation in the same JSON (a tool's result as a user message), since such a template may
-  refuse a ``tool`` role.
+  conversation in plain words (a tool's result as a user message, since such a template may refuse
+  a ``tool`` role).
 
 How a call is held to its function's ``parameters``:
 
@@ -157,12 +157,13 @@ def template_messages(request: GenerationParams, tool_format: ToolCallFormat) ->
     """The messages as the chat template receives them. Natively, a call's arguments are an object
     (Hugging Face's convention, which tool-aware templates serialise themselves). In the generic
     format, the tools are described in a system message, and calls and their results are written in
-    the reply format, the results as user messages (also when this reply may call none)."""
+    plain words, the results as user messages (also when this reply may call none)."""
     messages = request.messages or []
     tool_turns = any(m.tool_calls or m.role == "tool" for m in messages)
     if tool_format != ToolCallFormat.GENERIC or not (request.tools or tool_turns):
         return [_native_message(m) for m in messages]
-    converted = [_generic_message(m) for m in messages]
+    names = {call.id: call.function.name for m in messages for call in m.tool_calls or ()}
+    converted = [_generic_message(m, names) for m in messages]
     if not request.calls_tools:         # tool_choice none: earlier calls stay in the conversation, no new ones
         return converted
     instructions = _generic_instructions(request)
@@ -183,16 +184,18 @@ def _native_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _generic_message(message: ChatMessage) -> dict[str, Any]:
+def _generic_message(message: ChatMessage, names: dict[str, str]) -> dict[str, Any]:
+    """Earlier calls and their results in plain words, not in the reply's JSON: a small model
+    copies the shape of its previous turn, and with its call written as JSON the bundled 135M
+    model called the same function again after every result, never answering. The reply itself
+    stays grammar-constrained, so the history's wording cannot break its format. ``names``: each
+    call's function by call id (OpenAI's tool messages carry only the id)."""
     if message.role == "tool":
-        result = {"tool_call_id": message.tool_call_id, "name": message.name, "content": message.content}
-        return {"role": "user",
-                "content": json.dumps({"tool_response": {k: v for k, v in result.items() if v is not None}},
-                                      ensure_ascii=False)}
+        name = message.name or names.get(message.tool_call_id or "") or "the function"
+        return {"role": "user", "content": f"Result of {name}: {message.content}"}
     if message.tool_calls:
-        calls = [{"name": call.function.name, "arguments": _as_object(call.function.arguments)}
-                 for call in message.tool_calls]
-        return {"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)}
+        calls = ", ".join(f"{call.function.name}({call.function.arguments})" for call in message.tool_calls)
+        return {"role": "assistant", "content": f"{message.content}\nCalling {calls}".strip()}
     return {"role": message.role, "content": message.content}
 
 

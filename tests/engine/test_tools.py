@@ -66,7 +66,7 @@ def hermes_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ---------------------------------------------------------------------- the plan and the conversation
-def test_the_generic_format_describes_the_tools_and_writes_earlier_calls_as_json():
+def test_the_generic_format_describes_the_tools_and_writes_earlier_calls_in_words():
     request = GenerationParams(tools=TOOLS, messages=[
         {"role": "system", "content": "Be brief."}, *ASK,
         {"role": "assistant", "content": None, "tool_calls": [
@@ -75,10 +75,8 @@ def test_the_generic_format_describes_the_tools_and_writes_earlier_calls_as_json
     messages = template_messages(request, ToolCallFormat.GENERIC)
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
     assert "get_weather" in messages[0]["content"] and "`response`" in messages[0]["content"]
-    assert json.loads(messages[2]["content"]) == {"tool_calls": [{"name": "get_weather",
-                                                                  "arguments": {"city": "Paris", "days": 3}}]}
-    assert messages[3] == {"role": "user", "content": json.dumps(
-        {"tool_response": {"tool_call_id": "call_1", "content": "sunny"}})}
+    assert messages[2] == {"role": "assistant", "content": 'Calling get_weather({"city": "Paris", "days": 3})'}
+    assert messages[3] == {"role": "user", "content": "Result of get_weather: sunny"}     # named by its call's id
     native = template_messages(request, ToolCallFormat.HERMES)
     assert native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 3}
     assert native[3]["role"] == "tool"
