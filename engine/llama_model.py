@@ -113,6 +113,7 @@ class LlamaModel:
                                "(not a GGUF, or an unsupported architecture)")
         self.vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._pieces: dict[int, bytes] = {}
+        self._special_pieces: dict[int, bytes] = {}
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
 
@@ -181,21 +182,23 @@ class LlamaModel:
                 raise ValueError("prompt too long to tokenize")
             cap = -n
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes of one token as it appears in generated text (control tokens render empty).
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token as it appears in generated text: control tokens render empty
+        unless ``special`` (a reply whose tool calls start with one, as Mistral's ``[TOOL_CALLS]``).
         Cached per token id (the vocabulary never changes): at thousands of tokens per second the
         ctypes call was a sizeable share of a decode step's Python time."""
-        piece = self._pieces.get(token)
+        pieces = self._special_pieces if special else self._pieces
+        piece = pieces.get(token)
         if piece is None:
-            piece = self._pieces[token] = self._token_piece(token)
+            piece = pieces[token] = self._token_piece(token, special)
         return piece
 
-    def _token_piece(self, token: int) -> bytes:
+    def _token_piece(self, token: int, special: bool) -> bytes:
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:

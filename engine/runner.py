@@ -80,6 +80,7 @@ class _Choice:
     utf8: Utf8Stream = field(default_factory=Utf8Stream)
     stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
     parser: ReplyParser | None = None
+    special_text: bool = False          # control tokens rendered as text (see ReplySetup.special_tokens_as_text)
     admitted_at: float | None = None
     first_token_at: float | None = None
 
@@ -223,8 +224,10 @@ class Runner:
         try:
             for token in prepared.request.resume_tokens:
                 chain.accept(token)
+            reply = prepared.reply
             state = _Choice(prepared, chain, stops=StopMatcher(list(prepared.request.stop)),
-                            parser=prepared.reply.parser(choice) if prepared.reply is not None else None)
+                            parser=reply.parser(choice) if reply is not None else None,
+                            special_text=reply is not None and reply.special_tokens_as_text)
             self._replay_delivered_text(state, prepared.request.resume_tokens)
         except BaseException:
             chain.free()
@@ -237,7 +240,8 @@ class Runner:
         seamlessly. What the parser makes of them was delivered by the earlier attempt (it is
         deterministic, call ids included), so it is dropped here: each piece reaches the stream once."""
         for token in tokens:
-            text = state.stops.push(state.utf8.push(self.model.token_bytes(token))).emit
+            piece = self.model.token_bytes(token, special=state.special_text)
+            text = state.stops.push(state.utf8.push(piece)).emit
             if state.parser is not None and text:
                 state.parser.push(text)
 
@@ -321,7 +325,7 @@ class Runner:
         if self._is_eog(token) and not request.ignore_eos:
             self._finish(seq, FinishReason.STOP)
             return
-        match = state.stops.push(state.utf8.push(self.model.token_bytes(token)))
+        match = state.stops.push(state.utf8.push(self.model.token_bytes(token, special=state.special_text)))
         reply = state.parser.push(match.emit) if state.parser is not None else ReplyDelta(content=match.emit)
         self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
                                              reasoning=reply.reasoning, tool_calls=reply.tool_calls,

@@ -232,6 +232,12 @@ class ReplySetup:
     starts_in_reasoning: bool
     checker: CallChecker | None = None
 
+    @property
+    def special_tokens_as_text(self) -> bool:
+        """Whether the reply's text must show control tokens: Mistral's ``[TOOL_CALLS]`` and Llama
+        3's ``<|python_tag|>`` are control tokens, which plain text renders empty."""
+        return self.tool_format in (ToolCallFormat.MISTRAL, ToolCallFormat.LLAMA3)
+
     def parser(self, choice: int) -> ReplyParser:
         return ReplyParser(tool_format=self.tool_format, call_id_prefix=call_id_prefix(self.request_id, choice),
                            reasoning=self.reasoning, starts_in_reasoning=self.starts_in_reasoning)

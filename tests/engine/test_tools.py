@@ -156,3 +156,22 @@ async def test_an_unconstrained_call_that_breaks_its_schema_fails_the_request(he
             checker.check([ToolCall(id="c", name="get_weather", arguments='{"city": "Rome", "days": 3}')])
         with pytest.raises(ToolCallError, match="not among"):
             checker.check([ToolCall(id="c", name="rm_rf", arguments="{}")])
+
+
+async def test_a_leading_think_goes_to_reasoning_unless_asked_not_to(tiny_model_path: Path):
+    # The grammar makes the random model think aloud first, as a reasoning model would.
+    thinking = SamplingParams(temperature=0.0, grammar='root ::= "<think>" [a-z]{3,6} "</think>" [a-z]{3,6}')
+    async with running_engine(tiny_model_path, slots=1, ctx=2048) as engine:
+        deltas, finished = await reply_of(engine, GenerationRequest(messages=ASK, max_tokens=40, sampling=thinking))
+        assert finished.finish_reason == FinishReason.STOP
+        reasoning, text = "".join(d.reasoning for d in deltas), "".join(d.text for d in deltas)
+        assert reasoning.isalpha() and text.isalpha(), (reasoning, text)
+        kept, _ = await reply_of(engine, GenerationRequest(messages=ASK, max_tokens=40, sampling=thinking,
+                                                           reasoning_format="none"))
+        assert "".join(d.text for d in kept) == f"<think>{reasoning}</think>{text}"
+
+
+async def test_control_tokens_show_in_replies_whose_calls_start_with_one(tiny_model_path: Path):
+    # Mistral's [TOOL_CALLS] is a control token, which plain text renders empty; <s> stands in for it here.
+    async with running_engine(tiny_model_path, slots=1) as engine:
+        assert engine.model.token_bytes(1) == b"" and engine.model.token_bytes(1, special=True) == b"<s>"
