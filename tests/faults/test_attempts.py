@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
 
+import jsonschema
 import pytest
 from rich.console import Console
 
@@ -22,7 +24,15 @@ from slotq.jobs.producer.client import JobHandle, SlotqClient
 from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.keys import retry_counter_key, stream_key
 from slotq.jobs.protocol.redis_queue import AttemptOutcomes
-from slotq.jobs.protocol.schemas import EntryKind, JobResult, JobStatus, QueueInfo, StreamEntry
+from slotq.jobs.protocol.schemas import (
+    EntryKind,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    QueueInfo,
+    StreamEntry,
+    assemble_tool_calls,
+)
 from slotq.jobs.protocol.streams import encode_entry
 from tests.support.faults import Fleet, check_job, worker_env
 from tests.support.jobs import chunks, collect_stream, job_request, raw_entries
@@ -156,3 +166,32 @@ async def test_a_cancelled_running_job_reports_the_tokens_it_computed(client, st
     assert result.usage.prompt_tokens > 0, result.usage
     final = entries[-1]
     assert final.final and final.finish_reason == FinishReason.CANCELLED and final.usage == result.usage, final
+
+
+@pytest.mark.fault
+async def test_a_tool_call_cut_by_worker_kills_streams_each_piece_once(fclient, fsync_redis, tiny_model_path, tmp_path):
+    """A forced call (about 80 tokens on the byte-level tiny model) whose worker is killed every 20
+    new tokens: each resumed attempt replays the delivered tokens through the reply parser, so the
+    stream read from the start holds each call once, with one id, its pieces adding up to the
+    result's arguments, which validate."""
+    env = worker_env(fsync_redis.url, tiny_model_path, ctx=2048, max_worker_deaths=MAX_WORKER_DEATHS,
+                     poll_delay_s=0.2, fault_kill_after_new_tokens=20)
+    fleet = Fleet(fclient, env, tmp_path)
+    parameters = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                  "properties": {"city": {"enum": ["Paris", "Tokyo"]},
+                                 "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+    try:
+        job = await fclient.enqueue(JobRequest(
+            messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=200, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}],
+            sampling={"temperature": 0}))
+        result, deaths = await _run_with_restarts(fleet, job)
+    finally:
+        fleet.stop_all()
+    assert deaths >= 2 and result.status == JobStatus.SUCCEEDED, (deaths, result)
+    assert result.finish_reason == FinishReason.TOOL_CALLS
+    [call] = result.choices[0].tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+    pieces = [d for e in await collect_stream(fclient, job.id) for d in e.tool_calls]
+    assert [d.id for d in pieces if d.id is not None] == [call.id]
+    assert assemble_tool_calls(pieces) == [call]
