@@ -269,6 +269,40 @@ def call_id_prefix(request_id: str, choice: int) -> str:
     return "call_" + hashlib.sha256(f"{request_id}/{choice}".encode()).hexdigest()[:20]
 
 
+def in_schema_order(value: Any, schema: Any, root: Any, depth: int = 0) -> Any:
+    """``value`` with each object's keys in the order its schema lists them (the rest after them,
+    as they were). llguidance's JSON grammar expects properties in the schema's order, as it
+    generates them; a model writing freely may order them otherwise, which JSON Schema allows.
+    Follows ``properties``, ``items``, local ``$ref`` and the branches of ``anyOf``/``oneOf``/
+    ``allOf`` (their properties' orders merged); bounded in depth, as a recursive schema may be."""
+    if depth > 64:
+        return value
+    schema = _resolved(schema, root)
+    parts = [schema, *(_resolved(b, root) for key in ("anyOf", "oneOf", "allOf") for b in schema.get(key) or ())]
+    if isinstance(value, dict):
+        properties: dict[str, Any] = {}
+        for part in parts:
+            for name, sub in (part.get("properties") or {}).items():
+                properties.setdefault(name, sub)
+        order = {name: i for i, name in enumerate(properties)}
+        keys = sorted(value, key=lambda k: order.get(k, len(order)))
+        return {k: in_schema_order(value[k], properties.get(k), root, depth + 1) for k in keys}
+    if isinstance(value, list):
+        items = next((part["items"] for part in parts if "items" in part), None)
+        return [in_schema_order(v, items, root, depth + 1) for v in value]
+    return value
+
+
+def _resolved(schema: Any, root: Any) -> dict[str, Any]:
+    """A schema with a local ``$ref`` replaced by its target ({} for what is not a schema)."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if isinstance(ref, str) and ref.startswith("#/"):
+        schema = root
+        for part in ref[2:].split("/"):
+            schema = schema.get(part) if isinstance(schema, dict) else None
+    return schema if isinstance(schema, dict) else {}
+
+
 class CallChecker:
     """Checks, when an unconstrained reply ends, that each call names an allowed function and that
     its arguments match that function's schema. Compiling needs the model's tokenizer (the worker's
@@ -285,10 +319,16 @@ class CallChecker:
             if schema is None:
                 raise ToolCallError(f"the model called {call.name!r}, which is not among the allowed functions "
                                     f"({sorted(self._plan.parameters)})")
+            try:
+                arguments = json.loads(call.arguments)
+            except ValueError as exc:
+                raise ToolCallError(f"the model's call of {call.name!r} has arguments that are not JSON: "
+                                    f"{exc}") from None
+            text = json.dumps(in_schema_order(arguments, schema, schema), ensure_ascii=False)
             matcher = llguidance.LLMatcher(self._tokenizer,
                                            llguidance.LLMatcher.grammar_from_json_schema(schema, _LENIENT_JSON),
                                            log_level=0, limits=self._limits)
-            matcher.consume_tokens(self._tokenizer.tokenize_str(call.arguments))
+            matcher.consume_tokens(self._tokenizer.tokenize_str(text))
             if matcher.is_error() or not matcher.is_accepting():
                 raise ToolCallError(f"the model's call of {call.name!r} has arguments that do not match its "
                                     f"parameters: {call.arguments[:200]}")

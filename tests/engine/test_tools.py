@@ -152,6 +152,7 @@ async def test_an_unconstrained_call_that_breaks_its_schema_fails_the_request(he
         plan = ToolPlan(ToolCallFormat.HERMES, None, SCHEMAS)
         checker = CallChecker(engine._constraints.tokenizer(), plan, engine.config.parser_limits())
         checker.check([ToolCall(id="c", name="get_weather", arguments='{"city": "Paris", "days": 3}')])
+        checker.check([ToolCall(id="c", name="get_weather", arguments='{ "days":3 ,\n"city":"Zürich" }')])  # any order
         with pytest.raises(ToolCallError, match="do not match"):
             checker.check([ToolCall(id="c", name="get_weather", arguments='{"city": "Rome", "days": 3}')])
         with pytest.raises(ToolCallError, match="not among"):
