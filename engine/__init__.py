@@ -17,7 +17,17 @@ from slotq.engine.errors import (
     PromptTooLong,
     RequestFailed,
 )
-from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
+from slotq.engine.events import (
+    ErrorInfo,
+    Event,
+    Finished,
+    FinishReason,
+    TextDelta,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from slotq.engine.model_files import bundled_model_path, resolve_model_path
 from slotq.engine.request import ChatMessage, GenerationParams, GenerationRequest, SamplingParams
 from slotq.engine.scheduler import BatchingMode
@@ -41,6 +51,7 @@ __all__ = [
     "EngineState", "EngineStats",
     "EngineStopped", "ErrorInfo", "Event", "FinishReason", "Finished", "FlashAttention", "GenerationParams",
     "GenerationRequest", "GrammarError", "InvalidRequest", "KVCacheType", "KVExhausted", "KVLayout", "PromptTooLong",
-    "RequestFailed", "RequestHandle", "SamplingParams", "TextDelta", "Timings", "Usage", "bundled_model_path",
+    "RequestFailed", "RequestHandle", "SamplingParams", "TextDelta", "Timings", "TokenLogprob", "TopLogprob", "Usage",
+    "bundled_model_path",
     "resolve_model_path",
 ]

@@ -38,11 +38,31 @@ class ErrorInfo(BaseModel):
     field: str | None = Field(None, description="the request field at fault, when one is (e.g. max_tokens)")
 
 
+class TopLogprob(BaseModel):
+    """One token and its log probability under the model's own distribution at that position: the
+    raw logits' log-softmax, before temperature, penalties, logit bias and constraints (as OpenAI
+    and llama-server report it)."""
+
+    id: int
+    token: str = Field(description="the token's text; a piece that is not whole UTF-8 reads 'bytes:\\xe2\\x80' "
+                                   "as OpenAI writes it")
+    token_bytes: list[int] = Field(description="the token's bytes as it appears in generated text")
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability and the ``top`` most likely tokens at its position,
+    most likely first (as many as the request's ``logprobs``)."""
+
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class TextDelta(BaseModel):
     """New output for one choice. ``token_ids`` are exactly the tokens it came from, so a
     consumer that stores them can resume generation after a crash (prompt + delivered tokens).
     A chat reply is split as it streams (:mod:`slotq.engine.reply_parser`): ``text`` is what the
-    reply says, ``reasoning`` what it thought (think tags), ``tool_calls`` the next pieces of its calls."""
+    reply says, ``reasoning`` what it thought (think tags), ``tool_calls`` the next pieces of its calls.
+    ``logprobs``: one per token id, in the same order, when the request asked for them."""
 
     kind: str = "delta"
     request_id: str
@@ -52,6 +72,7 @@ class TextDelta(BaseModel):
     tool_calls: list[ToolCallDelta] = Field(default_factory=list)
     token_ids: list[int]
     n_tokens: int = Field(description="tokens generated so far for this choice, including these")
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Finished(BaseModel):

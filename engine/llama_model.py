@@ -247,6 +247,11 @@ class LlamaModel:
         self._batch.n_tokens = n
         return int(llama_cpp.llama_decode(self._ctx, self._batch))
 
+    def logits_row(self, batch_index: int) -> np.ndarray:
+        """The raw logits of ``batch_index`` of the last decode, as a view (n_vocab float32) that is
+        valid until the next decode. Sampling with a constraint writes into it (the mask)."""
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, batch_index), shape=(self.n_vocab,))
+
     def sample(self, chain: SamplerChain, batch_index: int) -> int:
         """Sample (and accept) a token from the logits row of ``batch_index`` of the last decode."""
         return chain.sample(self._ctx, batch_index)

@@ -34,6 +34,8 @@ class ToolCallSpec(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionCall
 
+MAX_TOP_LOGPROBS = 20        # OpenAI's limit on top_logprobs
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -158,6 +160,10 @@ class GenerationParams(BaseModel):
     reasoning_format: Literal["deepseek", "none"] = Field(
         "deepseek", description="deepseek: a reply's leading <think>...</think> goes to `reasoning`, not the text; "
                                 "none: think tags stay in the text")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="None: off; k: each generated token's log probability and the k most likely tokens at its "
+                    "position, from the model's raw distribution (before temperature, penalties, bias, constraints)")
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> GenerationParams:

@@ -44,6 +44,7 @@ from slotq.engine.errors import (
 from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
+from slotq.engine.logprobs import RowLogprobs
 from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.outbox import Outbox, Sink
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCallError
@@ -106,6 +107,8 @@ class Runner:
         self._eog_cache: dict[int, bool] = {}
         self._deadlines: dict[str, float] = {}      # request id -> unix time, while it has open choices
         self._open: dict[PreparedRequest, set[int]] = {}    # admitted requests -> choices without a Finished yet
+        self._logprob_rows_step = -1                        # the decode step whose rows _logprob_rows holds
+        self._logprob_rows: dict[int, RowLogprobs] = {}     # batch index -> its raw row's logprobs
         self.thread = threading.Thread(target=self._run, name="slotq-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -311,6 +314,7 @@ class Runner:
 
     def _sample(self, seq: Sequence, batch_index: int) -> None:
         state: _Choice = seq.payload
+        logprobs = self._logprobs_before_sampling(state, batch_index)
         try:
             token = self.model.sample(state.chain, batch_index)
         except GrammarError as exc:     # its constraint ran out of fuel: this request ends, the batch goes on
@@ -329,7 +333,8 @@ class Runner:
         reply = state.parser.push(match.emit) if state.parser is not None else ReplyDelta(content=match.emit)
         self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
                                              reasoning=reply.reasoning, tool_calls=reply.tool_calls,
-                                             token_ids=[token], n_tokens=seq.n_generated))
+                                             token_ids=[token], n_tokens=seq.n_generated,
+                                             logprobs=None if logprobs is None else [logprobs.of(token)]))
         if match.stopped or (state.parser is not None and state.parser.error is not None):
             self._finish(seq, FinishReason.STOP, flush=False)      # a broken call fails it there (_reply_tail)
         elif seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
@@ -346,6 +351,24 @@ class Runner:
             assert state.prepared.reply is not None
             tails.append(state.prepared.reply.finish(state.parser))
         return [t for t in tails if t.content or t.reasoning or t.tool_calls]
+
+    def _logprobs_before_sampling(self, state: _Choice, batch_index: int) -> RowLogprobs | None:
+        """The raw row's log-softmax, for a request that asks for logprobs (None, at no cost, for
+        the others), taken before the sampler chain and the constraint mask touch the row. The
+        siblings of an n > 1 request sample their first token from the leader's row after the
+        leader masked it, so a row is kept for the rest of its step and read once."""
+        top = state.prepared.request.logprobs
+        if top is None:
+            return None
+        step = self.counters.decode_steps
+        if self._logprob_rows_step != step:
+            self._logprob_rows_step, self._logprob_rows = step, {}
+        row = self._logprob_rows.get(batch_index)
+        if row is None:
+            special = state.special_text      # the tokens read as the reply's text reads them
+            row = self._logprob_rows[batch_index] = RowLogprobs(
+                self.model.logits_row(batch_index), top, lambda token: self.model.token_bytes(token, special=special))
+        return row
 
     def _has_open_choices(self, request_id: str) -> bool:
         return any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting))
