@@ -62,7 +62,7 @@ def assert_matches_reference(reference: np.ndarray, tokens: list[int], logprobs:
             assert alt.logprob == pytest.approx(row[alt.id], abs=TOLERANCE)
 
 
-async def test_greedy_logprobs_are_the_raw_log_softmax_and_the_chosen_token_is_the_best(tiny_model_path: Path):
+async def test_greedy_logprobs_are_the_raw_log_softmax_and_the_chosen_token_is_the_best(tiny_model_path: Path) -> None:
     async with running_engine(tiny_model_path, **EXACT) as engine:
         request = greedy("The queue", 12, logprobs=3)
         tokens, logprobs = await logprobs_of(engine, request)
@@ -77,7 +77,7 @@ async def test_greedy_logprobs_are_the_raw_log_softmax_and_the_chosen_token_is_t
     assert all(event.logprobs is None for event in plain_events)     # not asked: none computed
 
 
-async def test_logprobs_are_the_same_whatever_the_temperature(tiny_model_path: Path):
+async def test_logprobs_are_the_same_whatever_the_temperature(tiny_model_path: Path) -> None:
     """The distribution before temperature: a hot sample's first token has the greedy one's alternatives."""
     async with running_engine(tiny_model_path, slots=2) as engine:
         _, cold = await logprobs_of(engine, greedy("Hot or cold", 1, logprobs=5))
@@ -87,7 +87,7 @@ async def test_logprobs_are_the_same_whatever_the_temperature(tiny_model_path: P
     assert [(alt.id, alt.logprob) for alt in hot[0].top] == [(alt.id, alt.logprob) for alt in cold[0].top]
 
 
-async def test_a_constrained_request_reports_the_unconstrained_logprobs(tiny_model_path: Path):
+async def test_a_constrained_request_reports_the_unconstrained_logprobs(tiny_model_path: Path) -> None:
     """The constraint mask writes -inf into the row; the logprobs are read before it, so they are
     the model's own, and the best alternatives include tokens the schema forbids."""
     async with running_engine(tiny_model_path, **EXACT) as engine:
@@ -100,7 +100,7 @@ async def test_a_constrained_request_reports_the_unconstrained_logprobs(tiny_mod
     assert any(entry.top[0].id != entry.id for entry in logprobs), "the schema never overruled the model's best"
 
 
-async def test_every_choice_of_a_constrained_n2_request_reads_the_unmasked_row(tiny_model_path: Path):
+async def test_every_choice_of_a_constrained_n2_request_reads_the_unmasked_row(tiny_model_path: Path) -> None:
     """The choices of one request sample their first token from the same row; the first one's mask
     must not leak into the second one's logprobs."""
     async with running_engine(tiny_model_path, slots=4) as engine:
@@ -114,7 +114,7 @@ async def test_every_choice_of_a_constrained_n2_request_reads_the_unmasked_row(t
     assert first[0].top[0].id != first[0].id          # the best token is one the schema forbids
 
 
-def test_logprobs_are_bounded_by_openais_limit():
+def test_logprobs_are_bounded_by_openais_limit() -> None:
     with pytest.raises(ValueError, match="less than or equal to 20"):
         GenerationRequest(prompt="x", logprobs=21)
     with pytest.raises(ValueError, match="greater than or equal to 0"):
