@@ -18,9 +18,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from slotq.engine import FinishReason, Usage
+from slotq.engine import FinishReason, TokenLogprob, Usage
 from slotq.jobs.gateway.errors import ApiError, public_param
-from slotq.jobs.gateway.openai.translate import Kind, completion_id, finish_reason, usage_out
+from slotq.jobs.gateway.openai.translate import (
+    Kind,
+    TextOffsets,
+    chat_logprobs,
+    completion_id,
+    finish_reason,
+    text_logprobs,
+    usage_out,
+)
 from slotq.jobs.gateway.openai.wire import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -66,6 +74,7 @@ class ChunkRenderer:
         self.after = parse_stream_id(after) if after else None
         self.finished = False
         self._usage: dict[int, Usage] = {}
+        self._offsets: dict[int, TextOffsets] = {}     # completions' text_offset, per choice, from the first entry
 
     def opening(self) -> list[str]:
         if self.after is not None or self.kind != "chat":
@@ -79,8 +88,9 @@ class ChunkRenderer:
         new = self.after is None or position > self.after
         events: list[str] = []
         if entry.kind == EntryKind.CHUNK:
+            piece = self._reply_piece(entry)          # built even when not sent: completions' text offsets move on
             if new:
-                events.append(self._chunk([self._reply_piece(entry)], id=entry.id))
+                events.append(self._chunk([piece], id=entry.id))
         elif entry.kind == EntryKind.DONE:
             if entry.usage is not None:
                 self._usage[entry.choice] = entry.usage
@@ -102,6 +112,7 @@ class ChunkRenderer:
                                       "and the stream continues"))
         elif entry.kind == EntryKind.RESTART:
             self._usage.clear()
+            self._offsets.clear()
             return self._end_with(ApiError(
                 500, f"job {self.job_id} was retried from the start on another worker (n > 1 cannot resume); "
                      f"the text streamed so far is void. The job goes on: its result will be at /v1/jobs/{self.job_id}",
@@ -137,19 +148,22 @@ class ChunkRenderer:
     def _reply_piece(self, entry: StreamEntry) -> ChatChunkChoice | TextChoice:
         """A chunk entry as a chunk's choice: text, and (chat) reasoning and tool call pieces."""
         if self.kind != "chat" or not (entry.reasoning or entry.tool_calls):
-            return self._choice(entry.choice, text=entry.text)
+            return self._choice(entry.choice, text=entry.text, logprobs=entry.logprobs)
         calls = [ToolCallDeltaOut(index=d.index, id=d.id, type="function" if d.id is not None else None,
                                   function=FunctionDelta(name=d.name, arguments=d.arguments))
                  for d in merge_tool_call_deltas(entry.tool_calls)]
         return ChatChunkChoice(index=entry.choice, delta=Delta(content=entry.text or None,
                                                                reasoning_content=entry.reasoning or None,
-                                                               tool_calls=calls or None))
+                                                               tool_calls=calls or None),
+                               logprobs=None if entry.logprobs is None else chat_logprobs(entry.logprobs))
 
-    def _choice(self, index: int, *, text: str | None = None,
-                reason: str | None = None) -> ChatChunkChoice | TextChoice:
+    def _choice(self, index: int, *, text: str | None = None, reason: str | None = None,
+                logprobs: list[TokenLogprob] | None = None) -> ChatChunkChoice | TextChoice:
         if self.kind == "chat":
-            return ChatChunkChoice(index=index, delta=Delta(content=text), finish_reason=reason)
-        return TextChoice(index=index, text=text or "", finish_reason=reason)
+            return ChatChunkChoice(index=index, delta=Delta(content=text), finish_reason=reason,
+                                   logprobs=None if logprobs is None else chat_logprobs(logprobs))
+        return TextChoice(index=index, text=text or "", finish_reason=reason, logprobs=None if logprobs is None else
+                          text_logprobs(logprobs, self._offsets.setdefault(index, TextOffsets())))
 
     def _usage_chunk(self) -> str:
         first = self._usage.get(0) or next(iter(self._usage.values()), Usage())

@@ -27,7 +27,7 @@ from slotq.jobs.protocol.schemas import JobRequest
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = (1, 3)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`
+SCHEMA_VERSION = (1, 3)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`, `logprobs`
 VERSION_FIELD = "schema_version"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 _logged_ignored: set[tuple[str, ...]] = set()

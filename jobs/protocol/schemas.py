@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
-from slotq.engine import ErrorInfo, FinishReason, GenerationParams, Timings, Usage
+from slotq.engine import ErrorInfo, FinishReason, GenerationParams, Timings, TokenLogprob, Usage
 from slotq.engine.reply_parser import ToolCallDelta
 from slotq.engine.request import FunctionCall, ToolCallSpec
 from slotq.jobs.protocol.keys import DEFAULT_TENANT
@@ -112,6 +112,8 @@ class ChoiceResult(BaseModel):
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="one per generated token, every attempt's, each once (when the job asked for logprobs)")
 
 
 class MaxTokensCap(BaseModel):
@@ -177,6 +179,7 @@ class StreamEntry(BaseModel):
         default_factory=list, description="chunk: the next pieces of the reply's tool calls (OpenAI's delta shape)")
     token_ids: list[int] = Field(default_factory=list)
     n_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = Field(None, description="one per token id (when the job asked for them)")
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None

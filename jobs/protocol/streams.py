@@ -24,7 +24,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from slotq.engine import ErrorInfo, FinishReason, Timings, Usage
+from slotq.engine import ErrorInfo, FinishReason, Timings, TokenLogprob, TopLogprob, Usage
 from slotq.engine.reply_parser import ToolCallDelta
 from slotq.jobs.protocol.keys import stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
@@ -38,11 +38,13 @@ RETRY_S = 0.2                                   # between tries of a flush while
 
 # ---------------------------------------------------------------------- the codec
 def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[int], n_tokens: int,
-                 reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = ()) -> dict[str, str]:
+                 reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = (),
+                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, str]:
     """A chunk's fields, built without a StreamEntry: the worker's writer merges tokens into
     chunks on its per-token path and encodes each chunk once, here. Reasoning (``r``) and tool call
     pieces (``tc``) are written only when there are some, so plain text costs nothing more, and an
-    entry without them (from an older worker too) decodes as none."""
+    entry without them (from an older worker too) decodes as none; so are logprobs (``lp``), only
+    for a job that asked for them."""
     fields = {"k": EntryKind.CHUNK.value, "a": str(attempt), "c": str(choice), "t": text,
               "ids": " ".join(map(str, token_ids)), "n": str(n_tokens)}
     if reasoning:
@@ -50,6 +52,8 @@ def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[in
     if tool_calls:
         fields["tc"] = json.dumps([_tool_call_fields(d) for d in merge_tool_call_deltas(tool_calls)],
                                   ensure_ascii=False, separators=(",", ":"))
+    if logprobs is not None:
+        fields["lp"] = encode_logprobs(logprobs)
     return fields
 
 
@@ -79,11 +83,34 @@ def _tool_call_deltas(raw: str | None) -> list[ToolCallDelta]:
             for d in json.loads(raw)] if raw else []
 
 
+def encode_logprobs(logprobs: Sequence[TokenLogprob]) -> str:
+    """Compact JSON, one array per token: ``[id, logprob, token, [alternatives]]``, each alternative
+    ``[id, logprob, token]``; an entry's bytes follow as its last element only when they are not
+    the UTF-8 of its token (a piece of a character, shown as ``bytes:\\x..``)."""
+    def short(entry: TopLogprob, *more: object) -> list[object]:
+        fields = [entry.id, entry.logprob, entry.token, *more]
+        return fields if entry.token.encode("utf-8") == bytes(entry.token_bytes) else [*fields, entry.token_bytes]
+
+    return json.dumps([short(lp, [short(alt) for alt in lp.top]) for lp in logprobs], ensure_ascii=False,
+                      separators=(",", ":"))
+
+
+def decode_logprobs(raw: str) -> list[TokenLogprob]:
+    """The inverse of :func:`encode_logprobs`."""
+    def entry(id_: int, logprob: float, token: str, *token_bytes: list[int]) -> dict[str, Any]:
+        return {"id": id_, "logprob": logprob, "token": token,
+                "token_bytes": token_bytes[0] if token_bytes else list(token.encode("utf-8"))}
+
+    return [TokenLogprob(**entry(id_, logprob, token, *rest), top=[TopLogprob(**entry(*alt)) for alt in alts])
+            for id_, logprob, token, alts, *rest in json.loads(raw)]
+
+
 def encode_entry(entry: StreamEntry) -> dict[str, str]:
     """Flat string fields, readable with redis-cli."""
     if entry.kind == EntryKind.CHUNK:
         fields = encode_chunk(attempt=entry.attempt, choice=entry.choice, text=entry.text, token_ids=entry.token_ids,
-                              n_tokens=entry.n_tokens, reasoning=entry.reasoning, tool_calls=entry.tool_calls)
+                              n_tokens=entry.n_tokens, reasoning=entry.reasoning, tool_calls=entry.tool_calls,
+                              logprobs=entry.logprobs)
     else:
         fields = {"k": entry.kind.value, "a": str(entry.attempt), "c": str(entry.choice)}
     if entry.finish_reason is not None:
@@ -116,6 +143,7 @@ def decode_entry(entry_id: bytes | str, raw: Mapping[Any, Any]) -> StreamEntry:
         tool_calls=_tool_call_deltas(f.get("tc")),
         token_ids=[int(x) for x in ids.split()] if ids else [],
         n_tokens=int(f.get("n", 0)),
+        logprobs=decode_logprobs(f["lp"]) if "lp" in f else None,
         finish_reason=FinishReason(f["fr"]) if "fr" in f else None,
         usage=Usage.model_validate_json(f["u"]) if "u" in f else None,
         timings=Timings.model_validate_json(f["tm"]) if "tm" in f else None,

@@ -41,6 +41,7 @@ from slotq.engine import (
     GenerationRequest,
     TextDelta,
     Timings,
+    TokenLogprob,
     Usage,
 )
 from slotq.engine.reply_parser import ToolCallDelta
@@ -81,18 +82,23 @@ class Replies:
     text: dict[int, str] = field(default_factory=dict)
     reasoning: dict[int, str] = field(default_factory=dict)
     tool_calls: dict[int, list[ToolCallDelta]] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)    # a job's that asked for them
 
-    def add(self, choice: int, text: str, reasoning: str, tool_calls: list[ToolCallDelta]) -> None:
+    def add(self, choice: int, text: str, reasoning: str, tool_calls: list[ToolCallDelta],
+            logprobs: list[TokenLogprob] | None = None) -> None:
         self.text[choice] = self.text.get(choice, "") + text
         if reasoning:
             self.reasoning[choice] = self.reasoning.get(choice, "") + reasoning
         if tool_calls:
             self.tool_calls.setdefault(choice, []).extend(tool_calls)
+        if logprobs is not None:
+            self.logprobs.setdefault(choice, []).extend(logprobs)
 
     def choice(self, index: int, finish_reason: FinishReason, usage: Usage, timings: Timings) -> ChoiceResult:
         return ChoiceResult(index=index, text=self.text.get(index, ""), reasoning=self.reasoning.get(index, ""),
                             tool_calls=assemble_tool_calls(self.tool_calls.get(index, ())),
-                            finish_reason=finish_reason, usage=usage, timings=timings)
+                            logprobs=self.logprobs.get(index), finish_reason=finish_reason, usage=usage,
+                            timings=timings)
 
 
 @dataclass
@@ -117,7 +123,7 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
             delivered = Delivered()
         elif entry.kind == EntryKind.CHUNK:
             delivered.tokens.setdefault(entry.choice, []).extend(entry.token_ids)
-            delivered.replies.add(entry.choice, entry.text, entry.reasoning, entry.tool_calls)
+            delivered.replies.add(entry.choice, entry.text, entry.reasoning, entry.tool_calls, entry.logprobs)
         elif entry.kind == EntryKind.DONE:
             delivered.done[entry.choice] = entry
         if entry.final:
@@ -295,6 +301,9 @@ class JobRun:
                       delivered: Delivered) -> JobResult:
         replies = delivered.replies
         tokens = {c: len(delivered.tokens.get(c, [])) for c in range(job.n)}
+        if job.logprobs is not None:          # a choice with no tokens has an empty list, as OpenAI's
+            for choice in range(job.n):
+                replies.logprobs.setdefault(choice, [])
         finished: dict[int, Finished] = {}
         try:
             async for event in handle:
@@ -302,13 +311,14 @@ class JobRun:
                     if self.faults.kill_due(delivered=sum(tokens.values()), new=self.generated,
                                             arriving=len(event.token_ids)):
                         await self.faults.kill_worker(self.writer.write_all(self.job_id))
-                    replies.add(event.choice, event.text, event.reasoning, event.tool_calls)
+                    replies.add(event.choice, event.text, event.reasoning, event.tool_calls, event.logprobs)
                     tokens[event.choice] += len(event.token_ids)
                     self.generated += len(event.token_ids)
                     self.tokens_left = (self.tokens_left or 0) - len(event.token_ids)
                     self.writer.add_chunk(self.job_id, attempt=self.attempt, choice=event.choice, text=event.text,
                                           token_ids=event.token_ids, n_tokens=event.n_tokens,
-                                          reasoning=event.reasoning, tool_calls=event.tool_calls)
+                                          reasoning=event.reasoning, tool_calls=event.tool_calls,
+                                          logprobs=event.logprobs)
                     if self.gate is not None and self.generated == len(event.token_ids):
                         await self._made_progress()
                     continue

@@ -23,6 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from slotq.engine import TokenLogprob
 from slotq.engine.reply_parser import ToolCallDelta
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
@@ -42,11 +43,12 @@ class _Chunk:
     n_tokens: int
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None      # one per token id, for a job that asked for them
 
     def fields(self) -> dict[str, str]:
         return encode_chunk(attempt=self.attempt, choice=self.choice, text="".join(self.texts),
                             token_ids=self.token_ids, n_tokens=self.n_tokens, reasoning="".join(self.reasoning),
-                            tool_calls=self.tool_calls)
+                            tool_calls=self.tool_calls, logprobs=self.logprobs)
 
 
 @dataclass
@@ -157,8 +159,10 @@ class StreamWriter:
         self._leases.pop(job_id, None)
 
     def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
-                  n_tokens: int, reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = ()) -> None:
-        """Queue generated output; consecutive chunks of one choice and attempt merge into one entry."""
+                  n_tokens: int, reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = (),
+                  logprobs: list[TokenLogprob] | None = None) -> None:
+        """Queue generated output; consecutive chunks of one choice and attempt merge into one entry
+        (their logprobs too, so each token id keeps its own)."""
         batch = self._batch(job_id)
         last = batch.entries[-1] if batch.entries else None
         if isinstance(last, _Chunk) and last.choice == choice and last.attempt == attempt:
@@ -173,6 +177,10 @@ class StreamWriter:
             last.reasoning.append(reasoning)
         if tool_calls:
             last.tool_calls.extend(tool_calls)
+        if logprobs is not None:
+            if last.logprobs is None:
+                last.logprobs = []
+            last.logprobs.extend(logprobs)
         self._tokens += len(token_ids)
         self._added()
 
@@ -181,7 +189,7 @@ class StreamWriter:
         if entry.kind == EntryKind.CHUNK:
             self.add_chunk(job_id, attempt=entry.attempt, choice=entry.choice, text=entry.text,
                            token_ids=entry.token_ids, n_tokens=entry.n_tokens, reasoning=entry.reasoning,
-                           tool_calls=entry.tool_calls)
+                           tool_calls=entry.tool_calls, logprobs=entry.logprobs)
             return
         batch = self._batch(job_id)
         batch.entries.append(entry)

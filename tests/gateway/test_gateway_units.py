@@ -14,17 +14,18 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from slotq.engine import ErrorInfo, FinishReason, Usage
+from slotq.engine import ErrorInfo, FinishReason, TokenLogprob, TopLogprob, Usage
+from slotq.engine.logprobs import token_text
 from slotq.jobs.gateway import auth
 from slotq.jobs.gateway.auth import Caller, KeyRing
 from slotq.jobs.gateway.chunks import DONE, ChunkRenderer, NativeRenderer, parse_stream_id
 from slotq.jobs.gateway.metrics import method_label
-from slotq.jobs.gateway.openai.translate import to_job_request
+from slotq.jobs.gateway.openai.translate import to_job_request, to_response
 from slotq.jobs.gateway.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.gateway.routing import routes_from
 from slotq.jobs.gateway.settings import GatewaySettings, key_tenant
 from slotq.jobs.gateway.surfaces import redact_target
-from slotq.jobs.protocol.schemas import EntryKind, StreamEntry, WorkerInfo
+from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobResult, JobStatus, StreamEntry, WorkerInfo
 from slotq.jobs.settings import ClientSettings
 from tests.support import REPO_ROOT
 
@@ -103,6 +104,50 @@ def test_chat_chunks_with_role_usage_and_done():
     assert all(c["id"] == "chatcmpl-j1" and c["object"] == "chat.completion.chunk" for c in chunks[:-1])
     # the SSE id of each entry's event is its stream id; opening, usage and [DONE] carry none
     assert [e.startswith("id: ") for e in events] == [False, True, True, True, False, False]
+
+
+def token(id: int, piece: bytes, logprob: float, *alternatives: tuple[int, bytes, float]) -> TokenLogprob:
+    return TokenLogprob(id=id, token=token_text(piece), token_bytes=list(piece), logprob=logprob,
+                        top=[TopLogprob(id=i, token=token_text(p), token_bytes=list(p), logprob=lp)
+                             for i, p, lp in alternatives])
+
+
+# "a€b" in four tokens, the euro sign split after its first byte
+EURO = [token(1, b"a", -0.5, (1, b"a", -0.5), (2, b"z", -1.0)), token(2, b"\xe2", -0.25, (3, b"x", -0.2)),
+        token(3, b"\x82\xac", -0.125), token(4, b"b", -2.0, (5, b"c", -1.5))]
+LOGPROB_STREAM = [entry(1, text="a", token_ids=[1, 2], logprobs=EURO[:2]),
+                  entry(2, text="\u20acb", token_ids=[3, 4], logprobs=EURO[2:]),
+                  entry(3, EntryKind.DONE, finish_reason=FinishReason.LENGTH, final=True, usage=Usage())]
+
+
+def test_streamed_logprobs_in_openais_shapes_and_text_offsets_that_survive_a_resume():
+    chat = data(render(ChunkRenderer("chat", "j1", "m", 7, n=1, include_usage=False), LOGPROB_STREAM))
+    content = [c for chunk in chat[1:3] for c in chunk["choices"][0]["logprobs"]["content"]]
+    assert content[0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "z", "logprob": -1.0, "bytes": [122]}]}
+    assert [(c["token"], c["bytes"]) for c in content] == [("a", [97]), ("bytes:\\xe2", [0xE2]),
+                                                            ("bytes:\\x82\\xac", [0x82, 0xAC]), ("b", [98])]
+    assert chat[3]["choices"][0]["logprobs"] is None                  # the finish chunk
+    text = data(render(ChunkRenderer("text", "j1", "m", 7, n=1, include_usage=False), LOGPROB_STREAM))
+    first, second = (chunk["choices"][0]["logprobs"] for chunk in text[:2])
+    assert first == {"tokens": ["a", "bytes:\\xe2"], "token_logprobs": [-0.5, -0.25],
+                     "top_logprobs": [{"a": -0.5, "z": -1.0}, {"x": -0.2, "bytes:\\xe2": -0.25}], "text_offset": [0, 1]}
+    assert second["text_offset"] == [1, 2] and second["top_logprobs"][0] == {"bytes:\\x82\\xac": -0.125}
+    # a client resuming after the first chunk gets the same offsets: the renderer reads from the start
+    resumed = data(render(ChunkRenderer("text", "j1", "m", 7, n=1, include_usage=False, after="100-1"),
+                          LOGPROB_STREAM))
+    assert resumed[0]["choices"][0]["logprobs"] == second
+
+
+def test_a_finished_jobs_logprobs_in_openais_shapes():
+    result = JobResult(id="j1", status=JobStatus.SUCCEEDED, choices=[ChoiceResult(
+        index=0, text="a\u20acb", finish_reason=FinishReason.LENGTH, usage=Usage(), timings={}, logprobs=EURO)])
+    chat = to_response("chat", result, "m", 7).model_dump(mode="json")["choices"][0]["logprobs"]
+    assert [c["logprob"] for c in chat["content"]] == [-0.5, -0.25, -0.125, -2.0] and chat["refusal"] is None
+    text = to_response("text", result, "m", 7).model_dump(mode="json")["choices"][0]["logprobs"]
+    assert text["text_offset"] == [0, 1, 1, 2] and text["tokens"][3] == "b"
+    plain = result.model_copy(update={"choices": [result.choices[0].model_copy(update={"logprobs": None})]})
+    assert to_response("chat", plain, "m", 7).choices[0].logprobs is None
 
 
 def test_without_include_usage_there_is_no_usage_key():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from slotq.engine import FinishReason
+from slotq.engine import FinishReason, TokenLogprob, TopLogprob
 from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
-from slotq.jobs.protocol.streams import decode_entry
+from slotq.jobs.protocol.streams import decode_entry, encode_chunk
 from slotq.jobs.worker.stream_writer import FlushPolicy, StreamWriter
 
 POLICY = FlushPolicy(max_delay_s=0.1)
@@ -58,6 +58,31 @@ async def test_consecutive_chunks_merge_into_one_entry_per_flush(redis) -> None:
     ]
     assert got[-1].final and writer.round_trips == 1
     assert 0 < await redis.ttl(stream_key("j")) <= 60
+
+
+def logprob(token: int, piece: bytes) -> TokenLogprob:
+    text = piece.decode("utf-8", errors="replace") if piece != b"\xe2" else "bytes:\\xe2"
+    return TokenLogprob(id=token, token=text, token_bytes=list(piece), logprob=-0.5 * token,
+                        top=[TopLogprob(id=token, token=text, token_bytes=list(piece), logprob=-0.5 * token),
+                             TopLogprob(id=99, token="é", token_bytes=list("é".encode()), logprob=-7.25)])
+
+
+async def test_merged_chunks_keep_one_logprob_per_token_and_older_entries_decode_without(redis) -> None:
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60)
+    pieces = [b"a", b"\xe2", b"", b"z"]          # a piece of a character; a token with no text
+    for n, piece in enumerate(pieces, start=1):
+        writer.add_chunk("lp", attempt=1, choice=0, text="x", token_ids=[n], n_tokens=n,
+                         logprobs=[logprob(n, piece)])
+    writer.add_chunk("lp", attempt=1, choice=0, text="!", token_ids=[], n_tokens=4, logprobs=None)  # a held tail
+    writer.add_chunk("plain", attempt=1, choice=0, text="y", token_ids=[7], n_tokens=1)
+    assert await writer.flush()
+    [chunk] = await entries(redis, "lp")
+    assert chunk.token_ids == [1, 2, 3, 4] and chunk.text == "xxxx!"
+    assert chunk.logprobs == [logprob(n, piece) for n, piece in enumerate(pieces, start=1)]
+    [plain] = await entries(redis, "plain")
+    assert plain.logprobs is None
+    old = encode_chunk(attempt=1, choice=0, text="y", token_ids=[7], n_tokens=1)    # as a 1.2 worker wrote it
+    assert "lp" not in old and decode_entry("1-0", old).logprobs is None
 
 
 async def test_one_flush_writes_the_jobs_it_owns_and_reports_the_one_it_lost(redis) -> None:

@@ -14,23 +14,28 @@ gateway reports it as an error instead (409 ``job_cancelled`` / 504 ``deadline_e
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from slotq.engine import FinishReason, Usage
+from slotq.engine import FinishReason, TokenLogprob, Usage
 from slotq.jobs.gateway.errors import ApiError, from_validation, public_param
 from slotq.jobs.gateway.openai.wire import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
+    ChatLogprobs,
     CompletionRequest,
     PromptTokensDetails,
     SlotqInfo,
     TextChoice,
     TextCompletion,
+    TextLogprobs,
+    TokenLogprobOut,
+    TopLogprobOut,
     UsageOut,
 )
 from slotq.jobs.protocol.schemas import ChoiceResult, JobRequest, JobResult, JobStatus
@@ -70,6 +75,7 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         "lane": lane if request.lane is None else request.lane, "priority": request.priority,
         "deadline": request.deadline, "metadata": request.metadata,
         "idempotency_key": request.idempotency_key or idempotency_key, "tenant": tenant,
+        "logprobs": request.logprobs_k,
     }
     if isinstance(request, ChatCompletionRequest):
         fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or "",
@@ -152,6 +158,38 @@ def assistant_message(choice: ChoiceResult) -> AssistantMessage:
                             tool_calls=choice.tool_calls or None, reasoning_content=choice.reasoning or None)
 
 
+def chat_logprobs(logprobs: list[TokenLogprob]) -> ChatLogprobs:
+    """A chat choice's (or chunk's) ``logprobs``: OpenAI's ``content`` list."""
+    return ChatLogprobs(content=[TokenLogprobOut(
+        token=lp.token, logprob=lp.logprob, bytes=lp.token_bytes,
+        top_logprobs=[TopLogprobOut(token=alt.token, logprob=alt.logprob, bytes=alt.token_bytes) for alt in lp.top])
+        for lp in logprobs])
+
+
+class TextOffsets:
+    """Where each token of one choice starts in its generated text, in characters. A token that
+    ends inside a character (its bytes are a piece of it) is followed by the others at the same
+    offset: the character starts there. One per choice, fed every token in order."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def next(self, token_bytes: list[int]) -> int:
+        start = self._chars
+        self._chars += len(self._decoder.decode(bytes(token_bytes)))
+        return start
+
+
+def text_logprobs(logprobs: list[TokenLogprob], offsets: TextOffsets) -> TextLogprobs:
+    """A completion choice's (or chunk's) ``logprobs`` in OpenAI's legacy shape; the sampled token
+    is in its position's ``top_logprobs`` too, as OpenAI's (up to logprobs + 1 entries)."""
+    return TextLogprobs(tokens=[lp.token for lp in logprobs], token_logprobs=[lp.logprob for lp in logprobs],
+                        top_logprobs=[{**{alt.token: alt.logprob for alt in lp.top}, lp.token: lp.logprob}
+                                      for lp in logprobs],
+                        text_offset=[offsets.next(lp.token_bytes) for lp in logprobs])
+
+
 def completion_id(kind: Kind, job_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
 
@@ -163,7 +201,9 @@ def to_response(kind: Kind, result: JobResult, model: str, created: int) -> Chat
     rid = completion_id(kind, result.id)
     if kind == "chat":
         return ChatCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
-            ChatChoice(index=c.index, message=assistant_message(c), finish_reason=finish_reason(c.finish_reason))
+            ChatChoice(index=c.index, message=assistant_message(c), finish_reason=finish_reason(c.finish_reason),
+                       logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs))
             for c in result.choices])
     return TextCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
-        TextChoice(index=c.index, text=c.text, finish_reason=finish_reason(c.finish_reason)) for c in result.choices])
+        TextChoice(index=c.index, text=c.text, logprobs=None if c.logprobs is None else text_logprobs(
+            c.logprobs, TextOffsets()), finish_reason=finish_reason(c.finish_reason)) for c in result.choices])

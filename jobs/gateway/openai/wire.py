@@ -16,13 +16,14 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_serializer,
     model_validator,
 )
 
-from slotq.engine.request import ToolCallSpec, ToolChoice, ToolSpec
+from slotq.engine.request import MAX_TOP_LOGPROBS, ToolCallSpec, ToolChoice, ToolSpec
 from slotq.jobs.protocol.schemas import JobResult, JobStatus
 
 # Parameters of OpenAI's API that slotq cannot honour. Sent with an "off" value (null, false, "",
@@ -34,6 +35,7 @@ _OFF_SPECIAL: dict[str, tuple[Any, ...]] = {"best_of": (1,), "top_logprobs": (0,
 _DROPPED_WHEN_OFF = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "echo",
                      "suffix", "best_of", "modalities", "audio", "prediction", "web_search_options", "reasoning_effort")
 MAX_STOP_STRINGS = 4       # OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5    # OpenAI's limit on /v1/completions' logprobs (chat's top_logprobs: MAX_TOP_LOGPROBS)
 _IGNORED = ("user", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
@@ -163,10 +165,31 @@ class ChatCompletionRequest(_Generation):
     parallel_tool_calls: bool | None = None
     reasoning_format: Literal["deepseek", "none"] | None = Field(
         None, description="llama-server's: deepseek (default) moves a reply's think tags to reasoning_content")
+    logprobs: bool | None = Field(None, description="each generated token's log probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="with logprobs: the most likely tokens at each position")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true, as in OpenAI's API")
+        return value
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """How many alternatives per token the job asks for (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Generation):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                 description="each generated token's log probability and this many alternatives")
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -192,6 +215,34 @@ class UsageOut(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per generated token."""
+
+    content: list[TokenLogprobOut] | None
+    refusal: list[TokenLogprobOut] | None = None
+
+
+class TextLogprobs(BaseModel):
+    """A completion choice's ``logprobs`` (OpenAI's legacy shape); ``top_logprobs`` maps each
+    alternative's text, and the sampled token's, to its logprob; ``text_offset`` counts characters
+    from the start of the generated text (the prompt is not echoed)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = Field(description="null when the reply only called tools, as OpenAI's")
@@ -209,14 +260,14 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
 class TextChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
     finish_reason: str | None
 
 
@@ -275,7 +326,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
     @field_serializer("delta")
