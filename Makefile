@@ -91,3 +91,4 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench peers
 	$(VENV)/bin/slotq bench overhead
 	$(VENV)/bin/slotq bench constraints
+	$(VENV)/bin/slotq bench logprobs

@@ -1,6 +1,6 @@
-"""Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints``).
-Each measures its variants side by side in one run, prints a table with ratios (or one JSON object with ``--json``)
-and writes the table to ``bench/results/<name>.md`` for the README.
+"""Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
+logprobs``). Each measures its variants side by side in one run, prints a table with ratios (or one JSON object
+with ``--json``) and writes the table to ``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
 ``slotq worker``, the fleet benchmark's fleet processes) runs under
@@ -26,6 +26,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         fleet_bench,
         gateway_batch_bench,
         gateway_bench,
+        logprobs_bench,
         overhead_bench,
         peers_bench,
         prefix_bench,
@@ -43,6 +44,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         "peers": peers_bench.run,
         "overhead": overhead_bench.run,
         "constraints": constraints_bench.run,
+        "logprobs": logprobs_bench.run,
     }
     try:
         data, table = asyncio.run(runners[which](quick))

@@ -495,9 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "bulk (bulk runs beside interactive jobs), peers (slotq beside llama-server and "
                          "llama-cpp-python's server), overhead (many streams on a tiny model: slotq beside "
                          "llama-server in both KV layouts), constraints (what one JSON schema costs its "
-                         "batch: llguidance beside llama.cpp's grammar sampler)", None)
+                         "batch: llguidance beside llama.cpp's grammar sampler), "
+                         "logprobs (what one logprobs stream costs the 7 plain ones beside it)", None)
     p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "gateway-batch", "fleet", "bulk", "peers",
-                                     "overhead", "constraints"])
+                                     "overhead", "constraints", "logprobs"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
     p.set_defaults(func=cmd_bench)
