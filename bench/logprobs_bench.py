@@ -4,10 +4,11 @@ Through Redis, to a ``slotq worker`` subprocess with ``SLOTS`` slots on the bund
 round enqueues ``SLOTS`` jobs at once (distinct prompts, a fixed output length, greedy) and reads
 every job's stream to its end. Seven are plain in every round; the eighth is plain too (the
 baseline) or asks for logprobs, with no alternatives (``logprobs: 0``) or OpenAI's most
-(``top_logprobs: 20``). The rounds alternate the variants, so the machine's drift hits them alike.
-Reported: the seven plain streams' tokens/s (their tokens over the time from enqueue until the last
-of them ended) and its ratio to the baseline (the median of each round's ratio to the baseline
-round before it); the issue's target is >= 0.95. The engine's extra work per token (a log-softmax
+(``top_logprobs: 20``). Every round runs each variant once, starting with a different one each
+time, so neither the machine's drift nor the order favours one. Reported: the seven plain streams'
+tokens/s (their tokens over the time from enqueue until the last of them ended) and its ratio to
+the baseline (the median over rounds of the variant's figure over the same round's baseline); the
+issue's target is >= 0.95. The engine's extra work per token (a log-softmax
 over the vocabulary and a partial sort, on the engine thread) is timed on its own on a random row of
 the bundled model's vocabulary size.
 """
@@ -69,10 +70,11 @@ async def _measure(url: str, rounds: int, max_tokens: int) -> dict[str, list[flo
         await _round(client, None, 8, 0)                 # warm-up, not measured
         measured: dict[str, list[float]] = {name: [] for name in VARIANTS}
         prompt = SLOTS
+        names = list(VARIANTS)
         for r in range(rounds):
-            for name, logprobs in VARIANTS.items():
+            for name in names[r % len(names):] + names[:r % len(names)]:   # each round starts with the next one
                 progress(f"round {r + 1}/{rounds}: {name}")
-                measured[name].append(await _round(client, logprobs, max_tokens, prompt))
+                measured[name].append(await _round(client, VARIANTS[name], max_tokens, prompt))
                 prompt += SLOTS
         return measured
     finally:
@@ -91,7 +93,7 @@ def _engine_work_ms(top: int, repeats: int = 200) -> float:
 
 
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
-    rounds = 2 if quick else 6
+    rounds = 3 if quick else 6
     max_tokens = 32 if quick else 128
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as tmp:
         server = EmbeddedRedis(Path(tmp) / "redis")
