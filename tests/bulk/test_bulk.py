@@ -165,7 +165,7 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
         chat("c1"),                                                            # line 6: repeated custom_id
         "",                                                                    # blank: skipped
         chat("long", max_tokens=505),                                          # line 8: prompt + 505 > ctx 512
-        chat("c3", tools=[{"type": "function"}]),                              # line 9: not supported
+        chat("c3", functions=[{"name": "f"}]),                                 # line 9: not supported
         {"prompt": "a slotq line", "max_tokens": 3},                           # line 10: mixed formats work
         chat("c4", max_completion_tokens=4, response_format={"type": "json_object"}),
         chat("huge", max_tokens=600),                                          # line 12: refused at enqueue
@@ -225,7 +225,7 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
     assert errors[8]["custom_id"] == "long"       # ran and failed in the worker: OpenAI's error response shape
     assert errors[8]["response"]["status_code"] == 400
     assert "max_tokens" in errors[8]["response"]["body"]["error"]["message"]
-    assert (refused(9)["param"], refused(9)["code"]) == ("tools", "unsupported_parameter")
+    assert (refused(9)["param"], refused(9)["code"]) == ("functions", "unsupported_parameter")
     assert (refused(12)["param"], refused(12)["code"]) == ("max_tokens", "context_length_exceeded")   # at enqueue
 
 
