@@ -484,8 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default SLOTQ_EMBEDDED_REDIS_PORT (6399); data in SLOTQ_DATA_DIR/redis-PORT")
     p.set_defaults(func=cmd_redis)
 
-    p = command("demo", "zero-config demo: embedded Redis, one worker, a dozen streamed jobs", WorkerSettings)
-    p.add_argument("--jobs", type=int, default=12, help="jobs to enqueue")
+    p = command("demo", "zero-config demo: embedded Redis, one worker, a dozen jobs arriving at once, streamed as "
+                        "they are batched, then the same jobs one at a time for comparison", WorkerSettings)
+    p.add_argument("--jobs", type=int, default=12, help="jobs in the burst")
     p.add_argument("--max-tokens", type=int, default=48, help="max tokens per job")
     p.set_defaults(func=cmd_demo)
 
