@@ -3,6 +3,8 @@
 An embedded Redis, one worker with the bundled model, and a dozen varied chat jobs that arrive at
 once, streamed side by side as continuous batching serves them. Then the same jobs again, served
 one at a time on the same worker, and a summary that sets the two runs side by side.
+``slotq demo --tools`` runs a second demo on the same setup: questions the model answers by calling
+a tool (:func:`run_tool_calls`).
 
 The jobs arrive in a burst because that is where continuous batching pays: while jobs wait for a
 slot, one decode step advances every running job for little more than the cost of one. Jobs that
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import tempfile
 import time
@@ -37,10 +40,12 @@ from rich.table import Table
 from rich.text import Text
 
 from slotq.engine import ChatMessage, SamplingParams
+from slotq.engine.reply_parser import ToolCallDelta
+from slotq.engine.request import FunctionDef, ToolCallSpec, ToolChoice, ToolSpec
 from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.cli.watch import ChildExited, WatchedTask, run_watched
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol.schemas import EntryKind, JobRequest
+from slotq.jobs.protocol.schemas import EntryKind, JobRequest, assemble_tool_calls
 from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker
 
@@ -76,6 +81,7 @@ class JobView:
     first_token_at: float | None = None
     done_at: float | None = None
     status: str = "queued"
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +144,7 @@ async def _follow(client: SlotqClient, view: JobView) -> None:
                 view.first_token_at = time.monotonic()
             view.status = "running"
             view.text += entry.text
+            view.tool_calls += entry.tool_calls
             view.tokens = entry.n_tokens
         elif entry.final:
             view.done_at = time.monotonic()
@@ -156,7 +163,9 @@ async def _follow_live(client: SlotqClient, views: Sequence[JobView], live: Live
         f.result()
 
 
-async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: int = 48) -> None:
+async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: int = 48, tools: bool = False) -> None:
+    """The burst demo, or with ``tools`` the tool-call demo, on an embedded Redis (unless
+    ``settings.redis_url`` names one) and an in-process worker."""
     console = Console()
     with contextlib.ExitStack() as stack:
         url = settings.redis_url
@@ -171,9 +180,10 @@ async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: in
         console.print(f"[dim]loading {settings.engine_config().model_path.name} with {settings.slots} slots...[/]")
         worker_task = asyncio.create_task(worker.run(handle_signals=False))
         client = await SlotqClient.connect(url, settings)
+        body = (_tools_body(worker, client, console, max_tokens) if tools
+                else _demo_body(worker, client, console, n_jobs, max_tokens, settings.slots))
         try:
-            batched, alone = await run_watched(_demo_body(worker, client, console, n_jobs, max_tokens, settings.slots),
-                                               WatchedTask("the demo's worker", worker_task))
+            summary = await run_watched(body, WatchedTask("the demo's worker", worker_task))
         except ChildExited as exc:
             Console(stderr=True, soft_wrap=True).print(f"[bold red]slotq demo stopped:[/] {escape(str(exc))}")
             raise SystemExit(1) from exc
@@ -182,14 +192,14 @@ async def run_demo(settings: WorkerSettings, *, n_jobs: int = 12, max_tokens: in
             if not worker_task.done():
                 worker.request_stop("demo finished", grace_s=0)
             await asyncio.gather(worker_task, return_exceptions=True)     # its error, if any, was reported
-    _summary(console, batched, alone, settings.slots)
+    console.print(summary)
 
 
 async def _demo_body(worker: SlotqWorker, client: SlotqClient, console: Console, n_jobs: int, max_tokens: int,
-                     slots: int) -> tuple[Run, Run]:
+                     slots: int) -> RenderableType:
     await worker.ready.wait()
     batched = await run_burst(client, console, n_jobs, max_tokens, slots)
-    return batched, await run_one_at_a_time(client, console, batched)
+    return _summary(batched, await run_one_at_a_time(client, console, batched), slots)
 
 
 async def run_burst(client: SlotqClient, console: Console, n_jobs: int, max_tokens: int, slots: int) -> Run:
@@ -224,7 +234,7 @@ async def run_one_at_a_time(client: SlotqClient, console: Console, batched: Run)
     return run
 
 
-def _summary(console: Console, batched: Run, alone: Run, slots: int) -> None:
+def _summary(batched: Run, alone: Run, slots: int) -> RenderableType:
     table = Table(title="summary: seconds from the jobs' arrival to their first / last token")
     table.add_column("job")
     table.add_column("tokens", justify="right")
@@ -233,8 +243,7 @@ def _summary(console: Console, batched: Run, alone: Run, slots: int) -> None:
     table.add_column("one at a time", justify="right")
     for b, a in zip(batched.views, alone.views, strict=True):
         table.add_row(b.id[:8], str(b.tokens), b.status, _first_and_last(b, batched), _first_and_last(a, alone))
-    console.print(Group(table, *summary_lines(len(batched.views), slots, RunFigures.of(batched),
-                                              RunFigures.of(alone))))
+    return Group(table, *summary_lines(len(batched.views), slots, RunFigures.of(batched), RunFigures.of(alone)))
 
 
 def _first_and_last(view: JobView, run: Run) -> str:
@@ -279,3 +288,105 @@ def _verdict(batched_s: float, alone_s: float) -> str:
                 "a decode step has compute to spare (a GPU, more cores: slotq bench engine)")
     return ("here a batch costs about as much per job as it saves; batching pays where a decode step has compute to "
             "spare (a GPU, more cores: slotq bench engine)")
+
+
+# ---------------------------------------------------------------------- slotq demo --tools
+CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 32}}}
+TOOLS = [ToolSpec(function=FunctionDef(name="get_weather", description="Current weather in a city", parameters=CITY)),
+         ToolSpec(function=FunctionDef(name="get_time", description="Current local time in a city", parameters=CITY))]
+TOOL_QUESTIONS = [
+    "What is the weather in Paris?",
+    "What time is it in Tokyo?",
+    "Is it raining in London?",
+    "What is the weather like in Lisbon today?",
+]
+# Room for the longest call the schema allows (32 characters of city, up to 4 tokens each on a byte-level
+# vocabulary); a real model's call ends after a dozen or so.
+CALL_MAX_TOKENS = 160
+
+
+@dataclass
+class ToolTurn:
+    """One question: the job that called a tool, what the (stand-in) tool returned, and the job
+    that answered from it."""
+
+    question: str
+    call: JobView
+    calls: list[ToolCallSpec] = field(default_factory=list)
+    results: list[str] = field(default_factory=list)
+    answer: JobView | None = None
+
+
+def run_tool(call: ToolCallSpec) -> str:
+    """The demo's stand-in tools: fixed answers that name the city asked about, so the demo needs
+    no network and the answer shows whether the result reached the model."""
+    city = str(json.loads(call.function.arguments).get("city", "?"))
+    if call.function.name == "get_weather":
+        return f"Sunny and 21 degrees in {city}."
+    return f"It is 14:05 in {city}."
+
+
+def _tool_request(messages: list[ChatMessage], tool_choice: ToolChoice, max_tokens: int) -> JobRequest:
+    return JobRequest(messages=messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=max_tokens,
+                      sampling=SamplingParams(temperature=0))
+
+
+def _call_text(calls: list[ToolCallSpec]) -> str:
+    return "; ".join(f"{c.function.name}({c.function.arguments})" for c in calls)
+
+
+def _tools_table(turns: list[ToolTurn], started: float) -> Table:
+    table = Table(title=f"slotq demo --tools: a question, a tool call, its result, the answer — "
+                        f"{time.monotonic() - started:5.1f} s", expand=True)
+    table.add_column("question", ratio=2)
+    table.add_column("tool call", ratio=3, overflow="fold")     # JSON arguments have no spaces to wrap at
+    table.add_column("tool result", ratio=2)
+    table.add_column("answer", ratio=3)
+    for t in turns:
+        call = _call_text(assemble_tool_calls(t.call.tool_calls))
+        if t.call.status != "tool_calls":
+            call = f"{call} ({t.call.status})" if call else t.call.status      # queued, running, or how it failed
+        answer = t.answer.text.replace("\n", " ") or t.answer.status if t.answer else ""
+        table.add_row(t.question, call, " ".join(t.results), answer)
+    return table
+
+
+async def _tools_body(worker: SlotqWorker, client: SlotqClient, console: Console, max_tokens: int) -> RenderableType:
+    await worker.ready.wait()
+    turns = await run_tool_calls(client, console, max_tokens)
+    called = [t for t in turns if t.calls]      # the replies that ended in a complete call
+    return (f"{len(turns)} questions, {len(called)} answered with a tool call (finish_reason tool_calls): "
+            "tool_choice \"required\" constrains each call's arguments to its function's JSON schema, so even a "
+            "135M model's calls validate; the demo ran stand-in tools and sent the results back as tool messages "
+            "for the answers")
+
+
+async def run_tool_calls(client: SlotqClient, console: Console, max_tokens: int) -> list[ToolTurn]:
+    """Each question enqueued at once with ``tool_choice="required"``; each call the replies make run
+    by :func:`run_tool`; the conversation sent back with the results (``tool_choice="none"``) for
+    the answers. One live table shows the calls stream in and the answers after them."""
+    started = time.monotonic()
+    turns = [ToolTurn(question=q, call=JobView(prompt=q, enqueued_at=started)) for q in TOOL_QUESTIONS]
+    with Live(_tools_table(turns, started), console=console, refresh_per_second=8) as live:
+        asked = [[ChatMessage(role="user", content=t.question)] for t in turns]
+        jobs = await asyncio.gather(*(client.enqueue(_tool_request(messages, "required", CALL_MAX_TOKENS))
+                                      for messages in asked))
+        for turn, job in zip(turns, jobs, strict=True):
+            turn.call.id = job.id
+        await _follow_live(client, [t.call for t in turns], live, lambda: _tools_table(turns, started))
+        answering: list[tuple[ToolTurn, JobRequest]] = []
+        for turn, messages in zip(turns, asked, strict=True):
+            if turn.call.status != "tool_calls":
+                continue            # the reply failed: its row shows why, and there is no call to answer from
+            turn.calls = assemble_tool_calls(turn.call.tool_calls)
+            turn.results = [run_tool(c) for c in turn.calls]
+            conversation = [*messages, ChatMessage(role="assistant", tool_calls=turn.calls),
+                            *(ChatMessage(role="tool", tool_call_id=c.id, content=result)
+                              for c, result in zip(turn.calls, turn.results, strict=True))]
+            answering.append((turn, _tool_request(conversation, "none", max_tokens)))
+        answers = await asyncio.gather(*(client.enqueue(request) for _, request in answering))
+        for (turn, _), job in zip(answering, answers, strict=True):
+            turn.answer = JobView(prompt=turn.question, enqueued_at=time.monotonic(), id=job.id)
+        await _follow_live(client, [t.answer for t in turns if t.answer], live, lambda: _tools_table(turns, started))
+    return turns

@@ -364,7 +364,7 @@ async def _bulk(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> None:
     from slotq.jobs.cli.demo import run_demo
 
-    asyncio.run(run_demo(_worker_settings(args), n_jobs=args.jobs, max_tokens=args.max_tokens))
+    asyncio.run(run_demo(_worker_settings(args), n_jobs=args.jobs, max_tokens=args.max_tokens, tools=args.tools))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -487,7 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("demo", "zero-config demo: embedded Redis, one worker, a dozen jobs arriving at once, streamed as "
                         "they are batched, then the same jobs one at a time for comparison", WorkerSettings)
     p.add_argument("--jobs", type=int, default=12, help="jobs in the burst")
-    p.add_argument("--max-tokens", type=int, default=48, help="max tokens per job")
+    p.add_argument("--max-tokens", type=int, default=48, help="max tokens per job (with --tools: per answer)")
+    p.add_argument("--tools", action="store_true",
+                   help="the tool-call demo instead: questions the model answers by calling a tool (forced, "
+                        "schema-valid calls streamed), the results sent back, then the answers")
     p.set_defaults(func=cmd_demo)
 
     p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse), "

@@ -148,3 +148,12 @@ def test_demo_runs_to_completion(tmp_path):
     assert "4 jobs arrived at once: all done in" in out and "s one at a time (" in out
     assert "tokens/s aggregate batched vs" in out
     assert any(verdict in out for verdict in ("wins a burst", "keeps the cores busy", "as much per job as it saves"))
+
+
+@pytest.mark.real_model
+def test_demo_tools_calls_a_tool_for_every_question(tmp_path):
+    proc = subprocess.run([str(SLOTQ_BIN), "demo", "--tools", "--max-tokens", "16"],
+                          env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = " ".join(proc.stdout.split())
+    assert "4 questions, 4 answered with a tool call" in out and "get_weather(" in out
