@@ -60,6 +60,15 @@ class CpuRepack(StrEnum):
     OFF = "off"
 
 
+class Pooling(StrEnum):
+    """How an embedding worker turns a sequence's token vectors into one (llama.cpp's pooling types)."""
+
+    AUTO = "auto"
+    MEAN = "mean"
+    CLS = "cls"
+    LAST = "last"
+
+
 class EngineKnobs(GrammarKnobs):
     """Sizes follow llama-server's meaning where one exists.
 
@@ -112,6 +121,14 @@ class EngineKnobs(GrammarKnobs):
                     "CPU has AMX, whose repacked kernels crash llama.cpp (llama.cpp #20824); on; off")
     seed: int = Field(0xFFFFFFFF, ge=0, le=0xFFFFFFFF,
                       description="sampler seed of requests that give none; 4294967295 = random")
+    pooling: Pooling = Field(
+        Pooling.AUTO,
+        description="embedding workers: how token vectors become one (llama-server --pooling); auto = the GGUF's "
+                    "pooling type, mean for a model that declares none (a text generator)")
+    embd_normalize: int = Field(
+        2, ge=-1, le=100,
+        description="embedding workers: normalisation of each vector, as llama-server's --embd-normalize: -1 none, "
+                    "0 max absolute (int16 range), 1 taxicab, 2 euclidean (L2), >2 p-norm")
 
     @model_validator(mode="after")
     def _sizes(self) -> EngineKnobs:

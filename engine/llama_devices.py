@@ -75,8 +75,8 @@ class _GgufInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
 
-def read_model_shape(path: Path) -> ModelShape:
-    """Layer sizes, vocabulary and KV widths from the GGUF header (no tensor data is read)."""
+def _gguf_lib() -> ctypes.CDLL:
+    """libggml-base with the signatures of the gguf_* functions the readers below use."""
     lib = _ggml_base()
     lib.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GgufInitParams]
     lib.gguf_init_from_file.restype = ctypes.c_void_p
@@ -99,20 +99,51 @@ def read_model_shape(path: Path) -> ModelShape:
         getter = getattr(lib, f"gguf_get_val_{width}")
         getter.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         getter.restype = getattr(ctypes, f"c_{'u' if width[0] == 'u' else ''}int{width[1:]}")
+    return lib
 
+
+def _gguf_integer(lib: ctypes.CDLL, ctx: int, key: str) -> int | None:
+    """An integer value of the GGUF header; None when absent or not a single integer (per-layer arrays)."""
+    kid = lib.gguf_find_key(ctx, key.encode())
+    if kid < 0:
+        return None
+    getter = _GGUF_INT_GETTERS.get(lib.gguf_get_kv_type(ctx, kid))
+    return int(getattr(lib, f"gguf_get_val_{getter}")(ctx, kid)) if getter else None
+
+
+def _gguf_architecture(lib: ctypes.CDLL, ctx: int) -> str:
+    arch_id = lib.gguf_find_key(ctx, b"general.architecture")
+    return lib.gguf_get_val_str(ctx, arch_id).decode() if arch_id >= 0 else "llama"
+
+
+def _open_gguf(lib: ctypes.CDLL, path: Path) -> int:
     ctx = lib.gguf_init_from_file(str(path).encode(), _GgufInitParams(True, None))
     if not ctx:
         raise ValueError(f"{path}: not a readable GGUF file")
+    return int(ctx)
+
+
+def read_pooling_hint(path: Path) -> tuple[str, int | None]:
+    """The GGUF's architecture and its ``<arch>.pooling_type`` (llama.cpp's enum; None when absent):
+    what tells an embedding model from a text generator before it loads."""
+    lib = _gguf_lib()
+    ctx = _open_gguf(lib, path)
+    try:
+        arch = _gguf_architecture(lib, ctx)
+        return arch, _gguf_integer(lib, ctx, f"{arch}.pooling_type")
+    finally:
+        lib.gguf_free(ctx)
+
+
+def read_model_shape(path: Path) -> ModelShape:
+    """Layer sizes, vocabulary and KV widths from the GGUF header (no tensor data is read)."""
+    lib = _gguf_lib()
+    ctx = _open_gguf(lib, path)
     try:
         def integer(key: str) -> int | None:
-            kid = lib.gguf_find_key(ctx, key.encode())
-            if kid < 0:
-                return None
-            getter = _GGUF_INT_GETTERS.get(lib.gguf_get_kv_type(ctx, kid))
-            return int(getattr(lib, f"gguf_get_val_{getter}")(ctx, kid)) if getter else None   # per-layer arrays: None
+            return _gguf_integer(lib, ctx, key)
 
-        arch_id = lib.gguf_find_key(ctx, b"general.architecture")
-        arch = lib.gguf_get_val_str(ctx, arch_id).decode() if arch_id >= 0 else "llama"
+        arch = _gguf_architecture(lib, ctx)
         n_layer = integer(f"{arch}.block_count") or 0
         n_embd = integer(f"{arch}.embedding_length") or 0
         n_head = integer(f"{arch}.attention.head_count") or 1

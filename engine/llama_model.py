@@ -99,10 +99,30 @@ class ContextInfo:
     kv_layout: KVLayout         # never AUTO: what the context was created with
 
 
+@dataclass(frozen=True)
+class ContextShape:
+    """The llama.cpp context a model is served with: sizes, KV layout, and whether it computes pooled
+    embeddings instead of logits. Generation and embedding engines load models the same way (threads,
+    GPU layers, weight repacking) and differ only here."""
+
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int
+    kv_layout: KVLayout           # never AUTO
+    pooling_type: int | None = None     # llama.cpp's enum llama_pooling_type; None = logits (generation)
+
+    @classmethod
+    def for_generation(cls, config: EngineConfig) -> ContextShape:
+        return cls(n_ctx=config.total_kv_cells, n_batch=config.batch, n_ubatch=min(config.ubatch, config.batch),
+                   n_seq_max=config.kv_sequences, kv_layout=config.resolved_kv_layout)
+
+
 class LlamaModel:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shape: ContextShape | None = None) -> None:
         _init_backend()
         self.config = config
+        shape = shape or ContextShape.for_generation(config)
         mp = llama_cpp.llama_model_default_params()
         self.gpu_layers = resolve_gpu_layers(config)
         _set_fields(mp, n_gpu_layers=self.gpu_layers,
@@ -118,29 +138,29 @@ class LlamaModel:
         n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
 
         threads = config.threads or len(os.sched_getaffinity(0)) or 1   # cores this process may use
-        layout = config.resolved_kv_layout
         cp = llama_cpp.llama_context_default_params()
         _set_fields(
             cp,
-            n_ctx=config.total_kv_cells,
-            n_batch=config.batch,
-            n_ubatch=min(config.ubatch, config.batch),
-            n_seq_max=config.kv_sequences,
+            n_ctx=shape.n_ctx,
+            n_batch=shape.n_batch,
+            n_ubatch=shape.n_ubatch,
+            n_seq_max=shape.n_seq_max,
             n_threads=threads,
             n_threads_batch=threads,
-            kv_unified=layout == KVLayout.UNIFIED,
+            kv_unified=shape.kv_layout == KVLayout.UNIFIED,
             swa_full=True,
             flash_attn_type=_FLASH_ATTN[config.flash_attention],
             type_k=_GGML_TYPES[config.kv_type],
             type_v=_GGML_TYPES[config.kv_type],
             no_perf=True,
         )
+        if shape.pooling_type is not None:
+            _set_fields(cp, embeddings=True, pooling_type=shape.pooling_type)
         self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
             raise RuntimeError(
-                f"llama.cpp could not create a context of {config.total_kv_cells} KV cells with {config.kv_sequences} "
-                "sequences "
+                f"llama.cpp could not create a context of {shape.n_ctx} KV cells with {shape.n_seq_max} sequences "
                 "(out of memory? lower SLOTQ_CTX / SLOTQ_SLOTS)"
             )
         self._mem = llama_cpp.llama_get_memory(self._ctx)
@@ -155,11 +175,11 @@ class LlamaModel:
             n_ctx_train=n_ctx_train,
             model_name=self.metadata("general.name") or config.model_path.stem,
             model_size_bytes=llama_cpp.llama_model_size(self._model),
-            kv_layout=layout,
+            kv_layout=shape.kv_layout,
         )
-        if self.info.n_seq_max < config.kv_sequences:
-            raise RuntimeError(f"llama.cpp allows only {self.info.n_seq_max} sequences; asked for {config.slots} slots "
-                               f"+ {config.usable_cache_slots} cache slots")
+        if self.info.n_seq_max < shape.n_seq_max:
+            raise RuntimeError(f"llama.cpp allows only {self.info.n_seq_max} sequences; asked for {shape.n_seq_max} "
+                               f"({config.slots} slots + {config.usable_cache_slots} cache slots)")
         self._batch = llama_cpp.llama_batch_init(self.info.n_batch, 0, 1)
         self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self.info.n_batch,))
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.info.n_batch,))
@@ -276,6 +296,24 @@ class LlamaModel:
 
     def kv_clear(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)
+
+    @property
+    def n_embd_out(self) -> int:
+        """Width of the vectors :meth:`sequence_embedding` returns."""
+        return int(llama_cpp.llama_model_n_embd_out(self._model))
+
+    @property
+    def pooling_type(self) -> int:
+        """The pooling the context applies (llama.cpp's enum; the GGUF's when none was asked for)."""
+        return int(llama_cpp.llama_pooling_type(self._ctx))
+
+    def sequence_embedding(self, seq_id: int) -> np.ndarray:
+        """The pooled embedding of ``seq_id`` after the last decode (a copy: llama.cpp reuses the buffer)."""
+        pointer = llama_cpp.llama_get_embeddings_seq(self._ctx, seq_id)
+        if not pointer:
+            raise RuntimeError(f"llama.cpp has no pooled embedding for sequence {seq_id} (pooling type "
+                               f"{self.pooling_type})")
+        return np.ctypeslib.as_array(pointer, shape=(self.n_embd_out,)).copy()
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

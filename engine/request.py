@@ -225,3 +225,34 @@ class GenerationRequest(GenerationParams):
             raise ValueError(f"resume_tokens has {len(self.resume_tokens)} tokens; "
                              f"it must be < max_tokens ({self.max_tokens})")
         return self
+
+
+MAX_EMBEDDING_INPUTS = 2048     # per request, as OpenAI's embeddings API allows
+
+
+class EmbeddingParams(BaseModel):
+    """What to embed. Shared by the engine's request and the job layer's, so both validate alike."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str] | list[list[int]] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS,
+                                                description="texts, or token id arrays; one vector each, in order")
+    truncate: bool = Field(False, description="cut an input over the limit to its first tokens instead of refusing it")
+
+    @field_validator("inputs")
+    @classmethod
+    def _none_empty(cls, inputs: list[str] | list[list[int]]) -> list[str] | list[list[int]]:
+        for i, item in enumerate(inputs):
+            if len(item) == 0:
+                raise ValueError(f"input {i} is empty")
+            if isinstance(item, list) and min(item) < 0:
+                raise ValueError(f"input {i}: token id {min(item)} is negative")
+        return inputs
+
+    def input_chars(self) -> int:
+        """Characters of the texts (a token array counts its tokens): what producers can check without a tokenizer."""
+        return sum(len(item) for item in self.inputs)
+
+
+class EmbeddingRequest(EmbeddingParams):
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)

@@ -41,10 +41,12 @@ HERMES_TEMPLATE = (
 
 def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: int = 128, n_layer: int = 2,
                      n_ctx_train: int = 8192, quant: gguf.GGMLQuantizationType | None = None,
-                     chat_template: str = CHATML_TEMPLATE) -> Path:
+                     chat_template: str = CHATML_TEMPLATE, pooling_type: int | None = None) -> Path:
     """``quant`` (e.g. Q4_0) quantizes the matrices that feed matrix multiplications, so llama.cpp
     has something to repack; the default keeps every weight F32. ``chat_template``: plain ChatML
-    (no tools, as the bundled model's) unless a test needs another, e.g. :data:`HERMES_TEMPLATE`."""
+    (no tools, as the bundled model's) unless a test needs another, e.g. :data:`HERMES_TEMPLATE`.
+    ``pooling_type`` (llama.cpp's enum, e.g. 1 = mean) writes ``llama.pooling_type``, as embedding
+    fine-tunes of decoder models carry."""
     rng = np.random.default_rng(seed)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + list(LETTERS)
     types = [2, 3, 3] + [6] * 256 + [1] * 27
@@ -74,6 +76,8 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_chat_template(chat_template)
+    if pooling_type is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling_type))
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
