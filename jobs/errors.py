@@ -66,3 +66,13 @@ class StreamGone(SlotqError, LookupError):
         super().__init__(f"the output stream of job {job_id!r} {why}; the last entry read was {last_id}")
         self.job_id = job_id
         self.last_id = last_id
+
+
+class JobFailed(SlotqError):
+    """A job the caller waited for ended without its answer: failed (``code`` is its error's, e.g.
+    ``invalid_request`` for an input over the model's limit) or cancelled (``code`` ``cancelled``)."""
+
+    def __init__(self, job_id: str, code: str, message: str) -> None:
+        super().__init__(f"job {job_id!r} {'was cancelled' if code == 'cancelled' else f'failed: {code}: {message}'}")
+        self.job_id = job_id
+        self.code = code

@@ -30,6 +30,7 @@ from slotq.jobs.worker.elastic.knobs import ElasticKnobs
 
 if TYPE_CHECKING:
     from slotq.jobs.protocol.redis_queue import TenantQuotas
+    from slotq.jobs.protocol.schemas import JobKind
 
 DOTENV = ".env"
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[Ff](?:16|32)|BF16|bf16)$")
@@ -146,6 +147,10 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         100.0, gt=0, le=1000, description="generated text waits at most this long before it is written to the job's "
                                           "stream; earlier once a write carries more tokens than it costs Redis "
                                           "commands (a job's first entry and final entries go at once)")
+    embeddings: bool | None = Field(
+        None, description="serve embedding jobs (the model pooled into vectors) instead of generating text; unset = "
+                          "detected from the GGUF: an encoder such as BERT, or a pooling type in its header. A text "
+                          "generator serves embeddings only when asked (--embeddings, mean pooling by default)")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
 
@@ -169,6 +174,14 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         if self.model_name:
             return self.model_name
         return _QUANT_SUFFIX.sub("", model_path.stem) or model_path.stem
+
+    def job_kind(self, model_path: Path) -> JobKind:
+        """The kind of job this worker serves: ``embeddings`` when set, else what the GGUF says."""
+        from slotq.engine.embedding import is_embedding_model
+        from slotq.jobs.protocol.schemas import JobKind
+
+        embeddings = self.embeddings if self.embeddings is not None else is_embedding_model(model_path)
+        return JobKind.EMBEDDING if embeddings else JobKind.GENERATION
 
     def engine_config(self) -> EngineConfig:
         knobs = {name: getattr(self, name) for name in EngineKnobs.model_fields}

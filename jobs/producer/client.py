@@ -15,14 +15,16 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 
-from slotq.engine import ErrorInfo, FinishReason, GrammarError
+from slotq.engine import ErrorInfo, FinishReason, GrammarError, Usage
 from slotq.engine.constraints import check_constraint
 from slotq.engine.tools import check_tools
 from slotq.jobs.errors import (
+    JobFailed,
     JobNotFound,
     JobRejected,
     JobTimeout,
@@ -39,7 +41,10 @@ from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
 from slotq.jobs.protocol.redis_queue import TOKENS_WINDOW_MS, Enqueued, RedisQueue
 from slotq.jobs.protocol.schemas import (
+    AnyJobRequest,
+    EmbeddingJobRequest,
     EntryKind,
+    JobKind,
     JobRequest,
     JobResult,
     JobStatus,
@@ -52,8 +57,10 @@ from slotq.jobs.protocol.schemas import (
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.settings import ClientSettings
 
-__all__ = ["JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull", "QuotaExceeded", "SlotqClient",
-           "StreamGone"]
+__all__ = ["EmbeddingResult", "JobFailed", "JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull",
+           "QuotaExceeded", "SlotqClient", "StreamGone"]
+
+EmbeddingInputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 
 WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
 
@@ -83,6 +90,33 @@ class JobHandle:
 
     def __repr__(self) -> str:
         return f"JobHandle({self.id!r})"
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    """What :meth:`SlotqClient.embed` returns: one vector per input, in input order."""
+
+    job_id: str
+    vectors: list[list[float]]
+    usage: Usage
+    dimensions: int
+
+    @classmethod
+    def of(cls, result: JobResult) -> EmbeddingResult:
+        """The vectors of a finished embedding job; JobFailed when it failed or was cancelled."""
+        if result.status != JobStatus.SUCCEEDED:
+            error = result.error
+            raise JobFailed(result.id, error.code if error else result.status.value, error.message if error else "")
+        return cls(job_id=result.id, vectors=result.vectors(), usage=result.usage, dimensions=result.dimensions or 0)
+
+
+def embedding_inputs(inputs: EmbeddingInputs) -> list[Any]:
+    """``inputs`` as an embedding job holds them: one text, or one token array, becomes a list of one
+    (EmbeddingJobRequest then checks the items)."""
+    if isinstance(inputs, str):
+        return [inputs]
+    items = list(inputs)
+    return [items] if items and all(isinstance(item, int) for item in items) else items
 
 
 class SlotqClient:
@@ -144,12 +178,40 @@ class SlotqClient:
             request = JobRequest(messages=[{"role": "user", "content": request}], **fields)
         elif fields:
             request = JobRequest.model_validate({**request.model_dump(exclude_unset=True), **fields})
-        if request.lane not in self.settings.lanes:
-            raise JobRejected(f"lane {request.lane!r} is not one of this queue's lanes {self.settings.lanes} "
-                              "(SLOTQ_LANES)", field="lane")
+        self._check_lane(request)
         await self._check_fits(request)
         if request.sampling.json_schema is not None or request.sampling.grammar is not None or request.calls_tools:
             await self._check_constraint(request)
+        return await self._submit(request)
+
+    async def enqueue_embedding(self, request: EmbeddingJobRequest | EmbeddingInputs, **fields: Any) -> JobHandle:
+        """Queue an embedding job: a request, or its inputs (a text, texts, a token array or token
+        arrays) plus EmbeddingJobRequest fields (``truncate``, ``lane``, ``idempotency_key``, ...).
+        The queue must be an embedding model's (``slotq worker --embeddings``). Its result holds one
+        vector per input (``JobResult.vectors()``). Raises as :meth:`enqueue` does; JobRejected also
+        for a text that cannot fit the workers' input limit (unless ``truncate``), or a queue whose
+        workers generate text."""
+        if not isinstance(request, EmbeddingJobRequest):
+            request = EmbeddingJobRequest(inputs=embedding_inputs(request), **fields)
+        elif fields:
+            request = EmbeddingJobRequest.model_validate({**request.model_dump(exclude_unset=True), **fields})
+        self._check_lane(request)
+        await self._check_embedding_fits(request)
+        return await self._submit(request)
+
+    async def embed(self, inputs: EmbeddingJobRequest | EmbeddingInputs, *, timeout: float | None = None,
+                    **fields: Any) -> EmbeddingResult:
+        """Enqueue an embedding job and wait for its vectors: ``await client.embed(["a", "b"])``.
+        JobFailed if it fails (e.g. an input over the model's limit without ``truncate=True``)."""
+        handle = await self.enqueue_embedding(inputs, **fields)
+        return EmbeddingResult.of(await handle.result(timeout=timeout))
+
+    def _check_lane(self, request: AnyJobRequest) -> None:
+        if request.lane not in self.settings.lanes:
+            raise JobRejected(f"lane {request.lane!r} is not one of this queue's lanes {self.settings.lanes} "
+                              "(SLOTQ_LANES)", field="lane")
+
+    async def _submit(self, request: AnyJobRequest) -> JobHandle:
         job_id = tenant_job_id(request.tenant, request.idempotency_key or uuid.uuid4().hex)
         outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
                                            tenant=request.tenant, max_waiting=self.settings.max_queue_length,
@@ -177,7 +239,7 @@ class SlotqClient:
         except GrammarError as exc:
             raise JobRejected(str(exc), field=exc.field or "sampling") from None
 
-    def _quota_exceeded(self, outcome: Enqueued, request: JobRequest) -> QuotaExceeded:
+    def _quota_exceeded(self, outcome: Enqueued, request: AnyJobRequest) -> QuotaExceeded:
         """The refusal of a tenant's quota, saying which limit and when to try again: the tokens
         quota frees at the next minute of the clock; a waiting or in-flight place when one of the
         tenant's jobs starts or ends, which no one can foresee (``retry_after_s`` None)."""
@@ -328,6 +390,32 @@ class SlotqClient:
         (:mod:`~slotq.jobs.protocol.registry`)."""
         return await registry.live_workers(self.redis)
 
+    async def _queue_workers(self, kind: JobKind) -> list[WorkerInfo]:
+        """The live workers of this queue, or JobRejected when every one serves another kind of job
+        (an embedding job sent to a text generator's queue, or the reverse). With none, an empty list."""
+        workers = [w for w in await self._cached_workers() if w.queue == self.settings.queue_name]
+        if workers and all(w.kind != kind for w in workers):
+            raise JobRejected(
+                f"the workers of queue {self.settings.queue_name!r} (model {workers[0].model}) serve "
+                f"{workers[0].kind.value} jobs, not {kind.value} jobs; use the queue of a model that serves them",
+                field="model")
+        return [w for w in workers if w.kind == kind]
+
+    async def _check_embedding_fits(self, request: EmbeddingJobRequest) -> None:
+        """Refuse a text that cannot fit the largest input limit the queue's workers advertise (its
+        characters over that limit times ``max_prompt_chars_per_token``), unless it is to be truncated."""
+        contexts = [w.ctx for w in await self._queue_workers(JobKind.EMBEDDING) if w.ctx]
+        if not contexts or request.truncate:
+            return
+        limit = int(max(contexts) * self.settings.max_prompt_chars_per_token)
+        for i, item in enumerate(request.inputs):
+            if isinstance(item, str) and len(item) > limit:
+                raise JobRejected(
+                    f"input {i} has {len(item)} characters, more than the {max(contexts)}-token input limit of queue "
+                    f"{self.settings.queue_name!r} can hold ({limit} characters at most, "
+                    f"SLOTQ_MAX_PROMPT_CHARS_PER_TOKEN={self.settings.max_prompt_chars_per_token:g}); "
+                    "ask to truncate it", field="inputs")
+
     async def _check_fits(self, request: JobRequest) -> None:
         """Refuse what no live worker of this queue could ever run. The prompt's token count is
         only known to a worker, so the checks are ``max_tokens`` against the largest per-sequence
@@ -335,7 +423,7 @@ class SlotqClient:
         against that context times ``max_prompt_chars_per_token``: a prompt that long cannot fit,
         and refusing it here spares a worker tokenizing megabytes only to say so. With no live
         worker, accept."""
-        contexts = [w.ctx for w in await self._cached_workers() if w.queue == self.settings.queue_name and w.ctx]
+        contexts = [w.ctx for w in await self._queue_workers(JobKind.GENERATION) if w.ctx]
         if not contexts:
             return
         ctx = max(contexts)

@@ -17,8 +17,15 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus, QueueInfo, StreamEntry
+from slotq.jobs.producer.client import EmbeddingInputs, EmbeddingResult, SlotqClient
+from slotq.jobs.protocol.schemas import (
+    EmbeddingJobRequest,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    QueueInfo,
+    StreamEntry,
+)
 from slotq.jobs.settings import ClientSettings
 
 T = TypeVar("T")
@@ -44,6 +51,15 @@ class SyncSlotqClient:
     def enqueue(self, request: JobRequest | str, **fields: Any) -> str:
         """Returns the job id (the same id for the same idempotency key)."""
         return self._call(self._client.enqueue(request, **fields)).id
+
+    def enqueue_embedding(self, request: EmbeddingJobRequest | EmbeddingInputs, **fields: Any) -> str:
+        """Queue an embedding job (see :meth:`SlotqClient.enqueue_embedding`); returns the job id."""
+        return self._call(self._client.enqueue_embedding(request, **fields)).id
+
+    def embed(self, inputs: EmbeddingJobRequest | EmbeddingInputs, *, timeout: float | None = None,
+              **fields: Any) -> EmbeddingResult:
+        """Embed and wait for the vectors (see :meth:`SlotqClient.embed`)."""
+        return self._call(self._client.embed(inputs, timeout=timeout, **fields))
 
     def stream(self, job_id: str, last_id: str = "0-0") -> Iterator[StreamEntry]:
         return self._iterate(self._client.stream(job_id, last_id=last_id))

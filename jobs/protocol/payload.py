@@ -11,6 +11,11 @@ upgraded in either order during a rolling deploy:
   ``unsupported_payload_version`` (requeue it once the workers are upgraded), and never crashes.
 
 A payload without a version comes from a producer older than versioning: it is 1.0.
+
+Beside the version, a payload names its ``kind`` (:class:`~slotq.jobs.protocol.schemas.JobKind`) when it is
+not a generation job: an embedding job's ``inputs`` validate as an :class:`EmbeddingJobRequest`. A worker
+older than 1.3 reads an embedding payload as a generation job with unknown fields and refuses it as
+``invalid_payload`` (it has no prompt), never runs it.
 """
 
 from __future__ import annotations
@@ -23,26 +28,33 @@ from typing import Any
 from pydantic import ValidationError
 
 from slotq.engine import ErrorInfo
-from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobKind, JobRequest
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = (1, 3)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`, `logprobs`
+SCHEMA_VERSION = (1, 3)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`,
+                              # `logprobs`, and `kind` (embedding jobs: `inputs`, `truncate`)
 VERSION_FIELD = "schema_version"
+KIND_FIELD = "kind"
+_REQUEST_MODELS: dict[JobKind, type[AnyJobRequest]] = {JobKind.GENERATION: JobRequest,
+                                                       JobKind.EMBEDDING: EmbeddingJobRequest}
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 _logged_ignored: set[tuple[str, ...]] = set()
 
 
-def encode_payload(request: JobRequest) -> dict[str, Any]:
-    """The payload a producer enqueues: the request's non-default fields plus the schema version."""
-    return {VERSION_FIELD: "{}.{}".format(*SCHEMA_VERSION), **request.model_dump(mode="json", exclude_defaults=True)}
+def encode_payload(request: AnyJobRequest) -> dict[str, Any]:
+    """The payload a producer enqueues: the request's non-default fields plus the schema version
+    (and the kind, unless it is a generation job, so older payloads read as they always did)."""
+    kind = {} if request.kind == JobKind.GENERATION else {KIND_FIELD: request.kind.value}
+    return {VERSION_FIELD: "{}.{}".format(*SCHEMA_VERSION), **kind,
+            **request.model_dump(mode="json", exclude_defaults=True)}
 
 
 @dataclass
 class Decoded:
     """A payload read by a worker: the request, or the error that dead-letters it."""
 
-    request: JobRequest | None = None
+    request: AnyJobRequest | None = None
     error: ErrorInfo | None = None
     ignored: list[str] = field(default_factory=list)      # unknown fields of a newer minor version
 
@@ -56,30 +68,35 @@ def decode_payload(payload: Any) -> Decoded:
     if match is None:
         return Decoded(error=_invalid(f"{VERSION_FIELD} must look like '1.0', not {raw_version!r}"))
     version = (int(match[1]), int(match[2]))
+    raw_kind = body.pop(KIND_FIELD, JobKind.GENERATION.value)
+    if raw_kind not in JobKind.__members__.values():
+        return Decoded(error=_invalid(f"{KIND_FIELD} must be one of {', '.join(k.value for k in JobKind)}, "
+                                      f"not {raw_kind!r}"))
+    model = _REQUEST_MODELS[JobKind(raw_kind)]
     if version[0] != SCHEMA_VERSION[0]:
         return Decoded(error=ErrorInfo(code="unsupported_payload_version", retryable=False, message=(
             f"payload schema {raw_version} is not understood by this worker (it reads "
             f"{SCHEMA_VERSION[0]}.x); upgrade the workers, then requeue with `slotq dlq requeue`")))
     ignored: list[str] = []
     if version > SCHEMA_VERSION:
-        ignored = _strip_unknown(body)
+        ignored = _strip_unknown(body, model)
         if ignored and tuple(ignored) not in _logged_ignored:
             _logged_ignored.add(tuple(ignored))
             log.warning("payload schema %s is newer than this worker's %d.%d: ignoring %s",
                         raw_version, *SCHEMA_VERSION, ", ".join(ignored))
     try:
-        return Decoded(request=JobRequest.model_validate(body), ignored=ignored)
+        return Decoded(request=model.model_validate(body), ignored=ignored)
     except ValidationError as exc:
         return Decoded(error=_invalid(f"job payload failed validation: {_first_error(exc)}"))
 
 
-def _strip_unknown(body: dict[str, Any]) -> list[str]:
+def _strip_unknown(body: dict[str, Any], model: type[AnyJobRequest]) -> list[str]:
     """Remove the fields (at any depth) that this version's request model forbids; return their
     dotted names. Driven by the model's own errors, so nested models need no special casing."""
     removed: list[str] = []
     for _ in range(32):      # each pass removes every extra field pydantic reports
         try:
-            JobRequest.model_validate(body)
+            model.model_validate(body)
             return removed
         except ValidationError as exc:
             extras = [err["loc"] for err in exc.errors() if err["type"] == "extra_forbidden"]

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import base64
 import re
+import sys
+from array import array
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
 from slotq.engine import ErrorInfo, FinishReason, GenerationParams, Timings, TokenLogprob, Usage
 from slotq.engine.reply_parser import ToolCallDelta
-from slotq.engine.request import FunctionCall, ToolCallSpec
+from slotq.engine.request import EmbeddingParams, FunctionCall, ToolCallSpec
 from slotq.jobs.protocol.keys import DEFAULT_TENANT
 from slotq.jobs.protocol.serialization import serialize
 
@@ -40,9 +43,15 @@ def tenant_of_job(job_id: str) -> str:
     return split_job_id(job_id)[1]
 
 
-class JobRequest(GenerationParams):
-    """A generation job. Validated when enqueued: a bad request raises pydantic's
-    ValidationError naming the field, and nothing is written to Redis."""
+class JobKind(StrEnum):
+    """What a job asks of its worker; a worker serves one kind (its model decides)."""
+
+    GENERATION = "generation"
+    EMBEDDING = "embedding"
+
+
+class JobFields(BaseModel):
+    """What every kind of job carries besides its work: lane, idempotency key, metadata, tenant."""
 
     lane: str = Field("interactive", pattern=r"^[a-z][a-z0-9_-]{0,31}$",
                       description="priority lane (SLOTQ_LANES); e.g. 'bulk' runs only on slots no higher lane needs")
@@ -55,7 +64,7 @@ class JobRequest(GenerationParams):
                                     "key and the job id")
 
     @model_validator(mode="after")
-    def _serializable(self) -> JobRequest:
+    def _serializable(self) -> JobFields:
         """What validates must also enqueue: msgpack rejects ints beyond 64 bits and strings with
         lone surrogates, which pydantic lets through (e.g. in metadata or json_schema)."""
         try:
@@ -76,6 +85,13 @@ class JobRequest(GenerationParams):
         """The job id this request's idempotency key maps to (None without a key)."""
         return None if self.idempotency_key is None else tenant_job_id(self.tenant, self.idempotency_key)
 
+
+class JobRequest(GenerationParams, JobFields):
+    """A generation job. Validated when enqueued: a bad request raises pydantic's
+    ValidationError naming the field, and nothing is written to Redis."""
+
+    kind: ClassVar[JobKind] = JobKind.GENERATION
+
     def prompt_chars(self) -> int:
         """The characters of the prompt, or of every message (its content and the calls it made),
         and of the tools the template will describe."""
@@ -91,6 +107,29 @@ class JobRequest(GenerationParams):
         decided before the job is queued) plus every token it may generate (max_tokens x n). It is
         not refunded when the job stops early, so a tenant can never exceed the quota."""
         return -(-self.prompt_chars() // QUOTA_CHARS_PER_TOKEN) + self.max_tokens * self.n
+
+
+class EmbeddingJobRequest(EmbeddingParams, JobFields):
+    """An embedding job: one vector per input (texts or token arrays), on an embedding model's queue."""
+
+    kind: ClassVar[JobKind] = JobKind.EMBEDDING
+
+    def quota_tokens(self) -> int:
+        """What the job reserves of its tenant's tokens per minute: its texts' characters / QUOTA_CHARS_PER_TOKEN
+        (a token array counts its tokens), as a generation job's prompt is counted."""
+        return sum(-(-len(item) // QUOTA_CHARS_PER_TOKEN) if isinstance(item, str) else len(item)
+                   for item in self.inputs)
+
+
+AnyJobRequest = JobRequest | EmbeddingJobRequest
+
+
+def decode_vector(encoded: str) -> list[float]:
+    """The floats of one vector of :attr:`JobResult.embeddings` (little-endian float32 in base64)."""
+    packed = array("f", base64.b64decode(encoded))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
 
 
 class JobStatus(StrEnum):
@@ -142,6 +181,14 @@ class JobResult(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     max_tokens_cap: MaxTokensCap | None = Field(
         None, description="set when a degraded worker capped max_tokens; finish_reason is then 'length' at the cap")
+    embeddings: list[str] = Field(
+        default_factory=list, description="embedding jobs: one vector per input, in input order, each little-endian "
+                                          "float32 in base64 (OpenAI's encoding_format=base64); vectors() decodes them")
+    dimensions: int | None = Field(None, description="embedding jobs: the length of each vector")
+
+    def vectors(self) -> list[list[float]]:
+        """An embedding job's vectors as floats, one per input."""
+        return [decode_vector(encoded) for encoded in self.embeddings]
 
 
 class EntryKind(StrEnum):
@@ -194,6 +241,7 @@ class WorkerInfo(BaseModel):
     id: str
     queue: str = Field("", description="the queue it serves")
     model: str = Field(description="the model name it serves (what the gateway's `model` matches)")
+    kind: JobKind = Field(JobKind.GENERATION, description="the kind of job its model serves")
     ctx: int = Field(0, description="per-sequence context: prompt + max_tokens must fit")
     slots_total: int
     slots_busy: int

@@ -10,10 +10,14 @@ about ``jobs/``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from slotq.engine import EngineConfig, EngineStats, Event, GenerationRequest
+from slotq.engine.request import EmbeddingRequest
 from slotq.engine.scheduler import SchedulerLimits
+
+if TYPE_CHECKING:
+    from slotq.engine.embedding import Embeddings
 
 
 class RunningRequest(Protocol):
@@ -65,6 +69,7 @@ class JobEngine(Protocol):
         """Run one request through the whole path before serving; returns the seconds it took."""
         ...
 
+    @property
     def full_limits(self) -> SchedulerLimits:
         """The configured sizes: the ceiling of :meth:`set_limits`."""
         ...
@@ -83,3 +88,12 @@ class JobEngine(Protocol):
 
 EngineFactory = Callable[[EngineConfig], Awaitable[JobEngine]]
 """Builds a worker's engine from its settings (``Engine.start`` by default)."""
+
+
+class JobEmbedder(Protocol):
+    """What an embedding worker's engine adds to :class:`JobEngine` (``engine.embedding.EmbeddingEngine``,
+    whose generation entry points refuse generation jobs by name)."""
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        """The request's vectors; raises ``EngineError`` (``InvalidRequest``, ``EngineDead``, ...)."""
+        ...

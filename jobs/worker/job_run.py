@@ -24,6 +24,7 @@ a row were lost without progress, the next attempt refuses to run it and dead-le
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import time
@@ -45,6 +46,7 @@ from slotq.engine import (
     Usage,
 )
 from slotq.engine.reply_parser import ToolCallDelta
+from slotq.engine.request import EmbeddingParams, EmbeddingRequest
 from slotq.jobs.protocol import dead_letters, streams
 from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
 from slotq.jobs.protocol.payload import decode_payload
@@ -52,6 +54,7 @@ from slotq.jobs.protocol.preemption import Progress
 from slotq.jobs.protocol.redis_queue import AttemptLedger, AttemptStart, AttemptVerdict
 from slotq.jobs.protocol.schemas import (
     ChoiceResult,
+    EmbeddingJobRequest,
     EntryKind,
     JobRequest,
     JobResult,
@@ -64,7 +67,7 @@ from slotq.jobs.protocol.serialization import POISON_MARKER
 from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker import metrics
 from slotq.jobs.worker.elastic.admission import Verdict
-from slotq.jobs.worker.engine_api import JobEngine, RunningRequest
+from slotq.jobs.worker.engine_api import JobEmbedder, JobEngine, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
 from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
@@ -136,13 +139,17 @@ class JobRun:
                  job_id: str, attempt: int, enqueued_at: float | None, payload: Any,
                  is_abort: Callable[[], bool], lease_lost: Callable[[], bool],
                  verdict: Callable[..., Verdict] | None = None, ledger: AttemptLedger | None = None,
-                 lent_reserve: bool = False, faults: JobFaults = JobFaults(), gate: StartGate | None = None) -> None:
+                 lent_reserve: bool = False, faults: JobFaults = JobFaults(), gate: StartGate | None = None,
+                 embedder: JobEmbedder | None = None) -> None:
         """``ledger`` judges lost attempts (interrupted or failed); without one (arq's own queue, as
         the arq baseline runs) every attempt spends a try. ``lent_reserve``: the claim lent this
         attempt the worker's reserve (its tenant had nothing running), and so does its engine request.
         ``gate``: the worker's, where suspects start isolated (with a ledger; without one, a suspect
-        starts like any job). Whoever runs the attempt calls ``gate.leave`` when it ends."""
+        starts like any job). Whoever runs the attempt calls ``gate.leave`` when it ends. ``embedder``:
+        the engine again on an embedding worker, which runs embedding jobs (None on a generation
+        worker, which fails them by name)."""
         self.engine = engine
+        self.embedder = embedder
         self.writer = writer
         self.settings = settings
         self.worker_id = worker_id
@@ -189,8 +196,11 @@ class JobRun:
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
         # Read even on attempt 1: a job handed back on shutdown runs again with the same try number.
         delivered = await read_delivered(self.writer, self.job_id)
-        if delivered.final is not None:
-            return await self._result_from_stream(delivered)   # an earlier attempt finished; only its finish was lost
+        if delivered.final is not None and not (isinstance(job, EmbeddingJobRequest)
+                                                and delivered.final.kind == EntryKind.DONE):
+            # An earlier attempt finished; only its finish was lost. (An embedding job's vectors are not in
+            # its stream: they are computed again.)
+            return await self._result_from_stream(delivered)
         start = await self._start_attempt(delivered)
         if start is not None and start.verdict == AttemptVerdict.REFUSED:
             return await self._dead_letter(ErrorInfo(code=dead_letters.KILLED_ITS_WORKER, retryable=False, message=(
@@ -208,6 +218,8 @@ class JobRun:
                 f"({self.settings.max_interruptions}); the stream holds {delivered.token_count} tokens")))
         if start is not None and start.verdict == AttemptVerdict.START_ISOLATED:
             await self._start_isolated(delivered, start.worker_deaths)
+        if isinstance(job, EmbeddingJobRequest):
+            return await self._embed(job)
         if job.deadline is not None and not delivered.tokens:
             first_token_s = self._first_token_s()
             if time.time() + first_token_s >= job.deadline:
@@ -295,6 +307,42 @@ class JobRun:
         lane's prompt is admitted and prefilled before a lower lane's (engine/scheduler.py, rule 3)."""
         lanes = self.settings.lanes
         return len(lanes) - 1 - lanes.index(lane) if lane in lanes else 0
+
+    # ------------------------------------------------------------------ embeddings
+    async def _embed(self, job: EmbeddingJobRequest) -> JobResult:
+        """An embedding job: all its vectors at once, into the result; the stream gets the final entry
+        (usage) that wakes those waiting. Nothing is delivered before the end, so a lost attempt made
+        no progress and a retry starts over."""
+        if self.embedder is None:
+            return await self._fail(ErrorInfo(code="wrong_job_kind", retryable=False, field="model", message=(
+                f"an embedding job reached a generation worker ({self.worker_id}, model "
+                f"{self.engine.info.model_name}, queue {self.settings.queue_name}); embedding jobs go to the queue "
+                "of an embedding worker (slotq worker --embeddings)")))
+        request = EmbeddingRequest(id=self.job_id, **job.model_dump(include=set(EmbeddingParams.model_fields)))
+        try:
+            embedded = await self.embedder.embed(request)
+        except EngineError as exc:
+            return await self._on_engine_error(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable,
+                                                         field=exc.field))
+        except asyncio.CancelledError:
+            if self.lease_lost():
+                self.writer.drop(self.job_id)
+                raise
+            if not self.is_abort():
+                raise                               # handed back: nothing was delivered, nothing to keep
+            return await self._end_embedding(FinishReason.CANCELLED, Usage(), status=JobStatus.CANCELLED)
+        usage = Usage(prompt_tokens=embedded.prompt_tokens)
+        result = await self._end_embedding(FinishReason.STOP, usage, status=JobStatus.SUCCEEDED)
+        result.embeddings = [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+                             for row in embedded.vectors]
+        result.dimensions = embedded.vectors.shape[1]
+        return result
+
+    async def _end_embedding(self, reason: FinishReason, usage: Usage, *, status: JobStatus) -> JobResult:
+        self.writer.add(self.job_id, self._entry(EntryKind.DONE, finish_reason=reason, usage=usage, final=True))
+        await asyncio.shield(self._flush_final())
+        return JobResult(id=self.job_id, status=status, finish_reason=reason, usage=usage, worker=self.worker_id,
+                         attempts=self.attempt, interruptions=self.interruptions, metadata=self.metadata)
 
     # ------------------------------------------------------------------ streaming
     async def _follow(self, handle: RunningRequest, request: GenerationRequest, job: JobRequest,

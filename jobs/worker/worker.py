@@ -44,13 +44,13 @@ from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
 from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
-from slotq.jobs.protocol.schemas import WorkerInfo
+from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker import health, metrics
 from slotq.jobs.worker.elastic import metrics as elastic_metrics
 from slotq.jobs.worker.elastic.loop import ElasticLoop
-from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
+from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine
 from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
 from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.runtime import QueueRuntime
@@ -79,6 +79,8 @@ class SlotqWorker:
         self.token = f"{self.id}:{uuid.uuid4().hex[:8]}"
         self.lease_ms = settings.lock_ttl_s * 1000
         self.engine: JobEngine | None = None
+        self.embedder: JobEmbedder | None = None      # the engine again, on an embedding worker
+        self.kind = JobKind.GENERATION
         self.served_model = ""
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
@@ -175,9 +177,15 @@ class SlotqWorker:
     async def _on_startup(self) -> None:
         config = self.settings.engine_config()
         self.served_model = self.settings.served_model_name(config.model_path)
-        log.info("loading %s as %r (%d slots, ctx %d)", config.model_path.name, self.served_model, config.slots,
-                 config.ctx)
-        self.engine = await self.engine_factory(config)
+        self.kind = self.settings.job_kind(config.model_path)
+        log.info("loading %s as %r for %s jobs (%d slots, ctx %d)", config.model_path.name, self.served_model,
+                 self.kind.value, config.slots, config.ctx)
+        if self.kind == JobKind.EMBEDDING:
+            from slotq.engine.embedding import EmbeddingEngine
+
+            self.engine = self.embedder = await EmbeddingEngine.start(config)
+        else:
+            self.engine = await self.engine_factory(config)
         assert self.queue is not None and self.runtime is not None
         self.runtime.reserve = self.engine.reserve_slots
         self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
@@ -191,12 +199,14 @@ class SlotqWorker:
         self.supervisor.start("engine-watch", self._engine_watch)
         if self.settings.metrics_port:
             self.supervisor.start("metrics", self._metrics_loop)
-        self.elastic = ElasticLoop(self.settings, engine=self.engine, runtime=self.runtime, queue=self.queue,
-                                   faults=self._faults, worker_id=self.id)
+        if self.kind == JobKind.GENERATION:     # its signals (KV use, decode speed) are a generator's
+            self.elastic = ElasticLoop(self.settings, engine=self.engine, runtime=self.runtime, queue=self.queue,
+                                       faults=self._faults, worker_id=self.id)
         warm_s = await self.engine.warm_up()
         if self._faults.warmup_delay_s:
             await asyncio.sleep(self._faults.warmup_delay_s)
-        self.supervisor.start("elastic", self.elastic.run)
+        if self.elastic is not None:
+            self.supervisor.start("elastic", self.elastic.run)
         self.ready.set()
         self._beat_now.set()
         self.runtime.nudge()
@@ -311,7 +321,7 @@ class SlotqWorker:
             rate = (stats.generated_tokens - self._tokens_seen[1]) / (now - self._tokens_seen[0])
         self._tokens_seen = (now, stats.generated_tokens)
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
-            "id": self.id, "queue": self.settings.queue_name, "model": self.served_model,
+            "id": self.id, "queue": self.settings.queue_name, "model": self.served_model, "kind": self.kind,
             "ctx": self.engine.ctx_per_seq, "slots_total": stats.slots_total, "slots_busy": stats.slots_busy,
             "waiting": stats.waiting, "generated_tokens": stats.generated_tokens,
             "tokens_per_s": round(rate, 1), "kv_cells_used": stats.kv_cells_used,
@@ -372,7 +382,7 @@ class SlotqWorker:
                      lease_lost=lambda: runtime.has_lost_lease(job_id),
                      verdict=self.elastic.verdict if self.elastic else None,
                      ledger=AttemptLedger(self.queue, claim), lent_reserve=claim.lent_reserve,
-                     faults=self._job_faults, gate=self._start_gate)
+                     faults=self._job_faults, gate=self._start_gate, embedder=self.embedder)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)
