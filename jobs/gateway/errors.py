@@ -21,9 +21,10 @@ log = logging.getLogger(__name__)
 # Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
 BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})
 # The request parameter that sets a JobRequest field, where the names differ ("sampling.top_k" -> "top_k").
-_PUBLIC_NAMES = {"sampling.penalty_last_n": "repeat_last_n", "resume_tokens": None}
+_PUBLIC_NAMES = {"sampling.penalty_last_n": "repeat_last_n", "resume_tokens": None, "inputs": "input"}
 # What enqueue refused (JobRejected.field) -> OpenAI's code for it.
-_REJECTION_CODES = {"max_tokens": "context_length_exceeded", "prompt": "prompt_too_long", "messages": "prompt_too_long"}
+_REJECTION_CODES = {"max_tokens": "context_length_exceeded", "prompt": "prompt_too_long", "messages": "prompt_too_long",
+                    "inputs": "context_length_exceeded", "model": "wrong_model_kind"}
 
 
 def public_param(field: str | None) -> str | None:

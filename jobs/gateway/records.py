@@ -79,7 +79,7 @@ class JobRecord(BaseModel):
 
     queue: str
     model: str
-    kind: Literal["chat", "text"]
+    kind: Literal["chat", "text", "embedding"]
     created: int
     fingerprint: str | None = None      # None in records written before idempotency keys were checked
 

@@ -1,6 +1,7 @@
-"""``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``: OpenAI's API on the queue.
+"""``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` and ``/v1/models``: OpenAI's API on the queue.
 
-A request becomes one job on the queue of the worker fleet that serves its ``model``. Streaming
+A request becomes one job on the queue of the worker fleet that serves its ``model`` (an embedding
+request, an embedding job on an embedding model's queue). Streaming
 requests are answered from the job's Redis stream (SSE ids = stream ids, so ``Last-Event-ID``
 resumes); the others wait for the job's result. Either way the job is durable: retried on another
 worker if one dies, and cancelled when its client leaves unless ``keep_on_disconnect`` is set.
@@ -18,12 +19,20 @@ from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.openai.translate import (
     WireRequest,
     kind_of,
+    to_embedding_job,
+    to_embeddings_response,
     to_job_request,
     to_response,
     unfinished_error,
     wire_param,
 )
-from slotq.jobs.gateway.openai.wire import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from slotq.jobs.gateway.openai.wire import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingsRequest,
+    ModelCard,
+    ModelList,
+)
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
@@ -66,6 +75,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, caller
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, caller: CallerDep) -> Response:
     return await complete(request, caller, body)
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingsRequest, request: Request, caller: CallerDep) -> Response:
+    """One embedding job for all the request's inputs: the worker batches them (and other requests')
+    into shared decodes. The job keeps running if the client leaves only when it did not create it."""
+    gateway = gateway_of(request)
+    job = to_embedding_job(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
+    handle, record = await gateway.submit(job, body.model, "embedding")
+    headers = {"X-Slotq-Job-Id": handle.id}
+    try:
+        result = await until_disconnected(request, handle.result())
+    except ClientGone:
+        if handle.created:
+            gateway.client_left(handle.client, handle.id)
+        return Response(status_code=499)
+    except JobNotFound:
+        raise ApiError.job_not_found(handle.id) from None
+    error = unfinished_error(result)
+    if error is not None:
+        error.headers |= headers
+        raise error
+    return Response(to_embeddings_response(result, record.model, body.encoding_format).model_dump_json(),
+                    media_type="application/json", headers=headers)
 
 
 async def complete(request: Request, caller: Caller, body: WireRequest) -> Response:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.records import ModelsSeen
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol.schemas import WorkerInfo
+from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
 
 _REMEMBER_EVERY_S = 60
 
@@ -36,12 +36,14 @@ class ModelRoute:
         return sum(w.slots_busy for w in self.workers)
 
 
-def routes_from(workers: list[WorkerInfo]) -> dict[str, ModelRoute]:
-    """model -> the queue to use. Several queues serving one model name: the one with the most
-    free slots right now (ties by name, so every replica agrees)."""
+def routes_from(workers: list[WorkerInfo], kind: JobKind | None = None) -> dict[str, ModelRoute]:
+    """model -> the queue to use (among the workers that serve ``kind`` of job, if given). Several
+    queues serving one model name: the one with the most free slots right now (ties by name, so
+    every replica agrees)."""
     by_model: dict[str, dict[str, list[WorkerInfo]]] = defaultdict(lambda: defaultdict(list))
     for w in workers:
-        by_model[w.model][w.queue].append(w)
+        if kind is None or w.kind == kind:
+            by_model[w.model][w.queue].append(w)
     routes = {}
     for model, queues in by_model.items():
         candidates = [ModelRoute(model, queue, ws) for queue, ws in sorted(queues.items())]
@@ -56,6 +58,7 @@ class ModelRouter:
         self.memory_s = memory_s
         self.seen = ModelsSeen(client.redis)
         self._routes: dict[str, ModelRoute] = {}
+        self._by_kind: dict[JobKind, dict[str, ModelRoute]] = {}
         self._fetched_at = float("-inf")
         self._remembered: dict[str, float] = {}
         self._lock = asyncio.Lock()
@@ -65,15 +68,19 @@ class ModelRouter:
             return self._routes
         async with self._lock:                     # one refresh for all the requests waiting on it
             if time.monotonic() - self._fetched_at >= self.ttl_s:
-                self._routes = routes_from(await self.client.workers())
+                workers = await self.client.workers()
+                self._routes = routes_from(workers)
+                self._by_kind = {kind: routes_from(workers, kind) for kind in JobKind}
                 self._fetched_at = time.monotonic()
                 await self._remember(list(self._routes))
         return self._routes
 
-    async def route(self, model: str) -> ModelRoute:
+    async def route(self, model: str, kind: JobKind | None = None) -> ModelRoute:
+        """The queue for ``model``; with ``kind``, one whose workers serve that kind of job when any
+        does (a model name served for both kinds, on two queues), else any (the caller refuses it)."""
         route = (await self.routes()).get(model)
         if route is not None:
-            return route
+            return self._by_kind.get(kind, {}).get(model, route) if kind is not None else route
         seen = await self.seen.last_seen(model)
         if seen is not None and time.time() - seen < self.memory_s:
             raise ApiError(503, f"no live worker serves model {model!r} right now; try again later",

@@ -26,7 +26,7 @@ from slotq.jobs.gateway.routing import ModelRouter
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.producer.client import JobHandle, JobRejected, QueueFull, QuotaExceeded, SlotqClient
 from slotq.jobs.protocol.payload import encode_payload
-from slotq.jobs.protocol.schemas import JobRequest, tenant_job_id, tenant_of_job
+from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobKind, tenant_job_id, tenant_of_job
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def own_job_id(tenant: str, job_id: str) -> str | None:
     return job_id if tenant_of_job(job_id) == tenant else None
 
 
-def fingerprint(job: JobRequest) -> str:
+def fingerprint(job: AnyJobRequest) -> str:
     """What an idempotency key promises: the same key, the same request."""
     return hashlib.sha256(json.dumps(encode_payload(job), sort_keys=True).encode()).hexdigest()
 
@@ -59,7 +59,7 @@ class Gateway:
             self._queues[name] = self.client.for_queue(name)
         return self._queues[name]
 
-    async def submit(self, job: JobRequest, model: str, kind: Literal["chat", "text"],
+    async def submit(self, job: AnyJobRequest, model: str, kind: Literal["chat", "text", "embedding"],
                      param: Callable[[str | None], str | None] = public_param) -> tuple[JobHandle, JobRecord]:
         """Route by model and enqueue. With an idempotency key that matches a live job, that job
         (and the record of the request that created it) is returned instead. ``param`` names a
@@ -70,9 +70,18 @@ class Gateway:
             raise ApiError.invalid(f"metadata: {metadata_bytes} bytes as JSON, over the limit of "
                                    f"{self.settings.gateway_max_metadata_bytes} (SLOTQ_GATEWAY_MAX_METADATA_BYTES)",
                                    "metadata", code="metadata_too_large")
-        route = await self.router.route(model)
+        route = await self.router.route(model, job.kind)
+        served = {w.kind for w in route.workers}
+        if job.kind not in served:
+            path = "/v1/embeddings" if job.kind == JobKind.EMBEDDING else "/v1/chat/completions or /v1/completions"
+            raise ApiError.invalid(f"model {model!r} serves {' and '.join(sorted(served))} jobs, not {job.kind.value} "
+                                   f"jobs: {path} needs a model that serves them", "model", code="wrong_model_kind")
+        client = self.queue(route.queue)
         try:
-            handle = await self.queue(route.queue).enqueue(job)
+            if isinstance(job, EmbeddingJobRequest):
+                handle = await client.enqueue_embedding(job)
+            else:
+                handle = await client.enqueue(job)
         except JobRejected as exc:
             raise ApiError.from_rejection(exc, param) from None
         except QueueFull as exc:

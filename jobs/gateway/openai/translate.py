@@ -29,6 +29,10 @@ from slotq.jobs.gateway.openai.wire import (
     ChatCompletionRequest,
     ChatLogprobs,
     CompletionRequest,
+    EmbeddingData,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+    EmbeddingsUsage,
     PromptTokensDetails,
     SlotqInfo,
     TextChoice,
@@ -38,7 +42,14 @@ from slotq.jobs.gateway.openai.wire import (
     TopLogprobOut,
     UsageOut,
 )
-from slotq.jobs.protocol.schemas import ChoiceResult, JobRequest, JobResult, JobStatus
+from slotq.jobs.protocol.schemas import (
+    ChoiceResult,
+    EmbeddingJobRequest,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    decode_vector,
+)
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest
@@ -207,3 +218,32 @@ def to_response(kind: Kind, result: JobResult, model: str, created: int) -> Chat
     return TextCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
         TextChoice(index=c.index, text=c.text, logprobs=None if c.logprobs is None else text_logprobs(
             c.logprobs, TextOffsets()), finish_reason=finish_reason(c.finish_reason)) for c in result.choices])
+
+
+def to_embedding_job(request: EmbeddingsRequest, *, idempotency_key: str | None = None, tenant: str | None = None,
+                     lane: str | None = None) -> EmbeddingJobRequest:
+    """The caller's embedding job; its validation errors come back as a 400 naming ``input`` (or the
+    field), as :func:`to_job_request` does for generation."""
+    fields: dict[str, Any] = {
+        "inputs": request.inputs, "truncate": request.truncate, "lane": lane if request.lane is None else request.lane,
+        "metadata": request.metadata, "idempotency_key": request.idempotency_key or idempotency_key, "tenant": tenant,
+    }
+
+    def rename(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+        return ("input", *loc[1:]) if loc[:1] == ("inputs",) else loc
+
+    try:
+        return EmbeddingJobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise from_validation(exc, rename) from None
+
+
+def to_embeddings_response(result: JobResult, model: str, encoding_format: str = "float") -> EmbeddingsResponse:
+    """A finished embedding job as OpenAI's ``list`` of ``embedding`` objects. The job keeps each
+    vector as OpenAI's base64 already, so ``base64`` passes it through."""
+    data = [EmbeddingData(index=i, embedding=encoded if encoding_format == "base64" else decode_vector(encoded))
+            for i, encoded in enumerate(result.embeddings)]
+    return EmbeddingsResponse(data=data, model=model, slotq=SlotqInfo(job_id=result.id, worker=result.worker,
+                                                                      attempts=result.attempts),
+                              usage=EmbeddingsUsage(prompt_tokens=result.usage.prompt_tokens,
+                                                    total_tokens=result.usage.prompt_tokens))

@@ -203,6 +203,40 @@ class CompletionRequest(_Generation):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+class EmbeddingsRequest(BaseModel):
+    """``/v1/embeddings``: OpenAI's body (``user`` is accepted and ignored) plus slotq's job fields and
+    llama-server's ``truncate``. ``dimensions`` is refused by name: the models slotq serves give vectors
+    of one fixed length, which a shorter request would silently change the meaning of."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = Field(None, description="not supported: the model's vectors have a fixed length")
+    user: str | None = None
+    truncate: bool = Field(False, description="cut an input over the model's limit to its first tokens (llama-server)")
+    lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
+    idempotency_key: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("dimensions", mode="before")
+    @classmethod
+    def _no_dimensions(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("not supported: this model's vectors have a fixed length (leave dimensions out)")
+        return None
+
+    @property
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs as a job holds them: a text or one token array is a list of one."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and all(isinstance(item, int) for item in self.input):
+            return [self.input]            # type: ignore[list-item]
+        return self.input                  # type: ignore[return-value]
+
+
 # ---------------------------------------------------------------------- responses
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
@@ -383,3 +417,22 @@ class JobObject(BaseModel):
     result: JobResult | None = None
     response: ChatCompletion | TextCompletion | None = None
     cancelled: bool | None = Field(None, description="DELETE only: whether this call cancelled the job")
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="floats, or little-endian float32 in base64 (encoding_format)")
+
+
+class EmbeddingsUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingsUsage
+    slotq: SlotqInfo

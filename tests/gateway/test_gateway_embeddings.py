@@ -1,0 +1,89 @@
+"""``/v1/embeddings`` end to end with the official ``openai`` SDK: real Valkey, a ``slotq worker
+--embeddings`` and a generation worker on the tiny model, and a ``slotq gateway`` process."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.support.gateway import Stack
+
+pytestmark = pytest.mark.timeout(180)
+
+TEXTS = ["the cat sat on the mat", "hello world", "queues and slots"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
+    with Stack.started(tmp_path_factory.mktemp("gateway-embeddings"), tiny_model_path) as s:
+        s.start_worker("gw-generator", "tiny-gen")
+        s.start_worker("gw-embedder", "tiny-embed", queue="slotq:embed", embeddings="true", ctx=128, batch=128)
+        s.start_gateway("gateway-1").wait_ready()
+        s.wait_for_models({"tiny-gen", "tiny-embed"})
+        yield s
+
+
+@pytest.fixture
+def sdk(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_every_input_shape_embeds(sdk: OpenAI) -> None:
+    listed = sdk.embeddings.create(model="tiny-embed", input=TEXTS, user="ignored")
+    assert [d.index for d in listed.data] == [0, 1, 2] and listed.model == "tiny-embed"
+    vectors = np.array([d.embedding for d in listed.data])          # the SDK asked for base64 and decoded it
+    assert vectors.shape == (3, 128) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    assert listed.usage.prompt_tokens == listed.usage.total_tokens > 0
+
+    one = sdk.embeddings.create(model="tiny-embed", input="hello world", encoding_format="float")
+    assert np.allclose(one.data[0].embedding, vectors[1], atol=1e-5)
+    tokens = [1, 104, 105]           # byte tokens of the tiny vocabulary
+    as_array = sdk.embeddings.create(model="tiny-embed", input=tokens, encoding_format="float")
+    as_arrays = sdk.embeddings.create(model="tiny-embed", input=[tokens, tokens], encoding_format="float")
+    assert len(as_arrays.data) == 2 and np.allclose(as_array.data[0].embedding, as_arrays.data[1].embedding)
+    assert as_array.usage.prompt_tokens == 3
+
+
+def test_base64_is_little_endian_float32(sdk: OpenAI, stack: Stack) -> None:
+    floats = sdk.embeddings.create(model="tiny-embed", input=TEXTS[:1], encoding_format="float").data[0].embedding
+    raw = httpx.post(f"{stack.url}/v1/embeddings", json={"model": "tiny-embed", "input": TEXTS[0],
+                                                         "encoding_format": "base64"}, timeout=30)
+    assert raw.status_code == 200 and raw.headers["x-slotq-job-id"]
+    encoded = raw.json()["data"][0]["embedding"]
+    assert np.array_equal(np.frombuffer(base64.b64decode(encoded), "<f4"), np.array(floats, np.float32))
+
+
+def test_refusals_name_the_parameter(sdk: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as dims:
+        sdk.embeddings.create(model="tiny-embed", input="x", dimensions=64)
+    assert dims.value.body["param"] == "dimensions" and "fixed length" in dims.value.body["message"]
+
+    with pytest.raises(openai.BadRequestError) as long_input:
+        sdk.embeddings.create(model="tiny-embed", input=["short", "abc " * 100])
+    assert long_input.value.body["param"] == "input"
+    assert "input 1 is" in long_input.value.body["message"] and "at most 128" in long_input.value.body["message"]
+    cut = sdk.embeddings.create(model="tiny-embed", input=["short", "abc " * 100], extra_body={"truncate": True})
+    assert len(cut.data) == 2
+
+    with pytest.raises(openai.BadRequestError) as empty:
+        sdk.embeddings.create(model="tiny-embed", input=[""])
+    assert empty.value.body["param"] == "input" and "input 0 is empty" in empty.value.body["message"]
+
+
+def test_each_kind_of_model_refuses_the_other_endpoint(sdk: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as on_generator:
+        sdk.embeddings.create(model="tiny-gen", input="x")
+    assert on_generator.value.body["code"] == "wrong_model_kind" and on_generator.value.body["param"] == "model"
+    assert "serves generation jobs, not embedding jobs" in on_generator.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as on_embedder:
+        sdk.chat.completions.create(model="tiny-embed", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert on_embedder.value.body["code"] == "wrong_model_kind"
+    reply = sdk.chat.completions.create(model="tiny-gen", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert reply.choices[0].message.content is not None
