@@ -3,15 +3,18 @@
 A line is either
 
 * a **slotq request**: a :class:`~slotq.jobs.protocol.schemas.JobRequest` as JSON (``prompt`` or ``messages``,
-  ``max_tokens``, ``sampling``, ...) plus an optional ``id`` (string or integer) that its output
-  carries; without one, the output carries the line number; or
+  ``max_tokens``, ``sampling``, ...), or an :class:`~slotq.jobs.protocol.schemas.EmbeddingJobRequest`
+  (``inputs``: texts or token arrays, ``truncate``) for an embedding model's queue, plus an optional
+  ``id`` (string or integer) that its output carries; without one, the output carries the line
+  number; or
 * an **OpenAI Batch API line**: ``{"custom_id", "method": "POST", "url", "body"}``
   (:mod:`slotq.jobs.bulk.openai_batch`), whose body is read as the gateway reads it.
 
 Output follows each line's format: a slotq line gives ``{"id", "line", "job_id", "status", "text",
 "finish_reason", "usage", "timings", "worker", "attempts", "metadata"}`` (plus ``choices`` when
-``n > 1``); an OpenAI line gives OpenAI's batch output object. Every error record carries ``line``;
-an OpenAI line that the endpoint would refuse (a bad body, or refused at enqueue) carries the
+``n > 1``; an embedding line's ``embeddings``, one little-endian float32 vector in base64 per
+input, and ``dimensions``); an OpenAI line gives OpenAI's batch output object. Every error record
+carries ``line``; an OpenAI line that the endpoint would refuse (a bad body, or refused at enqueue) carries the
 gateway's HTTP answer in ``response``.
 """
 
@@ -31,7 +34,8 @@ from slotq.jobs.bulk.openai_batch import KEY_SET_BY_BULK, Endpoint
 from slotq.jobs.errors import JobRejected
 from slotq.jobs.gateway.errors import ApiError, public_param
 from slotq.jobs.gateway.openai.translate import finish_reason, wire_param
-from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus
+from slotq.jobs.gateway.openai.wire import EmbeddingsRequest
+from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobRequest, JobResult, JobStatus
 
 
 class LineFormat(StrEnum):
@@ -46,11 +50,12 @@ class BulkLine:
     number: int
     format: LineFormat
     key: str                          # what the output carries: custom_id, the line's id, or its number
-    request: JobRequest
+    request: AnyJobRequest
     endpoint: Endpoint | None = None  # OpenAI lines
     model: str = ""                   # OpenAI lines: the body's model, echoed in the response
     own_key: bool = True              # False when the key is the line number (the line gave no id)
     param: Callable[[str | None], str | None] = public_param   # a job field as the line's body named it
+    encoding_format: str = "float"    # OpenAI embedding lines: how their vectors are written
 
 
 class LineError(Exception):
@@ -121,8 +126,9 @@ def _slotq_line(obj: dict[str, Any], number: int, lane: str) -> BulkLine:
     if "idempotency_key" in obj:
         raise LineError("invalid_request", KEY_SET_BY_BULK, key=key)
     obj.setdefault("lane", lane)
+    model: type[AnyJobRequest] = EmbeddingJobRequest if "inputs" in obj else JobRequest
     try:
-        return BulkLine(number, LineFormat.SLOTQ, key, JobRequest.model_validate(obj), own_key=own_key)
+        return BulkLine(number, LineFormat.SLOTQ, key, model.model_validate(obj), own_key=own_key)
     except ValidationError as exc:
         raise LineError("invalid_request", describe(exc), key=key) from None
 
@@ -139,7 +145,9 @@ def _openai_line(obj: dict[str, Any], number: int, lane: str) -> BulkLine:
         request, job = openai_batch.to_job_request(endpoint, line.body, lane=lane)
     except ApiError as exc:
         raise LineError.refused(exc, line.custom_id) from None
-    return BulkLine(number, LineFormat.OPENAI, line.custom_id, job, endpoint, request.model, param=wire_param(request))
+    encoding = request.encoding_format if isinstance(request, EmbeddingsRequest) else "float"
+    return BulkLine(number, LineFormat.OPENAI, line.custom_id, job, endpoint, request.model, param=wire_param(request),
+                    encoding_format=encoding)
 
 
 def describe(exc: ValidationError) -> str:
@@ -170,8 +178,9 @@ def failure_of(line: BulkLine, result: JobResult) -> ErrorInfo | None:
 def output_record(line: BulkLine, job_id: str, result: JobResult) -> dict[str, Any]:
     if line.format == LineFormat.OPENAI:
         assert line.endpoint is not None
-        return openai_batch.output_record(line.key, job_id, line.endpoint, line.model, result)
-    exclude = {"id", "error"} | ({"choices"} if len(result.choices) <= 1 else set())
+        return openai_batch.output_record(line.key, job_id, line.endpoint, line.model, result, line.encoding_format)
+    exclude = {"id", "error"} | ({"choices"} if len(result.choices) <= 1 else set()) | (
+        {"embeddings", "dimensions"} if isinstance(line.request, JobRequest) else set())
     return {"id": line.key, "line": line.number, "job_id": job_id, **result.model_dump(mode="json", exclude=exclude)}
 
 

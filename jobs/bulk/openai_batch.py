@@ -1,9 +1,10 @@
 """OpenAI Batch API lines: ``{"custom_id", "method": "POST", "url", "body"}`` in, OpenAI's batch
 output shape out.
 
-A line's ``body`` is a ``/v1/chat/completions`` or ``/v1/completions`` request, translated exactly
-as the gateway translates it (:mod:`slotq.jobs.gateway.openai`): the same parameters, limits and
-errors, and the finished job becomes the same ``chat.completion`` or ``text_completion`` object,
+A line's ``body`` is a ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings`` request,
+translated exactly as the gateway translates it (:mod:`slotq.jobs.gateway.openai`): the same parameters,
+limits and errors, and the finished job becomes the same ``chat.completion``, ``text_completion`` or
+embeddings ``list`` object,
 wrapped as ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``.
 
 A body the endpoint would refuse gets the endpoint's answer, as OpenAI's batch output does for a
@@ -25,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from slotq.engine import ErrorInfo
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.openai import translate
-from slotq.jobs.gateway.openai.translate import Kind, WireRequest
-from slotq.jobs.protocol.schemas import JobRequest, JobResult, split_job_id
+from slotq.jobs.gateway.openai.translate import AnyKind, AnyWireRequest
+from slotq.jobs.gateway.openai.wire import EmbeddingsRequest
+from slotq.jobs.protocol.schemas import AnyJobRequest, JobResult, split_job_id
 
 # Why a line may not set its own idempotency key (slotq lines and OpenAI bodies alike).
 KEY_SET_BY_BULK = ("idempotency_key: set by slotq bulk (a line's job id derives from the input and its line number); "
@@ -36,10 +38,15 @@ KEY_SET_BY_BULK = ("idempotency_key: set by slotq bulk (a line's job id derives 
 class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
     TEXT = "/v1/completions"
+    EMBEDDINGS = "/v1/embeddings"
 
     @property
-    def kind(self) -> Kind:
-        return "chat" if self is Endpoint.CHAT else "text"
+    def kind(self) -> AnyKind:
+        return _ENDPOINT_KINDS[self]
+
+
+_ENDPOINT_KINDS: dict[Endpoint, AnyKind] = {Endpoint.CHAT: "chat", Endpoint.TEXT: "text",
+                                            Endpoint.EMBEDDINGS: "embedding"}
 
 
 class BatchLine(BaseModel):
@@ -53,19 +60,22 @@ class BatchLine(BaseModel):
     @model_validator(mode="after")
     def _known_url(self) -> BatchLine:
         if self.url not in tuple(Endpoint):
-            raise ValueError(f"url {self.url!r}: slotq runs {' and '.join(Endpoint)}")
+            raise ValueError(f"url {self.url!r}: slotq runs {', '.join(Endpoint)}")
         return self
 
 
-def to_job_request(endpoint: Endpoint, body: dict[str, Any], *, lane: str) -> tuple[WireRequest, JobRequest]:
+def to_job_request(endpoint: Endpoint, body: dict[str, Any], *,
+                   lane: str) -> tuple[AnyWireRequest, AnyJobRequest]:
     """The body as the gateway reads it, and its job in ``lane`` unless the body names a lane.
     Raises :class:`ApiError`: the gateway's answer to the same body, or one of a line's two rules."""
     request = translate.parse_request(endpoint.kind, body)
-    if request.stream:
+    if not isinstance(request, EmbeddingsRequest) and request.stream:
         raise ApiError.invalid("stream: a batch line cannot stream; its response is written to the output file",
                                "stream")
     if request.idempotency_key is not None:
         raise ApiError.invalid(KEY_SET_BY_BULK, "idempotency_key")
+    if isinstance(request, EmbeddingsRequest):
+        return request, translate.to_embedding_job(request, lane=lane)
     return request, translate.to_job_request(request, lane=lane)
 
 
@@ -75,8 +85,10 @@ def request_id(job_id: str) -> str:
     return "batch_req_" + split_job_id(job_id)[0].replace("bulk:", "", 1).replace(":", "_")
 
 
-def output_record(custom_id: str, job_id: str, endpoint: Endpoint, model: str, result: JobResult) -> dict[str, Any]:
-    body = translate.to_response(endpoint.kind, result, model, int(time.time())).model_dump(mode="json")
+def output_record(custom_id: str, job_id: str, endpoint: Endpoint, model: str, result: JobResult,
+                  encoding_format: str = "float") -> dict[str, Any]:
+    body = translate.to_response(endpoint.kind, result, model, int(time.time()),
+                                 encoding_format).model_dump(mode="json")
     return {"id": request_id(job_id), "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
 

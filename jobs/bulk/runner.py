@@ -53,7 +53,14 @@ from slotq.jobs.errors import JobRejected, QueueFull, QuotaExceeded, RedisUnavai
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import DEFAULT_TENANT, LANE_RE
-from slotq.jobs.protocol.schemas import TENANT_PATTERN, JobResult, JobStatus, split_job_id, tenant_job_id
+from slotq.jobs.protocol.schemas import (
+    TENANT_PATTERN,
+    EmbeddingJobRequest,
+    JobResult,
+    JobStatus,
+    split_job_id,
+    tenant_job_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +314,8 @@ class BulkRun:
         request = line.request.model_copy(update={"idempotency_key": key, "tenant": tenant})
         while True:
             try:
-                await self._patiently(lambda: self.client.enqueue(request))
+                await self._patiently(lambda: self.client.enqueue_embedding(request)
+                                      if isinstance(request, EmbeddingJobRequest) else self.client.enqueue(request))
                 break
             except QueueFull:
                 await asyncio.sleep(1.0)        # other producers filled the queue: wait for room

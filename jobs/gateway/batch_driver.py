@@ -24,6 +24,7 @@ from slotq.engine import ErrorInfo, Usage
 from slotq.jobs.aio import wait_until_set
 from slotq.jobs.bulk import BulkOptions, BulkSummary, InputError, OutputError, open_bulk
 from slotq.jobs.bulk.formats import LineError, parse_line
+from slotq.jobs.bulk.openai_batch import Endpoint
 from slotq.jobs.bulk.runner import BulkRun
 from slotq.jobs.bulk.source import InputFile
 from slotq.jobs.errors import JobRejected
@@ -41,6 +42,7 @@ from slotq.jobs.gateway.batches import (
 from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.protocol.schemas import JobKind
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +209,8 @@ class _BatchRun:
             return await self._fail(batch, BatchError(code="invalid_input_file", param="input_file_id", message=(
                 f"no line of {batch.input_file_id} is a valid {batch.endpoint.value} batch line")))
         try:
-            route = await self.driver.gateway.router.route(model)
+            kind = JobKind.EMBEDDING if batch.endpoint == Endpoint.EMBEDDINGS else JobKind.GENERATION
+            route = await self.driver.gateway.router.route(model, kind)
         except ApiError as exc:
             if exc.status == 503:
                 log.info("batch %s: %s; waiting", batch.id, exc.message)

@@ -161,7 +161,7 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
          "body": {"model": "tiny", "prompt": "Once upon", "max_tokens": 5, "n": 2, "seed": 3}},
         "{not json",                                                           # line 3
         chat("c2", temperature=9),                                             # line 4: out of range
-        {"custom_id": "e1", "method": "POST", "url": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}},
+        {"custom_id": "e1", "method": "POST", "url": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}},  # 5
         chat("c1"),                                                            # line 6: repeated custom_id
         "",                                                                    # blank: skipped
         chat("long", max_tokens=505),                                          # line 8: prompt + 505 > ctx 512
@@ -220,7 +220,7 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
 
     assert errors[4]["custom_id"] == "c2"
     assert refused(4)["param"] == "temperature" and "less than or equal to 2" in refused(4)["message"]
-    assert "/v1/embeddings" in errors[5]["error"]["message"]
+    assert (refused(5)["param"], refused(5)["code"]) == ("model", "wrong_model_kind")   # a text generator's queue
     assert errors[6]["error"]["code"] == "duplicate_id" and "line 1" in errors[6]["error"]["message"]
     assert errors[8]["custom_id"] == "long"       # ran and failed in the worker: OpenAI's error response shape
     assert errors[8]["response"]["status_code"] == 400

@@ -152,7 +152,7 @@ def test_bad_requests_name_the_parameter(gateway: GatewayProcess, tmp_path: Path
     with open(path, "rb") as f:
         file_id = client.files.create(file=f, purpose="batch").id
     with pytest.raises(openai.BadRequestError) as exc:
-        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=file_id, endpoint="/v1/responses", completion_window="24h")
     assert exc.value.body["param"] == "endpoint"
     with pytest.raises(openai.NotFoundError) as exc:
         client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")

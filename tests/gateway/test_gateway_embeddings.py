@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,3 +88,23 @@ def test_each_kind_of_model_refuses_the_other_endpoint(sdk: OpenAI) -> None:
     assert on_embedder.value.body["code"] == "wrong_model_kind"
     reply = sdk.chat.completions.create(model="tiny-gen", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert reply.choices[0].message.content is not None
+
+
+def test_batch_api_runs_embedding_lines(sdk: OpenAI, tmp_path: Path) -> None:
+    from tests.gateway.test_gateway_batches import jsonl, wait_batch
+
+    lines = [{"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "tiny-embed", "input": [f"document {i}", f"summary {i}"]}} for i in range(5)]
+    lines.append({"custom_id": "b64", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": "tiny-embed", "input": "document 0", "encoding_format": "base64"}})
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with open(path, "rb") as f:
+        file_id = sdk.files.create(file=f, purpose="batch").id
+    batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    done = wait_batch(sdk, batch.id, lambda b: b.status in ("completed", "failed"))
+    assert done.status == "completed" and done.request_counts.completed == 6 and done.request_counts.failed == 0
+    records = {r["custom_id"]: r["response"]["body"] for r in jsonl(sdk.files.content(done.output_file_id).text)}
+    assert len(records["doc-3"]["data"]) == 2 and len(records["doc-3"]["data"][0]["embedding"]) == 128
+    decoded = np.frombuffer(base64.b64decode(records["b64"]["data"][0]["embedding"]), "<f4")
+    assert np.allclose(decoded, records["doc-0"]["data"][0]["embedding"], atol=1e-6)

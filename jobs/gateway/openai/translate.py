@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from pydantic import ValidationError
 
@@ -53,16 +53,24 @@ from slotq.jobs.protocol.schemas import (
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest
-REQUEST_MODELS: dict[Kind, type[WireRequest]] = {"chat": ChatCompletionRequest, "text": CompletionRequest}
+AnyKind = Literal["chat", "text", "embedding"]
+AnyWireRequest = WireRequest | EmbeddingsRequest
+REQUEST_MODELS: dict[AnyKind, type[AnyWireRequest]] = {"chat": ChatCompletionRequest, "text": CompletionRequest,
+                                                       "embedding": EmbeddingsRequest}
 
 
 def kind_of(request: WireRequest) -> Kind:
     return "chat" if isinstance(request, ChatCompletionRequest) else "text"
 
 
-def parse_request(kind: Kind, body: dict[str, Any]) -> WireRequest:
-    """A ``/v1/chat/completions`` (``chat``) or ``/v1/completions`` (``text``) body, validated as the
-    gateway's route validates it; a 400 naming the parameter otherwise."""
+@overload
+def parse_request(kind: Kind, body: dict[str, Any]) -> WireRequest: ...
+@overload
+def parse_request(kind: AnyKind, body: dict[str, Any]) -> AnyWireRequest: ...
+def parse_request(kind: AnyKind, body: dict[str, Any]) -> AnyWireRequest:
+    """A ``/v1/chat/completions`` (``chat``), ``/v1/completions`` (``text``) or ``/v1/embeddings``
+    (``embedding``) body, validated as the gateway's route validates it; a 400 naming the parameter
+    otherwise."""
     try:
         return REQUEST_MODELS[kind].model_validate(body)
     except ValidationError as exc:
@@ -121,7 +129,7 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         raise from_validation(exc, rename) from None
 
 
-def wire_param(request: WireRequest) -> Callable[[str | None], str | None]:
+def wire_param(request: AnyWireRequest) -> Callable[[str | None], str | None]:
     """A JobRequest field's name as this request spelled it: ``max_completion_tokens`` or
     ``response_format`` for a chat request that used them, ``top_k`` for ``sampling.top_k``.
     It keeps only those names, not the request (a bulk run holds one per line in flight)."""
@@ -205,8 +213,12 @@ def completion_id(kind: Kind, job_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
 
 
-def to_response(kind: Kind, result: JobResult, model: str, created: int) -> ChatCompletion | TextCompletion:
-    """A finished job as OpenAI's ``chat.completion`` or ``text_completion`` object."""
+def to_response(kind: AnyKind, result: JobResult, model: str, created: int,
+                encoding_format: str = "float") -> ChatCompletion | TextCompletion | EmbeddingsResponse:
+    """A finished job as OpenAI's ``chat.completion``, ``text_completion`` or embeddings ``list`` object
+    (``encoding_format``: the embedding request's)."""
+    if kind == "embedding":
+        return to_embeddings_response(result, model, encoding_format)
     slotq = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
     usage = usage_out(result.usage)
     rid = completion_id(kind, result.id)

@@ -228,13 +228,13 @@ class EmbeddingsRequest(BaseModel):
         return None
 
     @property
-    def inputs(self) -> list[str] | list[list[int]]:
+    def inputs(self) -> list[Any]:
         """The inputs as a job holds them: a text or one token array is a list of one."""
         if isinstance(self.input, str):
             return [self.input]
         if self.input and all(isinstance(item, int) for item in self.input):
-            return [self.input]            # type: ignore[list-item]
-        return self.input                  # type: ignore[return-value]
+            return [self.input]
+        return list(self.input)
 
 
 # ---------------------------------------------------------------------- responses
@@ -415,7 +415,7 @@ class JobObject(BaseModel):
     queue: str
     created: int | None = None
     result: JobResult | None = None
-    response: ChatCompletion | TextCompletion | None = None
+    response: ChatCompletion | TextCompletion | EmbeddingsResponse | None = None
     cancelled: bool | None = Field(None, description="DELETE only: whether this call cancelled the job")
 
 
