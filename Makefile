@@ -92,3 +92,4 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench overhead
 	$(VENV)/bin/slotq bench constraints
 	$(VENV)/bin/slotq bench logprobs
+	$(VENV)/bin/slotq bench embeddings

@@ -1,6 +1,6 @@
 """Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
-logprobs``). Each measures its variants side by side in one run, prints a table with ratios (or one JSON object
-with ``--json``) and writes the table to ``bench/results/<name>.md`` for the README.
+logprobs|embeddings``). Each measures its variants side by side in one run, prints a table with ratios (or one
+JSON object with ``--json``) and writes the table to ``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
 ``slotq worker``, the fleet benchmark's fleet processes) runs under
@@ -22,6 +22,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
     from bench import (
         bulk_bench,
         constraints_bench,
+        embeddings_bench,
         engine_bench,
         fleet_bench,
         gateway_batch_bench,
@@ -45,6 +46,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         "overhead": overhead_bench.run,
         "constraints": constraints_bench.run,
         "logprobs": logprobs_bench.run,
+        "embeddings": embeddings_bench.run,
     }
     try:
         data, table = asyncio.run(runners[which](quick))

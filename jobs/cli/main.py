@@ -500,9 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "llama-cpp-python's server), overhead (many streams on a tiny model: slotq beside "
                          "llama-server in both KV layouts), constraints (what one JSON schema costs its "
                          "batch: llguidance beside llama.cpp's grammar sampler), "
-                         "logprobs (what one logprobs stream costs the 7 plain ones beside it)", None)
+                         "logprobs (what one logprobs stream costs the 7 plain ones beside it), embeddings (tokens/s "
+                         "of embedding requests through Redis beside llama-server --embeddings)", None)
     p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "gateway-batch", "fleet", "bulk", "peers",
-                                     "overhead", "constraints", "logprobs"])
+                                     "overhead", "constraints", "logprobs", "embeddings"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
     p.set_defaults(func=cmd_bench)

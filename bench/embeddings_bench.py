@@ -1,0 +1,246 @@
+"""``slotq bench embeddings``: embedding throughput, slotq through Redis beside llama-server.
+
+Workload: C clients (1, 8, 32), each sending one-input embedding requests back to back until the
+level's requests are done; inputs are distinct texts of 16 to 512 tokens (lengths cycle through
+:data:`LENGTHS`). tokens/s = input tokens embedded (each system's own ``usage.prompt_tokens``) / wall
+time, the mean of :data:`ROUNDS` rounds run in a rotated order. Both systems get the same cores,
+32 sequences per decode and a decode of :data:`BATCH` tokens, L2-normalised vectors:
+
+- ``slotq-redis``: ``slotq worker --embeddings`` (``SLOTQ_POOLING=mean``); the client enqueues each
+  request through Redis (``client.embed``) and waits for its result;
+- ``llama-server``: ``--embeddings --pooling mean --parallel 32``, built from the llama.cpp that
+  llama-cpp-python vendors (:mod:`bench.llama_server`), ``POST /v1/embeddings``.
+
+Models: the bundled SmolLM2-135M-Instruct (mean pooling, as llama-server serves a text generator
+with ``--pooling mean``) and the suite's tiny random model, whose decode costs little, so its row
+shows what surrounds the decode (tokenizing, the queue, HTTP). A system that cannot start is skipped
+with one line saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import llama_server
+from bench.overhead_bench import _rotated, write_tiny_model
+from bench.peers_bench import _wait_http
+from bench.report import markdown_table, progress, write_results
+from slotq.engine import bundled_model_path
+from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
+from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.settings import ClientSettings
+
+CONCURRENCY = [1, 8, 32]
+LENGTHS = [16, 48, 128, 256, 512]        # approximate tokens of the inputs, in turn
+SEQUENCES = 32                           # per decode, both systems
+BATCH = 4096                             # tokens per decode, both systems
+INPUT_LIMIT = 520                        # per input: every text below fits
+THREADS = len(os.sched_getaffinity(0)) or 1
+ROUNDS = 2
+SYSTEMS = ["slotq-redis", "llama-server"]
+WORDS = ("queue", "slot", "batch", "token", "worker", "stream", "lease", "tenant", "lane", "model", "vector",
+         "decode", "prompt", "cache", "shard", "retry")
+
+OneRequest = Callable[[str], Awaitable[int]]        # text -> input tokens embedded
+
+
+def text_of(i: int, tokens: int) -> str:
+    """A distinct text of about ``tokens`` tokens (one word is about one token to these tokenizers)."""
+    words = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(max(1, tokens - 4))]
+    return f"Note {i}: " + " ".join(words)
+
+
+def requests_at(clients: int, quick: bool) -> int:
+    return clients * (2 if quick else 4) if clients > 1 else (5 if quick else 10)
+
+
+async def closed_loop(one: OneRequest, clients: int, total: int, first: int) -> float:
+    """``clients`` tasks sending requests back to back until ``total`` are done; tokens/s."""
+    queue = list(range(first, first + total))
+    embedded = 0
+
+    async def client() -> None:
+        nonlocal embedded
+        while queue:
+            i = queue.pop()
+            embedded += await one(text_of(i, LENGTHS[i % len(LENGTHS)]))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return embedded / (time.perf_counter() - started)
+
+
+def _http_embed(http: httpx.AsyncClient) -> OneRequest:
+    async def one(text: str) -> int:
+        response = await http.post("/v1/embeddings", json={"input": text, "model": "bench"})
+        if response.status_code != 200:
+            raise RuntimeError(f"{http.base_url}: HTTP {response.status_code}: {response.text[:300]}")
+        return int(response.json()["usage"]["prompt_tokens"])
+    return one
+
+
+def _slotq_embed(client: SlotqClient) -> OneRequest:
+    async def one(text: str) -> int:
+        return (await client.embed(text, timeout=600)).usage.prompt_tokens
+    return one
+
+
+# ----------------------------------------------------------------------------- the run
+async def run(quick: bool) -> tuple[dict[str, Any], str]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    levels = [1, 8] if quick else CONCURRENCY
+    skipped: dict[str, str] = {}
+    try:
+        server_binary: Path | None = llama_server.find_or_build()
+    except llama_server.Unavailable as exc:
+        server_binary = None
+        skipped["llama-server"] = str(exc)
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-embeddings-") as tmp_name:
+        tmp = Path(tmp_name)
+        models = {"SmolLM2-135M (mean)": bundled_model_path(), "tiny (overhead)": write_tiny_model(tmp / "tiny.gguf")}
+        redis = EmbeddedRedis(tmp / "redis")
+        url = redis.start()
+        try:
+            for index, (name, path) in enumerate(models.items()):
+                results += await _model(name, path, f"embeddings-{index}", levels, quick, tmp, url, server_binary)
+        finally:
+            redis.stop()
+    for system, reason in skipped.items():
+        progress(f"skipped {system}: {reason}")
+    data = {"lengths": LENGTHS, "sequences_per_decode": SEQUENCES, "batch": BATCH, "threads": THREADS,
+            "results": results, "skipped": skipped}
+    text = _table(results, list(models), levels, skipped)
+    if not quick:
+        write_results("embeddings", data, text, "slotq bench embeddings")
+    return data, text
+
+
+async def _model(name: str, model: Path, queue: str, levels: list[int], quick: bool, tmp: Path, url: str,
+                 server_binary: Path | None) -> list[dict[str, Any]]:
+    env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_EMBEDDINGS": "true",
+           "SLOTQ_POOLING": "mean", "SLOTQ_SLOTS": str(SEQUENCES), "SLOTQ_BATCH": str(BATCH),
+           "SLOTQ_CTX": str(INPUT_LIMIT), "SLOTQ_THREADS": str(THREADS), "SLOTQ_LOG_LEVEL": "WARNING",
+           "SLOTQ_QUEUE_NAME": queue}
+    children = {"slotq-redis": ChildProcess(f"slotq worker --embeddings ({name})",
+                                            [sys.executable, "-m", "slotq.jobs.cli", "worker"], env=env,
+                                            log_path=tmp / f"worker-{queue}.log")}
+    port = free_port()
+    if server_binary is not None:
+        children["llama-server"] = ChildProcess(f"llama-server --embeddings ({name})", [
+            str(server_binary), "-m", str(model), "--embeddings", "--pooling", "mean", "--parallel", str(SEQUENCES),
+            "-c", str(SEQUENCES * INPUT_LIMIT), "-b", str(BATCH), "-ub", str(BATCH), "-t", str(THREADS),
+            "--host", "127.0.0.1", "--port", str(port)], log_path=tmp / f"llama-server-{queue}.log")
+    try:
+        return await run_watched(_measure(name, levels, quick, url, queue, port if server_binary else None),
+                                 *children.values())
+    finally:
+        for child in children.values():
+            child.stop()
+
+
+async def _measure(name: str, levels: list[int], quick: bool, url: str, queue: str,
+                   port: int | None) -> list[dict[str, Any]]:
+    client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=queue))
+    limits = httpx.Limits(max_connections=SEQUENCES + 8, max_keepalive_connections=SEQUENCES + 8)
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) if port else None
+    try:
+        paths: dict[str, OneRequest] = {"slotq-redis": _slotq_embed(client)}
+        while not any(w.ready for w in (await client.queue_info()).workers):
+            await asyncio.sleep(0.2)
+        if http is not None:
+            await _wait_http(http, "/health", lambda r: r.status_code == 200)
+            paths["llama-server"] = _http_embed(http)
+        for one in paths.values():
+            await one(text_of(0, 64))                         # warm-up, not measured
+        rows = []
+        for clients in levels:
+            total = requests_at(clients, quick)
+            rates: dict[str, list[float]] = {system: [] for system in paths}
+            for r in range(ROUNDS):
+                for system in _rotated(list(paths), r):
+                    progress(f"{name}, {clients} clients, round {r + 1}/{ROUNDS}: {system}")
+                    first = 1 + (clients * 1000 + r) * 100      # distinct texts: no cache helps either system
+                    rates[system].append(await closed_loop(paths[system], clients, total, first))
+            rows += [{"model": name, "system": system, "clients": clients, "requests": total,
+                      "tokens_per_s": round(sum(values) / len(values), 1), "rounds": [round(v, 1) for v in values]}
+                     for system, values in rates.items()]
+        return rows
+    finally:
+        if http is not None:
+            await http.aclose()
+        await client.close()
+
+
+def _table(results: list[dict[str, Any]], models: list[str], levels: list[int], skipped: dict[str, str]) -> str:
+    tps = {(r["model"], r["system"], r["clients"]): r["tokens_per_s"] for r in results}
+    rows = []
+    for model in models:
+        for system in SYSTEMS:
+            if system in skipped:
+                continue
+            cells = [model, system]
+            for c in levels:
+                value, peer = tps.get((model, system, c)), tps.get((model, "llama-server", c))
+                ratio = f" ({value / peer:.2f} x)" if value and peer else ""
+                cells.append(f"{value:,.0f}{ratio}" if value is not None else "-")
+            rows.append(cells)
+    table = markdown_table(["model", "system", *(f"{c} clients tok/s (/ llama-server)" for c in levels)], rows)
+    return table + "".join(f"\n\nskipped {system}: {reason}" for system, reason in skipped.items())
+
+
+# ----------------------------------------------------------------------------- one worker for both kinds?
+async def sharing_cost(threads: int = THREADS) -> dict[str, float]:
+    """What a generation worker's streams would pay if its engine thread also ran embedding batches:
+    the mean decode step of 8 generating streams, beside the mean decode of one embedding batch (32
+    inputs of 128 tokens), both on the bundled model in this process. Every embedding decode would
+    hold every stream's next token for its whole length. ``python -m bench.embeddings_bench``."""
+    from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+    from slotq.engine.embedding import EmbeddingEngine
+    from slotq.engine.request import EmbeddingRequest
+
+    model = bundled_model_path()
+    generator = await Engine.start(EngineConfig(model_path=model, slots=8, ctx=1024, threads=threads))
+    try:
+        await generator.warm_up()
+        before = generator.stats()
+        requests = [GenerationRequest(prompt=text_of(i, 16), max_tokens=64, ignore_eos=True,
+                                      sampling=SamplingParams(temperature=0)) for i in range(8)]
+
+        async def drain(request: GenerationRequest) -> None:
+            async for _event in generator.generate(request):
+                pass
+
+        await asyncio.gather(*(drain(r) for r in requests))
+        after = generator.stats()
+        step_ms = (after.generating_seconds - before.generating_seconds) / (
+            after.generating_steps - before.generating_steps) * 1000
+    finally:
+        await generator.close()
+    embedder = await EmbeddingEngine.start(EngineConfig(model_path=model, slots=32, ctx=512, batch=BATCH,
+                                                        threads=threads))
+    try:
+        await embedder.warm_up()
+        before = embedder.stats()
+        await embedder.embed(EmbeddingRequest(inputs=[text_of(i, 128) for i in range(32)]))
+        after = embedder.stats()
+        batch_ms = (after.decode_seconds - before.decode_seconds) / (after.decode_steps - before.decode_steps) * 1000
+    finally:
+        await embedder.close()
+    return {"generation_step_ms": round(step_ms, 1), "embedding_batch_ms": round(batch_ms, 1),
+            "stall_in_steps": round(batch_ms / step_ms, 1)}
+
+
+if __name__ == "__main__":
+    print(asyncio.run(sharing_cost()))
