@@ -8,6 +8,7 @@ must get the same status and the same error object, parameter and message, eithe
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from slotq.engine import FinishReason, Usage
@@ -175,7 +177,7 @@ def test_what_only_a_batch_line_refuses(field: str, value: Any, words: str) -> N
     assert (error["param"], error["code"]) == (field, "invalid_value") and words in error["message"]
 
 
-@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.TEXT])
 def test_a_batch_lines_output_is_the_gateways_response_object(endpoint: Endpoint) -> None:
     jid = "bulk:0123456789abcdef:4"
     choices = [ChoiceResult(index=i, text=f"out {i}", finish_reason=reason, usage=Usage(completion_tokens=2),
@@ -194,6 +196,30 @@ def test_a_batch_lines_output_is_the_gateways_response_object(endpoint: Endpoint
                                  "prompt_tokens_details": {"cached_tokens": 1}}
     if endpoint == Endpoint.CHAT:
         assert response["choices"][0]["message"] == {"role": "assistant", "content": "out 0", "refusal": None}
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+def test_an_embedding_lines_output_is_the_gateways_response_object(encoding_format: str) -> None:
+    jid = "bulk:0123456789abcdef:5"
+    vectors = np.array([[0.6, -0.8], [1.0, 0.0]], "<f4")
+    result = JobResult(id=jid, status=JobStatus.SUCCEEDED, usage=Usage(prompt_tokens=7), worker="w1", attempts=1,
+                       embeddings=[base64.b64encode(v.tobytes()).decode() for v in vectors], dimensions=2)
+    body = {"model": "m", "input": ["a", "b"], "encoding_format": encoding_format}
+    line = parse_line(batch_line(Endpoint.EMBEDDINGS, body), 5, lane="bulk")
+    assert line.request.inputs == ["a", "b"] and line.request.lane == "bulk"
+    response = output_record(line, jid, result)["response"]["body"]
+    gateway = to_response("embedding", result, "m", 0, encoding_format).model_dump(mode="json")
+    assert response == gateway and response["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    first = response["data"][0]["embedding"]
+    decoded = np.frombuffer(base64.b64decode(first), "<f4") if encoding_format == "base64" else np.array(first)
+    assert np.allclose(decoded, vectors[0])
+
+
+def test_an_embedding_body_is_refused_as_the_gateway_refuses_it() -> None:
+    record = batch_record(Endpoint.EMBEDDINGS, {"model": "m", "input": "x", "dimensions": 8})
+    assert record is not None and record["response"]["body"]["error"]["param"] == "dimensions"
+    record = batch_record(Endpoint.EMBEDDINGS, {"model": "m", "input": []})
+    assert record is not None and record["response"]["body"]["error"]["param"] == "input"
 
 
 def test_the_translation_does_not_load_the_web_stack() -> None:
