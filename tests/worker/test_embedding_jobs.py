@@ -49,10 +49,10 @@ async def test_embed_through_the_queue(start_worker, client: SlotqClient, tiny_m
         direct = await engine.embed(EmbeddingRequest(inputs=TEXTS))
     finally:
         await engine.close()
-    assert np.allclose(np.array(result.vectors), direct.vectors, atol=1e-4)     # the queue adds no error
+    assert np.all(np.sum(np.array(result.vectors) * direct.vectors, axis=1) > 0.9999)    # the same vectors
     assert result.usage.prompt_tokens == direct.prompt_tokens
     one = await client.embed("hello world", timeout=60)
-    assert np.allclose(one.vectors[0], result.vectors[1], atol=1e-4)
+    assert float(np.dot(one.vectors[0], result.vectors[1])) > 0.9999
 
 
 async def test_embedding_job_stream_result_and_idempotency(start_worker, client: SlotqClient) -> None:
