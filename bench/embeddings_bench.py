@@ -52,20 +52,31 @@ SYSTEMS = ["slotq-redis", "llama-server"]
 WORDS = ("queue", "slot", "batch", "token", "worker", "stream", "lease", "tenant", "lane", "model", "vector",
          "decode", "prompt", "cache", "shard", "retry")
 
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
 OneRequest = Callable[[str], Awaitable[int]]        # text -> input tokens embedded
+TextOf = Callable[[int, int], str]                  # (index, tokens) -> a distinct text of about that many tokens
 
 
 def text_of(i: int, tokens: int) -> str:
-    """A distinct text of about ``tokens`` tokens (one word is about one token to these tokenizers)."""
-    words = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(max(1, tokens - 4))]
+    """A distinct text of about ``tokens`` tokens to SmolLM2's tokenizer (these words are 1.07 tokens each
+    on average, the prefix about 6)."""
+    words = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(max(1, int((tokens - 6) / 1.07)))]
     return f"Note {i}: " + " ".join(words)
+
+
+def letters_of(i: int, tokens: int) -> str:
+    """The same for the tiny model, whose vocabulary is single letters and bytes: one letter, one token.
+    It starts with the index spelt in letters, so no two texts share a prefix."""
+    prefix = "".join(LETTERS[int(d)] for d in str(i)) + "z"
+    return (prefix + LETTERS * (tokens // len(LETTERS) + 1))[:max(1, tokens - 2)]
 
 
 def requests_at(clients: int, quick: bool) -> int:
     return clients * (2 if quick else 4) if clients > 1 else (5 if quick else 10)
 
 
-async def closed_loop(one: OneRequest, clients: int, total: int, first: int) -> float:
+async def closed_loop(one: OneRequest, texts: TextOf, clients: int, total: int, first: int) -> float:
     """``clients`` tasks sending requests back to back until ``total`` are done; tokens/s."""
     queue = list(range(first, first + total))
     embedded = 0
@@ -74,7 +85,7 @@ async def closed_loop(one: OneRequest, clients: int, total: int, first: int) -> 
         nonlocal embedded
         while queue:
             i = queue.pop()
-            embedded += await one(text_of(i, LENGTHS[i % len(LENGTHS)]))
+            embedded += await one(texts(i, LENGTHS[i % len(LENGTHS)]))
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -109,12 +120,15 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="slotq-bench-embeddings-") as tmp_name:
         tmp = Path(tmp_name)
-        models = {"SmolLM2-135M (mean)": bundled_model_path(), "tiny (overhead)": write_tiny_model(tmp / "tiny.gguf")}
+        models: dict[str, tuple[Path, TextOf]] = {
+            "SmolLM2-135M (mean)": (bundled_model_path(), text_of),
+            "tiny (overhead)": (write_tiny_model(tmp / "tiny.gguf"), letters_of)}
         redis = EmbeddedRedis(tmp / "redis")
         url = redis.start()
         try:
-            for index, (name, path) in enumerate(models.items()):
-                results += await _model(name, path, f"embeddings-{index}", levels, quick, tmp, url, server_binary)
+            for index, (name, (path, texts)) in enumerate(models.items()):
+                results += await _model(name, path, texts, f"embeddings-{index}", levels, quick, tmp, url,
+                                        server_binary)
         finally:
             redis.stop()
     for system, reason in skipped.items():
@@ -127,8 +141,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     return data, text
 
 
-async def _model(name: str, model: Path, queue: str, levels: list[int], quick: bool, tmp: Path, url: str,
-                 server_binary: Path | None) -> list[dict[str, Any]]:
+async def _model(name: str, model: Path, texts: TextOf, queue: str, levels: list[int], quick: bool, tmp: Path,
+                 url: str, server_binary: Path | None) -> list[dict[str, Any]]:
     env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_EMBEDDINGS": "true",
            "SLOTQ_POOLING": "mean", "SLOTQ_SLOTS": str(SEQUENCES), "SLOTQ_BATCH": str(BATCH),
            "SLOTQ_CTX": str(INPUT_LIMIT), "SLOTQ_THREADS": str(THREADS), "SLOTQ_LOG_LEVEL": "WARNING",
@@ -143,14 +157,14 @@ async def _model(name: str, model: Path, queue: str, levels: list[int], quick: b
             "-c", str(SEQUENCES * INPUT_LIMIT), "-b", str(BATCH), "-ub", str(BATCH), "-t", str(THREADS),
             "--host", "127.0.0.1", "--port", str(port)], log_path=tmp / f"llama-server-{queue}.log")
     try:
-        return await run_watched(_measure(name, levels, quick, url, queue, port if server_binary else None),
+        return await run_watched(_measure(name, texts, levels, quick, url, queue, port if server_binary else None),
                                  *children.values())
     finally:
         for child in children.values():
             child.stop()
 
 
-async def _measure(name: str, levels: list[int], quick: bool, url: str, queue: str,
+async def _measure(name: str, texts: TextOf, levels: list[int], quick: bool, url: str, queue: str,
                    port: int | None) -> list[dict[str, Any]]:
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=queue))
     limits = httpx.Limits(max_connections=SEQUENCES + 8, max_keepalive_connections=SEQUENCES + 8)
@@ -163,7 +177,7 @@ async def _measure(name: str, levels: list[int], quick: bool, url: str, queue: s
             await _wait_http(http, "/health", lambda r: r.status_code == 200)
             paths["llama-server"] = _http_embed(http)
         for one in paths.values():
-            await one(text_of(0, 64))                         # warm-up, not measured
+            await one(texts(0, 64))                           # warm-up, not measured
         rows = []
         for clients in levels:
             total = requests_at(clients, quick)
@@ -172,7 +186,7 @@ async def _measure(name: str, levels: list[int], quick: bool, url: str, queue: s
                 for system in _rotated(list(paths), r):
                     progress(f"{name}, {clients} clients, round {r + 1}/{ROUNDS}: {system}")
                     first = 1 + (clients * 1000 + r) * 100      # distinct texts: no cache helps either system
-                    rates[system].append(await closed_loop(paths[system], clients, total, first))
+                    rates[system].append(await closed_loop(paths[system], texts, clients, total, first))
             rows += [{"model": name, "system": system, "clients": clients, "requests": total,
                       "tokens_per_s": round(sum(values) / len(values), 1), "rounds": [round(v, 1) for v in values]}
                      for system, values in rates.items()]
