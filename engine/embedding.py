@@ -7,8 +7,9 @@
 Each input is a sequence of its own (its own seq id) and a decode packs as many whole inputs as fit
 in ``n_batch`` tokens and ``slots`` sequences, taken round-robin from the requests waiting, so one
 request of 2,000 inputs does not hold up a request of one. The KV memory is cleared between decodes:
-nothing is generated, so nothing needs to stay. ``n_ubatch = n_batch``, because llama.cpp pools a
-sequence within one micro-batch (and an encoder such as BERT needs the whole input in it).
+nothing is generated, so nothing needs to stay. ``n_ubatch = n_batch`` and one KV pool (unified), so a
+decode is one micro-batch holding every input whole: llama.cpp pools a sequence within a micro-batch
+(and an encoder such as BERT needs the whole input in it).
 
 An input longer than the limit (``ctx``, ``batch`` and the model's training context, the least of
 them) is refused naming ``input`` and the limit, unless the request asks to ``truncate`` it, as
@@ -155,6 +156,10 @@ class EmbeddingEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # One KV pool for the whole decode (unified), never a stream per sequence: with streams, llama.cpp cuts a
+        # batch into micro-batches of equal tokens per sequence (split_equal), so a longer input is pooled over
+        # its last part only (tests/engine/test_embedding.py). The price: attention spans the decode's tokens.
+        per_input = min(config.ctx, config.batch)
         self.model = LlamaModel(config, ContextShape(n_ctx=config.batch, n_batch=config.batch, n_ubatch=config.batch,
                                                      n_seq_max=config.slots, kv_layout=KVLayout.UNIFIED,
                                                      pooling_type=_pooling_type(config)))
@@ -167,7 +172,7 @@ class EmbeddingEngine:
         self.pooling = _POOLING_NAMES[pooling]
         self.dimensions = self.model.n_embd_out
         # One input must fit in one decode (one micro-batch) and in what the model was trained on.
-        self.ctx_per_seq = min(config.ctx, self.info.n_batch, self.info.n_ctx_train or config.ctx)
+        self.ctx_per_seq = min(per_input, self.info.n_ctx_seq, self.info.n_ctx_train or per_input)
         self.reserve_slots = 0
         self._full = SchedulerLimits(active_slots=self.info.n_seq_max, n_batch=self.info.n_batch,
                                      prefill_chunk=self.info.n_batch)
