@@ -8,8 +8,13 @@ time, the mean of :data:`ROUNDS` rounds run in a rotated order. Both systems get
 
 - ``slotq-redis``: ``slotq worker --embeddings`` (``SLOTQ_POOLING=mean``); the client enqueues each
   request through Redis (``client.embed``) and waits for its result;
-- ``llama-server``: ``--embeddings --pooling mean --parallel 32``, built from the llama.cpp that
-  llama-cpp-python vendors (:mod:`bench.llama_server`), ``POST /v1/embeddings``.
+- ``llama-server -kvu``: ``--embeddings --pooling mean --parallel 32 -kvu``, built from the llama.cpp that
+  llama-cpp-python vendors (:mod:`bench.llama_server`), ``POST /v1/embeddings``: one KV pool, as slotq's
+  embedding engine has; the ratios are against it;
+- ``llama-server``: the same without ``-kvu`` (a KV stream per slot, its default with an explicit
+  ``--parallel``). Faster, but not always right: llama.cpp then cuts a batch into micro-batches of
+  equal tokens per sequence and pools a longer input over a part of it (three concurrent requests
+  of different lengths: cosine 0.996 to the same input embedded alone; 1.0 with ``-kvu``).
 
 Models: the bundled SmolLM2-135M-Instruct (mean pooling, as llama-server serves a text generator
 with ``--pooling mean``) and the suite's tiny random model, whose decode costs little, so its row
@@ -48,7 +53,8 @@ BATCH = 4096                             # tokens per decode, both systems
 INPUT_LIMIT = 520                        # per input: every text below fits
 THREADS = len(os.sched_getaffinity(0)) or 1
 ROUNDS = 2
-SYSTEMS = ["slotq-redis", "llama-server"]
+SYSTEMS = ["slotq-redis", "llama-server -kvu", "llama-server"]
+PEER = "llama-server -kvu"                 # the ratios' reference: the mode whose vectors are right
 WORDS = ("queue", "slot", "batch", "token", "worker", "stream", "lease", "tenant", "lane", "model", "vector",
          "decode", "prompt", "cache", "shard", "retry")
 
@@ -116,7 +122,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         server_binary: Path | None = llama_server.find_or_build()
     except llama_server.Unavailable as exc:
         server_binary = None
-        skipped["llama-server"] = str(exc)
+        skipped |= {system: str(exc) for system in SYSTEMS[1:]}
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="slotq-bench-embeddings-") as tmp_name:
         tmp = Path(tmp_name)
@@ -150,14 +156,17 @@ async def _model(name: str, model: Path, texts: TextOf, queue: str, levels: list
     children = {"slotq-redis": ChildProcess(f"slotq worker --embeddings ({name})",
                                             [sys.executable, "-m", "slotq.jobs.cli", "worker"], env=env,
                                             log_path=tmp / f"worker-{queue}.log")}
-    port = free_port()
+    ports: dict[str, int] = {}
     if server_binary is not None:
-        children["llama-server"] = ChildProcess(f"llama-server --embeddings ({name})", [
-            str(server_binary), "-m", str(model), "--embeddings", "--pooling", "mean", "--parallel", str(SEQUENCES),
-            "-c", str(SEQUENCES * INPUT_LIMIT), "-b", str(BATCH), "-ub", str(BATCH), "-t", str(THREADS),
-            "--host", "127.0.0.1", "--port", str(port)], log_path=tmp / f"llama-server-{queue}.log")
+        for system, extra in (("llama-server -kvu", ["-kvu"]), ("llama-server", [])):
+            port = ports[system] = free_port()
+            children[system] = ChildProcess(f"{system} --embeddings ({name})", [
+                str(server_binary), "-m", str(model), "--embeddings", "--pooling", "mean", "--parallel",
+                str(SEQUENCES), "-c", str(SEQUENCES * INPUT_LIMIT), "-b", str(BATCH), "-ub", str(BATCH), "-t",
+                str(THREADS), "--host", "127.0.0.1", "--port", str(port), *extra],
+                log_path=tmp / f"{system.replace(' ', '')}-{queue}.log")
     try:
-        return await run_watched(_measure(name, texts, levels, quick, url, queue, port if server_binary else None),
+        return await run_watched(_measure(name, texts, levels, quick, url, queue, ports),
                                  *children.values())
     finally:
         for child in children.values():
@@ -165,17 +174,18 @@ async def _model(name: str, model: Path, texts: TextOf, queue: str, levels: list
 
 
 async def _measure(name: str, texts: TextOf, levels: list[int], quick: bool, url: str, queue: str,
-                   port: int | None) -> list[dict[str, Any]]:
+                   ports: dict[str, int]) -> list[dict[str, Any]]:
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=queue))
     limits = httpx.Limits(max_connections=SEQUENCES + 8, max_keepalive_connections=SEQUENCES + 8)
-    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) if port else None
+    https = {system: httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits)
+             for system, port in ports.items()}
     try:
         paths: dict[str, OneRequest] = {"slotq-redis": _slotq_embed(client)}
         while not any(w.ready for w in (await client.queue_info()).workers):
             await asyncio.sleep(0.2)
-        if http is not None:
+        for system, http in https.items():
             await _wait_http(http, "/health", lambda r: r.status_code == 200)
-            paths["llama-server"] = _http_embed(http)
+            paths[system] = _http_embed(http)
         for one in paths.values():
             await one(texts(0, 64))                           # warm-up, not measured
         rows = []
@@ -192,7 +202,7 @@ async def _measure(name: str, texts: TextOf, levels: list[int], quick: bool, url
                      for system, values in rates.items()]
         return rows
     finally:
-        if http is not None:
+        for http in https.values():
             await http.aclose()
         await client.close()
 
@@ -206,11 +216,11 @@ def _table(results: list[dict[str, Any]], models: list[str], levels: list[int], 
                 continue
             cells = [model, system]
             for c in levels:
-                value, peer = tps.get((model, system, c)), tps.get((model, "llama-server", c))
+                value, peer = tps.get((model, system, c)), tps.get((model, PEER, c))
                 ratio = f" ({value / peer:.2f} x)" if value and peer else ""
                 cells.append(f"{value:,.0f}{ratio}" if value is not None else "-")
             rows.append(cells)
-    table = markdown_table(["model", "system", *(f"{c} clients tok/s (/ llama-server)" for c in levels)], rows)
+    table = markdown_table(["model", "system", *(f"{c} clients tok/s (/ {PEER})" for c in levels)], rows)
     return table + "".join(f"\n\nskipped {system}: {reason}" for system, reason in skipped.items())
 
 
