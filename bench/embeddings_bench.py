@@ -230,8 +230,8 @@ def _table(results: list[dict[str, Any]], models: list[str], levels: list[int], 
 # ----------------------------------------------------------------------------- one worker for both kinds?
 async def sharing_cost(threads: int = THREADS) -> dict[str, float]:
     """What a generation worker's streams would pay if its engine thread also ran embedding batches:
-    the mean decode step of 8 generating streams, beside the mean decode of one embedding batch (32
-    inputs of 128 tokens), both on the bundled model in this process. Every embedding decode would
+    the mean decode step of 8 generating streams, beside the mean embedding decode of 32 inputs of 128
+    tokens (:data:`BATCH` tokens a decode), both on the bundled model in this process. Every embedding decode would
     hold every stream's next token for its whole length. ``python -m bench.embeddings_bench``."""
     from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
     from slotq.engine.embedding import EmbeddingEngine
