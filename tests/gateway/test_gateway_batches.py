@@ -36,7 +36,7 @@ LEASE_S = 2
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
     with Stack.started(tmp_path_factory.mktemp("batches"), tiny_model_path) as s:
-        s.start_worker("batch-worker", MODEL)
+        s.start_worker("batch-worker", MODEL, ctx=2048)     # room for a tool-call prompt (byte-level tokens)
         yield s
 
 
@@ -140,6 +140,25 @@ def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayP
     assert client.files.delete(file_id).deleted                       # the batch is finished: its input may go
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(file_id)
+
+
+def test_chat_lines_with_tools_get_their_calls(gateway: GatewayProcess, tmp_path: Path) -> None:
+    """Tool calls in the Batch API (issue 33): a forced call per line, in OpenAI's response shape."""
+    parameters = {"type": "object", "additionalProperties": False, "required": ["city"],
+                  "properties": {"city": {"enum": ["Paris", "Tokyo"]}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    client = sdk(gateway.url)
+    file_id = upload(client, tmp_path, [batch_line(i, max_tokens=120, tools=tools, tool_choice="required")
+                                        for i in (1, 2)])
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_batch(client, batch.id, lambda b: b.status in ("completed", "failed", "cancelled", "expired"))
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    for record in jsonl(client.files.content(done.output_file_id).text):
+        [choice] = record["response"]["body"]["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Tokyo")
 
 
 def test_bad_requests_name_the_parameter(gateway: GatewayProcess, tmp_path: Path) -> None:
