@@ -48,7 +48,7 @@ from slotq.engine.errors import GrammarError, InvalidRequest
 if TYPE_CHECKING:
     from slotq.engine.request import SamplingParams
 
-_JSON_OPTIONS: Any = {"whitespace_flexible": False}   # llguidance's JsonCompileOptions (a TypedDict)
+COMPACT_JSON: Any = {"whitespace_flexible": False}   # llguidance's JsonCompileOptions (a TypedDict): see above
 
 
 class GrammarKnobs(BaseModel):
@@ -99,7 +99,7 @@ def constraint_for(sampling: SamplingParams) -> Constraint | None:
     if sampling.json_schema is not None:
         try:
             return Constraint("sampling.json_schema",
-                              llguidance.LLMatcher.grammar_from_json_schema(sampling.json_schema, _JSON_OPTIONS))
+                              llguidance.LLMatcher.grammar_from_json_schema(sampling.json_schema, COMPACT_JSON))
         except Exception as exc:  # llguidance raises ValueError, and its converter assorted errors
             raise GrammarError(f"sampling.json_schema: cannot be compiled: {exc}",
                                field="sampling.json_schema") from None

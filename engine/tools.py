@@ -36,13 +36,12 @@ from typing import Any
 
 import llguidance
 
-from slotq.engine.constraints import Constraint, GrammarKnobs, validate_constraint
+from slotq.engine.constraints import COMPACT_JSON, Constraint, GrammarKnobs, validate_constraint
 from slotq.engine.errors import GrammarError
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCall, ToolCallError, ToolCallFormat
 from slotq.engine.request import ChatMessage, GenerationParams, NamedToolChoice, ToolSpec
 
-_JSON_OPTIONS: Any = {"whitespace_flexible": False}
-_LENIENT_JSON: Any = {"whitespace_flexible": True}
+_ANY_WHITESPACE_JSON: Any = {"whitespace_flexible": True}    # checking what a model wrote freely
 
 
 @dataclass(frozen=True)
@@ -54,10 +53,6 @@ class ToolPlan:
     tool_format: ToolCallFormat
     constraint: Constraint | None
     parameters: dict[str, dict[str, Any]]
-
-    @property
-    def native(self) -> bool:
-        return self.tool_format != ToolCallFormat.GENERIC
 
 
 def plan_tools(request: GenerationParams, tool_format: ToolCallFormat) -> ToolPlan | None:
@@ -140,7 +135,7 @@ def native_grammar(tool_format: ToolCallFormat, tools: list[ToolSpec], parallel:
 
 def _compiled_schema(schema: dict[str, Any]) -> Constraint:
     try:
-        return Constraint("tools", llguidance.LLMatcher.grammar_from_json_schema(schema, _JSON_OPTIONS))
+        return Constraint("tools", llguidance.LLMatcher.grammar_from_json_schema(schema, COMPACT_JSON))
     except Exception as exc:  # llguidance raises ValueError, and its converter assorted errors
         raise GrammarError(f"tools: a function's parameters cannot be compiled: {exc}", field="tools") from None
 
@@ -326,7 +321,7 @@ class CallChecker:
                                     f"{exc}") from None
             text = json.dumps(in_schema_order(arguments, schema, schema), ensure_ascii=False)
             matcher = llguidance.LLMatcher(self._tokenizer,
-                                           llguidance.LLMatcher.grammar_from_json_schema(schema, _LENIENT_JSON),
+                                           llguidance.LLMatcher.grammar_from_json_schema(schema, _ANY_WHITESPACE_JSON),
                                            log_level=0, limits=self._limits)
             matcher.consume_tokens(self._tokenizer.tokenize_str(text))
             if matcher.is_error() or not matcher.is_accepting():
