@@ -47,8 +47,9 @@ def gateway_of(request: Request) -> Gateway:
 
 
 def model_card(route: ModelRoute) -> ModelCard:
-    return ModelCard(id=route.model, created=int(min(w.started_at for w in route.workers)), queue=route.queue,
-                     workers=len(route.workers), slots_total=route.slots_total, slots_busy=route.slots_busy)
+    return ModelCard(id=route.model, created=int(min(w.started_at for w in route.workers)), kind=route.kind,
+                     queue=route.queue, workers=len(route.workers), slots_total=route.slots_total,
+                     slots_busy=route.slots_busy)
 
 
 @router.get("/models")

@@ -35,6 +35,11 @@ class ModelRoute:
     def slots_busy(self) -> int:
         return sum(w.slots_busy for w in self.workers)
 
+    @property
+    def kind(self) -> JobKind:
+        """What the model serves (its workers say; a queue's workers serve one kind)."""
+        return self.workers[0].kind if self.workers else JobKind.GENERATION
+
 
 def routes_from(workers: list[WorkerInfo], kind: JobKind | None = None) -> dict[str, ModelRoute]:
     """model -> the queue to use (among the workers that serve ``kind`` of job, if given). Several

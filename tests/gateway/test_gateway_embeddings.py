@@ -42,6 +42,11 @@ def sdk(stack: Stack) -> OpenAI:
     return OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def test_models_say_which_kind_they_serve(sdk: OpenAI) -> None:
+    kinds = {model.id: (model.model_extra or {})["kind"] for model in sdk.models.list()}
+    assert kinds == {"tiny-gen": "generation", "tiny-embed": "embedding"}
+
+
 def test_every_input_shape_embeds(sdk: OpenAI) -> None:
     listed = sdk.embeddings.create(model="tiny-embed", input=TEXTS, user="ignored")
     assert [d.index for d in listed.data] == [0, 1, 2] and listed.model == "tiny-embed"

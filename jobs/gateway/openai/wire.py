@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from slotq.engine.request import MAX_TOP_LOGPROBS, ToolCallSpec, ToolChoice, ToolSpec
-from slotq.jobs.protocol.schemas import JobResult, JobStatus
+from slotq.jobs.protocol.schemas import JobKind, JobResult, JobStatus
 
 # Parameters of OpenAI's API that slotq cannot honour. Sent with an "off" value (null, false, "",
 # [], best_of 1) they are dropped; any other value is a 400 naming them. ``tools`` is honoured, and
@@ -393,6 +393,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "slotq"
+    kind: JobKind = Field(description="generation (chat, completions) or embedding (/v1/embeddings)")
     queue: str
     workers: int
     slots_total: int
