@@ -60,6 +60,16 @@ class CpuRepack(StrEnum):
     OFF = "off"
 
 
+class SpecMode(StrEnum):
+    """Speculative decoding (engine/speculation.py): where drafts come from. Every mode drafts only
+    where the step-cost rule says a draft pays (docs/architecture.md, "Speculative decoding")."""
+
+    AUTO = "auto"       # the draft model when draft_model is set, else n-gram lookup
+    OFF = "off"
+    NGRAM = "ngram"     # drafts from the sequence's own prompt and output (prompt lookup)
+    DRAFT = "draft"     # a second, smaller GGUF with the same vocabulary (draft_model)
+
+
 class Pooling(StrEnum):
     """How an embedding worker turns a sequence's token vectors into one (llama.cpp's pooling types)."""
 
@@ -130,6 +140,18 @@ class EngineKnobs(GrammarKnobs):
         description="embedding workers: normalisation of each vector, as llama-server's --embd-normalize: -1 none, "
                     "0 max absolute (int16 range), 1 taxicab, 2 euclidean (L2), >2 p-norm")
 
+    spec: SpecMode = Field(
+        SpecMode.AUTO,
+        description="speculative decoding: auto = the draft model when draft_model is set, else n-gram drafts from "
+                    "each sequence's own prompt and output; off; ngram; draft (needs draft_model). A draft goes into "
+                    "a step only where its expected accepted tokens pay for the step time it adds")
+    spec_k_max: int = Field(16, ge=1, le=64, description="most draft tokens one sequence adds to a step")
+    spec_k_min: int = Field(2, ge=1, le=64,
+                            description="fewest draft tokens worth sending (a shorter draft is not sent)")
+    draft_model: Path | None = Field(
+        None, description="GGUF of a small model with the served model's vocabulary that drafts for every sequence "
+                          "in one batch of its own (spec=auto or draft)")
+
     @model_validator(mode="after")
     def _sizes(self) -> EngineKnobs:
         if self.batch < self.slots:
@@ -138,6 +160,10 @@ class EngineKnobs(GrammarKnobs):
         if self.kv_cells is not None and self.kv_cells < self.ctx:
             raise ValueError(f"kv_cells ({self.kv_cells}) must be >= ctx ({self.ctx}) "
                              "so one sequence can reach its full context")
+        if self.spec_k_min > self.spec_k_max:
+            raise ValueError(f"spec_k_min ({self.spec_k_min}) must be <= spec_k_max ({self.spec_k_max})")
+        if self.spec == SpecMode.DRAFT and self.draft_model is None:
+            raise ValueError("spec=draft needs draft_model (SLOTQ_DRAFT_MODEL): the GGUF that drafts")
         return self
 
 
@@ -152,7 +178,16 @@ class EngineConfig(EngineKnobs):
     def _model_file(self) -> EngineConfig:
         if not self.model_path.is_file():
             raise ValueError(f"model_path: no such file: {self.model_path}")
+        if self.draft_model is not None and not self.draft_model.is_file():
+            raise ValueError(f"draft_model: no such file: {self.draft_model}")
         return self
+
+    @property
+    def spec_source(self) -> SpecMode:
+        """``spec`` decided: OFF, NGRAM or DRAFT (never AUTO)."""
+        if self.spec == SpecMode.AUTO:
+            return SpecMode.DRAFT if self.draft_model is not None else SpecMode.NGRAM
+        return self.spec
 
     @property
     def usable_cache_slots(self) -> int:

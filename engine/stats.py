@@ -35,6 +35,9 @@ class EngineCounters:
     generating_steps: int = 0         # steps in which at least one sequence generated a token
     generating_seconds: float = 0.0   # their wall time, sampling included
     finish_reasons: Counter[str] = field(default_factory=Counter)
+    spec: str = "off"                 # where drafts come from: off, ngram or draft (config.SpecMode)
+    spec_draft_tokens: int = 0        # draft tokens decoded for verification
+    spec_accepted_tokens: int = 0     # of those, the ones verification kept
 
     def decoded(self, n_tokens: int, n_seqs: int, seconds: float) -> None:
         self.decode_steps += 1
@@ -76,6 +79,9 @@ class EngineCounters:
             batch_limit=limits.n_batch,
             prefill_chunk_limit=limits.prefill_chunk,
             finished=dict(self.finish_reasons),
+            spec=self.spec,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )
 
 
@@ -107,6 +113,14 @@ class EngineStats(BaseModel):
     batch_limit: int = Field(description="token budget of one llama_decode now (<= n_batch)")
     prefill_chunk_limit: int = Field(description="prompt tokens of one sequence per step now (<= prefill_chunk)")
     finished: dict[str, int]
+    spec: str = Field("off", description="speculative decoding's draft source: off, ngram or draft")
+    spec_draft_tokens: int = Field(0, description="draft tokens decoded for verification")
+    spec_accepted_tokens: int = Field(0, description="draft tokens verification kept (each one a step saved)")
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        """Accepted / drafted tokens; None before any draft was sent."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
     @property
     def kv_active_ratio(self) -> float:

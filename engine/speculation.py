@@ -1,0 +1,280 @@
+"""Speculative decoding: draft tokens, and the rule that decides where a draft pays.
+
+A generating sequence may add up to ``k`` draft tokens after its real one in the shared
+``llama_decode`` (the runner asks for logits at each); the runner then samples those rows in order
+and keeps each draft token that equals what it sampled (see ``Runner._verify``). Sampling every row
+with the sequence's own chain and stopping at the first mismatch is exact for every sampler: each
+kept token was drawn from the model's distribution given the tokens before it, so greedy output is
+the same token for token, and a seeded sampler draws the same numbers (one per delivered token).
+For a draft that is one token per position -- n-gram lookup, a greedy draft model -- this is the
+same test as rejection sampling: a draft token is kept with probability p(draft), and a rejected
+one is replaced by a sample from p without it.
+
+Where drafts come from (:class:`Drafter`): :class:`NgramDrafter` looks the sequence's last tokens
+up in its own prompt and output (prompt lookup: no second model); a draft model
+(``engine/draft_model.py``) drafts for every sequence in one batch of its own.
+
+Where a draft goes (:class:`DraftPlanner`, a pure policy the scheduler consults): a step costs
+time that grows with its tokens (:class:`StepCost`, measured on this model and device), and each
+draft token is worth the chance that it and every draft token before it are accepted. The planner
+adds draft tokens, most likely first, while they raise the step's expected tokens per second by at
+least :data:`MIN_GAIN`; so drafting stops where a step is compute-bound (many sequences on a CPU, a
+full GPU batch), and a sequence whose drafts miss stops drafting. docs/architecture.md,
+"Speculative decoding", has the figures.
+
+A sequence's acceptance is learned for free where its drafts are n-gram lookups: a draft that was
+offered but not sent is still compared with the token the step sampled (a shadow test), so a
+sequence that copies its prompt is found out before it ever pays for a draft.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from slotq.engine.sequence import Sequence
+
+MIN_GAIN = 1.05
+"""A plan with drafts must promise at least 5 % more tokens per second than the step without them:
+the acceptance and step-time estimates are noisy, and a wrong draft costs a whole step's share."""
+
+PRIOR_WEIGHT = 2.0
+"""How many observations the model-wide acceptance counts for in a sequence's own estimate."""
+
+SEQ_DECAY = 0.95
+"""A sequence's acceptance forgets old tests (a window of about 20): a reply that stops copying its
+prompt stops drafting within a few steps."""
+
+MODEL_DECAY = 0.995
+"""The model-wide acceptance (the prior of new sequences) moves slowly: about 200 tests."""
+
+
+@dataclass
+class Proposal:
+    """What a drafter could add after a sequence's last token: ``n`` tokens, known already
+    (``tokens``, an n-gram lookup: free) or made on demand by :meth:`Drafter.draft` (a draft model)."""
+
+    n: int
+    tokens: list[int] | None = None
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for running sequences. Engine thread only."""
+
+    def propose(self, seq: Sequence, k_max: int) -> Proposal:
+        """What could follow ``seq.tokens`` (at most ``k_max`` tokens; ``n`` 0 for nothing)."""
+        ...
+
+    def draft(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Drafts for proposals made without tokens: at most ``n`` tokens continuing each
+        sequence's tokens, in the order given."""
+        ...
+
+    def draft_seconds(self, depth: int, n_seqs: int) -> float:
+        """The time :meth:`draft` takes to draft ``depth`` tokens for ``n_seqs`` sequences (0 for free lookups)."""
+        ...
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` finished: drop what was kept for it."""
+        ...
+
+
+@dataclass
+class _NgramIndex:
+    """For each n in [n_min, n_max]: the n tokens before a position -> the latest such position."""
+
+    maps: dict[int, dict[tuple[int, ...], int]]
+    indexed: int = 0          # positions below this are in the maps
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index every position that has a token after its n-gram (the tail's n-gram has no
+        continuation yet, so it is indexed once the next token arrives)."""
+        end = len(tokens) - 1
+        for n, mapping in self.maps.items():
+            for i in range(max(self.indexed, n), end + 1):
+                mapping[tuple(tokens[i - n:i])] = i
+        self.indexed = max(self.indexed, end + 1)
+
+
+class NgramDrafter:
+    """Prompt lookup: the sequence's last ``n`` tokens (longest n first, ``n_max`` down to
+    ``n_min``) are looked up in its own earlier tokens, prompt and output; the tokens that followed
+    their latest occurrence are the draft. A copy of the prompt (a rewrite, an extraction, a quoted
+    summary) drafts itself; free text rarely finds a long match, and the planner learns that. Each
+    new token costs ``n_max - n_min + 1`` dict writes."""
+
+    def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self._indexes: dict[Sequence, _NgramIndex] = {}
+
+    def propose(self, seq: Sequence, k_max: int) -> Proposal:
+        index = self._indexes.get(seq)
+        if index is None:
+            index = self._indexes[seq] = _NgramIndex({n: {} for n in range(self.n_max, self.n_min - 1, -1)})
+        tokens = seq.tokens
+        index.extend(tokens)
+        for n, mapping in index.maps.items():
+            if len(tokens) <= n:
+                continue
+            start = mapping.get(tuple(tokens[-n:]))
+            if start is not None:
+                draft = tokens[start:start + k_max]
+                return Proposal(len(draft), draft)
+        return Proposal(0)
+
+    def draft(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        raise RuntimeError("n-gram proposals carry their tokens; nothing is drafted on demand")
+
+    def draft_seconds(self, depth: int, n_seqs: int) -> float:
+        return 0.0
+
+    def forget(self, seq: Sequence) -> None:
+        self._indexes.pop(seq, None)
+
+
+class StepCost:
+    """Seconds one ``llama_decode`` of ``n`` tokens takes, plus the step's fixed share around it
+    (scheduling, sampling, events), on this model and device.
+
+    Measured at start (:meth:`calibrate`: a decode of 1, 2, 4, ... tokens) and kept current from
+    every real step (:meth:`observe`): an observation pulls the two measured sizes around it toward
+    what it saw, by :attr:`rate`. Between measured sizes it interpolates; beyond the largest it
+    extrapolates the last slope."""
+
+    def __init__(self, seconds_by_tokens: dict[int, float], *, overhead_s: float = 0.0, rate: float = 0.05) -> None:
+        if not seconds_by_tokens:
+            raise ValueError("StepCost needs at least one measured size")
+        self.sizes = sorted(seconds_by_tokens)
+        self.seconds = [seconds_by_tokens[n] for n in self.sizes]
+        self.overhead_s = overhead_s
+        self.rate = rate
+
+    @classmethod
+    def calibrate(cls, decode: Callable[[int], float], max_tokens: int, repeats: int = 2) -> StepCost:
+        """Time ``decode(n)`` (it returns seconds) at n = 1, 2, 4, ... up to ``max_tokens``; the
+        fastest of ``repeats`` runs counts (this machine may be shared)."""
+        sizes = [1]
+        while sizes[-1] * 2 <= max_tokens:
+            sizes.append(sizes[-1] * 2)
+        return cls({n: min(decode(n) for _ in range(repeats)) for n in sizes})
+
+    def decode_seconds(self, n_tokens: int) -> float:
+        sizes, secs = self.sizes, self.seconds
+        if len(sizes) == 1:
+            return secs[0] * n_tokens / sizes[0]
+        i = bisect.bisect_left(sizes, n_tokens)
+        if i < len(sizes) and sizes[i] == n_tokens:
+            return secs[i]
+        lo = min(max(i - 1, 0), len(sizes) - 2)      # the segment around n (the last one beyond)
+        x0, x1, y0, y1 = sizes[lo], sizes[lo + 1], secs[lo], secs[lo + 1]
+        return max(y0 + (y1 - y0) * (n_tokens - x0) / (x1 - x0), secs[0] * 0.5)
+
+    def step_seconds(self, n_tokens: int) -> float:
+        return self.decode_seconds(n_tokens) + self.overhead_s
+
+    def observe(self, n_tokens: int, decode_s: float, step_s: float | None = None) -> None:
+        """A real step: ``decode_s`` in llama_decode for ``n_tokens``; ``step_s`` all of it (the
+        fixed share is what the step took beyond the decode)."""
+        predicted = self.decode_seconds(n_tokens)
+        if predicted > 0 and decode_s > 0:
+            ratio = min(max(decode_s / predicted, 0.25), 4.0)     # one stalled step must not rewrite the table
+            i = bisect.bisect_left(self.sizes, n_tokens)
+            for j in {min(i, len(self.sizes) - 1), max(i - 1, 0)}:
+                self.seconds[j] *= 1 + self.rate * (ratio - 1)
+        if step_s is not None and step_s >= decode_s:
+            self.overhead_s += self.rate * ((step_s - decode_s) - self.overhead_s)
+
+
+@dataclass
+class _Acceptance:
+    """A decayed count of draft positions tested and accepted."""
+
+    tested: float = 0.0
+    accepted: float = 0.0
+
+    def add(self, tested: int, accepted: int, decay: float) -> None:
+        for _ in range(tested):
+            self.tested *= decay
+            self.accepted *= decay
+        self.tested += tested
+        self.accepted += accepted
+
+
+@dataclass
+class DraftPlanner:
+    """Decides how many draft tokens each generating sequence adds to a step (see the module
+    docstring). Pure: it sees sequences, proposals, the step cost and what verification reported."""
+
+    cost: StepCost
+    k_min: int = 2
+    k_max: int = 16
+    prior: float = 0.5                  # model-wide acceptance before anything was tested
+    _model: _Acceptance = field(default_factory=_Acceptance)
+    _seqs: dict[Sequence, _Acceptance] = field(default_factory=dict)
+
+    @property
+    def model_acceptance(self) -> float:
+        """The model-wide share of tested draft positions that were accepted (the prior of a new sequence)."""
+        m = self._model
+        return (m.accepted + PRIOR_WEIGHT * self.prior) / (m.tested + PRIOR_WEIGHT)
+
+    def acceptance(self, seq: Sequence) -> float:
+        """The chance that ``seq``'s next draft token is accepted, given the one before was."""
+        own = self._seqs.get(seq)
+        prior = self.model_acceptance
+        if own is None:
+            return prior
+        return (own.accepted + PRIOR_WEIGHT * prior) / (own.tested + PRIOR_WEIGHT)
+
+    def plan(self, offers: Iterable[tuple[Sequence, int]], *, base_tokens: int, n_generating: int, budget: int,
+             draft_seconds: Callable[[int, int], float] = lambda depth, n: 0.0) -> dict[Sequence, int]:
+        """Draft tokens per sequence for a step of ``base_tokens`` (its decode and prompt tokens,
+        ``n_generating`` of which yield a token), at most ``budget`` draft tokens in all. ``offers``
+        are how many each sequence's drafter could propose."""
+        candidates: list[tuple[float, int, Sequence]] = []
+        for seq, offered in offers:
+            k = min(offered, self.k_max)
+            if k < self.k_min:
+                continue
+            p = self.acceptance(seq)
+            gain = 1.0
+            for depth in range(1, k + 1):
+                gain *= p
+                candidates.append((gain, depth, seq))
+        if not candidates or budget < self.k_min or n_generating == 0:
+            return {}
+        candidates.sort(key=lambda c: (-c[0], c[1]))    # a sequence's depths stay in order: gains fall with depth
+        base_rate = n_generating / self.cost.step_seconds(base_tokens)
+        best_rate, best_m = base_rate * MIN_GAIN, 0
+        expected, max_depth, drafting = float(n_generating), 0, set()
+        for m, (gain, depth, seq) in enumerate(candidates[:budget], start=1):
+            expected += gain
+            max_depth = max(max_depth, depth)
+            drafting.add(seq)
+            seconds = self.cost.step_seconds(base_tokens + m) + draft_seconds(max_depth, len(drafting))
+            if expected / seconds > best_rate:
+                best_rate, best_m = expected / seconds, m
+        rooms: dict[Sequence, int] = {}
+        for _, depth, seq in candidates[:best_m]:
+            rooms[seq] = max(rooms.get(seq, 0), depth)
+        return {seq: k for seq, k in rooms.items() if k >= self.k_min}
+
+    def observe(self, seq: Sequence, tested: int, accepted: int) -> None:
+        """Verification (or a shadow test) compared ``tested`` draft positions; ``accepted`` matched."""
+        if tested <= 0:
+            return
+        self._seqs.setdefault(seq, _Acceptance()).add(tested, accepted, SEQ_DECAY)
+        self._model.add(tested, accepted, MODEL_DECAY)
+
+    def forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq, None)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` took (for :meth:`StepCost.calibrate`)."""
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
