@@ -64,6 +64,9 @@ class Proposal:
 class Drafter(Protocol):
     """Proposes draft tokens for running sequences. Engine thread only."""
 
+    prior: float
+    """The chance a draft token is accepted, before any was tested (the planner's starting estimate)."""
+
     def propose(self, seq: Sequence, k_max: int) -> Proposal:
         """What could follow ``seq.tokens`` (at most ``k_max`` tokens; ``n`` 0 for nothing)."""
         ...
@@ -105,6 +108,8 @@ class NgramDrafter:
     their latest occurrence are the draft. A copy of the prompt (a rewrite, an extraction, a quoted
     summary) drafts itself; free text rarely finds a long match, and the planner learns that. Each
     new token costs ``n_max - n_min + 1`` dict writes."""
+
+    prior = 0.5     # shadow tests (see the module docstring) replace it within a few tokens
 
     def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
         self.n_min, self.n_max = n_min, n_max
