@@ -161,7 +161,8 @@ class EngineKnobs(GrammarKnobs):
             raise ValueError(f"kv_cells ({self.kv_cells}) must be >= ctx ({self.ctx}) "
                              "so one sequence can reach its full context")
         if self.spec_k_min > self.spec_k_max:
-            raise ValueError(f"spec_k_min ({self.spec_k_min}) must be <= spec_k_max ({self.spec_k_max})")
+            raise ValueError(f"spec_k_min ({self.spec_k_min}, SLOTQ_SPEC_K_MIN) must be <= spec_k_max "
+                             f"({self.spec_k_max}, SLOTQ_SPEC_K_MAX)")
         if self.spec == SpecMode.DRAFT and self.draft_model is None:
             raise ValueError("spec=draft needs draft_model (SLOTQ_DRAFT_MODEL): the GGUF that drafts")
         return self

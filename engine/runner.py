@@ -50,8 +50,9 @@ from slotq.engine.outbox import Outbox, Sink
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCallError
 from slotq.engine.request import GenerationRequest
 from slotq.engine.sampling import SamplerChain
-from slotq.engine.scheduler import KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
+from slotq.engine.scheduler import BatchItem, KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
 from slotq.engine.sequence import SeqState, Sequence
+from slotq.engine.speculation import Drafter, Proposal
 from slotq.engine.state import EngineState, Lifecycle
 from slotq.engine.stats import EngineCounters, EngineStats
 from slotq.engine.text import StopMatcher, Utf8Stream
@@ -86,6 +87,15 @@ class _Choice:
     first_token_at: float | None = None
 
 
+@dataclass(frozen=True)
+class _End:
+    """How a sequence ends, decided while its tokens are taken and applied once its KV is settled."""
+
+    reason: FinishReason
+    error: EngineError | None = None
+    flush: bool = True
+
+
 _Command: TypeAlias = PreparedRequest | SchedulerLimits | str
 """What other threads send the engine thread: a request to admit, new limits, or the id of a
 request to cancel."""
@@ -93,9 +103,10 @@ request to cancel."""
 
 class Runner:
     def __init__(self, model: LlamaModel, scheduler: Scheduler, ctx_per_seq: int, *,
-                 lifecycle: Lifecycle, faults: EngineFaults) -> None:
+                 lifecycle: Lifecycle, faults: EngineFaults, drafter: Drafter | None = None) -> None:
         self.model = model
         self.scheduler = scheduler
+        self.drafter = drafter if scheduler.drafts is not None else None
         self.ctx_per_seq = ctx_per_seq
         self.lifecycle = lifecycle
         self.faults = faults
@@ -146,10 +157,13 @@ class Runner:
         self._wake.clear()                  # before draining: a command queued after this wakes the wait below
         self._drain_commands()
         self._expire_deadlines()
-        out = self.scheduler.schedule()
+        step_started = time.perf_counter()
+        proposals = self._propose_drafts()
+        out = self.scheduler.schedule({seq: p.n for seq, p in proposals.items()})
         self._apply_memory_ops(out)
         if out.items:
-            self._step(out)
+            self._fill_drafts(out, proposals)
+            self._step(out, proposals, step_started)
             self.faults.after_decode_step(self.counters.decode_steps)
         for request_id in self._publish():
             if self._has_open_choices(request_id):     # (its own final events come back here once more)
@@ -272,28 +286,61 @@ class Runner:
             if state.admitted_at is None:
                 state.admitted_at = now
 
-    def _step(self, out: SchedulerOutput) -> None:
+    def _propose_drafts(self) -> dict[Sequence, Proposal]:
+        """What the drafter could add after each generating sequence's last token, capped so the
+        drafts stay inside the sequence's context (the scheduler caps them by max_tokens)."""
+        if self.drafter is None or self.scheduler.drafts is None:
+            return {}
+        k_max = self.scheduler.drafts.k_max
+        proposals: dict[Sequence, Proposal] = {}
+        for seq in self.scheduler.running:
+            if seq.fork_of is None and seq.is_decoding:
+                room = min(k_max, self.ctx_per_seq - len(seq.tokens))
+                if room > 0:
+                    proposals[seq] = self.drafter.propose(seq, room)
+        return proposals
+
+    def _fill_drafts(self, out: SchedulerOutput, proposals: dict[Sequence, Proposal]) -> None:
+        """The planned drafts: a proposal's own tokens, or the drafter's work for the rest."""
+        on_demand: list[BatchItem] = []
+        for item in out.items:
+            if item.draft_room:
+                tokens = proposals[item.seq].tokens
+                if tokens is None:
+                    on_demand.append(item)
+                else:
+                    item.set_draft(tokens)
+        if on_demand:
+            assert self.drafter is not None
+            drafts = self.drafter.draft([(item.seq, item.draft_room) for item in on_demand])
+            for item, tokens in zip(on_demand, drafts, strict=True):
+                item.set_draft(tokens)
+
+    def _step(self, out: SchedulerOutput, proposals: dict[Sequence, Proposal], step_started: float) -> None:
         tokens: list[int] = []
         positions: list[int] = []
         seq_ids: list[int] = []
         wants: list[bool] = []
-        sample_at: list[tuple[Sequence, int]] = []
-        step_started = time.perf_counter()
+        sample_at: list[tuple[Sequence, int, list[int]]] = []
         generating = any(item.seq.is_decoding for item in out.items)    # someone gets a token this step
         for item in out.items:
             seq = item.seq
             slot = seq.slot
-            for j in range(item.n_tokens):
-                tokens.append(seq.tokens[item.start + j])
-                positions.append(item.start + j)
-                seq_ids.append(slot)
-                wants.append(False)
+            own = item.n_tokens - len(item.draft)
+            tokens.extend(seq.tokens[item.start:item.start + own])
+            tokens.extend(item.draft)
+            positions.extend(range(item.start, item.start + item.n_tokens))
+            seq_ids.extend([slot] * item.n_tokens)
+            wants.extend([False] * (own - 1))
             if item.sample:
-                wants[-1] = True
-                sample_at.append((seq, len(tokens) - 1))
+                wants.extend([True] * (1 + len(item.draft)))     # the last own token's row, and each draft's
+                sample_at.append((seq, len(tokens) - 1 - len(item.draft), item.draft))
+            else:
+                wants.append(False)
         started = time.perf_counter()
         ret = self.model.decode(tokens, positions, seq_ids, wants)
-        self.counters.decoded(len(tokens), n_seqs=len(out.items), seconds=time.perf_counter() - started)
+        decode_seconds = time.perf_counter() - started
+        self.counters.decoded(len(tokens), n_seqs=len(out.items), seconds=decode_seconds)
         if ret == 1:
             self._on_kv_full(out)
             return
@@ -302,24 +349,57 @@ class Runner:
             return
         self.scheduler.commit(out)
         apply_forks(self.model, out)
-        leader_index = {id(seq): idx for seq, idx in sample_at}
+        leader_index = {id(seq): idx for seq, idx, _ in sample_at}
         for fork in out.forks:
             if fork.seq.n_pending == 0:     # an n > 1 sibling: sample from the leader's prompt logits
-                sample_at.append((fork.seq, leader_index[id(fork.leader)]))
-        for seq, index in sample_at:
+                sample_at.append((fork.seq, leader_index[id(fork.leader)], []))
+        for seq, index, draft in sample_at:
             if seq.state == SeqState.RUNNING:
-                self._sample(seq, index)
+                self._generate(seq, index, draft, proposals.get(seq))
         if generating:
-            self.counters.generating_step(time.perf_counter() - step_started)
+            step_seconds = time.perf_counter() - step_started
+            self.counters.generating_step(step_seconds)
+            if self.scheduler.drafts is not None:
+                self.scheduler.drafts.cost.observe(len(tokens), decode_seconds, step_seconds)
 
-    def _sample(self, seq: Sequence, batch_index: int) -> None:
+    def _generate(self, seq: Sequence, index: int, draft: list[int], proposal: Proposal | None) -> None:
+        """Take the tokens of one sequence's step: the row at ``index``, and one row more per draft
+        token while each sampled token equals the draft token before its row (so every kept token
+        was sampled from the model given the real tokens before it: the speculation module's
+        docstring says why that is exact). Then forget the rejected drafts' cells, and end the
+        sequence if a token ended it. An offered proposal that was not sent is shadow-tested
+        against the sampled token, so the planner learns its acceptance for free."""
+        tested = accepted = 0
+        end: _End | None = None
+        for i in range(len(draft) + 1):
+            token, end = self._take(seq, index + i)
+            if i < len(draft):
+                tested += 1
+                accepted += token == draft[i]
+            if end is not None or i == len(draft) or token != draft[i]:
+                break
+        planner = self.scheduler.drafts
+        if draft:
+            assert planner is not None
+            self.counters.spec_draft_tokens += len(draft)
+            self.counters.spec_accepted_tokens += accepted
+            planner.observe(seq, tested, accepted)
+        elif planner is not None and proposal is not None and proposal.tokens and end is None:
+            planner.observe(seq, 1, int(seq.tokens[-1] == proposal.tokens[0]))
+        if draft and self.scheduler.settle_drafts(seq):
+            self.model.kv_remove(seq.slot, seq.n_computed)
+        if end is not None:
+            self._finish(seq, end.reason, error=end.error, flush=end.flush)
+
+    def _take(self, seq: Sequence, batch_index: int) -> tuple[int | None, _End | None]:
+        """Sample one token from a row, append it and emit its text; returns it and, if it ends the
+        sequence, how (the caller ends it once its KV is settled)."""
         state: _Choice = seq.payload
         logprobs = self._logprobs_before_sampling(state, batch_index)
         try:
             token = self.model.sample(state.chain, batch_index)
         except GrammarError as exc:     # its constraint ran out of fuel: this request ends, the batch goes on
-            self._finish(seq, FinishReason.ERROR, error=exc)
-            return
+            return None, _End(FinishReason.ERROR, error=exc)
         seq.tokens.append(token)
         self.counters.generated += 1
         now = time.monotonic()
@@ -327,8 +407,7 @@ class Runner:
             state.first_token_at = now
         request = state.prepared.request
         if self._is_eog(token) and not request.ignore_eos:
-            self._finish(seq, FinishReason.STOP)
-            return
+            return token, _End(FinishReason.STOP)
         match = state.stops.push(state.utf8.push(self.model.token_bytes(token, special=state.special_text)))
         reply = state.parser.push(match.emit) if state.parser is not None else ReplyDelta(content=match.emit)
         self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
@@ -336,9 +415,10 @@ class Runner:
                                              token_ids=[token], n_tokens=seq.n_generated,
                                              logprobs=None if logprobs is None else [logprobs.of(token)]))
         if match.stopped or (state.parser is not None and state.parser.error is not None):
-            self._finish(seq, FinishReason.STOP, flush=False)      # a broken call fails it there (_reply_tail)
-        elif seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
-            self._finish(seq, FinishReason.LENGTH)
+            return token, _End(FinishReason.STOP, flush=False)      # a broken call fails it there (_reply_tail)
+        if seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
+            return token, _End(FinishReason.LENGTH)
+        return token, None
 
     @staticmethod
     def _reply_tail(state: _Choice, text: str, reason: FinishReason) -> list[ReplyDelta]:
@@ -423,6 +503,10 @@ class Runner:
                 if reason == FinishReason.STOP and state.parser is not None and state.parser.tool_calls:
                     reason = FinishReason.TOOL_CALLS
         state.chain.free()
+        if self.drafter is not None:
+            self.drafter.forget(seq)
+        if self.scheduler.drafts is not None:
+            self.scheduler.drafts.forget(seq)
         now = time.monotonic()
         n_new = max(0, seq.n_generated)
         fresh = n_new - len(request.resume_tokens)        # generated by this attempt

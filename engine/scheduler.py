@@ -76,19 +76,29 @@ Policy, in order of precedence:
    slots 36 % slower on a CPU); then an uncached slot before an idle cache, the least recently used
    cache first, the lowest id first. Without the neighbour rank, a newcomer after a sequence ended
    in the middle took the spare cache slot at the end, and the gap stayed for the rest of the run.
+9. Drafts (speculative decoding, with a :class:`~slotq.engine.speculation.DraftPlanner`): a
+   generating sequence may follow its decode token with draft tokens, which come last: they take
+   only what the batch budget leaves after decode and prompt tokens, and the planner adds them only
+   where they raise the step's expected tokens per second (a compute-bound step gets none). A
+   sequence never drafts past its ``max_new_tokens``. After the decode the runner verifies the
+   drafts and :meth:`Scheduler.settle_drafts` forgets the cells of the rejected ones. A KV-full
+   decode that carried drafts is retried without any until a sequence finishes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from slotq.engine.kv_ledger import KVLedger
 from slotq.engine.request_queue import RequestQueue
 from slotq.engine.sequence import SeqState, Sequence
+from slotq.engine.speculation import DraftPlanner
 
 
 class KVFullAction(StrEnum):
+    DROPPED_DRAFTS = "dropped_drafts"
     EVICTED_CACHE = "evicted_cache"
     SHRUNK_PREFILL = "shrunk_prefill"
     PREEMPTED = "preempted"
@@ -152,13 +162,22 @@ class Admission:
 
 @dataclass
 class BatchItem:
-    """``n_tokens`` of ``seq.tokens`` starting at position ``start``; ``sample`` when the chunk
-    reaches the end of the sequence (the logits of its last token are needed)."""
+    """``n_tokens`` tokens at positions from ``start``: ``seq.tokens[start:]``'s first ones, then
+    ``draft``. ``sample`` when the chunk reaches the end of the sequence (the logits of its last
+    token are needed, and of every draft token). ``draft_room`` is how many draft tokens the
+    planner gave a generating sequence; the runner fills ``draft`` with at most that many
+    (:meth:`set_draft`)."""
 
     seq: Sequence
     start: int
     n_tokens: int
     sample: bool
+    draft_room: int = 0
+    draft: list[int] = field(default_factory=list)
+
+    def set_draft(self, tokens: list[int]) -> None:
+        self.draft = tokens[:self.draft_room]
+        self.n_tokens = 1 + len(self.draft)
 
 
 @dataclass
@@ -183,13 +202,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, drafts: DraftPlanner | None = None) -> None:
+        """``drafts``: speculative decoding's policy (rule 9); None = never draft."""
         if config.prefill_chunk < 1 or config.n_batch < config.n_slots + config.reserve_slots:
             raise ValueError("need prefill_chunk >= 1 and n_batch >= n_slots + reserve_slots (one decode token per "
                              "sequence)")
         if config.reserve_slots > config.cache_slots:
             raise ValueError("reserve_slots are cache slots: need reserve_slots <= cache_slots")
         self.config = config
+        self.drafts = drafts
         self.limits = SchedulerLimits.full(config)
         self.waiting = RequestQueue()
         self.running: list[Sequence] = []
@@ -201,6 +222,7 @@ class Scheduler:
         self._prefill_scale = 1.0
         self._pending_evictions: list[int] = []         # idle caches dropped, not yet cleared in KV
         self._hold_admissions = False                   # after a preemption, until a sequence finishes
+        self._hold_drafts = False                       # after a KV-full decode with drafts, likewise
         self.preemptions = 0
         self.prompt_tokens_reused = 0
         self.prompt_tokens_computed = 0
@@ -221,7 +243,9 @@ class Scheduler:
         return self.limits
 
     # ----------------------------------------------------------------- one step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, draft_offers: Mapping[Sequence, int] | None = None) -> SchedulerOutput:
+        """The next batch. ``draft_offers``: how many draft tokens the drafter could propose for
+        each generating sequence (rule 9)."""
         out = SchedulerOutput()
         self._admit(out)
         out.evicted_caches, self._pending_evictions = self._pending_evictions, []
@@ -243,7 +267,30 @@ class Scheduler:
             n = min(budget, chunk_cap, seq.n_pending)
             out.items.append(BatchItem(seq, seq.n_computed, n, sample=n == seq.n_pending))
             budget -= n
+        if draft_offers and self.drafts is not None and not self._hold_drafts:
+            self._plan_drafts(out, draft_offers, budget)
         return out
+
+    def _plan_drafts(self, out: SchedulerOutput, offers: Mapping[Sequence, int], budget: int) -> None:
+        """Rule 9: the planner's rooms, each capped by what the sequence may still generate."""
+        assert self.drafts is not None
+        decoding = [item for item in out.items if item.seq.is_decoding]
+        offered = [(item.seq, min(offers.get(item.seq, 0), item.seq.max_new_tokens - item.seq.n_generated - 1))
+                   for item in decoding]
+        rooms = self.drafts.plan(offered, base_tokens=out.n_tokens, n_generating=len(decoding), budget=budget)
+        for item in decoding:
+            item.draft_room = rooms.get(item.seq, 0)     # n_tokens grows when the runner fills it (set_draft)
+
+    def settle_drafts(self, seq: Sequence) -> int:
+        """After verification: a running sequence keeps the cells of the tokens it kept (all but
+        its last, which the next step decodes); returns how many cells from ``seq.n_computed`` on
+        the runner must remove from KV (rejected drafts)."""
+        dropped = seq.n_computed - (len(seq.tokens) - 1)
+        if dropped <= 0 or seq.state != SeqState.RUNNING:
+            return 0
+        seq.n_computed -= dropped
+        self.ledger.truncate(seq.slot, seq.n_computed)
+        return dropped
 
     def commit(self, out: SchedulerOutput) -> None:
         """The batch was decoded: advance each sequence and mirror the KV the decode created."""
@@ -251,8 +298,9 @@ class Scheduler:
         for item in out.items:
             item.seq.n_computed += item.n_tokens
             self.ledger.extend(item.seq.slot, item.n_tokens)
-            if item.seq.n_generated == 0 or item.n_tokens > 1:
-                self.prompt_tokens_computed += item.n_tokens
+            own = item.n_tokens - len(item.draft)       # the sequence's tokens (drafts are not prompt)
+            if item.seq.n_generated == 0 or own > 1:
+                self.prompt_tokens_computed += own
         for seq in self.running:
             leader = seq.fork_of
             if leader is not None and leader.n_computed >= seq.fork_len:
@@ -265,7 +313,10 @@ class Scheduler:
     def on_kv_full(self, out: SchedulerOutput) -> KVFullAction:
         """``llama_decode`` found no KV space; nothing was committed. In order: drop idle prefix
         caches, shrink the prefill share, preempt one sequence (it is requeued with its tokens).
-        STUCK means a lone sequence cannot fit: the runner fails it (retryable)."""
+        STUCK means a lone sequence cannot fit: the runner fails it (retryable). Drafts go first (rule 9)."""
+        if any(item.draft for item in out.items):
+            self._hold_drafts = True
+            return KVFullAction.DROPPED_DRAFTS
         if self._cache:
             for seq_id in list(self._cache):
                 self._evict_cache(seq_id)
@@ -299,7 +350,7 @@ class Scheduler:
         ``cancelled``: it did not end by itself and may come back for its cells (rule 8)."""
         if seq.state == SeqState.RUNNING:
             self._release_slot(seq, keep_cache=self.config.prefix_cache and reusable, returning=cancelled)
-            self._hold_admissions = False
+            self._hold_admissions = self._hold_drafts = False
         for sib in self.running:
             if sib.fork_of is seq:
                 sib.fork_of = None

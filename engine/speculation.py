@@ -30,7 +30,6 @@ sequence that copies its prompt is found out before it ever pays for a draft.
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -82,6 +81,10 @@ class Drafter(Protocol):
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` finished: drop what was kept for it."""
+        ...
+
+    def close(self) -> None:
+        """The engine closed: free what the drafter holds (a draft model's context)."""
         ...
 
 
@@ -138,6 +141,9 @@ class NgramDrafter:
 
     def forget(self, seq: Sequence) -> None:
         self._indexes.pop(seq, None)
+
+    def close(self) -> None:
+        self._indexes.clear()
 
 
 class StepCost:
@@ -276,10 +282,3 @@ class DraftPlanner:
 
     def forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq, None)
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds ``fn()`` took (for :meth:`StepCost.calibrate`)."""
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started

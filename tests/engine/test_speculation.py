@@ -1,0 +1,284 @@
+"""Speculative decoding: the n-gram drafter, the step cost, the draft planner and the scheduler's
+rule 9 (pure), then verification on real llama.cpp: output is the same token for token with and
+without drafts, whatever the request asks for."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from slotq.engine import ChatMessage, FinishReason, GenerationRequest, SamplingParams
+from slotq.engine.scheduler import KVFullAction, Scheduler
+from slotq.engine.speculation import MIN_GAIN, DraftPlanner, NgramDrafter, StepCost
+from tests.support.engine import collect, collect_choices, greedy, running_engine
+from tests.support.scheduler_sim import config, make_seq
+
+# A CPU-like step: the first token is cheap (one matrix-vector pass), each further one costs a
+# third of it (this machine's bundled model: 1 token 6.5 ms, 8 tokens 34 ms, 32 tokens 85 ms).
+CPU = {1: 0.0065, 2: 0.014, 4: 0.020, 8: 0.034, 16: 0.047, 32: 0.085, 64: 0.17}
+# A GPU-like step: flat until the batch fills the device.
+GPU = {1: 0.010, 64: 0.0105, 128: 0.011, 256: 0.020, 512: 0.040}
+
+
+# ----------------------------------------------------------------------------- n-gram drafter
+def test_ngram_drafts_what_followed_the_latest_occurrence_of_the_last_tokens() -> None:
+    drafter = NgramDrafter()
+    seq = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4])    # "2 3 4" was followed by "5 6 7 ..."
+    proposal = drafter.propose(seq, 4)
+    assert proposal.tokens == [5, 6, 7, 8] and proposal.n == 4
+    seq.tokens += [5, 6]                                      # the copy goes on: the index follows it
+    assert drafter.propose(seq, 3).tokens == [7, 8, 9]
+    seq.tokens += [40, 41, 42, 5, 6]                          # "5 6" now occurred twice: the latest wins
+    assert drafter.propose(seq, 2).tokens == [40, 41]
+
+
+def test_ngram_prefers_the_longest_match_and_offers_nothing_without_one() -> None:
+    drafter = NgramDrafter(n_min=2, n_max=4)
+    seq = make_seq([9, 3, 4, 50, 7, 8, 3, 4, 60, 7, 8, 3, 4])   # "3 4" -> 60 most recently; "8 3 4" -> 60 too
+    assert drafter.propose(seq, 1).tokens == [60]
+    other = make_seq([1, 2, 3, 4, 5])
+    assert drafter.propose(other, 8).n == 0
+    drafter.forget(other)
+
+
+def test_ngram_draft_stops_at_the_end_of_the_tokens() -> None:
+    seq = make_seq([7, 7, 7, 7])                              # a loop drafts itself, up to what exists
+    assert NgramDrafter().propose(seq, 16).tokens == [7]
+
+
+# ----------------------------------------------------------------------------- step cost
+def test_step_cost_interpolates_and_extrapolates_the_measured_sizes() -> None:
+    cost = StepCost({1: 1.0, 4: 4.0, 8: 6.0}, overhead_s=0.5)
+    assert cost.decode_seconds(4) == 4.0
+    assert cost.decode_seconds(2) == pytest.approx(2.0)
+    assert cost.decode_seconds(6) == pytest.approx(5.0)
+    assert cost.decode_seconds(16) == pytest.approx(10.0)    # the last slope, on
+    assert cost.step_seconds(8) == 6.5
+
+
+def test_step_cost_follows_what_real_steps_take() -> None:
+    cost = StepCost({1: 1.0, 8: 8.0}, rate=0.5)
+    for _ in range(20):
+        cost.observe(8, decode_s=16.0, step_s=17.0)
+    assert cost.decode_seconds(8) > 15.0 and cost.decode_seconds(1) > 1.0     # both ends of the segment moved
+    assert cost.overhead_s == pytest.approx(1.0, rel=0.01)
+    cost.observe(8, decode_s=1000.0)                                            # one stall moves it at most 4x * rate
+    assert cost.decode_seconds(8) < 16.0 * 2.6
+
+
+def test_calibration_times_powers_of_two() -> None:
+    timed: list[int] = []
+    cost = StepCost.calibrate(lambda n: timed.append(n) or n / 1000, max_tokens=20, repeats=1)
+    assert timed == [1, 2, 4, 8, 16] and cost.sizes == [1, 2, 4, 8, 16]
+
+
+# ----------------------------------------------------------------------------- planner
+def _copying(planner: DraftPlanner, seq: object, tests: int = 40) -> None:
+    planner.observe(seq, tests, tests)  # type: ignore[arg-type]
+
+
+def test_a_sequence_that_copies_drafts_on_a_cpu_and_one_that_misses_does_not() -> None:
+    planner = DraftPlanner(StepCost(CPU), k_min=2, k_max=16)
+    copier, free = make_seq(10), make_seq(10)
+    _copying(planner, copier)
+    planner.observe(free, 40, 8)
+    rooms = planner.plan([(copier, 16), (free, 16)], base_tokens=2, n_generating=2, budget=500)
+    assert rooms.get(copier, 0) >= 8 and free not in rooms
+
+
+def test_a_compute_bound_cpu_step_gets_no_drafts() -> None:
+    planner = DraftPlanner(StepCost(CPU), k_min=2, k_max=16)
+    seqs = [make_seq(10) for _ in range(64)]
+    for seq in seqs:
+        planner.observe(seq, 40, 36)                          # 90 % acceptance
+    assert planner.plan([(s, 16) for s in seqs], base_tokens=64, n_generating=64, budget=500) == {}
+
+
+def test_a_gpu_step_drafts_until_the_batch_is_full() -> None:
+    planner = DraftPlanner(StepCost(GPU), k_min=2, k_max=8)
+    seqs = [make_seq(10) for _ in range(16)]
+    for seq in seqs:
+        planner.observe(seq, 40, 28)                          # 70 %: too low to pay on the CPU above
+    rooms = planner.plan([(s, 8) for s in seqs], base_tokens=16, n_generating=16, budget=500)
+    assert len(rooms) == 16 and all(k >= 4 for k in rooms.values())
+    assert sum(rooms.values()) <= 128 - 16 + 8                # it stopped where the step's cost starts to climb
+
+
+def test_the_plan_keeps_the_budget_k_min_and_the_offer() -> None:
+    planner = DraftPlanner(StepCost(GPU), k_min=3, k_max=8)
+    a, b = make_seq(10), make_seq(10)
+    _copying(planner, a)
+    _copying(planner, b)
+    assert planner.plan([(a, 8), (b, 2)], base_tokens=2, n_generating=2, budget=500) == {a: 8}   # 2 < k_min
+    assert sum(planner.plan([(a, 8), (b, 8)], base_tokens=2, n_generating=2, budget=6).values()) <= 6
+    assert planner.plan([(a, 8)], base_tokens=2, n_generating=2, budget=2) == {}
+
+
+def test_a_plan_promises_at_least_min_gain() -> None:
+    # a step twice as long for one more expected token at 1 client: 1.5 / 2 < 1 / 1 * MIN_GAIN
+    planner = DraftPlanner(StepCost({1: 1.0, 2: 2.0, 3: 3.0}), k_min=1, k_max=2)
+    seq = make_seq(10)
+    planner.observe(seq, 40, 20)
+    assert planner.plan([(seq, 2)], base_tokens=1, n_generating=1, budget=8) == {}
+    assert MIN_GAIN > 1
+
+
+def test_new_sequences_start_from_the_models_acceptance_and_forget_it_when_done() -> None:
+    planner = DraftPlanner(StepCost(CPU), prior=0.5)
+    seen = make_seq(10)
+    assert planner.acceptance(seen) == 0.5
+    _copying(planner, seen, 100)
+    fresh = make_seq(10)
+    assert planner.acceptance(fresh) > 0.9 and planner.acceptance(seen) > planner.acceptance(fresh) - 0.01
+    planner.forget(seen)
+    assert planner.acceptance(seen) == planner.acceptance(fresh)
+
+
+# ----------------------------------------------------------------------------- scheduler rule 9
+def _decoding_scheduler(max_new: int = 50) -> tuple[Scheduler, DraftPlanner, object]:
+    planner = DraftPlanner(StepCost(GPU), k_min=2, k_max=8)
+    s = Scheduler(config(n_slots=2, n_batch=64, prefill_chunk=16), drafts=planner)
+    seq = make_seq(5, max_new=max_new)
+    s.add(seq)
+    out = s.schedule()
+    s.commit(out)
+    seq.tokens.append(7)                                      # its first token: it decodes from now on
+    _copying(planner, seq)
+    return s, planner, seq
+
+
+def test_drafts_go_only_to_generating_sequences_after_the_prompts() -> None:
+    s, _, seq = _decoding_scheduler()
+    newcomer = make_seq(30)
+    s.add(newcomer)
+    out = s.schedule({seq: 8, newcomer: 8})  # type: ignore[dict-item]
+    decode, prefill = out.items
+    assert decode.seq is seq and decode.draft_room == 8 and decode.n_tokens == 1    # the runner fills it
+    assert prefill.seq is newcomer and prefill.draft_room == 0 and prefill.n_tokens == 16
+    decode.set_draft(list(range(100, 120)))
+    assert decode.draft == list(range(100, 108)) and decode.n_tokens == 9
+
+
+def test_a_sequence_never_drafts_past_its_max_tokens() -> None:
+    s, _, seq = _decoding_scheduler(max_new=4)               # 1 generated: 3 more at most, 1 sampled for sure
+    out = s.schedule({seq: 8})  # type: ignore[dict-item]
+    assert out.items[0].draft_room == 2
+
+
+def test_settling_forgets_the_rejected_drafts_cells() -> None:
+    s, _, seq = _decoding_scheduler()
+    out = s.schedule({seq: 8})  # type: ignore[dict-item]
+    item = out.items[0]
+    item.set_draft([11, 12, 13, 14])
+    s.commit(out)
+    assert seq.n_computed == 10 and s.ledger.used_cells() == 10      # 5 prompt + 1 token + 4 drafts
+    seq.tokens += [11, 12, 99]                                         # two drafts kept, then a different token
+    assert s.settle_drafts(seq) == 2
+    assert seq.n_computed == 8 == len(seq.tokens) - 1 and s.ledger.used_cells() == 8
+    assert s.settle_drafts(seq) == 0
+    assert s.prompt_tokens_computed == 5                               # drafts are not prompt
+
+
+def test_a_kv_full_decode_with_drafts_drops_them_until_a_sequence_finishes() -> None:
+    s, _, seq = _decoding_scheduler()
+    out = s.schedule({seq: 8})  # type: ignore[dict-item]
+    out.items[0].set_draft([1, 2, 3])
+    assert s.on_kv_full(out) == KVFullAction.DROPPED_DRAFTS
+    assert s.schedule({seq: 8}).items[0].draft_room == 0  # type: ignore[dict-item]
+    other = make_seq(3)
+    s.add(other)
+    s.schedule()
+    s.finish(other)
+    assert s.schedule({seq: 8}).items[0].draft_room == 8  # type: ignore[dict-item]
+
+
+# ----------------------------------------------------------------------------- verification on llama.cpp
+COPY_TEXT = ("The committee met on Tuesday to review the budget for the new library. Members agreed that the "
+             "reading room needs better lighting, that the children's section should move to the ground floor, "
+             "and that the archive must be digitised before the end of next year.")
+COPY_PROMPTS = [f"{verb} this text{how}:\n\n{COPY_TEXT}" for verb in ("Copy", "Repeat", "Rewrite", "Quote")
+                for how in ("", " exactly", " word for word", " with one change", " in full")]
+FREE_PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
+                "List five uses of salt.", "What makes a good cup of tea?", "Describe the moon to a child."]
+
+
+def _chat(prompt: str, max_tokens: int, **kw: object) -> GenerationRequest:
+    return GenerationRequest(messages=[ChatMessage(role="user", content=prompt)], max_tokens=max_tokens,
+                             **{"sampling": SamplingParams(temperature=0.0), **kw})  # type: ignore[arg-type]
+
+
+async def _outputs(path: Path, spec: str, requests: list[GenerationRequest], **config: object) \
+        -> tuple[list[tuple[str, list[int], list[object]]], tuple[int, int]]:
+    async with running_engine(path, spec=spec, **{"slots": 1, "ctx": 1024, **config}) as engine:
+        results = await asyncio.gather(*(collect(engine.submit(r)) for r in requests))
+        stats = engine.stats()
+    return list(results), (stats.spec_draft_tokens, stats.spec_accepted_tokens)  # type: ignore[arg-type]
+
+
+@pytest.mark.real_model
+async def test_greedy_output_is_identical_with_and_without_speculation(real_model_path: Path) -> None:
+    """20 prompts on the bundled model: 15 that copy a text (drafts are accepted) and 5 free ones.
+    Every token and finish reason is the same, and drafts were kept. One slot, so
+    that the only difference between the runs is the drafts: sequences batched together may flip a
+    near-tie of the quantized model with or without drafts (test_real_model.py,
+    test_batched_equals_alone_on_the_real_model), while a sequence's own draft rows give exactly
+    the logits its one-token steps would."""
+    requests = [_chat(p, 120) for p in COPY_PROMPTS[:15] + FREE_PROMPTS]
+    plain, (drafted_off, _) = await _outputs(real_model_path, "off", requests)
+    spec, (drafted, accepted) = await _outputs(real_model_path, "ngram", requests)
+    assert drafted_off == 0 and accepted > 100, (drafted, accepted)
+    for request, (p_text, p_tokens, p_fin), (s_text, s_tokens, s_fin) in zip(requests, plain, spec):
+        assert s_tokens == p_tokens, (request.messages, p_text, s_text)
+        assert s_text == p_text
+        assert [f.finish_reason for f in s_fin] == [f.finish_reason for f in p_fin]   # type: ignore[attr-defined]
+        assert s_fin[0].usage == p_fin[0].usage                                      # type: ignore[attr-defined]
+
+
+@pytest.mark.real_model
+async def test_what_a_request_asks_for_holds_under_speculation(real_model_path: Path) -> None:
+    """Stop strings, max_tokens, logprobs, a JSON schema, n > 1 and seeded sampling: each gives the
+    same stream with drafts as without (a stop string or the length limit inside a run of accepted
+    drafts cuts it there; a seeded sampler draws one number per delivered token either way)."""
+    requests = [
+        _chat(f"Copy this text exactly:\n\n{COPY_TEXT}", 200, stop=["ground floor"]),
+        _chat(f"Copy this text exactly:\n\n{COPY_TEXT}", 23),
+        _chat(f"Copy this text exactly:\n\n{COPY_TEXT}", 40, logprobs=3),
+        _chat(f"Copy this text exactly:\n\n{COPY_TEXT}", 60,
+              sampling=SamplingParams(temperature=0.8, seed=7)),
+        _chat(f"Give the budget fields of this text as JSON:\n\n{COPY_TEXT}", 80,
+              sampling=SamplingParams(temperature=0.0, json_schema={
+                  "type": "object", "properties": {"topic": {"type": "string"}, "rooms": {"type": "array",
+                                                                                       "items": {"type": "string"}}},
+                  "required": ["topic", "rooms"]})),
+    ]
+    plain, _ = await _outputs(real_model_path, "off", requests)
+    spec, (drafted, _) = await _outputs(real_model_path, "ngram", requests)
+    assert drafted > 0
+    for (p_text, p_tokens, p_fin), (s_text, s_tokens, s_fin) in zip(plain, spec):
+        assert (s_text, s_tokens) == (p_text, p_tokens)
+        assert [f.finish_reason for f in s_fin] == [f.finish_reason for f in p_fin]   # type: ignore[attr-defined]
+    assert plain[0][0].endswith("children's section should move to the") or "ground floor" not in plain[0][0]
+    assert spec[1][2][0].finish_reason == FinishReason.LENGTH and len(spec[1][1]) == 23     # type: ignore[attr-defined]
+
+    prompt = f"Copy this text exactly:\n\n{COPY_TEXT}"
+    n_request = _chat(prompt, 50, n=3, sampling=SamplingParams(temperature=0.7, seed=3))
+    async with running_engine(real_model_path, spec="off", slots=4, ctx=1024) as engine:
+        plain_choices, _ = await collect_choices(engine.submit(n_request))
+    async with running_engine(real_model_path, spec="ngram", slots=4, ctx=1024) as engine:
+        spec_choices, _ = await collect_choices(engine.submit(n_request))
+    assert {i: c.token_ids for i, c in spec_choices.items()} == {i: c.token_ids for i, c in plain_choices.items()}
+
+
+@pytest.mark.real_model
+async def test_a_resumed_request_continues_the_same_under_speculation(real_model_path: Path) -> None:
+    """A job resumed from 30 delivered tokens (a worker died) drafts from its prompt and those
+    tokens at once, and finishes with the tokens the uninterrupted run made."""
+    prompt = f"Copy this text exactly:\n\n{COPY_TEXT}"
+    whole, _ = await _outputs(real_model_path, "off", [greedy(prompt, 80)])
+    tokens = whole[0][1]
+    resumed, (drafted, accepted) = await _outputs(
+        real_model_path, "ngram", [greedy(prompt, 80, resume_tokens=tokens[:30])])
+    assert tokens[:30] + resumed[0][1] == tokens
+    assert accepted > 0 and drafted >= accepted
