@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_async(_cancel))
 
     p = command("status", "queue depth and oldest wait per lane; workers: state, busy/active/max slots, KV, "
-                          "tokens/s, memory, degradation")
+                          "tokens/s, drafts kept (speculative decoding), memory, degradation")
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", action="store_true", help="a live view, refreshed in place until Ctrl-C")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")

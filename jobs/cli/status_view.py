@@ -32,19 +32,29 @@ def _by_reason(reasons: dict[str, int]) -> str:
     return f" ({', '.join(f'{n} {reason}' for reason, n in reasons.items())})" if reasons else ""
 
 
+def _speculation(w: WorkerInfo) -> str:
+    """``ngram 62% (310/500)``: the draft source and, since the worker started, the share of draft
+    tokens verification kept (accepted / drafted); ``off``, or the source alone before its first draft."""
+    acceptance = w.spec_acceptance
+    if acceptance is None:
+        return w.spec
+    return f"{w.spec} {acceptance:.0%} ({w.spec_accepted_tokens}/{w.spec_draft_tokens})"
+
+
 def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
     lanes = Table("lane", "queued", "oldest wait", "deferred", "running", "preempted", title=f"queue {info.queue}")
     for lane in info.lanes:
         lanes.add_row(lane.lane, str(lane.queued), _age(lane.oldest_queued_age_s), str(lane.deferred),
                       str(lane.running), str(lane.preempted))
     workers = Table("worker", "model", "state", "busy / active / max slots", "KV used", "tokens/s",
-                    "per stream", "memory", "degradation")
+                    "per stream", "drafts kept", "memory", "degradation")
     for w in info.workers:
         kv = f"{(w.kv_cells_used - w.kv_cells_cached) / w.kv_cells_total:.0%}" if w.kv_cells_total else "-"
         active = w.slots_active if w.slots_active is not None else w.slots_total
         workers.add_row(
             w.id, w.model, _state(w), f"{w.slots_busy} / {active} / {w.slots_total}", kv, f"{w.tokens_per_s:.1f}",
             f"{w.stream_tokens_per_s:.1f}" if w.stream_tokens_per_s else "-",
+            _speculation(w),
             f"{w.memory_ratio:.0%}" if w.memory_ratio is not None else "-",
             Text(w.degradation, style=_DEGRADATION_STYLE.get(w.degradation, "")))
     active_total = sum(w.slots_active if w.slots_active is not None else w.slots_total for w in info.workers)

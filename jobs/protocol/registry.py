@@ -23,11 +23,11 @@ INDEX_KEEP_S = 3600     # a worker silent this long leaves the index
 
 
 async def beat(redis: Redis, worker: WorkerInfo, *, interval_s: float) -> None:
-    """Advertise ``worker`` (the fields it was built with) until three beats of ``interval_s``
-    from now, and note the beat (``worker.updated_at``) in the index."""
+    """Advertise ``worker`` (the fields it was built with, not those derived from them) until three
+    beats of ``interval_s`` from now, and note the beat (``worker.updated_at``) in the index."""
     key = worker_key(worker.id)
-    fields = {name: int(value) if isinstance(value, bool) else value
-              for name, value in worker.model_dump(exclude_unset=True).items()}
+    declared = worker.model_dump(exclude_unset=True, exclude=set(WorkerInfo.model_computed_fields))
+    fields = {name: int(value) if isinstance(value, bool) else value for name, value in declared.items()}
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hset(key, mapping=fields)
         pipe.expire(key, max(3, int(interval_s * 3)))

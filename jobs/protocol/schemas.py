@@ -259,6 +259,16 @@ class WorkerInfo(BaseModel):
     degradation: str = Field("none", description="none, small_batch, cap_tokens or refuse")
     memory_ratio: float | None = Field(None, description="resident memory / the worker's memory limit")
     stream_tokens_per_s: float | None = Field(None, description="decode speed of each generating stream")
+    spec: str = Field("off", description="speculative decoding's draft source: off, ngram or draft")
+    spec_draft_tokens: int = Field(0, description="draft tokens decoded for verification since the worker started")
+    spec_accepted_tokens: int = Field(0, description="of those, the tokens verification kept")
+
+    @computed_field  # type: ignore[prop-decorator]   # pydantic's documented use on a property
+    @property
+    def spec_acceptance(self) -> float | None:
+        """Accepted / drafted tokens since the worker started; None before its first draft. Derived,
+        so the heartbeat does not carry it (:func:`~slotq.jobs.protocol.registry.beat`)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
 
 class LaneInfo(BaseModel):

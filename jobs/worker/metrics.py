@@ -10,11 +10,13 @@ worker's own metrics are in :mod:`slotq.jobs.worker.elastic.metrics`. Engine cou
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from slotq.engine import EngineStats
+from slotq.engine.config import SpecMode
 from slotq.jobs.protocol.redis_queue import LaneCounts
 from slotq.jobs.protocol.schemas import JobResult
 
@@ -36,6 +38,18 @@ KV_USAGE = Gauge("slotq_kv_cache_usage_ratio",
 BATCH_LIMIT = Gauge("slotq_batch_limit_tokens", "Token budget of one llama_decode now (smaller while degraded)")
 PREFILL_CHUNK_LIMIT = Gauge("slotq_prefill_chunk_limit_tokens",
                             "Prompt tokens of one sequence per decode step now (smaller while degraded)")
+SPEC_DRAFT_TOKENS = Counter(
+    "slotq_spec_draft_tokens", "Speculative decoding: draft tokens decoded for verification, after each sequence's "
+    "own token in the shared decode step (vLLM: vllm:spec_decode_num_draft_tokens_total)")
+SPEC_ACCEPTED_TOKENS = Counter(
+    "slotq_spec_accepted_tokens", "Speculative decoding: draft tokens verification kept, each a token generated "
+    "without a decode step of its own (vLLM: vllm:spec_decode_num_accepted_tokens_total); acceptance over a window: "
+    "rate(slotq_spec_accepted_tokens_total[5m]) / rate(slotq_spec_draft_tokens_total[5m])")
+SPEC_ACCEPTANCE = Gauge("slotq_spec_acceptance_ratio",
+                        "slotq_spec_accepted_tokens_total / slotq_spec_draft_tokens_total since the worker started, "
+                        "the figure `slotq status` shows (NaN before the first draft)")
+SPEC_SOURCE = Gauge("slotq_spec_source", "1 for the draft source in force (off, ngram or draft: SLOTQ_SPEC decided), "
+                    "0 for the others", ["source"])
 KV_CACHED = Gauge("slotq_kv_cache_cached_ratio", "KV cells only idle prefix caches hold / total KV cells")
 QUEUE_WAITING = Gauge("slotq_queue_waiting", "Jobs waiting to be claimed", ["lane"])
 QUEUE_DEFERRED = Gauge("slotq_queue_deferred", "Jobs waiting out a retry backoff", ["lane"])
@@ -89,7 +103,10 @@ _COUNTED = (
     (TOKENS_PREDICTED, "generated_tokens"),
     (N_DECODE, "decode_steps"),
     (PREEMPTIONS, "preemptions"),
+    (SPEC_DRAFT_TOKENS, "spec_draft_tokens"),
+    (SPEC_ACCEPTED_TOKENS, "spec_accepted_tokens"),
 )
+SPEC_SOURCES = tuple(mode for mode in SpecMode if mode != SpecMode.AUTO)    # what the engine reports (AUTO decided)
 
 
 class EngineSampler:
@@ -111,6 +128,10 @@ class EngineSampler:
         PREFILL_CHUNK_LIMIT.set(stats.prefill_chunk_limit)
         KV_USAGE.set(stats.kv_active_ratio)
         KV_CACHED.set(stats.kv_cells_cached / stats.kv_cells_total if stats.kv_cells_total else 0)
+        acceptance = stats.spec_acceptance
+        SPEC_ACCEPTANCE.set(acceptance if acceptance is not None else math.nan)
+        for source in SPEC_SOURCES:
+            SPEC_SOURCE.labels(source=source.value).set(int(stats.spec == source))
 
 
 def sample_queue(counts: Sequence[LaneCounts]) -> None:

@@ -36,7 +36,7 @@ from wsgiref.simple_server import WSGIServer
 import sentry_sdk
 from redis.exceptions import RedisError
 
-from slotq.engine import Engine
+from slotq.engine import Engine, EngineStats
 from slotq.jobs.aio import wait_until_set
 from slotq.jobs.protocol import registry
 from slotq.jobs.protocol.arq_adapter import Attempt
@@ -66,6 +66,16 @@ EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worke
 # 15 s), flushing streams and stopping the loops (a few seconds), and Redis commands retrying
 # through a short outage. Deploy manifests allow a little more (deploy/README.md, "Graceful drain").
 EXIT_MARGIN_S = 30
+
+
+def engine_heartbeat_fields(stats: EngineStats) -> dict[str, int | str]:
+    """What a heartbeat (:class:`WorkerInfo`) carries of the engine's snapshot: slots, tokens, KV
+    use and speculative decoding's counters."""
+    return {"slots_total": stats.slots_total, "slots_busy": stats.slots_busy, "waiting": stats.waiting,
+            "generated_tokens": stats.generated_tokens, "kv_cells_used": stats.kv_cells_used,
+            "kv_cells_cached": stats.kv_cells_cached, "kv_cells_total": stats.kv_cells_total,
+            "spec": stats.spec, "spec_draft_tokens": stats.spec_draft_tokens,
+            "spec_accepted_tokens": stats.spec_accepted_tokens}
 
 
 class SlotqWorker:
@@ -322,11 +332,8 @@ class SlotqWorker:
         self._tokens_seen = (now, stats.generated_tokens)
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
             "id": self.id, "queue": self.settings.queue_name, "model": self.served_model, "kind": self.kind,
-            "ctx": self.engine.ctx_per_seq, "slots_total": stats.slots_total, "slots_busy": stats.slots_busy,
-            "waiting": stats.waiting, "generated_tokens": stats.generated_tokens,
-            "tokens_per_s": round(rate, 1), "kv_cells_used": stats.kv_cells_used,
-            "kv_cells_cached": stats.kv_cells_cached,
-            "kv_cells_total": stats.kv_cells_total, "started_at": self.started_at, "updated_at": now,
+            "ctx": self.engine.ctx_per_seq, **engine_heartbeat_fields(stats),
+            "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
             **(self.elastic.heartbeat_fields() if self.elastic else {})}), interval_s=self.settings.lock_ttl_s / 3)
         was_stale = not self._may_claim()

@@ -1,10 +1,11 @@
 """The dashboard in a real headless Chromium (Debian's ``chromium``, driven by Playwright) against
-a real gateway, worker and Redis: the fleet table shows the worker, a dead letter is requeued
-with its button, a playground reply streams in (preempting one of two tenants' bulk jobs that fill
-the slots), the lane charts draw that traffic and the tenant table its backlog, and a reply
-survives a page reload mid-stream. Behind API keys, the key typed into the page is kept for the tab
-(sessionStorage), never in localStorage; and the page runs under the gateway's Content-Security-
-Policy without a single violation.
+a real gateway, worker and Redis: the fleet table shows the worker and each worker's speculative
+decoding (draft source, acceptance, counts), a dead letter is requeued with its button, a
+playground reply streams in (preempting one of two tenants' bulk jobs that fill the slots), the
+lane charts draw that traffic and the tenant table its backlog, and a reply survives a page reload
+mid-stream. Behind API keys, the key typed into the page is kept for the tab (sessionStorage),
+never in localStorage; and the page runs under the gateway's Content-Security-Policy without a
+single violation.
 
 ``make test`` installs Chromium (``make test-deps``). Without it the test fails in CI (``CI=true``)
 and is skipped elsewhere, saying why. ``SLOTQ_SCREENSHOT_TO=docs/dashboard.png`` runs it on the
@@ -29,9 +30,11 @@ from redis.asyncio import Redis
 
 from slotq.engine import ErrorInfo, bundled_model_path
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol import dead_letters
+from slotq.jobs.protocol import dead_letters, registry
 from slotq.jobs.protocol.schemas import JobRequest
+from tests.support.engine import engine_stats
 from tests.support.gateway import Stack
+from tests.support.jobs import advertise
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
@@ -238,3 +241,30 @@ def test_the_key_is_kept_for_the_tab_only(stack, page):
     # the slot bars are drawn through the CSSOM, which the policy allows where style attributes are refused
     assert page.evaluate("document.querySelector('#workers .bar > span').style.width").endswith("%")
     _assert_no_policy_violation(page)
+
+
+def test_the_fleet_table_shows_each_workers_drafts(stack, page):
+    """The figures of a worker that drafts (a heartbeat the worker's code builds from an engine
+    snapshot: the tiny model's engine drafts nothing worth showing) beside the real worker's."""
+    async def heartbeat(leave: bool) -> None:
+        redis = Redis.from_url(stack.redis.url)
+        try:
+            if leave:
+                await registry.leave(redis, "drafting-worker")
+            else:
+                await advertise(redis, "drafting-worker", engine_stats(
+                    spec="ngram", spec_draft_tokens=40, spec_accepted_tokens=30), queue="drafting:queue")
+        finally:
+            await redis.aclose()
+
+    _in_a_loop(lambda: heartbeat(leave=False))
+    try:
+        page.goto(stack.url)
+        row = page.wait_for_selector('#workers tbody tr[data-worker="drafting-worker"]')
+        assert row.query_selector("td.spec").inner_text() == "ngram 75 % 30 / 40"
+        real = page.inner_text('#workers tbody tr[data-worker="browser-worker"] td.spec')
+        assert real.split()[0] in ("off", "ngram", "draft"), real
+        assert "drafts kept" in page.text_content("#workers thead")
+        _assert_no_policy_violation(page)
+    finally:
+        _in_a_loop(lambda: heartbeat(leave=True))

@@ -1,4 +1,5 @@
-"""Shared helpers for the engine tests: start/close an Engine, collect a request's events."""
+"""Shared helpers for the engine tests: start/close an Engine, collect a request's events, build an
+engine snapshot (EngineStats) for the views that show one."""
 
 from __future__ import annotations
 
@@ -8,13 +9,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slotq.engine import Engine, EngineConfig, Finished, GenerationRequest, SamplingParams, TextDelta
+from slotq.engine import Engine, EngineConfig, EngineStats, Finished, GenerationRequest, SamplingParams, TextDelta
 
 # Small defaults. One thread: llama.cpp's worker threads spin at barriers, so with 2 threads on a
 # 2-core machine any other busy process (or a second test run) slows every decode by orders of
 # magnitude; one thread degrades gracefully. ctx 512: the default per-sequence context (4096) x 8
 # slots would allocate far more KV than any test needs.
 DEFAULT_CONFIG: dict[str, Any] = {"threads": 1, "ctx": 512}
+
+
+def engine_stats(**overrides: Any) -> EngineStats:
+    """An engine snapshot of a busy worker (2 of 4 slots, a quarter of its KV), ``overrides`` applied."""
+    base: dict[str, Any] = dict(
+        model="m", slots_total=4, slots_active=4, slots_busy=2, waiting=1, decode_steps=10, prompt_tokens_processed=100,
+        prompt_tokens_cached=50, generated_tokens=40, kv_cells_used=256, kv_cells_cached=0, kv_cells_total=1024,
+        avg_busy_slots_per_decode=3.5, preemptions=1, kv_full_events=1, decode_seconds=1.0, generating_steps=8,
+        generating_seconds=0.5, batch_limit=64, prefill_chunk_limit=16, finished={})
+    return EngineStats(**(base | overrides))
 
 
 @asynccontextmanager

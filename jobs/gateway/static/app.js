@@ -40,6 +40,9 @@ $("#key-form").addEventListener("submit", (event) => {
 // ------------------------------------------------------------------ formatting
 const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 const ago = (seconds) => seconds == null ? "–" : seconds < 1 ? "now" : seconds < 90 ? `${seconds.toFixed(0)} s` : `${(seconds / 60).toFixed(0)} min`;
+// speculative decoding: "ngram 62 %" and its counts, or the source alone ("off") before any draft
+const drafts = (w) => w.spec_acceptance == null ? esc(w.spec)
+  : `${esc(w.spec)} ${(100 * w.spec_acceptance).toFixed(0)} % <span class="muted small">${w.spec_accepted_tokens} / ${w.spec_draft_tokens}</span>`;
 const bar = (used, total, cls = "") => {
   const pct = total ? Math.min(100, (100 * used) / total) : 0;
   return `<span class="bar ${cls}"><span data-width="${pct}"></span></span>`;
@@ -66,7 +69,7 @@ function renderFleet(fleet) {
     const kv = w.kv_cells_total ? `${bar(w.kv_cells_used, w.kv_cells_total, "kv")}${((100 * w.kv_cells_used) / w.kv_cells_total).toFixed(0)} %` : "–";
     return `<tr data-worker="${esc(w.id)}"><td>${esc(w.id)}</td><td>${esc(w.model)}</td><td>${esc(w.queue)}</td>
       <td class="slots">${bar(w.slots_busy, w.slots_total)}${w.slots_busy} / ${w.slots_total}</td><td>${kv}</td>
-      <td class="num">${w.tokens_per_s.toFixed(1)}</td><td class="num">${w.generated_tokens}</td>
+      <td class="num">${w.tokens_per_s.toFixed(1)}</td><td class="num">${w.generated_tokens}</td><td class="spec">${drafts(w)}</td>
       <td class="num">${w.waiting}</td><td class="num">${ago(fleet.time - w.updated_at)}</td></tr>`;
   }).join(""));
   $("#no-workers").hidden = fleet.workers.length > 0;
