@@ -160,11 +160,18 @@ class StepCost:
             raise ValueError("StepCost needs at least one measured size")
         self.sizes = sorted(seconds_by_tokens)
         self.seconds = [seconds_by_tokens[n] for n in self.sizes]
+        self._keep_monotonic()
         self.overhead_s = overhead_s
         self.rate = rate
 
+    def _keep_monotonic(self) -> None:
+        """More tokens never take less time: a noisy measurement (a busy neighbour during the
+        timing of 2 tokens) must not make 4 look cheaper than 2."""
+        for i in range(1, len(self.seconds)):
+            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
+
     @classmethod
-    def calibrate(cls, decode: Callable[[int], float], max_tokens: int, repeats: int = 2) -> StepCost:
+    def calibrate(cls, decode: Callable[[int], float], max_tokens: int, repeats: int = 3) -> StepCost:
         """Time ``decode(n)`` (it returns seconds) at n = 1, 2, 4, ... up to ``max_tokens``; the
         fastest of ``repeats`` runs counts (this machine may be shared)."""
         sizes = [1]
@@ -195,6 +202,7 @@ class StepCost:
             i = bisect.bisect_left(self.sizes, n_tokens)
             for j in {min(i, len(self.sizes) - 1), max(i - 1, 0)}:
                 self.seconds[j] *= 1 + self.rate * (ratio - 1)
+            self._keep_monotonic()
         if step_s is not None and step_s >= decode_s:
             self.overhead_s += self.rate * ((step_s - decode_s) - self.overhead_s)
 

@@ -68,6 +68,11 @@ def test_step_cost_follows_what_real_steps_take() -> None:
     assert cost.decode_seconds(8) < 16.0 * 2.6
 
 
+def test_a_noisy_measurement_never_makes_more_tokens_cheaper() -> None:
+    cost = StepCost({1: 1.0, 2: 5.0, 4: 3.0, 8: 6.0})      # 2 tokens were timed while a neighbour was busy
+    assert cost.decode_seconds(4) >= cost.decode_seconds(2) and cost.decode_seconds(3) >= cost.decode_seconds(2)
+
+
 def test_calibration_times_powers_of_two() -> None:
     timed: list[int] = []
     cost = StepCost.calibrate(lambda n: timed.append(n) or n / 1000, max_tokens=20, repeats=1)
