@@ -47,26 +47,14 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
     (no tools, as the bundled model's) unless a test needs another, e.g. :data:`HERMES_TEMPLATE`.
     ``pooling_type`` (llama.cpp's enum, e.g. 1 = mean) writes ``llama.pooling_type``, as embedding
     fine-tunes of decoder models carry."""
-    rng = np.random.default_rng(seed)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + list(LETTERS)
     types = [2, 3, 3] + [6] * 256 + [1] * 27
     scores = [0.0, 0.0, 0.0] + [-1000.0] * 256 + [float(-i) for i in range(27)]
-    n_vocab, n_head, n_head_kv, n_ff = len(tokens), 2, 1, 256
-    head_dim = n_embd // n_head
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-random-llama")
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(0 if quant is None else gguf.LlamaFileType[f"MOSTLY_{quant.name}"])
-    w.add_vocab_size(n_vocab)
+    _add_hyperparameters(w, n_embd=n_embd, n_layer=n_layer, n_ctx_train=n_ctx_train, quant=quant)
+    w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -78,6 +66,67 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
     w.add_chat_template(chat_template)
     if pooling_type is not None:
         w.add_pooling_type(gguf.PoolingType(pooling_type))
+    _write_random_tensors(w, n_vocab=len(tokens), seed=seed, scale=scale, n_embd=n_embd, n_layer=n_layer, quant=quant)
+    return path
+
+
+def write_draft_model(path: Path, *, vocabulary_of: Path | None = None, seed: int = 1, scale: float = 1.0,
+                      n_embd: int = 64, n_layer: int = 2) -> Path:
+    """A random-weight llama GGUF carrying the tokenizer of ``vocabulary_of`` (default: the bundled
+    SmolLM2-135M-Instruct), to draft for that model (``SLOTQ_DRAFT_MODEL``) in tests and ``slotq bench
+    spec``. Every ``tokenizer.*`` key is copied as it is (tokens, types, merges, special ids, chat
+    template), so llama.cpp reads the same vocabulary; the output matrix is the token embedding
+    (tied), so the 49,152-token vocabulary costs one matrix: about 13 MB at the default width. Its
+    drafts are random, so few are accepted: that is the point of the benchmark's row (what a draft
+    model that misses costs), and tests check drafting against its own greedy continuation."""
+    if vocabulary_of is None:
+        from slotq.engine import bundled_model_path
+
+        vocabulary_of = bundled_model_path()
+    source = gguf.GGUFReader(str(vocabulary_of))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"random draft model with the vocabulary of {vocabulary_of.name}")
+    _add_hyperparameters(w, n_embd=n_embd, n_layer=n_layer, n_ctx_train=8192, quant=None)
+    n_vocab = 0
+    for key, field in source.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type)
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(field.data)
+    if n_vocab == 0:
+        raise ValueError(f"{vocabulary_of}: no tokenizer.ggml.tokens, so no vocabulary to copy")
+    w.add_vocab_size(n_vocab)
+    _write_random_tensors(w, n_vocab=n_vocab, seed=seed, scale=scale, n_embd=n_embd, n_layer=n_layer, quant=None,
+                          tied_output=True)
+    return path
+
+
+N_HEAD, N_HEAD_KV, N_FF = 2, 1, 256       # the random llamas' shape beyond width and depth
+
+
+def _add_hyperparameters(w: gguf.GGUFWriter, *, n_embd: int, n_layer: int, n_ctx_train: int,
+                         quant: gguf.GGMLQuantizationType | None) -> None:
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD_KV)
+    w.add_rope_dimension_count(n_embd // N_HEAD)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0 if quant is None else gguf.LlamaFileType[f"MOSTLY_{quant.name}"])
+
+
+def _write_random_tensors(w: gguf.GGUFWriter, *, n_vocab: int, seed: int, scale: float, n_embd: int, n_layer: int,
+                          quant: gguf.GGMLQuantizationType | None, tied_output: bool = False) -> None:
+    """Seeded random tensors of the llama that :func:`_add_hyperparameters` describes into ``w`` (whose vocabulary
+    the caller wrote), then the file. ``tied_output``: no ``output.weight`` (llama.cpp then uses the token
+    embedding)."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // N_HEAD
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -94,19 +143,19 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
 
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
     w.add_tensor("output_norm.weight", ones(n_embd))
-    matrix("output.weight", n_vocab, n_embd)
+    if not tied_output:
+        matrix("output.weight", n_vocab, n_embd)
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", ones(n_embd))
-        matrix(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
-        matrix(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
-        matrix(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
-        matrix(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
+        matrix(f"blk.{i}.attn_q.weight", N_HEAD * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_k.weight", N_HEAD_KV * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_v.weight", N_HEAD_KV * head_dim, n_embd)
+        matrix(f"blk.{i}.attn_output.weight", n_embd, N_HEAD * head_dim)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", ones(n_embd))
-        matrix(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
-        matrix(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
-        matrix(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+        matrix(f"blk.{i}.ffn_gate.weight", N_FF, n_embd)
+        matrix(f"blk.{i}.ffn_up.weight", N_FF, n_embd)
+        matrix(f"blk.{i}.ffn_down.weight", n_embd, N_FF)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
