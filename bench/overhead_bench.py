@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -60,16 +61,26 @@ OneStream = Callable[[int], Awaitable[int]]      # stream index -> generated tok
 
 
 def write_tiny_model(path: Path) -> Path:
-    """The suite's tiny model (tests/support/tiny_model.py in this checkout), loaded by file path: tests/
-    is not an installed package."""
+    """The suite's tiny model (tests/support/tiny_model.py in this checkout)."""
+    return Path(_tiny_model_module().write_tiny_llama(path))
+
+
+def write_draft_model(path: Path) -> Path:
+    """A random-weight draft model with the bundled model's vocabulary (SLOTQ_DRAFT_MODEL): it drafts for the
+    bundled model, though few of its drafts are accepted."""
+    return Path(_tiny_model_module().write_draft_model(path))
+
+
+def _tiny_model_module() -> ModuleType:
+    """tests/support/tiny_model.py, loaded by file path: tests/ is not an installed package."""
     source = Path(__file__).resolve().parent.parent / "tests" / "support" / "tiny_model.py"
     if not source.exists():
-        raise FileNotFoundError(f"{source} is missing: slotq bench overhead runs from a slotq checkout")
+        raise FileNotFoundError(f"{source} is missing: slotq bench runs from a slotq checkout")
     spec = importlib.util.spec_from_file_location("slotq_tiny_model", source)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.write_tiny_llama(path)
+    return module
 
 
 async def all_streams(one: OneStream, streams: int) -> float:

@@ -3,6 +3,10 @@
 Byte-level SPM vocabulary (every UTF-8 string tokenizes and round-trips), 2 layers, 128-wide:
 about 1.4 MB, loads in milliseconds. Weights are deterministic (seeded) and scaled up so greedy
 argmax has clear margins and does not flip between batch shapes.
+
+:func:`write_draft_model` writes a random llama of the same recipe that carries another GGUF's
+vocabulary (the bundled model's by default): a draft model (SLOTQ_DRAFT_MODEL) for tests and
+``slotq bench spec`` (bench/overhead_bench.py's ``write_draft_model`` loads this file by path).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 # greedy argmax does not flip when llama.cpp's accumulation order changes with the batch shape.
 TINY_SCALE = 1.0
 TINY_SEED = 0
+N_HEAD, N_HEAD_KV, N_FF = 2, 1, 256       # the random llamas' shape beyond width and depth
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CHATML_TEMPLATE = (
@@ -101,9 +106,6 @@ def write_draft_model(path: Path, *, vocabulary_of: Path | None = None, seed: in
     _write_random_tensors(w, n_vocab=n_vocab, seed=seed, scale=scale, n_embd=n_embd, n_layer=n_layer, quant=None,
                           tied_output=True)
     return path
-
-
-N_HEAD, N_HEAD_KV, N_FF = 2, 1, 256       # the random llamas' shape beyond width and depth
 
 
 def _add_hyperparameters(w: gguf.GGUFWriter, *, n_embd: int, n_layer: int, n_ctx_train: int,
