@@ -132,7 +132,7 @@ class DraftModelDrafter:
             started = time.perf_counter()
             tokens = self._draft([(slot, seq.tokens, min(n, self.probe_tokens))])[0]
             self._probe_credit -= time.perf_counter() - started
-            return Proposal(len(tokens), tokens)
+            return Proposal(len(tokens), tokens) if tokens else Proposal(0)
         return Proposal(n)
 
     def draft(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
