@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from slotq.engine import EngineConfig
-from slotq.engine.draft_model import PROBE_AFTER, DraftModelDrafter, DraftModelMismatch
+from slotq.engine.draft_model import MAX_VOCAB_PADDING, PROBE_AFTER, DraftModelDrafter, DraftModelMismatch
 from slotq.engine.llama_model import LlamaModel
 from slotq.engine.sequence import SeqState, Sequence
+from tests.support.tiny_model import write_draft_model
 
 pytestmark = pytest.mark.real_model
 
@@ -48,14 +49,14 @@ def drafter(real_model_path: Path, draft_model_path: Path, target: LlamaModel) -
     made.close()
 
 
-def greedy(model: LlamaModel, tokens: list[int], n: int) -> list[int]:
-    """``n`` argmax tokens after ``tokens``, decoded alone in sequence 0."""
+def greedy(model: LlamaModel, tokens: list[int], n: int, vocabulary: int | None = None) -> list[int]:
+    """``n`` argmax tokens (among the first ``vocabulary`` ids) after ``tokens``, decoded alone in sequence 0."""
     model.kv_remove(0)
     assert model.decode(tokens, range(len(tokens)), [0] * len(tokens), [False] * (len(tokens) - 1) + [True]) == 0
-    out = [int(model.logits_row(len(tokens) - 1).argmax())]
+    out = [int(model.logits_row(len(tokens) - 1)[:vocabulary].argmax())]
     while len(out) < n:
         assert model.decode([out[-1]], [len(tokens) + len(out) - 1], [0], [True]) == 0
-        out.append(int(model.logits_row(0).argmax()))
+        out.append(int(model.logits_row(0)[:vocabulary].argmax()))
     model.kv_remove(0)
     return out
 
@@ -150,3 +151,24 @@ def test_a_draft_model_with_another_vocabulary_is_refused(real_model_path: Path,
         DraftModelDrafter(drafter_config(real_model_path, tiny_model_path), target)
     assert str(refused.value).startswith(f"SLOTQ_DRAFT_MODEL {tiny_model_path}: its vocabulary (286 tokens) is not "
                                          "the served model's (49152)")
+
+
+def test_a_padded_vocabulary_drafts_only_ids_the_served_model_has(tmp_path: Path, real_model_path: Path,
+                                                                  target: LlamaModel) -> None:
+    """Sizes of one family pad the vocabulary differently (Qwen2.5 0.5B and 7B): up to 128 more tokens are
+    accepted, as llama.cpp does, and drafts stay among the served model's ids though this model's padding
+    always wins the whole row's argmax. One more token is refused."""
+    padded = write_draft_model(tmp_path / "padded.gguf", padded_to=target.n_vocab + MAX_VOCAB_PADDING)
+    drafter = DraftModelDrafter(drafter_config(real_model_path, padded), target)
+    alone = LlamaModel(EngineConfig(model_path=padded, slots=1, cache_slots=0, ctx=CTX, threads=1))
+    try:
+        seq = running(target, "The capital of France is", slot=0)
+        assert drafter.draft([(seq, 4)]) == [greedy(alone, seq.tokens, 4, vocabulary=target.n_vocab)]
+        assert greedy(alone, seq.tokens, 1)[0] >= target.n_vocab
+    finally:
+        alone.close()
+        drafter.close()
+    too_big = write_draft_model(tmp_path / "too_big.gguf", padded_to=target.n_vocab + MAX_VOCAB_PADDING + 1)
+    with pytest.raises(DraftModelMismatch, match=r"its vocabulary \(49281 tokens\) is not the served model's "
+                                                 r"\(49152\)"):
+        DraftModelDrafter(drafter_config(real_model_path, too_big), target)

@@ -11,7 +11,9 @@ vocabulary (the bundled model's by default): a draft model (SLOTQ_DRAFT_MODEL) f
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -21,6 +23,7 @@ import numpy as np
 TINY_SCALE = 1.0
 TINY_SEED = 0
 N_HEAD, N_HEAD_KV, N_FF = 2, 1, 256       # the random llamas' shape beyond width and depth
+LOUD_PADDING = 100.0    # a padded draft model's padding rows: their logits dwarf every real token's
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CHATML_TEMPLATE = (
@@ -76,36 +79,50 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
 
 
 def write_draft_model(path: Path, *, vocabulary_of: Path | None = None, seed: int = 1, scale: float = 1.0,
-                      n_embd: int = 64, n_layer: int = 2) -> Path:
+                      n_embd: int = 64, n_layer: int = 2, padded_to: int | None = None) -> Path:
     """A random-weight llama GGUF carrying the tokenizer of ``vocabulary_of`` (default: the bundled
     SmolLM2-135M-Instruct), to draft for that model (``SLOTQ_DRAFT_MODEL``) in tests and ``slotq bench
     spec``. Every ``tokenizer.*`` key is copied as it is (tokens, types, merges, special ids, chat
     template), so llama.cpp reads the same vocabulary; the output matrix is the token embedding
     (tied), so the 49,152-token vocabulary costs one matrix: about 13 MB at the default width. Its
     drafts are random, so few are accepted: that is the point of the benchmark's row (what a draft
-    model that misses costs), and tests check drafting against its own greedy continuation."""
+    model that misses costs), and tests check drafting against its own greedy continuation.
+
+    ``padded_to``: the vocabulary padded with unused ``[PAD<id>]`` tokens to this size, as conversions
+    pad a family's sizes differently. Their embedding rows are :data:`LOUD_PADDING` times larger, so an
+    argmax over the whole row lands in the padding: a drafter must draft only ids the served model has."""
     if vocabulary_of is None:
         from slotq.engine import bundled_model_path
 
         vocabulary_of = bundled_model_path()
-    source = gguf.GGUFReader(str(vocabulary_of))
+    tokenizer = _tokenizer_fields(vocabulary_of)
+    if "tokenizer.ggml.tokens" not in tokenizer:
+        raise ValueError(f"{vocabulary_of}: no tokenizer.ggml.tokens, so no vocabulary to copy")
+    n_source = len(tokenizer["tokenizer.ggml.tokens"][0])
+    n_vocab = max(padded_to or 0, n_source)
+    padding: dict[str, list[object]] = {
+        "tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(n_source, n_vocab)],
+        "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * (n_vocab - n_source),
+        "tokenizer.ggml.scores": [0.0] * (n_vocab - n_source),
+    }
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"random draft model with the vocabulary of {vocabulary_of.name}")
     _add_hyperparameters(w, n_embd=n_embd, n_layer=n_layer, n_ctx_train=8192, quant=None)
-    n_vocab = 0
-    for key, field in source.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        w.add_key_value(key, field.contents(), field.types[0], sub_type)
-        if key == "tokenizer.ggml.tokens":
-            n_vocab = len(field.data)
-    if n_vocab == 0:
-        raise ValueError(f"{vocabulary_of}: no tokenizer.ggml.tokens, so no vocabulary to copy")
+    for key, (value, types) in tokenizer.items():
+        w.add_key_value(key, value + padding[key] if key in padding else value, types[0],
+                        types[1] if len(types) > 1 else None)
     w.add_vocab_size(n_vocab)
     _write_random_tensors(w, n_vocab=n_vocab, seed=seed, scale=scale, n_embd=n_embd, n_layer=n_layer, quant=None,
-                          tied_output=True)
+                          tied_output=True, loud_rows_from=n_source)
     return path
+
+
+@functools.cache
+def _tokenizer_fields(path: Path) -> dict[str, tuple[Any, list[gguf.GGUFValueType]]]:
+    """``path``'s ``tokenizer.*`` keys: value and GGUF types. Cached: reading the bundled GGUF's 150,000 vocabulary
+    strings takes seconds, and a test session writes more than one draft model."""
+    fields = gguf.GGUFReader(str(path)).fields
+    return {key: (field.contents(), field.types) for key, field in fields.items() if key.startswith("tokenizer.")}
 
 
 def _add_hyperparameters(w: gguf.GGUFWriter, *, n_embd: int, n_layer: int, n_ctx_train: int,
@@ -123,10 +140,11 @@ def _add_hyperparameters(w: gguf.GGUFWriter, *, n_embd: int, n_layer: int, n_ctx
 
 
 def _write_random_tensors(w: gguf.GGUFWriter, *, n_vocab: int, seed: int, scale: float, n_embd: int, n_layer: int,
-                          quant: gguf.GGMLQuantizationType | None, tied_output: bool = False) -> None:
+                          quant: gguf.GGMLQuantizationType | None, tied_output: bool = False,
+                          loud_rows_from: int | None = None) -> None:
     """Seeded random tensors of the llama that :func:`_add_hyperparameters` describes into ``w`` (whose vocabulary
     the caller wrote), then the file. ``tied_output``: no ``output.weight`` (llama.cpp then uses the token
-    embedding)."""
+    embedding); ``loud_rows_from``: token embedding rows from this id on are :data:`LOUD_PADDING` times larger."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // N_HEAD
 
@@ -143,7 +161,10 @@ def _write_random_tensors(w: gguf.GGUFWriter, *, n_vocab: int, seed: int, scale:
     def ones(n: int) -> np.ndarray:
         return np.ones(n, np.float32)
 
-    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd))
+    token_embd = rand(n_vocab, n_embd)
+    if loud_rows_from is not None:
+        token_embd[loud_rows_from:] *= LOUD_PADDING
+    w.add_tensor("token_embd.weight", token_embd)
     w.add_tensor("output_norm.weight", ones(n_embd))
     if not tied_output:
         matrix("output.weight", n_vocab, n_embd)
