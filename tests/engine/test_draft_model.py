@@ -172,3 +172,12 @@ def test_a_padded_vocabulary_drafts_only_ids_the_served_model_has(tmp_path: Path
     with pytest.raises(DraftModelMismatch, match=r"its vocabulary \(49281 tokens\) is not the served model's "
                                                  r"\(49152\)"):
         DraftModelDrafter(drafter_config(real_model_path, too_big), target)
+
+
+def test_a_draft_model_whose_token_means_another_text_is_refused(tmp_path: Path, real_model_path: Path,
+                                                                 target: LlamaModel) -> None:
+    renamed = write_draft_model(tmp_path / "renamed.gguf", renamed={1000: "\u0120slotq"})
+    with pytest.raises(DraftModelMismatch) as refused:
+        DraftModelDrafter(drafter_config(real_model_path, renamed), target)
+    assert str(refused.value).startswith(f"SLOTQ_DRAFT_MODEL {renamed}: its token 1000 is 'Ġslotq' where the served "
+                                         f"model's is {target.token_text(1000)!r}")

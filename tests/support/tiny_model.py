@@ -12,6 +12,7 @@ vocabulary (the bundled model's by default): a draft model (SLOTQ_DRAFT_MODEL) f
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,8 @@ def write_tiny_llama(path: Path, *, seed: int = 0, scale: float = 1.0, n_embd: i
 
 
 def write_draft_model(path: Path, *, vocabulary_of: Path | None = None, seed: int = 1, scale: float = 1.0,
-                      n_embd: int = 64, n_layer: int = 2, padded_to: int | None = None) -> Path:
+                      n_embd: int = 64, n_layer: int = 2, padded_to: int | None = None,
+                      renamed: Mapping[int, str] | None = None) -> Path:
     """A random-weight llama GGUF carrying the tokenizer of ``vocabulary_of`` (default: the bundled
     SmolLM2-135M-Instruct), to draft for that model (``SLOTQ_DRAFT_MODEL``) in tests and ``slotq bench
     spec``. Every ``tokenizer.*`` key is copied as it is (tokens, types, merges, special ids, chat
@@ -90,7 +92,8 @@ def write_draft_model(path: Path, *, vocabulary_of: Path | None = None, seed: in
 
     ``padded_to``: the vocabulary padded with unused ``[PAD<id>]`` tokens to this size, as conversions
     pad a family's sizes differently. Their embedding rows are :data:`LOUD_PADDING` times larger, so an
-    argmax over the whole row lands in the padding: a drafter must draft only ids the served model has."""
+    argmax over the whole row lands in the padding: a drafter must draft only ids the served model has.
+    ``renamed``: token id -> another text (a vocabulary that differs from the served model's)."""
     if vocabulary_of is None:
         from slotq.engine import bundled_model_path
 
@@ -109,8 +112,11 @@ def write_draft_model(path: Path, *, vocabulary_of: Path | None = None, seed: in
     w.add_name(f"random draft model with the vocabulary of {vocabulary_of.name}")
     _add_hyperparameters(w, n_embd=n_embd, n_layer=n_layer, n_ctx_train=8192, quant=None)
     for key, (value, types) in tokenizer.items():
-        w.add_key_value(key, value + padding[key] if key in padding else value, types[0],
-                        types[1] if len(types) > 1 else None)
+        if key in padding:
+            value = value + padding[key]
+        if key == "tokenizer.ggml.tokens" and renamed:
+            value = [renamed.get(token, text) for token, text in enumerate(value)]
+        w.add_key_value(key, value, types[0], types[1] if len(types) > 1 else None)
     w.add_vocab_size(n_vocab)
     _write_random_tensors(w, n_vocab=n_vocab, seed=seed, scale=scale, n_embd=n_embd, n_layer=n_layer, quant=None,
                           tied_output=True, loud_rows_from=n_source)
