@@ -4,6 +4,7 @@ and a model with another vocabulary is refused at start."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from slotq.engine import EngineConfig
 from slotq.engine.draft_model import MAX_VOCAB_PADDING, PROBE_AFTER, DraftModelDrafter, DraftModelMismatch
 from slotq.engine.llama_model import LlamaModel
 from slotq.engine.sequence import SeqState, Sequence
+from tests.support.engine import collect, running_engine
+from tests.support.engine import greedy as greedy_request
 from tests.support.tiny_model import write_draft_model
 
 pytestmark = pytest.mark.real_model
@@ -181,3 +184,22 @@ def test_a_draft_model_whose_token_means_another_text_is_refused(tmp_path: Path,
         DraftModelDrafter(drafter_config(real_model_path, renamed), target)
     assert str(refused.value).startswith(f"SLOTQ_DRAFT_MODEL {renamed}: its token 1000 is 'Ġslotq' where the served "
                                          f"model's is {target.token_text(1000)!r}")
+
+
+async def test_an_engine_drafting_with_a_draft_model_serves_the_same_greedy_tokens(real_model_path: Path) -> None:
+    """The engine with SLOTQ_SPEC=draft and the served model as its own draft model gives every request the
+    tokens it gets without speculation (one slot: the drafts are the only difference). Its probes are
+    accepted, so the planner learns to send drafts; whether a draft pays depends on this machine's step times,
+    so the test counts them but does not require them."""
+    requests = [greedy_request("Copy this text exactly: the committee met on Tuesday to review the budget.", 40),
+                greedy_request("The capital of France is", 24), greedy_request("def fibonacci(n):", 32)]
+
+    async def tokens(**spec: object) -> tuple[list[list[int]], int, int]:
+        async with running_engine(real_model_path, slots=1, **spec) as engine:
+            results = await asyncio.gather(*(collect(engine.submit(request)) for request in requests))
+            stats = engine.stats()
+        return [result[1] for result in results], stats.spec_draft_tokens, stats.spec_accepted_tokens
+
+    plain, _, _ = await tokens(spec="off")
+    drafted_tokens, drafted, accepted = await tokens(spec="draft", draft_model=real_model_path)
+    assert drafted_tokens == plain and accepted <= drafted
