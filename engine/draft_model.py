@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
 
 from slotq.engine.config import EngineConfig, KVLayout
 from slotq.engine.llama_model import ContextShape, LlamaModel
@@ -78,12 +79,24 @@ def vocabulary_mismatch(target: LlamaModel, draft: LlamaModel) -> str | None:
     return None
 
 
-def _common_prefix(a: Tokens[int], b: Tokens[int]) -> int:
+def _common_prefix(a: Tokens[int], b: Tokens[int], start: int = 0) -> int:
+    """The length of the common prefix of ``a`` and ``b``, known to be at least ``start``."""
     n = min(len(a), len(b))
-    for i in range(n):
+    for i in range(start, n):
         if a[i] != b[i]:
             return i
     return n
+
+
+@dataclass
+class _SlotKV:
+    """What one slot's draft KV holds."""
+
+    tokens: list[int] = field(default_factory=list)     # the tokens its cells hold, from position 0
+    seq: Sequence | None = None     # the sequence that drafted here last ...
+    known: int = 0                  # ... whose first ``known`` tokens are in ``tokens``: a running sequence's
+    #                                 tokens only grow, so the catch-up compares only what came after them
+    untested: int = 0               # proposals since this slot's drafts were last made
 
 
 class DraftModelDrafter:
@@ -110,8 +123,7 @@ class DraftModelDrafter:
                     f"served model ({target.info.model_name})")
             self.n_shared_vocab = min(self.model.n_vocab, target.n_vocab)   # drafts are ids the target knows
             self.probe_tokens = max(config.spec_k_min, 1)
-            self._held: dict[int, list[int]] = {}       # slot -> the tokens its draft KV holds, from position 0
-            self._untested: dict[int, int] = {}         # slot -> proposals since its drafts were last made
+            self._slots: dict[int, _SlotKV] = {}
             self._probe_credit, self._credit_at = 0.0, time.monotonic()
             self._timed_depth_decode(n_seq)          # the first decode sets llama.cpp's buffers up: not a measure
             self.cost = StepCost.calibrate(self._timed_depth_decode, n_seq, repeats=3)
@@ -126,17 +138,17 @@ class DraftModelDrafter:
         n = min(k_max, self._room(len(seq.tokens)))
         if n <= 0:
             return Proposal(0)
-        slot = seq.slot
-        self._untested[slot] = self._untested.get(slot, 0) + 1
-        if self._untested[slot] > PROBE_AFTER and self._probe_allowed():
+        kv = self._slots.setdefault(seq.slot, _SlotKV())
+        kv.untested += 1
+        if kv.untested > PROBE_AFTER and self._probe_allowed():
             started = time.perf_counter()
-            tokens = self._draft([(slot, seq.tokens, min(n, self.probe_tokens))])[0]
+            tokens = self._draft([(seq, min(n, self.probe_tokens))])[0]
             self._probe_credit -= time.perf_counter() - started
             return Proposal(len(tokens), tokens) if tokens else Proposal(0)
         return Proposal(n)
 
     def draft(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
-        return self._draft([(seq.slot, seq.tokens, min(n, self._room(len(seq.tokens)))) for seq, n in wanted])
+        return self._draft([(seq, min(n, self._room(len(seq.tokens)))) for seq, n in wanted])
 
     def draft_seconds(self, depth: int, n_seqs: int) -> float:
         """One draft-model decode of ``n_seqs`` tokens per depth: a sequence drafted at the step before brings
@@ -165,42 +177,44 @@ class DraftModelDrafter:
         self._credit_at = now
         return self._probe_credit > 0
 
-    def _draft(self, jobs: list[tuple[int, list[int], int]]) -> list[list[int]]:
-        """``jobs``: (slot, the sequence's tokens, draft tokens wanted). Catch-up, then one decode per depth."""
+    def _draft(self, jobs: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """``jobs``: (sequence, draft tokens wanted). Catch-up, then one decode per depth."""
         drafts: list[list[int]] = [[] for _ in jobs]
         pending: list[tuple[int, int, int]] = []            # (job, position, token) still to decode
-        for job, (slot, tokens, n) in enumerate(jobs):
+        for job, (seq, n) in enumerate(jobs):
+            tokens = seq.tokens
             if n <= 0 or not tokens:
                 continue
-            self._untested[slot] = 0
-            held = self._held.setdefault(slot, [])
-            keep = min(_common_prefix(held, tokens), len(tokens) - 1)   # the last token's logits give the draft
-            if keep < len(held):
-                self.model.kv_remove(slot, keep)
-                del held[keep:]
+            kv = self._slots.setdefault(seq.slot, _SlotKV())
+            known = min(kv.known, len(tokens)) if kv.seq is seq else 0
+            keep = min(_common_prefix(kv.tokens, tokens, known), len(tokens) - 1)   # the last token's logits draft
+            if keep < len(kv.tokens):
+                self.model.kv_remove(seq.slot, keep)
+                del kv.tokens[keep:]
+            kv.seq, kv.known, kv.untested = seq, len(tokens), 0
             pending += [(job, pos, tokens[pos]) for pos in range(keep, len(tokens))]
         n_batch, dropped = self.model.info.n_batch, set[int]()
         for start in range(0, len(pending), n_batch):
             chunk = [entry for entry in pending[start:start + n_batch] if entry[0] not in dropped]
-            last = [pos == len(jobs[job][1]) - 1 for job, pos, _ in chunk]
+            last = [pos == len(jobs[job][0].tokens) - 1 for job, pos, _ in chunk]
             if chunk and not self._decode_and_draft(jobs, drafts, chunk, last):
                 dropped.update(job for job, _, _ in chunk)
         depth = 1
         while True:
-            going = [job for job, (_, _, n) in enumerate(jobs)
+            going = [job for job, (_, n) in enumerate(jobs)
                      if len(drafts[job]) == depth and depth < n and not self.model.is_eog(drafts[job][-1])]
             if not going:
                 return drafts
-            chunk = [(job, len(self._held[jobs[job][0]]), drafts[job][-1]) for job in going]
+            chunk = [(job, len(self._slots[jobs[job][0].slot].tokens), drafts[job][-1]) for job in going]
             self._decode_and_draft(jobs, drafts, chunk, [True] * len(chunk))   # a failure empties their drafts
             depth += 1
 
-    def _decode_and_draft(self, jobs: list[tuple[int, list[int], int]], drafts: list[list[int]],
+    def _decode_and_draft(self, jobs: list[tuple[Sequence, int]], drafts: list[list[int]],
                           chunk: list[tuple[int, int, int]], wants_logits: list[bool]) -> bool:
         """Decode ``chunk`` (job, position, token); each row with logits adds its argmax to its job's draft.
         A failed decode (it should not: every slot has a stream of its own) drops the slots' draft KV and their
         drafts, and says so (False): drafting is an optimisation, never a reason to fail a step."""
-        slots = [jobs[job][0] for job, _, _ in chunk]
+        slots = [jobs[job][0].slot for job, _, _ in chunk]
         started = time.perf_counter()
         rc = self.model.decode([token for _, _, token in chunk], [pos for _, pos, _ in chunk], slots, wants_logits)
         if rc != 0:
@@ -208,11 +222,11 @@ class DraftModelDrafter:
                         self.path.name, len(chunk), rc)
             for job, slot in {(job, slot) for (job, _, _), slot in zip(chunk, slots, strict=True)}:
                 self.model.kv_remove(slot)
-                self._held[slot] = []
+                self._slots[slot] = _SlotKV()
                 drafts[job] = []
             return False
         for row, ((job, _, token), slot) in enumerate(zip(chunk, slots, strict=True)):
-            self._held[slot].append(token)
+            self._slots[slot].tokens.append(token)
             if wants_logits[row]:
                 drafts[job].append(self._argmax(row))
         self.cost.observe(len(chunk), time.perf_counter() - started)
