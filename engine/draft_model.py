@@ -225,15 +225,22 @@ class DraftModelDrafter:
                 self._slots[slot] = _SlotKV()
                 drafts[job] = []
             return False
-        for row, ((job, _, token), slot) in enumerate(zip(chunk, slots, strict=True)):
+        outputs = []
+        for (job, _, token), slot, wants in zip(chunk, slots, wants_logits, strict=True):
             self._slots[slot].tokens.append(token)
-            if wants_logits[row]:
-                drafts[job].append(self._argmax(row))
+            if wants:
+                outputs.append(job)
+        for job, token in zip(outputs, self._argmax(len(outputs)), strict=True):
+            drafts[job].append(token)
         self.cost.observe(len(chunk), time.perf_counter() - started)
         return True
 
-    def _argmax(self, row: int) -> int:
-        return int(self.model.logits_row(row)[:self.n_shared_vocab].argmax())
+    def _argmax(self, n_outputs: int) -> list[int]:
+        """Greedy: the best id of each of the last decode's ``n_outputs`` logits rows, among the ids the served
+        model has."""
+        if n_outputs == 0:
+            return []
+        return [int(token) for token in self.model.logits_rows(n_outputs)[:, :self.n_shared_vocab].argmax(axis=1)]
 
     def _timed_depth_decode(self, n_seqs: int) -> float:
         """Seconds for one depth of ``n_seqs`` sequences (a decode of one token each, argmax of each row), for
@@ -243,8 +250,7 @@ class DraftModelDrafter:
         rc = self.model.decode([token] * n_seqs, [0] * n_seqs, list(range(n_seqs)), [True] * n_seqs)
         if rc != 0:
             raise RuntimeError(f"SLOTQ_DRAFT_MODEL {self.path}: llama_decode of {n_seqs} tokens returned {rc}")
-        for row in range(n_seqs):
-            self._argmax(row)
+        self._argmax(n_seqs)
         seconds = time.perf_counter() - started
         for slot in range(n_seqs):
             self.model.kv_remove(slot)

@@ -272,6 +272,11 @@ class LlamaModel:
         valid until the next decode. Sampling with a constraint writes into it (the mask)."""
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, batch_index), shape=(self.n_vocab,))
 
+    def logits_rows(self, n_outputs: int) -> np.ndarray:
+        """The raw logits of the last decode's first ``n_outputs`` rows that asked for them, in batch order, as one
+        (n_outputs, n_vocab) float32 view, valid until the next decode: one numpy call can then read them all."""
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(n_outputs, self.n_vocab))
+
     def sample(self, chain: SamplerChain, batch_index: int) -> int:
         """Sample (and accept) a token from the logits row of ``batch_index`` of the last decode."""
         return chain.sample(self._ctx, batch_index)
