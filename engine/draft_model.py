@@ -115,8 +115,10 @@ class DraftModelDrafter:
         n_batch = max(config.batch, n_seq)          # a depth decodes one token of every slot at once
         shape = ContextShape(n_ctx=n_seq * config.ctx, n_batch=n_batch, n_ubatch=min(config.ubatch, n_batch),
                              n_seq_max=n_seq, kv_layout=KVLayout.SPLIT)
-        self.model = LlamaModel(config.model_copy(update={"model_path": config.draft_model, "draft_model": None}),
-                                shape)
+        try:
+            self.model = LlamaModel(config.model_copy(update={"model_path": self.path, "draft_model": None}), shape)
+        except RuntimeError as exc:
+            raise RuntimeError(f"SLOTQ_DRAFT_MODEL {self.path}: {exc}") from exc
         try:
             mismatch = vocabulary_mismatch(target, self.model)
             if mismatch is not None:

@@ -148,6 +148,14 @@ def test_the_served_model_drafting_for_itself_drafts_its_greedy_continuation(rea
     assert drafts == [greedy(target, seq.tokens, 6) for seq in seqs]
 
 
+def test_a_draft_model_that_is_no_gguf_is_refused_naming_the_setting(tmp_path: Path, real_model_path: Path,
+                                                                     target: LlamaModel) -> None:
+    not_a_model = tmp_path / "draft.gguf"
+    not_a_model.write_text("not a model")
+    with pytest.raises(RuntimeError, match=f"^SLOTQ_DRAFT_MODEL {not_a_model}: llama.cpp could not load"):
+        DraftModelDrafter(drafter_config(real_model_path, not_a_model), target)
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(real_model_path: Path, tiny_model_path: Path,
                                                           target: LlamaModel) -> None:
     with pytest.raises(DraftModelMismatch) as refused:
