@@ -91,7 +91,11 @@ class Engine:
         self.tool_format = detect_tool_format(self.model.chat_template())    # how this model's calls are written
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
         self._constraints = ConstraintCompiler(self.model.vocab, self.info.n_vocab, self._eog_tokens, config)
-        self.drafter, drafts = self._speculation(config)
+        try:
+            self.drafter, drafts = self._speculation(config)
+        except BaseException:
+            self.model.close()
+            raise
         cache_slots = config.usable_cache_slots
         # the reserve lends the cache slots to a higher lane (scheduler rule 6) while one batch can hold them
         self.reserve_slots = cache_slots if self.info.n_batch >= config.slots + cache_slots else 0
@@ -128,8 +132,13 @@ class Engine:
             drafter = DraftModelDrafter(config, self.model)
         else:
             drafter = NgramDrafter()
-        cost = StepCost.calibrate(self._time_decode, max_tokens=min(self.info.n_batch, CALIBRATION_TOKENS))
-        return drafter, DraftPlanner(cost, k_min=config.spec_k_min, k_max=config.spec_k_max, prior=drafter.prior)
+        try:
+            cost = StepCost.calibrate(self._time_decode, max_tokens=min(self.info.n_batch, CALIBRATION_TOKENS))
+        except BaseException:
+            drafter.close()
+            raise
+        return drafter, DraftPlanner(cost, k_min=config.spec_k_min, k_max=config.spec_k_max, prior=drafter.prior,
+                                     draft_seconds=drafter.draft_seconds)
 
     def _time_decode(self, n_tokens: int) -> float:
         """Seconds one llama_decode of ``n_tokens`` takes, each with logits (as a draft's are), in

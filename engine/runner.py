@@ -159,7 +159,7 @@ class Runner:
         self._expire_deadlines()
         step_started = time.perf_counter()
         proposals = self._propose_drafts()
-        out = self.scheduler.schedule({seq: p.n for seq, p in proposals.items()})
+        out = self.scheduler.schedule(proposals)
         self._apply_memory_ops(out)
         if out.items:
             self._fill_drafts(out, proposals)

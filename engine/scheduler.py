@@ -88,13 +88,13 @@ Policy, in order of precedence:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from slotq.engine.kv_ledger import KVLedger
 from slotq.engine.request_queue import RequestQueue
 from slotq.engine.sequence import SeqState, Sequence
-from slotq.engine.speculation import DraftPlanner
+from slotq.engine.speculation import DraftPlanner, Proposal
 
 
 class KVFullAction(StrEnum):
@@ -243,7 +243,7 @@ class Scheduler:
         return self.limits
 
     # ----------------------------------------------------------------- one step
-    def schedule(self, draft_offers: Mapping[Sequence, int] | None = None) -> SchedulerOutput:
+    def schedule(self, draft_offers: Mapping[Sequence, Proposal] | None = None) -> SchedulerOutput:
         """The next batch. ``draft_offers``: how many draft tokens the drafter could propose for
         each generating sequence (rule 9)."""
         out = SchedulerOutput()
@@ -271,12 +271,13 @@ class Scheduler:
             self._plan_drafts(out, draft_offers, budget)
         return out
 
-    def _plan_drafts(self, out: SchedulerOutput, offers: Mapping[Sequence, int], budget: int) -> None:
+    def _plan_drafts(self, out: SchedulerOutput, offers: Mapping[Sequence, Proposal], budget: int) -> None:
         """Rule 9: the planner's rooms, each capped by what the sequence may still generate."""
         assert self.drafts is not None
         decoding = [item for item in out.items if item.seq.is_decoding]
-        offered = [(item.seq, min(offers.get(item.seq, 0), item.seq.max_new_tokens - item.seq.n_generated - 1))
-                   for item in decoding]
+        offered = [(item.seq, replace(offers[item.seq], n=min(offers[item.seq].n, item.seq.max_new_tokens
+                                                               - item.seq.n_generated - 1)))
+                   for item in decoding if item.seq in offers]
         rooms = self.drafts.plan(offered, base_tokens=out.n_tokens, n_generating=len(decoding), budget=budget)
         for item in decoding:
             item.draft_room = rooms.get(item.seq, 0)     # n_tokens grows when the runner fills it (set_draft)

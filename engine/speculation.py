@@ -231,6 +231,7 @@ class DraftPlanner:
     k_min: int = 2
     k_max: int = 16
     prior: float = 0.5                  # model-wide acceptance before anything was tested
+    draft_seconds: Callable[[int, int], float] = lambda depth, n_seqs: 0.0    # Drafter.draft_seconds
     _model: _Acceptance = field(default_factory=_Acceptance)
     _seqs: dict[Sequence, _Acceptance] = field(default_factory=dict)
 
@@ -248,36 +249,40 @@ class DraftPlanner:
             return prior
         return (own.accepted + PRIOR_WEIGHT * prior) / (own.tested + PRIOR_WEIGHT)
 
-    def plan(self, offers: Iterable[tuple[Sequence, int]], *, base_tokens: int, n_generating: int, budget: int,
-             draft_seconds: Callable[[int, int], float] = lambda depth, n: 0.0) -> dict[Sequence, int]:
+    def plan(self, offers: Iterable[tuple[Sequence, Proposal]], *, base_tokens: int, n_generating: int,
+             budget: int) -> dict[Sequence, int]:
         """Draft tokens per sequence for a step of ``base_tokens`` (its decode and prompt tokens,
         ``n_generating`` of which yield a token), at most ``budget`` draft tokens in all. ``offers``
-        are how many each sequence's drafter could propose."""
-        candidates: list[tuple[float, int, Sequence]] = []
-        for seq, offered in offers:
-            k = min(offered, self.k_max)
+        are what each sequence's drafter could propose (``n`` already capped by the sequence's
+        limits); a proposal without tokens costs :attr:`draft_seconds` to make."""
+        candidates: list[tuple[float, int, Sequence, bool]] = []
+        for seq, proposal in offers:
+            k = min(proposal.n, self.k_max)
             if k < self.k_min:
                 continue
             p = self.acceptance(seq)
             gain = 1.0
             for depth in range(1, k + 1):
                 gain *= p
-                candidates.append((gain, depth, seq))
+                candidates.append((gain, depth, seq, proposal.tokens is None))
         if not candidates or budget < self.k_min or n_generating == 0:
             return {}
         candidates.sort(key=lambda c: (-c[0], c[1]))    # a sequence's depths stay in order: gains fall with depth
         base_rate = n_generating / self.cost.step_seconds(base_tokens)
         best_rate, best_m = base_rate * MIN_GAIN, 0
-        expected, max_depth, drafting = float(n_generating), 0, set()
-        for m, (gain, depth, seq) in enumerate(candidates[:budget], start=1):
+        expected, made_depth, made = float(n_generating), 0, set()
+        for m, (gain, depth, seq, on_demand) in enumerate(candidates[:budget], start=1):
             expected += gain
-            max_depth = max(max_depth, depth)
-            drafting.add(seq)
-            seconds = self.cost.step_seconds(base_tokens + m) + draft_seconds(max_depth, len(drafting))
+            if on_demand:
+                made_depth = max(made_depth, depth)
+                made.add(seq)
+            seconds = self.cost.step_seconds(base_tokens + m)
+            if made:
+                seconds += self.draft_seconds(made_depth, len(made))
             if expected / seconds > best_rate:
                 best_rate, best_m = expected / seconds, m
         rooms: dict[Sequence, int] = {}
-        for _, depth, seq in candidates[:best_m]:
+        for _, depth, seq, _ in candidates[:best_m]:
             rooms[seq] = max(rooms.get(seq, 0), depth)
         return {seq: k for seq, k in rooms.items() if k >= self.k_min}
 

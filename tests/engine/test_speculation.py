@@ -11,7 +11,8 @@ import pytest
 
 from slotq.engine import ChatMessage, FinishReason, GenerationRequest, SamplingParams
 from slotq.engine.scheduler import KVFullAction, Scheduler
-from slotq.engine.speculation import MIN_GAIN, DraftPlanner, NgramDrafter, StepCost
+from slotq.engine.sequence import Sequence
+from slotq.engine.speculation import MIN_GAIN, DraftPlanner, NgramDrafter, Proposal, StepCost
 from tests.support.engine import collect, collect_choices, greedy, running_engine
 from tests.support.scheduler_sim import config, make_seq
 
@@ -75,13 +76,22 @@ def test_a_noisy_measurement_never_makes_more_tokens_cheaper() -> None:
 
 def test_calibration_times_powers_of_two() -> None:
     timed: list[int] = []
-    cost = StepCost.calibrate(lambda n: timed.append(n) or n / 1000, max_tokens=20, repeats=1)
+
+    def decode(n: int) -> float:
+        timed.append(n)
+        return n / 1000
+    cost = StepCost.calibrate(decode, max_tokens=20, repeats=1)
     assert timed == [1, 2, 4, 8, 16] and cost.sizes == [1, 2, 4, 8, 16]
 
 
 # ----------------------------------------------------------------------------- planner
-def _copying(planner: DraftPlanner, seq: object, tests: int = 40) -> None:
-    planner.observe(seq, tests, tests)  # type: ignore[arg-type]
+def _free(n: int) -> Proposal:
+    """An offer whose tokens are known (an n-gram lookup): it costs nothing to make."""
+    return Proposal(n, list(range(n)))
+
+
+def _copying(planner: DraftPlanner, seq: Sequence, tests: int = 40) -> None:
+    planner.observe(seq, tests, tests)
 
 
 def test_a_sequence_that_copies_drafts_on_a_cpu_and_one_that_misses_does_not() -> None:
@@ -89,7 +99,7 @@ def test_a_sequence_that_copies_drafts_on_a_cpu_and_one_that_misses_does_not() -
     copier, free = make_seq(10), make_seq(10)
     _copying(planner, copier)
     planner.observe(free, 40, 8)
-    rooms = planner.plan([(copier, 16), (free, 16)], base_tokens=2, n_generating=2, budget=500)
+    rooms = planner.plan([(copier, _free(16)), (free, _free(16))], base_tokens=2, n_generating=2, budget=500)
     assert rooms.get(copier, 0) >= 8 and free not in rooms
 
 
@@ -98,7 +108,7 @@ def test_a_compute_bound_cpu_step_gets_no_drafts() -> None:
     seqs = [make_seq(10) for _ in range(64)]
     for seq in seqs:
         planner.observe(seq, 40, 36)                          # 90 % acceptance
-    assert planner.plan([(s, 16) for s in seqs], base_tokens=64, n_generating=64, budget=500) == {}
+    assert planner.plan([(s, _free(16)) for s in seqs], base_tokens=64, n_generating=64, budget=500) == {}
 
 
 def test_a_gpu_step_drafts_until_the_batch_is_full() -> None:
@@ -106,7 +116,7 @@ def test_a_gpu_step_drafts_until_the_batch_is_full() -> None:
     seqs = [make_seq(10) for _ in range(16)]
     for seq in seqs:
         planner.observe(seq, 40, 28)                          # 70 %: too low to pay on the CPU above
-    rooms = planner.plan([(s, 8) for s in seqs], base_tokens=16, n_generating=16, budget=500)
+    rooms = planner.plan([(s, _free(8)) for s in seqs], base_tokens=16, n_generating=16, budget=500)
     assert len(rooms) == 16 and all(k >= 4 for k in rooms.values())
     assert sum(rooms.values()) <= 128 - 16 + 8                # it stopped where the step's cost starts to climb
 
@@ -116,9 +126,20 @@ def test_the_plan_keeps_the_budget_k_min_and_the_offer() -> None:
     a, b = make_seq(10), make_seq(10)
     _copying(planner, a)
     _copying(planner, b)
-    assert planner.plan([(a, 8), (b, 2)], base_tokens=2, n_generating=2, budget=500) == {a: 8}   # 2 < k_min
-    assert sum(planner.plan([(a, 8), (b, 8)], base_tokens=2, n_generating=2, budget=6).values()) <= 6
-    assert planner.plan([(a, 8)], base_tokens=2, n_generating=2, budget=2) == {}
+    assert planner.plan([(a, _free(8)), (b, _free(2))], base_tokens=2, n_generating=2, budget=500) == {a: 8}  # 2<k_min
+    assert sum(planner.plan([(a, _free(8)), (b, _free(8))], base_tokens=2, n_generating=2, budget=6).values()) <= 6
+    assert planner.plan([(a, _free(8))], base_tokens=2, n_generating=2, budget=2) == {}
+
+
+def test_a_draft_models_time_counts_against_its_drafts() -> None:
+    def planner(draft_ms: float) -> DraftPlanner:
+        p = DraftPlanner(StepCost(GPU), k_min=2, k_max=8, draft_seconds=lambda depth, n: depth * draft_ms / 1000)
+        _copying(p, seq, 40)
+        return p
+    seq = make_seq(10)
+    assert planner(0.5).plan([(seq, Proposal(8))], base_tokens=1, n_generating=1, budget=64) == {seq: 8}
+    assert planner(20).plan([(seq, Proposal(8))], base_tokens=1, n_generating=1, budget=64) == {}
+    assert planner(20).plan([(seq, _free(8))], base_tokens=1, n_generating=1, budget=64) == {seq: 8}
 
 
 def test_a_plan_promises_at_least_min_gain() -> None:
@@ -126,7 +147,7 @@ def test_a_plan_promises_at_least_min_gain() -> None:
     planner = DraftPlanner(StepCost({1: 1.0, 2: 2.0, 3: 3.0}), k_min=1, k_max=2)
     seq = make_seq(10)
     planner.observe(seq, 40, 20)
-    assert planner.plan([(seq, 2)], base_tokens=1, n_generating=1, budget=8) == {}
+    assert planner.plan([(seq, _free(2))], base_tokens=1, n_generating=1, budget=8) == {}
     assert MIN_GAIN > 1
 
 
@@ -142,7 +163,7 @@ def test_new_sequences_start_from_the_models_acceptance_and_forget_it_when_done(
 
 
 # ----------------------------------------------------------------------------- scheduler rule 9
-def _decoding_scheduler(max_new: int = 50) -> tuple[Scheduler, DraftPlanner, object]:
+def _decoding_scheduler(max_new: int = 50) -> tuple[Scheduler, DraftPlanner, Sequence]:
     planner = DraftPlanner(StepCost(GPU), k_min=2, k_max=8)
     s = Scheduler(config(n_slots=2, n_batch=64, prefill_chunk=16), drafts=planner)
     seq = make_seq(5, max_new=max_new)
@@ -158,7 +179,7 @@ def test_drafts_go_only_to_generating_sequences_after_the_prompts() -> None:
     s, _, seq = _decoding_scheduler()
     newcomer = make_seq(30)
     s.add(newcomer)
-    out = s.schedule({seq: 8, newcomer: 8})  # type: ignore[dict-item]
+    out = s.schedule({seq: _free(8), newcomer: _free(8)})
     decode, prefill = out.items
     assert decode.seq is seq and decode.draft_room == 8 and decode.n_tokens == 1    # the runner fills it
     assert prefill.seq is newcomer and prefill.draft_room == 0 and prefill.n_tokens == 16
@@ -168,13 +189,13 @@ def test_drafts_go_only_to_generating_sequences_after_the_prompts() -> None:
 
 def test_a_sequence_never_drafts_past_its_max_tokens() -> None:
     s, _, seq = _decoding_scheduler(max_new=4)               # 1 generated: 3 more at most, 1 sampled for sure
-    out = s.schedule({seq: 8})  # type: ignore[dict-item]
+    out = s.schedule({seq: _free(8)})
     assert out.items[0].draft_room == 2
 
 
 def test_settling_forgets_the_rejected_drafts_cells() -> None:
     s, _, seq = _decoding_scheduler()
-    out = s.schedule({seq: 8})  # type: ignore[dict-item]
+    out = s.schedule({seq: _free(8)})
     item = out.items[0]
     item.set_draft([11, 12, 13, 14])
     s.commit(out)
@@ -188,15 +209,15 @@ def test_settling_forgets_the_rejected_drafts_cells() -> None:
 
 def test_a_kv_full_decode_with_drafts_drops_them_until_a_sequence_finishes() -> None:
     s, _, seq = _decoding_scheduler()
-    out = s.schedule({seq: 8})  # type: ignore[dict-item]
+    out = s.schedule({seq: _free(8)})
     out.items[0].set_draft([1, 2, 3])
     assert s.on_kv_full(out) == KVFullAction.DROPPED_DRAFTS
-    assert s.schedule({seq: 8}).items[0].draft_room == 0  # type: ignore[dict-item]
+    assert s.schedule({seq: _free(8)}).items[0].draft_room == 0
     other = make_seq(3)
     s.add(other)
     s.schedule()
     s.finish(other)
-    assert s.schedule({seq: 8}).items[0].draft_room == 8  # type: ignore[dict-item]
+    assert s.schedule({seq: _free(8)}).items[0].draft_room == 8
 
 
 # ----------------------------------------------------------------------------- verification on llama.cpp
