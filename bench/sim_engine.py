@@ -240,7 +240,7 @@ class SimulatedEngine:
             prompt_tokens_cached=0, generated_tokens=self._generated, kv_cells_used=0, kv_cells_cached=0,
             kv_cells_total=self.config.total_kv_cells,
             avg_busy_slots_per_decode=self._busy_slot_steps / steps if steps else 0.0,
-            preemptions=0, kv_full_events=0, decode_seconds=0.0, generating_steps=steps,
+            preemptions=0, kv_full_events=0, decode_seconds=0.0, generating_steps=steps, stream_tokens=steps,
             generating_seconds=steps * self.params.step_s,
             batch_limit=self._limits.n_batch, prefill_chunk_limit=self._limits.prefill_chunk,
             finished=dict(self._finished))

@@ -353,12 +353,13 @@ class Runner:
         for fork in out.forks:
             if fork.seq.n_pending == 0:     # an n > 1 sibling: sample from the leader's prompt logits
                 sample_at.append((fork.seq, leader_index[id(fork.leader)], []))
+        generated_before = self.counters.generated
         for seq, index, draft in sample_at:
             if seq.state == SeqState.RUNNING:
                 self._generate(seq, index, draft, proposals.get(seq))
         if generating:
             step_seconds = time.perf_counter() - step_started
-            self.counters.generating_step(step_seconds)
+            self.counters.generating_step(step_seconds, (self.counters.generated - generated_before) / len(sample_at))
             if self.scheduler.drafts is not None:
                 self.scheduler.drafts.cost.observe(len(tokens), decode_seconds, step_seconds)
 

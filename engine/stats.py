@@ -34,6 +34,7 @@ class EngineCounters:
     kv_full_events: int = 0
     generating_steps: int = 0         # steps in which at least one sequence generated a token
     generating_seconds: float = 0.0   # their wall time, sampling included
+    stream_tokens: float = 0.0        # over those steps, the tokens each generating sequence got (mean per step)
     finish_reasons: Counter[str] = field(default_factory=Counter)
     spec: str = "off"                 # where drafts come from: off, ngram or draft (config.SpecMode)
     spec_draft_tokens: int = 0        # draft tokens decoded for verification
@@ -45,9 +46,10 @@ class EngineCounters:
         self.busy_slot_steps += n_seqs
         self.decode_seconds += seconds
 
-    def generating_step(self, seconds: float) -> None:
+    def generating_step(self, seconds: float, tokens_per_stream: float) -> None:
         self.generating_steps += 1
         self.generating_seconds += seconds
+        self.stream_tokens += tokens_per_stream
 
     def finished(self, reason: FinishReason) -> None:
         self.finish_reasons[reason.value] += 1
@@ -76,6 +78,7 @@ class EngineCounters:
             decode_seconds=self.decode_seconds,
             generating_steps=self.generating_steps,
             generating_seconds=self.generating_seconds,
+            stream_tokens=self.stream_tokens,
             batch_limit=limits.n_batch,
             prefill_chunk_limit=limits.prefill_chunk,
             finished=dict(self.finish_reasons),
@@ -108,8 +111,11 @@ class EngineStats(BaseModel):
     decode_seconds: float
     generating_steps: int = Field(description="steps in which at least one sequence generated a token")
     generating_seconds: float = Field(
-        description="wall time of those steps: each generating sequence gets one token per step, so "
-                    "generating_steps / generating_seconds is the decode speed of every stream")
+        description="wall time of those steps: generating_steps / generating_seconds is how often a stream "
+                    "gets tokens")
+    stream_tokens: float = Field(
+        0.0, description="tokens a generating sequence got per step (1 without speculative decoding), summed over "
+                         "those steps: stream_tokens / generating_seconds is the decode speed of every stream")
     batch_limit: int = Field(description="token budget of one llama_decode now (<= n_batch)")
     prefill_chunk_limit: int = Field(description="prompt tokens of one sequence per step now (<= prefill_chunk)")
     finished: dict[str, int]

@@ -24,6 +24,7 @@ def engine_stats(**overrides: Any) -> EngineStats:
         model="m", slots_total=4, slots_active=4, slots_busy=2, waiting=1, decode_steps=10, prompt_tokens_processed=100,
         prompt_tokens_cached=50, generated_tokens=40, kv_cells_used=256, kv_cells_cached=0, kv_cells_total=1024,
         avg_busy_slots_per_decode=3.5, preemptions=1, kv_full_events=1, decode_seconds=1.0, generating_steps=8,
+        stream_tokens=8.0,
         generating_seconds=0.5, batch_limit=64, prefill_chunk_limit=16, finished={})
     return EngineStats(**(base | overrides))
 

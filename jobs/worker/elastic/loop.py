@@ -43,7 +43,7 @@ class ElasticLoop:
         self.controller = SlotController(knobs, max_slots=engine.config.slots)
         self.memory_limit = resolve_memory_limit(knobs.memory_limit_mb)
         self.last: Observation | None = None
-        self._speed_mark: tuple[int, float] | None = None
+        self._speed_mark: tuple[float, float] | None = None
         floor = knobs.min_stream_tokens_per_s
         log.info("elastic slots %s: %d..%d active slots; memory limit %.2f GiB (%s); shrink at memory %.0f%%, "
                  "KV %.0f%%, %s; refuse new jobs at memory %.0f%%",
@@ -88,7 +88,7 @@ class ElasticLoop:
 
     def _stream_speed(self, stats: EngineStats) -> float | None:
         """Tokens per second of each generating stream since the last tick (None: nothing generated)."""
-        mark = (stats.generating_steps, stats.generating_seconds)
+        mark = (stats.stream_tokens, stats.generating_seconds)
         before, self._speed_mark = self._speed_mark, mark
         if before is None or mark[0] <= before[0] or mark[1] <= before[1]:
             return None
