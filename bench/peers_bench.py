@@ -113,21 +113,29 @@ async def closed_loop(one: OneRequest, clients: int, per_client: int, first: int
 
 
 def http_completion(http: httpx.AsyncClient, model: str, extra: dict[str, Any] | None = None) -> OneRequest:
-    """``POST /v1/completions`` with ``stream: true``; the first text chunk is the first token."""
-    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **(extra or {})}
+    """``POST /v1/completions`` of :func:`peer_prompt` ``i``, ``MAX_TOKENS`` generated."""
+    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **(extra or {})}
+    return http_stream(http, "/v1/completions", body, lambda i: {"prompt": peer_prompt(i)})
+
+
+def http_stream(http: httpx.AsyncClient, path: str, body: dict[str, Any],
+                prompt: Callable[[int], dict[str, Any]]) -> OneRequest:
+    """``POST path`` (``/v1/completions`` or ``/v1/chat/completions``) of ``body`` and ``prompt(i)`` with
+    ``stream: true``; the first chunk with text (``text`` or ``delta.content``) is the first token."""
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
 
     async def one(i: int) -> Sample:
         started = time.perf_counter()
         first, chunks, usage = None, 0, 0
-        async with http.stream("POST", "/v1/completions", json=body | {"prompt": peer_prompt(i)}) as response:
+        async with http.stream("POST", path, json=body | prompt(i)) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"{http.base_url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     chunks += 1
                     first = first if first is not None else time.perf_counter() - started
                 usage = (chunk.get("usage") or {}).get("completion_tokens", usage)
