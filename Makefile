@@ -93,3 +93,4 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench constraints
 	$(VENV)/bin/slotq bench logprobs
 	$(VENV)/bin/slotq bench embeddings
+	$(VENV)/bin/slotq bench spec

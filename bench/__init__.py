@@ -1,6 +1,7 @@
 """Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
-logprobs|embeddings``). Each measures its variants side by side in one run, prints a table with ratios (or one
-JSON object with ``--json``) and writes the table to ``bench/results/<name>.md`` for the README.
+logprobs|embeddings|spec``). Each measures its variants side by side in one run, prints a table with ratios (or one
+JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to ``bench/results/<name>.md``
+for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
 ``slotq worker``, the fleet benchmark's fleet processes) runs under
@@ -11,14 +12,19 @@ does not load raises at once and a crash inside llama.cpp ends the process itsel
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from slotq.jobs.cli.watch import ChildExited
 
 
-def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> dict[str, Any]:
+def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, json_path: Path | None = None,
+                  options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run benchmark ``which``; ``options`` are its own keyword arguments (``slotq bench spec``'s
+    ``concurrency``, ``rounds``, ``draft_model``)."""
     from bench import (
         bulk_bench,
         constraints_bench,
@@ -32,6 +38,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         peers_bench,
         prefix_bench,
         queue_bench,
+        spec_bench,
     )
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
@@ -47,11 +54,14 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False) -> 
         "constraints": constraints_bench.run,
         "logprobs": logprobs_bench.run,
         "embeddings": embeddings_bench.run,
+        "spec": spec_bench.run,
     }
     try:
-        data, table = asyncio.run(runners[which](quick))
+        data, table = asyncio.run(functools.partial(runners[which], **(options or {}))(quick))
     except ChildExited as exc:          # a child the benchmark needs has died: say how, do not hang
         raise SystemExit(f"slotq bench {which} stopped: {exc}") from exc
+    if json_path is not None:
+        json_path.write_text(json.dumps(data, indent=2) + "\n")
     if as_json:
         print(json.dumps(data))
     else:

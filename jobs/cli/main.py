@@ -368,8 +368,29 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    options = {name: getattr(args, name) for name in SPEC_BENCH_OPTIONS if getattr(args, name) is not None}
+    if options and args.which != "spec":
+        flags = ", ".join("--" + name.replace("_", "-") for name in options)
+        raise SystemExit(f"slotq bench {args.which}: {flags} apply to `slotq bench spec` only")
+    if args.draft_model is not None and not args.draft_model.is_file():
+        raise SystemExit(f"slotq bench spec: --draft-model: no such file: {args.draft_model}")
     run_benchmark = _checkout_benchmarks()
-    run_benchmark(args.which, as_json=args.json, quick=args.quick)
+    run_benchmark(args.which, as_json=args.json == "-", quick=args.quick,
+                  json_path=Path(args.json) if args.json not in (None, "-") else None, options=options)
+
+
+SPEC_BENCH_OPTIONS = ("concurrency", "rounds", "draft_model")
+
+
+def _client_counts(text: str) -> list[int]:
+    """``--concurrency 1,4,16``: positive client counts."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected client counts such as 1,4,16, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"client counts must be >= 1, got {text!r}")
+    return counts
 
 
 def _checkout_benchmarks() -> Callable[..., None]:
@@ -501,11 +522,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "llama-server in both KV layouts), constraints (what one JSON schema costs its "
                          "batch: llguidance beside llama.cpp's grammar sampler), "
                          "logprobs (what one logprobs stream costs the 7 plain ones beside it), embeddings (tokens/s "
-                         "of embedding requests through Redis beside llama-server --embeddings)", None)
+                         "of embedding requests through Redis beside llama-server --embeddings), spec (speculative "
+                         "decoding: slotq with and without it beside llama-server's draft modes)", None)
     p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "gateway-batch", "fleet", "bulk", "peers",
-                                     "overhead", "constraints", "logprobs", "embeddings"])
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+                                     "overhead", "constraints", "logprobs", "embeddings", "spec"])
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="print one JSON object instead of a table; with PATH, write it there and print the table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
+    p.add_argument("--concurrency", type=_client_counts, metavar="N,N,...",
+                   help="spec only: client counts to measure (default 1,4,16; 1 with --quick)")
+    p.add_argument("--rounds", type=int, choices=range(1, 11), metavar="1..10",
+                   help="spec only: rounds over every row (default 2; 1 with --quick)")
+    p.add_argument("--draft-model", type=Path, metavar="PATH",
+                   help="spec only: a small GGUF with the bundled model's vocabulary; adds the draft-model rows "
+                        "(SLOTQ_SPEC=draft, llama-server --model-draft)")
     p.set_defaults(func=cmd_bench)
     return parser
 
