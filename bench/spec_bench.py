@@ -35,6 +35,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ CTX = 1280              # per slot: the longest copy-heavy prompt (800 tokens an
                         # and a draft fit
 LLAMA_NGRAM_TYPES = ["ngram-simple", "ngram-map-k", "ngram-mod"]
 WORKLOADS = ["copy-heavy", "free-form"]
+ROW_SETTINGS = ("SLOTQ_SPEC", "SLOTQ_DRAFT_MODEL")     # what tells the slotq rows apart: never inherited
 COUNTER_WAIT_S = 15.0   # how long a reading waits for a system's counters to cover the tokens it sent
 
 # (generated, drafted, accepted) counters' sample names in each system's /metrics
@@ -154,6 +156,15 @@ def scrape(text: str) -> dict[str, float]:
     return values
 
 
+def worker_environment(environ: Mapping[str, str], row: System, common: dict[str, str]) -> dict[str, str]:
+    """A slotq row's worker: this process' environment without the settings that tell the rows apart
+    (``ROW_SETTINGS``: a ``SLOTQ_DRAFT_MODEL`` set here must not turn the auto row into a draft-model
+    row), then ``common``, the row's queue and model name, and its own speculation settings.
+    ``SLOTQ_SPEC_K_MIN``/``K_MAX`` pass through to every slotq row."""
+    inherited = {k: v for k, v in environ.items() if k not in ROW_SETTINGS}
+    return inherited | common | {"SLOTQ_QUEUE_NAME": row.key, "SLOTQ_MODEL_NAME": row.key} | (row.worker_env or {})
+
+
 class Fleet:
     """Every row's process at one client count (``slots``), started together, stopped together."""
 
@@ -163,7 +174,7 @@ class Fleet:
         self.children: list[ChildProcess] = []
         self.metrics_urls: dict[str, str] = {}
         self.server_ports: dict[str, int] = {}
-        base = {**os.environ, "SLOTQ_REDIS_URL": redis_url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(slots),
+        base = {"SLOTQ_REDIS_URL": redis_url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(slots),
                 "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS), "SLOTQ_CPU_REPACK": "on" if repack else "off",
                 "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_ELASTIC": "false"}     # fixed slots, as llama-server's --parallel
         for row in rows:
@@ -171,8 +182,7 @@ class Fleet:
             if row.worker_env is not None:
                 port = free_port()
                 self.metrics_urls[row.name] = f"http://127.0.0.1:{port}/metrics"
-                env = base | {"SLOTQ_QUEUE_NAME": row.key, "SLOTQ_MODEL_NAME": row.key,
-                              "SLOTQ_METRICS_PORT": str(port)} | row.worker_env
+                env = worker_environment(os.environ, row, base | {"SLOTQ_METRICS_PORT": str(port)})
                 argv = [sys.executable, "-m", "slotq.jobs.cli", "worker"]
                 self.children.append(ChildProcess(f"slotq worker ({row.name}) at {slots} slots", argv, env=env,
                                                   log_path=log))

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.spec_bench import LLAMA_COUNTERS, scrape
+from bench.spec_bench import LLAMA_COUNTERS, scrape, systems, worker_environment
 from bench.spec_prompts import MAX_TOKENS, MIN_TOKENS, TASKS, copy_prompt
 from bench.spec_report import (
     LLAMA_PLAIN,
     LLAMA_SPEC_PREFIX,
+    SLOTQ_DRAFT,
     SLOTQ_NGRAM,
     SLOTQ_OFF,
     VS_BEST,
@@ -119,3 +120,14 @@ def test_client_counts_must_be_positive(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["bench", "spec", "--concurrency", "1,0"])
     assert "client counts must be >= 1" in capsys.readouterr().err
+
+
+def test_a_slotq_rows_draft_source_is_its_own_not_inherited_from_this_environment() -> None:
+    environ = {"SLOTQ_DRAFT_MODEL": "/elsewhere/draft.gguf", "SLOTQ_SPEC": "off", "SLOTQ_SPEC_K_MAX": "4", "HOME": "/h"}
+    by = {row.name: row for row in systems(server=True, draft_model=Path("/models/draft.gguf"))}
+    auto = worker_environment(environ, by[SLOTQ_NGRAM], {"SLOTQ_SLOTS": "4"})
+    assert "SLOTQ_DRAFT_MODEL" not in auto
+    assert (auto["SLOTQ_SPEC"], auto["SLOTQ_SPEC_K_MAX"], auto["SLOTQ_SLOTS"], auto["HOME"]) == ("auto", "4", "4", "/h")
+    draft = worker_environment(environ, by[SLOTQ_DRAFT], {})
+    assert (draft["SLOTQ_SPEC"], draft["SLOTQ_DRAFT_MODEL"]) == ("draft", "/models/draft.gguf")
+    assert auto["SLOTQ_QUEUE_NAME"] != draft["SLOTQ_QUEUE_NAME"]
