@@ -244,6 +244,7 @@ async def run(quick: bool, *, concurrency: list[int] | None = None, rounds: int 
     for note in notes:
         progress(note)
     measured: dict[tuple[str, str, int], Measured] = {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="slotq-bench-spec-") as tmp:
         redis = EmbeddedRedis(Path(tmp) / "redis")
         url = redis.start()
@@ -267,14 +268,23 @@ async def run(quick: bool, *, concurrency: list[int] | None = None, rounds: int 
                for workload in WORKLOADS for c in plan.concurrency for row in rows
                if (workload, row.name, c) in measured]
     notes += _counter_notes(results)
+    notes.append(f"Load average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after; "
+                 f"{THREADS} threads per system, {plan.max_tokens} tokens per request.")
     data = {"model": model.name, "max_tokens": plan.max_tokens, "threads": THREADS, "repack": decision.repack,
             "rounds": plan.rounds, "draft_model": str(draft_model) if draft_model else None,
             "results": results, "notes": notes}
     text = table(results, notes)
     if not quick:
-        command = "slotq bench spec" + (f" --draft-model {draft_model.name}" if draft_model else "")
-        write_results("spec", data, text, command)
+        write_results("spec", data, text, _command(plan, draft_model))
     return data, text
+
+
+def _command(plan: Plan, draft_model: Path | None) -> str:
+    """The command line that measured the results, for bench/results/spec.md."""
+    return ("slotq bench spec" + (f" --concurrency {','.join(map(str, plan.concurrency))}"
+                                  if plan.concurrency != CONCURRENCY else "")
+            + (f" --rounds {plan.rounds}" if plan.rounds != ROUNDS else "")
+            + (f" --draft-model {draft_model.name}" if draft_model else ""))
 
 
 def _counter_notes(results: list[dict[str, Any]]) -> list[str]:
