@@ -12,7 +12,8 @@ Rows (each a process of its own, serving with as many slots as there are clients
 
 Workloads, both greedy and generating exactly ``max_tokens`` (``ignore_eos``), so every row does
 the same work: **copy-heavy**, chat requests whose answer copies a 200-800 token text with one
-change (:mod:`bench.spec_prompts`), and **free-form**, the peers benchmark's completion prompts
+change (:mod:`bench.spec_prompts`), 256 tokens each, so the copy rather than the prefill takes
+most of a request's time; and **free-form**, 128 tokens each, the peers benchmark's completion prompts
 (:func:`bench.peers_bench.peer_prompt`). ``C`` closed-loop clients send their requests back to back
 through the same HTTP client code for every row; every row gets the same prompts in a round and
 never one twice. Each round measures every workload and row in a rotated order, so the noise of a
@@ -56,8 +57,8 @@ from slotq.jobs.cli.watch import ChildProcess, run_watched
 
 CONCURRENCY = [1, 4, 16]
 ROUNDS = 2
-MAX_TOKENS = 128
-QUICK_MAX_TOKENS = 32
+MAX_TOKENS = {"copy-heavy": 256, "free-form": 128}
+QUICK_MAX_TOKENS = {"copy-heavy": 32, "free-form": 32}
 CTX = 1280              # per slot: the longest copy-heavy prompt (800 tokens and the chat template), its output
                         # and a draft fit
 LLAMA_NGRAM_TYPES = ["ngram-simple", "ngram-map-k", "ngram-mod"]
@@ -203,7 +204,7 @@ class Fleet:
 class Plan:
     concurrency: list[int]
     rounds: int
-    max_tokens: int
+    max_tokens: dict[str, int]              # per workload
     quick: bool
 
     def per_client(self, clients: int) -> int:
@@ -264,12 +265,13 @@ async def run(quick: bool, *, concurrency: list[int] | None = None, rounds: int 
         finally:
             gateway.stop()
             redis.stop()
-    results = [_row(workload, row.name, c, measured[(workload, row.name, c)])
+    results = [result_row(workload, row.name, c, measured[(workload, row.name, c)])
                for workload in WORKLOADS for c in plan.concurrency for row in rows
                if (workload, row.name, c) in measured]
     notes += _counter_notes(results)
     notes.append(f"Load average (1 min) {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after; "
-                 f"{THREADS} threads per system, {plan.max_tokens} tokens per request.")
+                 f"{THREADS} threads per system; tokens per request: "
+                 + ", ".join(f"{workload} {n}" for workload, n in plan.max_tokens.items()) + ".")
     data = {"model": model.name, "max_tokens": plan.max_tokens, "threads": THREADS, "repack": decision.repack,
             "rounds": plan.rounds, "draft_model": str(draft_model) if draft_model else None,
             "results": results, "notes": notes}
@@ -314,7 +316,8 @@ async def _at_concurrency(fleet: Fleet, rows: list[System], gateway_port: int, c
             await _wait_http(http, "/health", lambda r: r.status_code == 200)
         present = [row for row in rows if row.is_slotq or row.name in https]
         requests = {(workload, row.name): workload_request(gateway if row.is_slotq else https[row.name], workload,
-                                                           row.key if row.is_slotq else "model", plan.max_tokens)
+                                                           row.key if row.is_slotq else "model",
+                                                           plan.max_tokens[workload])
                     for workload in WORKLOADS for row in present}
         counters = {row.name: SpecCounters(scraper, fleet.metrics_urls[row.name],
                                            SLOTQ_COUNTERS if row.is_slotq else LLAMA_COUNTERS) for row in present}
@@ -338,13 +341,17 @@ async def _at_concurrency(fleet: Fleet, rows: list[System], gateway_port: int, c
             await http.aclose()
 
 
-def _row(workload: str, system: str, c: int, m: Measured) -> dict[str, Any]:
+def result_row(workload: str, system: str, c: int, m: Measured) -> dict[str, Any]:
     ms = lambda values, q: round(percentile(values, q) * 1000, 1) if values else None   # noqa: E731
     ttfts = [s.ttft_s for s in m.samples]
+    # each stream's speed after its first token: what drafting changes, without the prefill
+    decode_rates = [(s.tokens - 1) / (s.latency_s - s.ttft_s) for s in m.samples
+                    if s.tokens > 1 and s.latency_s > s.ttft_s]
     rate = acceptance(m.draft_tokens, m.accepted_tokens)
     return {"workload": workload, "system": system, "concurrency": c,
             "tokens_per_s": round(sum(m.rates) / len(m.rates), 1),
             "ttft_p50_ms": ms(ttfts, 50), "ttft_p95_ms": ms(ttfts, 95),
+            "stream_decode_tokens_per_s_p50": round(percentile(decode_rates, 50), 1) if decode_rates else None,
             "tokens_per_request": round(sum(s.tokens for s in m.samples) / len(m.samples), 1) if m.samples else None,
             "draft_tokens": m.draft_tokens, "accepted_tokens": m.accepted_tokens,
             "acceptance": round(rate, 3) if rate is not None else None}

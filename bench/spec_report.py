@@ -92,6 +92,10 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
 
+def _one_decimal(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
 def _acceptance_cell(r: dict[str, Any]) -> str:
     rate = acceptance(r.get("draft_tokens"), r.get("accepted_tokens"))
     if rate is None:
@@ -102,11 +106,13 @@ def _acceptance_cell(r: dict[str, Any]) -> str:
 def table(results: list[dict[str, Any]], notes: list[str]) -> str:
     """Every row, then the ratios with the issue's targets, then what was skipped or not reported."""
     rows = [[r["workload"], str(r["concurrency"]), r["system"], f"{r['tokens_per_s']:.1f}",
-             f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p95_ms'])}", _acceptance_cell(r),
+             f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p95_ms'])}",
+             _one_decimal(r.get("stream_decode_tokens_per_s_p50")), _acceptance_cell(r),
              f"{r['tokens_per_request']:.0f}" if r.get("tokens_per_request") is not None else "–"]
             for r in results]
     text = markdown_table(["workload", "clients", "system", "tok/s", "TTFT p50 / p95 ms",
-                           "draft acceptance (accepted / drafted)", "tokens / request"], rows)
+                           "a stream's tok/s after its first token, p50", "draft acceptance (accepted / drafted)",
+                           "tokens / request"], rows)
     ratio_rows = [[r["workload"], str(r["concurrency"]), r["system"], _ratio_cell(r, VS_OFF, r["system"]),
                    _ratio_cell(r, VS_BEST, r["system"]) + (f" ({r['llama-server best spec']})"
                                                            if r["llama-server best spec"] else ""),

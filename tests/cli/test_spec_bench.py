@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.spec_bench import LLAMA_COUNTERS, scrape, systems, worker_environment
+from bench.peers_bench import Sample
+from bench.spec_bench import LLAMA_COUNTERS, Measured, result_row, scrape, systems, worker_environment
 from bench.spec_prompts import MAX_TOKENS, MIN_TOKENS, TASKS, copy_prompt
 from bench.spec_report import (
     LLAMA_PLAIN,
@@ -131,3 +132,13 @@ def test_a_slotq_rows_draft_source_is_its_own_not_inherited_from_this_environmen
     draft = worker_environment(environ, by[SLOTQ_DRAFT], {})
     assert (draft["SLOTQ_SPEC"], draft["SLOTQ_DRAFT_MODEL"]) == ("draft", "/models/draft.gguf")
     assert auto["SLOTQ_QUEUE_NAME"] != draft["SLOTQ_QUEUE_NAME"]
+
+
+def test_a_row_gives_tokens_per_second_over_the_rounds_and_each_streams_speed_after_its_first_token() -> None:
+    measured = Measured(rates=[10.0, 14.0], samples=[Sample(ttft_s=0.5, latency_s=2.5, tokens=41),
+                                                      Sample(ttft_s=1.0, latency_s=2.0, tokens=11)],
+                        draft_tokens=40, accepted_tokens=10)
+    row = result_row("copy-heavy", SLOTQ_NGRAM, 1, measured)
+    assert (row["tokens_per_s"], row["stream_decode_tokens_per_s_p50"], row["acceptance"]) == (12.0, 15.0, 0.25)
+    assert (row["ttft_p50_ms"], row["tokens_per_request"]) == (750.0, 26.0)
+    assert "| 12.0 | 750 / 975 | 15.0 | 25% (10 / 40) | 26 |" in table([row], [])
