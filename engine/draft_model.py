@@ -236,7 +236,7 @@ class DraftModelDrafter:
                 outputs.append(job)
         for job, token in zip(outputs, self._argmax(len(outputs)), strict=True):
             drafts[job].append(token)
-        self.cost.observe(len(chunk), time.perf_counter() - started)
+        self.cost.observe([len(chunk)], time.perf_counter() - started)     # costed as one micro-batch of them
         return True
 
     def _argmax(self, n_outputs: int) -> list[int]:

@@ -133,7 +133,8 @@ class Engine:
         else:
             drafter = NgramDrafter()
         try:
-            cost = StepCost.calibrate(self._time_decode, max_tokens=min(self.info.n_batch, CALIBRATION_TOKENS))
+            cost = StepCost.calibrate(self._time_decode, max_tokens=min(self.info.n_batch, CALIBRATION_TOKENS),
+                                      split_streams=self.info.kv_layout == KVLayout.SPLIT, ubatch=self.info.n_ubatch)
         except BaseException:
             drafter.close()
             raise

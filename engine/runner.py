@@ -361,7 +361,7 @@ class Runner:
             step_seconds = time.perf_counter() - step_started
             self.counters.generating_step(step_seconds, (self.counters.generated - generated_before) / len(sample_at))
             if self.scheduler.drafts is not None:
-                self.scheduler.drafts.cost.observe(len(tokens), decode_seconds, step_seconds)
+                self.scheduler.drafts.cost.observe([item.n_tokens for item in out.items], decode_seconds, step_seconds)
 
     def _generate(self, seq: Sequence, index: int, draft: list[int], proposal: Proposal | None) -> None:
         """Take the tokens of one sequence's step: the row at ``index``, and one row more per draft

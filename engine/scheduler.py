@@ -278,7 +278,8 @@ class Scheduler:
         offered = [(item.seq, replace(offers[item.seq], n=min(offers[item.seq].n, item.seq.max_new_tokens
                                                                - item.seq.n_generated - 1)))
                    for item in decoding if item.seq in offers]
-        rooms = self.drafts.plan(offered, base_tokens=out.n_tokens, n_generating=len(decoding), budget=budget)
+        prompts = [item.n_tokens for item in out.items if not item.seq.is_decoding]
+        rooms = self.drafts.plan(offered, prompt_lengths=prompts, n_generating=len(decoding), budget=budget)
         for item in decoding:
             item.draft_room = rooms.get(item.seq, 0)     # n_tokens grows when the runner fills it (set_draft)
 

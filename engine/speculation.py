@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 from slotq.engine.sequence import Sequence
@@ -147,20 +148,27 @@ class NgramDrafter:
 
 
 class StepCost:
-    """Seconds one ``llama_decode`` of ``n`` tokens takes, plus the step's fixed share around it
-    (scheduling, sampling, events), on this model and device.
+    """Seconds one step takes: its ``llama_decode`` plus the fixed share around it (scheduling,
+    sampling, events), on this model and device.
 
-    Measured at start (:meth:`calibrate`: a decode of 1, 2, 4, ... tokens) and kept current from
-    every real step (:meth:`observe`): an observation pulls the two measured sizes around it toward
-    what it saw, by :attr:`rate`. Between measured sizes it interpolates; beyond the largest it
-    extrapolates the last slope."""
+    llama.cpp runs a batch as micro-batches, one graph run each, and each run pays for reading the
+    weights. With a KV stream per sequence (``split_streams``) a micro-batch takes the same number
+    of tokens from every sequence in it (``split_equal``): sequences of 17, 9, 5 and 1 tokens run
+    as 4 x 1, 3 x 4, 2 x 4 and 1 x 8 tokens, four runs. So a step is costed by its micro-batches
+    (:meth:`micro_batches`), each from a table of decode times by token count, measured at start
+    (:meth:`calibrate`: one sequence's decode of 1, 2, 4, ... tokens) and kept current from every
+    real step (:meth:`observe`: the sizes it ran pull toward what it took, by :attr:`rate`).
+    Between measured sizes it interpolates; beyond the largest it extrapolates the last slope."""
 
-    def __init__(self, seconds_by_tokens: dict[int, float], *, overhead_s: float = 0.0, rate: float = 0.05) -> None:
+    def __init__(self, seconds_by_tokens: dict[int, float], *, split_streams: bool = True, ubatch: int = 512,
+                 overhead_s: float = 0.0, rate: float = 0.05) -> None:
         if not seconds_by_tokens:
             raise ValueError("StepCost needs at least one measured size")
         self.sizes = sorted(seconds_by_tokens)
         self.seconds = [seconds_by_tokens[n] for n in self.sizes]
         self._keep_monotonic()
+        self.split_streams = split_streams
+        self.ubatch = ubatch
         self.overhead_s = overhead_s
         self.rate = rate
 
@@ -171,15 +179,18 @@ class StepCost:
             self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
 
     @classmethod
-    def calibrate(cls, decode: Callable[[int], float], max_tokens: int, repeats: int = 3) -> StepCost:
+    def calibrate(cls, decode: Callable[[int], float], max_tokens: int, repeats: int = 3, *,
+                  split_streams: bool = True, ubatch: int = 512) -> StepCost:
         """Time ``decode(n)`` (it returns seconds) at n = 1, 2, 4, ... up to ``max_tokens``; the
         fastest of ``repeats`` runs counts (this machine may be shared)."""
         sizes = [1]
         while sizes[-1] * 2 <= max_tokens:
             sizes.append(sizes[-1] * 2)
-        return cls({n: min(decode(n) for _ in range(repeats)) for n in sizes})
+        return cls({n: min(decode(n) for _ in range(repeats)) for n in sizes}, split_streams=split_streams,
+                   ubatch=ubatch)
 
     def decode_seconds(self, n_tokens: int) -> float:
+        """One micro-batch of ``n_tokens``."""
         sizes, secs = self.sizes, self.seconds
         if len(sizes) == 1:
             return secs[0] * n_tokens / sizes[0]
@@ -190,17 +201,35 @@ class StepCost:
         x0, x1, y0, y1 = sizes[lo], sizes[lo + 1], secs[lo], secs[lo + 1]
         return max(y0 + (y1 - y0) * (n_tokens - x0) / (x1 - x0), secs[0] * 0.5)
 
-    def step_seconds(self, n_tokens: int) -> float:
-        return self.decode_seconds(n_tokens) + self.overhead_s
+    def micro_batches(self, lengths: list[int]) -> list[int]:
+        """The token counts of the micro-batches a batch of sequences with ``lengths`` tokens runs as."""
+        if not self.split_streams:
+            total = sum(lengths)
+            return [self.ubatch] * (total // self.ubatch) + ([total % self.ubatch] if total % self.ubatch else [])
+        left = sorted(n for n in lengths if n > 0)
+        runs: list[int] = []
+        while left:
+            take = min(left[0], max(1, self.ubatch // len(left)))
+            runs.append(take * len(left))
+            left = [n - take for n in left if n > take]
+        return runs
 
-    def observe(self, n_tokens: int, decode_s: float, step_s: float | None = None) -> None:
-        """A real step: ``decode_s`` in llama_decode for ``n_tokens``; ``step_s`` all of it (the
-        fixed share is what the step took beyond the decode)."""
-        predicted = self.decode_seconds(n_tokens)
+    def step_seconds(self, lengths: list[int]) -> float:
+        """A step whose sequences contribute ``lengths`` tokens each."""
+        return sum(self.decode_seconds(n) for n in self.micro_batches(lengths)) + self.overhead_s
+
+    def observe(self, lengths: list[int], decode_s: float, step_s: float | None = None) -> None:
+        """A real step: ``decode_s`` in llama_decode for sequences of ``lengths`` tokens; ``step_s``
+        all of it (the fixed share is what the step took beyond the decode)."""
+        runs = self.micro_batches(lengths)
+        predicted = sum(self.decode_seconds(n) for n in runs)
         if predicted > 0 and decode_s > 0:
             ratio = min(max(decode_s / predicted, 0.25), 4.0)     # one stalled step must not rewrite the table
-            i = bisect.bisect_left(self.sizes, n_tokens)
-            for j in {min(i, len(self.sizes) - 1), max(i - 1, 0)}:
+            touched = set()
+            for n in runs:
+                i = bisect.bisect_left(self.sizes, n)
+                touched |= {min(i, len(self.sizes) - 1), max(i - 1, 0)}
+            for j in touched:
                 self.seconds[j] *= 1 + self.rate * (ratio - 1)
             self._keep_monotonic()
         if step_s is not None and step_s >= decode_s:
@@ -249,42 +278,44 @@ class DraftPlanner:
             return prior
         return (own.accepted + PRIOR_WEIGHT * prior) / (own.tested + PRIOR_WEIGHT)
 
-    def plan(self, offers: Iterable[tuple[Sequence, Proposal]], *, base_tokens: int, n_generating: int,
+    def plan(self, offers: Iterable[tuple[Sequence, Proposal]], *, prompt_lengths: list[int], n_generating: int,
              budget: int) -> dict[Sequence, int]:
-        """Draft tokens per sequence for a step of ``base_tokens`` (its decode and prompt tokens,
-        ``n_generating`` of which yield a token), at most ``budget`` draft tokens in all. ``offers``
-        are what each sequence's drafter could propose (``n`` already capped by the sequence's
-        limits); a proposal without tokens costs :attr:`draft_seconds` to make."""
-        candidates: list[tuple[float, int, Sequence, bool]] = []
+        """Draft tokens per sequence for a step with ``n_generating`` decode tokens (each yields a
+        token) and prompt chunks of ``prompt_lengths``, at most ``budget`` draft tokens in all.
+        ``offers`` are what each generating sequence's drafter could propose (``n`` already capped
+        by the sequence's limits); a proposal without tokens costs :attr:`draft_seconds` to make.
+
+        The drafting sequences all get the same room k (or their whole offer, if shorter): unequal
+        lengths would split the step into more micro-batches (:class:`StepCost`). The plan tried
+        are: the j sequences most likely to be accepted, each with room k, for every k and j; the
+        one with the most expected tokens per second wins if it beats no drafts by MIN_GAIN."""
+        eligible: list[tuple[float, int, Sequence, bool]] = []
         for seq, proposal in offers:
             k = min(proposal.n, self.k_max)
-            if k < self.k_min:
-                continue
-            p = self.acceptance(seq)
-            gain = 1.0
-            for depth in range(1, k + 1):
-                gain *= p
-                candidates.append((gain, depth, seq, proposal.tokens is None))
-        if not candidates or budget < self.k_min or n_generating == 0:
+            if k >= self.k_min:
+                eligible.append((self.acceptance(seq), k, seq, proposal.tokens is None))
+        if not eligible or budget < self.k_min or n_generating == 0:
             return {}
-        candidates.sort(key=lambda c: (-c[0], c[1]))    # a sequence's depths stay in order: gains fall with depth
-        base_rate = n_generating / self.cost.step_seconds(base_tokens)
-        best_rate, best_m = base_rate * MIN_GAIN, 0
-        expected, made_depth, made = float(n_generating), 0, set()
-        for m, (gain, depth, seq, on_demand) in enumerate(candidates[:budget], start=1):
-            expected += gain
-            if on_demand:
-                made_depth = max(made_depth, depth)
-                made.add(seq)
-            seconds = self.cost.step_seconds(base_tokens + m)
-            if made:
-                seconds += self.draft_seconds(made_depth, len(made))
-            if expected / seconds > best_rate:
-                best_rate, best_m = expected / seconds, m
-        rooms: dict[Sequence, int] = {}
-        for _, depth, seq, _ in candidates[:best_m]:
-            rooms[seq] = max(rooms.get(seq, 0), depth)
-        return {seq: k for seq, k in rooms.items() if k >= self.k_min}
+        eligible.sort(key=lambda e: -e[0])
+        gains = [list(accumulate(p ** depth for depth in range(1, k + 1))) for p, k, _, _ in eligible]
+        best_rate = n_generating / self.cost.step_seconds(prompt_lengths + [1] * n_generating) * MIN_GAIN
+        best: tuple[int, int] = (0, 0)
+        for j in _prefix_sizes(len(eligible)):
+            for room in range(self.k_min, self.k_max + 1):
+                rooms = [min(room, k) for _, k, _, _ in eligible[:j]]
+                if sum(rooms) > budget:
+                    break
+                expected = n_generating + sum(g[r - 1] for g, r in zip(gains, rooms))
+                seconds = self.cost.step_seconds(prompt_lengths + [1] * (n_generating - j) + [1 + r for r in rooms])
+                made = [r for r, e in zip(rooms, eligible) if e[3]]
+                if made:
+                    seconds += self.draft_seconds(max(made), len(made))
+                if expected / seconds > best_rate:
+                    best_rate, best = expected / seconds, (j, room)
+                if room >= max(k for _, k, _, _ in eligible[:j]):
+                    break           # every offer is used up: a larger room changes nothing
+        j, room = best
+        return {seq: min(room, k) for _, k, seq, _ in eligible[:j]}
 
     def observe(self, seq: Sequence, tested: int, accepted: int) -> None:
         """Verification (or a shadow test) compared ``tested`` draft positions; ``accepted`` matched."""
@@ -295,3 +326,16 @@ class DraftPlanner:
 
     def forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq, None)
+
+
+def _prefix_sizes(n: int) -> list[int]:
+    """How many of the n most likely sequences a plan drafts for: every count up to 8, then powers
+    of two and n (a plan's cost is a few micro-batches; finer steps would cost the step's time)."""
+    sizes = list(range(1, min(n, 8) + 1))
+    size = 16
+    while size < n:
+        sizes.append(size)
+        size *= 2
+    if n > 8:
+        sizes.append(n)
+    return sizes

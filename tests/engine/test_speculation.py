@@ -56,16 +56,37 @@ def test_step_cost_interpolates_and_extrapolates_the_measured_sizes() -> None:
     assert cost.decode_seconds(2) == pytest.approx(2.0)
     assert cost.decode_seconds(6) == pytest.approx(5.0)
     assert cost.decode_seconds(16) == pytest.approx(10.0)    # the last slope, on
-    assert cost.step_seconds(8) == 6.5
+    assert cost.step_seconds([8]) == 6.5
+
+
+def test_a_step_is_costed_by_the_micro_batches_llama_cpp_runs() -> None:
+    split = StepCost({1: 1.0, 64: 64.0}, ubatch=16)
+    assert split.micro_batches([17, 9, 5, 1]) == [4, 12, 8, 8]    # split_equal: the same count from each stream
+    assert split.micro_batches([9, 9, 9, 9]) == [16, 16, 4]       # at most ubatch tokens a run
+    unified = StepCost({1: 1.0, 64: 64.0}, split_streams=False, ubatch=16)
+    assert unified.micro_batches([17, 9, 5, 1]) == [16, 16]
+
+
+def test_uneven_drafts_cost_more_than_even_ones_with_streams() -> None:
+    """Measured on the bundled model (split streams, 2 cores): sequences of 17, 9, 5 and 1 tokens in one
+    decode took as long as four of 17; the planner therefore gives every drafting sequence one room."""
+    cost = StepCost(CPU)
+    assert cost.step_seconds([17, 9, 5, 1]) > cost.step_seconds([8, 8, 8, 8])
+    planner = DraftPlanner(cost, k_min=2, k_max=16)
+    seqs = [make_seq(10) for _ in range(4)]
+    for seq, hits in zip(seqs, (40, 39, 38, 37)):
+        planner.observe(seq, 40, hits)
+    rooms = planner.plan([(s, _free(16)) for s in seqs], prompt_lengths=[], n_generating=4, budget=500)
+    assert len(set(rooms.values())) <= 1
 
 
 def test_step_cost_follows_what_real_steps_take() -> None:
     cost = StepCost({1: 1.0, 8: 8.0}, rate=0.5)
     for _ in range(20):
-        cost.observe(8, decode_s=16.0, step_s=17.0)
+        cost.observe([8], decode_s=16.0, step_s=17.0)
     assert cost.decode_seconds(8) > 15.0 and cost.decode_seconds(1) > 1.0     # both ends of the segment moved
     assert cost.overhead_s == pytest.approx(1.0, rel=0.01)
-    cost.observe(8, decode_s=1000.0)                                            # one stall moves it at most 4x * rate
+    cost.observe([8], decode_s=1000.0)                                            # one stall moves it at most 4x * rate
     assert cost.decode_seconds(8) < 16.0 * 2.6
 
 
@@ -99,7 +120,7 @@ def test_a_sequence_that_copies_drafts_on_a_cpu_and_one_that_misses_does_not() -
     copier, free = make_seq(10), make_seq(10)
     _copying(planner, copier)
     planner.observe(free, 40, 8)
-    rooms = planner.plan([(copier, _free(16)), (free, _free(16))], base_tokens=2, n_generating=2, budget=500)
+    rooms = planner.plan([(copier, _free(16)), (free, _free(16))], prompt_lengths=[], n_generating=2, budget=500)
     assert rooms.get(copier, 0) >= 8 and free not in rooms
 
 
@@ -108,7 +129,7 @@ def test_a_compute_bound_cpu_step_gets_no_drafts() -> None:
     seqs = [make_seq(10) for _ in range(64)]
     for seq in seqs:
         planner.observe(seq, 40, 36)                          # 90 % acceptance
-    assert planner.plan([(s, _free(16)) for s in seqs], base_tokens=64, n_generating=64, budget=500) == {}
+    assert planner.plan([(s, _free(16)) for s in seqs], prompt_lengths=[], n_generating=64, budget=500) == {}
 
 
 def test_a_gpu_step_drafts_until_the_batch_is_full() -> None:
@@ -116,7 +137,7 @@ def test_a_gpu_step_drafts_until_the_batch_is_full() -> None:
     seqs = [make_seq(10) for _ in range(16)]
     for seq in seqs:
         planner.observe(seq, 40, 28)                          # 70 %: too low to pay on the CPU above
-    rooms = planner.plan([(s, _free(8)) for s in seqs], base_tokens=16, n_generating=16, budget=500)
+    rooms = planner.plan([(s, _free(8)) for s in seqs], prompt_lengths=[], n_generating=16, budget=500)
     assert len(rooms) == 16 and all(k >= 4 for k in rooms.values())
     assert sum(rooms.values()) <= 128 - 16 + 8                # it stopped where the step's cost starts to climb
 
@@ -126,9 +147,9 @@ def test_the_plan_keeps_the_budget_k_min_and_the_offer() -> None:
     a, b = make_seq(10), make_seq(10)
     _copying(planner, a)
     _copying(planner, b)
-    assert planner.plan([(a, _free(8)), (b, _free(2))], base_tokens=2, n_generating=2, budget=500) == {a: 8}  # 2<k_min
-    assert sum(planner.plan([(a, _free(8)), (b, _free(8))], base_tokens=2, n_generating=2, budget=6).values()) <= 6
-    assert planner.plan([(a, _free(8))], base_tokens=2, n_generating=2, budget=2) == {}
+    assert planner.plan([(a, _free(8)), (b, _free(2))], prompt_lengths=[], n_generating=2, budget=500) == {a: 8}  # 2<k_min
+    assert sum(planner.plan([(a, _free(8)), (b, _free(8))], prompt_lengths=[], n_generating=2, budget=6).values()) <= 6
+    assert planner.plan([(a, _free(8))], prompt_lengths=[], n_generating=2, budget=2) == {}
 
 
 def test_a_draft_models_time_counts_against_its_drafts() -> None:
@@ -137,9 +158,9 @@ def test_a_draft_models_time_counts_against_its_drafts() -> None:
         _copying(p, seq, 40)
         return p
     seq = make_seq(10)
-    assert planner(0.5).plan([(seq, Proposal(8))], base_tokens=1, n_generating=1, budget=64) == {seq: 8}
-    assert planner(20).plan([(seq, Proposal(8))], base_tokens=1, n_generating=1, budget=64) == {}
-    assert planner(20).plan([(seq, _free(8))], base_tokens=1, n_generating=1, budget=64) == {seq: 8}
+    assert planner(0.5).plan([(seq, Proposal(8))], prompt_lengths=[], n_generating=1, budget=64) == {seq: 8}
+    assert planner(20).plan([(seq, Proposal(8))], prompt_lengths=[], n_generating=1, budget=64) == {}
+    assert planner(20).plan([(seq, _free(8))], prompt_lengths=[], n_generating=1, budget=64) == {seq: 8}
 
 
 def test_a_plan_promises_at_least_min_gain() -> None:
@@ -147,7 +168,7 @@ def test_a_plan_promises_at_least_min_gain() -> None:
     planner = DraftPlanner(StepCost({1: 1.0, 2: 2.0, 3: 3.0}), k_min=1, k_max=2)
     seq = make_seq(10)
     planner.observe(seq, 40, 20)
-    assert planner.plan([(seq, _free(2))], base_tokens=1, n_generating=1, budget=8) == {}
+    assert planner.plan([(seq, _free(2))], prompt_lengths=[], n_generating=1, budget=8) == {}
     assert MIN_GAIN > 1
 
 
