@@ -145,7 +145,7 @@ class EngineKnobs(GrammarKnobs):
         description="speculative decoding: auto = the draft model when draft_model is set, else n-gram drafts from "
                     "each sequence's own prompt and output; off; ngram; draft (needs draft_model). A draft goes into "
                     "a step only where its expected accepted tokens pay for the step time it adds")
-    spec_k_max: int = Field(16, ge=1, le=64, description="most draft tokens one sequence adds to a step")
+    spec_k_max: int = Field(32, ge=1, le=64, description="most draft tokens one sequence adds to a step")
     spec_k_min: int = Field(2, ge=1, le=64,
                             description="fewest draft tokens worth sending (a shorter draft is not sent)")
     draft_model: Path | None = Field(

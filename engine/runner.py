@@ -384,9 +384,9 @@ class Runner:
             assert planner is not None
             self.counters.spec_draft_tokens += len(draft)
             self.counters.spec_accepted_tokens += accepted
-            planner.observe(seq, tested, accepted)
+            planner.observe(seq, tested, accepted, proposal.match if proposal is not None else 0)
         elif planner is not None and proposal is not None and proposal.tokens and end is None:
-            planner.observe(seq, 1, int(seq.tokens[-1] == proposal.tokens[0]))
+            planner.observe(seq, 1, int(seq.tokens[-1] == proposal.tokens[0]), proposal.match)
         if draft and self.scheduler.settle_drafts(seq):
             self.model.kv_remove(seq.slot, seq.n_computed)
         if end is not None:

@@ -49,7 +49,10 @@ SEQ_DECAY = 0.95
 prompt stops drafting within a few steps."""
 
 MODEL_DECAY = 0.995
-"""The model-wide acceptance (the prior of new sequences) moves slowly: about 200 tests."""
+"""The model-wide acceptance (by match length) moves slowly: about 200 tests."""
+
+MATCH_CAP = 64
+"""An n-gram draft's agreement is counted up to this many tokens back."""
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Proposal:
 
     n: int
     tokens: list[int] | None = None
+    match: int = 0      # tokens before the draft that agree with what it was copied from (0: not a copy)
 
 
 class Drafter(Protocol):
@@ -131,7 +135,7 @@ class NgramDrafter:
             start = mapping.get(tuple(tokens[-n:]))
             if start is not None:
                 draft = tokens[start:start + k_max]
-                return Proposal(len(draft), draft)
+                return Proposal(len(draft), draft, match=_agreement(tokens, start))
         return Proposal(0)
 
     def draft(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -145,6 +149,14 @@ class NgramDrafter:
 
     def close(self) -> None:
         self._indexes.clear()
+
+
+def _agreement(tokens: list[int], start: int, cap: int = MATCH_CAP) -> int:
+    """How many tokens before the end agree with those before ``start`` (at most ``cap``)."""
+    n, end = 0, len(tokens)
+    while n < cap and n < start and tokens[end - 1 - n] == tokens[start - 1 - n]:
+        n += 1
+    return n
 
 
 class StepCost:
@@ -261,22 +273,28 @@ class DraftPlanner:
     k_max: int = 16
     prior: float = 0.5                  # model-wide acceptance before anything was tested
     draft_seconds: Callable[[int, int], float] = lambda depth, n_seqs: 0.0    # Drafter.draft_seconds
-    _model: _Acceptance = field(default_factory=_Acceptance)
+    _by_match: dict[int, _Acceptance] = field(default_factory=dict)
     _seqs: dict[Sequence, _Acceptance] = field(default_factory=dict)
 
-    @property
-    def model_acceptance(self) -> float:
-        """The model-wide share of tested draft positions that were accepted (the prior of a new sequence)."""
-        m = self._model
+    def model_acceptance(self, match: int = 0) -> float:
+        """The model-wide share of tested draft positions that were accepted, for proposals whose
+        copy agreed over about ``match`` tokens (by powers of two: 1, 2-3, 4-7 ... 32 and more)."""
+        m = self._by_match.get(_match_class(match))
+        if m is None:
+            return self.prior
         return (m.accepted + PRIOR_WEIGHT * self.prior) / (m.tested + PRIOR_WEIGHT)
 
-    def acceptance(self, seq: Sequence) -> float:
-        """The chance that ``seq``'s next draft token is accepted, given the one before was."""
+    def acceptance(self, seq: Sequence, match: int = 0) -> float:
+        """The chance that the next draft token of ``seq``, with a proposal whose copy agreed over
+        ``match`` tokens, is accepted given the one before was: the lower of what the model's
+        proposals of that agreement and this sequence's recent drafts say. A sequence that copies
+        its prompt drafts long once its copy agrees over many tokens, and not just after it
+        diverged; one that does not copy does not draft on a chance agreement."""
+        by_match = self.model_acceptance(match)
         own = self._seqs.get(seq)
-        prior = self.model_acceptance
         if own is None:
-            return prior
-        return (own.accepted + PRIOR_WEIGHT * prior) / (own.tested + PRIOR_WEIGHT)
+            return by_match
+        return min(by_match, (own.accepted + PRIOR_WEIGHT * by_match) / (own.tested + PRIOR_WEIGHT))
 
     def plan(self, offers: Iterable[tuple[Sequence, Proposal]], *, prompt_lengths: list[int], n_generating: int,
              budget: int) -> dict[Sequence, int]:
@@ -293,7 +311,7 @@ class DraftPlanner:
         for seq, proposal in offers:
             k = min(proposal.n, self.k_max)
             if k >= self.k_min:
-                eligible.append((self.acceptance(seq), k, seq, proposal.tokens is None))
+                eligible.append((self.acceptance(seq, proposal.match), k, seq, proposal.tokens is None))
         if not eligible or budget < self.k_min or n_generating == 0:
             return {}
         eligible.sort(key=lambda e: -e[0])
@@ -317,12 +335,13 @@ class DraftPlanner:
         j, room = best
         return {seq: min(room, k) for _, k, seq, _ in eligible[:j]}
 
-    def observe(self, seq: Sequence, tested: int, accepted: int) -> None:
-        """Verification (or a shadow test) compared ``tested`` draft positions; ``accepted`` matched."""
+    def observe(self, seq: Sequence, tested: int, accepted: int, match: int = 0) -> None:
+        """Verification (or a shadow test) compared ``tested`` draft positions of a proposal whose
+        copy agreed over ``match`` tokens; ``accepted`` matched."""
         if tested <= 0:
             return
         self._seqs.setdefault(seq, _Acceptance()).add(tested, accepted, SEQ_DECAY)
-        self._model.add(tested, accepted, MODEL_DECAY)
+        self._by_match.setdefault(_match_class(match), _Acceptance()).add(tested, accepted, MODEL_DECAY)
 
     def forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq, None)
@@ -339,3 +358,7 @@ def _prefix_sizes(n: int) -> list[int]:
     if n > 8:
         sizes.append(n)
     return sizes
+
+
+def _match_class(match: int) -> int:
+    return min(match.bit_length(), 6)

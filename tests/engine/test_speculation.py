@@ -75,7 +75,7 @@ def test_uneven_drafts_cost_more_than_even_ones_with_streams() -> None:
     planner = DraftPlanner(cost, k_min=2, k_max=16)
     seqs = [make_seq(10) for _ in range(4)]
     for seq, hits in zip(seqs, (40, 39, 38, 37)):
-        planner.observe(seq, 40, hits)
+        planner.observe(seq, 40, hits, match=32)
     rooms = planner.plan([(s, _free(16)) for s in seqs], prompt_lengths=[], n_generating=4, budget=500)
     assert len(set(rooms.values())) <= 1
 
@@ -106,21 +106,23 @@ def test_calibration_times_powers_of_two() -> None:
 
 
 # ----------------------------------------------------------------------------- planner
-def _free(n: int) -> Proposal:
-    """An offer whose tokens are known (an n-gram lookup): it costs nothing to make."""
-    return Proposal(n, list(range(n)))
+def _free(n: int, match: int = 32) -> Proposal:
+    """An offer whose tokens are known (an n-gram lookup, its copy agreeing over ``match`` tokens):
+    it costs nothing to make."""
+    return Proposal(n, list(range(n)), match=match)
 
 
 def _copying(planner: DraftPlanner, seq: Sequence, tests: int = 40) -> None:
-    planner.observe(seq, tests, tests)
+    planner.observe(seq, tests, tests, match=32)
 
 
 def test_a_sequence_that_copies_drafts_on_a_cpu_and_one_that_misses_does_not() -> None:
     planner = DraftPlanner(StepCost(CPU), k_min=2, k_max=16)
     copier, free = make_seq(10), make_seq(10)
     _copying(planner, copier)
-    planner.observe(free, 40, 8)
-    rooms = planner.plan([(copier, _free(16)), (free, _free(16))], prompt_lengths=[], n_generating=2, budget=500)
+    planner.observe(free, 40, 8, match=2)
+    offers = [(copier, _free(16)), (free, _free(16, match=2))]
+    rooms = planner.plan(offers, prompt_lengths=[], n_generating=2, budget=500)
     assert rooms.get(copier, 0) >= 8 and free not in rooms
 
 
@@ -128,7 +130,7 @@ def test_a_compute_bound_cpu_step_gets_no_drafts() -> None:
     planner = DraftPlanner(StepCost(CPU), k_min=2, k_max=16)
     seqs = [make_seq(10) for _ in range(64)]
     for seq in seqs:
-        planner.observe(seq, 40, 36)                          # 90 % acceptance
+        planner.observe(seq, 40, 36, match=32)                # 90 % acceptance
     assert planner.plan([(s, _free(16)) for s in seqs], prompt_lengths=[], n_generating=64, budget=500) == {}
 
 
@@ -136,7 +138,7 @@ def test_a_gpu_step_drafts_until_the_batch_is_full() -> None:
     planner = DraftPlanner(StepCost(GPU), k_min=2, k_max=8)
     seqs = [make_seq(10) for _ in range(16)]
     for seq in seqs:
-        planner.observe(seq, 40, 28)                          # 70 %: too low to pay on the CPU above
+        planner.observe(seq, 40, 28, match=32)                # 70 %: too low to pay on the CPU above
     rooms = planner.plan([(s, _free(8)) for s in seqs], prompt_lengths=[], n_generating=16, budget=500)
     assert len(rooms) == 16 and all(k >= 4 for k in rooms.values())
     assert sum(rooms.values()) <= 128 - 16 + 8                # it stopped where the step's cost starts to climb
@@ -147,7 +149,8 @@ def test_the_plan_keeps_the_budget_k_min_and_the_offer() -> None:
     a, b = make_seq(10), make_seq(10)
     _copying(planner, a)
     _copying(planner, b)
-    assert planner.plan([(a, _free(8)), (b, _free(2))], prompt_lengths=[], n_generating=2, budget=500) == {a: 8}  # 2<k_min
+    # b's offer is below k_min
+    assert planner.plan([(a, _free(8)), (b, _free(2))], prompt_lengths=[], n_generating=2, budget=500) == {a: 8}
     assert sum(planner.plan([(a, _free(8)), (b, _free(8))], prompt_lengths=[], n_generating=2, budget=6).values()) <= 6
     assert planner.plan([(a, _free(8))], prompt_lengths=[], n_generating=2, budget=2) == {}
 
@@ -155,7 +158,7 @@ def test_the_plan_keeps_the_budget_k_min_and_the_offer() -> None:
 def test_a_draft_models_time_counts_against_its_drafts() -> None:
     def planner(draft_ms: float) -> DraftPlanner:
         p = DraftPlanner(StepCost(GPU), k_min=2, k_max=8, draft_seconds=lambda depth, n: depth * draft_ms / 1000)
-        _copying(p, seq, 40)
+        p.observe(seq, 40, 40)        # a draft model's proposals copy nothing: match 0
         return p
     seq = make_seq(10)
     assert planner(0.5).plan([(seq, Proposal(8))], prompt_lengths=[], n_generating=1, budget=64) == {seq: 8}
@@ -167,20 +170,33 @@ def test_a_plan_promises_at_least_min_gain() -> None:
     # a step twice as long for one more expected token at 1 client: 1.5 / 2 < 1 / 1 * MIN_GAIN
     planner = DraftPlanner(StepCost({1: 1.0, 2: 2.0, 3: 3.0}), k_min=1, k_max=2)
     seq = make_seq(10)
-    planner.observe(seq, 40, 20)
+    planner.observe(seq, 40, 20, match=32)
     assert planner.plan([(seq, _free(2))], prompt_lengths=[], n_generating=1, budget=8) == {}
     assert MIN_GAIN > 1
 
 
-def test_new_sequences_start_from_the_models_acceptance_and_forget_it_when_done() -> None:
+def test_acceptance_is_learned_by_how_long_the_copy_has_agreed() -> None:
+    """Long agreement predicts a copy (a sequence copying its prompt); a chance two-token match does
+    not. A new sequence starts from what the model's proposals of that agreement did, and a
+    sequence's own misses lower its estimate at any agreement."""
     planner = DraftPlanner(StepCost(CPU), prior=0.5)
     seen = make_seq(10)
-    assert planner.acceptance(seen) == 0.5
-    _copying(planner, seen, 100)
+    assert planner.acceptance(seen, match=40) == 0.5
+    planner.observe(seen, 100, 98, match=40)
+    planner.observe(seen, 100, 20, match=2)
     fresh = make_seq(10)
-    assert planner.acceptance(fresh) > 0.9 and planner.acceptance(seen) > planner.acceptance(fresh) - 0.01
-    planner.forget(seen)
-    assert planner.acceptance(seen) == planner.acceptance(fresh)
+    assert planner.acceptance(fresh, match=33) > 0.9 and planner.acceptance(fresh, match=3) < 0.3
+    missing = make_seq(10)
+    planner.observe(missing, 30, 3, match=40)
+    assert planner.acceptance(missing, match=40) < 0.5
+    planner.forget(missing)
+    assert planner.acceptance(missing, match=40) == planner.acceptance(fresh, match=40)
+
+
+def test_ngram_proposals_say_how_long_their_copy_agreed() -> None:
+    seq = make_seq([5, 1, 2, 3, 4, 9, 9, 0, 1, 2, 3, 4])     # "1 2 3 4" agrees, "5" vs "0" does not
+    proposal = NgramDrafter().propose(seq, 2)
+    assert proposal.tokens == [9, 9] and proposal.match == 4
 
 
 # ----------------------------------------------------------------------------- scheduler rule 9
