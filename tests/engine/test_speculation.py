@@ -84,7 +84,7 @@ def test_step_cost_follows_what_real_steps_take() -> None:
     cost = StepCost({1: 1.0, 8: 8.0}, rate=0.5)
     for _ in range(20):
         cost.observe([8], decode_s=16.0, step_s=17.0)
-    assert cost.decode_seconds(8) > 15.0 and cost.decode_seconds(1) > 1.0     # both ends of the segment moved
+    assert cost.decode_seconds(8) > 15.0 and cost.decode_seconds(1) > 1.9     # the whole table moved, its shape kept
     assert cost.overhead_s == pytest.approx(1.0, rel=0.01)
     cost.observe([8], decode_s=1000.0)                                            # one stall moves it at most 4x * rate
     assert cost.decode_seconds(8) < 16.0 * 2.6
