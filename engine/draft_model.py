@@ -129,13 +129,18 @@ class DraftModelDrafter:
             self.probe_tokens = max(config.spec_k_min, 1)
             self._slots: dict[int, _SlotKV] = {}
             self._probe_credit, self._credit_at = 0.0, time.monotonic()
-            self._timed_depth_decode(n_seq)          # the first decode sets llama.cpp's buffers up: not a measure
-            self.cost = StepCost.calibrate(self._timed_depth_decode, n_seq, repeats=3)
+            self._n_seq = n_seq
+            self.cost = StepCost({1: 0.0})            # timed by prepare(), on the engine thread
         except BaseException:
             self.model.close()
             raise
 
     # ------------------------------------------------------------ the Drafter protocol
+    def prepare(self) -> None:
+        """Time one draft decode per sequence count (engine thread: see Drafter.prepare)."""
+        self._timed_depth_decode(self._n_seq)          # the first decode sets llama.cpp's buffers up: not a measure
+        self.cost = StepCost.calibrate(self._timed_depth_decode, self._n_seq, repeats=3)
+
     def propose(self, seq: Sequence, k_max: int) -> Proposal:
         """Room for up to ``k_max`` tokens, drafted on demand by :meth:`draft`; now and then a probe (see
         :data:`PROBE_AFTER`) with its tokens."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from slotq.engine.chat import ChatTemplate
@@ -92,7 +92,7 @@ class Engine:
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
         self._constraints = ConstraintCompiler(self.model.vocab, self.info.n_vocab, self._eog_tokens, config)
         try:
-            self.drafter, drafts = self._speculation(config)
+            self.drafter, make_planner = self._speculation(config)
         except BaseException:
             self.model.close()
             raise
@@ -110,18 +110,28 @@ class Engine:
             prefix_cache=config.prefix_cache,
             kv_overcommit=config.kv_overcommit,
             kv_stream_cells=self.info.n_ctx_seq if self.info.kv_layout == KVLayout.SPLIT else None,
-        ), drafts=drafts)
+        ))
         self._limits = SchedulerLimits.full(self.scheduler.config)
         self._lifecycle = Lifecycle()
         self._runner = Runner(self.model, self.scheduler, self.ctx_per_seq,
-                              lifecycle=self._lifecycle, faults=EngineFaults.from_env(), drafter=self.drafter)
+                              lifecycle=self._lifecycle, faults=EngineFaults.from_env(), drafter=self.drafter,
+                              make_planner=make_planner)
         self._runner.counters.spec = config.spec_source.value
         self._runner.thread.start()
+        self._runner.started.wait()
+        if self._lifecycle.failure is not None:
+            self._runner.thread.join()
+            if self.drafter is not None:
+                self.drafter.close()
+            self.model.close()
+            raise RuntimeError(f"the engine could not start: {self._lifecycle.failure}") from self._lifecycle.failure
         self._closed = False
 
-    def _speculation(self, config: EngineConfig) -> tuple[Drafter | None, DraftPlanner | None]:
-        """The drafter and the planner of ``config.spec`` (none when off). The planner's step cost
-        is timed here, on this model and device, before the engine thread starts."""
+    def _speculation(self, config: EngineConfig) -> tuple[Drafter | None, Callable[[], DraftPlanner] | None]:
+        """The drafter of ``config.spec`` (none when off; a draft model is loaded and its vocabulary
+        checked here, so a wrong file fails the start), and how the engine thread makes the
+        planner: its step cost is timed there, on this model and device, as the thread's first work
+        (every llama.cpp call runs on that one thread: see ``Drafter.prepare``)."""
         source = config.spec_source
         if source == SpecMode.OFF:
             return None, None
@@ -132,18 +142,18 @@ class Engine:
             drafter = DraftModelDrafter(config, self.model)
         else:
             drafter = NgramDrafter()
-        try:
+
+        def planner() -> DraftPlanner:
+            drafter.prepare()
             cost = StepCost.calibrate(self._time_decode, max_tokens=min(self.info.n_batch, CALIBRATION_TOKENS),
                                       split_streams=self.info.kv_layout == KVLayout.SPLIT, ubatch=self.info.n_ubatch)
-        except BaseException:
-            drafter.close()
-            raise
-        return drafter, DraftPlanner(cost, k_min=config.spec_k_min, k_max=config.spec_k_max, prior=drafter.prior,
-                                     draft_seconds=drafter.draft_seconds)
+            return DraftPlanner(cost, k_min=config.spec_k_min, k_max=config.spec_k_max, prior=drafter.prior,
+                                draft_seconds=drafter.draft_seconds)
+        return drafter, planner
 
     def _time_decode(self, n_tokens: int) -> float:
         """Seconds one llama_decode of ``n_tokens`` takes, each with logits (as a draft's are), in
-        the last KV sequence (empty at start), which it leaves empty."""
+        the last KV sequence (empty at start)."""
         seq_id = self.info.n_seq_max - 1
         started = time.perf_counter()
         ret = self.model.decode([self.model.bos_token] * n_tokens, range(n_tokens), [seq_id] * n_tokens,

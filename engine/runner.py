@@ -52,7 +52,7 @@ from slotq.engine.request import GenerationRequest
 from slotq.engine.sampling import SamplerChain
 from slotq.engine.scheduler import BatchItem, KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
 from slotq.engine.sequence import SeqState, Sequence
-from slotq.engine.speculation import Drafter, Proposal
+from slotq.engine.speculation import Drafter, DraftPlanner, Proposal
 from slotq.engine.state import EngineState, Lifecycle
 from slotq.engine.stats import EngineCounters, EngineStats
 from slotq.engine.text import StopMatcher, Utf8Stream
@@ -103,10 +103,15 @@ request to cancel."""
 
 class Runner:
     def __init__(self, model: LlamaModel, scheduler: Scheduler, ctx_per_seq: int, *,
-                 lifecycle: Lifecycle, faults: EngineFaults, drafter: Drafter | None = None) -> None:
+                 lifecycle: Lifecycle, faults: EngineFaults, drafter: Drafter | None = None,
+                 make_planner: Callable[[], DraftPlanner] | None = None) -> None:
+        """``make_planner``: speculative decoding's policy, made on the engine thread before its
+        first step (it times decodes) and handed to the scheduler."""
         self.model = model
         self.scheduler = scheduler
-        self.drafter = drafter if scheduler.drafts is not None else None
+        self.drafter = drafter
+        self._make_planner = make_planner
+        self.started = threading.Event()        # set once the thread's start-up work is done (or failed)
         self.ctx_per_seq = ctx_per_seq
         self.lifecycle = lifecycle
         self.faults = faults
@@ -144,6 +149,11 @@ class Runner:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
+            try:
+                if self._make_planner is not None:
+                    self.scheduler.drafts = self._make_planner()
+            finally:
+                self.started.set()
             while self.lifecycle.state is EngineState.RUNNING:
                 self._iterate()
         except BaseException as exc:        # see the module docstring: fatal, but never silent

@@ -48,6 +48,7 @@ def draft_alone(draft_model_path: Path) -> Iterator[LlamaModel]:
 def drafter(real_model_path: Path, draft_model_path: Path, target: LlamaModel) -> Iterator[DraftModelDrafter]:
     """One for the module: each test's drafts must be right whatever the slots hold from the tests before."""
     made = DraftModelDrafter(drafter_config(real_model_path, draft_model_path), target)
+    made.prepare()          # the engine thread's first work (it times the draft decodes)
     yield made
     made.close()
 
