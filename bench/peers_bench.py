@@ -112,6 +112,14 @@ async def closed_loop(one: OneRequest, clients: int, per_client: int, first: int
     return sum(s.tokens for s in samples) / (time.perf_counter() - started), samples
 
 
+def gateway_process(tmp: Path, redis_url: str) -> tuple[ChildProcess, int]:
+    """A ``slotq gateway`` on a free port in front of ``redis_url`` (not started yet), and its port."""
+    port = free_port()
+    return ChildProcess("slotq gateway", [sys.executable, "-m", "slotq.jobs.cli", "gateway", "--port", str(port)],
+                        env={**os.environ, "SLOTQ_REDIS_URL": redis_url, "SLOTQ_LOG_LEVEL": "WARNING"},
+                        log_path=tmp / "gateway.log"), port
+
+
 def http_completion(http: httpx.AsyncClient, model: str, extra: dict[str, Any] | None = None) -> OneRequest:
     """``POST /v1/completions`` of :func:`peer_prompt` ``i``, ``MAX_TOKENS`` generated."""
     body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **(extra or {})}
@@ -247,11 +255,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     with tempfile.TemporaryDirectory(prefix="slotq-bench-peers-") as tmp:
         redis = EmbeddedRedis(Path(tmp) / "redis")
         url = redis.start()
-        gateway_port = free_port()
-        gateway = ChildProcess("slotq gateway",
-                               [sys.executable, "-m", "slotq.jobs.cli", "gateway", "--port", str(gateway_port)],
-                               env={**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_LOG_LEVEL": "WARNING"},
-                               log_path=Path(tmp) / "gateway.log")
+        gateway, gateway_port = gateway_process(Path(tmp), url)
         raw = raw_process(EngineConfig(model_path=model, slots=max(concurrency), ctx=CTX, prefix_cache=False,
                                        threads=THREADS, cpu_repack=CpuRepack.ON if decision.repack else CpuRepack.OFF))
         try:

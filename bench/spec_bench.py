@@ -45,7 +45,16 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import llama_server
-from bench.peers_bench import THREADS, OneRequest, Sample, _wait_http, closed_loop, http_stream, peer_prompt
+from bench.peers_bench import (
+    THREADS,
+    OneRequest,
+    Sample,
+    _wait_http,
+    closed_loop,
+    gateway_process,
+    http_stream,
+    peer_prompt,
+)
 from bench.report import percentile, progress, write_results
 from bench.spec_prompts import copy_prompt
 from bench.spec_report import LLAMA_PLAIN, LLAMA_SPEC_PREFIX, SLOTQ_DRAFT, SLOTQ_NGRAM, SLOTQ_OFF, acceptance, table
@@ -249,11 +258,7 @@ async def run(quick: bool, *, concurrency: list[int] | None = None, rounds: int 
     with tempfile.TemporaryDirectory(prefix="slotq-bench-spec-") as tmp:
         redis = EmbeddedRedis(Path(tmp) / "redis")
         url = redis.start()
-        gateway_port = free_port()
-        gateway = ChildProcess("slotq gateway",
-                               [sys.executable, "-m", "slotq.jobs.cli", "gateway", "--port", str(gateway_port)],
-                               env={**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_LOG_LEVEL": "WARNING"},
-                               log_path=Path(tmp) / "gateway.log")
+        gateway, gateway_port = gateway_process(Path(tmp), url)
         try:
             for c in plan.concurrency:
                 fleet = Fleet(Path(tmp), url, model, c, rows, server_binary, decision.repack)
