@@ -45,9 +45,9 @@ from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobRequest, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
-from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
 from slotq.jobs.worker.job_run import JobRun
+from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)

@@ -68,7 +68,8 @@ from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.preemption import guaranteed_slots
 from slotq.jobs.protocol.redis_queue import LaneCounts
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
-from slotq.jobs.settings import ClientSettings, WorkerSettings
+from slotq.jobs.settings import ClientSettings
+from slotq.jobs.worker.settings import WorkerSettings
 
 SLOTS = 8
 CTX = 512

@@ -37,8 +37,8 @@ from bench.arq_baseline import BaselineWorker
 from bench.fleet_counters import LagProbe
 from bench.sim_engine import SimulatedEngine, SimulationParams
 from slotq.jobs.protocol.redis_queue import ClaimedJob
-from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
+from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.cli.watch import ChildExited, WatchedTask, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, assemble_tool_calls
-from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker
 
 PROMPTS = [

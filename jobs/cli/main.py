@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from slotq.jobs.errors import JobTimeout, SlotqError
-from slotq.jobs.settings import ClientSettings, WorkerSettings, add_settings_flags, from_command_line
+from slotq.jobs.settings import ClientSettings, add_settings_flags, from_command_line
+from slotq.jobs.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from slotq.jobs.producer.client import JobHandle

@@ -39,7 +39,7 @@ from slotq.jobs.protocol.arq_adapter import ResultRecord
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
-from slotq.jobs.protocol.redis_queue import TOKENS_WINDOW_MS, Enqueued, RedisQueue
+from slotq.jobs.protocol.redis_queue import TOKENS_WINDOW_MS, Enqueued, RedisQueue, TenantQuotas
 from slotq.jobs.protocol.schemas import (
     AnyJobRequest,
     EmbeddingJobRequest,
@@ -211,11 +211,17 @@ class SlotqClient:
             raise JobRejected(f"lane {request.lane!r} is not one of this queue's lanes {self.settings.lanes} "
                               "(SLOTQ_LANES)", field="lane")
 
+    def _tenant_quotas(self) -> TenantQuotas:
+        """The quotas this producer's settings apply to each tenant's enqueues."""
+        return TenantQuotas(max_waiting=self.settings.tenant_max_waiting,
+                            max_in_flight=self.settings.tenant_max_in_flight,
+                            tokens_per_min=self.settings.tenant_tokens_per_min)
+
     async def _submit(self, request: AnyJobRequest) -> JobHandle:
         job_id = tenant_job_id(request.tenant, request.idempotency_key or uuid.uuid4().hex)
         outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
                                            tenant=request.tenant, max_waiting=self.settings.max_queue_length,
-                                           serializer=serialize, quotas=self.settings.tenant_quotas(),
+                                           serializer=serialize, quotas=self._tenant_quotas(),
                                            tokens=request.quota_tokens())
         if outcome == Enqueued.FULL:
             counts = await self.queue.counts()

@@ -64,11 +64,11 @@ from slotq.jobs.protocol.schemas import (
     assemble_tool_calls,
 )
 from slotq.jobs.protocol.serialization import POISON_MARKER
-from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker import metrics
 from slotq.jobs.worker.elastic.admission import Verdict
 from slotq.jobs.worker.engine_api import JobEmbedder, JobEngine, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
+from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
 

@@ -46,7 +46,6 @@ from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
 from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
 from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
-from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker import health, metrics
 from slotq.jobs.worker.elastic import metrics as elastic_metrics
 from slotq.jobs.worker.elastic.loop import ElasticLoop
@@ -54,6 +53,7 @@ from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine
 from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
 from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.runtime import QueueRuntime
+from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
 from slotq.jobs.worker.supervisor import Supervisor

@@ -12,8 +12,8 @@ import yaml
 
 from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.settings import GatewaySettings
-from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker.health import Health, app
+from slotq.jobs.worker.settings import WorkerSettings
 from tests.support import REPO_ROOT
 
 KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"

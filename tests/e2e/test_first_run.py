@@ -18,7 +18,8 @@ from slotq.jobs.producer.client import JobNotFound, JobRejected, SlotqClient
 from slotq.jobs.protocol.keys import job_record_key
 from slotq.jobs.protocol.schemas import JobStatus
 from slotq.jobs.protocol.serialization import deserialize
-from slotq.jobs.settings import ClientSettings, WorkerSettings, from_command_line
+from slotq.jobs.settings import ClientSettings, from_command_line
+from slotq.jobs.worker.settings import WorkerSettings
 from tests.support import REPO_ROOT
 from tests.support.jobs import SLOTQ_BIN, clean_env
 

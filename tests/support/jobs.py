@@ -29,7 +29,7 @@ from slotq.jobs.protocol import registry
 from slotq.jobs.protocol.keys import job_record_key, stream_key
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, StreamEntry, WorkerInfo
 from slotq.jobs.protocol.streams import decode_entry
-from slotq.jobs.settings import WorkerSettings
+from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker, engine_heartbeat_fields
 
 __all__ = [

@@ -131,7 +131,7 @@ def test_settings_bounds() -> None:
         ElasticKnobs(memory_low=0.9, memory_high=0.8)
     with pytest.raises(ValueError, match="min_slots"):
         SlotController(knobs(min_slots=5), max_slots=4)
-    from slotq.jobs.settings import WorkerSettings
+    from slotq.jobs.worker.settings import WorkerSettings
     with pytest.raises(ValueError, match=r"min_slots \(9\) must be <= slots \(8\)"):
         WorkerSettings(min_slots=9, slots=8)
 

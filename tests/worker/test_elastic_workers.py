@@ -30,9 +30,9 @@ from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.arq_adapter import RetryJob
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import EntryKind, JobStatus
-from slotq.jobs.settings import WorkerSettings
 from slotq.jobs.worker.elastic.admission import WORKER_OVERLOADED, Verdict
 from slotq.jobs.worker.job_run import JobRun
+from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.stream_writer import StreamWriter
 from tests.support import free_port
 from tests.support.jobs import WorkerProcess, clean_env, job_request, raw_entries

@@ -1,4 +1,4 @@
-"""The elastic worker's settings: one definition, inherited by :class:`slotq.jobs.settings.WorkerSettings`
+"""The elastic worker's settings: one definition, inherited by :class:`slotq.jobs.worker.settings.WorkerSettings`
 (so each field is a ``SLOTQ_<NAME>`` variable and a ``slotq worker --<name>`` flag)."""
 
 from __future__ import annotations
