@@ -1,0 +1,1 @@
+../../../jobs/public/__init__.py
