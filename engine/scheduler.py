@@ -27,14 +27,12 @@ Policy, in order of precedence:
    chunk. The job layer sets the class from the lane (engine.request.GenerationRequest). A
    sequence lent the reserve (6) ranks above the rest of its class here, and its last chunk has a
    step to itself: it was lent the reserve so that its first token would not wait behind the
-   batch, and on a CPU a step costs about its tokens (``python -m bench.step_shapes``, bundled
-   model: 8 decode tokens and a 25-token prompt 331 ms in one step, the prompt alone 229 ms, the
-   decode alone 100 ms; a second such prompt in the step took it from 272 to 602 ms). The
-   others' next token then comes about when it would have (after the prompt's step and their
-   own, rather than one step holding both), and the lent one's first comes a batch's decode
-   sooner. On a GPU, where decode tokens ride along with a prompt almost free, it costs the
-   others one step per lent sequence -- one per fresh tenant's job on a full worker, at most
-   ``reserve_slots`` at a time.
+   batch. On a CPU a step costs about its tokens, so the others' next token then comes about when
+   it would have (after the prompt's step and their own, rather than one step holding both), and
+   the lent one's first comes a batch's decode sooner (figures: docs/benchmarks.md, "Bulk
+   processing", the flooding tenant). On a GPU, where decode tokens ride along with a prompt
+   almost free, it costs the others one step per lent sequence -- one per fresh tenant's job on a
+   full worker, at most ``reserve_slots`` at a time.
 4. Prefix reuse: an admitted sequence starts from the longest prefix of its tokens that any slot
    already holds in KV (a running sequence or an idle cache), copied instead of recomputed. If a
    running sequence is still prefilling a longer shared prefix, the newcomer waits for it and
@@ -57,9 +55,9 @@ Policy, in order of precedence:
    for the lower class to finish or to be handed back. The owner may also lend the reserve to a
    sequence of the running class (``Sequence.lent_reserve``): the job layer does for the job of a
    tenant with nothing running while other tenants' jobs hold every slot. A step then decodes one
-   sequence more: on the bundled model on a CPU, 9 sequences in consecutive slots cost a step 9-17 %
-   more than 8, where a victim handed back costs the lower class its slot, and its gap among the
-   running slots (8) costs every step 9-23 % more until it returns (bench/step_shapes.py, three runs).
+   sequence more, which costs it about as much as handing a victim back would: the victim's gap
+   among the running slots (8) costs every step a micro-batch more until it returns, and the lower
+   class loses its slot besides (figures: docs/benchmarks.md, "Bulk processing").
 7. Cache slots (``cache_slots``): KV sequences beyond ``n_slots`` that count as active only while
    the reserve (6) lends them to a higher class. When a sequence gives up its slot (its job handed
    back for a higher lane: the runner cancels it) and the newcomer arrives, the newcomer takes a
@@ -73,10 +71,11 @@ Policy, in order of precedence:
    cache of a sequence that was cancelled (a job handed back for a higher lane comes back for its
    cells: 7), nor the slot it copies from; then, with a stream per slot, the one with the most
    running neighbours, so the running slots stay in as few runs of consecutive ids as possible
-   (each run is a micro-batch of its own in every step: one gap made the bundled model's step at 8
-   slots 36 % slower on a CPU); then an uncached slot before an idle cache, the least recently used
-   cache first, the lowest id first. Without the neighbour rank, a newcomer after a sequence ended
-   in the middle took the spare cache slot at the end, and the gap stayed for the rest of the run.
+   (each run is a micro-batch of its own in every step, so a gap costs every step a graph run
+   more: docs/benchmarks.md, "Bulk processing"); then an uncached slot before an idle cache, the
+   least recently used cache first, the lowest id first. Without the neighbour rank, a newcomer
+   after a sequence ended in the middle took the spare cache slot at the end, and the gap stayed
+   for the rest of the run.
 9. Drafts (speculative decoding, with a :class:`~slotq.engine.speculation.DraftPlanner`): a
    generating sequence may follow its decode token with draft tokens, which come last: they take
    only what the batch budget leaves after decode and prompt tokens, and the planner adds them only
