@@ -27,14 +27,12 @@ Policy, in order of precedence:
    chunk. The job layer sets the class from the lane (engine.request.GenerationRequest). A
    sequence lent the reserve (6) ranks above the rest of its class here, and its last chunk has a
    step to itself: it was lent the reserve so that its first token would not wait behind the
-   batch, and on a CPU a step costs about its tokens (``python -m bench.step_shapes``, bundled
-   model: 8 decode tokens and a 25-token prompt 331 ms in one step, the prompt alone 229 ms, the
-   decode alone 100 ms; a second such prompt in the step took it from 272 to 602 ms). The
-   others' next token then comes about when it would have (after the prompt's step and their
-   own, rather than one step holding both), and the lent one's first comes a batch's decode
-   sooner. On a GPU, where decode tokens ride along with a prompt almost free, it costs the
-   others one step per lent sequence -- one per fresh tenant's job on a full worker, at most
-   ``reserve_slots`` at a time.
+   batch. On a CPU a step costs about its tokens, so the others' next token then comes about when
+   it would have (after the prompt's step and their own, rather than one step holding both), and
+   the lent one's first comes a batch's decode sooner (figures: docs/benchmarks.md, "Bulk
+   processing", the flooding tenant). On a GPU, where decode tokens ride along with a prompt
+   almost free, it costs the others one step per lent sequence -- one per fresh tenant's job on a
+   full worker, at most ``reserve_slots`` at a time.
 4. Prefix reuse: an admitted sequence starts from the longest prefix of its tokens that any slot
    already holds in KV (a running sequence or an idle cache), copied instead of recomputed. If a
    running sequence is still prefilling a longer shared prefix, the newcomer waits for it and
@@ -42,7 +40,8 @@ Policy, in order of precedence:
    With a stream per slot a copy duplicates the cells into the newcomer's stream (the ledger
    counts them twice), and llama.cpp copies the whole stream, so a running slot's prefix is copied
    only when it is at least ``min_copy_tokens`` long; reusing a slot's own idle cache costs
-   nothing in either layout.
+   nothing in either layout. What the idle caches hold, and the longest match among them and the
+   running slots, is :class:`~slotq.engine.prefix_index.PrefixIndex`'s.
 5. KV full (shared pool only; a stream per slot never fills, see 2): halve the prefill budget and
    retry; if a batch with no prefill still does not fit, preempt the youngest sequence of the lowest
    class and priority and requeue it with its progress.
@@ -56,9 +55,9 @@ Policy, in order of precedence:
    for the lower class to finish or to be handed back. The owner may also lend the reserve to a
    sequence of the running class (``Sequence.lent_reserve``): the job layer does for the job of a
    tenant with nothing running while other tenants' jobs hold every slot. A step then decodes one
-   sequence more: on the bundled model on a CPU, 9 sequences in consecutive slots cost a step 9-17 %
-   more than 8, where a victim handed back costs the lower class its slot, and its gap among the
-   running slots (8) costs every step 9-23 % more until it returns (bench/step_shapes.py, three runs).
+   sequence more, which costs it about as much as handing a victim back would: the victim's gap
+   among the running slots (8) costs every step a micro-batch more until it returns, and the lower
+   class loses its slot besides (figures: docs/benchmarks.md, "Bulk processing").
 7. Cache slots (``cache_slots``): KV sequences beyond ``n_slots`` that count as active only while
    the reserve (6) lends them to a higher class. When a sequence gives up its slot (its job handed
    back for a higher lane: the runner cancels it) and the newcomer arrives, the newcomer takes a
@@ -72,10 +71,11 @@ Policy, in order of precedence:
    cache of a sequence that was cancelled (a job handed back for a higher lane comes back for its
    cells: 7), nor the slot it copies from; then, with a stream per slot, the one with the most
    running neighbours, so the running slots stay in as few runs of consecutive ids as possible
-   (each run is a micro-batch of its own in every step: one gap made the bundled model's step at 8
-   slots 36 % slower on a CPU); then an uncached slot before an idle cache, the least recently used
-   cache first, the lowest id first. Without the neighbour rank, a newcomer after a sequence ended
-   in the middle took the spare cache slot at the end, and the gap stayed for the rest of the run.
+   (each run is a micro-batch of its own in every step, so a gap costs every step a graph run
+   more: docs/benchmarks.md, "Bulk processing"); then an uncached slot before an idle cache, the
+   least recently used cache first, the lowest id first. Without the neighbour rank, a newcomer
+   after a sequence ended in the middle took the spare cache slot at the end, and the gap stayed
+   for the rest of the run.
 9. Drafts (speculative decoding, with a :class:`~slotq.engine.speculation.DraftPlanner`): a
    generating sequence may follow its decode token with draft tokens, which come last: they take
    only what the batch budget leaves after decode and prompt tokens, and the planner adds them only
@@ -92,6 +92,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from slotq.engine.kv_ledger import KVLedger
+from slotq.engine.prefix_index import PrefixIndex, common_prefix_length
 from slotq.engine.request_queue import RequestQueue
 from slotq.engine.sequence import SeqState, Sequence
 from slotq.engine.speculation import DraftPlanner, Proposal
@@ -216,9 +217,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.ledger = KVLedger(shared_copies=config.kv_stream_cells is None)
         self._free_slots = list(range(config.n_slots + config.cache_slots))
-        self._cache: dict[int, list[int]] = {}          # idle seq id -> tokens its KV holds
-        self._cache_lru: list[int] = []                 # idle seq ids, least recently used first
-        self._returning: set[int] = set()               # idle caches of cancelled sequences (rule 8)
+        self._prefixes = PrefixIndex()                  # what the idle caches hold (rules 4, 7, 8)
         self._prefill_scale = 1.0
         self._pending_evictions: list[int] = []         # idle caches dropped, not yet cleared in KV
         self._hold_admissions = False                   # after a preemption, until a sequence finishes
@@ -319,8 +318,8 @@ class Scheduler:
         if any(item.draft for item in out.items):
             self._hold_drafts = True
             return KVFullAction.DROPPED_DRAFTS
-        if self._cache:
-            for seq_id in list(self._cache):
+        if self._prefixes:
+            for seq_id in self._prefixes.idle_slots():
                 self._evict_cache(seq_id)
             return KVFullAction.EVICTED_CACHE
         had_prefill = any(not i.seq.is_decoding for i in out.items)
@@ -368,7 +367,7 @@ class Scheduler:
 
     def idle_cache_ids(self) -> frozenset[int]:
         """Free slots whose KV is kept as a prefix cache (evicted first when space is needed)."""
-        return frozenset(self._cache)
+        return frozenset(self._prefixes.idle_slots())
 
     def kv_reserved(self) -> int:
         return sum(s.kv_still_needed for s in self.running)
@@ -389,7 +388,7 @@ class Scheduler:
             need = seq.kv_still_needed - n_reuse
             if not self._fits(need):
                 self._evict_caches_until(need, protect=source)
-                if source is not None and source not in self._cache and source not in self._running_ids():
+                if source is not None and source not in self._prefixes and source not in self._running_ids():
                     source, n_reuse = None, 0
                     need = seq.kv_still_needed
                 if not self._fits(need) and self.running:
@@ -412,15 +411,14 @@ class Scheduler:
         return self.ledger.used_cells() + self.kv_reserved() + need <= limit
 
     def _place(self, seq: Sequence, source: int | None, n_reuse: int) -> Admission:
-        if source is not None and source in self._cache and source in self._free_slots:
+        if source is not None and source in self._prefixes and source in self._free_slots:
             slot = source                                   # its own cache: keep the shared prefix
             keep, copy_from = n_reuse, None
         else:
             slot = self._newcomers_slot(exclude=source)
             keep, copy_from = 0, (source if n_reuse else None)
         self._free_slots.remove(slot)
-        if slot in self._cache:
-            self._forget_cache(slot)
+        self._prefixes.forget(slot)
         self.ledger.truncate(slot, keep)
         if copy_from is not None:
             self.ledger.copy_prefix(copy_from, slot, n_reuse)
@@ -442,7 +440,7 @@ class Scheduler:
         best, best_n = None, 0
         for other in self.running:
             if other is not seq:
-                n = _common_prefix(other.tokens, seq.tokens, cap)
+                n = common_prefix_length(other.tokens, seq.tokens, cap)
                 if n > best_n:
                     best, best_n = other, n
         if best is not None and best_n - n_reuse >= self.config.min_wait_tokens and best.n_computed < best_n:
@@ -453,53 +451,39 @@ class Scheduler:
         token is computed: sampling needs fresh logits)."""
         if not self.config.prefix_cache or seq.fork_of is not None:
             return None, 0
-        cap = len(seq.tokens) - 1
-        best, best_n = None, 0
         # A running slot's prefix is copied; with a stream per slot that copies its whole stream.
         copy_floor = self.config.min_copy_tokens if self.config.kv_stream_cells is not None else 0
-        candidates = [(s.seq_id, s.tokens[: s.n_computed]) for s in self.running if s.seq_id is not None]
-        candidates += [(seq_id, self._cache[seq_id]) for seq_id in self._cache_lru]     # least recently used first
-        for seq_id, held in candidates:
-            n = _common_prefix(held, seq.tokens, cap)
-            if seq_id not in self._cache and n < copy_floor:
-                continue
-            # an idle cache beats a running slot (no copy); among equal caches the least recently used
-            if n > best_n or (n == best_n and n > 0 and seq_id in self._cache and best not in self._cache):
-                best, best_n = seq_id, n
-        if best_n < self.config.min_reuse_tokens:
+        running = ((s.seq_id, s.tokens[: s.n_computed]) for s in self.running if s.seq_id is not None)
+        match = self._prefixes.longest_match(seq.tokens, at_most=len(seq.tokens) - 1, running=running,
+                                             min_running_tokens=copy_floor)
+        if match is None or match.n_tokens < self.config.min_reuse_tokens:
             return None, 0
-        if self.config.cache_slots and best in self._cache and best_n < self.config.min_copy_tokens:
+        if self.config.cache_slots and match.idle and match.n_tokens < self.config.min_copy_tokens:
             return None, 0      # rule 7: keep the cache for a sequence that matches it longer; recompute a few
-        return best, best_n
+        return match.slot, match.n_tokens
 
     def _newcomers_slot(self, exclude: int | None) -> int:
         """The free slot for a sequence no idle cache decides for (rule 8)."""
         running = self._running_ids() if self.config.kv_stream_cells is not None else set()
-        lru = {seq_id: i for i, seq_id in enumerate(self._cache_lru)}
+        lru = {seq_id: i for i, seq_id in enumerate(self._prefixes.idle_slots())}
 
         def rank(slot: int) -> tuple[bool, int, bool, int, int]:
             neighbours = (slot - 1 in running) + (slot + 1 in running)
-            return (slot in self._returning or slot == exclude, -neighbours, slot in self._cache,
+            return (self._prefixes.is_returning(slot) or slot == exclude, -neighbours, slot in self._prefixes,
                     lru.get(slot, -1), slot)
         return min(self._free_slots, key=rank)
 
     def _evict_caches_until(self, need: int, protect: int | None) -> None:
-        for seq_id in list(self._cache_lru):
+        for seq_id in self._prefixes.idle_slots():
             if self._fits(need):
                 return
             if seq_id != protect:
                 self._evict_cache(seq_id)
 
     def _evict_cache(self, seq_id: int) -> None:
-        self._forget_cache(seq_id)
+        self._prefixes.forget(seq_id)
         self.ledger.remove(seq_id)
         self._pending_evictions.append(seq_id)
-
-    def _forget_cache(self, seq_id: int) -> None:
-        """Drop an idle cache's record (its slot is taken over, or its KV evicted)."""
-        del self._cache[seq_id]
-        self._cache_lru.remove(seq_id)
-        self._returning.discard(seq_id)
 
     def _release_slot(self, seq: Sequence, keep_cache: bool, returning: bool = False) -> None:
         slot = seq.seq_id
@@ -509,10 +493,7 @@ class Scheduler:
         if slot is None:
             return
         if keep_cache and seq.n_computed > 0:
-            self._cache[slot] = seq.tokens[: seq.n_computed]
-            self._cache_lru.append(slot)
-            if returning:
-                self._returning.add(slot)
+            self._prefixes.keep(slot, seq.tokens[: seq.n_computed], returning=returning)
         else:
             self.ledger.remove(slot)
             self._pending_evictions.append(slot)
@@ -534,11 +515,3 @@ def _prefill_rank(seq: Sequence) -> tuple[int, bool]:
 
 def _slot(seq: Sequence) -> int:
     return seq.seq_id if seq.seq_id is not None else -1
-
-
-def _common_prefix(a: list[int], b: list[int], cap: int) -> int:
-    n = min(len(a), len(b), cap)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
