@@ -12,7 +12,7 @@ CMAKE_ARGS_cuda = -DGGML_CUDA=on
 CHROMIUM ?= /usr/bin/chromium
 # Pythons besides .venv's 3.11 (requires-python >= 3.11) that the fast part of the suite runs on.
 PYTHONS ?= 3.12 3.13
-FAST     = not real_model and not fault and not browser
+FAST     = not real_model and not fault and not browser and not install
 
 .PHONY: demo lint test test-fast test-pythons test-deps bench install
 
@@ -69,7 +69,7 @@ ifeq ($(CI),true)
 	$(MAKE) --no-print-directory test-pythons
 endif
 
-## test-fast: skip the tests on the real bundled model and the fault-injection tests
+## test-fast: skip the tests on the real bundled model, the fault-injection, browser and fresh-venv install tests
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "$(FAST)"
 

@@ -7,15 +7,13 @@ package can't shadow ours. The wheel is built for real, from a copy of the check
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import tomllib
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from tests.support import REPO_ROOT
+from tests.support.packaging import build_wheel
 
 
 def _setuptools() -> dict[str, Any]:
@@ -38,15 +36,7 @@ def test_every_source_folder_is_a_listed_package() -> None:
 
 
 def test_the_wheel_installs_only_the_slotq_namespace(tmp_path: Path) -> None:
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO_ROOT / name, source / name)
-    for folder in ("engine", "jobs", "bench"):
-        shutil.copytree(REPO_ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300)
-    (wheel,) = (tmp_path / "dist").glob("slotq-*.whl")
+    wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"slotq"}
