@@ -111,5 +111,5 @@ def from_command_line(settings_cls: type[SettingsT], args: argparse.Namespace,
     """Settings for a ``slotq`` command: flags given on the command line, then the environment,
     then ``./.env``, then defaults. Flags that were not given do not override anything."""
     if source is None:
-        return settings_cls(_env_file=DOTENV)  # type: ignore[call-arg]
-    return settings_cls(_env_file=DOTENV, _cli_settings_source=source(parsed_args=args))  # type: ignore[call-arg]
+        return settings_cls(_env_file=DOTENV)
+    return settings_cls(_env_file=DOTENV, _cli_settings_source=source(parsed_args=args))
