@@ -9,6 +9,7 @@ import subprocess
 import time
 from typing import Any
 
+import redis as sync_redis
 from rich.console import Console
 
 from slotq.jobs.cli.status_view import render, watch
@@ -35,13 +36,27 @@ async def test_watch_redraws_the_fleet_in_place(start_worker: Any, client: Slotq
         assert expected in text, expected
 
 
+def commands_served(conn: sync_redis.Redis) -> int:
+    """Commands the server has run for anyone but this probe (its own INFO calls left out)."""
+    stats = conn.info("commandstats")
+    return sum(int(s["calls"]) for name, s in stats.items() if name != "cmdstat_info")
+
+
 def test_status_watch_command_runs_until_interrupted(redis_url: str) -> None:
+    conn = sync_redis.Redis.from_url(redis_url)
+    conn.config_resetstat()
     proc = subprocess.Popen([str(SLOTQ_BIN), "status", "--watch", "--interval", "0.2"],
                             env=clean_env(redis_url=redis_url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    time.sleep(3)
-    assert proc.poll() is None            # still watching
+    # Off a terminal the view is drawn once, at the end; that it keeps reading the queue shows it is watching:
+    # wait until the server's command count has grown on three separate looks (two rounds at least).
+    counts = {commands_served(conn)}
+    while len(counts) < 4:
+        assert proc.poll() is None, proc.communicate()[0]
+        counts.add(commands_served(conn))
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=20)
+    conn.close()
     assert proc.returncode == 130, out
     assert b"queue slotq:queue" in out and b"Traceback" not in out
 
