@@ -50,7 +50,7 @@ from slotq.jobs.bulk.openai_batch import Endpoint
 from slotq.jobs.bulk.output import ResultSink
 from slotq.jobs.bulk.source import InputScan, LineSource
 from slotq.jobs.errors import JobRejected, QueueFull, QuotaExceeded, RedisUnavailable
-from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import DEFAULT_TENANT, LANE_RE
 from slotq.jobs.protocol.schemas import (

@@ -39,9 +39,9 @@ from slotq.jobs.gateway.batches import (
     error_file_id,
     output_file_id,
 )
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol.schemas import JobKind
 
 log = logging.getLogger(__name__)

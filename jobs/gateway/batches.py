@@ -24,8 +24,8 @@ from redis.asyncio import Redis
 
 from slotq.engine import Usage
 from slotq.jobs.bulk.openai_batch import Endpoint
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.records import BatchRecords
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol.schemas import DEFAULT_TENANT
 
 COMPLETION_WINDOW_S = 24 * 3600

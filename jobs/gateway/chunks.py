@@ -19,8 +19,8 @@ import json
 from collections.abc import Callable
 
 from slotq.engine import FinishReason, TokenLogprob, Usage
-from slotq.jobs.gateway.errors import ApiError, public_param
-from slotq.jobs.gateway.openai.translate import (
+from slotq.jobs.openai.errors import ApiError, public_param
+from slotq.jobs.openai.translate import (
     Kind,
     TextOffsets,
     chat_logprobs,
@@ -29,7 +29,7 @@ from slotq.jobs.gateway.openai.translate import (
     text_logprobs,
     usage_out,
 )
-from slotq.jobs.gateway.openai.wire import (
+from slotq.jobs.openai.wire import (
     ChatChunkChoice,
     ChatCompletionChunk,
     Delta,

@@ -10,8 +10,8 @@ from fastapi.responses import FileResponse
 
 from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.batches import BatchStore
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.files import FileDeleted, FileList, FileObject, FileStore, expiry_seconds
+from slotq.jobs.openai.errors import ApiError
 
 router = APIRouter(prefix="/v1/files", dependencies=[Depends(authenticate)])
 

@@ -22,10 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from slotq.jobs.gateway import metrics as gateway_metrics
 from slotq.jobs.gateway.auth import KeyRing, authenticate, require_admin
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.routes_openai import gateway_of
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.surfaces import on_private_port
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol import dead_letters
 
 log = logging.getLogger(__name__)

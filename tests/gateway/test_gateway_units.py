@@ -20,11 +20,11 @@ from slotq.jobs.gateway import auth
 from slotq.jobs.gateway.auth import Caller, KeyRing
 from slotq.jobs.gateway.chunks import DONE, ChunkRenderer, NativeRenderer, parse_stream_id
 from slotq.jobs.gateway.metrics import method_label
-from slotq.jobs.gateway.openai.translate import to_job_request, to_response
-from slotq.jobs.gateway.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.gateway.routing import routes_from
 from slotq.jobs.gateway.settings import GatewaySettings, key_tenant
 from slotq.jobs.gateway.surfaces import redact_target
+from slotq.jobs.openai.translate import to_job_request, to_response
+from slotq.jobs.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobResult, JobStatus, StreamEntry, WorkerInfo
 from slotq.jobs.settings import ClientSettings
 from tests.support import REPO_ROOT
