@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -344,6 +346,14 @@ def test_the_private_metrics_port_is_another_port():
 def test_metric_methods_are_standard_or_other():
     assert [method_label(m) for m in ("GET", "PATCH", "get", "FOO", "X" * 12_000)] == [
         "GET", "PATCH", "other", "other", "other"]
+
+
+def test_the_gateway_process_defines_none_of_the_workers_metric_families():
+    """Imported, ``slotq.jobs.worker.metrics`` registers the worker's families, which a gateway
+    would export as constant zeros (an idle fleet, to alerts)."""
+    code = "import sys, slotq.jobs.gateway.app; print('slotq.jobs.worker.metrics' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize(("target", "logged"), [
