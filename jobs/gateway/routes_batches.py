@@ -19,7 +19,8 @@ router = APIRouter(prefix="/v1/batches", dependencies=[Depends(authenticate)])
 
 
 def batches_of(request: Request) -> BatchStore:
-    return request.app.state.batches
+    batches: BatchStore = request.app.state.batches
+    return batches
 
 
 @router.post("")

@@ -17,7 +17,8 @@ router = APIRouter(prefix="/v1/files", dependencies=[Depends(authenticate)])
 
 
 def files_of(request: Request) -> FileStore:
-    return request.app.state.files
+    files: FileStore = request.app.state.files
+    return files
 
 
 ExpiresAnchor = Annotated[str | None, Form(alias="expires_after[anchor]")]

@@ -43,7 +43,8 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
 
 def gateway_of(request: Request) -> Gateway:
-    return request.app.state.gateway
+    gateway: Gateway = request.app.state.gateway
+    return gateway
 
 
 def model_card(route: ModelRoute) -> ModelCard:

@@ -64,7 +64,7 @@ class EntryFeed:
     ends with the final entry or raises, so the feed's last item is one of those."""
 
     def __init__(self, client: SlotqClient, job_id: str) -> None:
-        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=256)
+        self._queue: asyncio.Queue[StreamEntry | Exception] = asyncio.Queue(maxsize=256)
         self._task = asyncio.create_task(self._pump(client, job_id), name=f"slotq-sse-{job_id}")
 
     async def _pump(self, client: SlotqClient, job_id: str) -> None:
