@@ -2,7 +2,7 @@
 output shape out.
 
 A line's ``body`` is a ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings`` request,
-translated exactly as the gateway translates it (:mod:`slotq.jobs.gateway.openai`): the same parameters,
+translated exactly as the gateway translates it (:mod:`slotq.jobs.openai`): the same parameters,
 limits and errors, and the finished job becomes the same ``chat.completion``, ``text_completion`` or
 embeddings ``list`` object,
 wrapped as ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``.
@@ -24,10 +24,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slotq.engine import ErrorInfo
-from slotq.jobs.gateway.errors import ApiError
-from slotq.jobs.gateway.openai import translate
-from slotq.jobs.gateway.openai.translate import AnyKind, AnyWireRequest
-from slotq.jobs.gateway.openai.wire import EmbeddingsRequest
+from slotq.jobs.openai import translate
+from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.openai.translate import AnyKind, AnyWireRequest
+from slotq.jobs.openai.wire import EmbeddingsRequest
 from slotq.jobs.protocol.schemas import AnyJobRequest, JobResult, split_job_id
 
 # Why a line may not set its own idempotency key (slotq lines and OpenAI bodies alike).

@@ -27,7 +27,8 @@ import resource
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, Field, computed_field
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -50,7 +51,7 @@ from slotq.jobs.bulk.openai_batch import Endpoint
 from slotq.jobs.bulk.output import ResultSink
 from slotq.jobs.bulk.source import InputScan, LineSource
 from slotq.jobs.errors import JobRejected, QueueFull, QuotaExceeded, RedisUnavailable
-from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import DEFAULT_TENANT, LANE_RE
 from slotq.jobs.protocol.schemas import (
@@ -159,7 +160,7 @@ class BulkRun:
         self.scan: InputScan | None = None
         self._window = asyncio.Semaphore(options.window)
         self._inflight: dict[str, _InFlight] = {}
-        self._rejected: list[dict] = []         # error records of lines that never became jobs
+        self._rejected: list[dict[str, Any]] = []   # error records of lines that never became jobs
         self._written: list[str] = []           # jobs whose lines are written, not yet committed
         self._stop = asyncio.Event()
         self._cancelling = False
@@ -181,7 +182,7 @@ class BulkRun:
         self._cancel_reason = reason
         self._stop.set()
         for job_id in list(self._inflight):
-            await self._patiently(lambda job_id=job_id: self.client.cancel(job_id))
+            await self._patiently(partial(self.client.cancel, job_id))
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> BulkSummary:
@@ -266,6 +267,7 @@ class BulkRun:
             await self._cancel_leftovers()
         if self._cancel_reason is None:
             return
+        key: str | None
         try:
             line = parse_line(raw, number, lane=self.options.lane)
             format, key = line.format, line.key
@@ -279,7 +281,7 @@ class BulkRun:
         present = await self._patiently(lambda: self.client.queue.in_queue(ids))
         for job_id, here in zip(ids, present, strict=True):
             if here:
-                await self._patiently(lambda job_id=job_id: self.client.cancel(job_id))
+                await self._patiently(partial(self.client.cancel, job_id))
 
     def _job_id(self, scan: InputScan, number: int) -> str:
         """The queue's id of a line's job: the line's bulk id, scoped to the run's tenant."""
@@ -360,7 +362,7 @@ class BulkRun:
             await asyncio.sleep(self.options.poll_s)
 
     async def _write(self, results: dict[str, JobResult]) -> None:
-        outputs: list[tuple[int, dict]] = []
+        outputs: list[tuple[int, dict[str, Any]]] = []
         errors, self._rejected = self._rejected, []
         for job_id, result in results.items():
             item = self._inflight.pop(job_id)

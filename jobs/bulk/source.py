@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import gzip
 import hashlib
+import io
 import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class InputFile:
             shutil.copyfileobj(sys.stdin.buffer, spool, 1 << 20)
         return Path(spool.name)
 
-    def _open(self) -> IO[bytes]:
+    def _open(self) -> gzip.GzipFile | io.BufferedReader:
         with open(self.path, "rb") as probe:
             compressed = probe.read(2) == GZIP_MAGIC
         return gzip.open(self.path, "rb") if compressed else open(self.path, "rb")
@@ -164,7 +165,7 @@ def _take(lines: Iterator[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
     return batch
 
 
-def _repeated(keys: array.array) -> set[int]:
+def _repeated(keys: array.array[int]) -> set[int]:
     """Hashes that occur more than once (sorted in place: no copy of the array)."""
     if len(keys) < 2:
         return set()

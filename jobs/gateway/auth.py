@@ -21,9 +21,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.settings import GatewaySettings, KeyEntry, check_key_entries, key_entries, read_keys_file
-from slotq.jobs.protocol.schemas import DEFAULT_TENANT
+from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.protocol.keys import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 

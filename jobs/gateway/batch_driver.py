@@ -39,9 +39,9 @@ from slotq.jobs.gateway.batches import (
     error_file_id,
     output_file_id,
 )
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol.schemas import JobKind
 
 log = logging.getLogger(__name__)
@@ -170,9 +170,10 @@ class _BatchRun:
             await self.batches.retire(batch.id)
             return
         if batch.queue is None:
-            batch = await self._validate(batch)
-            if batch is None or self._stopped:
+            validated = await self._validate(batch)
+            if validated is None or self._stopped:
                 return
+            batch = validated
         assert batch.queue is not None
         files = self.driver.files
         options = BulkOptions(window=self.driver.gateway.settings.gateway_batch_window, endpoint=batch.endpoint,
@@ -201,13 +202,15 @@ class _BatchRun:
         (the lease is released and a later scan tries again)."""
         path = self.driver.files.path(batch.input_file_id)
         if not await self.driver.files.exists(batch.input_file_id):
-            return await self._fail(batch, BatchError(code="file_not_found", param="input_file_id", message=(
+            await self._fail(batch, BatchError(code="file_not_found", param="input_file_id", message=(
                 f"the contents of {batch.input_file_id} are missing from SLOTQ_GATEWAY_FILES_DIR")))
+            return None
         # the input's checks and reads run in threads (jobs/bulk/disk.py): this loop serves HTTP too
         model, line = await _first_model(await asyncio.to_thread(InputFile, path, ""), batch)
         if model is None:
-            return await self._fail(batch, BatchError(code="invalid_input_file", param="input_file_id", message=(
+            await self._fail(batch, BatchError(code="invalid_input_file", param="input_file_id", message=(
                 f"no line of {batch.input_file_id} is a valid {batch.endpoint.value} batch line")))
+            return None
         try:
             kind = JobKind.EMBEDDING if batch.endpoint == Endpoint.EMBEDDINGS else JobKind.GENERATION
             route = await self.driver.gateway.router.route(model, kind)
@@ -215,8 +218,9 @@ class _BatchRun:
             if exc.status == 503:
                 log.info("batch %s: %s; waiting", batch.id, exc.message)
                 return None
-            return await self._fail(batch, BatchError(code=exc.code, message=exc.message, param="body.model",
-                                                      line=line))
+            await self._fail(batch, BatchError(code=exc.code, message=exc.message, param="body.model",
+                                               line=line))
+            return None
         await self.batches.update(batch.id, model=model, queue=route.queue)
         if not await self.batches.transition(batch.id, {"validating"}, "in_progress"):
             log.info("batch %s: cancelled while it was validated", batch.id)

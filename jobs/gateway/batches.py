@@ -15,6 +15,7 @@ finished are also in a set, which every gateway scans for batches whose lease ha
 
 from __future__ import annotations
 
+import builtins
 import secrets
 import time
 from typing import Any, Literal
@@ -24,9 +25,9 @@ from redis.asyncio import Redis
 
 from slotq.engine import Usage
 from slotq.jobs.bulk.openai_batch import Endpoint
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.records import BatchRecords
-from slotq.jobs.protocol.schemas import DEFAULT_TENANT
+from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.protocol.keys import DEFAULT_TENANT
 
 COMPLETION_WINDOW_S = 24 * 3600
 
@@ -198,7 +199,7 @@ class BatchStore:
                                              {"status": status, f"{status}_at": int(time.time()), **fields})
 
     # ------------------------------------------------------------------ who drives it
-    async def active_ids(self) -> list[str]:
+    async def active_ids(self) -> builtins.list[str]:      # builtins: this class has a list()
         return await self.records.active_ids()
 
     async def active_inputs(self) -> dict[str, Batch]:

@@ -19,8 +19,8 @@ import json
 from collections.abc import Callable
 
 from slotq.engine import FinishReason, TokenLogprob, Usage
-from slotq.jobs.gateway.errors import ApiError, public_param
-from slotq.jobs.gateway.openai.translate import (
+from slotq.jobs.openai.errors import ApiError, public_param
+from slotq.jobs.openai.translate import (
     Kind,
     TextOffsets,
     chat_logprobs,
@@ -29,7 +29,7 @@ from slotq.jobs.gateway.openai.translate import (
     text_logprobs,
     usage_out,
 )
-from slotq.jobs.gateway.openai.wire import (
+from slotq.jobs.openai.wire import (
     ChatChunkChoice,
     ChatCompletionChunk,
     Delta,
@@ -172,10 +172,17 @@ class ChunkRenderer:
                       cached_prompt_tokens=sum(u.cached_prompt_tokens for u in self._usage.values()))
         return self._chunk([], usage=total)
 
-    def _chunk(self, choices: list, *, id: str | None = None, usage: Usage | None = None) -> str:
-        cls = ChatCompletionChunk if self.kind == "chat" else TextCompletionChunk
-        chunk = cls(id=completion_id(self.kind, self.job_id), created=self.created, model=self.model, choices=choices,
-                    usage=usage_out(usage) if usage is not None else None)
+    def _chunk(self, choices: list[ChatChunkChoice | TextChoice], *, id: str | None = None,
+               usage: Usage | None = None) -> str:
+        """A chunk of the renderer's kind; ``_choice`` and ``_reply_piece`` build its choices of that kind."""
+        chunk_id, usage_obj = completion_id(self.kind, self.job_id), usage_out(usage) if usage is not None else None
+        chunk: ChatCompletionChunk | TextCompletionChunk
+        if self.kind == "chat":
+            chunk = ChatCompletionChunk(id=chunk_id, created=self.created, model=self.model, usage=usage_obj,
+                                        choices=[c for c in choices if isinstance(c, ChatChunkChoice)])
+        else:
+            chunk = TextCompletionChunk(id=chunk_id, created=self.created, model=self.model, usage=usage_obj,
+                                        choices=[c for c in choices if isinstance(c, TextChoice)])
         return sse(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}), id=id)
 
 

@@ -38,9 +38,9 @@ from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.records import FileQuotaExceeded, FileRecords
-from slotq.jobs.protocol.schemas import DEFAULT_TENANT
+from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.protocol.keys import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 

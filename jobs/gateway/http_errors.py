@@ -1,8 +1,8 @@
-"""Errors as HTTP responses: an :class:`~slotq.jobs.gateway.errors.ApiError` as JSON, and FastAPI's
+"""Errors as HTTP responses: an :class:`~slotq.jobs.openai.errors.ApiError` as JSON, and FastAPI's
 own errors (bad JSON, 404, 405, body limits) and Redis outages in the same OpenAI shape.
 
-Kept apart from :mod:`slotq.jobs.gateway.errors` so that the error type, which OpenAI Batch lines
-share, does not import the web stack.
+Kept apart from :mod:`slotq.jobs.openai.errors` so that the error type, which OpenAI Batch lines
+(``slotq bulk``) share, does not import the web stack.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from slotq.jobs.errors import RedisUnavailable
-from slotq.jobs.gateway.errors import ApiError, from_validation
+from slotq.jobs.openai.errors import ApiError, from_validation
 
 log = logging.getLogger(__name__)
 

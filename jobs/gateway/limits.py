@@ -31,9 +31,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.http_errors import response
 from slotq.jobs.gateway.settings import LOOPBACK_HOSTS, GatewaySettings
+from slotq.jobs.openai.errors import ApiError
 
 log = logging.getLogger(__name__)
 

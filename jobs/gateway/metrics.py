@@ -9,9 +9,9 @@ The families with a ``tenant`` label are kept apart (:data:`TENANT_REGISTRY`): a
 usage are no business of other tenants, so ``/metrics`` shows them only to the fleet view (an admin
 key, the private metrics port, or keyless mode; :mod:`slotq.jobs.gateway.routes_ops`).
 
-They live in registries of their own: the worker's families (``slotq.jobs.worker.metrics``) are defined when
-that module is imported, and on the default registry a gateway would export them as constant zeros,
-which alerts would read as an idle fleet.
+They live in registries of their own, and this module imports nothing of the worker's: the worker's
+families (``slotq.jobs.worker.metrics``) are defined when that module is imported, and on the default
+registry a gateway would export them as constant zeros, which alerts would read as an idle fleet.
 """
 
 from __future__ import annotations
@@ -30,14 +30,19 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from slotq.jobs.worker.metrics import LATENCY_BUCKETS
-
 REGISTRY = CollectorRegistry()
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 GCCollector(registry=REGISTRY)
 
 TENANT_REGISTRY = CollectorRegistry()
+
+# The request histogram's bucket edges (seconds): from a probe's few milliseconds to a completion
+# answered in one piece after minutes of generation. Defined here, not shared with the worker's
+# LATENCY_BUCKETS (queue pickup, time to first token), which happen to have the same values today:
+# the two measure different spans, no dashboard or alert sets one beside the other, and either may
+# change without the other.
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 
@@ -56,7 +61,7 @@ def exposition(*, tenants: bool) -> bytes:
 REQUESTS = Counter("slotq_gateway_requests", "HTTP requests by route, method and status", ["route", "method", "status"],
                    registry=REGISTRY)
 REQUEST_SECONDS = Histogram("slotq_gateway_request_duration_seconds", "Request start to the end of the response",
-                            ["route"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+                            ["route"], buckets=REQUEST_BUCKETS, registry=REGISTRY)
 STREAMS_ACTIVE = Gauge("slotq_gateway_streams_active", "SSE responses being served now", registry=REGISTRY)
 DISCONNECT_CANCELS = Counter("slotq_gateway_disconnect_cancels", "Jobs cancelled because their client disconnected",
                              registry=REGISTRY)

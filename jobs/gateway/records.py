@@ -27,13 +27,14 @@ braces (one Redis Cluster slot), as the protocol's keys do.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
 from slotq.jobs.protocol.keys import DEFAULT_TENANT
+from slotq.jobs.protocol.replies import reply
 
 MODELS_SEEN_KEY = "slotq:gateway:models"
 FILES_INDEX_KEY = "slotq:gateway:files"
@@ -108,11 +109,12 @@ class ModelsSeen:
         self.redis = redis
 
     async def last_seen(self, model: str) -> float | None:
-        seen = await self.redis.hget(MODELS_SEEN_KEY, model)
+        # redis-py types hget's reply as str; this client (no decode_responses) gets bytes
+        seen = await cast("Awaitable[bytes | None]", self.redis.hget(MODELS_SEEN_KEY, model))
         return None if seen is None else float(seen)
 
     async def remember(self, seen: Mapping[str, float]) -> None:
-        await self.redis.hset(MODELS_SEEN_KEY, mapping=dict(seen))
+        await reply(self.redis.hset(MODELS_SEEN_KEY, mapping=dict(seen)))
 
 
 # ---------------------------------------------------------------------- files
@@ -189,15 +191,18 @@ class FileRecords:
         return int(count), int(size or 0)
 
     async def get(self, file_id: str) -> bytes | None:
-        return await self.redis.get(file_key(file_id))
+        record: bytes | None = await self.redis.get(file_key(file_id))
+        return record
 
     async def get_many(self, file_ids: Sequence[str]) -> list[bytes | None]:
-        return await self.redis.mget([file_key(file_id) for file_id in file_ids])
+        records: list[bytes | None] = await self.redis.mget([file_key(file_id) for file_id in file_ids])
+        return records
 
     async def rank(self, tenant: str, file_id: str, *, newest_first: bool) -> int | None:
         """The file's place in the tenant's index; None when it is not there."""
         index = files_index_key(tenant)
-        return await (self.redis.zrevrank if newest_first else self.redis.zrank)(index, file_id)
+        place: int | None = await (self.redis.zrevrank if newest_first else self.redis.zrank)(index, file_id)
+        return place
 
     async def page(self, tenant: str, start: int, count: int, *, newest_first: bool) -> list[str]:
         """``count`` file ids of the tenant's index from place ``start``."""
@@ -269,23 +274,24 @@ class BatchRecords:
 
     async def get(self, batch_id: str) -> dict[str, Any]:
         """The batch's fields, decoded; empty when there is no such batch."""
-        raw = await self.redis.hgetall(batch_key(batch_id))
+        raw = await reply(self.redis.hgetall(batch_key(batch_id)))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     async def get_field(self, batch_id: str, name: str) -> Any | None:
-        raw = await self.redis.hget(batch_key(batch_id), name)
+        raw = await cast("Awaitable[bytes | None]", self.redis.hget(batch_key(batch_id), name))   # bytes, as above
         return json.loads(raw) if raw else None
 
     async def rank(self, tenant: str, batch_id: str) -> int | None:
         """The batch's place in the tenant's index, newest first; None when it is not there."""
-        return await self.redis.zrevrank(batches_index_key(tenant), batch_id)
+        place: int | None = await self.redis.zrevrank(batches_index_key(tenant), batch_id)
+        return place
 
     async def page(self, tenant: str, start: int, stop: int) -> list[str]:
         """The batch ids at places ``start``..``stop`` (inclusive) of the tenant's index, newest first."""
         return [i.decode() for i in await self.redis.zrange(batches_index_key(tenant), start, stop, desc=True)]
 
     async def update(self, batch_id: str, fields: Mapping[str, Any]) -> None:
-        await self.redis.hset(batch_key(batch_id), mapping=_encode(fields))
+        await reply(self.redis.hset(batch_key(batch_id), mapping=_encode(fields)))
 
     async def transition(self, batch_id: str, leaving: Iterable[str], fields: Mapping[str, Any]) -> bool:
         """Write ``fields`` if the batch's status is one of ``leaving`` (checked in the same script)."""
@@ -293,19 +299,19 @@ class BatchRecords:
         args: list[str | int] = [len(statuses), *statuses]
         for name, value in _encode(fields).items():
             args += [name, value]
-        return await self._transition(keys=[batch_key(batch_id)], args=args) == 1
+        return bool(await self._transition(keys=[batch_key(batch_id)], args=args) == 1)
 
     async def active_ids(self) -> list[str]:
-        return sorted(i.decode() for i in await self.redis.smembers(ACTIVE_BATCHES_KEY))
+        return sorted(i.decode() for i in await reply(self.redis.smembers(ACTIVE_BATCHES_KEY)))
 
     async def retire(self, batch_id: str) -> None:
-        await self.redis.srem(ACTIVE_BATCHES_KEY, batch_id)
+        await reply(self.redis.srem(ACTIVE_BATCHES_KEY, batch_id))
 
     async def acquire(self, batch_id: str, token: str) -> bool:
         return bool(await self.redis.set(batch_lease_key(batch_id), token, px=self.lease_ms, nx=True))
 
     async def renew(self, batch_id: str, token: str) -> bool:
-        return await self._renew(keys=[batch_lease_key(batch_id)], args=[token, self.lease_ms]) == 1
+        return bool(await self._renew(keys=[batch_lease_key(batch_id)], args=[token, self.lease_ms]) == 1)
 
     async def release(self, batch_id: str, token: str) -> None:
         await self._release(keys=[batch_lease_key(batch_id)], args=[token])

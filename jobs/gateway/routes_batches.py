@@ -12,14 +12,15 @@ from pydantic import ValidationError
 from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.batch_driver import BatchDriver
 from slotq.jobs.gateway.batches import Batch, BatchList, BatchStore, CreateBatch
-from slotq.jobs.gateway.errors import ApiError, from_validation
 from slotq.jobs.gateway.routes_files import files_of
+from slotq.jobs.openai.errors import ApiError, from_validation
 
 router = APIRouter(prefix="/v1/batches", dependencies=[Depends(authenticate)])
 
 
 def batches_of(request: Request) -> BatchStore:
-    return request.app.state.batches
+    batches: BatchStore = request.app.state.batches
+    return batches
 
 
 @router.post("")

@@ -10,14 +10,15 @@ from fastapi.responses import FileResponse
 
 from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.batches import BatchStore
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.files import FileDeleted, FileList, FileObject, FileStore, expiry_seconds
+from slotq.jobs.openai.errors import ApiError
 
 router = APIRouter(prefix="/v1/files", dependencies=[Depends(authenticate)])
 
 
 def files_of(request: Request) -> FileStore:
-    return request.app.state.files
+    files: FileStore = request.app.state.files
+    return files
 
 
 ExpiresAnchor = Annotated[str | None, Form(alias="expires_after[anchor]")]

@@ -11,8 +11,11 @@ from fastapi import APIRouter, Body, Depends, Request, Response
 
 from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.chunks import NativeRenderer, parse_stream_id
-from slotq.jobs.gateway.errors import ApiError
-from slotq.jobs.gateway.openai.translate import (
+from slotq.jobs.gateway.records import JobRecord
+from slotq.jobs.gateway.routes_openai import gateway_of
+from slotq.jobs.gateway.sse import open_stream
+from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.openai.translate import (
     kind_of,
     parse_request,
     to_job_request,
@@ -20,10 +23,7 @@ from slotq.jobs.gateway.openai.translate import (
     unfinished_error,
     wire_param,
 )
-from slotq.jobs.gateway.openai.wire import JobObject
-from slotq.jobs.gateway.records import JobRecord
-from slotq.jobs.gateway.routes_openai import gateway_of
-from slotq.jobs.gateway.sse import open_stream
+from slotq.jobs.openai.wire import JobObject
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobStatus
 

@@ -15,8 +15,11 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from slotq.jobs.gateway.auth import Caller, CallerDep, authenticate
 from slotq.jobs.gateway.chunks import ChunkRenderer, parse_stream_id
-from slotq.jobs.gateway.errors import ApiError
-from slotq.jobs.gateway.openai.translate import (
+from slotq.jobs.gateway.routing import ModelRoute
+from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
+from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.openai.translate import (
     WireRequest,
     kind_of,
     to_embedding_job,
@@ -26,16 +29,13 @@ from slotq.jobs.gateway.openai.translate import (
     unfinished_error,
     wire_param,
 )
-from slotq.jobs.gateway.openai.wire import (
+from slotq.jobs.openai.wire import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingsRequest,
     ModelCard,
     ModelList,
 )
-from slotq.jobs.gateway.routing import ModelRoute
-from slotq.jobs.gateway.service import Gateway
-from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
 from slotq.jobs.producer.client import JobNotFound, JobTimeout
 from slotq.jobs.protocol.schemas import JobStatus
 
@@ -43,7 +43,8 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
 
 def gateway_of(request: Request) -> Gateway:
-    return request.app.state.gateway
+    gateway: Gateway = request.app.state.gateway
+    return gateway
 
 
 def model_card(route: ModelRoute) -> ModelCard:

@@ -22,10 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from slotq.jobs.gateway import metrics as gateway_metrics
 from slotq.jobs.gateway.auth import KeyRing, authenticate, require_admin
-from slotq.jobs.gateway.errors import ApiError
+from slotq.jobs.gateway.history import FleetHistory
 from slotq.jobs.gateway.routes_openai import gateway_of
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.surfaces import on_private_port
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol import dead_letters
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,8 @@ async def fleet(request: Request) -> dict[str, Any]:
 async def history(request: Request) -> dict[str, Any]:
     """The last 15 minutes per lane (tokens/s, waiting, running, preemptions) and the waiting jobs
     per tenant, for the dashboard's charts (:mod:`slotq.jobs.gateway.history`)."""
-    return request.app.state.history.snapshot()
+    fleet_history: FleetHistory = request.app.state.history
+    return fleet_history.snapshot()
 
 
 @api.get("/dead-letters")

@@ -13,8 +13,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.records import ModelsSeen
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
 

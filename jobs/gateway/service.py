@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Literal
 
 from slotq.jobs.gateway import metrics
-from slotq.jobs.gateway.errors import ApiError, public_param
 from slotq.jobs.gateway.records import JobRecord, JobRecords
 from slotq.jobs.gateway.routing import ModelRouter
 from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.producer.client import JobHandle, JobRejected, QueueFull, QuotaExceeded, SlotqClient
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobKind, tenant_job_id, tenant_of_job

@@ -10,6 +10,7 @@ existing job (a resume, a second reader) never cancels it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
@@ -17,12 +18,15 @@ from typing import Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from slotq.jobs.errors import JobNotFound, StreamGone
 from slotq.jobs.gateway import metrics
 from slotq.jobs.gateway.chunks import comment, error_event
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import StreamEntry
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEADLINE_GRACE_S = 2.0       # after a request's deadline, the worker's final event gets this long to arrive
@@ -41,12 +45,26 @@ class Renderer(Protocol):
     def failed(self, error: ApiError) -> list[str]: ...
 
 
+def stream_error(exc: Exception, job_id: str) -> ApiError:
+    """A job's stream that could not be read to its end: gone for good (410: read the job's
+    result instead), no such job (404), or Redis out of reach (503: resume with Last-Event-ID;
+    the cause, which names Redis' host, is logged here and not sent)."""
+    if isinstance(exc, JobNotFound):
+        return ApiError.job_not_found(job_id)
+    if isinstance(exc, StreamGone):
+        return ApiError(410, f"{exc} (GET /v1/jobs/{job_id} has the result)", type="invalid_request_error",
+                        code="stream_gone")
+    log.warning("job %s: lost its stream (%s: %s)", job_id, type(exc).__name__, exc)
+    return ApiError(503, f"lost the job's stream ({type(exc).__name__}); resume with Last-Event-ID",
+                    type="server_error", code="stream_unavailable")
+
+
 class EntryFeed:
     """The job's stream entries, read from the start by a background task. The client's stream
     ends with the final entry or raises, so the feed's last item is one of those."""
 
     def __init__(self, client: SlotqClient, job_id: str) -> None:
-        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=256)
+        self._queue: asyncio.Queue[StreamEntry | Exception] = asyncio.Queue(maxsize=256)
         self._task = asyncio.create_task(self._pump(client, job_id), name=f"slotq-sse-{job_id}")
 
     async def _pump(self, client: SlotqClient, job_id: str) -> None:
@@ -110,7 +128,7 @@ async def open_stream(request: Request, gateway: Gateway, client: SlotqClient, j
         return Response(status_code=499)
     except Exception as exc:
         feed.close()
-        raise ApiError.from_stream_error(exc, job_id) from exc
+        raise stream_error(exc, job_id) from exc
     error = first_error(first) if first_error is not None and first is not None else None
     if error is not None:
         feed.close()
@@ -146,7 +164,7 @@ async def _events(gateway: Gateway, client: SlotqClient, job_id: str, renderer: 
             try:
                 item = await feed.next(keepalive)
             except Exception as exc:  # the stream is gone, or Redis unreachable beyond the client's retries
-                for event in renderer.failed(ApiError.from_stream_error(exc, job_id)):
+                for event in renderer.failed(stream_error(exc, job_id)):
                     yield event
                 break
         completed = True

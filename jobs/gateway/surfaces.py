@@ -19,8 +19,8 @@ from urllib.parse import parse_qsl, quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.http_errors import response
+from slotq.jobs.openai.errors import ApiError
 
 PRIVATE_PATHS = frozenset({"/metrics", "/health", "/ready"})
 

@@ -175,7 +175,7 @@ class SlotqClient:
         if isinstance(request, str):
             if "messages" in fields:
                 raise TypeError("enqueue() got a text and messages=; give one of them")
-            request = JobRequest(messages=[{"role": "user", "content": request}], **fields)
+            request = JobRequest.model_validate({"messages": [{"role": "user", "content": request}], **fields})
         elif fields:
             request = JobRequest.model_validate({**request.model_dump(exclude_unset=True), **fields})
         self._check_lane(request)

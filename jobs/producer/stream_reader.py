@@ -217,7 +217,9 @@ class StreamReader:
         try:
             try:
                 await client.initialize()             # a dedicated connection of the same pool
-                client.connection.register_connect_callback(self._on_connect)
+                connection = client.connection
+                assert connection is not None         # single_connection_client: initialize() made it
+                connection.register_connect_callback(self._on_connect)
                 self._client_id = await client.client_id()
             except (RedisError, OSError) as exc:
                 self._fail_all(exc)

@@ -31,6 +31,12 @@ from slotq.jobs.settings import ClientSettings
 T = TypeVar("T")
 
 
+async def _next(agen: AsyncIterator[T]) -> T:
+    """The iterator's next item, as a coroutine (what run_coroutine_threadsafe takes; ``__anext__``
+    is only typed as an awaitable)."""
+    return await anext(agen)
+
+
 class SyncSlotqClient:
     def __init__(self, redis_url: str, settings: ClientSettings | None = None) -> None:
         self._loop = asyncio.new_event_loop()
@@ -44,7 +50,7 @@ class SyncSlotqClient:
     def _iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
         while True:
             try:
-                yield self._call(agen.__anext__())
+                yield self._call(_next(agen))
             except StopAsyncIteration:
                 return
 

@@ -28,6 +28,7 @@ from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobStatus
 from tests.support import REPO_ROOT, free_port
 from tests.support.jobs import WorkerProcess, clean_env, job_request
+from tests.support.processes import wait_for
 
 ROOT = REPO_ROOT
 RULES = ROOT / "deploy/prometheus/slotq-alerts.yaml"
@@ -87,6 +88,11 @@ def exported_names(text: str) -> set[str]:
     return names
 
 
+def _serves(text: str, names: set[str]) -> bool:
+    """The exposition carries every one of ``names``, and the worker's two slots, ready."""
+    return names <= exported_names(text) and "slotq_slots_active 2.0" in text and "slotq_worker_ready 1.0" in text
+
+
 def test_dashboard_is_well_formed() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     panels = dashboard["panels"]
@@ -130,13 +136,18 @@ async def test_rules_and_dashboard_use_only_metrics_a_real_worker_serves(
         assert _get(f"http://127.0.0.1:{port}/live")[0] == 200
         job = await client.enqueue(job_request(max_tokens=8))
         assert (await job.result(timeout=60)).status == JobStatus.SUCCEEDED
-        await asyncio.sleep(1.5)                          # one metrics sample after the job
-        status, text = _get(f"http://127.0.0.1:{port}/metrics")
+        used = used_metric_names()
+        deadline = time.monotonic() + 30
+        while True:          # until a sample (taken once a second) after the job serves every name used
+            status, text = _get(f"http://127.0.0.1:{port}/metrics")
+            if (status == 200 and _serves(text, set().union(*used.values()))) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
         assert status == 200
     finally:
         worker.stop()
     exported = exported_names(text)
-    for where, names in used_metric_names().items():
+    for where, names in used.items():
         assert names, where
         missing = sorted(names - exported)
         assert not missing, f"{where} use metrics no worker serves: {missing}"
@@ -156,7 +167,8 @@ def test_live_fails_when_the_event_loop_stops_stamping_and_ready_says_why() -> N
         assert _get(f"http://127.0.0.1:{port}/ready") == (503, '{"ok": false, "state": "warming_up"}')
         state["ok"] = True
         assert _get(f"http://127.0.0.1:{port}/ready")[0] == 200
-        time.sleep(0.5)                                  # nobody called tick(): a stuck loop
+        wait_for(lambda: _get(f"http://127.0.0.1:{port}/live")[0] == 503, 10,
+                 "/live failing while nobody calls tick() (a stuck loop)")
         status, body = _get(f"http://127.0.0.1:{port}/live")
         assert status == 503 and json.loads(body)["event_loop_idle_s"] >= 0.3
         health.tick()

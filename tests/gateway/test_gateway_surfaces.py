@@ -29,9 +29,9 @@ import pytest
 from openai import OpenAI
 from redis.asyncio import Redis
 
-from slotq.jobs.gateway.errors import ApiError
 from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.metrics import STANDARD_METHODS
+from slotq.jobs.openai.errors import ApiError
 from tests.support import free_port
 from tests.support.gateway import GatewayProcess, Stack
 from tests.support.jobs import SLOTQ_BIN, clean_env

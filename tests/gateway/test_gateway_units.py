@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,11 +22,11 @@ from slotq.jobs.gateway import auth
 from slotq.jobs.gateway.auth import Caller, KeyRing
 from slotq.jobs.gateway.chunks import DONE, ChunkRenderer, NativeRenderer, parse_stream_id
 from slotq.jobs.gateway.metrics import method_label
-from slotq.jobs.gateway.openai.translate import to_job_request, to_response
-from slotq.jobs.gateway.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.gateway.routing import routes_from
 from slotq.jobs.gateway.settings import GatewaySettings, key_tenant
 from slotq.jobs.gateway.surfaces import redact_target
+from slotq.jobs.openai.translate import to_job_request, to_response
+from slotq.jobs.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobResult, JobStatus, StreamEntry, WorkerInfo
 from slotq.jobs.settings import ClientSettings
 from tests.support import REPO_ROOT
@@ -344,6 +346,14 @@ def test_the_private_metrics_port_is_another_port():
 def test_metric_methods_are_standard_or_other():
     assert [method_label(m) for m in ("GET", "PATCH", "get", "FOO", "X" * 12_000)] == [
         "GET", "PATCH", "other", "other", "other"]
+
+
+def test_the_gateway_process_defines_none_of_the_workers_metric_families():
+    """Imported, ``slotq.jobs.worker.metrics`` registers the worker's families, which a gateway
+    would export as constant zeros (an idle fleet, to alerts)."""
+    code = "import sys, slotq.jobs.gateway.app; print('slotq.jobs.worker.metrics' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize(("target", "logged"), [

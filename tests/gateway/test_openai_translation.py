@@ -1,4 +1,4 @@
-"""One OpenAI translation (slotq.jobs.gateway.openai) for the gateway's routes and OpenAI Batch lines.
+"""One OpenAI translation (slotq.jobs.openai) for the gateway's routes and OpenAI Batch lines.
 
 Every request case runs through both: the gateway's HTTP answer (the app in-process on the suite's
 Valkey; no worker runs, so a body the translation accepts reaches routing and gets the unknown
@@ -24,8 +24,8 @@ from slotq.engine import FinishReason, Usage
 from slotq.jobs.bulk.formats import LineError, error_record, output_record, parse_line
 from slotq.jobs.bulk.openai_batch import KEY_SET_BY_BULK, Endpoint
 from slotq.jobs.gateway.app import create_app
-from slotq.jobs.gateway.openai.translate import to_response
 from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.openai.translate import to_response
 from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -224,7 +224,18 @@ def test_an_embedding_body_is_refused_as_the_gateway_refuses_it() -> None:
 
 def test_the_translation_does_not_load_the_web_stack() -> None:
     """Batch lines use it in ``slotq bulk``, which must not need FastAPI to start."""
-    code = ("import sys, slotq.jobs.bulk.formats, slotq.jobs.gateway.openai.translate; "
+    code = ("import sys, slotq.jobs.bulk.formats, slotq.jobs.openai.translate; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette', 'uvicorn')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_translation_and_bulk_load_no_part_of_the_gateway() -> None:
+    """The translation is shared, not the gateway's: ``slotq.jobs.openai`` loads neither the gateway
+    nor bulk, and bulk (which the gateway's Batch API runs) loads no part of the gateway."""
+    code = ("import sys, slotq.jobs.openai.translate; "
+            "print(sorted(m for m in sys.modules if m.startswith(('slotq.jobs.gateway', 'slotq.jobs.bulk')))); "
+            "import slotq.jobs.bulk, slotq.jobs.bulk.formats, slotq.jobs.bulk.openai_batch, slotq.jobs.bulk.runner; "
+            "print(sorted(m for m in sys.modules if m.startswith('slotq.jobs.gateway')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split("\n")[:2] == ["[]", "[]"]

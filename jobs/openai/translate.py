@@ -1,7 +1,7 @@
 """OpenAI requests -> slotq ``JobRequest``; slotq results -> OpenAI response objects.
 
 One translation for every way a body arrives: the gateway's routes (FastAPI validates the same
-:mod:`~slotq.jobs.gateway.openai.wire` models and reports through the same ``from_validation``) and
+:mod:`~slotq.jobs.openai.wire` models and reports through the same ``from_validation``) and
 OpenAI Batch lines (:func:`parse_request`). Every refusal is an :class:`ApiError` naming the
 parameter as the request spelled it, with the limit: ``temperature: Input should be less than or
 equal to 2 (got 9)``.
@@ -21,8 +21,8 @@ from typing import Any, Literal, overload
 from pydantic import ValidationError
 
 from slotq.engine import FinishReason, TokenLogprob, Usage
-from slotq.jobs.gateway.errors import ApiError, from_validation, public_param
-from slotq.jobs.gateway.openai.wire import (
+from slotq.jobs.openai.errors import ApiError, from_validation, public_param
+from slotq.jobs.openai.wire import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,

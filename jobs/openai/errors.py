@@ -3,20 +3,18 @@
 Every failure the gateway reports goes through :class:`ApiError`, so clients written for the
 OpenAI API (the official SDKs map the HTTP status to an exception class) see what they expect.
 OpenAI Batch lines report a refused body with the same error (:mod:`slotq.jobs.bulk.openai_batch`),
-so this module imports no web framework: the HTTP side is :mod:`slotq.jobs.gateway.http_errors`.
+so this module imports no web framework: the HTTP side is :mod:`slotq.jobs.gateway.http_errors`, and
+the errors of a stream served over SSE are :mod:`slotq.jobs.gateway.sse`'s.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from slotq.engine import ErrorInfo
-from slotq.jobs.errors import JobNotFound, JobRejected, StreamGone
-
-log = logging.getLogger(__name__)
+from slotq.jobs.errors import JobRejected
 
 # Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
 BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})
@@ -63,20 +61,6 @@ class ApiError(Exception):
     @classmethod
     def deadline(cls, message: str) -> ApiError:
         return cls(504, message, type="timeout", code="deadline_exceeded")
-
-    @classmethod
-    def from_stream_error(cls, exc: Exception, job_id: str) -> ApiError:
-        """A job's stream that could not be read to its end: gone for good (410: read the job's
-        result instead), no such job (404), or Redis out of reach (503: resume with Last-Event-ID;
-        the cause, which names Redis' host, is logged here and not sent)."""
-        if isinstance(exc, JobNotFound):
-            return cls.job_not_found(job_id)
-        if isinstance(exc, StreamGone):
-            return cls(410, f"{exc} (GET /v1/jobs/{job_id} has the result)", type="invalid_request_error",
-                       code="stream_gone")
-        log.warning("job %s: lost its stream (%s: %s)", job_id, type(exc).__name__, exc)
-        return cls(503, f"lost the job's stream ({type(exc).__name__}); resume with Last-Event-ID",
-                   type="server_error", code="stream_unavailable")
 
     @classmethod
     def from_job_error(cls, error: ErrorInfo | None, job_id: str,
