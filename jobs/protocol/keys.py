@@ -185,10 +185,19 @@ class QueueKeys:
     def abort_channel(self, token: str) -> str:
         return f"{self.queue}:abort:{token}"
 
-    def lane_group(self, lane: str) -> list[str]:
-        """The keys the claim scripts read per lane: waiting, deferred, running, preempt."""
-        return [self.waiting(lane), self.deferred(lane), self.running(lane), self.preempt(lane)]
+    def lane_keys(self, lanes: tuple[str, ...] | None = None) -> list[LaneKeys]:
+        """The keys of each of ``lanes`` (default: every lane) that the claim scripts and the reap
+        move jobs between, highest priority first (the claim order)."""
+        return [LaneKeys(self.waiting(lane), self.deferred(lane), self.running(lane), self.preempt(lane))
+                for lane in (self.lanes if lanes is None else lanes)]
 
-    def lane_groups(self, lanes: tuple[str, ...] | None = None) -> list[str]:
-        """:meth:`lane_group` of ``lanes`` (default: every lane), highest priority first (the claim order)."""
-        return [key for lane in (self.lanes if lanes is None else lanes) for key in self.lane_group(lane)]
+
+@dataclass(frozen=True)
+class LaneKeys:
+    """One lane's sets and its preemption tokens, as the claim scripts and the reap take them
+    (one element of a script's key list: :mod:`slotq.jobs.protocol.scripts.layout`)."""
+
+    waiting: str
+    deferred: str
+    running: str
+    preempt: str
