@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -65,7 +66,8 @@ async def test_false_and_numbers_cross_as_lua_values(redis: Redis) -> None:
 
 
 def test_a_value_left_out_is_refused() -> None:
-    values = dict(first="f", names=[], lanes=[], last="l", text="", number=1, maybe=None, numbers=[], words=[])
+    values: dict[str, Any] = dict(first="f", names=[], lanes=[], last="l", text="", number=1, maybe=None, numbers=[],
+                                  words=[])
     with pytest.raises(TypeError, match="flag"):
         _Echo(**values)
 
