@@ -8,7 +8,8 @@ and running jobs live in separate sets per lane, one script claims up to k jobs 
 whatever else is running, an idle worker waits on a blocking pop of a wake token (one enqueue
 wakes one worker), and a reaper returns expired leases. arq stays the runtime that runs a claimed
 job (its ``run_job``: the job record, the attempt counter, timeouts, abort, the result record); see
-:mod:`slotq.jobs.protocol.arq_adapter`.
+:mod:`slotq.jobs.protocol.arq_adapter`. The records it writes and reads are arq's formats
+(:mod:`slotq.jobs.protocol.arq_formats`), so a producer loads no arq.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, cast
 
 from redis.asyncio import Redis
 
-from slotq.jobs.protocol.arq_adapter import (
+from slotq.jobs.protocol.arq_formats import (
     Deserializer,
     ResultRecord,
     Serializer,
