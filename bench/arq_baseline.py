@@ -33,8 +33,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from arq.connections import ArqRedis, RedisSettings
 from arq.constants import in_progress_key_prefix
 from arq.worker import Worker, func
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from slotq.jobs.errors import QueueFull
@@ -45,6 +47,7 @@ from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobRequest, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
+from slotq.jobs.settings import ClientSettings
 from slotq.jobs.worker.engine_api import EngineFactory, JobEngine
 from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.settings import WorkerSettings
@@ -71,6 +74,11 @@ return 1
 class BaselineClient(SlotqClient):
     """The old producer path: ``ZCARD``, arq's ``enqueue_job``, ``PUBLISH`` (workers' limit check as now)."""
 
+    def __init__(self, redis: Redis, settings: ClientSettings, **options: Any) -> None:
+        super().__init__(redis, settings, **options)
+        self.arq = ArqRedis(connection_pool=redis.connection_pool, job_serializer=serialize,
+                            job_deserializer=deserialize)       # arq's enqueue_job, on the client's connections
+
     async def enqueue(self, request: JobRequest | str, **fields: Any) -> JobHandle:
         assert isinstance(request, JobRequest) and not fields
         await self._check_fits(request)
@@ -78,8 +86,8 @@ class BaselineClient(SlotqClient):
         depth = await self.redis.zcard(self.settings.queue_name)
         if depth >= self.settings.max_queue_length:
             raise QueueFull(depth, self.settings.max_queue_length)
-        job = await self.redis.enqueue_job(JOB_FUNCTION, encode_payload(request), _job_id=job_id,
-                                           _queue_name=self.settings.queue_name)
+        job = await self.arq.enqueue_job(JOB_FUNCTION, encode_payload(request), _job_id=job_id,
+                                         _queue_name=self.settings.queue_name)
         if job is not None:
             await self.redis.publish(WAKE_CHANNEL, job_id)
         return JobHandle(self, job_id, created=job is not None)
@@ -143,8 +151,9 @@ class BaselineWorker:
 
         self.arq = _OldArqWorker(
             functions=[func(generate, name=JOB_FUNCTION)], queue_name=settings.queue_name,
-            redis_settings=redis_settings(redis_url), on_startup=self._on_startup, on_shutdown=self._on_shutdown,
-            on_job_start=self._on_job_start, after_job_end=self._after_job_end, handle_signals=False,
+            redis_settings=RedisSettings(**vars(redis_settings(redis_url))),    # slotq's fields, under arq's names
+            on_startup=self._on_startup, on_shutdown=self._on_shutdown, on_job_start=self._on_job_start,
+            after_job_end=self._after_job_end, handle_signals=False,
             max_jobs=settings.slots, job_timeout=settings.job_timeout_s, keep_result=settings.keep_result_s,
             poll_delay=POLL_DELAY_S, queue_read_limit=QUEUE_READ_LIMIT, max_tries=settings.max_tries + 1,
             health_check_interval=max(5, settings.lock_ttl_s), allow_abort_jobs=True,

@@ -35,7 +35,7 @@ from slotq.jobs.errors import (
 )
 from slotq.jobs.producer.stream_reader import StreamReader
 from slotq.jobs.protocol import dead_letters, registry, streams
-from slotq.jobs.protocol.arq_adapter import ResultRecord
+from slotq.jobs.protocol.arq_formats import ResultRecord
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
@@ -139,7 +139,7 @@ class SlotqClient:
         ``redis_connect_timeout_s`` when it does not."""
         settings = settings or ClientSettings()
         pool = await connect(redis_url, patient=False, connect_timeout_s=settings.redis_connect_timeout_s,
-                             queue_name=settings.queue_name, ca_file=settings.redis_ca_file)
+                             ca_file=settings.redis_ca_file)
         return cls(pool, settings)
 
     def for_queue(self, queue_name: str) -> SlotqClient:

@@ -4,7 +4,8 @@ Key names (``keys``), the queue's Lua scripts (``scripts``) and their typed API 
 the stream entry codec, appends and reads (``streams``), the worker registry (``registry``), job
 payloads and results (``schemas``, ``payload``, ``serialization``), dead letters (``dead_letters``),
 connecting (``connection``), awaiting redis-py's commands with checked types (``replies``), the
-preemption victim rule (``preemption``) and the adapter around arq (``arq_adapter``). Nothing
+preemption victim rule (``preemption``), arq's key names and record formats (``arq_formats``) and
+the adapter around arq (``arq_adapter``, which only the worker imports). Nothing
 outside this package names a Redis key, calls a Redis command on the queue or the streams, or
 imports arq; the gateway's own records (files, batches, its job records) are the gateway's, in
 :mod:`slotq.jobs.gateway.records`.

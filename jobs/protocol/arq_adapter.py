@@ -1,27 +1,24 @@
 """The adapter around arq: the only module of slotq that imports it.
 
 slotq keeps arq (pinned at 0.28.0, maintenance-only upstream) for what it does well, and nothing
-else:
+else: **running one claimed job** (:class:`ArqJobRunner`). ``Worker.run_job`` reads the job record,
+counts the attempt, honours an abort requested before the start, runs the job function under
+``job_timeout``, classifies how it ended (``Retry``, ``RetryJob``, abort, cancellation, failure,
+success) and builds the result record. Everything around it -- claiming, leases, wake-ups,
+preemption, and the finishing writes as fenced scripts -- is slotq's
+(:mod:`slotq.jobs.worker.runtime`, :mod:`slotq.jobs.protocol.scripts`).
 
-* **Running one claimed job** (:class:`ArqJobRunner`): ``Worker.run_job`` reads the job record,
-  counts the attempt, honours an abort requested before the start, runs the job function under
-  ``job_timeout``, classifies how it ended (``Retry``, ``RetryJob``, abort, cancellation, failure,
-  success) and builds the result record. Everything around it -- claiming, leases, wake-ups,
-  preemption, and the finishing writes as fenced scripts -- is slotq's
-  (:mod:`slotq.jobs.worker.runtime`, :mod:`slotq.jobs.protocol.scripts`).
-* **The record formats and key names** that ``run_job`` reads and writes, which the queue's
-  scripts therefore share: the job record an enqueue writes (:func:`job_record`), the result
-  record a producer reads (:func:`result_record`, :func:`read_result_record`), and how an
-  exception that arq stores as a result is serialized (:func:`exception_data`).
-* **Its connection helpers** (``RedisSettings``, ``create_pool``, ``ArqRedis``), which
-  :mod:`slotq.jobs.protocol.connection` builds every Redis client with.
+The record formats and key names that ``run_job`` reads and writes, which the queue's scripts and
+producers share, are written out in :mod:`slotq.jobs.protocol.arq_formats` (checked against arq's
+own by a test): importing any arq module loads ``arq.worker``, which a producer must not.
 
 arq's ``Worker`` is held, not inherited by slotq's runtime: the rest of slotq sees
 :class:`ArqJobRunner`'s few typed methods. Inside, a private subclass overrides only the two
 finishing writes ``run_job`` calls. Where the runner relies on arq 0.28 internals beyond its
 documented API, the code says which and why; a new arq version must be checked against those places.
 
-This module imports nothing else of slotq, so any protocol module may import it.
+This module imports nothing else of slotq but :mod:`~slotq.jobs.protocol.arq_formats`; only the
+worker imports it.
 """
 
 from __future__ import annotations
@@ -33,71 +30,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, cast
 
-from arq.connections import ArqRedis, RedisSettings, create_pool
-from arq.constants import abort_jobs_ss, job_key_prefix, result_key_prefix, retry_key_prefix
-from arq.jobs import Deserializer, Serializer, deserialize_result, serialize_job, serialize_result
+from arq.connections import ArqRedis
 from arq.worker import Retry, RetryJob, Worker, func
 from redis.asyncio import Redis
 
+from slotq.jobs.protocol.arq_formats import Deserializer, Serializer
+
 __all__ = [
-    # arq's key names: run_job reads and writes these keys, so the queue's scripts use them too (keys.py)
-    "abort_jobs_ss", "job_key_prefix", "result_key_prefix", "retry_key_prefix",
-    # its connection helpers (connection.py)
-    "ArqRedis", "RedisSettings", "create_pool",
     # what a job function raises: retry after a delay, or hand the job back
     "Retry", "RetryJob",
-    "ArqJobRunner", "Attempt", "Deserializer", "ExitKind", "JobExit", "ResultRecord", "Serializer", "exception_data",
-    "job_record", "read_result_record", "result_record",
+    "ArqJobRunner", "Attempt", "Deserializer", "ExitKind", "JobExit", "Serializer",
 ]
-
-# ---------------------------------------------------------------------------- records
-_EXCEPTION = "__exception__"
-
-
-def exception_data(exc: BaseException) -> dict[str, str]:
-    """How an exception is serialized: arq stores one as the result of a job it failed (expired,
-    aborted, out of tries, timed out), and msgpack cannot carry it."""
-    return {_EXCEPTION: type(exc).__name__, "message": str(exc)}
-
-
-def job_record(function: str, payload: Any, enqueued_ms: int, serializer: Serializer) -> bytes:
-    """The job record an enqueue writes (``JOB_RECORD_PREFIX + id``): ``function(payload)``."""
-    return serialize_job(function, (payload,), {}, None, enqueued_ms, serializer=serializer)
-
-
-def result_record(job_id: str, function: str, value: Any, queue_name: str, now_ms: int,
-                  serializer: Serializer) -> bytes:
-    """The result record of a job that no worker ran (e.g. cancelled while queued), stored as a
-    success with ``value`` and attempt 0."""
-    record = serialize_result(function, (), {}, 0, now_ms, True, value, now_ms, now_ms, job_id, queue_name, job_id,
-                              serializer=serializer)
-    assert record is not None, "arq returns None only when even its fallback record cannot be serialized"
-    return record
-
-
-@dataclass(frozen=True)
-class ResultRecord:
-    """A finished job's result record (:func:`read_result_record`)."""
-
-    attempts: int                       # the attempt that ended the job (0: no worker ran it)
-    output: dict[str, Any] | None       # what the job function returned, when it returned a mapping
-    cancelled: bool                     # aborted: arq stored a CancelledError
-    error: str                          # a failure's exception class ("" when the record names none)
-    message: str                        # a failure's message (the stored value's text when it has none)
-
-
-def read_result_record(raw: bytes, deserializer: Deserializer) -> ResultRecord:
-    """Decode a result record, whether the job function returned or arq failed the job and stored
-    an exception (:func:`exception_data`)."""
-    record = deserialize_result(raw, deserializer=deserializer)
-    value = record.result
-    if isinstance(value, dict):
-        error, message = value.get(_EXCEPTION, ""), value.get("message", str(value))
-    else:
-        error, message = "", str(value)
-    return ResultRecord(attempts=record.job_try, output=value if record.success and isinstance(value, dict) else None,
-                        cancelled=error == "CancelledError", error=error, message=message)
-
 
 # ---------------------------------------------------------------------------- running a job
 @dataclass(frozen=True)

@@ -21,14 +21,16 @@ URLs (``SLOTQ_REDIS_URL``):
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
 from redis._parsers import _AsyncHiredisParser
+from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
@@ -38,8 +40,8 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.jobs.errors import RedisUnavailable
-from slotq.jobs.protocol.arq_adapter import ArqRedis, RedisSettings, create_pool
-from slotq.jobs.protocol.serialization import deserialize, serialize
+
+log = logging.getLogger(__name__)
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}     # scheme -> TLS
 SENTINEL_PORT = 26379
@@ -60,6 +62,48 @@ class SentinelUrl:
     password: str | None
     sentinel_password: str | None
     tls: bool
+
+
+@dataclass
+class RedisSettings:
+    """How to reach Redis and how patiently (:func:`redis_settings`). The fields are those of arq's
+    ``RedisSettings`` that slotq sets, under arq's names (slotq built its clients with arq's
+    helpers until producers stopped importing arq; the arq baseline benchmark hands them to arq)."""
+
+    host: str | list[tuple[str, int]] = "localhost"     # the sentinels' addresses when ``sentinel``
+    port: int = 6379
+    unix_socket_path: str | None = None
+    database: int = 0
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+    ssl_cert_reqs: str = "required"
+    ssl_ca_certs: str | None = None
+    conn_timeout: int = 1                   # s, each connect
+    conn_retries: int = 5                   # retries of the first connection ...
+    conn_retry_delay: int = 1               # ... this many s apart
+    sentinel: bool = False
+    sentinel_master: str = "mymaster"
+    retry_on_error: list[type[Exception]] | None = None
+    retry: Retry | None = None              # each command's retries
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisSettings:
+        """A redis://, rediss:// or unix:// URL, read as arq's ``RedisSettings.from_dsn`` reads it
+        (the database from ``?db=`` or the path)."""
+        parts = urlparse(url)
+        if parts.scheme not in {"redis", "rediss", "unix"}:
+            raise ValueError("invalid DSN scheme")
+        query_db = parse_qs(parts.query).get("db")
+        if query_db:
+            database = int(query_db[0])
+        elif parts.scheme != "unix":
+            database = int(parts.path.lstrip("/")) if parts.path else 0
+        else:
+            database = 0
+        return cls(host=parts.hostname or "localhost", port=parts.port or 6379, ssl=parts.scheme == "rediss",
+                   username=parts.username, password=parts.password, database=database,
+                   unix_socket_path=parts.path if parts.scheme == "unix" else None)
 
 
 def parse_sentinel_url(url: str) -> SentinelUrl | None:
@@ -89,7 +133,7 @@ def parse_sentinel_url(url: str) -> SentinelUrl | None:
 
 def redis_settings(url: str, *, patient: bool = True, connect_timeout_s: float = 5.0,
                    ca_file: Path | None = None) -> RedisSettings:
-    """arq settings from a redis://, rediss:// or redis+sentinel:// URL (password and TLS included;
+    """Settings from a redis://, rediss:// or redis+sentinel:// URL (password and TLS included;
     ``ca_file`` verifies a TLS server's certificate).
 
     ``patient`` (workers): each command retries about 30 s (0.1 s doubling to 2 s), and the first
@@ -97,7 +141,7 @@ def redis_settings(url: str, *, patient: bool = True, connect_timeout_s: float =
     """
     sentinel = parse_sentinel_url(url)
     if sentinel is None:
-        settings = RedisSettings.from_dsn(url)
+        settings = RedisSettings.from_url(url)
     else:
         settings = RedisSettings(host=sentinel.sentinels, sentinel=True, sentinel_master=sentinel.service,
                                  database=sentinel.db, username=sentinel.username, password=sentinel.password,
@@ -129,22 +173,20 @@ def _retries_within(seconds: float, base: float = 0.05, cap: float = 1.0) -> int
     return n
 
 
-async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, queue_name: str = "slotq:queue",
-                  ca_file: Path | None = None) -> ArqRedis:
+async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca_file: Path | None = None) -> Redis:
     """A connection pool on ``url`` that answered PING. Raises RedisUnavailable when a producer's
     bound runs out (a worker keeps trying for ~30 s first)."""
     try:
         settings = redis_settings(url, patient=patient, connect_timeout_s=connect_timeout_s, ca_file=ca_file)
-    except (ValueError, RuntimeError) as exc:        # arq: "invalid DSN scheme"
+    except ValueError as exc:
         raise RedisUnavailable(f"SLOTQ_REDIS_URL {redacted(url)} is not a Redis URL ({exc}); want redis://, "
                                "rediss:// or redis+sentinel://") from None
     sentinel = parse_sentinel_url(url)
 
-    async def make() -> ArqRedis:
+    async def make() -> Redis:
         if sentinel is not None:
-            return await _sentinel_pool(settings, queue_name, sentinel.sentinel_password)
-        return await _with_quick_ready_check(await create_pool(
-            settings, job_serializer=serialize, job_deserializer=deserialize, default_queue_name=queue_name))
+            return await _sentinel_pool(settings, sentinel.sentinel_password)
+        return await _with_quick_ready_check(await _pool(settings))
 
     try:
         if patient:
@@ -160,10 +202,34 @@ async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, qu
         ) from exc
 
 
+async def _pool(settings: RedisSettings) -> Redis:
+    """A client of ``settings``' server that answered PING, its first connection retried
+    ``conn_retries`` times ``conn_retry_delay`` apart (as arq's ``create_pool`` made them)."""
+    assert isinstance(settings.host, str), "sentinels are asked through _sentinel_pool"
+    attempt = 0
+    while True:
+        redis = Redis(host=settings.host, port=settings.port, unix_socket_path=settings.unix_socket_path,
+                      db=settings.database, username=settings.username, password=settings.password,
+                      socket_connect_timeout=settings.conn_timeout, ssl=settings.ssl,
+                      ssl_cert_reqs=settings.ssl_cert_reqs, ssl_ca_certs=settings.ssl_ca_certs,
+                      retry=settings.retry, retry_on_error=settings.retry_on_error, encoding="utf8")
+        try:
+            await redis.ping()
+            return redis
+        except (RedisError, OSError, TimeoutError) as exc:
+            await redis.aclose()
+            if attempt >= settings.conn_retries:
+                raise
+            log.warning("redis connection error %s:%s %s %s, %s retries remaining...", settings.host, settings.port,
+                        type(exc).__name__, exc, settings.conn_retries - attempt)
+            attempt += 1
+            await asyncio.sleep(settings.conn_retry_delay)
+
+
 def _known_ready(connection: AbstractConnection) -> bool:
     """True when ``connection`` is open and holds no unread reply, judged from what the event loop
     has already read off its socket; False when that cannot be told (not connected, or a parser
-    other than hiredis's, which arq installs), and the pool then asks redis-py's own check.
+    other than hiredis's, which redis-py installs when hiredis is there), and the pool then asks redis-py's own check.
 
     redis-py makes sure a pooled connection has nothing left to read (a reply a cancelled command
     never read, or the server's close) before every command, by reading its socket under a zero
@@ -192,8 +258,8 @@ class _QuickReadyCheck(ConnectionPool):
             await super().ensure_connection(connection)
 
 
-async def _with_quick_ready_check(redis: ArqRedis) -> ArqRedis:
-    """``redis`` with its pool (as arq built it from the settings) replaced by a :class:`_QuickReadyCheck`
+async def _with_quick_ready_check(redis: Redis) -> Redis:
+    """``redis`` with its pool (as built from the settings) replaced by a :class:`_QuickReadyCheck`
     of the same connections and limits."""
     built = redis.connection_pool
     redis.connection_pool = _QuickReadyCheck(connection_class=built.connection_class,
@@ -245,10 +311,10 @@ class _SentinelPool(_QuickReadyCheck, SentinelConnectionPool):
             await connection.disconnect()
 
 
-async def _sentinel_pool(settings: RedisSettings, queue_name: str, sentinel_password: str | None) -> ArqRedis:
-    """arq's ``create_pool`` for Sentinel, with what arq's own Sentinel path leaves out: the retry
-    policy, timeouts and CA file reach the primary's connections, and sentinels get their own
-    password. The first PING is retried like arq does (``conn_retries`` x ``conn_retry_delay``)."""
+async def _sentinel_pool(settings: RedisSettings, sentinel_password: str | None) -> Redis:
+    """:func:`_pool` for Sentinel: the retry policy, timeouts and CA file reach the primary's
+    connections (arq's own Sentinel path, used before, left them out), and sentinels get their own
+    password. The first PING is retried the same way (``conn_retries`` x ``conn_retry_delay``)."""
     tls = {"ssl": True, "ssl_ca_certs": settings.ssl_ca_certs, "ssl_cert_reqs": settings.ssl_cert_reqs} \
         if settings.ssl else {}
     sentinel = Sentinel(
@@ -258,12 +324,9 @@ async def _sentinel_pool(settings: RedisSettings, queue_name: str, sentinel_pass
         db=settings.database, username=settings.username, password=settings.password, **tls)
     attempt = 0
     while True:
-        redis: ArqRedis = sentinel.master_for(
-            settings.sentinel_master, redis_class=ArqRedis, connection_pool_class=_SentinelPool,
+        redis: Redis = sentinel.master_for(
+            settings.sentinel_master, redis_class=Redis, connection_pool_class=_SentinelPool,
             connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection)
-        redis.job_serializer = serialize
-        redis.job_deserializer = deserialize
-        redis.default_queue_name = queue_name
         try:
             await redis.ping()
             return redis

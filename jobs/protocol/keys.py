@@ -64,7 +64,8 @@ delivering new tokens, and so spent no try; the last ``deaths`` attempts that st
 without delivering any (their worker died), in a row: at ``SLOTQ_MAX_WORKER_DEATHS`` the job is refused.
 
 Counts are O(1): ZCARD of a lane's sets, HLEN of ``Q:jobs`` (everything not finished, the demand
-KEDA scales on), HGET of a tenant's counts. This module is the only place that knows arq's key names.
+KEDA scales on), HGET of a tenant's counts. This module is the only place that knows arq's key names
+(their prefixes are spelled out in :mod:`slotq.jobs.protocol.arq_formats`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from slotq.jobs.protocol.arq_adapter import abort_jobs_ss, job_key_prefix, result_key_prefix, retry_key_prefix
+from slotq.jobs.protocol.arq_formats import ABORT_JOBS_SET, JOB_KEY_PREFIX, RESULT_KEY_PREFIX, RETRY_KEY_PREFIX
 
 LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)
@@ -100,18 +101,18 @@ def worker_key(worker_id: str) -> str:
 
 
 def job_record_key(job_id: str) -> str:
-    return job_key_prefix + job_id
+    return JOB_KEY_PREFIX + job_id
 
 
 def retry_counter_key(job_id: str) -> str:
-    return retry_key_prefix + job_id
+    return RETRY_KEY_PREFIX + job_id
 
 
 def result_key(job_id: str) -> str:
-    return result_key_prefix + job_id
+    return RESULT_KEY_PREFIX + job_id
 
 
-ABORTS = abort_jobs_ss
+ABORTS = ABORT_JOBS_SET
 
 
 @dataclass(frozen=True)
@@ -185,10 +186,19 @@ class QueueKeys:
     def abort_channel(self, token: str) -> str:
         return f"{self.queue}:abort:{token}"
 
-    def lane_group(self, lane: str) -> list[str]:
-        """The keys the claim scripts read per lane: waiting, deferred, running, preempt."""
-        return [self.waiting(lane), self.deferred(lane), self.running(lane), self.preempt(lane)]
+    def lane_keys(self, lanes: tuple[str, ...] | None = None) -> list[LaneKeys]:
+        """The keys of each of ``lanes`` (default: every lane) that the claim scripts and the reap
+        move jobs between, highest priority first (the claim order)."""
+        return [LaneKeys(self.waiting(lane), self.deferred(lane), self.running(lane), self.preempt(lane))
+                for lane in (self.lanes if lanes is None else lanes)]
 
-    def lane_groups(self, lanes: tuple[str, ...] | None = None) -> list[str]:
-        """:meth:`lane_group` of ``lanes`` (default: every lane), highest priority first (the claim order)."""
-        return [key for lane in (self.lanes if lanes is None else lanes) for key in self.lane_group(lane)]
+
+@dataclass(frozen=True)
+class LaneKeys:
+    """One lane's sets and its preemption tokens, as the claim scripts and the reap take them
+    (one element of a script's key list: :mod:`slotq.jobs.protocol.scripts.layout`)."""
+
+    waiting: str
+    deferred: str
+    running: str
+    preempt: str

@@ -8,7 +8,8 @@ and running jobs live in separate sets per lane, one script claims up to k jobs 
 whatever else is running, an idle worker waits on a blocking pop of a wake token (one enqueue
 wakes one worker), and a reaper returns expired leases. arq stays the runtime that runs a claimed
 job (its ``run_job``: the job record, the attempt counter, timeouts, abort, the result record); see
-:mod:`slotq.jobs.protocol.arq_adapter`.
+:mod:`slotq.jobs.protocol.arq_adapter`. The records it writes and reads are arq's formats
+(:mod:`slotq.jobs.protocol.arq_formats`), so a producer loads no arq.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from typing import Any, cast
 
 from redis.asyncio import Redis
 
-from slotq.jobs.protocol import scripts
-from slotq.jobs.protocol.arq_adapter import (
+from slotq.jobs.protocol.arq_formats import (
     Deserializer,
     ResultRecord,
     Serializer,
@@ -41,6 +41,10 @@ from slotq.jobs.protocol.keys import (
     stream_key,
 )
 from slotq.jobs.protocol.replies import reply
+from slotq.jobs.protocol.scripts.admission import Cancel, Enqueue, Forget
+from slotq.jobs.protocol.scripts.attempts import Finish, HandBack, Reap, Renew, RetryLater, StartAttempt
+from slotq.jobs.protocol.scripts.claims import Claim, ClaimReply, LendReserve, Preempt
+from slotq.jobs.protocol.scripts.layout import ScriptRunner
 
 WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at most (one per waiting job below that)
 PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
@@ -117,7 +121,8 @@ class LaneCounts:
 
 
 class AttemptVerdict(Enum):
-    """What ``START_ATTEMPT`` decided about an attempt (see :mod:`slotq.jobs.protocol.scripts`)."""
+    """What ``START_ATTEMPT`` decided about an attempt (see
+    :class:`~slotq.jobs.protocol.scripts.attempts.StartAttempt`)."""
 
     LEASE_LOST = 0      # another claim owns the job: nothing was written
     STARTED = 1
@@ -182,9 +187,7 @@ class RedisQueue:
         self.keys = QueueKeys(name, tuple(lanes))
         self._clock_offset_ms = clock_offset_s * 1000
         self._claim_numbers = itertools.count(1)     # makes each claim's lease unique
-        self._scripts = {name: redis.register_script(getattr(scripts, name))
-                         for name in ("ENQUEUE", "CLAIM", "PREEMPT", "LEND_RESERVE", "RENEW", "FINISH", "RETRY_LATER",
-                                      "HAND_BACK", "REAP", "CANCEL", "FORGET", "START_ATTEMPT")}
+        self._scripts = ScriptRunner(redis)
 
     def lane_of(self, index: int) -> str:
         return self.keys.lanes[index]
@@ -206,16 +209,22 @@ class RedisQueue:
         being what the job reserves of its tenant's tokens per minute."""
         record = job_record(function, payload, self.wall_ms(), serializer)
         k = self.keys
-        counted = [key for lane_ in k.lanes for key in (k.waiting(lane_), k.deferred(lane_))]
-        below = [k.running(lane_) for lane_ in k.lanes[k.lanes.index(lane) + 1:]]
-        limits = ["" if limit is None else limit
-                  for limit in (quotas.max_waiting, quotas.max_in_flight, quotas.tokens_per_min)]
-        code = await self._scripts["ENQUEUE"](
-            keys=[job_record_key(job_id), result_key(job_id), k.jobs, k.wake, k.tags(lane), k.tenant_waiting,
-                  k.tenant_running, k.tenant_tokens, *k.lane_group(lane), k.fair(lane), *counted, *below],
-            args=[job_id, record, RECORD_TTL_MS, lane, max_waiting if max_waiting is not None else 2**53,
-                  WAKE_CAP, tenant, len(k.lanes), k.lanes.index(lane), *limits, tokens, TOKENS_WINDOW_MS])
+        code = await self._scripts.run(Enqueue(
+            record_key=job_record_key(job_id), result_key=result_key(job_id), jobs=k.jobs, wake=k.wake,
+            tags=k.tags(lane), tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
+            tenant_tokens=k.tenant_tokens, waiting=k.waiting(lane), running=k.running(lane), preempt=k.preempt(lane),
+            fair=k.fair(lane), queued=self._queued_keys(),
+            below=[k.running(lower) for lower in k.lanes[k.lanes.index(lane) + 1:]],
+            job_id=job_id, record=record, record_ttl_ms=RECORD_TTL_MS, lane=lane, max_waiting=max_waiting,
+            wake_cap=WAKE_CAP, tenant=tenant, tenant_max_waiting=quotas.max_waiting,
+            tenant_max_in_flight=quotas.max_in_flight, tenant_tokens_per_min=quotas.tokens_per_min, tokens=tokens,
+            tokens_window_ms=TOKENS_WINDOW_MS))
         return Enqueued(int(code))
+
+    def _queued_keys(self) -> list[str]:
+        """The waiting and deferred set of every lane: the jobs the queue's limit counts, and those a cancel
+        removes."""
+        return [key for lane in self.keys.lanes for key in (self.keys.waiting(lane), self.keys.deferred(lane))]
 
     async def tenant_counts(self, tenant: str) -> TenantCounts:
         """The tenant's jobs waiting (or deferred) and running: O(1), one round trip."""
@@ -244,10 +253,10 @@ class RedisQueue:
         """1: removed before it started; -1: running, abort requested (its worker is told at once);
         0: not in the queue (finished, or never enqueued)."""
         k = self.keys
-        counted = [key for lane in k.lanes for key in (k.waiting(lane), k.deferred(lane))]
-        return int(await self._scripts["CANCEL"](
-            keys=[k.jobs, k.owners, job_record_key(job_id), ABORTS, k.progress, k.tenant_waiting, *counted],
-            args=[job_id, k.abort_channel("")]))
+        return int(await self._scripts.run(Cancel(
+            jobs=k.jobs, owners=k.owners, record_key=job_record_key(job_id), aborts=ABORTS, progress=k.progress,
+            tenant_waiting=k.tenant_waiting, queued=self._queued_keys(), job_id=job_id,
+            abort_channel_prefix=k.abort_channel(""))))
 
     async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int,
                            serializer: Serializer) -> None:
@@ -276,8 +285,9 @@ class RedisQueue:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                await self._scripts["FORGET"](keys=[self.keys.jobs, result_key(job_id), retry_counter_key(job_id),
-                                                    stream_key(job_id)], args=[job_id], client=pipe)
+                await self._scripts.queue(Forget(jobs=self.keys.jobs, result_key=result_key(job_id),
+                                                 retry_counter=retry_counter_key(job_id), stream=stream_key(job_id),
+                                                 job_id=job_id), pipe)
             return sum(int(x) for x in await pipe.execute())
 
     async def clear_job(self, job_id: str) -> None:
@@ -352,9 +362,10 @@ class RedisQueue:
         k = self.keys
         lease = f"{token}#{next(self._claim_numbers)}"
         owed = owed or {}
-        flat = await self._scripts["CLAIM"](
-            keys=[k.jobs, k.owners, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
-            args=[max_jobs, lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, *(owed.get(lane, 0) for lane in k.lanes)])
+        flat = await self._scripts.run(Claim(
+            jobs=k.jobs, owners=k.owners, wake=k.wake, tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
+            lanes=k.lane_keys(), max_jobs=max_jobs, lease_ms=lease_ms, lease=lease, wake_cap=WAKE_CAP,
+            promote_limit=PROMOTE_LIMIT, owed=[owed.get(lane, 0) for lane in k.lanes]))
         return self._claimed(flat, lease)
 
     async def preempt(self, victim_lane: str, token: str, lease_ms: int, *,
@@ -367,9 +378,10 @@ class RedisQueue:
         k = self.keys
         lease = f"{token}#{next(self._claim_numbers)}"
         above = k.lanes[:k.lanes.index(victim_lane)]
-        flat = await self._scripts["PREEMPT"](
-            keys=[k.jobs, k.owners, k.wake, k.preemptions, k.tenant_waiting, k.tenant_running, *k.lane_groups(above)],
-            args=[lease_ms, lease, WAKE_CAP, PROMOTE_LIMIT, victim_lane if hand_back else ""])
+        flat = await self._scripts.run(Preempt(
+            jobs=k.jobs, owners=k.owners, wake=k.wake, preemptions=k.preemptions, tenant_waiting=k.tenant_waiting,
+            tenant_running=k.tenant_running, lanes=k.lane_keys(above), lease_ms=lease_ms, lease=lease,
+            wake_cap=WAKE_CAP, promote_limit=PROMOTE_LIMIT, victim_lane=victim_lane if hand_back else ""))
         claimed = self._claimed(flat, lease)
         return claimed[0] if claimed else None
 
@@ -379,13 +391,14 @@ class RedisQueue:
         with a free slot took the wake-up and claims it."""
         k = self.keys
         lease = f"{token}#{next(self._claim_numbers)}"
-        flat = await self._scripts["LEND_RESERVE"](
-            keys=[k.jobs, k.owners, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_group(lane)],
-            args=[lease_ms, lease, PROMOTE_LIMIT])
+        flat = await self._scripts.run(LendReserve(
+            jobs=k.jobs, owners=k.owners, wake=k.wake, tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
+            waiting=k.waiting(lane), deferred=k.deferred(lane), running=k.running(lane), lease_ms=lease_ms,
+            lease=lease, promote_limit=PROMOTE_LIMIT))
         claimed = self._claimed(flat, lease, lanes=(lane,), lent_reserve=True)
         return claimed[0] if claimed else None
 
-    def _claimed(self, flat: list[Any], lease: str, *, lanes: Sequence[str] | None = None,
+    def _claimed(self, flat: ClaimReply, lease: str, *, lanes: Sequence[str] | None = None,
                  lent_reserve: bool = False) -> list[ClaimedJob]:
         """The claims in a claim script's reply (Redis' time of the claim, then id, lane index,
         ready ms for each job; empty when the script declined); its lane indexes count from
@@ -434,9 +447,9 @@ class RedisQueue:
         job its lease no longer owns."""
         if not jobs:
             return []
-        owned = await self._scripts["RENEW"](
-            keys=[self.keys.owners, *(self.keys.running(j.lane) for j in jobs)],
-            args=[lease_ms, *(x for j in jobs for x in (j.id, j.lease))])
+        owned = await self._scripts.run(Renew(
+            owners=self.keys.owners, running=[self.keys.running(job.lane) for job in jobs], lease_ms=lease_ms,
+            job_ids=[job.id for job in jobs], leases=[job.lease for job in jobs]))
         return [bool(x) for x in owned]
 
     async def start_attempt(self, job: ClaimedJob, attempt: int, delivered_tokens: int, *,
@@ -450,10 +463,9 @@ class RedisQueue:
         worker is without progress), else it is ``START_ISOLATED`` and not started. None: it
         always starts (deaths are still counted)."""
         k = self.keys
-        verdict, interruptions, interrupted, failed, deaths = await self._scripts["START_ATTEMPT"](
-            keys=[k.owners, k.progress, k.attempt_outcomes],
-            args=[job.lease, job.id, attempt, delivered_tokens, "" if max_worker_deaths is None else max_worker_deaths,
-                  "1" if isolated else ""])
+        verdict, interruptions, interrupted, failed, deaths = await self._scripts.run(StartAttempt(
+            owners=k.owners, progress=k.progress, attempt_outcomes=k.attempt_outcomes, lease=job.lease, job_id=job.id,
+            attempt=attempt, delivered_tokens=delivered_tokens, max_deaths=max_worker_deaths, isolated=isolated))
         return AttemptStart(verdict=AttemptVerdict(int(verdict)), interruptions=int(interruptions),
                             interrupted=int(interrupted), failed=int(failed), worker_deaths=int(deaths))
 
@@ -466,32 +478,33 @@ class RedisQueue:
     async def finish(self, job: ClaimedJob, result: bytes | None, result_ttl_ms: int) -> bool:
         """Store the result and remove the job from the queue. False: not ours (left alone)."""
         k = self.keys
-        return bool(await self._scripts["FINISH"](
-            keys=[k.owners, k.jobs, k.running(job.lane), job_record_key(job.id), retry_counter_key(job.id),
-                  result_key(job.id), ABORTS, k.progress, k.tenant_running],
-            args=[job.lease, job.id, result or b"", result_ttl_ms]))
+        return bool(await self._scripts.run(Finish(
+            owners=k.owners, jobs=k.jobs, running=k.running(job.lane), record_key=job_record_key(job.id),
+            retry_counter=retry_counter_key(job.id), result_key=result_key(job.id), aborts=ABORTS, progress=k.progress,
+            tenant_running=k.tenant_running, lease=job.lease, job_id=job.id, result=result or b"",
+            result_ttl_ms=result_ttl_ms)))
 
     async def retry_later(self, job: ClaimedJob, backoff_ms: int) -> bool:
         """Defer the job for ``backoff_ms`` (by Redis' clock) after its attempt failed (a try
         spent). False: not ours."""
         k = self.keys
-        return bool(await self._scripts["RETRY_LATER"](
-            keys=[k.owners, k.running(job.lane), k.deferred(job.lane), k.progress, k.attempt_outcomes, k.jobs,
-                  k.tenant_waiting, k.tenant_running],
-            args=[job.lease, job.id, backoff_ms]))
+        return bool(await self._scripts.run(RetryLater(
+            owners=k.owners, running=k.running(job.lane), deferred=k.deferred(job.lane), progress=k.progress,
+            attempt_outcomes=k.attempt_outcomes, jobs=k.jobs, tenant_waiting=k.tenant_waiting,
+            tenant_running=k.tenant_running, lease=job.lease, job_id=job.id, backoff_ms=backoff_ms)))
 
     async def hand_back(self, job: ClaimedJob) -> bool:
         """Return a job to its place in line without using a try (worker shutdown, dead engine)."""
         k = self.keys
-        return bool(await self._scripts["HAND_BACK"](
-            keys=[k.owners, k.jobs, k.running(job.lane), k.waiting(job.lane), retry_counter_key(job.id), k.wake,
-                  k.tenant_waiting, k.tenant_running],
-            args=[job.lease, job.id, WAKE_CAP]))
+        return bool(await self._scripts.run(HandBack(
+            owners=k.owners, jobs=k.jobs, running=k.running(job.lane), waiting=k.waiting(job.lane),
+            retry_counter=retry_counter_key(job.id), wake=k.wake, tenant_waiting=k.tenant_waiting,
+            tenant_running=k.tenant_running, lease=job.lease, job_id=job.id, wake_cap=WAKE_CAP)))
 
     async def reap(self) -> int:
         """Requeue jobs whose lease expired by Redis' clock (their worker died or stalled);
         promote due retries."""
         k = self.keys
-        return int(await self._scripts["REAP"](
-            keys=[k.owners, k.jobs, k.wake, k.tenant_waiting, k.tenant_running, *k.lane_groups()],
-            args=[REAP_LIMIT, WAKE_CAP]))
+        return int(await self._scripts.run(Reap(
+            owners=k.owners, jobs=k.jobs, wake=k.wake, tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
+            lanes=k.lane_keys(), limit=REAP_LIMIT, wake_cap=WAKE_CAP)))

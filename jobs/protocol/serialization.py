@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import msgpack
 
-from slotq.jobs.protocol.arq_adapter import exception_data
+from slotq.jobs.protocol.arq_formats import exception_data
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 
 POISON_MARKER = "__slotq_poison__"

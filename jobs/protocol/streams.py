@@ -28,7 +28,8 @@ from slotq.engine import ErrorInfo, FinishReason, Timings, TokenLogprob, TopLogp
 from slotq.engine.reply_parser import ToolCallDelta
 from slotq.jobs.protocol.keys import stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
-from slotq.jobs.protocol.scripts import STREAM_FLUSH
+from slotq.jobs.protocol.scripts.layout import ScriptRunner
+from slotq.jobs.protocol.scripts.stream_flush import StreamFlush
 
 log = logging.getLogger(__name__)
 
@@ -195,19 +196,22 @@ class StreamAppender:
         self.ttl_s = ttl_s
         self.ttl_live_s = ttl_live_s or ttl_s
         self.owners_key = owners_key
-        self._script = redis.register_script(STREAM_FLUSH)
+        self._scripts = ScriptRunner(redis)
 
     async def append(self, flush_id: str, jobs: Sequence[JobEntries]) -> list[bool]:
         """Send one flush; per job, whether its entries were written (False: fenced off)."""
-        keys = [self.owners_key or "", write_mark_key(self.writer_id), *(stream_key(job.job_id) for job in jobs)]
-        args: list[str | int] = ["1" if self.owners_key else "", flush_id, self.maxlen, self.ttl_live_s, self.ttl_s]
+        entries: list[str | int] = []
         for job in jobs:
-            args += [job.job_id, job.lease, int(job.ttl), len(job.entries)]
             for fields in job.entries:
-                args.append(2 * len(fields))
+                entries.append(2 * len(fields))
                 for name, value in fields.items():
-                    args += [name, value]
-        written = await self._script(keys=keys, args=args)
+                    entries += [name, value]
+        written = await self._scripts.run(StreamFlush(
+            owners=self.owners_key or "", flush_mark=write_mark_key(self.writer_id),
+            streams=[stream_key(job.job_id) for job in jobs], fenced=bool(self.owners_key), flush_id=flush_id,
+            maxlen=self.maxlen, live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s,
+            job_ids=[job.job_id for job in jobs], leases=[job.lease for job in jobs],
+            ttls=[int(job.ttl) for job in jobs], entry_counts=[len(job.entries) for job in jobs], entries=entries))
         return [ok == "1" for ok in (written.decode() if isinstance(written, bytes) else written)]
 
 

@@ -124,8 +124,7 @@ class SlotqWorker:
             self._http = health.serve(self.settings.metrics_port, self.health)
             log.info("Prometheus metrics on :%d/metrics, readiness on /ready, liveness on /live",
                      self.settings.metrics_port)
-        redis = await connect(self.redis_url, patient=True, queue_name=self.settings.queue_name,
-                              ca_file=self.settings.redis_ca_file)
+        redis = await connect(self.redis_url, patient=True, ca_file=self.settings.redis_ca_file)
         self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes,
                                 clock_offset_s=self.settings.clock_offset_s)
         self.runtime = QueueRuntime(

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 from redis._parsers import _AsyncHiredisParser
+from redis.asyncio import Redis
 
-from slotq.jobs.protocol.arq_adapter import ArqRedis
 from slotq.jobs.protocol.connection import connect
 
 
 @pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[ArqRedis]:
+async def client(redis_url: str) -> AsyncIterator[Redis]:
     redis = await connect(redis_url, patient=False)
     try:
         yield redis
@@ -38,7 +38,7 @@ def socket_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-async def test_a_clean_connection_is_reused_without_reading_its_socket(client: ArqRedis,
+async def test_a_clean_connection_is_reused_without_reading_its_socket(client: Redis,
                                                                        socket_checks: list[int]) -> None:
     await client.set("conn:k", "v")
     socket_checks.clear()
@@ -49,7 +49,7 @@ async def test_a_clean_connection_is_reused_without_reading_its_socket(client: A
 
 
 async def test_a_cancelled_commands_late_reply_never_answers_the_next_command(
-        client: ArqRedis, redis_url: str, socket_checks: list[int]) -> None:
+        client: Redis, redis_url: str, socket_checks: list[int]) -> None:
     other = await connect(redis_url, patient=False)
     try:
         await client.set("conn:k", "v")
@@ -67,7 +67,7 @@ async def test_a_cancelled_commands_late_reply_never_answers_the_next_command(
         await other.aclose()
 
 
-async def test_a_connection_the_server_closed_is_replaced(client: ArqRedis, redis_url: str) -> None:
+async def test_a_connection_the_server_closed_is_replaced(client: Redis, redis_url: str) -> None:
     other = await connect(redis_url, patient=False)
     try:
         await client.set("conn:k", "v")
