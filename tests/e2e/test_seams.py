@@ -145,7 +145,7 @@ def loaded_under(modules: set[str], *prefixes: str) -> list[str]:
     return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes))
 
 
-PRODUCER_MUST_NOT_LOAD = ("arq.worker", "llama_cpp", "fastapi", "uvicorn", "slotq.jobs.worker",
+PRODUCER_MUST_NOT_LOAD = ("arq", "llama_cpp", "fastapi", "uvicorn", "slotq.jobs.worker",
                           "slotq.jobs.gateway", "slotq.jobs.cli", "slotq.engine.engine", "slotq.engine.runner")
 
 
