@@ -3,10 +3,12 @@
 The ```python blocks of README.md's "Using it from a web app" and of docs/bulk.md's Python API are
 read from the files (not copied here) and run against a real Redis and a real ``slotq worker`` on
 the tiny model, each in a child process of the checkout's Python (so ``from slotq import ...`` is
-the installed import path, not the repository's folders). The only change made to them is the
-Redis URL: the examples use the embedded server's ``redis://localhost:6399/0``, the test its own
-server. Blocks with a top-level ``await`` run in order in one ``async def main()`` (they share one
-namespace, as a reader's session would); each blocking block runs on its own.
+the installed import path, not the repository's folders); so are docs/gateway.md's blocks that
+make their own OpenAI client, against a real ``slotq gateway``. The only change made to them is
+the address: the examples use the embedded server's ``redis://localhost:6399/0`` and the gateway's
+``http://127.0.0.1:8000``, the test its own servers. Blocks with a top-level ``await`` run in order
+in one ``async def main()`` (they share one namespace, as a reader's session would); each blocking
+block runs on its own.
 
 Every Python block of README.md and docs/*.md must also compile and import only names that exist,
 and name no Redis URL but the embedded server's.
@@ -32,9 +34,11 @@ import redis as sync_redis
 from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.producer.client import SlotqClient
 from tests.support import REPO_ROOT
+from tests.support.gateway import Stack
 from tests.support.jobs import WorkerProcess, clean_env, wait_for_workers
 
 EXAMPLE_URL = "redis://localhost:6399/0"      # the embedded server a `slotq worker` starts: what the docs use
+EXAMPLE_GATEWAY = "http://127.0.0.1:8000"     # `slotq gateway`'s default address
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 WORKER = "docs-examples"
 # a hang guard, not a timed assertion: the examples' own result(timeout=60) fail long before it
@@ -59,10 +63,10 @@ def has_top_level_await(block: str) -> bool:
     return bool(code.co_flags & inspect.CO_COROUTINE)
 
 
-def scripts(blocks: list[str], redis_url: str) -> list[str]:
+def scripts(blocks: list[str], redis_url: str, gateway_url: str) -> list[str]:
     """The blocks as runnable scripts: the awaiting ones in order in one ``main()``, then each blocking one."""
     assert blocks, "no ```python blocks found"
-    blocks = [b.replace(EXAMPLE_URL, redis_url) for b in blocks]
+    blocks = [b.replace(EXAMPLE_URL, redis_url).replace(EXAMPLE_GATEWAY, gateway_url) for b in blocks]
     awaiting = [b for b in blocks if has_top_level_await(b)]
     blocking = [b for b in blocks if not has_top_level_await(b)]
     body = textwrap.indent("\n".join(awaiting), "    ")
@@ -70,10 +74,10 @@ def scripts(blocks: list[str], redis_url: str) -> list[str]:
     return wrapped + blocking
 
 
-def run_scripts(blocks: list[str], redis_url: str, cwd: Path) -> list[str]:
+def run_scripts(blocks: list[str], redis_url: str, cwd: Path, gateway_url: str = EXAMPLE_GATEWAY) -> list[str]:
     """Run each script with the checkout's Python in ``cwd``; their outputs, in order."""
     outputs = []
-    for i, script in enumerate(scripts(blocks, redis_url)):
+    for i, script in enumerate(scripts(blocks, redis_url, gateway_url)):
         path = cwd / f"example_{i}.py"
         path.write_text(script)
         done = subprocess.run([sys.executable, str(path)], cwd=cwd, env=clean_env(), capture_output=True, text=True,
@@ -133,11 +137,27 @@ def test_the_bulk_python_api_examples_run(worker_redis_url: str, tmp_path: Path)
         assert {r["status"] for r in written} == {"succeeded"}, written
 
 
+def test_the_gateway_openai_sdk_examples_run(tiny_model_path: Path, tmp_path: Path) -> None:
+    """The blocks that make their own client (a fragment such as the embeddings call needs an
+    embedding worker and the client of an earlier block)."""
+    blocks = [b for b in python_blocks((REPO_ROOT / "docs" / "gateway.md").read_text()) if "OpenAI(" in b]
+    assert blocks and all(EXAMPLE_GATEWAY in b for b in blocks), blocks
+    batch = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "smollm2", "max_tokens": 8,
+                                  "messages": [{"role": "user", "content": f"line {i}"}]}}) for i in range(2)]
+    (tmp_path / "batch.jsonl").write_text("\n".join(batch) + "\n")
+    with Stack.started(tmp_path, tiny_model_path) as stack:
+        stack.start_worker("docs-gateway-worker", "smollm2", ctx=2048)
+        stack.start_gateway("docs-gateway", data_dir=tmp_path / "data").wait_ready()
+        stack.wait_for_models({"smollm2"})
+        run_scripts(blocks, stack.redis.url, tmp_path, stack.url)
+
+
 @pytest.mark.real_model
 def test_the_engine_example_runs_on_the_bundled_model(tmp_path: Path) -> None:
     blocks = python_blocks(section(REPO_ROOT / "docs" / "architecture.md", "The engine on its own"))
     assert blocks, "docs/architecture.md's engine section has no ```python block"
-    run_scripts(blocks[:1], "unused", tmp_path)
+    run_scripts(blocks[:1], "unused", tmp_path)  # the first block; the rest are fragments of the engine's API
 
 
 def _imported_names(block: str) -> Iterator[tuple[str, str]]:
