@@ -90,7 +90,7 @@ class Plan(BaseModel):
 
 
 # The streaming cost at a real GPU's pace: one token per sequence per 20 ms step, half of 100 slots
-# busy, with the default 10 ms flush and a coarser 100 ms one (SLOTQ_STREAM_FLUSH_MS). It gives the
+# busy, with a 10 ms flush and the default 100 ms one (SLOTQ_STREAM_FLUSH_MS). It gives the
 # capacity rule of thumb (busy GPU slots per Valkey core).
 STREAMING = [FleetSettings(sim=SimulationParams(tokens_per_s=50, step_s=0.02), stream_flush_ms=flush)
              for flush in (10, 100)]
@@ -514,6 +514,6 @@ def _table(summary: dict[Design, list[dict[str, Any]]], settings: FleetSettings)
         f"event) and workers flush streams every {settings.stream_flush_ms:g} ms; one job in {READ_EVERY} has a stream "
         f"reader; Poisson arrivals from {PRODUCERS} producer connections; a fresh Valkey (append-only, fsync every "
         f"second) per step. Commands count those inside Lua scripts. Per-token costs reflect this coarse step: a "
-        f"real GPU step emits one token per sequence and the default 10 ms flush writes each stream far more often. "
+        f"real GPU step emits one token per sequence and the default 100 ms flush writes each stream far more often. "
         f"Pickup = enqueue to claim; a job not claimed by the end counts with its wait so far.")
     return f"{table}\n\n{caption}"

@@ -153,6 +153,12 @@ class QueueKeys:
 
     @property
     def jobs(self) -> str:
+        """Every job of the queue that is not finished (waiting, deferred or running), so HLEN of it
+        is the queue's demand in O(1). The key KEDA scales workers on: the ``redis`` trigger's
+        ``listName`` is ``<SLOTQ_QUEUE_NAME>:jobs``, ``slotq:queue:jobs`` by default
+        (deploy/kubernetes/keda-scaledobject.yaml; tests/e2e/test_deploy.py checks the two agree).
+        Demand rather than waiting jobs, because the HPA sets replicas = ceil(metric / target): a
+        metric of waiting jobs alone would scale a busy fleet down whenever the backlog is short."""
         return f"{self.queue}:jobs"
 
     @property

@@ -2,7 +2,7 @@
 
     from slotq import SlotqClient, JobRequest
 
-    client = await SlotqClient.connect("redis://localhost:6379/0")
+    client = await SlotqClient.connect("redis://localhost:6399/0")   # the embedded server `slotq worker` starts
     job = await client.enqueue(JobRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=64))
 
 Every name here is loaded on first use (PEP 562), so ``import slotq`` costs nothing and a web app

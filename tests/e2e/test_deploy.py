@@ -1,5 +1,6 @@
 """The Kubernetes manifests in deploy/kubernetes agree with the code: every SLOTQ_* variable they
-set is a real setting, every probe path is served, and the gateway's files volume is where its
+set is a real setting, every probe path is served, KEDA reads the key the queue keeps its demand
+in, the worker's grace period outlasts its exit bound, and the gateway's files volume is where its
 setting points. (No cluster here: this checks what a typo would break on the first apply.)"""
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import yaml
 
 from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.protocol.keys import QueueKeys
+from slotq.jobs.settings import ClientSettings
 from slotq.jobs.worker.health import Health, app
 from slotq.jobs.worker.settings import WorkerSettings
+from slotq.jobs.worker.worker import EXIT_MARGIN_S
 from tests.support import REPO_ROOT
 
 KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"
@@ -38,6 +42,31 @@ def test_every_slotq_variable_in_the_manifests_is_a_setting() -> None:
     used = {var for path in KUBERNETES.glob("*.yaml") for var in re.findall(r"\bSLOTQ_[A-Z0-9_]+", path.read_text())}
     assert used, "no SLOTQ_ variable found"
     assert used <= known, sorted(used - known)
+
+
+def _config() -> dict[str, str]:
+    return _documents()[("ConfigMap", "slotq-config")]["data"]
+
+
+def test_keda_scales_on_the_queues_demand_key() -> None:
+    """listName is the key QueueKeys.jobs computes for the ConfigMap's queue, which is the default
+    queue, and listLength is the slots per pod."""
+    config = _config()
+    [trigger] = _documents()[("ScaledObject", "slotq-worker")]["spec"]["triggers"]
+    assert trigger["type"] == "redis"
+    queue = config["SLOTQ_QUEUE_NAME"]
+    assert queue == ClientSettings.model_fields["queue_name"].default
+    lanes = tuple(ClientSettings.model_fields["lanes"].get_default(call_default_factory=True))
+    assert trigger["metadata"]["listName"] == QueueKeys(queue, lanes).jobs
+    assert trigger["metadata"]["listLength"] == config["SLOTQ_SLOTS"]
+
+
+def test_the_worker_grace_period_outlasts_its_exit_bound() -> None:
+    """Kubernetes' SIGKILL must not cut the hand-back short: the pod's grace period exceeds the
+    worker's exit bound, SLOTQ_DRAIN_GRACE_S + EXIT_MARGIN_S (jobs/worker/worker.py)."""
+    spec = _documents()[("Deployment", "slotq-worker")]["spec"]["template"]["spec"]
+    bound = int(_config()["SLOTQ_DRAIN_GRACE_S"]) + EXIT_MARGIN_S
+    assert spec["terminationGracePeriodSeconds"] > bound, (spec["terminationGracePeriodSeconds"], bound)
 
 
 def test_the_worker_probes_are_served() -> None:
