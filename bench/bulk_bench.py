@@ -62,12 +62,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
 from slotq.jobs.bulk import BulkOptions
-from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildExited, ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.preemption import guaranteed_slots
 from slotq.jobs.protocol.redis_queue import LaneCounts
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.settings import ClientSettings
 from slotq.jobs.worker.settings import WorkerSettings
 

@@ -41,9 +41,9 @@ from bench.overhead_bench import _rotated, write_tiny_model
 from bench.peers_bench import _wait_http
 from bench.report import markdown_table, progress, write_results
 from slotq.engine import bundled_model_path
-from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.settings import ClientSettings
 
 CONCURRENCY = [1, 8, 32]

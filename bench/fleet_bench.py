@@ -45,11 +45,11 @@ from bench.fleet_counters import LagProbe
 from bench.fleet_host import Design, HostConfig, RecordReader
 from bench.report import markdown_table, percentile, progress, write_results
 from bench.sim_engine import SimulationParams
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.producer.stream_reader import StreamReader
 from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.settings import ClientSettings
 
 QUEUE = "slotq:queue"

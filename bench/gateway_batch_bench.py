@@ -43,12 +43,12 @@ from slotq.engine import FinishReason, Timings, Usage
 from slotq.jobs.bulk import identity
 from slotq.jobs.bulk.formats import raw_key
 from slotq.jobs.bulk.source import InputFile
-from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
 from slotq.jobs.protocol.serialization import serialize
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.settings import ClientSettings
 
 SLOTS = 4

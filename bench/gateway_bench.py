@@ -26,9 +26,9 @@ import httpx
 from bench.queue_bench import OneRequest, Timed, _closed_loop, _queue_request
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import bundled_model_path
-from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.settings import ClientSettings
 
 SLOTS = 16

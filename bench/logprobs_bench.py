@@ -29,10 +29,10 @@ import numpy as np
 from bench.report import distinct_prompt, markdown_table, progress, write_results
 from slotq.engine import bundled_model_path
 from slotq.engine.logprobs import RowLogprobs
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
+from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.settings import ClientSettings
 
 SLOTS = 8

@@ -44,10 +44,10 @@ from bench.peers_bench import _wait_http
 from bench.queue_bench import timed_job
 from bench.report import distinct_prompt, markdown_table, progress, write_results
 from slotq.engine import Engine, EngineConfig, GenerationRequest, KVLayout, SamplingParams
-from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.settings import ClientSettings
 
 STREAMS = [64, 256]

@@ -48,10 +48,10 @@ from bench.report import TOPICS, percentile, progress, write_results
 from slotq.engine import EngineConfig, bundled_model_path
 from slotq.engine.config import CpuRepack
 from slotq.engine.cpu_features import decide_repack, this_cpu_flags
-from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.settings import ClientSettings
 
 CONCURRENCY = [1, 4, 8, 16]

@@ -34,9 +34,9 @@ from bench import overhead_bench
 from bench.overhead_bench import write_tiny_model
 from bench.queue_bench import _closed_loop, _queue_request
 from slotq.engine import bundled_model_path
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.settings import ClientSettings
 
 CLIENTS, PER_CLIENT, MAX_TOKENS = 8, 6, 64

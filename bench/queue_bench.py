@@ -35,10 +35,10 @@ from redis.asyncio import Redis
 
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
 from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, Timings, bundled_model_path
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
+from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.settings import ClientSettings
 
 SLOTS = 8

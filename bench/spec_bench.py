@@ -61,8 +61,8 @@ from bench.spec_report import LLAMA_PLAIN, LLAMA_SPEC_PREFIX, SLOTQ_DRAFT, SLOTQ
 from slotq.engine import bundled_model_path
 from slotq.engine.config import CpuRepack
 from slotq.engine.cpu_features import decide_repack, this_cpu_flags
-from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
 
 CONCURRENCY = [1, 4, 16]
 ROUNDS = 2

@@ -19,7 +19,7 @@ threads, and the parent-death signal fires when the *thread* that forked the chi
 server restarted from ``asyncio.to_thread`` would be killed at once or not protected at all. One
 handler here covers them all. What no handler can cover is SIGKILL of pytest itself; there the
 embedded servers' and ``ChildProcess`` children's own ``PR_SET_PDEATHSIG``
-(``slotq.jobs.cli.watch.die_with_parent``, main thread only) still applies.
+(``slotq.jobs.child_processes.die_with_parent``, main thread only) still applies.
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
 async def _client(settings: ClientSettings) -> AsyncIterator[Any]:
     """A client on the configured Redis, or on an embedded one that `slotq redis`/`slotq worker`
     already started; commands that only talk to Redis never start a server of their own."""
-    from slotq.jobs.cli.redis_server import port_is_serving
     from slotq.jobs.producer.client import SlotqClient
+    from slotq.jobs.redis_server import port_is_serving
 
     url = settings.redis_url
     if url is None:
@@ -98,7 +98,7 @@ def _describe(exc: ValidationError) -> str:
 # ---------------------------------------------------------------------- commands
 def cmd_worker(args: argparse.Namespace) -> int:
     """Exit code 0 after a drain; 70 when the engine died (its supervisor should restart it)."""
-    from slotq.jobs.cli.redis_server import redis_url_or_embedded
+    from slotq.jobs.redis_server import redis_url_or_embedded
     from slotq.jobs.worker.worker import SlotqWorker
 
     settings = _worker_settings(args)
@@ -122,8 +122,8 @@ def cmd_redis(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from slotq.jobs.cli.redis_server import EmbeddedRedis, EmbeddedRedisError, port_data_dir
-    from slotq.jobs.cli.watch import describe_returncode, log_tail
+    from slotq.jobs.child_processes import describe_returncode, log_tail
+    from slotq.jobs.redis_server import EmbeddedRedis, EmbeddedRedisError, port_data_dir
 
     settings = from_command_line(ClientSettings, args, None)
     port = settings.embedded_redis_port if args.port is None else args.port

@@ -10,11 +10,11 @@ import socket
 
 import uvicorn
 
-from slotq.jobs.cli.redis_server import port_is_serving
 from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.limits import header_deadline_protocol
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.gateway.surfaces import AccessLogRedaction
+from slotq.jobs.redis_server import port_is_serving
 
 log = logging.getLogger("slotq.gateway")
 

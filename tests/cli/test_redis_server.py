@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
-from slotq.jobs.cli.redis_server import DataDirInUse, EmbeddedRedis, free_port, port_data_dir, port_is_serving
+from slotq.jobs.redis_server import DataDirInUse, EmbeddedRedis, free_port, port_data_dir, port_is_serving
 from tests.support.jobs import SLOTQ_BIN, clean_env
 from tests.support.processes import alive, wait_for
 
@@ -36,7 +36,7 @@ def children_of(pid: int) -> list[int]:
 def test_server_dies_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import time
-        from slotq.jobs.cli.redis_server import EmbeddedRedis
+        from slotq.jobs.redis_server import EmbeddedRedis
         server = EmbeddedRedis({str(tmp_path / "redis")!r})
         server.start()
         print(server.pid, server.port, flush=True)
@@ -101,7 +101,7 @@ def test_a_second_server_on_a_directory_in_use_is_refused(tmp_path: Path) -> Non
 
 def test_legacy_shared_directory_is_pointed_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "redis").mkdir()
-    with caplog.at_level(logging.WARNING, logger="slotq.jobs.cli.redis_server"):
+    with caplog.at_level(logging.WARNING, logger="slotq.jobs.redis_server"):
         port_data_dir(tmp_path, 6399)
     assert f"mv {tmp_path / 'redis'} {tmp_path / 'redis-6399'}" in caplog.text
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from slotq.jobs.cli.redis_server import port_is_serving
 from slotq.jobs.cli.watch import ChildExited, ChildProcess, WatchedTask, run_watched
+from slotq.jobs.redis_server import port_is_serving
 from tests.support.jobs import SLOTQ_BIN, clean_env
 from tests.support.processes import alive, wait_for
 

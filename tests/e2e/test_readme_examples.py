@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.redis_server import EmbeddedRedis
 from tests.support import REPO_ROOT
 from tests.support.gateway import Stack
 from tests.support.jobs import WorkerProcess, clean_env, wait_for_workers

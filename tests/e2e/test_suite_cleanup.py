@@ -25,7 +25,7 @@ import subprocess
 import threading
 import time
 
-from slotq.jobs.cli.redis_server import EmbeddedRedis, free_port, valkey_binary
+from slotq.jobs.redis_server import EmbeddedRedis, free_port, valkey_binary
 from tests.support.jobs import SLOTQ_BIN, clean_env
 
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.errors import RedisUnavailable
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.connection import parse_sentinel_url, redacted, redis_settings
 from slotq.jobs.protocol.schemas import JobStatus
+from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.settings import ClientSettings
 from tests.support.faults import check_job
 from tests.support.jobs import WorkerProcess, clean_env, job_request, raw_entries, wait_for_workers

