@@ -32,12 +32,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from slotq.jobs.child_processes import describe_returncode, die_with_parent, log_tail
-from slotq.jobs.errors import SlotqError
+from slotq.jobs.errors import RedisUnavailable, SlotqError
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "slotq.lock"
 LOG_FILE = "valkey.log"
+EMBEDDED_WAIT_S = 30.0    # `slotq worker` starts its server before it loads the model: well within this
 
 
 class EmbeddedRedisError(SlotqError, RuntimeError):
@@ -52,6 +53,28 @@ def port_is_serving(port: int) -> bool:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.settimeout(0.2)
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def running_embedded_url(port: int, *, wait_s: float = EMBEDDED_WAIT_S) -> str:
+    """The URL of the embedded server on ``port``, once it listens, waiting up to ``wait_s`` for it.
+
+    For the processes that only use a Redis (the gateway, ``slotq enqueue``, ``status``, ...): they never
+    start a server of their own, which would hold a queue no worker reads. They wait rather than check
+    once, so that ``slotq worker &`` followed at once by ``slotq gateway`` does not race the worker's
+    start of its server. Raises :class:`~slotq.jobs.errors.RedisUnavailable` when none came.
+    """
+    url = f"redis://127.0.0.1:{port}/0"
+    if port_is_serving(port):
+        return url
+    log.warning("waiting up to %.0f s for the embedded Redis at %s (`slotq worker` or `slotq redis` starts it)",
+                wait_s, url)
+    deadline = time.monotonic() + wait_s
+    while not port_is_serving(port):
+        if time.monotonic() >= deadline:
+            raise RedisUnavailable(f"no Redis at {url}; start one with `slotq worker` or `slotq redis` (embedded, "
+                                   f"SLOTQ_EMBEDDED_REDIS_PORT), or set SLOTQ_REDIS_URL")
+        time.sleep(0.1)
+    return url
 
 
 def port_data_dir(data_dir: Path, port: int) -> Path:

@@ -52,16 +52,14 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
 @contextlib.asynccontextmanager
 async def _client(settings: ClientSettings) -> AsyncIterator[Any]:
     """A client on the configured Redis, or on an embedded one that `slotq redis`/`slotq worker`
-    already started; commands that only talk to Redis never start a server of their own."""
+    started (waited for a while, as a worker started just before may still be starting it); commands
+    that only talk to Redis never start a server of their own."""
     from slotq.jobs.producer.client import SlotqClient
-    from slotq.jobs.redis_server import port_is_serving
+    from slotq.jobs.redis_server import running_embedded_url
 
     url = settings.redis_url
     if url is None:
-        if not port_is_serving(settings.embedded_redis_port):
-            raise SystemExit(f"no Redis: set SLOTQ_REDIS_URL, or start one with `slotq redis` "
-                             f"(embedded, port {settings.embedded_redis_port})")
-        url = f"redis://127.0.0.1:{settings.embedded_redis_port}/0"
+        url = running_embedded_url(settings.embedded_redis_port)
     client = await SlotqClient.connect(url, settings)
     try:
         yield client

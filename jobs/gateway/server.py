@@ -14,20 +14,16 @@ from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.limits import header_deadline_protocol
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.gateway.surfaces import AccessLogRedaction
-from slotq.jobs.redis_server import port_is_serving
+from slotq.jobs.redis_server import running_embedded_url
 
 log = logging.getLogger("slotq.gateway")
 
 
 def redis_url_for(settings: GatewaySettings) -> str:
-    """The configured Redis, or the embedded one that `slotq redis` / `slotq worker` started. A
-    gateway never starts a Redis of its own: it would be a queue no worker reads."""
-    if settings.redis_url:
-        return settings.redis_url
-    if not port_is_serving(settings.embedded_redis_port):
-        raise SystemExit(f"no Redis: set SLOTQ_REDIS_URL, or start one with `slotq redis` or `slotq worker` "
-                         f"(embedded, port {settings.embedded_redis_port})")
-    return f"redis://127.0.0.1:{settings.embedded_redis_port}/0"
+    """The configured Redis, or the embedded one that `slotq redis` / `slotq worker` started (waited for
+    a while: `slotq worker &` may still be starting it). A gateway never starts a Redis of its own: it
+    would be a queue no worker reads."""
+    return settings.redis_url or running_embedded_url(settings.embedded_redis_port)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -4,6 +4,7 @@ data directory. Real servers, real processes, nothing mocked."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -16,7 +17,15 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
-from slotq.jobs.redis_server import DataDirInUse, EmbeddedRedis, free_port, port_data_dir, port_is_serving
+from slotq.jobs.errors import RedisUnavailable
+from slotq.jobs.redis_server import (
+    DataDirInUse,
+    EmbeddedRedis,
+    free_port,
+    port_data_dir,
+    port_is_serving,
+    running_embedded_url,
+)
 from tests.support.jobs import SLOTQ_BIN, clean_env
 from tests.support.processes import alive, wait_for
 
@@ -158,3 +167,32 @@ def test_slotq_redis_exits_when_its_server_dies(slotq_redis) -> None:
     os.kill(valkey, signal.SIGKILL)
     assert proc.wait(15) == 1
     assert "Valkey stopped (killed by signal SIGKILL (exit code -9))" in proc.stderr.read()
+
+
+# ----------------------------------------------------------------------------- producers wait for it
+def test_a_producer_waits_for_the_server_a_worker_is_starting(tmp_path: Path, slotq_redis) -> None:
+    """``slotq worker &`` followed at once by a producer command (``slotq gateway``, ``status``, ...):
+    the producer waits for the embedded server the worker is about to start, rather than failing."""
+    port = free_port()
+    status = subprocess.Popen([str(SLOTQ_BIN), "status", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=clean_env(data_dir=str(tmp_path), embedded_redis_port=str(port)), text=True)
+    try:
+        said = ""
+        while "waiting up to 30 s for the embedded Redis" not in said and status.poll() is None:
+            said = status.stderr.readline()
+        assert f"redis://127.0.0.1:{port}/0 (`slotq worker` or `slotq redis` starts it)" in said, said
+        assert "listening on" in slotq_redis(port).stdout.readline()
+        out, err = status.communicate(timeout=60)
+    finally:
+        status.kill()
+        status.wait()
+    assert status.returncode == 0, err
+    assert "lanes" in json.loads(out)
+
+
+def test_with_no_server_a_producer_says_how_to_start_one() -> None:
+    port = free_port()
+    with pytest.raises(RedisUnavailable) as raised:
+        running_embedded_url(port, wait_s=0)
+    assert str(raised.value) == (f"no Redis at redis://127.0.0.1:{port}/0; start one with `slotq worker` or "
+                                 f"`slotq redis` (embedded, SLOTQ_EMBEDDED_REDIS_PORT), or set SLOTQ_REDIS_URL")
