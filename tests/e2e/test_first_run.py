@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slotq.engine import EngineKnobs
-from slotq.jobs.cli.main import build_parser
+from slotq.jobs.cli.parser import build_parser
 from slotq.jobs.errors import RedisUnavailable
 from slotq.jobs.producer.client import JobNotFound, JobRejected, SlotqClient
 from slotq.jobs.protocol.keys import job_record_key

@@ -125,9 +125,10 @@ async def test_sync_client_embeds(start_worker, redis_url: str) -> None:
 
 @pytest.mark.parametrize(("argv", "embeddings"), [([], None), (["--embeddings"], True), (["--no-embeddings"], False)])
 def test_slotq_worker_embeddings_flag(argv: list[str], embeddings: bool | None, monkeypatch, tmp_path: Path) -> None:
-    from slotq.jobs.cli.main import _worker_settings, build_parser
+    from slotq.jobs.cli.commands.common import worker_settings
+    from slotq.jobs.cli.parser import build_parser
 
     monkeypatch.chdir(tmp_path)                       # no .env of the checkout
     monkeypatch.delenv("SLOTQ_EMBEDDINGS", raising=False)
-    settings = _worker_settings(build_parser().parse_args(["worker", *argv]))
+    settings = worker_settings(build_parser().parse_args(["worker", *argv]))
     assert settings.embeddings is embeddings
