@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -130,6 +130,7 @@ NAME = st.from_regex(r"[A-Za-z0-9_-]{1,6}", fullmatch=True) | st.sampled_from(["
 JUNK = (st.none() | st.booleans() | st.integers() | st.floats() | TEXT | st.lists(st.integers(), max_size=2)
         | st.dictionaries(TEXT, st.integers(), max_size=2))
 FLOATS = st.floats(allow_nan=False) | st.sampled_from([float("nan"), float("inf"), float("-inf")])
+STOPS_AT_THE_LIMIT = st.sampled_from(["s" * 256, "s" * 257])
 
 
 def requests(field: Any) -> st.SearchStrategy[dict[str, Any]]:
@@ -156,7 +157,7 @@ def requests(field: Any) -> st.SearchStrategy[dict[str, Any]]:
         logit_bias=st.dictionaries(st.integers(0, 500), FLOATS, max_size=3), grammar=st.just('root ::= "a"'),
         json_schema=st.sampled_from([{"type": "string"}, {"x": float("nan")}, {}])))
     body = st.fixed_dictionaries({}, optional=optional(
-        max_tokens=st.integers(0, 300), n=st.integers(0, 65), stop=st.lists(TEXT | st.just("s" * 257), max_size=3),
+        max_tokens=st.integers(0, 300), n=st.integers(0, 65), stop=st.lists(TEXT | STOPS_AT_THE_LIMIT, max_size=3),
         ignore_eos=st.booleans(), sampling=sampling, priority=st.integers(-101, 101), deadline=FLOATS | st.none(),
         tools=st.lists(tool, max_size=3) | st.none(), tool_choice=choice, parallel_tool_calls=st.booleans(),
         reasoning_format=st.sampled_from(["deepseek", "none", "other"]), logprobs=st.integers(-1, 21) | st.none()))
@@ -175,10 +176,52 @@ def _verdict(model: type[BaseModel], body: dict[str, Any]) -> str | list[tuple[A
         return [(e["type"], e["loc"], e["msg"]) for e in exc.errors()]
 
 
+def _edge_cases() -> list[dict[str, Any]]:
+    """A request on each side of every rule the validators state, so each is tried whatever hypothesis draws."""
+    tool = {"function": {"name": "f"}}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    called = [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]
+    return [
+        {}, {"prompt": "a", **chat}, {"prompt": "a", "stop": [""]}, {"prompt": "a", "stop": ["s" * 256]},
+        {"prompt": "a", "stop": ["s" * 257]},
+        *({"prompt": "a", "sampling": {"logit_bias": {1: bias}}} for bias in (float("inf"), float("-inf"),
+                                                                                float("nan"), 3.0)),
+        {"prompt": "a", "sampling": {"grammar": 'root ::= "a"', "json_schema": {}}},
+        {"prompt": "a", "sampling": {"json_schema": {"x": float("nan")}}},
+        *({"messages": [{"role": role, "content": None, "tool_calls": called}]} for role in ("assistant", "tool")),
+        {**chat, "tools": [tool, tool]}, {"prompt": "a", "tools": [tool]},
+        {**chat, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        {**chat, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {**chat, "tool_choice": "required"}, {**chat, "tools": [tool], "tool_choice": "required"},
+        {**chat, "tools": [tool], "sampling": {"json_schema": {}}},
+        {**chat, "tools": [tool], "sampling": {"grammar": 'root ::= "a"'}},
+        {**chat, "tools": [tool], "tool_choice": "none", "sampling": {"grammar": 'root ::= "a"'}},
+    ]
+
+
+def _with_examples(test: Any) -> Any:
+    for case in _edge_cases():
+        test = example(case)(test)
+    return test
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@_with_examples
 @given(requests(lambda values: st.one_of(values, values, values, JUNK)) | requests(lambda values: values))
 def test_the_wire_accepts_what_the_engine_accepts_and_refuses_the_rest_alike(body: dict[str, Any]) -> None:
     assert _verdict(wire.GenerationParams, body) == _verdict(engine_request.GenerationParams, body)
+
+
+EMBEDDING_INPUTS = st.lists(TEXT, max_size=3) | st.lists(st.lists(st.integers(-2, 2**31), max_size=3), max_size=3)
+
+
+@example({"inputs": ["a", ""]})
+@example({"inputs": [[0], []]})
+@example({"inputs": [[0, -1]]})
+@example({"inputs": [[0, 1], [2]], "truncate": True})
+@given(st.fixed_dictionaries({}, optional={"inputs": EMBEDDING_INPUTS | JUNK, "truncate": st.booleans() | JUNK}))
+def test_the_wire_accepts_the_embeddings_the_engine_accepts_and_refuses_the_rest_alike(body: dict[str, Any]) -> None:
+    assert _verdict(wire.EmbeddingParams, body) == _verdict(engine_request.EmbeddingParams, body)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
