@@ -28,7 +28,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from slotq.engine import ErrorInfo
 from slotq.jobs.bulk import openai_batch
 from slotq.jobs.bulk.openai_batch import KEY_SET_BY_BULK, Endpoint
 from slotq.jobs.errors import JobRejected
@@ -36,6 +35,7 @@ from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.openai.translate import finish_reason, wire_param
 from slotq.jobs.openai.wire import EmbeddingsRequest
 from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobRequest, JobResult, JobStatus
+from slotq.jobs.protocol.wire import ErrorInfo
 
 
 class LineFormat(StrEnum):

@@ -23,12 +23,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from slotq.engine import ErrorInfo
 from slotq.jobs.openai import translate
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.openai.translate import AnyKind, AnyWireRequest
 from slotq.jobs.openai.wire import EmbeddingsRequest
 from slotq.jobs.protocol.schemas import AnyJobRequest, JobResult, split_job_id
+from slotq.jobs.protocol.wire import ErrorInfo
 
 # Why a line may not set its own idempotency key (slotq lines and OpenAI bodies alike).
 KEY_SET_BY_BULK = ("idempotency_key: set by slotq bulk (a line's job id derives from the input and its line number); "

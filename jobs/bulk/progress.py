@@ -21,8 +21,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from slotq.engine import Usage
 from slotq.jobs.bulk.runner import BulkSummary
+from slotq.jobs.protocol.wire import Usage
 
 RATE_WINDOW_S = 20.0
 

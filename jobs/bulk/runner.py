@@ -34,7 +34,6 @@ from pydantic import BaseModel, Field, computed_field
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from slotq.engine import ErrorInfo, Usage
 from slotq.jobs.bulk import identity
 from slotq.jobs.bulk.formats import (
     BulkLine,
@@ -62,6 +61,7 @@ from slotq.jobs.protocol.schemas import (
     split_job_id,
     tenant_job_id,
 )
+from slotq.jobs.protocol.wire import ErrorInfo, Usage
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,18 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from slotq.engine import ChatMessage, SamplingParams
-from slotq.engine.reply_parser import ToolCallDelta
-from slotq.engine.request import FunctionDef, ToolCallSpec, ToolChoice, ToolSpec
 from slotq.jobs.cli.watch import ChildExited, WatchedTask, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, assemble_tool_calls
+from slotq.jobs.protocol.wire import (
+    ChatMessage,
+    FunctionDef,
+    SamplingParams,
+    ToolCallDelta,
+    ToolCallSpec,
+    ToolChoice,
+    ToolSpec,
+)
 from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker

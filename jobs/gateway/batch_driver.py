@@ -20,7 +20,6 @@ import time
 
 from redis.exceptions import RedisError
 
-from slotq.engine import ErrorInfo, Usage
 from slotq.jobs.aio import wait_until_set
 from slotq.jobs.bulk import BulkOptions, BulkSummary, InputError, OutputError, open_bulk
 from slotq.jobs.bulk.formats import LineError, parse_line
@@ -43,6 +42,7 @@ from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol.schemas import JobKind
+from slotq.jobs.protocol.wire import ErrorInfo, Usage
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.asyncio import Redis
 
-from slotq.engine import Usage
 from slotq.jobs.bulk.openai_batch import Endpoint
 from slotq.jobs.gateway.records import BatchRecords
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol.keys import DEFAULT_TENANT
+from slotq.jobs.protocol.wire import Usage
 
 COMPLETION_WINDOW_S = 24 * 3600
 

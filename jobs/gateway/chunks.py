@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from slotq.engine import FinishReason, TokenLogprob, Usage
 from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.openai.translate import (
     Kind,
@@ -40,6 +39,7 @@ from slotq.jobs.openai.wire import (
 )
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import merge_tool_call_deltas
+from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, Usage
 
 DONE = "data: [DONE]\n\n"
 

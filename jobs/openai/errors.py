@@ -13,8 +13,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from slotq.engine import ErrorInfo
 from slotq.jobs.errors import JobRejected
+from slotq.jobs.protocol.wire import ErrorInfo
 
 # Job error codes (engine and job layer) that mean "the request itself is bad": HTTP 400.
 BAD_REQUEST_CODES = frozenset({"invalid_request", "prompt_too_long", "invalid_grammar", "invalid_payload"})

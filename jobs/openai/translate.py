@@ -20,7 +20,6 @@ from typing import Any, Literal, overload
 
 from pydantic import ValidationError
 
-from slotq.engine import FinishReason, TokenLogprob, Usage
 from slotq.jobs.openai.errors import ApiError, from_validation, public_param
 from slotq.jobs.openai.wire import (
     AssistantMessage,
@@ -50,6 +49,7 @@ from slotq.jobs.protocol.schemas import (
     JobStatus,
     decode_vector,
 )
+from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, Usage
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest

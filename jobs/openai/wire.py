@@ -23,8 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from slotq.engine.request import MAX_TOP_LOGPROBS, ToolCallSpec, ToolChoice, ToolSpec
 from slotq.jobs.protocol.schemas import JobKind, JobResult, JobStatus
+from slotq.jobs.protocol.wire import MAX_TOP_LOGPROBS, ToolCallSpec, ToolChoice, ToolSpec
 
 # Parameters of OpenAI's API that slotq cannot honour. Sent with an "off" value (null, false, "",
 # [], best_of 1) they are dropped; any other value is a 400 naming them. ``tools`` is honoured, and

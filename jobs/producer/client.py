@@ -20,7 +20,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from slotq.engine import ErrorInfo, FinishReason, GrammarError, Usage
+from slotq.engine import GenerationParams, GrammarError
 from slotq.engine.constraints import check_constraint
 from slotq.engine.tools import check_tools
 from slotq.jobs.errors import (
@@ -55,6 +55,7 @@ from slotq.jobs.protocol.schemas import (
     tenant_job_id,
 )
 from slotq.jobs.protocol.serialization import deserialize, serialize
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Usage
 from slotq.jobs.settings import ClientSettings
 
 __all__ = ["EmbeddingResult", "JobFailed", "JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull",
@@ -235,10 +236,12 @@ class SlotqClient:
     async def _check_constraint(self, request: JobRequest) -> None:
         """Compile the request's JSON schema, grammar or tools' parameters as a worker would, under
         the same limits (``SLOTQ_GRAMMAR_*``), so one a worker would refuse is never queued. Off the
-        event loop: a large grammar takes a few hundred milliseconds to refuse."""
+        event loop: a large grammar takes a few hundred milliseconds to refuse. The engine's checkers
+        read the engine's types, so the request is read as the engine's parameters first."""
         def check() -> None:
-            check_constraint(request.sampling, self.settings)
-            check_tools(request, self.settings)
+            params = GenerationParams.model_validate(request.model_dump(include=set(GenerationParams.model_fields)))
+            check_constraint(params.sampling, self.settings)
+            check_tools(params, self.settings)
 
         try:
             await asyncio.to_thread(check)

@@ -21,9 +21,9 @@ from typing import Any
 from pydantic import BaseModel, Field, computed_field
 from redis.asyncio import Redis
 
-from slotq.engine import ErrorInfo
 from slotq.jobs.protocol.keys import DEAD_LETTER_INDEX, DEAD_LETTER_REASONS, dead_letter_key
 from slotq.jobs.protocol.replies import reply
+from slotq.jobs.protocol.wire import ErrorInfo
 
 KILLED_ITS_WORKER = "killed_its_worker"
 

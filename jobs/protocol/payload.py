@@ -27,8 +27,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from slotq.engine import ErrorInfo
 from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobKind, JobRequest
+from slotq.jobs.protocol.wire import ErrorInfo
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,20 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
-from slotq.engine import ErrorInfo, FinishReason, GenerationParams, Timings, TokenLogprob, Usage
-from slotq.engine.reply_parser import ToolCallDelta
-from slotq.engine.request import EmbeddingParams, FunctionCall, ToolCallSpec
 from slotq.jobs.protocol.keys import DEFAULT_TENANT
 from slotq.jobs.protocol.serialization import serialize
+from slotq.jobs.protocol.wire import (
+    EmbeddingParams,
+    ErrorInfo,
+    FinishReason,
+    FunctionCall,
+    GenerationParams,
+    Timings,
+    TokenLogprob,
+    ToolCallDelta,
+    ToolCallSpec,
+    Usage,
+)
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,200}$")
 

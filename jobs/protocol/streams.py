@@ -24,12 +24,11 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from slotq.engine import ErrorInfo, FinishReason, Timings, TokenLogprob, TopLogprob, Usage
-from slotq.engine.reply_parser import ToolCallDelta
 from slotq.jobs.protocol.keys import stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
 from slotq.jobs.protocol.scripts.stream_flush import StreamFlush
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, TokenLogprob, ToolCallDelta, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
 

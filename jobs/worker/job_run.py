@@ -32,21 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from slotq.engine import (
-    EngineDead,
-    EngineError,
-    ErrorInfo,
-    Finished,
-    FinishReason,
-    GenerationParams,
-    GenerationRequest,
-    TextDelta,
-    Timings,
-    TokenLogprob,
-    Usage,
-)
-from slotq.engine.reply_parser import ToolCallDelta
-from slotq.engine.request import EmbeddingParams, EmbeddingRequest
+from slotq.engine import EngineDead, EngineError, GenerationRequest
 from slotq.jobs.protocol import dead_letters, streams
 from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
 from slotq.jobs.protocol.payload import decode_payload
@@ -64,6 +50,7 @@ from slotq.jobs.protocol.schemas import (
     assemble_tool_calls,
 )
 from slotq.jobs.protocol.serialization import POISON_MARKER
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, TokenLogprob, ToolCallDelta, Usage
 from slotq.jobs.worker import metrics
 from slotq.jobs.worker.elastic.admission import Verdict
 from slotq.jobs.worker.engine_api import JobEmbedder, JobEngine, RunningRequest
@@ -71,6 +58,7 @@ from slotq.jobs.worker.fault_injection import JobFaults
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
+from slotq.jobs.worker.wire_edge import Delta, Done, from_engine_event, to_engine_embedding_request, to_engine_request
 
 log = logging.getLogger(__name__)
 
@@ -230,20 +218,21 @@ class JobRun:
         if job.n > 1 and delivered.tokens:
             self.writer.add(self.job_id, self._entry(EntryKind.RESTART))
             delivered = Delivered()
-        params = job.model_dump(include=set(GenerationParams.model_fields))     # the job layer's own fields stay here
-        params["priority_class"] = self._lane_rank(job.lane)
-        params["lent_reserve"] = self.lent_reserve
+        max_tokens = job.max_tokens
         if self.verdict is not None:
             verdict = self.verdict(max_tokens=job.max_tokens, resuming=bool(delivered.tokens))
             if verdict.refuse is not None:
                 await self._hand_back_refused(verdict.refuse)
             if verdict.cap is not None:
                 self.cap = verdict.cap
-                params["max_tokens"] = verdict.cap.applied
-        self.tokens_left = params["max_tokens"] * job.n - delivered.token_count
-        if len(resume) >= job.max_tokens:
-            return await self._complete_delivered(GenerationRequest(id=self.job_id, **params), delivered)
-        request = GenerationRequest(id=self.job_id, resume_tokens=resume, **params)
+                max_tokens = verdict.cap.applied
+        self.tokens_left = max_tokens * job.n - delivered.token_count
+        completed = len(resume) >= job.max_tokens
+        request = to_engine_request(job, request_id=self.job_id, max_tokens=max_tokens,
+                                    priority_class=self._lane_rank(job.lane), lent_reserve=self.lent_reserve,
+                                    resume_tokens=[] if completed else resume)
+        if completed:
+            return await self._complete_delivered(request, delivered)
         if self.faults.kills_at_start(self.job_id):
             await self.faults.kill_worker(self.writer.write_all(self.job_id))
         try:
@@ -318,7 +307,7 @@ class JobRun:
                 f"an embedding job reached a generation worker ({self.worker_id}, model "
                 f"{self.engine.info.model_name}, queue {self.settings.queue_name}); embedding jobs go to the queue "
                 "of an embedding worker (slotq worker --embeddings)")))
-        request = EmbeddingRequest(id=self.job_id, **job.model_dump(include=set(EmbeddingParams.model_fields)))
+        request = to_engine_embedding_request(job, request_id=self.job_id)
         try:
             embedded = await self.embedder.embed(request)
         except EngineError as exc:
@@ -352,10 +341,11 @@ class JobRun:
         if job.logprobs is not None:          # a choice with no tokens has an empty list, as OpenAI's
             for choice in range(job.n):
                 replies.logprobs.setdefault(choice, [])
-        finished: dict[int, Finished] = {}
+        finished: dict[int, Done] = {}
         try:
-            async for event in handle:
-                if isinstance(event, TextDelta):
+            async for engine_event in handle:
+                event = from_engine_event(engine_event)
+                if isinstance(event, Delta):
                     if self.faults.kill_due(delivered=sum(tokens.values()), new=self.generated,
                                             arriving=len(event.token_ids)):
                         await self.faults.kill_worker(self.writer.write_all(self.job_id))
@@ -410,7 +400,7 @@ class JobRun:
         """An earlier attempt streamed every token but died before its final entry: finish the
         stream without generating anything."""
         usage = Usage(prompt_tokens=len(self.engine.prompt_tokens(request)), completion_tokens=len(delivered.tokens[0]))
-        finished = Finished(request_id=self.job_id, finish_reason=FinishReason.LENGTH, usage=usage, timings=Timings())
+        finished = Done(choice=0, finish_reason=FinishReason.LENGTH, usage=usage, timings=Timings())
         self.writer.add(self.job_id, self._entry(EntryKind.DONE, finish_reason=FinishReason.LENGTH, usage=usage,
                                                  final=True))
         await self._flush_final()
@@ -422,7 +412,7 @@ class JobRun:
         if self.lease_lost():
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost while finishing")
 
-    async def _cancelled(self, replies: Replies, tokens: dict[int, int], finished: dict[int, Finished],
+    async def _cancelled(self, replies: Replies, tokens: dict[int, int], finished: dict[int, Done],
                          request: GenerationRequest, job: JobRequest) -> JobResult:
         """Cancelled while running: each choice still open ends here with what it really cost, the
         prompt and the tokens it delivered (the engine's own final event for a cancelled sequence
@@ -431,8 +421,7 @@ class JobRun:
         prompt_tokens = len(self.engine.prompt_tokens(request)) if open_choices else 0
         for i, choice in enumerate(open_choices):
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=tokens[choice])
-            finished[choice] = Finished(request_id=self.job_id, choice=choice, finish_reason=FinishReason.CANCELLED,
-                                        usage=usage, timings=Timings())
+            finished[choice] = Done(choice=choice, finish_reason=FinishReason.CANCELLED, usage=usage, timings=Timings())
             self.writer.add(self.job_id, self._entry(EntryKind.DONE, choice=choice,
                                                      finish_reason=FinishReason.CANCELLED,
                                                      usage=usage, final=i == len(open_choices) - 1))
@@ -489,7 +478,7 @@ class JobRun:
         return StreamEntry(id="", kind=kind, attempt=self.attempt, worker=self.worker_id, **fields)
 
     # ------------------------------------------------------------------ results
-    def _result(self, replies: Replies, finished: dict[int, Finished]) -> JobResult:
+    def _result(self, replies: Replies, finished: dict[int, Done]) -> JobResult:
         return self._summarize([replies.choice(c, f.finish_reason, f.usage, f.timings)
                                 for c, f in sorted(finished.items())],
                                status=JobStatus.SUCCEEDED, text=replies.text.get(0, ""))

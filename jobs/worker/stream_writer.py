@@ -23,10 +23,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from slotq.engine import TokenLogprob
-from slotq.engine.reply_parser import ToolCallDelta
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
+from slotq.jobs.protocol.wire import TokenLogprob, ToolCallDelta
 
 log = logging.getLogger(__name__)
 

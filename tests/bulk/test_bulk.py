@@ -22,10 +22,10 @@ from typing import IO, Any
 
 import pytest
 
-from slotq.engine import ErrorInfo
 from slotq.jobs.bulk import BulkOptions, open_bulk, run_bulk
 from slotq.jobs.protocol.keys import result_key, stream_key
 from slotq.jobs.protocol.schemas import JobRequest, JobStatus
+from slotq.jobs.protocol.wire import ErrorInfo
 from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env, job_request, wait_for_workers
 
 STARTED_RE = re.compile(r"job (bulk:[0-9a-f]+:\d+|\S+) attempt (\d+) started")

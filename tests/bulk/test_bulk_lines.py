@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from slotq.engine import ErrorInfo, FinishReason, Usage
 from slotq.jobs.bulk.formats import (
     LineError,
     LineFormat,
@@ -24,6 +23,7 @@ from slotq.jobs.bulk.identity import job_id, parse_job_id
 from slotq.jobs.bulk.output import OutputError, OutputFiles, default_errors_path
 from slotq.jobs.bulk.source import READ_BYTES, READ_LINES, InputFile
 from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Usage
 
 
 def chat_line(custom_id: str = "a", **body: object) -> bytes:

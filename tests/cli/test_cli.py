@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
-from slotq.engine import ErrorInfo, FinishReason
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobStatus
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason
 from slotq.jobs.worker.worker import SlotqWorker
 from tests.support.jobs import SLOTQ_BIN, clean_env, job_request
 

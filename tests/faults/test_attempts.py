@@ -18,7 +18,6 @@ import jsonschema
 import pytest
 from rich.console import Console
 
-from slotq.engine import FinishReason, Usage
 from slotq.jobs.cli.status_view import render
 from slotq.jobs.producer.client import JobHandle, SlotqClient
 from slotq.jobs.protocol import dead_letters
@@ -34,6 +33,7 @@ from slotq.jobs.protocol.schemas import (
     assemble_tool_calls,
 )
 from slotq.jobs.protocol.streams import encode_entry
+from slotq.jobs.protocol.wire import FinishReason, Usage
 from tests.support.faults import Fleet, check_job, worker_env
 from tests.support.jobs import chunks, collect_stream, job_request, raw_entries
 

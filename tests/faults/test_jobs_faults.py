@@ -9,10 +9,10 @@ import time
 import msgpack
 import pytest
 
-from slotq.engine import ErrorInfo, FinishReason
 from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.keys import job_record_key
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, JobStatus
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason
 from tests.support.jobs import chunks, collect_stream, inject_raw_job, job_request, jobs_in_queue, raw_entries
 
 

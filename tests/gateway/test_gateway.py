@@ -25,8 +25,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from redis.asyncio import Redis
 
-from slotq.engine import ErrorInfo
 from slotq.jobs.protocol import dead_letters
+from slotq.jobs.protocol.wire import ErrorInfo
 from tests.support.gateway import Event, Stack, chunk_text, free_port, sse_events
 from tests.support.jobs import SLOTQ_BIN, clean_env
 from tests.support.processes import wait_for

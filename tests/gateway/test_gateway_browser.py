@@ -28,10 +28,11 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from slotq.engine import ErrorInfo, bundled_model_path
+from slotq.engine import bundled_model_path
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol import dead_letters, registry
 from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.protocol.wire import ErrorInfo
 from tests.support.engine import engine_stats
 from tests.support.gateway import Stack
 from tests.support.jobs import advertise

@@ -16,7 +16,6 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from slotq.engine import ErrorInfo, FinishReason, TokenLogprob, TopLogprob, Usage
 from slotq.engine.logprobs import token_text
 from slotq.jobs.gateway import auth
 from slotq.jobs.gateway.auth import Caller, KeyRing
@@ -28,6 +27,7 @@ from slotq.jobs.gateway.surfaces import redact_target
 from slotq.jobs.openai.translate import to_job_request, to_response
 from slotq.jobs.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobResult, JobStatus, StreamEntry, WorkerInfo
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, TokenLogprob, TopLogprob, Usage
 from slotq.jobs.settings import ClientSettings
 from tests.support import REPO_ROOT
 

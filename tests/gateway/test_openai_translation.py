@@ -20,13 +20,13 @@ import httpx
 import numpy as np
 import pytest
 
-from slotq.engine import FinishReason, Usage
 from slotq.jobs.bulk.formats import LineError, error_record, output_record, parse_line
 from slotq.jobs.bulk.openai_batch import KEY_SET_BY_BULK, Endpoint
 from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.openai.translate import to_response
 from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
+from slotq.jobs.protocol.wire import FinishReason, Usage
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TEXT = {"model": "m", "prompt": "once"}

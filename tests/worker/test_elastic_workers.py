@@ -25,11 +25,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slotq.engine import Engine, EngineConfig, ErrorInfo
+from slotq.engine import Engine, EngineConfig
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.arq_adapter import RetryJob
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import EntryKind, JobStatus
+from slotq.jobs.protocol.wire import ErrorInfo
 from slotq.jobs.worker.elastic.admission import WORKER_OVERLOADED, Verdict
 from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.settings import WorkerSettings

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from slotq.engine import FinishReason, TokenLogprob, TopLogprob
 from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import decode_entry, encode_chunk
+from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, TopLogprob
 from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.worker.stream_writer import FlushPolicy, StreamWriter
 

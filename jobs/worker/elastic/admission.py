@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slotq.engine import ErrorInfo
 from slotq.jobs.protocol.schemas import MaxTokensCap
+from slotq.jobs.protocol.wire import ErrorInfo
 from slotq.jobs.worker.elastic.controller import Degradation
 
 WORKER_OVERLOADED = "worker_overloaded"

@@ -1,0 +1,294 @@
+"""The engine-shaped parts of the wire: what a job asks for and what its stream reports, as Redis carries them.
+
+Why this module exists: the payloads in the queue and the entries in the streams are a contract
+with producers and workers that are already running (a rolling deploy upgrades them in any
+order), while the engine's own types (engine/request.py, engine/events.py) are an in-process API
+that may change freely. So protocol never imports the engine: these models
+state the wire's side of that contract themselves, and the worker converts at its edge
+(:mod:`slotq.jobs.worker.wire_edge`: a job into an engine request, engine events into these types).
+
+They deliberately restate the engine's fields, defaults, limits and checks, so that a producer
+validates exactly what a worker's engine will accept. That is not a copy to keep in sync by hand:
+``tests/worker/test_wire_edge.py`` compares every model here with its engine counterpart (field
+names, types, defaults, constraints, and the requests both refuse) and round-trips them through
+the edge, and fails as soon as either side adds, renames or changes a field.
+
+How to evolve it: add optional fields (with a default that means what older payloads meant) and
+bump the payload's minor version (:data:`slotq.jobs.protocol.payload.SCHEMA_VERSION`), so older
+workers ignore what they do not know; an incompatible change (a field removed, renamed or given
+another meaning) bumps its major version, which older workers refuse without running the job.
+Stream entries carry only what a reader can ignore when absent (:mod:`slotq.jobs.protocol.streams`).
+An engine change that the wire need not see changes nothing here: map it in the worker's edge.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"     # OpenAI's rule for a function's name
+MAX_TOOLS = 128                                  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20                            # OpenAI's limit on top_logprobs
+MAX_EMBEDDING_INPUTS = 2048                      # per request, as OpenAI's embeddings API allows
+
+
+# ---------------------------------------------------------------------- what streams and results report
+class FinishReason(StrEnum):
+    STOP = "stop"            # EOS or a stop string
+    TOOL_CALLS = "tool_calls"  # ended after calling tools (the reply's calls are complete and checked)
+    LENGTH = "length"        # max_tokens or the per-sequence context was reached
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = Field(0, description="prompt tokens whose KV was reused, not recomputed")
+
+
+class Timings(BaseModel):
+    queue_ms: float = Field(0.0, description="submit -> admitted into a slot")
+    ttft_ms: float | None = Field(None, description="submit -> first generated token")
+    total_ms: float = 0.0
+    decode_tokens_per_s: float | None = Field(None, description="generated tokens / time after the first token")
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+    retryable: bool
+    field: str | None = Field(None, description="the request field at fault, when one is (e.g. max_tokens)")
+
+
+class TopLogprob(BaseModel):
+    """One token and its log probability under the model's own distribution at that position (the
+    raw logits' log-softmax, before temperature, penalties, logit bias and constraints)."""
+
+    id: int
+    token: str = Field(description="the token's text; a piece that is not whole UTF-8 reads 'bytes:\\xe2\\x80' "
+                                   "as OpenAI writes it")
+    token_bytes: list[int] = Field(description="the token's bytes as it appears in generated text")
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability and the ``top`` most likely tokens at its position,
+    most likely first (as many as the request's ``logprobs``)."""
+
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One piece of a streamed tool call, as OpenAI's ``delta.tool_calls[i]``."""
+
+    index: int
+    id: str | None = None      # on the first delta of a call only
+    name: str | None = None    # on the first delta of a call only
+    arguments: str = ""        # the next fragment of the arguments' JSON text
+
+
+# ---------------------------------------------------------------------- what a job asks for
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=1_000_000, description="the arguments as JSON text, as the model wrote them")
+
+
+class ToolCallSpec(BaseModel):
+    """A tool call an assistant message made (a previous turn sent back with the conversation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(max_length=200)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[ToolCallSpec] | None = Field(None, max_length=MAX_TOOLS, description="assistant messages only")
+    tool_call_id: str | None = Field(None, max_length=200, description="tool messages: the call this result answers")
+    name: str | None = Field(None, max_length=64)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _none_is_empty(cls, value: Any) -> Any:
+        """An assistant message that only called tools has ``content: null`` in OpenAI's shape."""
+        return "" if value is None else value
+
+    @model_validator(mode="after")
+    def _calls_from_assistant(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry them (this one is {self.role!r})")
+        return self
+
+
+class FunctionDef(BaseModel):
+    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = Field(None, max_length=100_000)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}},
+                                       description="JSON schema of the arguments (an object)")
+    strict: bool | None = Field(None, description="accepted; slotq always constrains a forced call to the schema")
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class SamplingParams(BaseModel):
+    """Sampling knobs, named and bounded as in llama-server / OpenAI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(0.8, ge=0.0, le=5.0, description="0 = greedy")
+    top_k: int = Field(40, ge=0, le=100_000, description="0 = disabled")
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    penalty_last_n: int = Field(64, ge=-1, le=1_000_000, description="-1 = whole context")
+    seed: int | None = Field(None, ge=0, le=2**32 - 2, description="None = random")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias; -inf bans a token")
+    grammar: str | None = Field(None, max_length=200_000, description="GBNF grammar, root rule 'root'")
+    json_schema: dict[str, Any] | None = Field(None, description="constrain output to JSON matching this schema")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _strict_json(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            try:
+                json.dumps(schema, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"must be plain JSON (no NaN/Infinity, no non-JSON types): {exc}") from None
+        return schema
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingParams:
+        bad = [t for t, v in self.logit_bias.items() if math.isnan(v) or v == math.inf]
+        if bad:
+            raise ValueError(f"logit_bias[{bad[0]}] must be a number or -inf (bans the token), not NaN or +inf")
+        if self.grammar is not None and self.json_schema is not None:
+            raise ValueError("give either grammar or json_schema, not both")
+        return self
+
+
+class GenerationParams(BaseModel):
+    """What to generate: a prompt (raw text) or chat messages, and how: a generation job's own
+    request, less the job layer's fields (:class:`~slotq.jobs.protocol.schemas.JobRequest`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = Field(None, max_length=4_000_000)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=10_000)
+    max_tokens: int = Field(256, ge=1, le=1_000_000)
+    n: int = Field(1, ge=1, le=64, description="completions of the same prompt; the prompt is processed once")
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    priority: int = Field(0, ge=-100, le=100, description="higher runs first among waiting requests")
+    deadline: float | None = Field(None, description="unix time after which generation stops (finish_reason deadline)")
+    tools: list[ToolSpec] | None = Field(None, min_length=1, max_length=MAX_TOOLS,
+                                         description="functions the model may call (chat messages only)")
+    tool_choice: ToolChoice = Field(
+        "auto", description="none: never call; auto: the model decides; required: at least one call; "
+                            "a named function: exactly that one (required and named are grammar-constrained)")
+    parallel_tool_calls: bool = Field(
+        False, description="whether one reply may hold several calls; off unless asked, as in llama-server (OpenAI's "
+                           "default is on): a small model allowed several tends to repeat one call until max_tokens")
+    reasoning_format: Literal["deepseek", "none"] = Field(
+        "deepseek", description="deepseek: a reply's leading <think>...</think> goes to `reasoning`, not the text; "
+                                "none: think tags stay in the text")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="None: off; k: each generated token's log probability and the k most likely tokens at its "
+                    "position, from the model's raw distribution (before temperature, penalties, bias, constraints)")
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self) -> GenerationParams:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(len(s) > 256 for s in self.stop):
+            raise ValueError("each stop string must be at most 256 characters")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_fit(self) -> GenerationParams:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tools and self.prompt is not None:
+            raise ValueError("tools: need messages (a chat); a raw prompt has no template to render them")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: names {choice.function.name!r}, which is not in tools ({names})")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        if self.calls_tools and (self.sampling.json_schema is not None or self.sampling.grammar is not None):
+            raise ValueError("tools: cannot be combined with json_schema or grammar (a call's arguments are "
+                             "already constrained by its parameters)")
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model may call tools in this reply: it has tools and tool_choice is not 'none'."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class EmbeddingParams(BaseModel):
+    """What to embed: an embedding job's own request, less the job layer's fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str] | list[list[int]] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS,
+                                                description="texts, or token id arrays; one vector each, in order")
+    truncate: bool = Field(False, description="cut an input over the limit to its first tokens instead of refusing it")
+
+    @field_validator("inputs")
+    @classmethod
+    def _none_empty(cls, inputs: list[str] | list[list[int]]) -> list[str] | list[list[int]]:
+        for i, item in enumerate(inputs):
+            if len(item) == 0:
+                raise ValueError(f"input {i} is empty")
+            if isinstance(item, list) and min(item) < 0:
+                raise ValueError(f"input {i}: token id {min(item)} is negative")
+        return inputs

@@ -1,0 +1,84 @@
+"""Where a worker crosses between the wire and the engine: a job into an engine request, and the
+engine's events into the wire's types (:mod:`slotq.jobs.protocol.wire`).
+
+The wire is a contract with running producers and workers; the engine's types may change. Only
+this module speaks both, so an engine change shows up here (and in ``tests/worker/test_wire_edge.py``,
+which checks the two statements of every shape agree), never silently in Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slotq.engine import Event, GenerationRequest, TextDelta
+from slotq.engine.request import EmbeddingRequest
+from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest
+from slotq.jobs.protocol.wire import (
+    EmbeddingParams,
+    ErrorInfo,
+    FinishReason,
+    GenerationParams,
+    Timings,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New output for one choice (the engine's ``TextDelta``), in the wire's types: what a chunk
+    entry carries."""
+
+    choice: int
+    text: str
+    reasoning: str
+    tool_calls: list[ToolCallDelta]
+    token_ids: list[int]
+    n_tokens: int
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """How one choice ended (the engine's ``Finished``), in the wire's types: what a done or error
+    entry carries. The worker also writes its own (a choice cancelled, or completed by earlier attempts)."""
+
+    choice: int
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    error: ErrorInfo | None = None
+
+
+def to_engine_request(job: JobRequest, *, request_id: str, max_tokens: int, priority_class: int,
+                      lent_reserve: bool, resume_tokens: list[int]) -> GenerationRequest:
+    """The engine request that runs a generation job: its generation fields (the job layer's own,
+    lane, tenant, metadata, stay here), with what only the worker decides: the lane's priority
+    class, whether the reserve is lent, ``max_tokens`` (a degraded worker caps it) and the tokens
+    earlier attempts delivered. The engine validates it again, by its own rules."""
+    params = job.model_dump(include=set(GenerationParams.model_fields))
+    params["max_tokens"] = max_tokens
+    return GenerationRequest(id=request_id, priority_class=priority_class, lent_reserve=lent_reserve,
+                             resume_tokens=resume_tokens, **params)
+
+
+def to_engine_embedding_request(job: EmbeddingJobRequest, *, request_id: str) -> EmbeddingRequest:
+    """The engine request that runs an embedding job (its embedding fields only)."""
+    return EmbeddingRequest(id=request_id, **job.model_dump(include=set(EmbeddingParams.model_fields)))
+
+
+def from_engine_event(event: Event) -> Delta | Done:
+    """An engine event in the wire's types. Called per token: a delta without tool calls or
+    logprobs (the common case) copies no more than its references."""
+    if isinstance(event, TextDelta):
+        return Delta(choice=event.choice, text=event.text, reasoning=event.reasoning,
+                     tool_calls=[ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+                                 for d in event.tool_calls],
+                     token_ids=event.token_ids, n_tokens=event.n_tokens,
+                     logprobs=None if event.logprobs is None else
+                     [TokenLogprob.model_validate(lp, from_attributes=True) for lp in event.logprobs])
+    return Done(choice=event.choice, finish_reason=FinishReason(event.finish_reason.value),
+                usage=Usage.model_validate(event.usage, from_attributes=True),
+                timings=Timings.model_validate(event.timings, from_attributes=True),
+                error=None if event.error is None else ErrorInfo.model_validate(event.error, from_attributes=True))
