@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from slotq.jobs.producer.client import EmbeddingResult, JobHandle, SlotqClient
     from slotq.jobs.producer.sync_client import SyncSlotqClient
     from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest, JobResult, JobStatus, StreamEntry
+    from slotq.jobs.protocol.wire import ChatMessage, SamplingParams
     from slotq.jobs.settings import ClientSettings
 
 # name -> the module that defines it (imported when the name is first read)
@@ -44,15 +45,17 @@ _EXPORTS: dict[str, str] = {
     "SyncSlotqClient": "slotq.jobs.producer.sync_client",
     **dict.fromkeys(("JobRequest", "EmbeddingJobRequest", "JobResult", "JobStatus", "StreamEntry"),
                     "slotq.jobs.protocol.schemas"),
+    **dict.fromkeys(("ChatMessage", "SamplingParams"), "slotq.jobs.protocol.wire"),
     "ClientSettings": "slotq.jobs.settings",
     **dict.fromkeys(("SlotqError", "RedisUnavailable", "QueueFull", "QuotaExceeded", "JobRejected", "JobNotFound",
                      "JobTimeout", "StreamGone", "JobFailed"), "slotq.jobs.errors"),
 }
 
 __all__ = [  # what `from slotq import ...` offers; each is defined in _EXPORTS' module
-    "ClientSettings", "EmbeddingJobRequest", "EmbeddingResult", "JobFailed", "JobHandle", "JobNotFound",
+    "ChatMessage", "ClientSettings", "EmbeddingJobRequest", "EmbeddingResult", "JobFailed", "JobHandle", "JobNotFound",
     "JobRejected", "JobRequest", "JobResult", "JobStatus", "JobTimeout", "QueueFull", "QuotaExceeded",
-    "RedisUnavailable", "SlotqClient", "SlotqError", "StreamEntry", "StreamGone", "SyncSlotqClient",
+    "RedisUnavailable", "SamplingParams", "SlotqClient", "SlotqError", "StreamEntry", "StreamGone",
+    "SyncSlotqClient",
 ]
 
 

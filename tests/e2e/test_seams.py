@@ -180,3 +180,16 @@ def test_the_engine_loads_no_redis_and_no_job_layer() -> None:
 def test_the_worker_loads_no_gateway() -> None:
     modules = loaded_after("import slotq.jobs.worker.worker")
     assert loaded_under(modules, "slotq.jobs.gateway", "fastapi", "slotq.jobs.bulk") == []
+
+
+def test_the_public_import_offers_what_it_lists() -> None:
+    """``from slotq import *`` and each name of ``__all__`` resolve, to the object its module defines."""
+    import importlib
+
+    import slotq
+
+    assert sorted(slotq.__all__) == sorted(slotq._EXPORTS)
+    for name in slotq.__all__:
+        assert getattr(slotq, name) is getattr(importlib.import_module(slotq._EXPORTS[name]), name)
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        slotq.Engine  # noqa: B018 -- the engine is not part of the producer's import
