@@ -56,7 +56,7 @@ test-deps:
 	    echo "note: $(CHROMIUM) not found (apt-get install chromium as root); the dashboard test will skip"; \
 	  fi; }
 
-## lint: ruff (pyproject's [tool.ruff]) on everything, mypy strict on slotq.engine and slotq.jobs.protocol
+## lint: ruff (pyproject's [tool.ruff]) on everything, mypy strict on all of slotq
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

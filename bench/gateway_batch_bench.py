@@ -39,7 +39,6 @@ from bench import slow_volume
 from bench.gateway_bench import MODEL_NAME, _ready
 from bench.overhead_bench import write_tiny_model
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
-from slotq.engine import FinishReason, Timings, Usage
 from slotq.jobs.bulk import identity
 from slotq.jobs.bulk.formats import raw_key
 from slotq.jobs.bulk.source import InputFile
@@ -48,6 +47,7 @@ from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
 from slotq.jobs.protocol.serialization import serialize
+from slotq.jobs.protocol.wire import FinishReason, Timings, Usage
 from slotq.jobs.redis_server import EmbeddedRedis, free_port
 from slotq.jobs.settings import ClientSettings
 

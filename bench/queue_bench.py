@@ -34,7 +34,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from bench.report import distinct_prompt, markdown_table, percentile, progress, write_results
-from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, Timings, bundled_model_path
+from slotq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, bundled_model_path
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
@@ -51,11 +51,12 @@ CONCURRENCY = [1, 4, 8]
 @dataclass(frozen=True)
 class Timed:
     """One request as a client saw it: seconds from its start to the first chunk (None if none
-    came), completion tokens, and the engine's own timings (None if it reported none)."""
+    came), completion tokens, and the engine's own wait, submit to admission (``Timings.queue_ms``
+    of the engine's event or of the job's final stream entry; None if it reported none)."""
 
     first_s: float | None
     tokens: int
-    timings: Timings | None
+    queue_ms: float | None
 
 
 OneRequest = Callable[[int, float], Awaitable[Timed]]      # (index, start) -> what the client saw
@@ -77,29 +78,29 @@ async def _closed_loop(one: OneRequest, clients: int, per_client: int, first: in
 
 def _engine_request(engine: Engine, max_tokens: int) -> OneRequest:
     async def one(i: int, started: float) -> Timed:
-        first, tokens, timings = None, 0, None
+        first, tokens, queue_ms = None, 0, None
         request = GenerationRequest(prompt=distinct_prompt(i), max_tokens=max_tokens, ignore_eos=True,
                                     sampling=SamplingParams(temperature=0))
         async for event in engine.generate(request):
             if event.kind == "delta" and first is None:
                 first = time.perf_counter() - started
             elif event.kind == "finished":
-                tokens, timings = event.usage.completion_tokens, event.timings
-        return Timed(first, tokens, timings)
+                tokens, queue_ms = event.usage.completion_tokens, event.timings.queue_ms
+        return Timed(first, tokens, queue_ms)
     return one
 
 
 async def timed_job(client: SlotqClient, request: JobRequest, started: float) -> Timed:
     """Enqueue ``request`` and read its stream to the end, timed from ``started``."""
-    first, tokens, timings = None, 0, None
+    first, tokens, queue_ms = None, 0, None
     job = await client.enqueue(request)
     async for entry in job.stream():
         if entry.kind == EntryKind.CHUNK and first is None:
             first = time.perf_counter() - started
         elif entry.kind == EntryKind.DONE:
             tokens = entry.usage.completion_tokens if entry.usage else tokens
-            timings = entry.timings or timings
-    return Timed(first, tokens, timings)
+            queue_ms = entry.timings.queue_ms if entry.timings else queue_ms
+    return Timed(first, tokens, queue_ms)
 
 
 def _queue_request(client: SlotqClient, max_tokens: int) -> OneRequest:
@@ -177,7 +178,7 @@ async def _measure(url: str, model: Path, concurrency: list[int], per_client: in
 
 def _row(path: str, c: int, tps: float, timed: list[Timed]) -> dict[str, Any]:
     ttfts = [t.first_s or 0.0 for t in timed]
-    waits = [t.timings.queue_ms for t in timed if t.timings is not None]
+    waits = [t.queue_ms for t in timed if t.queue_ms is not None]
     return {"path": path, "concurrency": c, "tokens_per_s": round(tps, 1),
             "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1),
             "ttft_p95_ms": round(percentile(ttfts, 95) * 1000, 1),
