@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import RedisError
 
+from slotq.jobs.aio import cancel_and_wait
 from slotq.jobs.errors import StreamGone
 from slotq.jobs.protocol import streams
 from slotq.jobs.protocol.schemas import StreamEntry
@@ -172,10 +173,7 @@ class StreamReader:
 
     async def close(self) -> None:
         for task in (self._unblocking, self._task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            await cancel_and_wait(task)
 
     # ------------------------------------------------------------------ followers
     def _add(self, follower: _Follower) -> None:

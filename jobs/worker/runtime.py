@@ -54,6 +54,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from slotq.jobs.aio import cancel_and_wait
 from slotq.jobs.protocol.arq_adapter import ArqJobRunner, Deserializer, ExitKind, JobExit, JobFunction, Serializer
 from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress, choose_victim, guaranteed_slots
 from slotq.jobs.protocol.redis_queue import BusyToken, ClaimedJob, RedisQueue
@@ -460,15 +461,8 @@ class QueueRuntime:
         """Stop the loops, wait for every attempt to leave, run ``on_shutdown`` and close the
         queue's Redis client. Never cancels an attempt (that would release a job before its
         hand-back wrote its stream): call :meth:`hand_back_and_wait` first."""
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(BaseException):
-                await self._maintenance
-        for task in (self._wake_task, self._busy_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        for task in (self._maintenance, self._wake_task, self._busy_task):
+            await cancel_and_wait(task)
         if self._closed:
             return
         self._closed = True
