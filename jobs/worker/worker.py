@@ -108,6 +108,8 @@ class SlotqWorker:
         self._http: WSGIServer | None = None
         self._heartbeat_ok_at = 0.0
         self._main: asyncio.Task[None] | None = None
+        # held so the loop's weak reference is not the only one: a drain collected midway never cancels _main
+        self._drain_task: asyncio.Task[None] | None = None
         self._owns_process = False
         self._exit_deadline: threading.Timer | None = None
         self._tokens_seen: tuple[float, int] | None = None
@@ -252,7 +254,7 @@ class SlotqWorker:
         if self.runtime is not None:
             self.runtime.stop_claiming()
             log.info("%s: draining (no new jobs; up to %g s for %d running)", reason, grace, len(self.runtime.claimed))
-        asyncio.get_running_loop().create_task(self._drain(grace))
+        self._drain_task = asyncio.create_task(self._drain(grace), name="slotq-drain")
 
     async def _drain(self, grace_s: float) -> None:
         if self.runtime is not None:
