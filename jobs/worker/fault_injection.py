@@ -181,7 +181,7 @@ class JobFaults:
         """Whether the worker must die as this job's attempt is handed to the engine."""
         return job_id in self.kill_worker_at_start_of
 
-    async def kill_worker(self, flush: Awaitable[None]) -> NoReturn:
+    async def kill_worker(self, flush: Awaitable[object]) -> NoReturn:
         """Let ``flush`` put what came before in the stream, then SIGKILL this process."""
         await flush
         log.warning("fault injection: SIGKILL")

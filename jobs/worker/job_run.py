@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -63,6 +62,10 @@ from slotq.jobs.worker.wire_edge import Delta, Done, from_engine_event, to_engin
 log = logging.getLogger(__name__)
 
 ENGINE_DEAD = EngineDead.code
+# A stream write that a shield keeps going once its attempt was cancelled (a hand-back's, an aborted
+# or embedding job's final entry) gives up after this long: with Redis down it would otherwise retry
+# after the worker stopped. Within the worker's EXIT_MARGIN_S.
+SHIELDED_WRITE_BOUND_S = 10.0
 
 
 @dataclass
@@ -329,7 +332,7 @@ class JobRun:
 
     async def _end_embedding(self, reason: FinishReason, usage: Usage, *, status: JobStatus) -> JobResult:
         self.writer.add(self.job_id, self._entry(EntryKind.DONE, finish_reason=reason, usage=usage, final=True))
-        await asyncio.shield(self._flush_final())
+        await self._flush_final_shielded()
         return JobResult(id=self.job_id, status=status, finish_reason=reason, usage=usage, worker=self.worker_id,
                          attempts=self.attempt, interruptions=self.interruptions, metadata=self.metadata)
 
@@ -372,21 +375,12 @@ class JobRun:
                 self.writer.drop(self.job_id)              # another worker owns the job and its stream
                 raise
             if not self.is_abort():
-                # Hand back: the next attempt resumes from what reached the stream (bounded wait,
-                # so a shutdown during a Redis outage still ends).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.shield(self._write_all_within(10))
+                # Hand back: the next attempt resumes from what reached the stream.
+                await asyncio.shield(self.writer.write_all(self.job_id, within_s=SHIELDED_WRITE_BOUND_S))
                 raise
             return await self._cancelled(replies, tokens, finished, request, job)
         await self._flush_final()
         return self._result(replies, finished)
-
-    async def _write_all_within(self, timeout_s: float) -> None:
-        """Everything pending for this job written, or TimeoutError after ``timeout_s`` (the write
-        cancelled). Shielded by the caller as a whole, so the bound holds for the write itself:
-        ``asyncio.timeout`` around a shield would cancel only the shield and leave the write running."""
-        async with asyncio.timeout(timeout_s):
-            await self.writer.write_all(self.job_id)
 
     async def _made_progress(self) -> None:
         """This attempt's first tokens are in hand: it holds no suspect back any more, and if it
@@ -406,11 +400,19 @@ class JobRun:
         await self._flush_final()
         return self._result(delivered.replies, {0: finished})
 
-    async def _flush_final(self) -> None:
-        """The final entry was queued with the last DONE; make sure it reached Redis."""
-        await self.writer.write_all(self.job_id)
+    async def _flush_final(self, *, within_s: float | None = None) -> None:
+        """The final entry was queued with the last DONE; make sure it reached Redis (or stop
+        trying after ``within_s``: :meth:`StreamWriter.write_all`)."""
+        await self.writer.write_all(self.job_id, within_s=within_s)
         if self.lease_lost():
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost while finishing")
+
+    async def _flush_final_shielded(self) -> None:
+        """:meth:`_flush_final`, kept going if this attempt is cancelled meanwhile (the worker's
+        hand-back cancels every attempt, an aborted or embedding one may be writing its end), and
+        so bounded by :data:`SHIELDED_WRITE_BOUND_S`. The bound is inside the shield, where it ends
+        the write itself: ``asyncio.timeout`` around a shield would end only the wait for it."""
+        await asyncio.shield(self._flush_final(within_s=SHIELDED_WRITE_BOUND_S))
 
     async def _cancelled(self, replies: Replies, tokens: dict[int, int], finished: dict[int, Done],
                          request: GenerationRequest, job: JobRequest) -> JobResult:
@@ -425,7 +427,7 @@ class JobRun:
             self.writer.add(self.job_id, self._entry(EntryKind.DONE, choice=choice,
                                                      finish_reason=FinishReason.CANCELLED,
                                                      usage=usage, final=i == len(open_choices) - 1))
-        await asyncio.shield(self._flush_final())
+        await self._flush_final_shielded()
         result = self._result(replies, finished)
         result.status = JobStatus.CANCELLED
         result.finish_reason = FinishReason.CANCELLED

@@ -226,11 +226,34 @@ class StreamWriter:
             self._tokens -= sum(len(e.token_ids) for e in batch.entries if isinstance(e, _Chunk))
         self._started.discard(job_id)
 
-    async def write_all(self, job_id: str) -> None:
-        """Return once every entry of ``job_id`` added so far is in Redis (or was fenced off)."""
-        while job_id in self._pending or (self._inflight and any(j == job_id for j, _ in self._inflight.jobs)):
-            if not await self.flush():
-                await asyncio.sleep(0.2)
+    async def write_all(self, job_id: str, *, within_s: float | None = None) -> bool:
+        """Return True once every entry of ``job_id`` added so far is in Redis (or was fenced off).
+
+        While Redis is unreachable this retries. With ``within_s`` it stops retrying after that many
+        seconds, logs what was not written and returns False; those entries stay buffered, and the
+        flush loop still sends them if Redis comes back before the writer closes. A write that a
+        shield keeps going after its attempt was cancelled needs that bound: unbounded, it retried
+        for as long as Redis was down, a task left running after the worker had stopped."""
+        try:
+            async with asyncio.timeout(within_s):
+                while self.unwritten(job_id)[0]:
+                    if not await self.flush():
+                        await asyncio.sleep(0.2)
+        except TimeoutError:
+            entries, tokens = self.unwritten(job_id)
+            log.warning("job %s: %d stream entries (%d tokens) not written within %g s, Redis unreachable; "
+                        "they stay buffered until the writer closes", job_id, entries, tokens, within_s)
+            return False
+        return True
+
+    def unwritten(self, job_id: str) -> tuple[int, int]:
+        """Entries of ``job_id`` not yet acknowledged by Redis (pending or in flight), and the chunk
+        tokens among them."""
+        batches = [batch for j, batch in self._inflight.jobs if j == job_id] if self._inflight else []
+        if job_id in self._pending:
+            batches.append(self._pending[job_id])
+        entries = [entry for batch in batches for entry in batch.entries]
+        return len(entries), sum(len(e.token_ids) for e in entries if isinstance(e, _Chunk))
 
     async def flush(self) -> bool:
         """Send the flush in flight again, or every pending job's entries as a new one. Returns

@@ -11,6 +11,8 @@
   default executor is joined at exit) until its exit deadline ended it with code 70 (180 kB GBNF:
   11 s per build, two per job). llguidance (engine/constraints.py) compiles under the
   ``SLOTQ_GRAMMAR_*`` bounds and lets the event loop run meanwhile; this test keeps it so.
+* SIGTERM while an aborted attempt writes its final entry and Redis is down: that write is shielded
+  from the hand-back's cancel, and retried for ever after the worker stopped; it ends with its bound.
 * The deploy manifests' grace periods outlast the bound.
 """
 
@@ -22,12 +24,23 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import yaml
+from redis.asyncio import Redis
 
+from slotq.engine import GenerationRequest, TextDelta
+from slotq.jobs.protocol.keys import stream_key
+from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobStatus
+from slotq.jobs.redis_server import EmbeddedRedis
+from slotq.jobs.worker import job_run
 from slotq.jobs.worker.fault_injection import BEAT_BEFORE_STOP, RENEW_AFTER_FINISH
+from slotq.jobs.worker.job_run import JobRun
+from slotq.jobs.worker.settings import WorkerSettings
+from slotq.jobs.worker.stream_writer import StreamWriter
 from slotq.jobs.worker.worker import EXIT_MARGIN_S
 from tests.support import REPO_ROOT
 from tests.support.jobs import WorkerProcess, clean_env, job_request, wait_for_workers
@@ -121,3 +134,62 @@ def test_deploy_grace_periods_outlast_the_exit_bound():
     unit = (deploy / "systemd" / "slotq-worker@.service").read_text()
     [stop_s] = re.findall(r"^TimeoutStopSec=(\d+)$", unit, re.MULTILINE)
     assert int(stop_s) > bound_s
+
+
+class OneTokenThenGenerating:
+    """The engine as the attempt sees it here: its request delivers one token, then generates on
+    (no end in sight) until it is cancelled."""
+
+    async def submit_async(self, request: GenerationRequest) -> AsyncIterator[TextDelta]:
+        async def events() -> AsyncIterator[TextDelta]:
+            yield TextDelta(request_id=request.id, text="a", token_ids=[7], n_tokens=1)
+            await asyncio.Event().wait()
+
+        return events()
+
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        return [1, 2, 3]
+
+
+async def test_a_final_write_during_a_redis_outage_ends_with_its_bound_after_shutdown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An aborted attempt writes its final entry under a shield, so the worker's hand-back (which
+    cancels every attempt, again and again) does not cut it off. With Redis down that write
+    retried for ever: the attempt was gone, the worker stopped, and the write went on. It now ends
+    with its bound, and says what it did not write."""
+    monkeypatch.setattr(job_run, "SHIELDED_WRITE_BOUND_S", 0.5)
+    caplog.set_level(logging.WARNING)
+    server = EmbeddedRedis(tmp_path / "redis", port=0, fsync="no")
+    server.start()
+    redis = Redis.from_url(server.url, socket_timeout=2)
+    settings = WorkerSettings(redis_url=server.url, slots=1)
+    writer = StreamWriter(redis, flush_ms=1, maxlen=1000, ttl_s=60)
+    writer.start()
+    aborted = False
+    try:
+        run = JobRun(engine=OneTokenThenGenerating(), writer=writer, settings=settings, worker_id="w",
+                     job_id="aborted", attempt=1, enqueued_at=None, payload=encode_payload(job_request(max_tokens=200)),
+                     is_abort=lambda: aborted, lease_lost=lambda: False)
+        before = asyncio.all_tasks()
+        attempt = asyncio.create_task(run.run())
+        async with asyncio.timeout(60):
+            while not await redis.xlen(stream_key("aborted")):
+                await asyncio.sleep(0.01)
+        server.kill()
+        aborted = True
+        attempt.cancel()                                  # the producer's cancel
+        async with asyncio.timeout(30):                   # it added its final entry, and writes it (shielded)
+            while not writer.unwritten("aborted")[0]:
+                await asyncio.sleep(0.01)
+        attempt.cancel()                                  # the shutdown's hand-back
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        async with asyncio.timeout(30):                   # nothing of the attempt is left running
+            while asyncio.all_tasks() - before - {asyncio.current_task()}:
+                await asyncio.sleep(0.05)
+    finally:
+        await writer.close()
+        await redis.aclose()
+        server.stop()
+    assert re.search(r"job aborted: \d+ stream entries \(\d+ tokens\) not written within 0.5 s", caplog.text), \
+        caplog.text
