@@ -1,4 +1,4 @@
-"""The worker's claim loop: which jobs it holds, and when it takes more.
+"""The worker's claim loop: when it takes jobs, how it waits, and how a job leaves.
 
 :class:`QueueRuntime` claims jobs from :class:`~slotq.jobs.protocol.redis_queue.RedisQueue` into
 at most ``slots`` slots and runs each claimed attempt through arq
@@ -37,6 +37,11 @@ token of its lowest lane (left by an enqueue whose tenant had nothing waiting or
 claims that job into the reserve (``LEND_RESERVE``: only if its tenant still has nothing running),
 telling the engine it is lent the reserve (``ClaimedJob.lent_reserve``).
 
+The loop keeps which job holds which slot in a :class:`~slotq.jobs.worker.slot_ledger.SlotLedger`
+(pure: one state object per job) and asks a :class:`~slotq.jobs.worker.preemption_policy.PreemptionPolicy`
+(pure) what to do with a busy token and what it owes each lane; it does the Redis calls and runs
+the attempts.
+
 What the worker uses: :meth:`~QueueRuntime.run` and :meth:`~QueueRuntime.close`, ``slots`` (the
 elastic loop moves it), :attr:`~QueueRuntime.running`, :meth:`~QueueRuntime.stop_claiming`,
 :meth:`~QueueRuntime.hand_back_and_wait`, the lease calls (:meth:`~QueueRuntime.leases`,
@@ -50,14 +55,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slotq.jobs.aio import cancel_and_wait
 from slotq.jobs.protocol.arq_adapter import ArqJobRunner, Deserializer, ExitKind, JobExit, JobFunction, Serializer
-from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress, choose_victim, guaranteed_slots
+from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress
 from slotq.jobs.protocol.redis_queue import BusyToken, ClaimedJob, RedisQueue
+from slotq.jobs.worker.preemption_policy import Answer, PreemptionPolicy
+from slotq.jobs.worker.slot_ledger import SlotLedger
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +96,10 @@ class QueueRuntime:
         self.lease_ms = lease_ms
         self.slots = slots                      # jobs held at most; the elastic loop moves it (<= the initial)
         self.reserve = 0                        # jobs beyond slots the reserve may run (the engine's, once up)
-        self.lane_min_share = lane_min_share
+        self.policy = PreemptionPolicy(queue.keys.lanes, lane_min_share)
         self.poll_delay_s = poll_delay_s
         self.on_job_started = on_job_started
-        self.claimed: dict[str, ClaimedJob] = {}     # job id -> the claim whose attempt runs here
+        self.ledger = SlotLedger()              # which job holds which slot, and where its attempt stands
         self._runner = ArqJobRunner(
             function_name=function_name, job=job, on_exit=self._job_left, redis=queue.redis,
             queue_name=queue.keys.queue, job_timeout_s=job_timeout_s, keep_result_s=keep_result_s,
@@ -105,13 +111,7 @@ class QueueRuntime:
         self._on_startup = on_startup
         self._on_shutdown = on_shutdown
         self._claiming = True
-        self._held = 0                          # slots in use: attempts running here
-        self._tasks: dict[str, asyncio.Task[None]] = {}    # job id -> its attempt (run_job), until the tick reaps it
-        # job id -> the claim that takes its slot once its attempt has left: the same job claimed
-        # again while its lost attempt still ends here, or a higher-lane job it yields to
-        self._successors: dict[str, ClaimedJob] = {}
-        self._lease_lost: set[str] = set()
-        self._leaving: set[str] = set()         # finishing, retrying or being handed back right now
+        self._attempts: dict[asyncio.Task[None], str] = {}    # attempt (run_job) -> its job id, until the tick reaps it
         self._slot_freed = asyncio.Event()
         self._wake_task: asyncio.Task[bool] | None = None
         self._busy_task: asyncio.Task[BusyToken | None] | None = None
@@ -120,36 +120,32 @@ class QueueRuntime:
 
     # ------------------------------------------------------------------ what the worker reads
     @property
+    def claimed(self) -> dict[str, ClaimedJob]:
+        """Job id -> the claim whose attempt runs here."""
+        return self.ledger.claims()
+
+    @property
     def running(self) -> int:
         """Jobs holding a slot here."""
-        return self._held
+        return len(self.ledger)
 
     @property
     def full(self) -> bool:
-        return self._held >= self.slots
+        return len(self.ledger) >= self.slots
 
     @property
     def reserve_free(self) -> bool:
         """A job may still run beyond ``slots`` here, in the engine's reserve (its spare KV streams)."""
-        return self._held < self.slots + self.reserve
+        return len(self.ledger) < self.slots + self.reserve
 
     def owed_slots(self) -> dict[str, int]:
-        """Slots this worker owes each lane below the top: its guaranteed slots less the lane's jobs
-        holding a slot here (only lanes owed some). ``CLAIM`` fills them from that lane first."""
-        guaranteed = guaranteed_slots(self.slots, self.lane_min_share)
-        held = self._slot_lanes()
-        return {lane: guaranteed - held[lane] for lane in self.queue.keys.lanes[1:] if held[lane] < guaranteed}
-
-    def _slot_lanes(self) -> Counter[str]:
-        """The jobs holding a slot here, by lane; a slot being handed over (a victim yielding it, a
-        lost attempt leaving it to the job's new claim) counts for the claim that takes it."""
-        return Counter(self._successors[job_id].lane if job_id in self._successors else job.lane
-                       for job_id, job in self.claimed.items())
+        """Slots this worker owes each lane below the top (:meth:`PreemptionPolicy.owed_slots`)."""
+        return self.policy.owed_slots(self.slots, self.ledger.slot_lanes())
 
     @property
     def idle(self) -> bool:
         """No attempt is running here (every one has left, through its finishing write)."""
-        return all(t.done() for t in self._tasks.values())
+        return all(t.done() for t in self._attempts)
 
     @property
     def jobs_complete(self) -> int:
@@ -167,16 +163,15 @@ class QueueRuntime:
 
     def has_lost_lease(self, job_id: str) -> bool:
         """Whether ``job_id``'s attempt here no longer owns the job (:meth:`lose_lease`)."""
-        return job_id in self._lease_lost
+        held = self.ledger.get(job_id)
+        return held is not None and held.lease_lost
 
     def is_current(self, job: ClaimedJob) -> bool:
         """Whether ``job``'s claim still runs on this worker, neither leaving (finishing, retrying,
-        handed back) nor lost. A RENEW that names a claim no longer current lost nothing: its FINISH
-        may simply have reached Redis first, and saying the job was requeued would be false."""
-        running = self.claimed.get(job.id)
-        if running is not None and running.lease == job.lease:
-            return job.id not in self._leaving and job.id not in self._lease_lost
-        return any(s.id == job.id and s.lease == job.lease for s in self._successors.values())
+        handed back) nor lost, or waits there for a slot. A RENEW that names a claim no longer
+        current lost nothing: its FINISH may simply have reached Redis first, and saying the job was
+        requeued would be false."""
+        return self.ledger.is_current(job)
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -187,7 +182,7 @@ class QueueRuntime:
         if self._on_startup:
             await self._on_startup()
         while True:
-            free = self.slots - self._held
+            free = self.slots - len(self.ledger)
             if self._can_claim() and free > 0:
                 claimed = await self._claim(free)
                 if len(claimed) == free:
@@ -207,62 +202,51 @@ class QueueRuntime:
             await asyncio.sleep(1)
             return []
         for job in claimed:
-            running = self.claimed.get(job.id)
-            if running is None:
-                self._start(job)
-                continue
-            # Still running here: Redis was unreachable longer than the lease (an outage, a
-            # failover), so a reaper requeued the job and this claim took it back. The running
-            # attempt's lease is void (its buffered stream writes are refused); it stops, and the
-            # new attempt takes over its slot and resumes from what reached the stream.
-            log.warning("job %s: claimed again while its attempt still runs here (its lease expired while Redis "
-                        "was unreachable); that attempt stops and a new one resumes from its stream", job.id)
-            self._successors[job.id] = job
-            self.lose_lease(running.id, running.lease)
+            self._start(job)
         return claimed
 
     def _start(self, job: ClaimedJob) -> None:
-        self._held += 1
-        self._launch(job)
+        """Run ``job``'s attempt in a free slot, or, if the job still runs here, once that attempt
+        has ended: Redis was unreachable longer than the lease (an outage, a failover), so a reaper
+        requeued the job and this claim took it back. The running attempt's lease is void (its
+        buffered stream writes are refused); it stops, and the new attempt takes over its slot and
+        resumes from what reached the stream."""
+        running = self.ledger.get(job.id)
+        if running is None:
+            self.ledger.take_slot(job)
+            self._launch(job)
+            return
+        log.warning("job %s: claimed again while its attempt still runs here (its lease expired while Redis "
+                    "was unreachable); that attempt stops and a new one resumes from its stream", job.id)
+        self.ledger.hand_over(job.id, job)
+        self.lose_lease(job.id, running.claim.lease)
 
     def _launch(self, job: ClaimedJob) -> None:
-        self.claimed[job.id] = job
+        """Start the attempt of ``job``, which holds a slot in the ledger."""
         task = self._runner.start(job.id, job.ready_ms)
         job_id = job.id
-        task.add_done_callback(lambda _task: self._job_done(job_id))
-        self._tasks[job.id] = task
+        task.add_done_callback(lambda _task: self._attempt_ended(job_id))
+        self._attempts[task] = job_id
         if self.on_job_started is not None:
             self.on_job_started(job)
 
-    def _job_done(self, job_id: str) -> None:
-        self._lease_lost.discard(job_id)
-        self._leaving.discard(job_id)
-        self.claimed.pop(job_id, None)
-        successor = self._successors.pop(job_id, None)
+    def _attempt_ended(self, job_id: str) -> None:
+        successor = self.ledger.attempt_ended(job_id)
         if successor is not None:
             self._launch(successor)       # the slot passes straight to the new attempt
             return
-        self._held -= 1
         self._slot_freed.set()
 
     def lose_lease(self, job_id: str, lease: str) -> None:
         """``lease`` no longer owns the job (reaped, or claimed again): stop that attempt (its
         writes are fenced off already). A report about another claim of the job is ignored."""
-        for leaving_id, successor in list(self._successors.items()):
-            if successor.id == job_id and successor.lease == lease:
-                del self._successors[leaving_id]   # lost before it could start
-                return
-        job = self.claimed.get(job_id)
-        if job is None or job.lease != lease or job_id in self._lease_lost:
-            return
-        self._lease_lost.add(job_id)
-        self._runner.cancel(job_id)       # not running yet: the job function checks has_lost_lease
+        if self.ledger.lose_lease(job_id, lease):
+            self._runner.cancel(job_id)       # not running yet: the job function checks has_lost_lease
 
     def leases(self) -> list[ClaimedJob]:
         """The claims whose leases the heartbeat renews: every running attempt not yet lost or
         leaving, and the claims waiting for a lost attempt to end."""
-        running = [j for j in self.claimed.values() if j.id not in self._lease_lost and j.id not in self._leaving]
-        return running + list(self._successors.values())
+        return self.ledger.leases()
 
     async def _wait(self, timeout: float) -> None:
         """Until a slot frees, a wake token arrives (only while slots are free), a preemption
@@ -292,10 +276,8 @@ class QueueRuntime:
         if self._busy_task is not None and self._busy_task.done():
             busy_task, self._busy_task = self._busy_task, None
             token = busy_task.result() if await self._token_taken(busy_task) else None
-            if token is not None and token.fair:
-                await self._lend_reserve(token)
-            elif token is not None:
-                await self._preempt(token)
+            if token is not None:
+                await self._on_busy_token(token)
 
     @staticmethod
     async def _token_taken(task: asyncio.Task[Any]) -> bool:
@@ -308,44 +290,42 @@ class QueueRuntime:
         return bool(task.result())
 
     def _victim(self) -> Candidate | None:
-        """The job this worker would hand back for a higher lane (:func:`choose_victim`); None
-        unless every slot is busy and the worker may claim. A job is a candidate while its job
-        function runs and it is neither leaving, lost, aborted nor already yielding its slot, and
-        its lane holds more than its guaranteed slots here. A job of a higher lane runs in the
-        reserve only where there is a victim, though none yields then."""
+        """The job this worker would hand back for a higher lane (:meth:`PreemptionPolicy.victim`);
+        None unless every slot is busy and the worker may claim. A job is a candidate while its job
+        function runs and it is neither leaving, lost, aborted nor already yielding its slot."""
         if not (self._claiming and self.full and self._may_claim()):
             return None
-        lanes = self.queue.keys.lanes
-        return choose_victim(
-            (Candidate(job_id, lanes.index(job.lane), self._progress(job_id))
-             for job_id, job in self.claimed.items()
-             if self._runner.function_running(job_id) and job.lane != lanes[0] and job_id not in self._leaving
-             and job_id not in self._lease_lost and job_id not in self._successors
-             and not self._runner.is_aborting(job_id)),
-            lane_jobs={lanes.index(lane): jobs for lane, jobs in self._slot_lanes().items()},
-            guaranteed=guaranteed_slots(self.slots, self.lane_min_share))
+        running = ((job, self._progress(job.id)) for job in self.ledger.may_yield()
+                   if self._runner.function_running(job.id) and not self._runner.is_aborting(job.id))
+        return self.policy.victim(running, slots=self.slots, slot_lanes=self.ledger.slot_lanes())
 
     def _fair_lane(self) -> str | None:
-        """The lane whose fair-share tokens this worker takes: its lowest running lane, while every
-        slot is busy, its reserve is free and it may claim (a job of a higher lane than that comes
-        by a preemption token; lending the reserve to a lower one would take it from this worker's
-        own lane)."""
+        """The lane whose fair-share tokens this worker takes (:meth:`PreemptionPolicy.fair_lane`),
+        while every slot is busy, its reserve is free and it may claim."""
         if not (self._claiming and self.full and self.reserve_free and self._may_claim()):
             return None
-        lanes = self.queue.keys.lanes
-        return max((job.lane for job in self.claimed.values()), key=lanes.index, default=None)
+        return self.policy.fair_lane(held.claim.lane for held in self.ledger)
 
-    async def _lend_reserve(self, token: BusyToken) -> None:
-        """A fair-share token of ``token.lane`` arrived: claim that lane's next job into the reserve
-        if its tenant has nothing running (the script checks). With a free slot meanwhile, the main
-        loop's claim takes the job instead; with the reserve taken or the worker's lowest lane
-        changed, the token goes back for another worker."""
-        if self._can_claim():
+    async def _on_busy_token(self, token: BusyToken) -> None:
+        """A busy token arrived: do what :meth:`PreemptionPolicy.answer` says."""
+        victim = None if token.fair else self._victim()
+        answer = self.policy.answer(token, free_slot=self._can_claim(), victim=victim,
+                                    fair_lane=self._fair_lane() if token.fair else None,
+                                    reserve_free=self.reserve_free)
+        if answer is Answer.CLAIM_INSTEAD:
             return
-        if self._fair_lane() != token.lane:
+        if answer is Answer.RETURN_TOKEN:
             with contextlib.suppress(Exception):
                 await self.queue.return_busy_token(token)
-            return
+        elif token.fair:
+            await self._lend_reserve(token)
+        else:
+            assert victim is not None
+            await self._preempt(victim, in_reserve=answer is Answer.RUN_IN_RESERVE)
+
+    async def _lend_reserve(self, token: BusyToken) -> None:
+        """Claim ``token.lane``'s next job into the reserve if its tenant has nothing running (the
+        script checks)."""
         try:
             job = await self.queue.lend_reserve(token.lane, self.token, self.lease_ms)
         except Exception as exc:  # Redis down: the token is lost; the job waits for a slot as any other
@@ -355,25 +335,15 @@ class QueueRuntime:
             self._run_in_reserve(job, "its tenant has nothing running")
 
     def _run_in_reserve(self, job: ClaimedJob, why: str) -> None:
-        log.info("job %s (%s) runs in the reserve beside %d jobs: %s", job.id, job.lane, self._held, why)
+        log.info("job %s (%s) runs in the reserve beside %d jobs: %s", job.id, job.lane, len(self.ledger), why)
         if self._on_reserve is not None:
             self._on_reserve(job)
         self._start(job)
 
-    async def _preempt(self, token: BusyToken) -> None:
-        """A preemption token of ``token.lane`` arrived: claim the waiting job and run it in the
-        reserve while that is free, else give it the victim's slot. With a free slot meanwhile, the
-        main loop's claim takes the job instead; with no victim left (its lower-lane jobs ended),
-        the token goes back for another worker."""
-        if self._can_claim():
-            return
-        victim = self._victim()
-        if victim is None or victim.lane_index <= self.queue.keys.lanes.index(token.lane):
-            with contextlib.suppress(Exception):
-                await self.queue.return_busy_token(token)
-            return
+    async def _preempt(self, victim: Candidate, *, in_reserve: bool) -> None:
+        """Claim the job of a higher lane that waits (``PREEMPT``) and run it in the reserve, or
+        give it ``victim``'s slot."""
         victim_job = self.claimed[victim.job_id]
-        in_reserve = self.reserve_free
         try:
             job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms, hand_back=not in_reserve)
         except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job
@@ -384,15 +354,16 @@ class QueueRuntime:
         if in_reserve:
             self._run_in_reserve(job, f"a lane above {victim_job.lane}")
             return
-        if self.claimed.get(victim.job_id) is not victim_job:      # it ended meanwhile: its slot is free
+        held = self.ledger.get(victim.job_id)
+        if held is None or held.claim is not victim_job:      # it ended meanwhile: its slot is free
             self._start(job)
             return
         log.info("job %s (%s) hands its slot to job %s (%s) and goes back to its lane with %d tokens left",
                  victim.job_id, victim_job.lane, job.id, job.lane, victim.progress.tokens_left)
-        self._successors[victim.job_id] = job
+        self.ledger.hand_over(victim.job_id, job)
         if self._on_preempted is not None:
             self._on_preempted(victim_job)
-        if victim.job_id not in self._leaving:
+        if not held.leaving:
             self._runner.cancel(victim.job_id)     # hand back: the attempt flushes its stream first
 
     def _can_claim(self) -> bool:
@@ -416,9 +387,9 @@ class QueueRuntime:
             await self._runner.check_aborts()
         except Exception as exc:
             log.warning("queue maintenance failed (%s: %s)", type(exc).__name__, exc)
-        for job_id, task in list(self._tasks.items()):
+        for task, job_id in list(self._attempts.items()):
             if task.done():
-                del self._tasks[job_id]
+                del self._attempts[task]
                 if not task.cancelled() and task.exception() is not None:
                     log.error("job %s: the runtime failed around it: %r", job_id, task.exception())
 
@@ -431,17 +402,17 @@ class QueueRuntime:
         """An attempt's outcome, as one fenced script: finished (result stored), retried later
         (``Retry``), or handed back (cancelled by a shutdown, a preemption or a dead engine: no try
         is used)."""
-        job = self.claimed.get(job_id)
-        if job is None:
+        held = self.ledger.start_leaving(job_id)      # its lease ends here: the heartbeat stops renewing it
+        if held is None:
             return
-        self._leaving.add(job_id)            # its lease ends here: the heartbeat stops renewing it
+        job = held.claim
         if exit_.kind is ExitKind.FINISHED:
             done = await self.queue.finish(job, exit_.result, exit_.result_ttl_ms)
         elif exit_.kind is ExitKind.RETRY_LATER:
             done = await self.queue.retry_later(job, exit_.retry_delay_ms)
         else:
             done = await self.queue.hand_back(job)
-        if not done and job_id not in self._lease_lost:
+        if not done and not held.lease_lost:
             log.warning("job %s is no longer this worker's (its lease expired and it was requeued); left alone", job_id)
 
     def hand_back_all(self) -> None:
@@ -466,7 +437,7 @@ class QueueRuntime:
         if self._closed:
             return
         self._closed = True
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self._attempts, return_exceptions=True)
         if self._on_shutdown:
             await self._on_shutdown()
         await self.queue.redis.aclose()
