@@ -8,17 +8,9 @@ without using a try: worker shutdown (cancelled), a dead engine and a worker tha
 under memory pressure (``RetryJob``). A degraded worker may also cap ``max_tokens``; the result
 says so (``max_tokens_cap``).
 
-Tries count failures, not interruptions. An attempt that was lost with its worker (killed,
-stalled past its lease) is judged when the next one starts: if the job's stream grew while it ran,
-it was *interrupted* and spent no try (the next attempt resumes from what it delivered); if not,
-it *failed* like an attempt that raised a retryable error, so a job that kills its worker before
-its first token, or at the same token every time, is still dead-lettered after ``max_tries``.
-``max_interruptions`` bounds the rest, so nothing runs forever.
-
-A job that kills workers is stopped sooner: once ``max_worker_deaths`` of its started attempts in
-a row were lost without progress, the next attempt refuses to run it and dead-letters it
-(``killed_its_worker``), and after one such death it starts only isolated in its worker
-(:mod:`slotq.jobs.worker.start_gate`), so the jobs beside it are not taken for killers.
+Its parts: where it resumes (:mod:`slotq.jobs.worker.resume`), what its attempts have cost the job
+and what an error costs it (:mod:`slotq.jobs.worker.attempts`: tries, interruptions, worker deaths,
+the classification of failures), and the result it returns (:mod:`slotq.jobs.worker.results`).
 """
 
 from __future__ import annotations
@@ -28,17 +20,16 @@ import base64
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, NoReturn
 
-from slotq.engine import EngineDead, EngineError, GenerationRequest
-from slotq.jobs.protocol import dead_letters, streams
+from slotq.engine import EngineError, GenerationRequest
+from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
 from slotq.jobs.protocol.payload import decode_payload
 from slotq.jobs.protocol.preemption import Progress
-from slotq.jobs.protocol.redis_queue import AttemptLedger, AttemptStart, AttemptVerdict
+from slotq.jobs.protocol.redis_queue import AttemptLedger, AttemptVerdict
 from slotq.jobs.protocol.schemas import (
-    ChoiceResult,
     EmbeddingJobRequest,
     EntryKind,
     JobRequest,
@@ -46,14 +37,16 @@ from slotq.jobs.protocol.schemas import (
     JobStatus,
     MaxTokensCap,
     StreamEntry,
-    assemble_tool_calls,
 )
 from slotq.jobs.protocol.serialization import POISON_MARKER
-from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, TokenLogprob, ToolCallDelta, Usage
-from slotq.jobs.worker import metrics
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, Usage
+from slotq.jobs.worker import metrics, results
+from slotq.jobs.worker.attempts import ENGINE_DEAD, AttemptAccount, Failure
 from slotq.jobs.worker.elastic.admission import Verdict
 from slotq.jobs.worker.engine_api import JobEmbedder, JobEngine, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
+from slotq.jobs.worker.results import Attribution
+from slotq.jobs.worker.resume import Delivered, Replies, read_delivered
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
@@ -61,68 +54,10 @@ from slotq.jobs.worker.wire_edge import Delta, Done, from_engine_event, to_engin
 
 log = logging.getLogger(__name__)
 
-ENGINE_DEAD = EngineDead.code
 # A stream write that a shield keeps going once its attempt was cancelled (a hand-back's, an aborted
 # or embedding job's final entry) gives up after this long: with Redis down it would otherwise retry
 # after the worker stopped. Within the worker's EXIT_MARGIN_S.
 SHIELDED_WRITE_BOUND_S = 10.0
-
-
-@dataclass
-class Replies:
-    """What each choice's reply said so far, as the stream carries it: its text, its reasoning,
-    and the pieces of its tool calls in order."""
-
-    text: dict[int, str] = field(default_factory=dict)
-    reasoning: dict[int, str] = field(default_factory=dict)
-    tool_calls: dict[int, list[ToolCallDelta]] = field(default_factory=dict)
-    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)    # a job's that asked for them
-
-    def add(self, choice: int, text: str, reasoning: str, tool_calls: list[ToolCallDelta],
-            logprobs: list[TokenLogprob] | None = None) -> None:
-        self.text[choice] = self.text.get(choice, "") + text
-        if reasoning:
-            self.reasoning[choice] = self.reasoning.get(choice, "") + reasoning
-        if tool_calls:
-            self.tool_calls.setdefault(choice, []).extend(tool_calls)
-        if logprobs is not None:
-            self.logprobs.setdefault(choice, []).extend(logprobs)
-
-    def choice(self, index: int, finish_reason: FinishReason, usage: Usage, timings: Timings) -> ChoiceResult:
-        return ChoiceResult(index=index, text=self.text.get(index, ""), reasoning=self.reasoning.get(index, ""),
-                            tool_calls=assemble_tool_calls(self.tool_calls.get(index, ())),
-                            logprobs=self.logprobs.get(index), finish_reason=finish_reason, usage=usage,
-                            timings=timings)
-
-
-@dataclass
-class Delivered:
-    """What earlier attempts already put in the stream."""
-
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    replies: Replies = field(default_factory=Replies)
-    done: dict[int, StreamEntry] = field(default_factory=dict)
-    final: StreamEntry | None = None
-
-    @property
-    def token_count(self) -> int:
-        """Tokens the stream holds for the attempt about to run (all choices): what progress is measured by."""
-        return sum(len(tokens) for tokens in self.tokens.values())
-
-
-async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
-    delivered = Delivered()
-    for entry in await streams.read_all(writer.redis, job_id):
-        if entry.kind == EntryKind.RESTART:
-            delivered = Delivered()
-        elif entry.kind == EntryKind.CHUNK:
-            delivered.tokens.setdefault(entry.choice, []).extend(entry.token_ids)
-            delivered.replies.add(entry.choice, entry.text, entry.reasoning, entry.tool_calls, entry.logprobs)
-        elif entry.kind == EntryKind.DONE:
-            delivered.done[entry.choice] = entry
-        if entry.final:
-            delivered.final = entry
-    return delivered
 
 
 class JobRun:
@@ -146,8 +81,7 @@ class JobRun:
         self.worker_id = worker_id
         self.job_id = job_id
         self.attempt = attempt
-        self.ledger = ledger
-        self.interruptions = 0       # earlier attempts lost after delivering new tokens: no try spent
+        self.account = AttemptAccount(job_id=job_id, attempt=attempt, settings=settings, ledger=ledger, gate=gate)
         self.enqueued_at = enqueued_at
         self.payload = payload
         self.is_abort = is_abort
@@ -165,7 +99,12 @@ class JobRun:
     @property
     def tries(self) -> int:
         """Tries spent with this attempt: the attempts so far that were not interruptions."""
-        return self.attempt - self.interruptions
+        return self.account.tries
+
+    @property
+    def interruptions(self) -> int:
+        """Earlier attempts lost after delivering new tokens: no try spent."""
+        return self.account.interruptions
 
     @property
     def progress(self) -> Progress:
@@ -192,23 +131,12 @@ class JobRun:
             # An earlier attempt finished; only its finish was lost. (An embedding job's vectors are not in
             # its stream: they are computed again.)
             return await self._result_from_stream(delivered)
-        start = await self._start_attempt(delivered)
-        if start is not None and start.verdict == AttemptVerdict.REFUSED:
-            return await self._dead_letter(ErrorInfo(code=dead_letters.KILLED_ITS_WORKER, retryable=False, message=(
-                f"its last {start.worker_deaths} attempts that started ended with their worker dying (killed, out of "
-                f"memory, crashed) or stalling past its lease before delivering any token; at SLOTQ_MAX_WORKER_DEATHS "
-                f"({self.settings.max_worker_deaths}) it is not run again")), worker_deaths=start.worker_deaths)
-        if self.tries > self.settings.max_tries:
-            return await self._dead_letter(ErrorInfo(code="tries_exhausted", retryable=True, message=(
-                f"attempt {self.attempt} would be try {self.tries}, over max_tries ({self.settings.max_tries}): the "
-                f"earlier attempts failed or were lost before delivering new tokens (does the job kill its worker?); "
-                f"{self.interruptions} interrupted after making progress did not count")))
-        if self.interruptions > self.settings.max_interruptions:
-            return await self._dead_letter(ErrorInfo(code="interruptions_exhausted", retryable=True, message=(
-                f"{self.interruptions} attempts were lost after making progress, over max_interruptions "
-                f"({self.settings.max_interruptions}); the stream holds {delivered.token_count} tokens")))
+        start = await self.account.start(delivered.token_count)
+        dead_letter = self.account.dead_letter(start, delivered.token_count)
+        if dead_letter is not None:
+            return await self._dead_letter(dead_letter.error, worker_deaths=dead_letter.worker_deaths)
         if start is not None and start.verdict == AttemptVerdict.START_ISOLATED:
-            await self._start_isolated(delivered, start.worker_deaths)
+            await self.account.start_isolated(delivered.token_count, start.worker_deaths)
         if isinstance(job, EmbeddingJobRequest):
             return await self._embed(job)
         if job.deadline is not None and not delivered.tokens:
@@ -254,46 +182,6 @@ class JobRun:
         stats = self.engine.stats()
         return stats.generating_seconds / stats.generating_steps if stats.generating_steps else 0.0
 
-    async def _start_attempt(self, delivered: Delivered) -> AttemptStart | None:
-        """Judge the attempts lost before this one and note where this one starts (the queue's
-        ``START_ATTEMPT``): the last one was an interruption, spending no try, if the stream
-        grew while it ran, else a failure and a worker death. At ``max_worker_deaths`` deaths in a
-        row the attempt is refused; a suspect (fewer, but some) is not started yet: see
-        :meth:`_start_isolated`. None: no ledger."""
-        if self.ledger is None:
-            return None
-        if self.gate is not None:
-            await self.gate.enter(self.job_id)
-        start = await self._ledger_start(delivered, isolated=self.gate is None)
-        self.interruptions = start.interruptions
-        metrics.ATTEMPTS_LOST.labels(counted_as="interruption").inc(start.interrupted)
-        metrics.ATTEMPTS_LOST.labels(counted_as="failure").inc(start.failed)
-        if start.interrupted or start.failed:
-            log.warning("job %s attempt %d: of the attempts lost before it, %d had delivered new tokens (interrupted, "
-                        "no try spent) and %d had not (failed, a try each); try %d, %d interruptions so far, %d "
-                        "worker deaths in a row", self.job_id, self.attempt, start.interrupted, start.failed,
-                        self.tries, self.interruptions, start.worker_deaths)
-        return start
-
-    async def _start_isolated(self, delivered: Delivered, worker_deaths: int) -> None:
-        """A suspect starts once it is alone in this worker without progress (the worker's
-        :class:`~slotq.jobs.worker.start_gate.StartGate`), so that if it kills the worker, no other
-        job's attempt dies with it before making progress."""
-        assert self.ledger is not None and self.gate is not None
-        log.warning("job %s attempt %d: its last %d started attempts were lost with their worker before any progress; "
-                    "it starts once it is alone here without progress", self.job_id, self.attempt, worker_deaths)
-        await self.gate.enter_isolated(self.job_id)
-        await self._ledger_start(delivered, isolated=True)
-
-    async def _ledger_start(self, delivered: Delivered, *, isolated: bool) -> AttemptStart:
-        """The queue's ``START_ATTEMPT`` for this attempt; a lease lost meanwhile cancels the run."""
-        assert self.ledger is not None
-        start = await self.ledger.start(self.attempt, delivered.token_count,
-                                        max_worker_deaths=self.settings.max_worker_deaths, isolated=isolated)
-        if not start.owned:
-            raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
-        return start
-
     def _lane_rank(self, lane: str) -> int:
         """The engine's priority class of a lane: the lowest lane 0, each higher one more, so a higher
         lane's prompt is admitted and prefilled before a lower lane's (engine/scheduler.py, rule 3)."""
@@ -333,8 +221,7 @@ class JobRun:
     async def _end_embedding(self, reason: FinishReason, usage: Usage, *, status: JobStatus) -> JobResult:
         self.writer.add(self.job_id, self._entry(EntryKind.DONE, finish_reason=reason, usage=usage, final=True))
         await self._flush_final_shielded()
-        return JobResult(id=self.job_id, status=status, finish_reason=reason, usage=usage, worker=self.worker_id,
-                         attempts=self.attempt, interruptions=self.interruptions, metadata=self.metadata)
+        return results.embedded(self._about(), status=status, finish_reason=reason, usage=usage)
 
     # ------------------------------------------------------------------ streaming
     async def _follow(self, handle: RunningRequest, request: GenerationRequest, job: JobRequest,
@@ -435,18 +322,20 @@ class JobRun:
 
     # ------------------------------------------------------------------ failures
     async def _on_engine_error(self, error: ErrorInfo) -> JobResult:
-        if error.code == ENGINE_DEAD:
+        """End the attempt as :meth:`AttemptAccount.classify` says."""
+        failure = self.account.classify(error)
+        if failure is Failure.HAND_BACK:
             # The worker's engine died under this job: keep what streamed, hand the job back
             # without using a try (the worker exits; another resumes it).
             await self._flush_final()
             raise RetryJob()
-        if not error.retryable:
+        if failure is Failure.FAIL:
             return await self._fail(error)
-        if self.tries >= self.settings.max_tries:
+        if failure is Failure.DEAD_LETTER:
             return await self._dead_letter(error)
         self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error))
         await self._flush_final()
-        defer = self.settings.retry_backoff_s * 2 ** (self.tries - 1)
+        defer = self.account.retry_delay_s()
         metrics.RETRIES.inc()
         log.warning("job %s attempt %d (try %d) failed (%s); retrying in %.1fs", self.job_id, self.attempt,
                     self.tries, error.code, defer)
@@ -480,47 +369,20 @@ class JobRun:
         return StreamEntry(id="", kind=kind, attempt=self.attempt, worker=self.worker_id, **fields)
 
     # ------------------------------------------------------------------ results
+    def _about(self) -> Attribution:
+        """What every result of this attempt says besides its outcome."""
+        return Attribution(job_id=self.job_id, worker=self.worker_id, attempts=self.attempt,
+                           interruptions=self.interruptions, metadata=self.metadata, max_tokens_cap=self.cap)
+
     def _result(self, replies: Replies, finished: dict[int, Done]) -> JobResult:
-        return self._summarize([replies.choice(c, f.finish_reason, f.usage, f.timings)
-                                for c, f in sorted(finished.items())],
-                               status=JobStatus.SUCCEEDED, text=replies.text.get(0, ""))
-
-    async def _result_from_stream(self, delivered: Delivered) -> JobResult:
-        """The stream is complete: an earlier attempt wrote its final entry, and only its finish
-        was lost (e.g. its lease expired during a cut, after the final entry reached Redis). The
-        result is that attempt's, naming its worker; this attempt spends no try."""
-        final = delivered.final
-        assert final is not None
-        if final.kind == EntryKind.ERROR:
-            result = self._failed(final.error)
-        else:
-            choices = [delivered.replies.choice(c, d.finish_reason, d.usage or Usage(), d.timings or Timings())
-                       for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
-            status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED
-            result = self._summarize(choices, status=status, text=delivered.replies.text.get(0, ""),
-                                     fallback_reason=final.finish_reason)
-        result.worker, result.attempts = final.worker, final.attempt
-        result.interruptions = await self.ledger.interruptions() if self.ledger is not None else 0
-        return result
-
-    def _summarize(self, choices: list[ChoiceResult], *, status: JobStatus, text: str,
-                   fallback_reason: FinishReason | None = None) -> JobResult:
-        """One result from the per-choice outcomes: choice 0 gives text, reason and timings; the
-        prompt counts once and completions add up."""
-        first = choices[0] if choices and choices[0].index == 0 else None
-        return JobResult(
-            id=self.job_id, status=status, text=text,
-            finish_reason=first.finish_reason if first else fallback_reason,
-            usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
-                        completion_tokens=sum(c.usage.completion_tokens for c in choices),
-                        cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices)),
-            timings=first.timings if first else None,
-            choices=choices, worker=self.worker_id, attempts=self.attempt, interruptions=self.interruptions,
-            metadata=self.metadata, max_tokens_cap=self.cap,
-        )
+        return results.succeeded(replies, finished, self._about())
 
     def _failed(self, error: ErrorInfo | None) -> JobResult:
-        return JobResult(id=self.job_id, status=JobStatus.FAILED, error=error, worker=self.worker_id,
-                         attempts=self.attempt, interruptions=self.interruptions, finish_reason=FinishReason.ERROR,
-                         metadata=self.metadata)
+        return results.failed(error, self._about())
 
+    async def _result_from_stream(self, delivered: Delivered) -> JobResult:
+        """The stream is complete: an earlier attempt ended the job and only its finish was lost
+        (:func:`results.from_stream`); this attempt spends no try."""
+        ledger = self.account.ledger
+        interruptions = await ledger.interruptions() if ledger is not None else 0
+        return results.from_stream(delivered, replace(self._about(), interruptions=interruptions))

@@ -1,0 +1,76 @@
+"""Where a job's attempt resumes: what earlier attempts already put in its stream.
+
+Tries count failures, not interruptions (:mod:`slotq.jobs.worker.attempts`), so an attempt starts by
+reading the job's stream. Each choice's token ids become the engine request's ``resume_tokens`` (the
+next attempt decodes on from the last token delivered, token for token what one attempt would have
+made); its text, reasoning, tool-call pieces and log-probabilities are kept to build the result;
+a ``RESTART`` entry (a job of several choices starts over) forgets everything before it; and a
+final entry means an earlier attempt ended the job and only its finish was lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slotq.jobs.protocol import streams
+from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, StreamEntry, assemble_tool_calls
+from slotq.jobs.protocol.wire import FinishReason, Timings, TokenLogprob, ToolCallDelta, Usage
+from slotq.jobs.worker.stream_writer import StreamWriter
+
+
+@dataclass
+class Replies:
+    """What each choice's reply said so far, as the stream carries it: its text, its reasoning,
+    and the pieces of its tool calls in order."""
+
+    text: dict[int, str] = field(default_factory=dict)
+    reasoning: dict[int, str] = field(default_factory=dict)
+    tool_calls: dict[int, list[ToolCallDelta]] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)    # a job's that asked for them
+
+    def add(self, choice: int, text: str, reasoning: str, tool_calls: list[ToolCallDelta],
+            logprobs: list[TokenLogprob] | None = None) -> None:
+        self.text[choice] = self.text.get(choice, "") + text
+        if reasoning:
+            self.reasoning[choice] = self.reasoning.get(choice, "") + reasoning
+        if tool_calls:
+            self.tool_calls.setdefault(choice, []).extend(tool_calls)
+        if logprobs is not None:
+            self.logprobs.setdefault(choice, []).extend(logprobs)
+
+    def choice(self, index: int, finish_reason: FinishReason, usage: Usage, timings: Timings) -> ChoiceResult:
+        return ChoiceResult(index=index, text=self.text.get(index, ""), reasoning=self.reasoning.get(index, ""),
+                            tool_calls=assemble_tool_calls(self.tool_calls.get(index, ())),
+                            logprobs=self.logprobs.get(index), finish_reason=finish_reason, usage=usage,
+                            timings=timings)
+
+
+@dataclass
+class Delivered:
+    """What earlier attempts already put in the stream."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    replies: Replies = field(default_factory=Replies)
+    done: dict[int, StreamEntry] = field(default_factory=dict)
+    final: StreamEntry | None = None
+
+    @property
+    def token_count(self) -> int:
+        """Tokens the stream holds for the attempt about to run (all choices): what progress is measured by."""
+        return sum(len(tokens) for tokens in self.tokens.values())
+
+
+async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
+    """What the stream of ``job_id`` holds for the attempt about to run (since its last ``RESTART``)."""
+    delivered = Delivered()
+    for entry in await streams.read_all(writer.redis, job_id):
+        if entry.kind == EntryKind.RESTART:
+            delivered = Delivered()
+        elif entry.kind == EntryKind.CHUNK:
+            delivered.tokens.setdefault(entry.choice, []).extend(entry.token_ids)
+            delivered.replies.add(entry.choice, entry.text, entry.reasoning, entry.tool_calls, entry.logprobs)
+        elif entry.kind == EntryKind.DONE:
+            delivered.done[entry.choice] = entry
+        if entry.final:
+            delivered.final = entry
+    return delivered
