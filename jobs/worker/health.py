@@ -64,7 +64,8 @@ def app(health: Health) -> Callable[[dict[str, Any], StartResponse], Iterable[by
     def serve(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         check = checks.get(environ.get("PATH_INFO", ""))
         if check is None:
-            return metrics(environ, start_response)
+            page: Iterable[bytes] = metrics(environ, start_response)     # prometheus_client's app is untyped
+            return page
         ok, detail = check()
         body = json.dumps({"ok": ok, **detail}).encode()
         start_response("200 OK" if ok else "503 Service Unavailable",

@@ -24,15 +24,16 @@ from slotq.jobs.worker.elastic.memory import process_rss_bytes, resolve_memory_l
 from slotq.jobs.worker.fault_injection import WorkerFaults
 
 if TYPE_CHECKING:
-    from slotq.engine import Engine, EngineStats
+    from slotq.engine import EngineStats
     from slotq.jobs.protocol.redis_queue import RedisQueue
+    from slotq.jobs.worker.engine_api import JobEngine
     from slotq.jobs.worker.runtime import QueueRuntime
 
 log = logging.getLogger(__name__)
 
 
 class ElasticLoop:
-    def __init__(self, knobs: ElasticKnobs, *, engine: Engine, runtime: QueueRuntime, queue: RedisQueue,
+    def __init__(self, knobs: ElasticKnobs, *, engine: JobEngine, runtime: QueueRuntime, queue: RedisQueue,
                  faults: WorkerFaults, worker_id: str) -> None:
         self.knobs = knobs
         self.engine = engine
