@@ -28,8 +28,9 @@ from llama_cpp import llama_grammar
 from bench.overhead_bench import THREADS
 from bench.report import markdown_table, progress, write_results
 from slotq.engine import EngineConfig, GenerationRequest, KVLayout, SamplingParams, bundled_model_path
-from slotq.engine.constraints import ConstraintCompiler, GrammarKnobs, constraint_for
+from slotq.engine.constraints import ConstraintCompiler, constraint_for
 from slotq.engine.errors import GrammarError
+from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.engine.llama_model import LlamaModel
 from slotq.engine.sampling import build_chain
 

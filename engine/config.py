@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from slotq.engine.constraints import GrammarKnobs
+from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.engine.scheduler import BatchingMode
 
 MAX_KV_SEQUENCES = 256

@@ -36,8 +36,9 @@ from typing import Any
 
 import llguidance
 
-from slotq.engine.constraints import COMPACT_JSON, Constraint, GrammarKnobs, validate_constraint
+from slotq.engine.constraints import COMPACT_JSON, Constraint, validate_constraint
 from slotq.engine.errors import GrammarError
+from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCall, ToolCallError, ToolCallFormat
 from slotq.engine.request import ChatMessage, GenerationParams, NamedToolChoice, ToolSpec
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 
-from slotq.engine.constraints import GrammarKnobs
+from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.jobs.protocol.keys import QueueKeys
 
 DOTENV = ".env"

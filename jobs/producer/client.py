@@ -20,9 +20,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from slotq.engine import GenerationParams, GrammarError
-from slotq.engine.constraints import check_constraint
-from slotq.engine.tools import check_tools
+from slotq.engine import GrammarError
 from slotq.jobs.errors import (
     JobFailed,
     JobNotFound,
@@ -237,7 +235,13 @@ class SlotqClient:
         """Compile the request's JSON schema, grammar or tools' parameters as a worker would, under
         the same limits (``SLOTQ_GRAMMAR_*``), so one a worker would refuse is never queued. Off the
         event loop: a large grammar takes a few hundred milliseconds to refuse. The engine's checkers
-        read the engine's types, so the request is read as the engine's parameters first."""
+        read the engine's types, so the request is read as the engine's parameters first. They are
+        imported here, on the first such request: they load llguidance, numpy and jinja2, which a
+        producer that never sends a schema or tools need not pay for at import."""
+        from slotq.engine.constraints import check_constraint
+        from slotq.engine.request import GenerationParams
+        from slotq.engine.tools import check_tools
+
         def check() -> None:
             params = GenerationParams.model_validate(request.model_dump(include=set(GenerationParams.model_fields)))
             check_constraint(params.sampling, self.settings)

@@ -16,7 +16,8 @@ import pytest
 from llama_cpp import llama_grammar
 
 from slotq.engine import FinishReason, GrammarError, SamplingParams
-from slotq.engine.constraints import GrammarKnobs, check_constraint
+from slotq.engine.constraints import check_constraint
+from slotq.engine.grammar_knobs import GrammarKnobs
 from tests.support.engine import greedy, run_one, running_engine
 
 MIN_ITEMS_BOMB = {"type": "array", "minItems": 100_000_000, "items": {"type": "string"}}   # 77 bytes as JSON
