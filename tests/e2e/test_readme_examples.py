@@ -29,13 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis as sync_redis
 
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.redis_server import EmbeddedRedis
 from tests.support import REPO_ROOT
 from tests.support.gateway import Stack
-from tests.support.jobs import WorkerProcess, clean_env, wait_for_workers
+from tests.support.jobs import WorkerProcess, clean_env, emptied, wait_for_workers
 
 EXAMPLE_URL = "redis://localhost:6399/0"      # the embedded server a `slotq worker` starts: what the docs use
 EXAMPLE_GATEWAY = "http://127.0.0.1:8000"     # `slotq gateway`'s default address
@@ -91,12 +90,7 @@ def run_scripts(blocks: list[str], redis_url: str, cwd: Path, gateway_url: str =
 def worker_redis_url(redis_server: EmbeddedRedis, tiny_model_path: Path,
                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The session's Redis, emptied, with one `slotq worker` on the tiny model, registered."""
-    url = redis_server.url
-    conn = sync_redis.Redis.from_url(url)
-    try:
-        conn.flushall()
-    finally:
-        conn.close()
+    url = emptied(redis_server)
     env = clean_env(redis_url=url, model=tiny_model_path, slots=4, threads=1, ctx=2048)
     proc = WorkerProcess(WORKER, env, tmp_path_factory.mktemp("docs-worker"))
 

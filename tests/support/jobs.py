@@ -66,16 +66,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
         server.stop()
 
 
-@pytest.fixture
-def redis_url(redis_server: EmbeddedRedis) -> str:
-    """The session's server, emptied for this test."""
-    url = redis_server.url
-    conn = sync_redis.Redis.from_url(url)
+def emptied(server: EmbeddedRedis) -> str:
+    """The URL of ``server``, every key of it deleted."""
+    conn = sync_redis.Redis.from_url(server.url)
     try:
         conn.flushall()
     finally:
         conn.close()
-    return url
+    return server.url
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """The session's server, emptied for this test."""
+    return emptied(redis_server)
 
 
 @pytest.fixture
