@@ -17,8 +17,17 @@ arq's ``Worker`` is held, not inherited by slotq's runtime: the rest of slotq se
 finishing writes ``run_job`` calls. Where the runner relies on arq 0.28 internals beyond its
 documented API, the code says which and why; a new arq version must be checked against those places.
 
-This module imports nothing else of slotq but :mod:`~slotq.jobs.protocol.arq_formats`; only the
-worker imports it.
+**On a Redis Cluster** arq sees each job under its *arq id* (:meth:`QueueKeys.arq_id
+<slotq.jobs.protocol.keys.QueueKeys.arq_id>`: the queue's hash tag, then the job id), so the keys
+``run_job`` builds from it -- the job record, the attempt counter -- share the queue's slot with the
+scripts that write them; the runner maps ids both ways, and slotq's side only ever sees job ids.
+``run_job`` opens with a MULTI over the record, the counter and ``arq:abort`` (a key of another
+slot), which a cluster refuses, so arq gets the client behind :class:`_PipelinesWithoutMulti`:
+the same commands, in one round trip per node, not atomic together. Nothing needs them to be: the
+claim's lease already makes the attempt the job's only one.
+
+This module imports nothing else of slotq but :mod:`~slotq.jobs.protocol.arq_formats` and
+:mod:`~slotq.jobs.protocol.keys`; only the worker imports it.
 """
 
 from __future__ import annotations
@@ -33,8 +42,10 @@ from typing import Any, cast
 from arq.connections import ArqRedis
 from arq.worker import Retry, RetryJob, Worker, func
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from slotq.jobs.protocol.arq_formats import Deserializer, Serializer
+from slotq.jobs.protocol.keys import QueueKeys
 
 __all__ = [
     # what a job function raises: retry after a delay, or hand the job back
@@ -104,22 +115,43 @@ class _Worker(Worker):
         await self._report_exit(job_id, JobExit(ExitKind.FINISHED, result_data, int(self.keep_result_s * 1000)))
 
 
+class _PipelinesWithoutMulti:
+    """A cluster client whose ``pipeline()`` ignores ``transaction=True`` (see the module): arq's
+    only use of a transaction is to send a few commands in one round trip."""
+
+    def __init__(self, redis: RedisCluster) -> None:
+        self._redis = redis
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        return self._redis.pipeline()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._redis, name)
+
+
 class ArqJobRunner:
     """Runs claimed jobs through arq's ``Worker.run_job``, one task per attempt.
 
     ``job(attempt, payload)`` is the job function (registered as ``function_name``, the name job
     records carry); ``on_exit(job_id, exit)`` is awaited once per attempt that reached arq's
     outcome, with how it left, and does the finishing write. arq sends its own commands on
-    ``redis``: reading the job record, counting the attempt, checking aborts."""
+    ``redis``: reading the job record, counting the attempt, checking aborts. ``keys``: the
+    queue's, whose arq ids arq sees (see the module)."""
 
-    def __init__(self, *, function_name: str, job: JobFunction, on_exit: OnExit, redis: Redis, queue_name: str,
+    def __init__(self, *, function_name: str, job: JobFunction, on_exit: OnExit, redis: Redis, keys: QueueKeys,
                  job_timeout_s: float, keep_result_s: float, max_tries: int, serializer: Serializer,
                  deserializer: Deserializer) -> None:
         self._job = job
-        # run_job sends only plain commands on its pool (GET, INCR, EXPIRE, ZREM, SETEX): any client does.
+        self._keys = keys
+
+        async def exited(arq_id: str, exit_: JobExit) -> None:
+            await on_exit(keys.job_id(arq_id), exit_)
+
+        # run_job sends only plain commands on its pool (GET, INCR, EXPIRE, ZREM, SETEX), in MULTIs on one Redis
+        pool = _PipelinesWithoutMulti(redis) if isinstance(redis, RedisCluster) else redis
         self._worker = _Worker(
-            on_exit, functions=[func(self._call, name=function_name)], redis_pool=cast(ArqRedis, redis),
-            queue_name=queue_name, handle_signals=False, job_timeout=job_timeout_s, keep_result=keep_result_s,
+            exited, functions=[func(self._call, name=function_name)], redis_pool=cast(ArqRedis, pool),
+            queue_name=keys.queue, handle_signals=False, job_timeout=job_timeout_s, keep_result=keep_result_s,
             max_tries=max_tries, allow_abort_jobs=True, job_serializer=serializer, job_deserializer=deserializer,
             log_results=False)
         # arq logs every job's arguments (the prompt) at INFO; slotq logs its own prompt-free lines.
@@ -128,20 +160,21 @@ class ArqJobRunner:
     def start(self, job_id: str, ready_ms: int) -> asyncio.Task[None]:
         """Run an attempt of the claimed job ``job_id`` (``ready_ms``: its ready time, arq's score,
         which only arq's own log lines use). The task ends after ``on_exit``."""
-        return asyncio.get_running_loop().create_task(self._worker.run_job(job_id, ready_ms))
+        return asyncio.get_running_loop().create_task(self._worker.run_job(self._keys.arq_id(job_id), ready_ms))
 
     async def _call(self, ctx: dict[str, Any], payload: Any) -> Any:
         # run_job's per-job ctx (arq 0.28): job_id, job_try (the retry counter it just incremented),
         # enqueue_time (a datetime from the job record) and score.
-        job_id = ctx["job_id"]
+        arq_id = ctx["job_id"]
         try:
-            result = await self._job(Attempt(job_id, ctx["job_try"], ctx["enqueue_time"].timestamp()), payload)
+            result = await self._job(Attempt(self._keys.job_id(arq_id), ctx["job_try"],
+                                             ctx["enqueue_time"].timestamp()), payload)
         except Retry as retry:
-            self._worker.retry_delays[job_id] = retry.defer_score or 0
+            self._worker.retry_delays[arq_id] = retry.defer_score or 0
             raise
         # An abort that came too late to stop the job: run_job clears aborting_tasks only when the
         # cancellation lands, and a later attempt of this job here would otherwise count as aborted.
-        self._worker.aborting_tasks.discard(job_id)
+        self._worker.aborting_tasks.discard(arq_id)
         return result
 
     # job_tasks (arq 0.28): job id -> the task of the job function, set by run_job while the
@@ -149,12 +182,12 @@ class ArqJobRunner:
     # arq itself stops a job; run_job then classifies the CancelledError.
     def function_running(self, job_id: str) -> bool:
         """Whether the job function of ``job_id`` runs now (its prelude is over, its end not reached)."""
-        return job_id in self._worker.job_tasks
+        return self._keys.arq_id(job_id) in self._worker.job_tasks
 
     def cancel(self, job_id: str) -> None:
         """Cancel the running job function of ``job_id``, if any: the attempt is handed back
         (unless it is being aborted); it checks for itself whether it lost its lease."""
-        task = self._worker.job_tasks.get(job_id)
+        task = self._worker.job_tasks.get(self._keys.arq_id(job_id))
         if task is not None:
             task.cancel()
 
@@ -175,7 +208,7 @@ class ArqJobRunner:
 
     def is_aborting(self, job_id: str) -> bool:
         """Whether ``job_id``'s attempt is being aborted (``aborting_tasks``, see :meth:`check_aborts`)."""
-        return job_id in self._worker.aborting_tasks
+        return self._keys.arq_id(job_id) in self._worker.aborting_tasks
 
     @property
     def jobs_complete(self) -> int:

@@ -8,7 +8,8 @@ keeps them in one slot):
 
 ================================  ======  ===========================================================
 ``slotq:stream:{<id>}``           STREAM  the job's output entries (:mod:`slotq.jobs.protocol.streams`)
-``slotq:stream-mark:<writer>``    STRING  the last flush a stream writer applied, and its answer
+``slotq:fence:{<id>}``            HASH    the job's stream fence: the newest claim of the job that wrote to it
+                                          (``seq``, ``lease``) and the last flush it applied (``flush``)
 ``slotq:dlq:{<id>}``              HASH    a dead letter (:mod:`slotq.jobs.protocol.dead_letters`)
 ``slotq:dlq``                     ZSET    job id -> time it was dead-lettered
 ``slotq:dlq:reasons``             HASH    reason (the error code) -> dead letters kept with it
@@ -35,12 +36,32 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:progress``                    HASH    job id -> ``accounted<TAB>started<TAB>tokens<TAB>interruptions<TAB>deaths``
 ``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
 ``Q:wake``                        LIST    one token per waiting job (capped): an idle worker BLPOPs one
+``Q:claim_seq``                   STRING  the number of the queue's newest claim (see :attr:`QueueKeys.claim_seq`)
 ``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
-``arq:job:<id>``                  STRING  the job record in arq's format (function, payload, enqueue time)
-``arq:retry:<id>``                STRING  attempt counter (arq's ``run_job`` increments it)
-``arq:result:<id>``               STRING  the result record in arq's format
-``arq:abort``                     ZSET    arq's pending aborts (checked by ``run_job`` before a job starts)
+``arq:job:<arq id>``              STRING  the job record in arq's format (function, payload, enqueue time)
+``arq:retry:<arq id>``            STRING  attempt counter (arq's ``run_job`` increments it)
+``arq:result:<arq id>``           STRING  the result record in arq's format
+``arq:abort``                     ZSET    arq's pending aborts, by arq id (checked by ``run_job`` before a job starts)
 ================================  ======  ===========================================================
+
+**On a Redis Cluster** (:attr:`QueueKeys.clustered`) every key of a queue and its jobs' arq keys
+share one hash slot, and each job's stream and fence share another, the job's own:
+
+* the queue's keys begin with ``{Q}`` instead of ``Q`` (``{slotq:queue}:waiting:interactive``; a
+  queue name that already holds a ``{...}`` hash tag is used as it is), so every script of the
+  claim path (enqueue, claim, preempt, renew, finish, retry, hand back, reap, cancel) stays one
+  atomic script in one slot;
+* a job's *arq id*, the id arq's ``run_job`` sees and builds its keys from, is ``{Q}<id>``
+  (``arq:job:{slotq:queue}<id>``), so the job record, attempt counter and result record live in
+  the queue's slot too; on a single Redis the arq id is the job id;
+* ``slotq:stream:{<id>}`` and ``slotq:fence:{<id>}`` hash by the job id, so the streaming load --
+  most of what a fleet writes -- spreads over every shard. The fence is what lets a stream write be
+  checked against the job's owner without the queue's slot (:mod:`slotq.jobs.protocol.scripts.fences`);
+* ``arq:abort``, dead letters and the worker registry are keys of their own slots, written by one
+  command each.
+
+docs/cluster.md writes the protocol down: which steps span two slots, in what order, and why no
+job is lost or token written twice when a process dies between them.
 
 A job's *place* in its lane is its fair-share tag (:mod:`slotq.jobs.protocol.scripts`, ``ENQUEUE``):
 ``place of its tenant's newest job + 1`` while the tenant has jobs waiting in the lane, else
@@ -87,9 +108,9 @@ def stream_key(job_id: str) -> str:
     return f"slotq:stream:{{{job_id}}}"
 
 
-def write_mark_key(writer_id: str) -> str:
-    """The last flush a stream writer applied, and its answer (makes a re-sent flush idempotent)."""
-    return f"slotq:stream-mark:{writer_id}"
+def fence_key(job_id: str) -> str:
+    """The job's stream fence, in the slot of its stream (:mod:`slotq.jobs.protocol.scripts.fences`)."""
+    return f"slotq:fence:{{{job_id}}}"
 
 
 def dead_letter_key(job_id: str) -> str:
@@ -100,16 +121,17 @@ def worker_key(worker_id: str) -> str:
     return f"slotq:worker:{worker_id}"
 
 
-def job_record_key(job_id: str) -> str:
-    return JOB_KEY_PREFIX + job_id
+# arq's keys of a job, from its arq id (:meth:`QueueKeys.arq_id`; the job id on a single Redis)
+def job_record_key(arq_id: str) -> str:
+    return JOB_KEY_PREFIX + arq_id
 
 
-def retry_counter_key(job_id: str) -> str:
-    return RETRY_KEY_PREFIX + job_id
+def retry_counter_key(arq_id: str) -> str:
+    return RETRY_KEY_PREFIX + arq_id
 
 
-def result_key(job_id: str) -> str:
-    return RESULT_KEY_PREFIX + job_id
+def result_key(arq_id: str) -> str:
+    return RESULT_KEY_PREFIX + arq_id
 
 
 ABORTS = ABORT_JOBS_SET
@@ -117,10 +139,12 @@ ABORTS = ABORT_JOBS_SET
 
 @dataclass(frozen=True)
 class QueueKeys:
-    """The key names of one queue and its lanes."""
+    """The key names of one queue and its lanes; ``clustered``: laid out for a Redis Cluster (see
+    the module)."""
 
     queue: str
     lanes: tuple[str, ...]
+    clustered: bool = False
 
     def __post_init__(self) -> None:
         if not self.lanes or len(set(self.lanes)) != len(self.lanes):
@@ -129,27 +153,43 @@ class QueueKeys:
             if not LANE_RE.match(lane):
                 raise ValueError(f"lane {lane!r}: use 1-32 of a-z 0-9 _ - starting with a letter")
 
+    @property
+    def prefix(self) -> str:
+        """What every key of the queue begins with: its name, wrapped in a hash tag on a cluster."""
+        if not self.clustered or re.search(r"\{[^}]+\}", self.queue):
+            return self.queue
+        return f"{{{self.queue}}}"
+
+    def arq_id(self, job_id: str) -> str:
+        """The id arq's ``run_job`` sees for ``job_id``, which its keys are built from: on a cluster
+        the queue's hash tag then the job id, so they share the queue's slot."""
+        return self.prefix + job_id if self.clustered else job_id
+
+    def job_id(self, arq_id: str) -> str:
+        """The job id of an arq id (:meth:`arq_id` undone)."""
+        return arq_id.removeprefix(self.prefix) if self.clustered else arq_id
+
     def waiting(self, lane: str) -> str:
-        return f"{self.queue}:waiting:{lane}"
+        return f"{self.prefix}:waiting:{lane}"
 
     def deferred(self, lane: str) -> str:
-        return f"{self.queue}:deferred:{lane}"
+        return f"{self.prefix}:deferred:{lane}"
 
     def running(self, lane: str) -> str:
-        return f"{self.queue}:running:{lane}"
+        return f"{self.prefix}:running:{lane}"
 
     def tags(self, lane: str) -> str:
-        return f"{self.queue}:tags:{lane}"
+        return f"{self.prefix}:tags:{lane}"
 
     def preempt(self, lane: str) -> str:
-        return f"{self.queue}:preempt:{lane}"
+        return f"{self.prefix}:preempt:{lane}"
 
     def fair(self, lane: str) -> str:
-        return f"{self.queue}:fair:{lane}"
+        return f"{self.prefix}:fair:{lane}"
 
     @property
     def preemptions(self) -> str:
-        return f"{self.queue}:preemptions"
+        return f"{self.prefix}:preemptions"
 
     @property
     def jobs(self) -> str:
@@ -159,38 +199,46 @@ class QueueKeys:
         (deploy/kubernetes/keda-scaledobject.yaml; tests/e2e/test_deploy.py checks the two agree).
         Demand rather than waiting jobs, because the HPA sets replicas = ceil(metric / target): a
         metric of waiting jobs alone would scale a busy fleet down whenever the backlog is short."""
-        return f"{self.queue}:jobs"
+        return f"{self.prefix}:jobs"
 
     @property
     def tenant_waiting(self) -> str:
-        return f"{self.queue}:tenant_waiting"
+        return f"{self.prefix}:tenant_waiting"
 
     @property
     def tenant_running(self) -> str:
-        return f"{self.queue}:tenant_running"
+        return f"{self.prefix}:tenant_running"
 
     @property
     def tenant_tokens(self) -> str:
-        return f"{self.queue}:tenant_tokens"
+        return f"{self.prefix}:tenant_tokens"
 
     @property
     def owners(self) -> str:
-        return f"{self.queue}:owners"
+        return f"{self.prefix}:owners"
 
     @property
     def progress(self) -> str:
-        return f"{self.queue}:progress"
+        return f"{self.prefix}:progress"
 
     @property
     def attempt_outcomes(self) -> str:
-        return f"{self.queue}:attempt_outcomes"
+        return f"{self.prefix}:attempt_outcomes"
 
     @property
     def wake(self) -> str:
-        return f"{self.queue}:wake"
+        return f"{self.prefix}:wake"
+
+    @property
+    def claim_seq(self) -> str:
+        """The number of the queue's newest claim: every claim's lease ends in a number above the
+        last (``<worker token>#<number>``), so a job's fence can tell a newer claim from an older
+        one. The number is at least the server's time in microseconds, so it keeps rising after a
+        failover that lost the last increments."""
+        return f"{self.prefix}:claim_seq"
 
     def abort_channel(self, token: str) -> str:
-        return f"{self.queue}:abort:{token}"
+        return f"{self.prefix}:abort:{token}"
 
     def lane_keys(self, lanes: tuple[str, ...] | None = None) -> list[LaneKeys]:
         """The keys of each of ``lanes`` (default: every lane) that the claim scripts and the reap

@@ -14,7 +14,6 @@ job (its ``run_job``: the job record, the attempt counter, timeouts, abort, the 
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from enum import Enum
 from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from slotq.jobs.protocol.arq_formats import (
     Deserializer,
@@ -35,13 +35,14 @@ from slotq.jobs.protocol.keys import (
     ABORTS,
     DEFAULT_TENANT,
     QueueKeys,
+    fence_key,
     job_record_key,
     result_key,
     retry_counter_key,
     stream_key,
 )
 from slotq.jobs.protocol.replies import reply
-from slotq.jobs.protocol.scripts.admission import Cancel, Enqueue, Forget
+from slotq.jobs.protocol.scripts.admission import Cancel, DropAbort, Enqueue, Forget, NoteAbort
 from slotq.jobs.protocol.scripts.attempts import Finish, HandBack, Reap, Renew, RetryLater, StartAttempt
 from slotq.jobs.protocol.scripts.claims import Claim, ClaimReply, LendReserve, Preempt
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
@@ -180,14 +181,19 @@ class RedisQueue:
     ready time and quota window uses Redis' clock (``TIME`` inside the scripts, see
     :mod:`slotq.jobs.protocol.scripts`); this process's clock, shifted by ``clock_offset_s``
     (``SLOTQ_CLOCK_OFFSET_S``: a test's host whose clock runs off), only stamps the records it
-    writes (:meth:`wall_ms`)."""
+    writes (:meth:`wall_ms`). On a Redis Cluster the keys are laid out for its slots
+    (:class:`~slotq.jobs.protocol.keys.QueueKeys`, docs/cluster.md)."""
 
     def __init__(self, redis: Redis, name: str, lanes: Sequence[str], *, clock_offset_s: float = 0.0) -> None:
         self.redis = redis
-        self.keys = QueueKeys(name, tuple(lanes))
+        self.keys = QueueKeys(name, tuple(lanes), clustered=isinstance(redis, RedisCluster))
         self._clock_offset_ms = clock_offset_s * 1000
-        self._claim_numbers = itertools.count(1)     # makes each claim's lease unique
         self._scripts = ScriptRunner(redis)
+
+    def _arq_keys(self, job_id: str) -> tuple[str, str, str]:
+        """The job's record, attempt counter and result keys (arq's, in the queue's slot on a cluster)."""
+        arq_id = self.keys.arq_id(job_id)
+        return job_record_key(arq_id), retry_counter_key(arq_id), result_key(arq_id)
 
     def lane_of(self, index: int) -> str:
         return self.keys.lanes[index]
@@ -209,8 +215,9 @@ class RedisQueue:
         being what the job reserves of its tenant's tokens per minute."""
         record = job_record(function, payload, self.wall_ms(), serializer)
         k = self.keys
+        record_key, _, result = self._arq_keys(job_id)
         code = await self._scripts.run(Enqueue(
-            record_key=job_record_key(job_id), result_key=result_key(job_id), jobs=k.jobs, wake=k.wake,
+            record_key=record_key, result_key=result, jobs=k.jobs, wake=k.wake,
             tags=k.tags(lane), tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
             tenant_tokens=k.tenant_tokens, waiting=k.waiting(lane), running=k.running(lane), preempt=k.preempt(lane),
             fair=k.fair(lane), queued=self._queued_keys(),
@@ -251,22 +258,30 @@ class RedisQueue:
 
     async def cancel(self, job_id: str) -> int:
         """1: removed before it started; -1: running, abort requested (its worker is told at once);
-        0: not in the queue (finished, or never enqueued)."""
+        0: not in the queue (finished, or never enqueued).
+
+        The abort is noted in ``arq:abort`` first, so the worker told of it finds it there; the
+        note is removed again when the job turned out not to run."""
         k = self.keys
-        return int(await self._scripts.run(Cancel(
-            jobs=k.jobs, owners=k.owners, record_key=job_record_key(job_id), aborts=ABORTS, progress=k.progress,
+        arq_id = k.arq_id(job_id)
+        await self._scripts.run(NoteAbort(aborts=ABORTS, arq_id=arq_id))
+        code = int(await self._scripts.run(Cancel(
+            jobs=k.jobs, owners=k.owners, record_key=job_record_key(arq_id), progress=k.progress,
             tenant_waiting=k.tenant_waiting, queued=self._queued_keys(), job_id=job_id,
             abort_channel_prefix=k.abort_channel(""))))
+        if code != -1:
+            await self._scripts.run(DropAbort(aborts=ABORTS, arq_id=arq_id))
+        return code
 
     async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int,
                            serializer: Serializer) -> None:
         """Store the result record (arq's format) of a job no worker ran, e.g. cancelled while queued."""
         record = result_record(job_id, function, result, self.keys.queue, self.wall_ms(), serializer)
-        await self.redis.psetex(result_key(job_id), ttl_ms, record)
+        await self.redis.psetex(self._arq_keys(job_id)[2], ttl_ms, record)
 
     async def result_record(self, job_id: str, deserializer: Deserializer) -> ResultRecord | None:
         """The result record of a finished job, or None."""
-        raw = await self.redis.get(result_key(job_id))
+        raw = await self.redis.get(self._arq_keys(job_id)[2])
         return None if raw is None else read_result_record(raw, deserializer)
 
     async def result_records(self, job_ids: Sequence[str], deserializer: Deserializer) -> dict[str, ResultRecord]:
@@ -274,7 +289,7 @@ class RedisQueue:
         with many jobs in flight (a bulk run) checks them all in one round trip."""
         if not job_ids:
             return {}
-        raw = await self.redis.mget([result_key(job_id) for job_id in job_ids])
+        raw = await self.redis.mget([self._arq_keys(job_id)[2] for job_id in job_ids])
         return {job_id: read_result_record(value, deserializer) for job_id, value in zip(job_ids, raw)
                 if value is not None}
 
@@ -283,17 +298,28 @@ class RedisQueue:
         or running are left alone. Returns how many were removed."""
         if not job_ids:
             return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                await self._scripts.queue(Forget(jobs=self.keys.jobs, result_key=result_key(job_id),
-                                                 retry_counter=retry_counter_key(job_id), stream=stream_key(job_id),
-                                                 job_id=job_id), pipe)
-            return sum(int(x) for x in await pipe.execute())
+        calls = []
+        for job_id in job_ids:
+            _, retry_counter, result = self._arq_keys(job_id)
+            calls.append(Forget(jobs=self.keys.jobs, result_key=result, retry_counter=retry_counter, job_id=job_id))
+        forgotten = [job_id for job_id, done in zip(job_ids, await self._scripts.run_all(calls)) if int(done)]
+        await self._delete_streams(forgotten)
+        return len(forgotten)
+
+    async def _delete_streams(self, job_ids: Sequence[str]) -> None:
+        """Delete the streams and fences of ``job_ids`` (each job's two keys share its slot)."""
+        if job_ids:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in job_ids:
+                    pipe.delete(stream_key(job_id), fence_key(job_id))
+                await pipe.execute()
 
     async def clear_job(self, job_id: str) -> None:
         """Delete a job's result, attempt counter and stream whatever its state, so that it can be
         enqueued again under its id and run from scratch (an operator's requeue of a dead letter)."""
-        await self.redis.delete(result_key(job_id), retry_counter_key(job_id), stream_key(job_id))
+        _, retry_counter, result = self._arq_keys(job_id)
+        await self.redis.delete(result, retry_counter)
+        await self._delete_streams([job_id])
 
     async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
         """WAIT: how many replicas acknowledged this connection's writes within ``timeout_ms``."""
@@ -360,13 +386,12 @@ class RedisQueue:
         for every claim) until ``lease_ms`` after the claim by Redis' clock (renew it), and starts
         its next attempt."""
         k = self.keys
-        lease = f"{token}#{next(self._claim_numbers)}"
         owed = owed or {}
         flat = await self._scripts.run(Claim(
-            jobs=k.jobs, owners=k.owners, wake=k.wake, tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
-            lanes=k.lane_keys(), max_jobs=max_jobs, lease_ms=lease_ms, lease=lease, wake_cap=WAKE_CAP,
-            promote_limit=PROMOTE_LIMIT, owed=[owed.get(lane, 0) for lane in k.lanes]))
-        return self._claimed(flat, lease)
+            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, wake=k.wake, tenant_waiting=k.tenant_waiting,
+            tenant_running=k.tenant_running, lanes=k.lane_keys(), max_jobs=max_jobs, lease_ms=lease_ms, token=token,
+            wake_cap=WAKE_CAP, promote_limit=PROMOTE_LIMIT, owed=[owed.get(lane, 0) for lane in k.lanes]))
+        return self._claimed(flat)
 
     async def preempt(self, victim_lane: str, token: str, lease_ms: int, *,
                       hand_back: bool = True) -> ClaimedJob | None:
@@ -376,13 +401,13 @@ class RedisQueue:
         counted: nothing yields). None: nothing above waits, or a worker with a free slot took the
         wake-up and claims it."""
         k = self.keys
-        lease = f"{token}#{next(self._claim_numbers)}"
         above = k.lanes[:k.lanes.index(victim_lane)]
         flat = await self._scripts.run(Preempt(
-            jobs=k.jobs, owners=k.owners, wake=k.wake, preemptions=k.preemptions, tenant_waiting=k.tenant_waiting,
-            tenant_running=k.tenant_running, lanes=k.lane_keys(above), lease_ms=lease_ms, lease=lease,
-            wake_cap=WAKE_CAP, promote_limit=PROMOTE_LIMIT, victim_lane=victim_lane if hand_back else ""))
-        claimed = self._claimed(flat, lease)
+            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, wake=k.wake, preemptions=k.preemptions,
+            tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running, lanes=k.lane_keys(above),
+            lease_ms=lease_ms, token=token, wake_cap=WAKE_CAP, promote_limit=PROMOTE_LIMIT,
+            victim_lane=victim_lane if hand_back else ""))
+        claimed = self._claimed(flat)
         return claimed[0] if claimed else None
 
     async def lend_reserve(self, lane: str, token: str, lease_ms: int) -> ClaimedJob | None:
@@ -390,23 +415,25 @@ class RedisQueue:
         tenant has nothing running (``LEND_RESERVE``). None: it has, nothing waits, or a worker
         with a free slot took the wake-up and claims it."""
         k = self.keys
-        lease = f"{token}#{next(self._claim_numbers)}"
         flat = await self._scripts.run(LendReserve(
-            jobs=k.jobs, owners=k.owners, wake=k.wake, tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
-            waiting=k.waiting(lane), deferred=k.deferred(lane), running=k.running(lane), lease_ms=lease_ms,
-            lease=lease, promote_limit=PROMOTE_LIMIT))
-        claimed = self._claimed(flat, lease, lanes=(lane,), lent_reserve=True)
+            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, wake=k.wake, tenant_waiting=k.tenant_waiting,
+            tenant_running=k.tenant_running, waiting=k.waiting(lane), deferred=k.deferred(lane),
+            running=k.running(lane), lease_ms=lease_ms, token=token, promote_limit=PROMOTE_LIMIT))
+        claimed = self._claimed(flat, lanes=(lane,), lent_reserve=True)
         return claimed[0] if claimed else None
 
-    def _claimed(self, flat: ClaimReply, lease: str, *, lanes: Sequence[str] | None = None,
+    def _claimed(self, flat: ClaimReply, *, lanes: Sequence[str] | None = None,
                  lent_reserve: bool = False) -> list[ClaimedJob]:
-        """The claims in a claim script's reply (Redis' time of the claim, then id, lane index,
-        ready ms for each job; empty when the script declined); its lane indexes count from
-        ``lanes[0]`` (default: the top lane)."""
+        """The claims in a claim script's reply (Redis' time of the claim, the claim's lease, then
+        id, lane index, ready ms for each job; empty when the script declined); its lane indexes
+        count from ``lanes[0]`` (default: the top lane)."""
         lanes = self.keys.lanes if lanes is None else lanes
+        if len(flat) < 3:
+            return []
+        lease = flat[1].decode()
         return [ClaimedJob(flat[i].decode(), lanes[int(flat[i + 1])], int(float(flat[i + 2])), lease, int(flat[0]),
                            lent_reserve)
-                for i in range(1, len(flat), 3)]
+                for i in range(2, len(flat), 3)]
 
     async def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a wake token arrives (one enqueue wakes one waiting worker) or the timeout."""
@@ -476,13 +503,17 @@ class RedisQueue:
         return int(entry.decode().split("\t")[3]) if entry else 0
 
     async def finish(self, job: ClaimedJob, result: bytes | None, result_ttl_ms: int) -> bool:
-        """Store the result and remove the job from the queue. False: not ours (left alone)."""
+        """Store the result and remove the job from the queue, then drop an abort noted too late
+        to stop it. False: not ours (left alone)."""
         k = self.keys
-        return bool(await self._scripts.run(Finish(
-            owners=k.owners, jobs=k.jobs, running=k.running(job.lane), record_key=job_record_key(job.id),
-            retry_counter=retry_counter_key(job.id), result_key=result_key(job.id), aborts=ABORTS, progress=k.progress,
-            tenant_running=k.tenant_running, lease=job.lease, job_id=job.id, result=result or b"",
-            result_ttl_ms=result_ttl_ms)))
+        record_key, retry_counter, result_key_ = self._arq_keys(job.id)
+        finished, _ = await self._scripts.run_all([
+            Finish(owners=k.owners, jobs=k.jobs, running=k.running(job.lane), record_key=record_key,
+                   retry_counter=retry_counter, result_key=result_key_, progress=k.progress,
+                   tenant_running=k.tenant_running, lease=job.lease, job_id=job.id, result=result or b"",
+                   result_ttl_ms=result_ttl_ms),
+            DropAbort(aborts=ABORTS, arq_id=k.arq_id(job.id))])
+        return bool(finished)
 
     async def retry_later(self, job: ClaimedJob, backoff_ms: int) -> bool:
         """Defer the job for ``backoff_ms`` (by Redis' clock) after its attempt failed (a try
@@ -498,7 +529,7 @@ class RedisQueue:
         k = self.keys
         return bool(await self._scripts.run(HandBack(
             owners=k.owners, jobs=k.jobs, running=k.running(job.lane), waiting=k.waiting(job.lane),
-            retry_counter=retry_counter_key(job.id), wake=k.wake, tenant_waiting=k.tenant_waiting,
+            retry_counter=self._arq_keys(job.id)[1], wake=k.wake, tenant_waiting=k.tenant_waiting,
             tenant_running=k.tenant_running, lease=job.lease, job_id=job.id, wake_cap=WAKE_CAP)))
 
     async def reap(self) -> int:

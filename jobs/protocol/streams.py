@@ -2,7 +2,8 @@
 appends to it, and every read of it.
 
 Writers send entries through :class:`StreamAppender` (the ``STREAM_FLUSH`` script: many jobs'
-entries, each job fenced by its lease, in one round trip). The worker's batching writer
+entries, each job fenced by its lease in its own fence key, in one round trip; on a Redis Cluster
+one script per slot, sent together). The worker's batching writer
 (:class:`~slotq.jobs.worker.stream_writer.StreamWriter`) decides when; this module only encodes.
 Readers use plain XREAD from their last id (no consumer groups; :mod:`slotq.jobs.producer.stream_reader`):
 any number of readers, each can drop and resume without gaps or repeats, and an HTTP gateway can
@@ -16,22 +17,25 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import RedisError, ResponseError
 
-from slotq.jobs.protocol.keys import stream_key, write_mark_key
+from slotq.jobs.protocol.keys import fence_key, stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
-from slotq.jobs.protocol.scripts.stream_flush import StreamFlush
+from slotq.jobs.protocol.scripts.stream_flush import FencedStream, RaiseFence, StreamFlush
 from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, TokenLogprob, ToolCallDelta, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 RawEntry = tuple[bytes, dict[bytes, bytes]]     # (entry id, fields) as XRANGE and XREAD return them
 RETRY_S = 0.2                                   # between tries of a flush while Redis is unreachable
 
@@ -179,39 +183,72 @@ class JobEntries:
 
 
 class StreamAppender:
-    """Appends the entries of many jobs in ONE script call (``STREAM_FLUSH``).
+    """Appends the entries of many jobs in one round trip (``STREAM_FLUSH``).
 
-    With ``owners_key`` (the queue's owners hash), the script checks every job's fence with one
-    HMGET and appends a job's entries only while their lease still owns the job. Each flush has an
-    id; the script records the last one it applied under ``writer_id`` with its answer, and
-    answers an id it has already applied from that record, so a flush re-sent after a lost reply
-    is never appended twice. Redis errors are raised: retrying is the caller's choice.
+    A job with a lease is written only while its fence holds that lease (:func:`raise_fences`, and
+    :mod:`slotq.jobs.protocol.scripts.stream_flush` for why). Each flush has an id that the fence
+    of every job it wrote remembers, so a flush re-sent after a lost reply is never appended twice.
+    On a Redis Cluster the jobs are sent as one script per hash slot, in one pipeline. Redis errors
+    are raised: retrying is the caller's choice.
     """
 
-    def __init__(self, redis: Redis, *, writer_id: str, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
-                 owners_key: str | None = None) -> None:
-        self.writer_id = writer_id
+    def __init__(self, redis: Redis, *, maxlen: int, ttl_s: int, ttl_live_s: int | None = None) -> None:
+        self.redis = redis
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.ttl_live_s = ttl_live_s or ttl_s
-        self.owners_key = owners_key
         self._scripts = ScriptRunner(redis)
 
     async def append(self, flush_id: str, jobs: Sequence[JobEntries]) -> list[bool]:
         """Send one flush; per job, whether its entries were written (False: fenced off)."""
-        entries: list[str | int] = []
-        for job in jobs:
-            for fields in job.entries:
-                entries.append(2 * len(fields))
-                for name, value in fields.items():
-                    entries += [name, value]
-        written = await self._scripts.run(StreamFlush(
-            owners=self.owners_key or "", flush_mark=write_mark_key(self.writer_id),
-            streams=[stream_key(job.job_id) for job in jobs], fenced=bool(self.owners_key), flush_id=flush_id,
-            maxlen=self.maxlen, live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s,
-            job_ids=[job.job_id for job in jobs], leases=[job.lease for job in jobs],
-            ttls=[int(job.ttl) for job in jobs], entry_counts=[len(job.entries) for job in jobs], entries=entries))
-        return [ok == "1" for ok in (written.decode() if isinstance(written, bytes) else written)]
+        calls = []
+        for group in by_slot(self.redis, jobs, lambda job: job.job_id):
+            entries: list[str | int] = []
+            for job in group:
+                for fields in job.entries:
+                    entries.append(2 * len(fields))
+                    for name, value in fields.items():
+                        entries += [name, value]
+            calls.append((group, StreamFlush(
+                jobs=[fenced_stream(job.job_id) for job in group], flush_id=flush_id, maxlen=self.maxlen,
+                live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s, leases=[job.lease for job in group],
+                ttls=[int(job.ttl) for job in group], entry_counts=[len(job.entries) for job in group],
+                entries=entries)))
+        written: dict[str, bool] = {}
+        for (group, _), answer in zip(calls, await self._scripts.run_all([call for _, call in calls])):
+            text = answer.decode() if isinstance(answer, bytes) else answer
+            written.update((job.job_id, ok == "1") for job, ok in zip(group, text))
+        return [written[job.job_id] for job in jobs]
+
+
+def fenced_stream(job_id: str) -> FencedStream:
+    return FencedStream(stream_key(job_id), fence_key(job_id))
+
+
+def by_slot(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> list[list[T]]:
+    """``items`` in groups whose job keys (stream, fence) share one hash slot, for one script each:
+    every item in one group on a single Redis, one group per slot on a cluster."""
+    if not isinstance(redis, RedisCluster):
+        return [list(items)] if items else []
+    groups: dict[int, list[T]] = {}
+    for item in items:
+        groups.setdefault(key_slot(stream_key(job_id(item)).encode()), []).append(item)
+    return list(groups.values())
+
+
+async def raise_fences(redis: Redis, leases: Mapping[str, str], *, ttl_s: int) -> dict[str, bool]:
+    """Raise the fence of each job (job id -> its new claim's lease) before its attempt reads its
+    stream; per job, False when a newer claim holds the fence already (this claim lost the job)."""
+    scripts = ScriptRunner(redis)
+    groups = by_slot(redis, list(leases), lambda job_id: job_id)
+    answers = await scripts.run_all([RaiseFence(jobs=[fenced_stream(job_id) for job_id in group],
+                                                leases=[leases[job_id] for job_id in group], ttl_s=ttl_s)
+                                     for group in groups])
+    raised: dict[str, bool] = {}
+    for group, answer in zip(groups, answers):
+        text = answer.decode() if isinstance(answer, bytes) else answer
+        raised.update((job_id, ok == "1") for job_id, ok in zip(group, text))
+    return raised
 
 
 async def end_stream(redis: Redis, job_id: str, entry: StreamEntry, *, maxlen: int, ttl_s: int) -> None:
@@ -220,7 +257,7 @@ async def end_stream(redis: Redis, job_id: str, entry: StreamEntry, *, maxlen: i
     re-sends the same flush while Redis is unreachable and returns once it is acknowledged: the job
     has left the queue, and its followers wait for this entry."""
     writer_id = uuid.uuid4().hex
-    appender = StreamAppender(redis, writer_id=writer_id, maxlen=maxlen, ttl_s=ttl_s)
+    appender = StreamAppender(redis, maxlen=maxlen, ttl_s=ttl_s)
     jobs = [JobEntries(job_id, "", TTL.FINAL, [encode_entry(entry)])]
     while True:
         try:

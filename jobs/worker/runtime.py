@@ -102,7 +102,7 @@ class QueueRuntime:
         self.ledger = SlotLedger()              # which job holds which slot, and where its attempt stands
         self._runner = ArqJobRunner(
             function_name=function_name, job=job, on_exit=self._job_left, redis=queue.redis,
-            queue_name=queue.keys.queue, job_timeout_s=job_timeout_s, keep_result_s=keep_result_s,
+            keys=queue.keys, job_timeout_s=job_timeout_s, keep_result_s=keep_result_s,
             max_tries=max_tries, serializer=serializer, deserializer=deserializer)
         self._may_claim = may_claim
         self._progress = progress

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
-from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
+from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry, raise_fences
 from slotq.jobs.protocol.wire import TokenLogprob, ToolCallDelta
 
 log = logging.getLogger(__name__)
@@ -92,29 +92,29 @@ class StreamWriter:
 
     When a flush goes out is :class:`FlushPolicy`'s call (at the latest ``flush_ms`` after the
     oldest waiting entry; at once for a job's first entry, final entries and errors). The script
-    checks every job's fence with one HMGET, appends each job's entries and touches a stream's
-    expiry only on its first and its final write.
+    checks each job's fence, appends its entries and touches a stream's expiry only on its first
+    and its final write (on a Redis Cluster, one script per slot, sent together).
 
     If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are written,
     in order, once it is back; generation does not stop for a Redis blip. A flush that was sent is
     re-sent unchanged, under the same id, until it is acknowledged, and Redis answers an id it has
     already applied from its record: a write whose reply was lost is never appended twice.
 
-    With ``owners_key`` (the queue's owners hash), a job's entries are written only while the lease
-    they were added under (:meth:`bind`) still owns the job. Each entry keeps its lease until it is
-    written, so entries an attempt left buffered are refused once the job is claimed again, even by
-    this worker. A refused job's pending entries are dropped and ``on_fenced(job_id, lease)`` is told.
+    A job bound to a lease (:meth:`bind`) has its entries written only while its fence holds that
+    lease (:func:`~slotq.jobs.protocol.streams.raise_fences`): each entry keeps its lease until it
+    is written, so entries an attempt left buffered are refused once the job is claimed again, even
+    by this worker. A refused job's pending entries are dropped and ``on_fenced(job_id, lease)`` is
+    told. Entries of a job never bound are not fenced.
     """
 
     def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
-                 owners_key: str | None = None, writer_id: str | None = None,
+                 writer_id: str | None = None,
                  on_fenced: Callable[[str, str], None] | None = None) -> None:
         self.redis = redis
         self.policy = FlushPolicy(max_delay_s=flush_ms / 1000)
         self.on_fenced = on_fenced
         self._writer_id = writer_id or uuid.uuid4().hex
-        self._appender = StreamAppender(redis, writer_id=self._writer_id, maxlen=maxlen, ttl_s=ttl_s,
-                                        ttl_live_s=ttl_live_s, owners_key=owners_key)
+        self._appender = StreamAppender(redis, maxlen=maxlen, ttl_s=ttl_s, ttl_live_s=ttl_live_s)
         self._flush_numbers = itertools.count()
         self._leases: dict[str, str] = {}              # job id -> the lease its new entries are written under
         self._pending: dict[str, _JobBatch] = {}       # not yet sent
@@ -152,6 +152,13 @@ class StreamWriter:
         batch = self._pending.get(job_id)
         if batch is not None and batch.lease != lease:
             self.drop(job_id)
+
+    async def raise_fence(self, job_id: str) -> bool:
+        """Raise the fence of ``job_id`` to the lease it is bound to, before its attempt reads the
+        stream to resume (:func:`~slotq.jobs.protocol.streams.raise_fences`). False: a newer claim
+        of the job holds the fence, so this attempt has lost it."""
+        lease = self._leases[job_id]
+        return (await raise_fences(self.redis, {job_id: lease}, ttl_s=self._appender.ttl_live_s))[job_id]
 
     def unbind(self, job_id: str) -> None:
         """The attempt is over (entries it already added keep their lease until written)."""

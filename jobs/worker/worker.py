@@ -202,7 +202,7 @@ class SlotqWorker:
         self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
                                    ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
-                                   owners_key=self.queue.keys.owners, writer_id=self.token,
+                                   writer_id=self.token,
                                    on_fenced=self.runtime.lose_lease)   # a refused write: that attempt stops
         self.writer.start()
         self.supervisor.start("heartbeat", self._heartbeat_loop)
@@ -395,6 +395,8 @@ class SlotqWorker:
         log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)
         self.writer.bind(job_id, claim.lease)
+        if not await self.writer.raise_fence(job_id):
+            runtime.lose_lease(job_id, claim.lease)     # a newer claim holds the job's stream: this attempt stops
         self._runs[job_id] = run
         if runtime.full:
             # The claim that filled the slots went back to waiting before this attempt ran, so it

@@ -8,7 +8,7 @@ from redis.asyncio import Redis
 
 from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
-from slotq.jobs.protocol.streams import decode_entry, encode_chunk
+from slotq.jobs.protocol.streams import decode_entry, encode_chunk, raise_fences
 from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, TopLogprob
 from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.worker.stream_writer import FlushPolicy, StreamWriter
@@ -86,9 +86,10 @@ async def test_merged_chunks_keep_one_logprob_per_token_and_older_entries_decode
 
 
 async def test_one_flush_writes_the_jobs_it_owns_and_reports_the_one_it_lost(redis) -> None:
-    await redis.hset("owners", mapping={"mine": "w#1", "also-mine": "w#2", "lost": "other#3"})
+    assert await raise_fences(redis, {"mine": "w#1", "also-mine": "w#2", "lost": "other#3"}, ttl_s=60) == {
+        "mine": True, "also-mine": True, "lost": True}
     lost: list[tuple[str, str]] = []
-    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, owners_key="owners",
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60,
                           on_fenced=lambda job, lease: lost.append((job, lease)))
     for job, lease in (("mine", "w#1"), ("lost", "w#3"), ("also-mine", "w#2")):
         writer.bind(job, lease)
@@ -117,20 +118,20 @@ async def test_entries_buffered_by_an_attempt_are_refused_once_the_same_worker_c
     server.start()
     redis = Redis.from_url(server.url, socket_timeout=2)
     lost: list[tuple[str, str]] = []
-    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, owners_key="owners", writer_id="w",
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, writer_id="w",
                           on_fenced=lambda job, lease: lost.append((job, lease)))
     try:
-        await redis.hset("owners", "j", "w#1")
         writer.bind("j", "w#1")
+        assert await writer.raise_fence("j")
         writer.add_chunk("j", attempt=1, choice=0, text="a", token_ids=[1], n_tokens=1)
         assert await writer.flush()
         writer.add_chunk("j", attempt=1, choice=0, text="b", token_ids=[2], n_tokens=2)
         server.kill()
         assert not await writer.flush()                 # "b" stays in flight, to be re-sent
         server.restart()
-        await redis.hset("owners", "j", "w#2")         # reaped and claimed again by this worker
-        writer.unbind("j")
+        writer.unbind("j")                              # reaped and claimed again by this worker
         writer.bind("j", "w#2")
+        assert await writer.raise_fence("j")
         writer.add_chunk("j", attempt=2, choice=0, text="b", token_ids=[2], n_tokens=2)   # resumed after "a"
         assert await writer.flush()                     # the old flight: refused
         assert await writer.flush()                     # the new attempt's entry
@@ -140,3 +141,17 @@ async def test_entries_buffered_by_an_attempt_are_refused_once_the_same_worker_c
     finally:
         await redis.aclose()
         server.stop()
+
+
+async def test_a_fence_only_rises_and_an_older_claim_cannot_take_it_back(redis) -> None:
+    """The claim numbers order the claims of a job: one that comes late with an older number (its
+    worker stalled between the claim and the raise) loses the job, and its writes are refused."""
+    assert await raise_fences(redis, {"j": "new#20"}, ttl_s=60) == {"j": True}
+    assert await raise_fences(redis, {"j": "old#9"}, ttl_s=60) == {"j": False}       # 9 < 20, as numbers
+    assert await raise_fences(redis, {"j": "again#20"}, ttl_s=60) == {"j": True}     # the same claim number
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60)
+    writer.bind("j", "old#9")
+    writer.add_chunk("j", attempt=1, choice=0, text="late", token_ids=[1], n_tokens=1)
+    assert await writer.flush()
+    assert await entries(redis, "j") == []
+    assert 0 < await redis.ttl("slotq:fence:{j}") <= 60

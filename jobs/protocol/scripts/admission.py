@@ -124,9 +124,40 @@ return 1
 
 
 @dataclass(frozen=True, kw_only=True)
+class NoteAbort(LuaScript[int]):
+    """NOTE_ABORT: note an abort request in arq's ``arq:abort`` set at the server's now, before
+    CANCEL tells the job's worker (the set is a key of its own slot on a cluster, so CANCEL cannot
+    write it). A worker told of an abort reads the set; ``run_job`` reads it before a job starts.
+    Returns 1."""
+
+    aborts: Key
+    arq_id: Arg[str]
+
+    HELPERS = NOW
+    BODY = """
+redis.call('ZADD', aborts, server_ms(), arq_id)
+return 1
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DropAbort(LuaScript[int]):
+    """DROP_ABORT: remove a job's abort note from ``arq:abort`` (its job ended, or was not running
+    when CANCEL came). A script, not a ZREM, so that it can share a round trip with another script
+    (:meth:`~slotq.jobs.protocol.scripts.layout.ScriptRunner.run_all`). Returns how many it removed."""
+
+    aborts: Key
+    arq_id: Arg[str]
+
+    BODY = """
+return redis.call('ZREM', aborts, arq_id)
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Cancel(LuaScript[int]):
-    """CANCEL: remove a job that has not started, or request the abort of a running one (noted at
-    the server's now in arq's ``arq:abort`` set, and published to its worker).
+    """CANCEL: remove a job that has not started, or request the abort of a running one (published
+    to its worker, after NOTE_ABORT noted it; the caller removes that note unless the job runs).
 
     Returns 1 removed before it started (or while waiting out a retry), -1 running (abort
     requested; FINISH ends it), 0 not in the queue."""
@@ -134,14 +165,13 @@ class Cancel(LuaScript[int]):
     jobs: Key
     owners: Key
     record_key: Key
-    aborts: Key
     progress: Key
     tenant_waiting: Key
     queued: KeyList[str]            # waiting and deferred of every lane
     job_id: Arg[str]
     abort_channel_prefix: Arg[str]  # the channel of the worker that runs it is this + its token
 
-    HELPERS = NOW + ENTRY + COUNT
+    HELPERS = ENTRY + COUNT
     BODY = """
 local entry = redis.call('HGET', jobs, job_id)
 if not entry then return 0 end
@@ -155,7 +185,6 @@ for _, key in ipairs(queued) do
     return 1
   end
 end
-redis.call('ZADD', aborts, server_ms(), job_id)
 local lease = redis.call('HGET', owners, job_id)
 local owner = lease and string.match(lease, '^(.*)#')
 if owner then redis.call('PUBLISH', abort_channel_prefix .. owner, job_id) end
@@ -165,17 +194,17 @@ return -1
 
 @dataclass(frozen=True, kw_only=True)
 class Forget(LuaScript[int]):
-    """FORGET: remove a finished job's result, attempt counter and stream now instead of when they
-    expire. Returns 1, or 0 (removing nothing) while the job is still queued or running."""
+    """FORGET: remove a finished job's result and attempt counter now instead of when they expire
+    (its stream and fence, in the job's own slot, the caller deletes next). Returns 1, or 0
+    (removing nothing) while the job is still queued or running."""
 
     jobs: Key
     result_key: Key
     retry_counter: Key
-    stream: Key
     job_id: Arg[str]
 
     BODY = """
 if redis.call('HEXISTS', jobs, job_id) == 1 then return 0 end
-redis.call('DEL', result_key, retry_counter, stream)
+redis.call('DEL', result_key, retry_counter)
 return 1
 """

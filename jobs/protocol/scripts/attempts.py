@@ -115,7 +115,8 @@ return out
 
 @dataclass(frozen=True, kw_only=True)
 class Finish(LuaScript[int]):
-    """FINISH: store the result and remove the job from the queue.
+    """FINISH: store the result and remove the job from the queue (an abort still noted for it in
+    ``arq:abort``, a key of its own slot on a cluster, the caller removes next).
     Returns 1 finished, 0 the lease no longer owns the job (nothing done)."""
 
     owners: Key
@@ -124,7 +125,6 @@ class Finish(LuaScript[int]):
     record_key: Key
     retry_counter: Key
     result_key: Key
-    aborts: Key
     progress: Key
     tenant_running: Key
     lease: Arg[str]
@@ -141,7 +141,6 @@ redis.call('HDEL', owners, job_id)
 redis.call('HDEL', jobs, job_id)
 redis.call('HDEL', progress, job_id)
 redis.call('ZREM', running, job_id)
-redis.call('ZREM', aborts, job_id)
 redis.call('DEL', record_key, retry_counter)
 if result ~= '' then redis.call('SET', result_key, result, 'PX', result_ttl_ms) end
 return 1

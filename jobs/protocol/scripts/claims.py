@@ -15,21 +15,32 @@ from slotq.jobs.protocol.scripts.lua import COUNT, NOW, PROMOTE, SYNC_TOKENS
 # Claims up to ``want`` jobs from ``lanes`` (tables of waiting, deferred, running): first, for each
 # lane n with ``owed[n]`` > 0 (CLAIM: slots of the worker guaranteed to that lane that it does not
 # hold), up to that many of the lane's jobs; then highest lane first. Lowest place first within a
-# lane. Each claimed job is owned by ``lease`` in ``owners``, moves from its tenant's waiting count
-# to its running count, and its lease deadline is the server's now + ``lease_ms``. Due retries of
-# every lane are promoted first. Returns the claim reply (the server's now, then id, lane index
-# counted from ``lanes[1]`` as 0, ready ms for each claimed job) and the jobs left waiting per lane.
+# lane. Each claimed job is owned by the claim's lease in ``owners``, moves from its tenant's
+# waiting count to its running count, and its lease deadline is the server's now + ``lease_ms``.
+# Due retries of every lane are promoted first. The lease is ``<token>#<claim number>``, the claim
+# number above every earlier claim's of the queue (``claim_seq``: at least the server's time in
+# microseconds, so it rises even after a failover lost the last one). Returns the claim reply (the
+# server's now, the lease or '' when nothing was claimed, then id, lane index counted from
+# ``lanes[1]`` as 0, ready ms for each claimed job) and the jobs left waiting per lane.
 _CLAIM_LANES = NOW + PROMOTE + COUNT + """
-local function claim_lanes(jobs, owners, lanes, want, lease_ms, lease, promote_limit, tenant_waiting, tenant_running,
-                           owed)
+local function claim_lanes(jobs, owners, claim_seq, lanes, want, lease_ms, token, promote_limit, tenant_waiting,
+                           tenant_running, owed)
   local now = server_ms()
   local deadline = now + lease_ms
-  local out, left, ids = {now}, {}, {}
+  local out, left, ids = {now, ''}, {}, {}
   local function take(index, n)
     local popped = redis.call('ZPOPMIN', lanes[index].waiting, n)
+    if #popped > 0 and out[2] == '' then
+      local t = redis.call('TIME')
+      local number = math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]),
+                              tonumber(redis.call('GET', claim_seq) or '0') + 1)
+      local text = string.format('%d', number)
+      redis.call('SET', claim_seq, text)
+      out[2] = token .. '#' .. text
+    end
     for j = 1, #popped, 2 do
       redis.call('ZADD', lanes[index].running, deadline, popped[j])
-      redis.call('HSET', owners, popped[j], lease)
+      redis.call('HSET', owners, popped[j], out[2])
       ids[#ids + 1] = popped[j]
       out[#out + 1] = popped[j]
       out[#out + 1] = index - 1
@@ -48,7 +59,7 @@ local function claim_lanes(jobs, owners, lanes, want, lease_ms, lease, promote_l
     local entries = redis.call('HMGET', jobs, unpack(ids))
     for n = 1, #ids do
       local _, ready, _, tenant = read_entry(entries[n] or '')
-      if ready then out[3 * n + 1] = ready end
+      if ready then out[3 * n + 2] = ready end
       count(tenant_waiting, tenant, -1)
       count(tenant_running, tenant, 1)
     end
@@ -58,8 +69,9 @@ end
 """
 
 ClaimReply = list[Any]
-"""The server's now (ms, the claim time), then id (bytes), lane index (0-based, counted from the
-first lane the script was given), ready ms for each claimed job; empty when the script declined."""
+"""The server's now (ms, the claim time), the claim's lease ('' when it claimed nothing), then id
+(bytes), lane index (0-based, counted from the first lane the script was given), ready ms for each
+claimed job; empty when the script declined."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,20 +89,21 @@ class Claim(LuaScript[ClaimReply]):
 
     jobs: Key
     owners: Key
+    claim_seq: Key
     wake: Key
     tenant_waiting: Key
     tenant_running: Key
     lanes: KeyList[LaneKeys]   # every lane, highest priority first
     max_jobs: Arg[int]
     lease_ms: Arg[int]
-    lease: Arg[str]            # ``<worker token>#<claim number>``
+    token: Arg[str]            # the worker's: the lease is ``<token>#<claim number>``
     wake_cap: Arg[int]
     promote_limit: Arg[int]
     owed: ArgList[int]         # per lane (same order): the worker's slots guaranteed to it that it does not hold
 
     HELPERS = _CLAIM_LANES + SYNC_TOKENS
     BODY = """
-local out, left = claim_lanes(jobs, owners, lanes, max_jobs, lease_ms, lease, promote_limit, tenant_waiting,
+local out, left = claim_lanes(jobs, owners, claim_seq, lanes, max_jobs, lease_ms, token, promote_limit, tenant_waiting,
                               tenant_running, owed)
 local still_waiting = 0
 for _, n in ipairs(left) do still_waiting = still_waiting + n end
@@ -114,13 +127,14 @@ class Preempt(LuaScript[ClaimReply]):
 
     jobs: Key
     owners: Key
+    claim_seq: Key
     wake: Key
     preemptions: Key
     tenant_waiting: Key
     tenant_running: Key
     lanes: KeyList[LaneKeys]   # every lane above the victim's, highest priority first
     lease_ms: Arg[int]
-    lease: Arg[str]
+    token: Arg[str]
     wake_cap: Arg[int]
     promote_limit: Arg[int]
     victim_lane: Arg[str]      # '' = none yields: the job runs in the worker's reserve, beside its slots
@@ -128,8 +142,9 @@ class Preempt(LuaScript[ClaimReply]):
     HELPERS = _CLAIM_LANES + SYNC_TOKENS
     BODY = """
 if redis.call('LLEN', wake) == 0 then return {} end
-local out, left = claim_lanes(jobs, owners, lanes, 1, lease_ms, lease, promote_limit, tenant_waiting, tenant_running)
-if #out > 1 then
+local out, left = claim_lanes(jobs, owners, claim_seq, lanes, 1, lease_ms, token, promote_limit, tenant_waiting,
+                               tenant_running)
+if #out > 2 then
   if victim_lane ~= '' then redis.call('HINCRBY', preemptions, victim_lane, 1) end
   redis.call('LPOP', wake)
 end
@@ -153,6 +168,7 @@ class LendReserve(LuaScript[ClaimReply]):
 
     jobs: Key
     owners: Key
+    claim_seq: Key
     wake: Key
     tenant_waiting: Key
     tenant_running: Key
@@ -160,7 +176,7 @@ class LendReserve(LuaScript[ClaimReply]):
     deferred: Key
     running: Key
     lease_ms: Arg[int]
-    lease: Arg[str]
+    token: Arg[str]
     promote_limit: Arg[int]
 
     HELPERS = _CLAIM_LANES
@@ -171,8 +187,8 @@ local next_job = redis.call('ZRANGE', waiting, 0, 0)[1]
 if not next_job then return {} end
 local _, _, _, tenant = read_entry(redis.call('HGET', jobs, next_job) or '')
 if redis.call('HEXISTS', tenant_running, tenant) == 1 then return {} end
-local out = claim_lanes(jobs, owners, {{waiting = waiting, deferred = deferred, running = running}}, 1, lease_ms,
-                        lease, promote_limit, tenant_waiting, tenant_running)
+local out = claim_lanes(jobs, owners, claim_seq, {{waiting = waiting, deferred = deferred, running = running}}, 1,
+                        lease_ms, token, promote_limit, tenant_waiting, tenant_running)
 redis.call('LPOP', wake)
 return out
 """

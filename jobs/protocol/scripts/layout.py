@@ -25,6 +25,7 @@ own text), so a rolling upgrade never runs one release's arguments through anoth
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import types
@@ -35,6 +36,7 @@ from typing import Annotated, Any, ClassVar, Generic, TypeVar, Union, get_args, 
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
@@ -222,3 +224,17 @@ class ScriptRunner:
     async def queue(self, call: LuaScript[Any], pipe: Pipeline) -> None:
         """Queue ``call`` on ``pipe``: its reply comes with the pipeline's."""
         await self._script(call)(keys=call.keys(), args=call.args(), client=pipe)
+
+    async def run_all(self, calls: Sequence[LuaScript[Any]]) -> list[Any]:
+        """Run ``calls`` in one round trip, in order, each atomic but not together; their replies.
+        On a single Redis they go out as one pipeline; on a cluster, where each may belong to
+        another node (redis-py's cluster pipeline takes no scripts), all at once, one per node
+        connection."""
+        if len(calls) == 1:
+            return [await self.run(calls[0])]
+        if isinstance(self._redis, RedisCluster):
+            return list(await asyncio.gather(*(self.run(call) for call in calls)))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                await self.queue(call, pipe)
+            return list(await pipe.execute())
