@@ -51,8 +51,8 @@ share one hash slot, and each job's stream and fence share another, the job's ow
   queue name that already holds a ``{...}`` hash tag is used as it is), so every script of the
   claim path (enqueue, claim, preempt, renew, finish, retry, hand back, reap, cancel) stays one
   atomic script in one slot;
-* a job's *arq id*, the id arq's ``run_job`` sees and builds its keys from, is ``{Q}<id>``
-  (``arq:job:{slotq:queue}<id>``), so the job record, attempt counter and result record live in
+* a job's *arq id*, the id arq's ``run_job`` sees and builds its keys from, is ``{Q}:<id>``
+  (``arq:job:{slotq:queue}:<id>``), so the job record, attempt counter and result record live in
   the queue's slot too; on a single Redis the arq id is the job id;
 * ``slotq:stream:{<id>}`` and ``slotq:fence:{<id>}`` hash by the job id, so the streaming load --
   most of what a fleet writes -- spreads over every shard. The fence is what lets a stream write be
@@ -162,12 +162,12 @@ class QueueKeys:
 
     def arq_id(self, job_id: str) -> str:
         """The id arq's ``run_job`` sees for ``job_id``, which its keys are built from: on a cluster
-        the queue's hash tag then the job id, so they share the queue's slot."""
-        return self.prefix + job_id if self.clustered else job_id
+        ``<the queue's prefix>:<job id>``, so they share the queue's slot."""
+        return f"{self.prefix}:{job_id}" if self.clustered else job_id
 
     def job_id(self, arq_id: str) -> str:
         """The job id of an arq id (:meth:`arq_id` undone)."""
-        return arq_id.removeprefix(self.prefix) if self.clustered else arq_id
+        return arq_id.removeprefix(f"{self.prefix}:") if self.clustered else arq_id
 
     def waiting(self, lane: str) -> str:
         return f"{self.prefix}:waiting:{lane}"
