@@ -447,8 +447,9 @@ class _Cluster(RedisCluster):
     backoff, as a whole: after a connection error redis-py drops its slot map, so the next try reads
     the map anew and reaches the new primary as soon as it is promoted.
 
-    The addresses of the URL stay startup nodes: redis-py drops a node from them when a command to it
-    fails, and a client that lost them all (every node restarted) could not read a map again."""
+    Each read of the slot map starts from the URL's nodes too: redis-py drops a node from its startup
+    nodes when a command to it fails, and a client whose commands failed on every node at once (the
+    whole cluster restarting) had none left to ask, for good."""
 
     _ONCE = Retry(NoBackoff(), 0)
 
@@ -470,18 +471,20 @@ class _Cluster(RedisCluster):
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         once = super().execute_command
         return await self.command_retry.call_with_retry(
-            lambda: _connection_errors_retried(once(*args, **kwargs)), self._restore_startup_nodes)
+            lambda: _connection_errors_retried(once(*args, **kwargs)), _no_cleanup)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         super().pipeline(transaction, shard_hint)        # raises on a transaction, as redis-py's
         # redis-py's command mixins declare a connection_pool (CommandsProtocol) that no cluster client has
         return _ClusterPipeline(self)  # type: ignore[abstract]
 
-    async def _restore_startup_nodes(self, error: Exception) -> None:
-        startup = self.nodes_manager.startup_nodes
-        for node in self._url_nodes:
-            if node.name not in startup:
-                startup[node.name] = ClusterNode(node.host, node.port, **self.connection_kwargs)
+    async def initialize(self) -> RedisCluster:
+        if self._initialize:                     # the slot map is to be read (again)
+            startup = self.nodes_manager.startup_nodes
+            for node in self._url_nodes:
+                if node.name not in startup:
+                    startup[node.name] = ClusterNode(node.host, node.port, **self.connection_kwargs)
+        return await super().initialize()
 
 
 class _ClusterPipeline(ClusterPipeline):
@@ -498,7 +501,11 @@ class _ClusterPipeline(ClusterPipeline):
                                    for position, (args, kwargs) in enumerate(commands)]
             return await _connection_errors_retried(super(_ClusterPipeline, self).execute(raise_on_error,
                                                                                           allow_redirections))
-        return await cluster.command_retry.call_with_retry(once, cluster._restore_startup_nodes)
+        return await cluster.command_retry.call_with_retry(once, _no_cleanup)
+
+
+async def _no_cleanup(error: Exception) -> None:
+    """Nothing to undo after a failed try: redis-py has already dropped the client's slot map."""
 
 
 async def _cluster_client(settings: RedisSettings) -> Redis:

@@ -9,10 +9,12 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
 from slotq.jobs.errors import RedisUnavailable
@@ -150,6 +152,24 @@ async def test_a_cancelled_commands_late_reply_never_answers_the_next_command(cl
             primary.rpush(f"{key}:list", "late")     # now Valkey answers the cancelled BLPOP
         await asyncio.sleep(0.1)
         assert await redis.get(f"{key}:k") == b"v"
+    finally:
+        await redis.aclose()
+
+
+async def test_the_urls_nodes_are_asked_again_when_redis_py_dropped_every_startup_node(
+        cluster: LocalValkeyCluster) -> None:
+    """redis-py drops a node from its startup nodes when a command to it fails; commands failing on
+    every node at once (the whole cluster restarting) left it none to read the slot map from."""
+    redis = await connect(cluster.url, patient=False)
+    try:
+        keys = key_per_shard(cluster, "dropped")
+        for key in keys:
+            await redis.set(key, "kept")
+        cast(RedisCluster, redis).nodes_manager.startup_nodes.clear()
+        for node in cluster.nodes():                 # every pooled connection goes stale
+            with sync_redis.Redis(port=node.port) as direct:
+                direct.client_kill_filter(_type="normal", skipme=True)
+        assert [await redis.get(key) for key in keys] == [b"kept"] * SHARDS
     finally:
         await redis.aclose()
 
