@@ -38,7 +38,7 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -259,25 +259,33 @@ async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca
 
 
 async def _pool(settings: RedisSettings) -> Redis:
-    """A client of ``settings``' server that answered PING, its first connection retried
-    ``conn_retries`` times ``conn_retry_delay`` apart (as arq's ``create_pool`` made them)."""
-    assert isinstance(settings.host, str), "sentinels are asked through _sentinel_pool"
+    """A client of ``settings``' server that answered PING (:func:`_first_answer`)."""
+    host = settings.host
+    assert isinstance(host, str), "sentinels and cluster nodes are asked through _sentinel_pool and _cluster_client"
+    return await _first_answer(settings, lambda: Redis(
+        host=host, port=settings.port, unix_socket_path=settings.unix_socket_path, db=settings.database,
+        username=settings.username, password=settings.password, socket_connect_timeout=settings.conn_timeout,
+        ssl=settings.ssl, ssl_cert_reqs=settings.ssl_cert_reqs, ssl_ca_certs=settings.ssl_ca_certs,
+        retry=settings.retry, retry_on_error=settings.retry_on_error, encoding="utf8"))
+
+
+async def _first_answer(settings: RedisSettings, make: Callable[[], Redis],
+                        ping: Callable[[Redis], Awaitable[object]] = lambda redis: redis.ping()) -> Redis:
+    """A client from ``make()`` that answered ``ping``, a new one for each try, the first connection
+    retried ``conn_retries`` times ``conn_retry_delay`` apart (as arq's ``create_pool`` made them)."""
+    where = settings.host if isinstance(settings.host, list) else f"{settings.host}:{settings.port}"
     attempt = 0
     while True:
-        redis = Redis(host=settings.host, port=settings.port, unix_socket_path=settings.unix_socket_path,
-                      db=settings.database, username=settings.username, password=settings.password,
-                      socket_connect_timeout=settings.conn_timeout, ssl=settings.ssl,
-                      ssl_cert_reqs=settings.ssl_cert_reqs, ssl_ca_certs=settings.ssl_ca_certs,
-                      retry=settings.retry, retry_on_error=settings.retry_on_error, encoding="utf8")
+        redis = make()
         try:
-            await redis.ping()
+            await ping(redis)
             return redis
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             await redis.aclose()
             if attempt >= settings.conn_retries:
                 raise
-            log.warning("redis connection error %s:%s %s %s, %s retries remaining...", settings.host, settings.port,
-                        type(exc).__name__, exc, settings.conn_retries - attempt)
+            log.warning("redis connection error %s %s %s, %s retries remaining...", where, type(exc).__name__, exc,
+                        settings.conn_retries - attempt)
             attempt += 1
             await asyncio.sleep(settings.conn_retry_delay)
 
@@ -370,7 +378,7 @@ class _SentinelPool(_QuickReadyCheck, SentinelConnectionPool):
 async def _sentinel_pool(settings: RedisSettings, sentinel_password: str | None) -> Redis:
     """:func:`_pool` for Sentinel: the retry policy, timeouts and CA file reach the primary's
     connections (arq's own Sentinel path, used before, left them out), and sentinels get their own
-    password. The first PING is retried the same way (``conn_retries`` x ``conn_retry_delay``)."""
+    password. The first PING is retried the same way (:func:`_first_answer`)."""
     tls = {"ssl": True, "ssl_ca_certs": settings.ssl_ca_certs, "ssl_cert_reqs": settings.ssl_cert_reqs} \
         if settings.ssl else {}
     sentinel = Sentinel(
@@ -378,20 +386,9 @@ async def _sentinel_pool(settings: RedisSettings, sentinel_password: str | None)
         sentinel_kwargs={"socket_connect_timeout": settings.conn_timeout, "password": sentinel_password, **tls},
         socket_connect_timeout=settings.conn_timeout, retry=settings.retry, retry_on_error=settings.retry_on_error,
         db=settings.database, username=settings.username, password=settings.password, **tls)
-    attempt = 0
-    while True:
-        redis: Redis = sentinel.master_for(
-            settings.sentinel_master, redis_class=Redis, connection_pool_class=_SentinelPool,
-            connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection)
-        try:
-            await redis.ping()
-            return redis
-        except (TimeoutError, RedisError, OSError):
-            await redis.aclose()
-            if attempt >= settings.conn_retries:
-                raise
-            attempt += 1
-            await asyncio.sleep(settings.conn_retry_delay)
+    return await _first_answer(settings, lambda: sentinel.master_for(
+        settings.sentinel_master, redis_class=Redis, connection_pool_class=_SentinelPool,
+        connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection))
 
 
 def is_cluster(redis: Redis) -> bool:
@@ -451,16 +448,16 @@ class _Cluster(RedisCluster):
     nodes when a command to it fails, and a client whose commands failed on every node at once (the
     whole cluster restarting) had none left to ask, for good."""
 
-    _ONCE = Retry(NoBackoff(), 0)
-
     def __init__(self, settings: RedisSettings) -> None:
         assert isinstance(settings.host, list), "a cluster URL's settings name its nodes"
         assert settings.retry is not None, "redis_settings() sets the retry policy"
         tls = {"ssl": True, "ssl_ca_certs": settings.ssl_ca_certs, "ssl_cert_reqs": settings.ssl_cert_reqs} \
             if settings.ssl else {}
         self._url_nodes = [ClusterNode(host, port) for host, port in settings.host]
+        # cluster_error_retry_attempts=1: redis-py's own immediate retries stay out of the way of the backoff
+        # below; 0 is no option, as its pipelines run range(cluster_error_retry_attempts) tries (none at 0)
         super().__init__(startup_nodes=self._url_nodes, username=settings.username, password=settings.password,
-                         socket_connect_timeout=settings.conn_timeout, retry=self._ONCE,
+                         socket_connect_timeout=settings.conn_timeout, retry=Retry(NoBackoff(), 0),
                          retry_on_error=settings.retry_on_error, cluster_error_retry_attempts=1, encoding="utf8",
                          **tls)
         self.settings = settings
@@ -509,19 +506,8 @@ async def _no_cleanup(error: Exception) -> None:
 
 
 async def _cluster_client(settings: RedisSettings) -> Redis:
-    """A :class:`_Cluster` on the settings' nodes whose primaries all answered PING, the first try
-    repeated ``conn_retries`` times ``conn_retry_delay`` apart (as :func:`_pool`)."""
-    attempt = 0
-    while True:
-        cluster = _Cluster(settings)  # type: ignore[abstract]  # as _ClusterPipeline: no connection_pool
-        try:
-            await cluster.ping(target_nodes=RedisCluster.PRIMARIES)
-            return cast(Redis, cluster)
-        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
-            await cluster.aclose()
-            if attempt >= settings.conn_retries:
-                raise
-            log.warning("redis cluster connection error %s %s %s, %s retries remaining...", settings.host,
-                        type(exc).__name__, exc, settings.conn_retries - attempt)
-            attempt += 1
-            await asyncio.sleep(settings.conn_retry_delay)
+    """A :class:`_Cluster` on the settings' nodes whose primaries all answered PING (:func:`_first_answer`;
+    a plain PING would go to the replicas too)."""
+    return await _first_answer(
+        settings, lambda: cast(Redis, _Cluster(settings)),  # type: ignore[abstract]  # see _Cluster.pipeline
+        lambda cluster: cast(RedisCluster, cluster).ping(target_nodes=RedisCluster.PRIMARIES))
