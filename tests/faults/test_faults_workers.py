@@ -325,13 +325,14 @@ async def test_worker_killed_right_after_claiming_a_job_frees_it_within_lock_ttl
     try:
         await fleet.wait_ready("c1", "c2")
         job_id = "claim-window-1"
-        # The claim script's reply for one job: an array of 4 (the server's clock in ms, then id, lane
-        # index, ready ms) whose job is this id in lane 0 (interactive). Its header and clock are part
+        # The claim script's reply for one job: an array of 5 (the server's clock in ms, the lease, then
+        # id, lane index, ready ms) whose job is this id in lane 0 (interactive). Its header and clock are part
         # of the needle: the id followed by ":0" alone also ends the waiting lane's head in the replies
         # of the worker's queue counts (its elastic loop and metrics read them every second), which
         # froze that connection instead when it ran between the enqueue and the claim, and the job was
         # still queued.
-        claim_reply = rb"\*4\r\n:\d+\r\n\$%d\r\n%s\r\n:0\r\n" % (len(job_id), re.escape(job_id.encode()))
+        claim_reply = rb"\*5\r\n:\d+\r\n\$\d+\r\n[^\r]+\r\n\$%d\r\n%s\r\n:0\r\n" % (len(job_id),
+                                                                              re.escape(job_id.encode()))
         proxy.arm(re.compile(claim_reply), "freeze", on="reply")
         fleet.pause("c2")
         try:

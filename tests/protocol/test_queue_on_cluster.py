@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from slotq.jobs.protocol.arq_formats import ABORT_JOBS_SET
+from slotq.jobs.protocol.arq_formats import ABORT_JOBS_SET, result_record
 from slotq.jobs.protocol.keys import fence_key, stream_key
 from slotq.jobs.protocol.redis_queue import Enqueued, RedisQueue
 from slotq.jobs.protocol.serialization import deserialize, serialize
@@ -56,10 +56,9 @@ async def test_a_job_goes_the_whole_way_with_its_stream_on_its_own_shard(redis: 
     assert await raise_fences(redis, {job.id: job.lease for job in claimed}, ttl_s=60) == dict.fromkeys(ids, True)
 
     appender = StreamAppender(redis, maxlen=1000, ttl_s=60)
-    written = await appender.append("w1:0", [JobEntries(job.id, job.lease, TTL.LIVE, [chunk(job.id)]) for job in claimed])
-    assert written == [True] * len(ids)
-    assert await appender.append("w1:0", [JobEntries(job.id, job.lease, TTL.LIVE, [chunk(job.id)])
-                                          for job in claimed]) == [True] * len(ids)     # re-sent: not written twice
+    flush = [JobEntries(job.id, job.lease, TTL.LIVE, [chunk(job.id)]) for job in claimed]
+    assert await appender.append("w1:0", flush) == [True] * len(ids)
+    assert await appender.append("w1:0", flush) == [True] * len(ids)     # re-sent: not written twice
     shards = {cast(RedisCluster, redis).get_node_from_key(stream_key(job_id)).name for job_id in ids}
     assert len(shards) == 3, "the streams of 12 jobs spread over every shard"
     for job_id in ids:
@@ -67,9 +66,10 @@ async def test_a_job_goes_the_whole_way_with_its_stream_on_its_own_shard(redis: 
         assert [e.text for e in await read_all(redis, job_id)] == [job_id]
 
     for job in claimed:
-        assert await queue.finish(job, serialize({"r": job.id}), 60_000)
-    found = await queue.result_records(ids, deserialize)
-    assert sorted(found) == sorted(ids)
+        record = result_record(job.id, "generate", {"text": job.id}, queue.keys.queue, queue.wall_ms(), serialize)
+        assert await queue.finish(job, record, 60_000)
+    found = await queue.result_records(ids, deserialize)        # one MGET: the results share the queue's slot
+    assert {job_id: found[job_id].output for job_id in ids} == {job_id: {"text": job_id} for job_id in ids}
     assert sum(c.running + c.waiting for c in await queue.counts()) == 0
     assert await queue.forget(ids) == len(ids)
     assert not await redis.exists(stream_key(ids[0]))
