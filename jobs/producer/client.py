@@ -31,7 +31,7 @@ from slotq.jobs.errors import (
     RedisUnavailable,
     StreamGone,
 )
-from slotq.jobs.producer.stream_reader import StreamReader
+from slotq.jobs.producer.stream_reader import ClusterStreamReader, StreamReader, stream_reader
 from slotq.jobs.protocol import dead_letters, registry, streams
 from slotq.jobs.protocol.arq_formats import ResultRecord
 from slotq.jobs.protocol.connection import connect
@@ -123,11 +123,11 @@ class SlotqClient:
     model) on the same connections; only the client that connected closes them."""
 
     def __init__(self, redis: Redis, settings: ClientSettings, *, owns_connection: bool = True,
-                 reader: StreamReader | None = None) -> None:
+                 reader: StreamReader | ClusterStreamReader | None = None) -> None:
         self.redis = redis
         self.settings = settings
         self.queue = RedisQueue(redis, settings.queue_name, settings.lanes, clock_offset_s=settings.clock_offset_s)
-        self.reader = reader or StreamReader(redis)    # one XREAD for every stream this client follows
+        self.reader = reader or stream_reader(redis)   # one XREAD for all streams followed (per bucket on a cluster)
         self._owns_connection = owns_connection
         self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
         self._workers_read: asyncio.Future[list[WorkerInfo]] | None = None

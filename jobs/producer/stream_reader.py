@@ -14,6 +14,13 @@ connection's id is fetched on every (re)connect, so a reconnect cannot leave a s
 Readers still resume exactly: each follower keeps the id of the last entry it was given, and a
 stream read for several followers starts after the oldest of their ids, each getting only what
 follows its own.
+
+On a Redis Cluster one XREAD can only cover one slot, so :class:`ClusterStreamReader` keeps one
+:class:`StreamReader` per stream bucket (the streams of a bucket share a hash tag:
+:func:`slotq.jobs.protocol.keys.stream_key`), each on a connection to the node that serves it:
+as many blocking reads as buckets with followers, at most
+:data:`~slotq.jobs.protocol.keys.STREAM_BUCKETS`, however many streams are followed.
+:func:`stream_reader` picks the kind the client needs.
 """
 
 from __future__ import annotations
@@ -26,11 +33,15 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.jobs.aio import cancel_and_wait
 from slotq.jobs.errors import StreamGone
 from slotq.jobs.protocol import streams
+from slotq.jobs.protocol.connection import is_cluster, node_client
+from slotq.jobs.protocol.keys import STREAM_TAGS, stream_bucket
 from slotq.jobs.protocol.schemas import StreamEntry
 from slotq.jobs.protocol.streams import RawEntry, decode_entry, is_final
 
@@ -39,6 +50,7 @@ log = logging.getLogger(__name__)
 StreamId = tuple[int, int]
 UNBLOCK_TRIES = 8       # a CLIENT UNBLOCK can overtake the XREAD it is meant for: try again briefly
 FINAL_ENTRY_REREADS = 4  # reads of an ended job's stream before it is declared to have no final entry
+NODE_LOST_WAIT_S = 30.0  # on a cluster: how long a follower looks for the node of its stream after losing it
 
 
 def parse_id(entry_id: bytes | str) -> StreamId:
@@ -73,12 +85,14 @@ def split_for(followers: list[_Follower], entries: list[RawEntry]) -> list[tuple
 
 
 class StreamReader:
-    """Shared by everything a client reads; :meth:`close` with the client."""
+    """Shared by everything a client reads; :meth:`close` with the client. ``clustered``: the streams
+    are a cluster's (``redis`` is then a client of the one node that serves them all)."""
 
-    def __init__(self, redis: Redis, *, block_ms: int = 1000, count: int = 512) -> None:
+    def __init__(self, redis: Redis, *, block_ms: int = 1000, count: int = 512, clustered: bool = False) -> None:
         self.redis = redis
         self.block_ms = block_ms
         self.count = count
+        self.clustered = clustered
         self._followers: dict[str, list[_Follower]] = {}
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -142,7 +156,7 @@ class StreamReader:
         the two apart). Started with the
         follower and awaited before its first entry, so it adds no wait on a live stream. A stream
         that does not exist yet (a queued job) cannot have been trimmed."""
-        start = await streams.stream_start(self.redis, job_id)
+        start = await streams.stream_start(self.redis, job_id, clustered=self.clustered)
         if start is None:
             return                                # no such stream (yet)
         if start.trimmed and start.first_id and parse_id(start.first_id) > after:
@@ -156,12 +170,13 @@ class StreamReader:
         written before its result, so one that finished a moment ago has it; the few re-reads
         cover a result written by a producer between its two writes (a cancel)."""
         for attempt in range(FINAL_ENTRY_REREADS):
-            rest = await streams.read_after(self.redis, job_id, format_id(after), page=self.count)
+            rest = await streams.read_after(self.redis, job_id, format_id(after), page=self.count,
+                                            clustered=self.clustered)
             if any(is_final(raw) for _id, raw in rest):
                 return rest
             if not rest:
-                last = await streams.read_last(self.redis, job_id)
-                if last is None and not await streams.exists(self.redis, job_id):
+                last = await streams.read_last(self.redis, job_id, clustered=self.clustered)
+                if last is None and not await streams.exists(self.redis, job_id, clustered=self.clustered):
                     raise StreamGone(job_id, format_id(after), "does not exist (expired after SLOTQ_STREAM_TTL_S, "
                                      "or the job never started)")
                 if last is not None and is_final(last[1]) and parse_id(last[0]) <= after:
@@ -233,7 +248,8 @@ class StreamReader:
                 self.reads += 1
                 try:
                     response = await streams.read_new(client, {job_id: format_id(v) for job_id, v in reading.items()},
-                                                      count=self.count, block_ms=self.block_ms)
+                                                      count=self.count, block_ms=self.block_ms,
+                                                      clustered=self.clustered)
                 except (RedisError, OSError) as exc:
                     self._fail_all(exc)
                     continue
@@ -260,3 +276,78 @@ class StreamReader:
         self._followers.clear()
         for follower in followers:
             follower.inbox.put_nowait(exc)
+
+
+class ClusterStreamReader:
+    """:class:`StreamReader` on a Redis Cluster (see the module): one reader per stream bucket, each on
+    a client of the node serving the bucket, made when the bucket's first follower comes.
+
+    When a follower's read fails for want of its node (a primary died), the bucket's reader is
+    dropped, the slot map read again, and the follower carries on from the last entry it gave, on
+    a reader of the node that serves the bucket now (the replica promoted in its place); it gives up
+    after :data:`NODE_LOST_WAIT_S` without one, raising the last error."""
+
+    def __init__(self, redis: Redis, *, block_ms: int = 1000, count: int = 512) -> None:
+        self.redis = redis
+        self.block_ms = block_ms
+        self.count = count
+        self._readers: dict[int, StreamReader] = {}
+        self._lock = asyncio.Lock()
+
+    @property
+    def reads(self) -> int:
+        """XREADs sent by the readers open now."""
+        return sum(reader.reads for reader in self._readers.values())
+
+    async def follow(self, job_id: str, *, last_id: str = "0-0", idle_ms: int = 1000,
+                     is_live: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[StreamEntry]:
+        """As :meth:`StreamReader.follow`."""
+        bucket = stream_bucket(job_id)
+        given = last_id
+        lost_since: float | None = None
+        while True:
+            reader = await self._reader(bucket, fresh_map=lost_since is not None)
+            try:
+                async for entry in reader.follow(job_id, last_id=given, idle_ms=idle_ms, is_live=is_live):
+                    given, lost_since = entry.id, None
+                    yield entry
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                now = asyncio.get_running_loop().time()
+                lost_since = now if lost_since is None else lost_since
+                await self._drop(bucket, reader)
+                if now - lost_since > NODE_LOST_WAIT_S:
+                    raise
+                log.warning("job %s: the node of its stream failed; looking for the node that serves it now", job_id)
+                await asyncio.sleep(0.2)
+
+    async def _reader(self, bucket: int, *, fresh_map: bool) -> StreamReader:
+        async with self._lock:
+            reader = self._readers.get(bucket)
+            if reader is None:
+                # any key with the bucket's hash tag names its slot
+                client = await node_client(self.redis, f"{{{STREAM_TAGS[bucket]}}}", fresh_map=fresh_map)
+                reader = self._readers[bucket] = StreamReader(client, block_ms=self.block_ms, count=self.count,
+                                                              clustered=True)
+            return reader
+
+    async def _drop(self, bucket: int, reader: StreamReader) -> None:
+        async with self._lock:
+            if self._readers.get(bucket) is reader:
+                del self._readers[bucket]
+        await reader.close()
+        await reader.redis.aclose()
+
+    async def close(self) -> None:
+        async with self._lock:
+            readers, self._readers = list(self._readers.values()), {}
+        for reader in readers:
+            await reader.close()
+            await reader.redis.aclose()
+
+
+def stream_reader(redis: Redis, *, block_ms: int = 1000, count: int = 512) -> StreamReader | ClusterStreamReader:
+    """The shared reader a client of ``redis`` needs: a :class:`ClusterStreamReader` on a cluster."""
+    if is_cluster(redis):
+        return ClusterStreamReader(redis, block_ms=block_ms, count=count)
+    return StreamReader(redis, block_ms=block_ms, count=count)

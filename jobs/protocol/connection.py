@@ -412,13 +412,40 @@ async def subscriber(redis: Redis) -> AsyncIterator[Redis]:
         return
     cluster = cast(_Cluster, redis)
     await cluster.initialize()
-    node = cluster.get_default_node()          # a primary (redis-py picks the first of the slot map's)
-    client = await _with_quick_ready_check(await _pool(replace(cluster.settings, host=node.host,
-                                                                port=int(node.port))))
+    client = await _node_client(cluster, cluster.get_default_node())   # a primary: redis-py picks the map's first
     try:
         yield client
     finally:
         await client.aclose()
+
+
+NODE_RETRY_S = 2.0      # how long a node_client retries its one node before its caller looks the slot up again
+
+
+async def node_client(redis: Redis, key: str, *, fresh_map: bool = False) -> Redis:
+    """A plain client of the primary that serves ``key``'s slot, with the cluster's credentials and
+    TLS; the caller closes it. For what a cluster client cannot do on one connection (a blocking
+    read that CLIENT UNBLOCK ends). It retries its node for only :data:`NODE_RETRY_S`: waiting out a
+    failover is its caller's part, with a new client of the slot's node after reading the map again
+    (``fresh_map``)."""
+    cluster = cast(_Cluster, redis)
+    if fresh_map:
+        await cluster.nodes_manager.initialize()
+    else:
+        await cluster.initialize()
+    node = cluster.get_node_from_key(key)
+    if node is None:        # the slot's primary failed and no replica has taken over yet
+        raise RedisConnectionError(f"no primary of the cluster serves the slot of {key} now")
+    brief = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=_retries_within(NODE_RETRY_S, cap=0.5))
+    return await _node_client(cluster, node, retry=brief)
+
+
+async def _node_client(cluster: _Cluster, node: ClusterNode, *, retry: Retry | None = None) -> Redis:
+    """A plain client of ``node`` with the cluster's settings (``retry``: its own policy instead)."""
+    settings = replace(cluster.settings, host=node.host, port=int(node.port))
+    if retry is not None:
+        settings = replace(settings, retry=retry, conn_retries=0)
+    return await _with_quick_ready_check(await _pool(settings))
 
 
 async def _connection_errors_retried(call: Awaitable[T]) -> T:

@@ -8,8 +8,8 @@ keeps them in one slot):
 
 ================================  ======  ===========================================================
 ``slotq:stream:{<id>}``           STREAM  the job's output entries (:mod:`slotq.jobs.protocol.streams`)
-``slotq:fence:{<id>}``            HASH    the job's stream fence: the newest claim of the job that wrote to it
-                                          (``seq``, ``lease``) and the last flush it applied (``flush``)
+``slotq:fence:{<id>}``            HASH    the job's stream fence: the newest claim of the job that raised it
+                                          (``seq``, ``lease``) and the last flush it let through (``flush``)
 ``slotq:dlq:{<id>}``              HASH    a dead letter (:mod:`slotq.jobs.protocol.dead_letters`)
 ``slotq:dlq``                     ZSET    job id -> time it was dead-lettered
 ``slotq:dlq:reasons``             HASH    reason (the error code) -> dead letters kept with it
@@ -54,9 +54,12 @@ share one hash slot, and each job's stream and fence share another, the job's ow
 * a job's *arq id*, the id arq's ``run_job`` sees and builds its keys from, is ``{Q}:<id>``
   (``arq:job:{slotq:queue}:<id>``), so the job record, attempt counter and result record live in
   the queue's slot too; on a single Redis the arq id is the job id;
-* ``slotq:stream:{<id>}`` and ``slotq:fence:{<id>}`` hash by the job id, so the streaming load --
-  most of what a fleet writes -- spreads over every shard. The fence is what lets a stream write be
-  checked against the job's owner without the queue's slot (:mod:`slotq.jobs.protocol.scripts.fences`);
+* a job's stream and fence are ``slotq:stream:{<bucket tag>}:<id>`` and ``slotq:fence:{<bucket
+  tag>}:<id>``, in one of :data:`STREAM_BUCKETS` buckets picked by the job id, whose hash tags have
+  slots spread evenly over the slot space: the streaming load -- most of what a fleet writes --
+  spreads over every shard, while a writer's flush and a reader's blocking XREAD still cover many
+  jobs in one command per bucket. The fence is what lets a stream write be checked against the
+  job's owner without the queue's slot (:mod:`slotq.jobs.protocol.scripts.stream_flush`);
 * ``arq:abort``, dead letters and the worker registry are keys of their own slots, written by one
   command each.
 
@@ -91,8 +94,12 @@ KEDA scales on), HGET of a tenant's counts. This module is the only place that k
 
 from __future__ import annotations
 
+import itertools
 import re
+import zlib
 from dataclasses import dataclass
+
+from redis.crc import key_slot
 
 from slotq.jobs.protocol.arq_formats import ABORT_JOBS_SET, JOB_KEY_PREFIX, RESULT_KEY_PREFIX, RETRY_KEY_PREFIX
 
@@ -104,12 +111,40 @@ DEAD_LETTER_REASONS = "slotq:dlq:reasons"
 WORKER_INDEX = "slotq:workers"
 
 
-def stream_key(job_id: str) -> str:
+CLUSTER_SLOTS = 16_384
+STREAM_BUCKETS = 16      # on a cluster: job streams spread over at most this many shards
+
+
+def _spread_tags(count: int) -> tuple[str, ...]:
+    """``count`` hash tags, the k-th hashing into the k-th of ``count`` equal ranges of the slots, so
+    on a cluster whose primaries hold equal contiguous ranges (as every tool splits them) the
+    buckets fall evenly on the primaries."""
+    width = CLUSTER_SLOTS // count
+    tags = []
+    for k in range(count):
+        tag = next(f"s{k}.{n}" for n in itertools.count() if key_slot(f"s{k}.{n}".encode()) // width == k)
+        tags.append(tag)
+    return tuple(tags)
+
+
+STREAM_TAGS = _spread_tags(STREAM_BUCKETS)
+
+
+def stream_bucket(job_id: str) -> int:
+    """The bucket of a job's stream on a cluster (its keys share the bucket's hash tag)."""
+    return zlib.crc32(job_id.encode()) % STREAM_BUCKETS
+
+
+def stream_key(job_id: str, *, clustered: bool = False) -> str:
+    if clustered:
+        return f"slotq:stream:{{{STREAM_TAGS[stream_bucket(job_id)]}}}:{job_id}"
     return f"slotq:stream:{{{job_id}}}"
 
 
-def fence_key(job_id: str) -> str:
-    """The job's stream fence, in the slot of its stream (:mod:`slotq.jobs.protocol.scripts.fences`)."""
+def fence_key(job_id: str, *, clustered: bool = False) -> str:
+    """The job's stream fence, in the slot of its stream (:mod:`slotq.jobs.protocol.scripts.stream_flush`)."""
+    if clustered:
+        return f"slotq:fence:{{{STREAM_TAGS[stream_bucket(job_id)]}}}:{job_id}"
     return f"slotq:fence:{{{job_id}}}"
 
 

@@ -311,7 +311,8 @@ class RedisQueue:
         if job_ids:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
-                    pipe.delete(stream_key(job_id), fence_key(job_id))
+                    pipe.delete(stream_key(job_id, clustered=self.keys.clustered),
+                                fence_key(job_id, clustered=self.keys.clustered))
                 await pipe.execute()
 
     async def clear_job(self, job_id: str) -> None:

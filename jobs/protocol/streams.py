@@ -23,11 +23,10 @@ from enum import IntEnum
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.crc import key_slot
 from redis.exceptions import RedisError, ResponseError
 
-from slotq.jobs.protocol.keys import fence_key, stream_key
+from slotq.jobs.protocol.connection import is_cluster
+from slotq.jobs.protocol.keys import fence_key, stream_bucket, stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
 from slotq.jobs.protocol.scripts.stream_flush import FencedStream, RaiseFence, StreamFlush
@@ -202,7 +201,8 @@ class StreamAppender:
     async def append(self, flush_id: str, jobs: Sequence[JobEntries]) -> list[bool]:
         """Send one flush; per job, whether its entries were written (False: fenced off)."""
         calls = []
-        for group in by_slot(self.redis, jobs, lambda job: job.job_id):
+        clustered = is_cluster(self.redis)
+        for group in by_bucket(self.redis, jobs, lambda job: job.job_id):
             entries: list[str | int] = []
             for job in group:
                 for fields in job.entries:
@@ -210,7 +210,7 @@ class StreamAppender:
                     for name, value in fields.items():
                         entries += [name, value]
             calls.append((group, StreamFlush(
-                jobs=[fenced_stream(job.job_id) for job in group], flush_id=flush_id, maxlen=self.maxlen,
+                jobs=[fenced_stream(job.job_id, clustered) for job in group], flush_id=flush_id, maxlen=self.maxlen,
                 live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s, leases=[job.lease for job in group],
                 ttls=[int(job.ttl) for job in group], entry_counts=[len(job.entries) for job in group],
                 entries=entries)))
@@ -221,18 +221,18 @@ class StreamAppender:
         return [written[job.job_id] for job in jobs]
 
 
-def fenced_stream(job_id: str) -> FencedStream:
-    return FencedStream(stream_key(job_id), fence_key(job_id))
+def fenced_stream(job_id: str, clustered: bool) -> FencedStream:
+    return FencedStream(stream_key(job_id, clustered=clustered), fence_key(job_id, clustered=clustered))
 
 
-def by_slot(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> list[list[T]]:
+def by_bucket(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> list[list[T]]:
     """``items`` in groups whose job keys (stream, fence) share one hash slot, for one script each:
-    every item in one group on a single Redis, one group per slot on a cluster."""
-    if not isinstance(redis, RedisCluster):
+    every item in one group on a single Redis, one group per stream bucket on a cluster."""
+    if not is_cluster(redis):
         return [list(items)] if items else []
     groups: dict[int, list[T]] = {}
     for item in items:
-        groups.setdefault(key_slot(stream_key(job_id(item)).encode()), []).append(item)
+        groups.setdefault(stream_bucket(job_id(item)), []).append(item)
     return list(groups.values())
 
 
@@ -240,8 +240,9 @@ async def raise_fences(redis: Redis, leases: Mapping[str, str], *, ttl_s: int) -
     """Raise the fence of each job (job id -> its new claim's lease) before its attempt reads its
     stream; per job, False when a newer claim holds the fence already (this claim lost the job)."""
     scripts = ScriptRunner(redis)
-    groups = by_slot(redis, list(leases), lambda job_id: job_id)
-    answers = await scripts.run_all([RaiseFence(jobs=[fenced_stream(job_id) for job_id in group],
+    clustered = is_cluster(redis)
+    groups = by_bucket(redis, list(leases), lambda job_id: job_id)
+    answers = await scripts.run_all([RaiseFence(jobs=[fenced_stream(job_id, clustered) for job_id in group],
                                                 leases=[leases[job_id] for job_id in group], ttl_s=ttl_s)
                                      for group in groups])
     raised: dict[str, bool] = {}
@@ -269,14 +270,21 @@ async def end_stream(redis: Redis, job_id: str, entry: StreamEntry, *, maxlen: i
 
 
 # ---------------------------------------------------------------------- reading
-async def read_all(redis: Redis, job_id: str) -> list[StreamEntry]:
+# Each read takes ``clustered``: whether the keys are a cluster's (:func:`~slotq.jobs.protocol.keys.stream_key`).
+# None: as ``redis`` is; a reader on a plain client of one cluster node passes True.
+def _key(redis: Redis, job_id: str, clustered: bool | None) -> str:
+    return stream_key(job_id, clustered=is_cluster(redis) if clustered is None else clustered)
+
+
+async def read_all(redis: Redis, job_id: str, *, clustered: bool | None = None) -> list[StreamEntry]:
     """Every entry the job's stream holds, decoded (one XRANGE)."""
-    return [decode_entry(entry_id, raw) for entry_id, raw in await redis.xrange(stream_key(job_id))]
+    return [decode_entry(entry_id, raw) for entry_id, raw in await redis.xrange(_key(redis, job_id, clustered))]
 
 
-async def read_after(redis: Redis, job_id: str, after: str, *, page: int) -> list[RawEntry]:
+async def read_after(redis: Redis, job_id: str, after: str, *, page: int,
+                     clustered: bool | None = None) -> list[RawEntry]:
     """Every entry after the id ``after``, read in XRANGE pages of ``page`` entries."""
-    key = stream_key(job_id)
+    key = _key(redis, job_id, clustered)
     rest: list[RawEntry] = []
     start = f"({after}"
     while entries := await redis.xrange(key, min=start, count=page):
@@ -286,27 +294,28 @@ async def read_after(redis: Redis, job_id: str, after: str, *, page: int) -> lis
     return rest
 
 
-async def read_last(redis: Redis, job_id: str) -> RawEntry | None:
+async def read_last(redis: Redis, job_id: str, *, clustered: bool | None = None) -> RawEntry | None:
     """The stream's newest entry, None when it holds none (one XREVRANGE)."""
-    last = await redis.xrevrange(stream_key(job_id), count=1)
+    last = await redis.xrevrange(_key(redis, job_id, clustered), count=1)
     return last[0] if last else None
 
 
-async def read_new(redis: Redis, after: Mapping[str, str | bytes], *, count: int,
-                   block_ms: int) -> dict[str, list[RawEntry]]:
+async def read_new(redis: Redis, after: Mapping[str, str | bytes], *, count: int, block_ms: int,
+                   clustered: bool | None = None) -> dict[str, list[RawEntry]]:
     """One XREAD of the streams of the jobs in ``after`` (job id -> the last entry id seen),
-    blocking up to ``block_ms`` for news; the entries per job id, only for jobs that have some."""
-    by_key = {stream_key(job_id): job_id for job_id in after}
-    response = await redis.xread({stream_key(job_id): last for job_id, last in after.items()}, count=count,
-                                 block=block_ms)
+    blocking up to ``block_ms`` for news; the entries per job id, only for jobs that have some. On a
+    cluster the jobs must share a stream bucket (one XREAD covers one slot)."""
+    by_key = {_key(redis, job_id, clustered): job_id for job_id in after}
+    response = await redis.xread({_key(redis, job_id, clustered): last for job_id, last in after.items()},
+                                 count=count, block=block_ms)
     out: dict[str, list[RawEntry]] = {}
     for raw_key, entries in response or ():
         out[by_key[raw_key.decode() if isinstance(raw_key, bytes) else raw_key]] = entries
     return out
 
 
-async def exists(redis: Redis, job_id: str) -> bool:
-    return bool(await redis.exists(stream_key(job_id)))
+async def exists(redis: Redis, job_id: str, *, clustered: bool | None = None) -> bool:
+    return bool(await redis.exists(_key(redis, job_id, clustered)))
 
 
 @dataclass(frozen=True)
@@ -317,10 +326,10 @@ class StreamStart:
     trimmed: bool
 
 
-async def stream_start(redis: Redis, job_id: str) -> StreamStart | None:
+async def stream_start(redis: Redis, job_id: str, *, clustered: bool | None = None) -> StreamStart | None:
     """Where the job's stream starts (one XINFO STREAM); None when there is no such stream."""
     try:
-        info = await redis.xinfo_stream(stream_key(job_id))
+        info = await redis.xinfo_stream(_key(redis, job_id, clustered))
     except ResponseError:
         return None                               # no such key (yet)
     first = info.get("first-entry")

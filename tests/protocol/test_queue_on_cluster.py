@@ -59,10 +59,11 @@ async def test_a_job_goes_the_whole_way_with_its_stream_on_its_own_shard(redis: 
     flush = [JobEntries(job.id, job.lease, TTL.LIVE, [chunk(job.id)]) for job in claimed]
     assert await appender.append("w1:0", flush) == [True] * len(ids)
     assert await appender.append("w1:0", flush) == [True] * len(ids)     # re-sent: not written twice
-    shards = {cast(RedisCluster, redis).get_node_from_key(stream_key(job_id)).name for job_id in ids}
+    shards = {cast(RedisCluster, redis).get_node_from_key(stream_key(job_id, clustered=True)).name for job_id in ids}
     assert len(shards) == 3, "the streams of 12 jobs spread over every shard"
     for job_id in ids:
-        assert key_slot(stream_key(job_id).encode()) == key_slot(fence_key(job_id).encode())
+        stream, fence = stream_key(job_id, clustered=True), fence_key(job_id, clustered=True)
+        assert key_slot(stream.encode()) == key_slot(fence.encode())
         assert [e.text for e in await read_all(redis, job_id)] == [job_id]
 
     for job in claimed:
@@ -72,7 +73,7 @@ async def test_a_job_goes_the_whole_way_with_its_stream_on_its_own_shard(redis: 
     assert {job_id: found[job_id].output for job_id in ids} == {job_id: {"text": job_id} for job_id in ids}
     assert sum(c.running + c.waiting for c in await queue.counts()) == 0
     assert await queue.forget(ids) == len(ids)
-    assert not await redis.exists(stream_key(ids[0]))
+    assert not await redis.exists(stream_key(ids[0], clustered=True))
 
 
 async def test_a_newer_claim_fences_off_the_older_attempt_across_slots(redis: Redis) -> None:
