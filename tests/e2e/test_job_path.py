@@ -1,5 +1,6 @@
 """The Redis job path on arq: enqueue -> stream -> result, batching, resumable streams,
-idempotency, validation at enqueue and backpressure. Real Valkey, real engine (tiny model)."""
+idempotency, validation at enqueue and backpressure. Real Valkey, real engine (tiny model); each
+test runs on one Valkey and on a 3-primary Valkey Cluster."""
 
 from __future__ import annotations
 
@@ -10,9 +11,23 @@ from pydantic import ValidationError
 
 from slotq.engine import FinishReason
 from slotq.jobs.producer.client import QueueFull, SlotqClient
-from slotq.jobs.protocol.keys import job_record_key, stream_key
+from slotq.jobs.protocol import streams
+from slotq.jobs.protocol.keys import job_record_key
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, JobStatus
-from tests.support.jobs import chunks, collect_stream, job_request, jobs_in_queue, raw_entries, settings_for
+from tests.support.jobs import (
+    ON_EVERY_BACKEND,
+    chunks,
+    collect_stream,
+    job_request,
+    jobs_in_queue,
+    raw_entries,
+    settings_for,
+)
+
+
+@pytest.fixture(params=ON_EVERY_BACKEND)
+def redis_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 async def test_enqueue_stream_result_end_to_end(client, worker):
@@ -200,7 +215,8 @@ async def test_backpressure_queue_full(redis_url):
             await client.enqueue(job_request("one too many", idempotency_key="bp-3"))
         assert info.value.limit == 3 and info.value.depth == 3
         assert await jobs_in_queue(client) == 3
-        assert not await client.redis.exists(job_record_key("bp-3"), stream_key("bp-3"))
+        assert not await client.redis.exists(job_record_key(client.queue.keys.arq_id("bp-3")))
+        assert not await streams.exists(client.redis, "bp-3")
         assert await client.status("bp-3") == JobStatus.NOT_FOUND
 
         # an idempotent re-enqueue of a job already queued is not new work: no QueueFull

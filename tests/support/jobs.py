@@ -24,18 +24,18 @@ from redis.asyncio import Redis
 
 from slotq.engine import EngineStats
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol import registry
-from slotq.jobs.protocol.keys import job_record_key, stream_key
+from slotq.jobs.protocol import registry, streams
+from slotq.jobs.protocol.keys import job_record_key
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, StreamEntry, WorkerInfo
-from slotq.jobs.protocol.streams import decode_entry
+from slotq.jobs.redis_cluster import LocalValkeyCluster
 from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker, engine_heartbeat_fields
 
 __all__ = [
-    "SLOTQ_BIN", "WorkerProcess", "advertise", "chunks", "clean_env", "client", "collect_stream", "inject_raw_job",
-    "job_request", "jobs_in_queue", "raw_entries", "redis_server", "redis_url", "settings_for", "start_worker",
-    "wait_for_workers", "worker",
+    "ON_EVERY_BACKEND", "SLOTQ_BIN", "WorkerProcess", "advertise", "chunks", "clean_env", "client", "collect_stream", "inject_raw_job",
+    "job_request", "jobs_in_queue", "raw_entries", "redis_backend", "redis_cluster", "redis_server", "redis_url",
+    "settings_for", "start_worker", "wait_for_workers", "worker",
 ]
 
 SLOTQ_BIN = Path(sys.executable).parent / "slotq"
@@ -66,20 +66,40 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
         server.stop()
 
 
-def emptied(server: EmbeddedRedis) -> str:
-    """The URL of ``server``, every key of it deleted."""
-    conn = sync_redis.Redis.from_url(server.url)
-    try:
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalValkeyCluster]:
+    """A 3-primary Valkey Cluster for the session (started by the first test that asks for it)."""
+    with LocalValkeyCluster(tmp_path_factory.mktemp("jobs-cluster"), primaries=3) as cluster:
+        yield cluster
+
+
+def emptied(server: EmbeddedRedis | LocalValkeyCluster) -> str:
+    """The URL of ``server``, every key of it deleted (on every primary of a cluster)."""
+    if isinstance(server, LocalValkeyCluster):
+        for node in server.nodes():
+            if node.role == "primary":
+                with contextlib.closing(sync_redis.Redis(port=node.port)) as conn:
+                    conn.flushall()
+        return server.url
+    with contextlib.closing(sync_redis.Redis.from_url(server.url)) as conn:
         conn.flushall()
-    finally:
-        conn.close()
     return server.url
 
 
 @pytest.fixture
-def redis_url(redis_server: EmbeddedRedis) -> str:
-    """The session's server, emptied for this test."""
-    return emptied(redis_server)
+def redis_backend() -> str:
+    """Where the job-layer fixtures run: "single" (one Valkey). A module that must hold on a cluster
+    too overrides it with ``params=["single", "cluster"]`` (:data:`ON_EVERY_BACKEND`)."""
+    return "single"
+
+
+ON_EVERY_BACKEND = ("single", "cluster")
+
+
+@pytest.fixture
+def redis_url(redis_backend: str, request: pytest.FixtureRequest) -> str:
+    """The session's server (or cluster, by ``redis_backend``), emptied for this test."""
+    return emptied(request.getfixturevalue("redis_cluster" if redis_backend == "cluster" else "redis_server"))
 
 
 @pytest.fixture
@@ -139,7 +159,7 @@ async def collect_stream(client: SlotqClient, job_id: str, last_id: str = "0-0",
 
 async def raw_entries(client: SlotqClient, job_id: str) -> list[StreamEntry]:
     """What the job's stream holds right now (XRANGE, no waiting)."""
-    return [decode_entry(i, raw) for i, raw in await client.redis.xrange(stream_key(job_id))]
+    return await streams.read_all(client.redis, job_id)
 
 
 async def jobs_in_queue(client: SlotqClient) -> int:
@@ -151,8 +171,8 @@ async def inject_raw_job(client: SlotqClient, job_id: str, record: bytes, lane: 
     """Put a job record straight into the queue, as a foreign or buggy producer would."""
     keys = client.queue.keys
     now_ms = int(time.time() * 1000)
-    async with client.redis.pipeline(transaction=True) as pipe:
-        pipe.set(job_record_key(job_id), record)
+    async with client.redis.pipeline(transaction=not keys.clustered) as pipe:
+        pipe.set(job_record_key(keys.arq_id(job_id)), record)
         pipe.hset(keys.jobs, job_id, f"{lane}\t{now_ms}")
         pipe.zadd(keys.waiting(lane), {job_id: now_ms})
         pipe.rpush(keys.wake, "1")
