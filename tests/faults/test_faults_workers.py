@@ -29,6 +29,7 @@ from slotq.jobs.protocol.schemas import EntryKind, JobResult, JobStatus
 from tests.support.engine import solo_greedy_tokens
 from tests.support.faults import (
     LOCK_TTL_S,
+    ON_EVERY_FAULT_BACKEND,
     FaultyProxy,
     Fleet,
     check_job,
@@ -130,6 +131,7 @@ async def _kill9_scenario(client, fsync_redis, tiny_model_path, tmp_path):
         fleet.stop_all()
 
 
+@ON_EVERY_FAULT_BACKEND
 async def test_kill9_mid_generation_resumes_on_other_worker(fclient, fsync_redis, tiny_model_path, tmp_path):
     """The worker running a 4000-token job is SIGKILLed once 300+ tokens are streamed; the other
     one, already running, resumes it within the 30 s bound (in ~3 s: the lock TTL) as attempt 2, and
@@ -271,6 +273,7 @@ async def test_sigterm_drain_waits_for_the_result_write(fclient, fsync_redis, ti
 
 
 # ---------------------------------------------------------------------- stall
+@ON_EVERY_FAULT_BACKEND
 async def test_worker_stalled_longer_than_lock_does_not_run_job_twice(fclient, fsync_redis, tiny_model_path,
                                                                      tmp_path):
     """A worker frozen (SIGSTOP: a VM pause, a swap storm) for longer than the 3 s lock loses its job

@@ -23,6 +23,7 @@ import pytest
 
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobResult, JobStatus, StreamEntry
+from slotq.jobs.redis_cluster import LocalValkeyCluster
 from slotq.jobs.redis_server import EmbeddedRedis
 from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env, raw_entries, settings_for, wait_for_workers
 
@@ -42,8 +43,24 @@ LOCK_TTL_S = 3          # the smallest allowed: a killed worker's jobs are free 
 
 
 @pytest.fixture
-def fsync_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    """A Valkey server of this test's own, every write fsynced before it is acknowledged."""
+def fault_backend() -> str:
+    """What ``fsync_redis`` is: "single" (one Valkey); a test that must hold on a cluster too is
+    marked :data:`ON_EVERY_FAULT_BACKEND`."""
+    return "single"
+
+
+ON_EVERY_FAULT_BACKEND = pytest.mark.parametrize("fault_backend", ["single", "cluster"])
+
+
+@pytest.fixture
+def fsync_redis(tmp_path: Path, fault_backend: str) -> Iterator[EmbeddedRedis | LocalValkeyCluster]:
+    """A Valkey server of this test's own, every write fsynced before it is acknowledged; with the
+    "cluster" ``fault_backend``, a 3-primary Valkey Cluster of its own (only its ``url`` is shared
+    with a server: tests that restart or proxy the server run on one Valkey)."""
+    if fault_backend == "cluster":
+        with LocalValkeyCluster(tmp_path / "cluster", primaries=3, fsync="always") as cluster:
+            yield cluster
+        return
     server = EmbeddedRedis(tmp_path / "redis", port=0, fsync="always")
     server.start()
     try:
@@ -56,7 +73,7 @@ def fsync_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture
-async def fclient(fsync_redis: EmbeddedRedis) -> AsyncIterator[SlotqClient]:
+async def fclient(fsync_redis: EmbeddedRedis | LocalValkeyCluster) -> AsyncIterator[SlotqClient]:
     c = await SlotqClient.connect(fsync_redis.url, settings_for(fsync_redis.url))
     try:
         yield c

@@ -33,9 +33,9 @@ from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.worker import SlotqWorker, engine_heartbeat_fields
 
 __all__ = [
-    "ON_EVERY_BACKEND", "SLOTQ_BIN", "WorkerProcess", "advertise", "chunks", "clean_env", "client", "collect_stream", "inject_raw_job",
-    "job_request", "jobs_in_queue", "raw_entries", "redis_backend", "redis_cluster", "redis_server", "redis_url",
-    "settings_for", "start_worker", "wait_for_workers", "worker",
+    "ON_EVERY_BACKEND", "SLOTQ_BIN", "WorkerProcess", "advertise", "chunks", "clean_env", "client", "collect_stream",
+    "inject_raw_job", "job_request", "jobs_in_queue", "raw_entries", "redis_backend", "redis_cluster", "redis_server",
+    "redis_url", "settings_for", "start_worker", "wait_for_workers", "worker",
 ]
 
 SLOTQ_BIN = Path(sys.executable).parent / "slotq"
