@@ -122,7 +122,10 @@ async def test_status_on_a_cluster_shows_each_shards_load_and_marks_the_queues(c
     primaries = [node.port for node in cluster.nodes() if node.role == "primary"]
     with RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port) for port in primaries]) as plain:
         queue_port, queue_slot = plain.get_node_from_key(queue_key).port, plain.keyslot(queue_key)
-    keys = {port: sync_redis.Redis(port=port).dbsize() for port in primaries}
+    keys = {}
+    for port in primaries:
+        with sync_redis.Redis(port=port) as node:
+            keys[port] = node.dbsize()
 
     rows = {int(match[1]): line for line in (await _status(redis_url=cluster.url)).splitlines()
             if (match := re.search(r"127\.0\.0\.1:(\d+)", line))}
