@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_async(cmd_cancel))
 
     p = command("status", "queue depth and oldest wait per lane; workers: state, busy/active/max slots, KV, "
-                          "tokens/s, drafts kept (speculative decoding), memory, degradation")
+                          "tokens/s, drafts kept (speculative decoding), memory, degradation; on a cluster, each "
+                          "shard's load")
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", action="store_true", help="a live view, refreshed in place until Ctrl-C")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")

@@ -1,10 +1,12 @@
-"""``slotq status``: the fleet as rich tables, once or refreshed in place (``--watch``)."""
+"""``slotq status``: the fleet as rich tables, once or refreshed in place (``--watch``); on a Redis
+Cluster, each shard's load too."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -13,8 +15,18 @@ from rich.text import Text
 
 from slotq.jobs.aio import wait_until_set
 from slotq.jobs.protocol.schemas import QueueInfo, WorkerInfo
+from slotq.jobs.protocol.shard_load import ShardLoad
 
 _DEGRADATION_STYLE = {"none": "green", "small_batch": "yellow", "cap_tokens": "dark_orange", "refuse": "red"}
+
+
+@dataclass(frozen=True)
+class Status:
+    """What one look shows: the queue and its workers, and on a cluster the load of each shard (none on
+    a single Redis)."""
+
+    queue: QueueInfo
+    shards: Sequence[ShardLoad] = ()
 
 
 def _age(seconds: float | None) -> str:
@@ -41,7 +53,25 @@ def _speculation(w: WorkerInfo) -> str:
     return f"{w.spec} {acceptance:.0%} ({w.spec_accepted_tokens}/{w.spec_draft_tokens})"
 
 
-def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
+def _mebibytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _shards(shards: Sequence[ShardLoad]) -> Table:
+    """One row per primary; the queue's shard, which carries its whole claim path, is marked."""
+    table = Table("primary", "replicas", "slots", "keys", "memory", "ops/s", "CPU", "clients", "queue",
+                  title="cluster shards", caption="CPU: one core's share since the last refresh (--watch)")
+    table.columns[0].no_wrap = True
+    for shard in shards:
+        table.add_row(
+            shard.node, str(shard.replicas), ", ".join(f"{first}-{last}" for first, last in shard.slots),
+            str(shard.keys), _mebibytes(shard.used_memory_bytes), str(shard.ops_per_s),
+            f"{shard.cpu_share:.0%}" if shard.cpu_share is not None else "-", str(shard.clients),
+            Text(f"◀ slot {shard.queue_slot}", style="bold") if shard.queue_slot is not None else "")
+    return table
+
+
+def render(info: QueueInfo, *, shards: Sequence[ShardLoad] = (), at: float | None = None) -> RenderableType:
     lanes = Table("lane", "queued", "oldest wait", "deferred", "running", "preempted", title=f"queue {info.queue}")
     for lane in info.lanes:
         lanes.add_row(lane.lane, str(lane.queued), _age(lane.oldest_queued_age_s), str(lane.deferred),
@@ -65,10 +95,10 @@ def render(info: QueueInfo, *, at: float | None = None) -> RenderableType:
                f"spent), {info.failed_attempts} failed (a try each)")
     if at is not None:
         summary += f"; updated {time.strftime('%H:%M:%S', time.localtime(at))}"
-    return Group(lanes, workers, Text(summary))
+    return Group(lanes, workers, Text(summary), *([_shards(shards)] if shards else []))
 
 
-async def watch(read: Callable[[], Awaitable[QueueInfo]], *, interval_s: float, console: Console | None = None,
+async def watch(read: Callable[[], Awaitable[Status]], *, interval_s: float, console: Console | None = None,
                 rounds: int | None = None, stop: asyncio.Event | None = None) -> None:
     """Redraw the view in place every ``interval_s`` until ``stop`` is set (or after ``rounds``).
 
@@ -77,11 +107,14 @@ async def watch(read: Callable[[], Awaitable[QueueInfo]], *, interval_s: float, 
     3.11), which left the view running after Ctrl-C."""
     console = console or Console()
     stop = stop or asyncio.Event()
-    with Live(render(await read(), at=time.time()), console=console, auto_refresh=False,
-              redirect_stderr=False) as live:
+    async def draw() -> RenderableType:
+        status = await read()
+        return render(status.queue, shards=status.shards, at=time.time())
+
+    with Live(await draw(), console=console, auto_refresh=False, redirect_stderr=False) as live:
         done = 1
         while rounds is None or done < rounds:
             if await wait_until_set(stop, interval_s):
                 return
-            live.update(render(await read(), at=time.time()), refresh=True)
+            live.update(await draw(), refresh=True)
             done += 1

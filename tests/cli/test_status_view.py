@@ -1,21 +1,30 @@
 """``slotq status`` and ``slotq status --watch``: the fleet view, from a live worker's heartbeat, and
-from heartbeats the worker's code builds from engine snapshots (speculative decoding's figures)."""
+from heartbeats the worker's code builds from engine snapshots (speculative decoding's figures); on a
+real 3-primary Valkey Cluster, the load of each shard, with the queue's marked."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
 import redis as sync_redis
+from redis.cluster import ClusterNode, RedisCluster
 from rich.console import Console
 
-from slotq.jobs.cli.status_view import render, watch
+from slotq.jobs.cli.status_view import Status, render, watch
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.shard_load import ShardLoadReader
+from slotq.jobs.redis_cluster import LocalValkeyCluster
 from tests.support.engine import engine_stats
-from tests.support.jobs import SLOTQ_BIN, advertise, clean_env
+from tests.support.jobs import SLOTQ_BIN, advertise, clean_env, job_request
 
 
 async def test_watch_redraws_the_fleet_in_place(start_worker: Any, client: SlotqClient) -> None:
@@ -26,7 +35,7 @@ async def test_watch_redraws_the_fleet_in_place(start_worker: Any, client: Slotq
     async def read() -> Any:
         nonlocal reads
         reads += 1
-        return await client.queue_info()
+        return Status(await client.queue_info())
 
     await watch(read, interval_s=0.05, console=console, rounds=3)
     assert reads == 3
@@ -76,3 +85,74 @@ async def test_status_shows_each_workers_draft_source_and_acceptance(client: Slo
     assert workers["drafting"] | {"spec": "ngram", "spec_draft_tokens": 40, "spec_accepted_tokens": 30,
                                   "spec_acceptance": 0.75} == workers["drafting"]
     assert workers["plain"]["spec"] == "off" and workers["plain"]["spec_acceptance"] is None
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalValkeyCluster]:
+    with LocalValkeyCluster(tmp_path / "cluster", primaries=3, replicas_per_primary=1) as cluster:
+        yield cluster
+
+
+async def _status(*args: str, redis_url: str) -> str:
+    """``slotq status ARGS``'s stdout (it must succeed, and say nothing on stderr)."""
+    proc = await asyncio.create_subprocess_exec(str(SLOTQ_BIN), "status", *args, env=clean_env(redis_url=redis_url),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    assert (proc.returncode, err) == (0, b""), err.decode(errors="replace")
+    return out.decode()
+
+
+async def test_status_on_a_cluster_shows_each_shards_load_and_marks_the_queues(cluster: LocalValkeyCluster) -> None:
+    """Through the documented CLI on a real cluster (``SLOTQ_REDIS_URL=redis+cluster://...``): a row per
+    primary, named by its port, with its replica and its keys; the shard of the queue's hash slot, the
+    one its claim path loads, is marked, and only it.
+
+    The job is claimed, not left waiting: the ages of the jobs waiting are read with a pipelined TIME,
+    which a cluster client refuses (``RedisQueue.counts``, to be made cluster-correct with that module)."""
+    client = await SlotqClient.connect(cluster.url)
+    try:
+        await client.enqueue(job_request())
+        assert len(await client.queue.claim(1, "shard-view", 60_000)) == 1
+        await advertise(client.redis, "shard-view", engine_stats())
+        queue_key = client.queue.keys.jobs
+    finally:
+        await client.close()
+    assert queue_key == "{slotq:queue}:jobs"
+    primaries = [node.port for node in cluster.nodes() if node.role == "primary"]
+    with RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port) for port in primaries]) as plain:
+        queue_port, queue_slot = plain.get_node_from_key(queue_key).port, plain.keyslot(queue_key)
+    keys = {}
+    for port in primaries:
+        with sync_redis.Redis(port=port) as node:
+            keys[port] = node.dbsize()
+
+    rows = {int(match[1]): line for line in (await _status(redis_url=cluster.url)).splitlines()
+            if (match := re.search(r"127\.0\.0\.1:(\d+)", line))}
+    assert set(rows) == set(primaries), rows
+    for port, line in rows.items():
+        assert ("◀ slot" in line) == (port == queue_port), line
+    assert f"◀ slot {queue_slot}" in rows[queue_port]
+
+    shown = json.loads(await _status("--json", redis_url=cluster.url))
+    assert shown["workers"][0]["id"] == "shard-view" and shown["running"] == 1
+    shards = {int(shard["node"].rsplit(":", 1)[1]): shard for shard in shown["shards"]}
+    assert set(shards) == set(primaries)
+    assert {port: shard["keys"] for port, shard in shards.items()} == keys
+    assert {port: shard["replicas"] for port, shard in shards.items()} == dict.fromkeys(primaries, 1)
+    assert {port: shard["queue_slot"] for port, shard in shards.items() if shard["queue_slot"] is not None} == \
+        {queue_port: queue_slot}
+    ranges = sorted((first, last) for shard in shards.values() for first, last in shard["slots"])
+    assert [first for first, _ in ranges] == [0] + [last + 1 for _, last in ranges[:-1]] and ranges[-1][1] == 16383
+
+
+async def test_each_read_of_the_shards_after_the_first_gives_their_cpu_share(cluster: LocalValkeyCluster) -> None:
+    """``slotq status --watch`` keeps one reader: a shard's CPU is what it used since the look before."""
+    client = await SlotqClient.connect(cluster.url)
+    try:
+        reader = ShardLoadReader(client.redis, client.queue.keys.jobs)
+        assert {shard.cpu_share for shard in await reader.read()} == {None}
+        shares = [shard.cpu_share for shard in await reader.read()]
+    finally:
+        await client.close()
+    assert all(share is not None and share >= 0 for share in shares), shares

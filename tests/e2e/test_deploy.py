@@ -1,7 +1,8 @@
 """The Kubernetes manifests in deploy/kubernetes agree with the code: every SLOTQ_* variable they
 set is a real setting, every probe path is served, KEDA reads the key the queue keeps its demand
-in, the worker's grace period outlasts its exit bound, and the gateway's files volume is where its
-setting points. (No cluster here: this checks what a typo would break on the first apply.)"""
+in (on a single Redis, and in deploy/kubernetes/cluster on a Redis Cluster, where the key carries the
+queue's hash tag), the worker's grace period outlasts its exit bound, and the gateway's files volume
+is where its setting points. (No cluster here: this checks what a typo would break on the first apply.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 
 from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.protocol.connection import parse_cluster_url
 from slotq.jobs.protocol.keys import QueueKeys
 from slotq.jobs.settings import ClientSettings
 from slotq.jobs.worker.health import Health, app
@@ -21,11 +23,12 @@ from slotq.jobs.worker.worker import EXIT_MARGIN_S
 from tests.support import REPO_ROOT
 
 KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"
+ON_A_CLUSTER = KUBERNETES / "cluster"       # what replaces the single Redis' Secret and ScaledObject
 
 
-def _documents() -> dict[tuple[str, str], dict[str, Any]]:
+def _documents(directory: Path = KUBERNETES) -> dict[tuple[str, str], dict[str, Any]]:
     docs = {}
-    for path in sorted(KUBERNETES.glob("*.yaml")):
+    for path in sorted(directory.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
                 docs[(doc["kind"], doc["metadata"]["name"])] = doc
@@ -39,7 +42,7 @@ def _container(doc: dict[str, Any]) -> dict[str, Any]:
 
 def test_every_slotq_variable_in_the_manifests_is_a_setting() -> None:
     known = {f"SLOTQ_{name.upper()}" for name in set(WorkerSettings.model_fields) | set(GatewaySettings.model_fields)}
-    used = {var for path in KUBERNETES.glob("*.yaml") for var in re.findall(r"\bSLOTQ_[A-Z0-9_]+", path.read_text())}
+    used = {var for path in KUBERNETES.rglob("*.yaml") for var in re.findall(r"\bSLOTQ_[A-Z0-9_]+", path.read_text())}
     assert used, "no SLOTQ_ variable found"
     assert used <= known, sorted(used - known)
 
@@ -48,17 +51,44 @@ def _config() -> dict[str, str]:
     return _documents()[("ConfigMap", "slotq-config")]["data"]
 
 
-def test_keda_scales_on_the_queues_demand_key() -> None:
-    """listName is the key QueueKeys.jobs computes for the ConfigMap's queue, which is the default
-    queue, and listLength is the slots per pod."""
-    config = _config()
-    [trigger] = _documents()[("ScaledObject", "slotq-worker")]["spec"]["triggers"]
-    assert trigger["type"] == "redis"
-    queue = config["SLOTQ_QUEUE_NAME"]
+def _demand_key(*, clustered: bool) -> str:
+    """QueueKeys.jobs of the ConfigMap's queue, which is the default queue."""
+    queue = _config()["SLOTQ_QUEUE_NAME"]
     assert queue == ClientSettings.model_fields["queue_name"].default
     lanes = tuple(ClientSettings.model_fields["lanes"].get_default(call_default_factory=True))
-    assert trigger["metadata"]["listName"] == QueueKeys(queue, lanes).jobs
-    assert trigger["metadata"]["listLength"] == config["SLOTQ_SLOTS"]
+    return QueueKeys(queue, lanes, clustered=clustered).jobs
+
+
+def test_keda_scales_on_the_queues_demand_key() -> None:
+    """listName is the key QueueKeys.jobs computes for the ConfigMap's queue, and listLength is the
+    slots per pod."""
+    [trigger] = _documents()[("ScaledObject", "slotq-worker")]["spec"]["triggers"]
+    assert trigger["type"] == "redis"
+    assert trigger["metadata"]["listName"] == _demand_key(clustered=False)
+    assert trigger["metadata"]["listLength"] == _config()["SLOTQ_SLOTS"]
+
+
+def test_keda_on_a_cluster_scales_on_the_queues_demand_key_in_its_slot() -> None:
+    """The cluster variant: KEDA's `redis-cluster` trigger reads the same demand under its cluster
+    name (`{slotq:queue}:jobs`), from the nodes SLOTQ_REDIS_URL names, with TLS as the URL says; the
+    rest of the ScaledObject is the single Redis' one, and its Secret offers the same keys."""
+    single, cluster = _documents(), _documents(ON_A_CLUSTER)
+    scaled = cluster[("ScaledObject", "slotq-worker")]
+    [trigger] = scaled["spec"]["triggers"]
+    assert trigger["type"] == "redis-cluster"
+    assert trigger["metadata"]["listName"] == _demand_key(clustered=True) == "{slotq:queue}:jobs"
+    assert trigger["metadata"]["listLength"] == _config()["SLOTQ_SLOTS"]
+    assert "databaseIndex" not in trigger["metadata"]              # a cluster has database 0 only
+    assert {k: v for k, v in scaled["spec"].items() if k != "triggers"} == \
+        {k: v for k, v in single[("ScaledObject", "slotq-worker")]["spec"].items() if k != "triggers"}
+    assert ("TriggerAuthentication", trigger["authenticationRef"]["name"]) in cluster
+
+    secret = cluster[("Secret", "slotq")]["stringData"]
+    assert set(secret) == set(single[("Secret", "slotq")]["stringData"])
+    url = parse_cluster_url(secret["SLOTQ_REDIS_URL"])
+    assert url is not None, "SLOTQ_REDIS_URL is no redis+cluster:// URL"
+    assert [f"{host}:{port}" for host, port in url.nodes] == trigger["metadata"]["addresses"].split(",")
+    assert trigger["metadata"]["enableTLS"] == str(url.tls).lower()
 
 
 def test_the_worker_grace_period_outlasts_its_exit_bound() -> None:

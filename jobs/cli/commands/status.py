@@ -1,12 +1,36 @@
-"""``slotq status``: the queue and its workers, once (a table or ``--json``) or live (``--watch``)."""
+"""``slotq status``: the queue and its workers, once (a table or ``--json``) or live (``--watch``); on a
+Redis Cluster also each shard's load (``shards`` in the JSON)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from slotq.jobs.cli.commands.common import client_settings, connected_client, print_json, stop_on_interrupt
 from slotq.jobs.cli.exit_codes import EXIT_INTERRUPTED
+
+if TYPE_CHECKING:
+    from slotq.jobs.cli.status_view import Status
+    from slotq.jobs.producer.client import SlotqClient
+
+
+def _reader(client: SlotqClient) -> Callable[[], Awaitable[Status]]:
+    """One look at the queue, and on a cluster at its shards; one reader for all looks of a ``--watch``,
+    so each shard's CPU is measured since the look before."""
+    from slotq.jobs.cli.status_view import Status
+    from slotq.jobs.protocol.connection import is_cluster
+    from slotq.jobs.protocol.shard_load import ShardLoadReader
+
+    shards = ShardLoadReader(client.redis, client.queue.keys.jobs) if is_cluster(client.redis) else None
+
+    async def read() -> Status:
+        if shards is None:
+            return Status(await client.queue_info())
+        info, loads = await asyncio.gather(client.queue_info(), shards.read())
+        return Status(info, loads)
+    return read
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
@@ -15,14 +39,16 @@ async def cmd_status(args: argparse.Namespace) -> int:
     from slotq.jobs.cli.status_view import render, watch
 
     async with connected_client(client_settings(args)) as client:
+        read = _reader(client)
         if args.watch:
             stop = asyncio.Event()
             stop_on_interrupt(stop.set)
-            await watch(client.queue_info, interval_s=args.interval, stop=stop)
+            await watch(read, interval_s=args.interval, stop=stop)
             return EXIT_INTERRUPTED
-        info = await client.queue_info()
+        status = await read()
     if args.json:
-        print_json(info.model_dump(mode="json"))
+        shards = {"shards": [s.model_dump(mode="json") for s in status.shards]} if status.shards else {}
+        print_json(status.queue.model_dump(mode="json") | shards)
         return 0
-    Console().print(render(info))
+    Console().print(render(status.queue, shards=status.shards))
     return 0

@@ -1,0 +1,97 @@
+"""The load on each shard of a Redis Cluster, as ``slotq status`` shows it.
+
+On a cluster, streaming spreads over every shard (each job's stream hashes by its id) while a queue's
+claim path and job records stay on the one shard that serves the queue's hash slot (docs/cluster.md).
+So what an operator needs to see is each primary's share: keys, memory, commands per second, CPU,
+clients, and which shard holds the queue. One INFO and one DBSIZE per primary, sent to the primaries
+side by side; nothing scans keys.
+
+The slot ranges and the queue's shard come from the slot map the client routes by (redis-py's, read
+anew when a failover moved slots), so the shard marked as the queue's is the one its commands go to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from pydantic import BaseModel, Field
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+
+class ShardLoad(BaseModel):
+    """One primary of a cluster and what it carries now."""
+
+    node: str = Field(description="the primary's host:port")
+    slots: list[tuple[int, int]] = Field(description="the hash slot ranges it serves (first and last slot of each)")
+    replicas: int = Field(description="replicas connected to it (INFO connected_slaves)")
+    keys: int = Field(description="keys it holds (DBSIZE)")
+    used_memory_bytes: int
+    ops_per_s: int = Field(description="commands per second, as the server samples them (instantaneous_ops_per_sec)")
+    cpu_share: float | None = Field(
+        description="the share of one core the server used since the previous read (1.0: a whole core); "
+                    "None on the first read of this node")
+    clients: int = Field(description="connected clients")
+    queue_slot: int | None = Field(
+        description="the hash slot of the queue's keys, on the shard that serves it (its claim path and job "
+                    "records); None on the other shards")
+
+
+class ShardLoadReader:
+    """Reads the load of every primary of a cluster. It remembers each node's CPU time, so each read
+    after the first gives the share of a core used in between (``slotq status --watch``)."""
+
+    def __init__(self, redis: Redis, queue_key: str) -> None:
+        """``redis``: a cluster client (:func:`slotq.jobs.protocol.connection.is_cluster`); ``queue_key``:
+        any key of the queue (they share one slot)."""
+        self._cluster = cast(RedisCluster, redis)
+        self._queue_key = queue_key
+        self._cpu_seen: dict[str, tuple[float, int]] = {}       # node -> (CPU seconds, server time in us)
+
+    async def read(self) -> list[ShardLoad]:
+        """Every primary that serves slots, in slot order."""
+        await self._cluster.initialize()            # reads the slot map again if a failed command dropped it
+        primaries, ranges = _slot_ranges(self._cluster.nodes_manager.slots_cache)
+        queue_node = self._cluster.get_node_from_key(self._queue_key)
+        queue_slot = self._cluster.keyslot(self._queue_key)
+        figures = await asyncio.gather(*(self._figures(node) for node in primaries))
+        return [ShardLoad(node=node.name, slots=ranges[node.name], replicas=int(info.get("connected_slaves", 0)),
+                          keys=keys, used_memory_bytes=int(info["used_memory"]),
+                          ops_per_s=int(info["instantaneous_ops_per_sec"]), cpu_share=self._cpu_share(node.name, info),
+                          clients=int(info["connected_clients"]),
+                          queue_slot=queue_slot if queue_node is not None and node.name == queue_node.name else None)
+                for node, (info, keys) in zip(primaries, figures, strict=True)]
+
+    async def _figures(self, node: ClusterNode) -> tuple[dict[str, Any], int]:
+        info, keys = await asyncio.gather(self._cluster.info(target_nodes=node),
+                                          self._cluster.dbsize(target_nodes=node))
+        return info, int(keys)
+
+    def _cpu_share(self, node: str, info: dict[str, Any]) -> float | None:
+        """CPU seconds (system and user, the server's own count) over the server's time since this node's
+        last read; None on its first read, or when its count went back (the node restarted)."""
+        cpu_s = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        at_us = int(info["server_time_usec"])
+        seen = self._cpu_seen.get(node)
+        self._cpu_seen[node] = (cpu_s, at_us)
+        if seen is None or cpu_s < seen[0] or at_us <= seen[1]:
+            return None
+        return (cpu_s - seen[0]) / ((at_us - seen[1]) / 1e6)
+
+
+def _slot_ranges(slots: dict[int, list[ClusterNode]]) -> tuple[list[ClusterNode], dict[str, list[tuple[int, int]]]]:
+    """The primaries of a slot map of slot -> [primary, replicas...], in the order of their first slot, and
+    each one's runs of consecutive slots, by node name."""
+    primaries: list[ClusterNode] = []
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for slot in sorted(slots):
+        primary = slots[slot][0]
+        if primary.name not in ranges:
+            primaries.append(primary)
+        runs = ranges.setdefault(primary.name, [])
+        if runs and runs[-1][1] == slot - 1:
+            runs[-1] = (runs[-1][0], slot)
+        else:
+            runs.append((slot, slot))
+    return primaries, ranges
