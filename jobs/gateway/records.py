@@ -14,33 +14,42 @@
 ``slotq:gateway:batch-lease:{id}``STRING  the token of the gateway driving the batch, with a TTL
 ================================  ======  ===========================================================
 
+**On a Redis Cluster** a script's keys must share a slot. A file's record, its tenant's index and
+bytes and the expiry index are written by one script (the tenant's caps are checked in the step
+that adds the file, and only the call that deletes a record takes its bytes off), and a batch is
+listed in the same step that creates it; so every file key shares the hash tag
+``{slotq:gateway:files}`` and every batch key but the lease shares ``{slotq:gateway:batches}``
+(:class:`FileKeys`, :class:`BatchKeys`): ``{slotq:gateway:files}:file:<id>``, ``...:index[:<t>]``,
+``...:bytes:<t>``, ``...:expiry``; ``{slotq:gateway:batches}:batch:<id>``, ``...:index[:<t>]``,
+``...:active``. Two slots hold them: files and batches are few, and each request touches a handful of
+keys. The job records, the models seen and the batch leases are one key per command and keep their
+names. On a single Redis every name is the one in the table.
+
 Why here and not in :mod:`slotq.jobs.protocol`: the protocol is the contract between processes
 that read what another kind of process wrote (producers, workers, the CLI, the gateway as a
 producer). These records are written and read by gateway replicas only, and their shapes follow
 the OpenAI API the gateway serves; keeping them in one gateway module puts every gateway key in
 one place without making every producer and worker carry them. The objects' fields are the
 business of the modules that own them (:mod:`~slotq.jobs.gateway.files`,
-:mod:`~slotq.jobs.gateway.batches`); this module stores them. Per-object keys put the id in
-braces (one Redis Cluster slot), as the protocol's keys do.
+:mod:`~slotq.jobs.gateway.batches`); this module stores them. Per-object keys that are not in a
+shared slot put the id in braces (one Redis Cluster slot), as the protocol's keys do.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
+from slotq.jobs.protocol.connection import is_cluster
 from slotq.jobs.protocol.keys import DEFAULT_TENANT
 from slotq.jobs.protocol.replies import reply
 
 MODELS_SEEN_KEY = "slotq:gateway:models"
-FILES_INDEX_KEY = "slotq:gateway:files"
-BATCHES_INDEX_KEY = "slotq:gateway:batches"
-ACTIVE_BATCHES_KEY = "slotq:gateway:batches:active"
-FILE_EXPIRY_KEY = "slotq:gateway:file-expiry"     # not under files:, where tenants' indexes are
 
 
 def gateway_job_key(job_id: str) -> str:
@@ -48,30 +57,56 @@ def gateway_job_key(job_id: str) -> str:
     return f"slotq:gateway:job:{{{job_id}}}"
 
 
-def file_key(file_id: str) -> str:
-    return f"slotq:gateway:file:{{{file_id}}}"
+def _per_tenant(index: str, tenant: str) -> str:
+    """A tenant's index: the default tenant's keeps the key it had before tenants."""
+    return index if tenant == DEFAULT_TENANT else f"{index}:{tenant}"
 
 
-def files_index_key(tenant: str) -> str:
-    """The default tenant's files keep the key they had before tenants."""
-    return FILES_INDEX_KEY if tenant == DEFAULT_TENANT else f"{FILES_INDEX_KEY}:{tenant}"
+@dataclass(frozen=True)
+class FileKeys:
+    """The keys of the Batch API's files; ``clustered``: all in the slot of ``{slotq:gateway:files}``
+    (see the module)."""
+
+    clustered: bool = False
+
+    def file(self, file_id: str) -> str:
+        return f"{{slotq:gateway:files}}:file:{file_id}" if self.clustered else f"slotq:gateway:file:{{{file_id}}}"
+
+    def index(self, tenant: str) -> str:
+        return _per_tenant("{slotq:gateway:files}:index" if self.clustered else "slotq:gateway:files", tenant)
+
+    def bytes(self, tenant: str) -> str:
+        return f"{{slotq:gateway:files}}:bytes:{tenant}" if self.clustered else f"slotq:gateway:file-bytes:{tenant}"
+
+    @property
+    def expiry(self) -> str:
+        """Not under ``files:``, where the tenants' indexes are."""
+        return "{slotq:gateway:files}:expiry" if self.clustered else "slotq:gateway:file-expiry"
 
 
-def file_bytes_key(tenant: str) -> str:
-    return f"slotq:gateway:file-bytes:{tenant}"
+@dataclass(frozen=True)
+class BatchKeys:
+    """The keys of the Batch API's batches; ``clustered``: all but the leases in the slot of
+    ``{slotq:gateway:batches}`` (see the module)."""
 
+    clustered: bool = False
 
-def batch_key(batch_id: str) -> str:
-    return f"slotq:gateway:batch:{{{batch_id}}}"
+    def batch(self, batch_id: str) -> str:
+        if self.clustered:
+            return f"{{slotq:gateway:batches}}:batch:{batch_id}"
+        return f"slotq:gateway:batch:{{{batch_id}}}"
 
+    def index(self, tenant: str) -> str:
+        return _per_tenant("{slotq:gateway:batches}:index" if self.clustered else "slotq:gateway:batches", tenant)
 
-def batches_index_key(tenant: str) -> str:
-    """The default tenant's batches keep the key they had before tenants."""
-    return BATCHES_INDEX_KEY if tenant == DEFAULT_TENANT else f"{BATCHES_INDEX_KEY}:{tenant}"
+    @property
+    def active(self) -> str:
+        return "{slotq:gateway:batches}:active" if self.clustered else "slotq:gateway:batches:active"
 
-
-def batch_lease_key(batch_id: str) -> str:
-    return f"slotq:gateway:batch-lease:{{{batch_id}}}"
+    @staticmethod
+    def lease(batch_id: str) -> str:
+        """One key per command: its own slot, the same name on both."""
+        return f"slotq:gateway:batch-lease:{{{batch_id}}}"
 
 
 # ---------------------------------------------------------------------- jobs and models
@@ -164,11 +199,12 @@ class FileRecords:
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
+        self.keys = FileKeys(clustered=is_cluster(redis))
         self._add = redis.register_script(_ADD_FILE)
         self._remove = redis.register_script(_REMOVE_FILE)
 
     def _keys(self, file_id: str, tenant: str) -> list[str]:
-        return [file_key(file_id), files_index_key(tenant), file_bytes_key(tenant), FILE_EXPIRY_KEY]
+        return [self.keys.file(file_id), self.keys.index(tenant), self.keys.bytes(tenant), self.keys.expiry]
 
     async def add(self, file_id: str, tenant: str, record: str, *, created_ms: int, size: int,
                   expires_at: int | None, caps: tuple[int, int] | None) -> None:
@@ -185,38 +221,39 @@ class FileRecords:
     async def usage(self, tenant: str) -> tuple[int, int]:
         """The tenant's files and their bytes."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zcard(files_index_key(tenant))
-            pipe.get(file_bytes_key(tenant))
+            pipe.zcard(self.keys.index(tenant))
+            pipe.get(self.keys.bytes(tenant))
             count, size = await pipe.execute()
         return int(count), int(size or 0)
 
     async def get(self, file_id: str) -> bytes | None:
-        record: bytes | None = await self.redis.get(file_key(file_id))
+        record: bytes | None = await self.redis.get(self.keys.file(file_id))
         return record
 
     async def get_many(self, file_ids: Sequence[str]) -> list[bytes | None]:
-        records: list[bytes | None] = await self.redis.mget([file_key(file_id) for file_id in file_ids])
+        """One MGET (on a cluster too: the records share a slot)."""
+        records: list[bytes | None] = await self.redis.mget([self.keys.file(file_id) for file_id in file_ids])
         return records
 
     async def rank(self, tenant: str, file_id: str, *, newest_first: bool) -> int | None:
         """The file's place in the tenant's index; None when it is not there."""
-        index = files_index_key(tenant)
+        index = self.keys.index(tenant)
         place: int | None = await (self.redis.zrevrank if newest_first else self.redis.zrank)(index, file_id)
         return place
 
     async def page(self, tenant: str, start: int, count: int, *, newest_first: bool) -> list[str]:
         """``count`` file ids of the tenant's index from place ``start``."""
-        ids = await self.redis.zrange(files_index_key(tenant), start, start + count - 1, desc=newest_first)
+        ids = await self.redis.zrange(self.keys.index(tenant), start, start + count - 1, desc=newest_first)
         return [i.decode() for i in ids]
 
     async def expired(self, now: float, count: int) -> list[str]:
         """Up to ``count`` ids of files whose expires_at has passed, oldest first."""
-        ids = await self.redis.zrangebyscore(FILE_EXPIRY_KEY, "-inf", now, start=0, num=count)
+        ids = await self.redis.zrangebyscore(self.keys.expiry, "-inf", now, start=0, num=count)
         return [i.decode() for i in ids]
 
     async def forget_expiry(self, file_id: str) -> None:
         """For an id in the expiry index whose record is gone."""
-        await self.redis.zrem(FILE_EXPIRY_KEY, file_id)
+        await self.redis.zrem(self.keys.expiry, file_id)
 
     async def remove(self, file_id: str, tenant: str, size: int) -> bool:
         """Forget the file; False when another call did first."""
@@ -229,6 +266,17 @@ def _encode(fields: Mapping[str, Any]) -> dict[str, str]:
             for name, value in fields.items()}
 
 
+def _encoded_pairs(fields: Mapping[str, Any]) -> list[str]:
+    """``fields`` encoded as a script's trailing ARGV: field, value, ..."""
+    return [item for pair in _encode(fields).items() for item in pair]
+
+
+# KEYS: the batch, the tenant's index, the unfinished batches; ARGV: id, created (ms), then field, value, ...
+_ADD_BATCH = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1])
+"""
 # KEYS[1] the batch; ARGV[1] n, ARGV[2..n+1] the statuses (JSON) it may leave, then field, value, ...
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
@@ -260,58 +308,56 @@ class BatchRecords:
     def __init__(self, redis: Redis, *, lease_ms: int) -> None:
         self.redis = redis
         self.lease_ms = lease_ms
+        self.keys = BatchKeys(clustered=is_cluster(redis))
+        self._add = redis.register_script(_ADD_BATCH)
         self._transition = redis.register_script(_TRANSITION)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
     async def add(self, batch_id: str, tenant: str, fields: Mapping[str, Any], *, created_ms: int) -> None:
-        """A new batch, listed in its tenant's index and among the unfinished ones."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(batch_key(batch_id), mapping=_encode(fields))
-            pipe.zadd(batches_index_key(tenant), {batch_id: created_ms})
-            pipe.sadd(ACTIVE_BATCHES_KEY, batch_id)
-            await pipe.execute()
+        """A new batch, listed in its tenant's index and among the unfinished ones in the same step."""
+        await self._add(keys=[self.keys.batch(batch_id), self.keys.index(tenant), self.keys.active],
+                        args=[batch_id, created_ms, *_encoded_pairs(fields)])
 
     async def get(self, batch_id: str) -> dict[str, Any]:
         """The batch's fields, decoded; empty when there is no such batch."""
-        raw = await reply(self.redis.hgetall(batch_key(batch_id)))
+        raw = await reply(self.redis.hgetall(self.keys.batch(batch_id)))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     async def get_field(self, batch_id: str, name: str) -> Any | None:
-        raw = await cast("Awaitable[bytes | None]", self.redis.hget(batch_key(batch_id), name))   # bytes, as above
+        # bytes, as above
+        raw = await cast("Awaitable[bytes | None]", self.redis.hget(self.keys.batch(batch_id), name))
         return json.loads(raw) if raw else None
 
     async def rank(self, tenant: str, batch_id: str) -> int | None:
         """The batch's place in the tenant's index, newest first; None when it is not there."""
-        place: int | None = await self.redis.zrevrank(batches_index_key(tenant), batch_id)
+        place: int | None = await self.redis.zrevrank(self.keys.index(tenant), batch_id)
         return place
 
     async def page(self, tenant: str, start: int, stop: int) -> list[str]:
         """The batch ids at places ``start``..``stop`` (inclusive) of the tenant's index, newest first."""
-        return [i.decode() for i in await self.redis.zrange(batches_index_key(tenant), start, stop, desc=True)]
+        return [i.decode() for i in await self.redis.zrange(self.keys.index(tenant), start, stop, desc=True)]
 
     async def update(self, batch_id: str, fields: Mapping[str, Any]) -> None:
-        await reply(self.redis.hset(batch_key(batch_id), mapping=_encode(fields)))
+        await reply(self.redis.hset(self.keys.batch(batch_id), mapping=_encode(fields)))
 
     async def transition(self, batch_id: str, leaving: Iterable[str], fields: Mapping[str, Any]) -> bool:
         """Write ``fields`` if the batch's status is one of ``leaving`` (checked in the same script)."""
         statuses = [json.dumps(s) for s in leaving]
-        args: list[str | int] = [len(statuses), *statuses]
-        for name, value in _encode(fields).items():
-            args += [name, value]
-        return bool(await self._transition(keys=[batch_key(batch_id)], args=args) == 1)
+        return bool(await self._transition(keys=[self.keys.batch(batch_id)],
+                                           args=[len(statuses), *statuses, *_encoded_pairs(fields)]) == 1)
 
     async def active_ids(self) -> list[str]:
-        return sorted(i.decode() for i in await reply(self.redis.smembers(ACTIVE_BATCHES_KEY)))
+        return sorted(i.decode() for i in await reply(self.redis.smembers(self.keys.active)))
 
     async def retire(self, batch_id: str) -> None:
-        await reply(self.redis.srem(ACTIVE_BATCHES_KEY, batch_id))
+        await reply(self.redis.srem(self.keys.active, batch_id))
 
     async def acquire(self, batch_id: str, token: str) -> bool:
-        return bool(await self.redis.set(batch_lease_key(batch_id), token, px=self.lease_ms, nx=True))
+        return bool(await self.redis.set(self.keys.lease(batch_id), token, px=self.lease_ms, nx=True))
 
     async def renew(self, batch_id: str, token: str) -> bool:
-        return bool(await self._renew(keys=[batch_lease_key(batch_id)], args=[token, self.lease_ms]) == 1)
+        return bool(await self._renew(keys=[self.keys.lease(batch_id)], args=[token, self.lease_ms]) == 1)
 
     async def release(self, batch_id: str, token: str) -> None:
-        await self._release(keys=[batch_lease_key(batch_id)], args=[token])
+        await self._release(keys=[self.keys.lease(batch_id)], args=[token])

@@ -37,7 +37,14 @@ from slotq.jobs.protocol.arq_formats import ResultRecord
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
-from slotq.jobs.protocol.redis_queue import TOKENS_WINDOW_MS, Enqueued, RedisQueue, TenantQuotas
+from slotq.jobs.protocol.redis_queue import (
+    TOKENS_WINDOW_MS,
+    Enqueued,
+    RedisQueue,
+    ReplicasBehind,
+    TenantQuotas,
+    WaitReplicas,
+)
 from slotq.jobs.protocol.schemas import (
     AnyJobRequest,
     EmbeddingJobRequest,
@@ -218,17 +225,21 @@ class SlotqClient:
 
     async def _submit(self, request: AnyJobRequest) -> JobHandle:
         job_id = tenant_job_id(request.tenant, request.idempotency_key or uuid.uuid4().hex)
-        outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
-                                           tenant=request.tenant, max_waiting=self.settings.max_queue_length,
-                                           serializer=serialize, quotas=self._tenant_quotas(),
-                                           tokens=request.quota_tokens())
+        try:
+            outcome = await self.queue.enqueue(job_id, JOB_FUNCTION, encode_payload(request), lane=request.lane,
+                                               tenant=request.tenant, max_waiting=self.settings.max_queue_length,
+                                               serializer=serialize, quotas=self._tenant_quotas(),
+                                               tokens=request.quota_tokens(), wait_replicas=self._wait_replicas())
+        except ReplicasBehind as exc:
+            raise RedisUnavailable(
+                f"job {job_id} was enqueued, but only {exc.acknowledged} of {exc.wanted} replicas acknowledged it "
+                f"within {self.settings.redis_connect_timeout_s:g} s (SLOTQ_REDIS_WAIT_REPLICAS); a failover now "
+                "could lose it") from None
         if outcome == Enqueued.FULL:
             counts = await self.queue.counts()
             raise QueueFull(sum(c.waiting + c.deferred for c in counts), self.settings.max_queue_length)
         if outcome in _QUOTA_REFUSALS:
             raise self._quota_exceeded(outcome, request)
-        if self.settings.redis_wait_replicas:
-            await self._wait_replicas(job_id)
         return JobHandle(self, job_id, created=outcome == Enqueued.CREATED)
 
     async def _check_constraint(self, request: JobRequest) -> None:
@@ -269,15 +280,12 @@ class SlotqClient:
         return QuotaExceeded(f"tenant {tenant!r} already has {s.tenant_max_in_flight} jobs waiting or running "
                              "(SLOTQ_TENANT_MAX_IN_FLIGHT)", tenant=tenant, quota="in_flight", retry_after_s=None)
 
-    async def _wait_replicas(self, job_id: str) -> None:
-        """Redis replicates asynchronously: a failover right after an enqueue could lose the job.
-        WAIT until ``redis_wait_replicas`` replicas have it (bounded by the connect timeout)."""
+    def _wait_replicas(self) -> WaitReplicas | None:
+        """Redis replicates asynchronously: a failover right after an enqueue could lose the job. With
+        ``redis_wait_replicas``, each enqueue waits until that many replicas have it (bounded by the
+        connect timeout)."""
         want = self.settings.redis_wait_replicas
-        got = await self.queue.wait_replicas(want, int(self.settings.redis_connect_timeout_s * 1000))
-        if got < want:
-            raise RedisUnavailable(f"job {job_id} was enqueued, but only {got} of {want} replicas acknowledged it "
-                                   f"within {self.settings.redis_connect_timeout_s:g} s (SLOTQ_REDIS_WAIT_REPLICAS); "
-                                   "a failover now could lose it")
+        return WaitReplicas(want, int(self.settings.redis_connect_timeout_s * 1000)) if want else None
 
     def job(self, job_id: str) -> JobHandle:
         return JobHandle(self, job_id, created=False)

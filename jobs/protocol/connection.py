@@ -398,10 +398,10 @@ def is_cluster(redis: Redis) -> bool:
 
 
 @asynccontextmanager
-async def subscriber(redis: Redis) -> AsyncIterator[Redis]:
+async def subscriber(redis: Redis, key: str | None = None) -> AsyncIterator[Redis]:
     """A client whose ``pubsub()`` works, for the block: ``redis`` itself for a single Redis; for a cluster
-    (whose async client has no ``pubsub()``), a plain client of one of its primaries, with the cluster's
-    credentials, TLS and patience, closed at the end of the block.
+    (whose async client has no ``pubsub()``), a plain client of one of its primaries (that of ``key``'s
+    slot if given), with the cluster's credentials, TLS and patience, closed at the end of the block.
 
     One node is enough: a classic ``PUBLISH`` in a cluster reaches the subscribers on every node (the
     cluster bus carries it), whichever node it was sent to, through the cluster client or from a script.
@@ -412,7 +412,9 @@ async def subscriber(redis: Redis) -> AsyncIterator[Redis]:
         return
     cluster = cast(_Cluster, redis)
     await cluster.initialize()
-    client = await _node_client(cluster, cluster.get_default_node())   # a primary: redis-py picks the map's first
+    # a primary: the key's, else the default one (redis-py picks the first of the slot map's)
+    node = (None if key is None else cluster.get_node_from_key(key)) or cluster.get_default_node()
+    client = await _node_client(cluster, node)
     try:
         yield client
     finally:

@@ -4,7 +4,9 @@ Each record is a hash ``slotq:dlq:{job_id}`` (the original payload, the last err
 the *reason*, attempts and how many of them were interruptions, the worker deaths that ended it,
 timestamps) indexed by the sorted set ``slotq:dlq``, with the records counted per reason in
 ``slotq:dlq:reasons`` (so ``slotq status`` reads them in O(reasons)). Records do not expire: an
-operator lists, inspects, requeues or purges them (``slotq dlq ...``).
+operator lists, inspects, requeues or purges them (``slotq dlq ...``). On a Redis Cluster the three
+are named to share one slot (:class:`~slotq.jobs.protocol.keys.DeadLetterKeys`), so recording and
+removing a dead letter stay one atomic script there too.
 
 Reasons: ``killed_its_worker`` (its attempts kept dying with their worker before any progress,
 ``SLOTQ_MAX_WORKER_DEATHS``), ``tries_exhausted``, ``interruptions_exhausted``, ``poison_payload``,
@@ -21,7 +23,8 @@ from typing import Any
 from pydantic import BaseModel, Field, computed_field
 from redis.asyncio import Redis
 
-from slotq.jobs.protocol.keys import DEAD_LETTER_INDEX, DEAD_LETTER_REASONS, dead_letter_key
+from slotq.jobs.protocol.connection import is_cluster
+from slotq.jobs.protocol.keys import DeadLetterKeys
 from slotq.jobs.protocol.replies import reply
 from slotq.jobs.protocol.wire import ErrorInfo
 
@@ -69,6 +72,10 @@ class DeadLetter(BaseModel):
         return self.error.code
 
 
+def _keys(redis: Redis) -> DeadLetterKeys:
+    return DeadLetterKeys(clustered=is_cluster(redis))
+
+
 async def record(redis: Redis, job_id: str, payload: Any, error: ErrorInfo, attempts: int,
                  enqueued_at: float | None, queue: str | None = None, interruptions: int = 0,
                  worker_deaths: int = 0) -> None:
@@ -86,13 +93,14 @@ async def record(redis: Redis, job_id: str, payload: Any, error: ErrorInfo, atte
         "dead_at": now,
         "payload": json.dumps(payload if isinstance(payload, dict) else None),
     }
+    keys = _keys(redis)
     await redis.register_script(_RECORD)(
-        keys=[dead_letter_key(job_id), DEAD_LETTER_INDEX, DEAD_LETTER_REASONS],
+        keys=[keys.record(job_id), keys.index, keys.reasons],
         args=[job_id, now, error.code, *(x for item in fields.items() for x in item)])
 
 
 async def get(redis: Redis, job_id: str) -> DeadLetter | None:
-    raw = await reply(redis.hgetall(dead_letter_key(job_id)))
+    raw = await reply(redis.hgetall(_keys(redis).record(job_id)))
     if not raw:
         return None
     f = {k.decode(): v.decode() for k, v in raw.items()}
@@ -110,19 +118,20 @@ async def get(redis: Redis, job_id: str) -> DeadLetter | None:
 
 
 async def list_ids(redis: Redis, limit: int = 1000) -> list[str]:
-    return [x.decode() for x in await redis.zrange(DEAD_LETTER_INDEX, 0, limit - 1)]
+    return [x.decode() for x in await redis.zrange(_keys(redis).index, 0, limit - 1)]
 
 
 async def count(redis: Redis) -> int:
-    return int(await redis.zcard(DEAD_LETTER_INDEX))
+    return int(await redis.zcard(_keys(redis).index))
 
 
 async def by_reason(redis: Redis) -> dict[str, int]:
     """How many dead letters are kept per reason (records written before reasons were counted are not)."""
-    raw = await reply(redis.hgetall(DEAD_LETTER_REASONS))
+    raw = await reply(redis.hgetall(_keys(redis).reasons))
     return {reason.decode(): int(n) for reason, n in sorted(raw.items())}
 
 
 async def remove(redis: Redis, job_id: str) -> bool:
-    return bool(await redis.register_script(_REMOVE)(keys=[dead_letter_key(job_id), DEAD_LETTER_INDEX,
-                                                             DEAD_LETTER_REASONS], args=[job_id]))
+    keys = _keys(redis)
+    return bool(await redis.register_script(_REMOVE)(keys=[keys.record(job_id), keys.index, keys.reasons],
+                                                     args=[job_id]))

@@ -10,7 +10,8 @@ keeps them in one slot):
 ``slotq:stream:{<id>}``           STREAM  the job's output entries (:mod:`slotq.jobs.protocol.streams`)
 ``slotq:fence:{<id>}``            HASH    the job's stream fence: the newest claim of the job that raised it
                                           (``seq``, ``lease``) and the last flush it let through (``flush``)
-``slotq:dlq:{<id>}``              HASH    a dead letter (:mod:`slotq.jobs.protocol.dead_letters`)
+``slotq:dlq:{<id>}``              HASH    a dead letter (:mod:`slotq.jobs.protocol.dead_letters`; on a cluster
+                                          every dead-letter key is named otherwise, see :class:`DeadLetterKeys`)
 ``slotq:dlq``                     ZSET    job id -> time it was dead-lettered
 ``slotq:dlq:reasons``             HASH    reason (the error code) -> dead letters kept with it
 ``slotq:worker:<worker id>``      HASH    a live worker's heartbeat, with a TTL (:mod:`slotq.jobs.protocol.registry`)
@@ -60,8 +61,9 @@ share one hash slot, and each job's stream and fence share another, the job's ow
   spreads over every shard, while a writer's flush and a reader's blocking XREAD still cover many
   jobs in one command per bucket. The fence is what lets a stream write be checked against the
   job's owner without the queue's slot (:mod:`slotq.jobs.protocol.scripts.stream_flush`);
-* ``arq:abort``, dead letters and the worker registry are keys of their own slots, written by one
-  command each.
+* dead letters share one slot of their own (:class:`DeadLetterKeys`), so recording and removing
+  one stays one atomic script;
+* ``arq:abort`` and the worker registry are keys of their own slots, written by one command each.
 
 docs/cluster.md writes the protocol down: which steps span two slots, in what order, and why no
 job is lost or token written twice when a process dies between them.
@@ -106,8 +108,6 @@ from slotq.jobs.protocol.arq_formats import ABORT_JOBS_SET, JOB_KEY_PREFIX, RESU
 LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)
 JOB_FUNCTION = "generate"        # the one arq function name
-DEAD_LETTER_INDEX = "slotq:dlq"
-DEAD_LETTER_REASONS = "slotq:dlq:reasons"
 WORKER_INDEX = "slotq:workers"
 
 
@@ -148,10 +148,6 @@ def fence_key(job_id: str, *, clustered: bool = False) -> str:
     return f"slotq:fence:{{{job_id}}}"
 
 
-def dead_letter_key(job_id: str) -> str:
-    return f"slotq:dlq:{{{job_id}}}"
-
-
 def worker_key(worker_id: str) -> str:
     return f"slotq:worker:{worker_id}"
 
@@ -170,6 +166,33 @@ def result_key(arq_id: str) -> str:
 
 
 ABORTS = ABORT_JOBS_SET
+
+
+@dataclass(frozen=True)
+class DeadLetterKeys:
+    """The keys of the dead letters, which belong to no queue (:mod:`slotq.jobs.protocol.dead_letters`).
+
+    On a single Redis they keep the names they always had: a record ``slotq:dlq:{<id>}``, the index
+    ``slotq:dlq`` and the count per reason ``slotq:dlq:reasons``. On a Redis Cluster (``clustered``) a
+    record, the index and the counts are written by one script, so they share the hash tag
+    ``{slotq:dlq}``: ``{slotq:dlq}:job:<id>``, ``{slotq:dlq}:index``, ``{slotq:dlq}:reasons`` (the
+    records' ``job:`` keeps a job named ``index`` or ``reasons`` apart). One slot holds them all: a
+    dead letter is rare, and an operator reads them as one list."""
+
+    clustered: bool = False
+
+    def record(self, job_id: str) -> str:
+        return f"{{slotq:dlq}}:job:{job_id}" if self.clustered else f"slotq:dlq:{{{job_id}}}"
+
+    @property
+    def index(self) -> str:
+        """Job id -> the time it was dead-lettered."""
+        return "{slotq:dlq}:index" if self.clustered else "slotq:dlq"
+
+    @property
+    def reasons(self) -> str:
+        """Reason (the error code) -> dead letters kept with it."""
+        return "{slotq:dlq}:reasons" if self.clustered else "slotq:dlq:reasons"
 
 
 @dataclass(frozen=True)

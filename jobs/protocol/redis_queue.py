@@ -31,6 +31,7 @@ from slotq.jobs.protocol.arq_formats import (
     read_result_record,
     result_record,
 )
+from slotq.jobs.protocol.connection import subscriber
 from slotq.jobs.protocol.keys import (
     ABORTS,
     DEFAULT_TENANT,
@@ -79,6 +80,26 @@ class TenantQuotas:
 
 
 NO_QUOTAS = TenantQuotas()
+
+
+@dataclass(frozen=True)
+class WaitReplicas:
+    """Wait after an enqueue until ``replicas`` replicas have it, at most ``timeout_ms``
+    (``SLOTQ_REDIS_WAIT_REPLICAS``): Redis replicates asynchronously, so a failover right after an
+    enqueue could lose the job."""
+
+    replicas: int
+    timeout_ms: int
+
+
+class ReplicasBehind(Exception):
+    """The job was enqueued (or already was), but only ``acknowledged`` of the ``wanted`` replicas
+    acknowledged it within the timeout: a failover now could lose it."""
+
+    def __init__(self, acknowledged: int, wanted: int) -> None:
+        super().__init__(f"{acknowledged} of {wanted} replicas acknowledged the enqueue")
+        self.acknowledged = acknowledged
+        self.wanted = wanted
 
 
 @dataclass(frozen=True)
@@ -206,17 +227,23 @@ class RedisQueue:
     # ------------------------------------------------------------------ producers
     async def enqueue(self, job_id: str, function: str, payload: dict[str, Any], *, lane: str,
                       tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Serializer,
-                      quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0) -> Enqueued:
+                      quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0,
+                      wait_replicas: WaitReplicas | None = None) -> Enqueued:
         """Write the job record (arq's format) and put the job in its lane at its tenant's fair
         place (round-robin across tenants, see keys.py); wake one idle worker, leave a
         preemption token when a lower lane has running jobs, and a fair-share token when the
         tenant has nothing waiting or running while its lane has running jobs. FULL when
         ``max_waiting`` jobs already wait (None: no limit); TENANT_* when the tenant's ``quotas`` refuse it, ``tokens``
-        being what the job reserves of its tenant's tokens per minute."""
+        being what the job reserves of its tenant's tokens per minute.
+
+        With ``wait_replicas``, the enqueue is followed by a WAIT in the same round trip, on the same
+        connection (WAIT counts that connection's writes; on a cluster it goes to the queue's node),
+        and a job enqueued or already there that too few replicas acknowledged raises
+        :class:`ReplicasBehind` (a refused one, which wrote nothing, does not)."""
         record = job_record(function, payload, self.wall_ms(), serializer)
         k = self.keys
         record_key, _, result = self._arq_keys(job_id)
-        code = await self._scripts.run(Enqueue(
+        call = Enqueue(
             record_key=record_key, result_key=result, jobs=k.jobs, wake=k.wake,
             tags=k.tags(lane), tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
             tenant_tokens=k.tenant_tokens, waiting=k.waiting(lane), running=k.running(lane), preempt=k.preempt(lane),
@@ -225,8 +252,14 @@ class RedisQueue:
             job_id=job_id, record=record, record_ttl_ms=RECORD_TTL_MS, lane=lane, max_waiting=max_waiting,
             wake_cap=WAKE_CAP, tenant=tenant, tenant_max_waiting=quotas.max_waiting,
             tenant_max_in_flight=quotas.max_in_flight, tenant_tokens_per_min=quotas.tokens_per_min, tokens=tokens,
-            tokens_window_ms=TOKENS_WINDOW_MS))
-        return Enqueued(int(code))
+            tokens_window_ms=TOKENS_WINDOW_MS)
+        if wait_replicas is None:
+            return Enqueued(int(await self._scripts.run(call)))
+        code, acknowledged = await self._scripts.run_and_wait(call, wait_replicas.replicas, wait_replicas.timeout_ms)
+        outcome = Enqueued(int(code))
+        if outcome in (Enqueued.CREATED, Enqueued.EXISTS) and acknowledged < wait_replicas.replicas:
+            raise ReplicasBehind(acknowledged, wait_replicas.replicas)
+        return outcome
 
     def _queued_keys(self) -> list[str]:
         """The waiting and deferred set of every lane: the jobs the queue's limit counts, and those a cancel
@@ -243,8 +276,17 @@ class RedisQueue:
 
     async def follow_aborts(self, token: str, on_abort: Callable[[], Awaitable[None]]) -> None:
         """Await ``on_abort()`` for each cancel of a running job of the worker ``token`` (CANCEL
-        publishes on that worker's channel); runs until cancelled."""
-        async with self.redis.pubsub() as pubsub:
+        publishes on that worker's channel); runs until cancelled, or until the subscription's
+        connection fails for good (its client's retries spent): then it raises, and the worker's
+        supervisor starts it again (:meth:`slotq.jobs.worker.worker.SlotqWorker._cancel_listener`).
+
+        On a cluster the subscription is a plain client of the node that holds the queue's keys
+        (:func:`~slotq.jobs.protocol.connection.subscriber`): CANCEL publishes there, and should that
+        node die, the worker's claims and renewals fail on it too, which refreshes the cluster
+        client's slot map, so the next subscription finds the primary that took its place. A
+        cancel published while no subscription listens is still noted in ``arq:abort``, which the
+        worker checks once per ``poll_delay_s``."""
+        async with subscriber(self.redis, self.keys.jobs) as client, client.pubsub() as pubsub:
             await pubsub.subscribe(self.keys.abort_channel(token))
             async for message in pubsub.listen():
                 if message.get("type") == "message":
@@ -322,10 +364,6 @@ class RedisQueue:
         await self.redis.delete(result, retry_counter)
         await self._delete_streams([job_id])
 
-    async def wait_replicas(self, replicas: int, timeout_ms: int) -> int:
-        """WAIT: how many replicas acknowledged this connection's writes within ``timeout_ms``."""
-        return int(await self.redis.wait(replicas, timeout_ms))
-
     async def in_queue(self, job_ids: Sequence[str]) -> list[bool]:
         """Whether each job is still queued, deferred or running (one HMGET)."""
         if not job_ids:
@@ -350,7 +388,8 @@ class RedisQueue:
     async def counts(self) -> list[LaneCounts]:
         """Waiting, deferred and running jobs and preemptions of each lane: O(1) per lane, two
         round trips (the second reads the ready time of each lane's next job, and Redis' clock
-        to age it with: ready times are Redis' time, whatever this host's clock says)."""
+        to age it with: ready times are Redis' time, whatever this host's clock says; on a cluster
+        the clock of the queue's node, where the scripts stamped them)."""
         k = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for lane in k.lanes:
@@ -367,7 +406,8 @@ class RedisQueue:
         if present:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hmget(k.jobs, present)
-                pipe.time()
+                # TIME by name: a cluster pipeline refuses its time() method
+                pipe.execute_command("TIME", **self._on_queue_node())
                 found, (seconds, micros) = await pipe.execute()
             entries, now_ms = dict(zip(present, found)), seconds * 1000 + micros / 1000
         out = []
@@ -379,6 +419,13 @@ class RedisQueue:
         return out
 
     # ------------------------------------------------------------------ workers
+    def _on_queue_node(self) -> dict[str, Any]:
+        """The arguments that send a keyless command to the node of the queue's keys: none on a single
+        Redis; on a cluster ``target_nodes`` (without them it would go to a default node)."""
+        if not isinstance(self.redis, RedisCluster):
+            return {}
+        return {"target_nodes": self.redis.get_node_from_key(self.keys.jobs)}
+
     async def claim(self, max_jobs: int, token: str, lease_ms: int, *,
                     owed: Mapping[str, int] | None = None) -> list[ClaimedJob]:
         """Up to ``max_jobs`` jobs: first up to ``owed[lane]`` of each lane named there (slots the

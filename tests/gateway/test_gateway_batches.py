@@ -22,7 +22,7 @@ import pytest
 import redis as sync_redis
 from openai import OpenAI
 
-from slotq.jobs.gateway.records import batch_key
+from slotq.jobs.gateway.records import BatchKeys
 from slotq.jobs.protocol.keys import QueueKeys
 from tests.support.gateway import GatewayProcess, Stack
 
@@ -239,7 +239,7 @@ def test_an_expired_batch_lists_every_unfinished_request_as_batch_expired(stack:
         first.stop()                                         # its lines in flight stay queued
     conn = sync_redis.Redis.from_url(stack.redis.url)
     try:
-        conn.hset(batch_key(batch.id), "expires_at", json.dumps(int(time.time()) - 1))
+        conn.hset(BatchKeys().batch(batch.id), "expires_at", json.dumps(int(time.time()) - 1))
         second = start_gateway(stack, "gateway-after-expiry", window=2)
         try:
             client = sdk(second.url)

@@ -18,7 +18,9 @@ from slotq.jobs.protocol.redis_queue import (
     BusyToken,
     Enqueued,
     RedisQueue,
+    ReplicasBehind,
     TenantQuotas,
+    WaitReplicas,
 )
 from slotq.jobs.protocol.serialization import serialize
 
@@ -59,6 +61,20 @@ async def test_enqueue_is_idempotent_and_bounded(queue):
     await queue.claim(1, "w1", LEASE_MS)
     assert await put(queue, "c", max_waiting=2) == Enqueued.CREATED        # running jobs do not count
     assert await put(queue, "a", max_waiting=2) == Enqueued.EXISTS         # still running: same id refused
+
+
+async def test_an_enqueue_waits_for_replicas_in_the_same_round_trip(queue):
+    """SLOTQ_REDIS_WAIT_REPLICAS on a Redis without replicas: the job is enqueued, and the WAIT sent with it
+    says none acknowledged it; a refused enqueue (nothing written) is refused, not reported behind."""
+    with pytest.raises(ReplicasBehind) as behind:
+        await queue.enqueue("a", "generate", {}, lane="bulk", max_waiting=1, serializer=serialize,
+                            wait_replicas=WaitReplicas(1, 50))
+    assert (behind.value.acknowledged, behind.value.wanted) == (0, 1)
+    assert await queue.in_queue(["a"]) == [True]
+    assert await queue.enqueue("b", "generate", {}, lane="bulk", max_waiting=1, serializer=serialize,
+                               wait_replicas=WaitReplicas(1, 50)) == Enqueued.FULL
+    assert await queue.enqueue("b", "generate", {}, lane="bulk", max_waiting=None, serializer=serialize,
+                               wait_replicas=WaitReplicas(0, 50)) == Enqueued.CREATED
 
 
 async def test_wake_tokens_never_exceed_waiting_jobs(queue, redis):

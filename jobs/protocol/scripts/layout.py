@@ -38,6 +38,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
 T = TypeVar("T")
@@ -224,6 +225,33 @@ class ScriptRunner:
     async def queue(self, call: LuaScript[Any], pipe: Pipeline) -> None:
         """Queue ``call`` on ``pipe``: its reply comes with the pipeline's."""
         await self._script(call)(keys=call.keys(), args=call.args(), client=pipe)
+
+    async def run_and_wait(self, call: LuaScript[Reply], replicas: int, timeout_ms: int) -> tuple[Reply, int]:
+        """Run ``call``, then WAIT for ``replicas`` replicas (at most ``timeout_ms``): its reply, and how many
+        replicas acknowledged it. One round trip on one connection, as WAIT counts the writes of the
+        connection it is sent on: on a single Redis a pipeline; on a cluster a cluster pipeline whose WAIT
+        goes to the node of the script's first key, so both travel on that node's connection."""
+        if not isinstance(self._redis, RedisCluster):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                await self.queue(call, pipe)
+                pipe.wait(replicas, timeout_ms)
+                reply, acknowledged = await pipe.execute()
+            return reply, int(acknowledged)
+        try:
+            return await self._evalsha_and_wait(self._redis, call, replicas, timeout_ms)
+        except NoScriptError:       # nothing ran: load it on every primary (a shard lacked it), send both again
+            await self._redis.script_load(self._script(call).script)
+            return await self._evalsha_and_wait(self._redis, call, replicas, timeout_ms)
+
+    async def _evalsha_and_wait(self, cluster: RedisCluster, call: LuaScript[Reply], replicas: int,
+                                timeout_ms: int) -> tuple[Reply, int]:
+        keys = call.keys()
+        pipe = cluster.pipeline()
+        # EVALSHA by name: a cluster pipeline refuses its evalsha() method
+        pipe.execute_command("EVALSHA", self._script(call).sha, len(keys), *keys, *call.args())
+        pipe.wait(replicas, timeout_ms, target_nodes=cluster.get_node_from_key(keys[0]))
+        reply, acknowledged = await pipe.execute()
+        return reply, int(acknowledged)
 
     async def run_all(self, calls: Sequence[LuaScript[Any]]) -> list[Any]:
         """Run ``calls`` in one round trip, in order, each atomic but not together; their replies.
