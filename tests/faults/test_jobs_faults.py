@@ -13,7 +13,15 @@ from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.keys import job_record_key
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, JobStatus
 from slotq.jobs.protocol.wire import ErrorInfo, FinishReason
-from tests.support.jobs import chunks, collect_stream, inject_raw_job, job_request, jobs_in_queue, raw_entries
+from tests.support.jobs import (
+    ON_EVERY_BACKEND,
+    chunks,
+    collect_stream,
+    inject_raw_job,
+    job_request,
+    jobs_in_queue,
+    raw_entries,
+)
 
 
 async def _first_chunk(job) -> None:
@@ -60,6 +68,7 @@ async def test_engine_error_fails_once_and_worker_keeps_serving(client, worker):
 
 
 # ---------------------------------------------------------------------- cancel
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
 async def test_cancel_running_job(client, start_worker):
     await start_worker(ctx=4096)
     job = await client.enqueue(job_request("cancel me", max_tokens=2000))
@@ -85,13 +94,14 @@ async def test_cancel_running_job(client, start_worker):
     await _assert_serves(client)
 
 
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
 async def test_cancel_queued_job_without_worker_never_starts(client, start_worker):
     job = await client.enqueue(job_request("never runs", max_tokens=8))
     assert await job.status() == JobStatus.QUEUED
     assert await job.cancel() is True
     assert await job.status() == JobStatus.CANCELLED
     assert await jobs_in_queue(client) == 0
-    assert not await client.redis.exists(job_record_key(job.id))
+    assert not await client.redis.exists(job_record_key(client.queue.keys.arq_id(job.id)))
 
     w = await start_worker()
     await _assert_serves(client)

@@ -34,8 +34,11 @@ LEASE_S = 2
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
-    with Stack.started(tmp_path_factory.mktemp("batches"), tiny_model_path) as s:
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          tiny_model_path: Path) -> Iterator[Stack]:
+    """On one Valkey; a test parametrized with ``stack`` "cluster" (indirect) gets one on a Valkey Cluster."""
+    cluster = getattr(request, "param", "single") == "cluster"
+    with Stack.started(tmp_path_factory.mktemp("batches"), tiny_model_path, cluster=cluster) as s:
         s.start_worker("batch-worker", MODEL, ctx=2048)     # room for a tool-call prompt (byte-level tokens)
         yield s
 
@@ -99,6 +102,7 @@ def starts(log: Path) -> Counter[tuple[str, int]]:
 
 
 # ---------------------------------------------------------------------- the SDK's whole flow
+@pytest.mark.parametrize("stack", ["single", "cluster"], indirect=True)
 def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayProcess, tmp_path: Path) -> None:
     client = sdk(gateway.url)
     lines: list[Any] = [batch_line(i) for i in range(1, 11)]

@@ -5,7 +5,7 @@ it wrote; on a single Redis the names stay those the gateway always used."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import cast
 
 import pytest
@@ -24,13 +24,6 @@ from slotq.jobs.gateway.records import (
     ModelsSeen,
 )
 from slotq.jobs.protocol.connection import connect, is_cluster
-from slotq.jobs.redis_cluster import LocalValkeyCluster
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalValkeyCluster]:
-    with LocalValkeyCluster(tmp_path_factory.mktemp("cluster"), primaries=3) as local:
-        yield local
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -39,7 +32,7 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
     if request.param == "single":
         client = await connect(request.getfixturevalue("redis_url"), patient=False)
     else:
-        client = await connect(request.getfixturevalue("cluster").url, patient=False)
+        client = await connect(request.getfixturevalue("redis_cluster").url, patient=False)
         await cast(RedisCluster, client).flushall(target_nodes=RedisCluster.PRIMARIES)
     yield client
     await client.aclose()

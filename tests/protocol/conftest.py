@@ -7,11 +7,14 @@ apply here too."""
 import pytest
 import redis.asyncio as aioredis
 
+from slotq.jobs.protocol.connection import connect
+
 
 @pytest.fixture
-async def redis(redis_url):
-    """A plain async connection to the test's (emptied) session Valkey, for the scripts' tests."""
-    r = aioredis.Redis.from_url(redis_url)
+async def redis(redis_url, redis_backend):
+    """A plain async connection to the test's (emptied) session Valkey, for the scripts' tests; slotq's
+    cluster client on the "cluster" ``redis_backend``."""
+    r = await connect(redis_url, patient=False) if redis_backend == "cluster" else aioredis.Redis.from_url(redis_url)
     try:
         yield r
     finally:

@@ -23,6 +23,7 @@ from slotq.jobs.protocol.redis_queue import (
     WaitReplicas,
 )
 from slotq.jobs.protocol.serialization import serialize
+from tests.support.jobs import ON_EVERY_BACKEND
 
 LEASE_MS = 60_000
 
@@ -38,6 +39,7 @@ async def put(queue: RedisQueue, job_id: str, lane: str = "interactive", max_wai
                                max_waiting=max_waiting, serializer=serialize, quotas=quotas, tokens=tokens)
 
 
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
 async def test_claim_takes_higher_lanes_first_then_oldest(queue):
     for i in range(3):
         await put(queue, f"bulk-{i}", "bulk")
@@ -277,6 +279,7 @@ async def test_claim_cost_does_not_grow_with_running_jobs(queue, redis):
 
 
 # ---------------------------------------------------------------------- fair share across tenants
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
 async def test_a_tenants_backlog_does_not_delay_another_tenants_job(queue):
     """Tenant A queues 1,000 jobs, then tenant B one and a job without a tenant (the default tenant):
     those two are the next two claimed, ahead of A's next job (they used to tie with it and lose the
@@ -318,6 +321,7 @@ async def counts_of(queue: RedisQueue, tenant: str) -> tuple[int, int]:
     return counts.waiting, counts.running
 
 
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
 async def test_a_tenants_counts_follow_its_jobs_through_every_move_and_return_to_zero(queue, redis):
     """Waiting and running per tenant move in the script that moves the job: enqueue, claim,
     preempt claim, retry later (deferred counts as waiting), hand back, reap, finish and cancel.
@@ -353,6 +357,7 @@ async def test_a_tenants_counts_follow_its_jobs_through_every_move_and_return_to
     assert await redis.hlen(queue.keys.tenant_waiting) == 0 and await redis.hlen(queue.keys.tenant_running) == 0
 
 
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
 async def test_a_tenants_quotas_refuse_its_enqueues_and_no_one_elses(queue):
     waiting = TenantQuotas(max_waiting=2)
     assert [await put(queue, f"a-{i}", tenant="A", quotas=waiting) for i in range(3)] == [
@@ -432,6 +437,7 @@ async def test_preempt_declines_when_an_idle_worker_took_the_wake_up(queue, redi
 
 
 # ---------------------------------------------------------------------- no lane starves
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
 async def test_a_claim_fills_the_slots_owed_to_a_lower_lane_first(queue):
     """CLAIM takes up to ``owed[lane]`` jobs of each lower lane before the strict order, so a worker
     owing bulk one slot gets a bulk job even while interactive jobs wait; a slot owed to a lane with

@@ -5,7 +5,6 @@ each call here passing is the check that its keys were laid out right."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
 from typing import cast
 
 import pytest
@@ -18,24 +17,14 @@ from slotq.jobs.protocol.keys import fence_key, stream_key
 from slotq.jobs.protocol.redis_queue import Enqueued, RedisQueue
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, raise_fences, read_all
-from slotq.jobs.redis_cluster import LocalValkeyCluster
 
 LANES = ("interactive", "bulk")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalValkeyCluster]:
-    with LocalValkeyCluster(tmp_path_factory.mktemp("cluster"), primaries=3) as local:
-        yield local
-
-
 @pytest.fixture
-async def redis(cluster: LocalValkeyCluster) -> AsyncIterator[Redis]:
-    client = RedisCluster(host="127.0.0.1", port=cluster.nodes()[0].port)
-    await client.initialize()
-    await client.flushall(target_nodes=RedisCluster.PRIMARIES)
-    yield cast(Redis, client)          # RedisQueue takes a RedisCluster as a Redis (see connection.py)
-    await client.aclose()
+def redis_backend() -> str:
+    """Every test here runs on the session's 3-primary cluster (the ``redis`` fixture: slotq's cluster client)."""
+    return "cluster"
 
 
 def chunk(text: str) -> dict[str, str]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from slotq.jobs.redis_cluster import LocalValkeyCluster
 from slotq.jobs.redis_server import EmbeddedRedis
 from tests.support import free_port
 from tests.support.jobs import SLOTQ_BIN, WorkerProcess, clean_env
@@ -69,9 +70,9 @@ class GatewayProcess:
 
 @dataclass
 class Stack:
-    """One Redis, workers by served model name, and gateways, all real processes."""
+    """One Redis (or one Valkey Cluster), workers by served model name, and gateways, all real processes."""
 
-    redis: EmbeddedRedis
+    redis: EmbeddedRedis | LocalValkeyCluster
     cwd: Path
     model_path: Path
     workers: dict[str, WorkerProcess] = field(default_factory=dict)
@@ -121,9 +122,11 @@ class Stack:
 
     @classmethod
     @contextlib.contextmanager
-    def started(cls, cwd: Path, model_path: Path) -> Iterator[Stack]:
-        """A stack on a Valkey of its own in ``cwd``; every process it started is stopped on exit."""
-        redis = EmbeddedRedis(cwd / "redis", port=0, fsync="no")
+    def started(cls, cwd: Path, model_path: Path, *, cluster: bool = False) -> Iterator[Stack]:
+        """A stack on a Valkey of its own in ``cwd`` (a 3-primary Valkey Cluster with ``cluster``); every
+        process it started is stopped on exit."""
+        redis: EmbeddedRedis | LocalValkeyCluster = (LocalValkeyCluster(cwd / "cluster", primaries=3) if cluster
+                                                     else EmbeddedRedis(cwd / "redis", port=0, fsync="no"))
         redis.start()
         stack = cls(redis, cwd, model_path)
         try:
