@@ -34,7 +34,7 @@ from slotq.jobs.protocol.schemas import (
 )
 from slotq.jobs.protocol.streams import encode_entry
 from slotq.jobs.protocol.wire import FinishReason, Usage
-from tests.support.faults import Fleet, check_job, worker_env
+from tests.support.faults import ON_EVERY_FAULT_BACKEND, Fleet, check_job, worker_env
 from tests.support.jobs import chunks, collect_stream, job_request, raw_entries
 
 MAX_TRIES = 2
@@ -80,6 +80,7 @@ async def _kill_scenario(client: SlotqClient, redis_url: str, model, tmp_path, *
 
 
 @pytest.mark.fault
+@ON_EVERY_FAULT_BACKEND
 async def test_a_job_killed_after_each_bit_of_progress_still_succeeds(fclient, fsync_redis, tiny_model_path, tmp_path):
     """Every attempt streams 80 new tokens, then its worker is killed with -9: three kills, one
     more than max_tries, and the job still succeeds, its stream equal to its result."""
@@ -95,6 +96,7 @@ async def test_a_job_killed_after_each_bit_of_progress_still_succeeds(fclient, f
 
 
 @pytest.mark.fault
+@ON_EVERY_FAULT_BACKEND
 async def test_a_job_that_kills_its_worker_before_its_first_token_is_dead_lettered(fclient, fsync_redis,
                                                                                   tiny_model_path, tmp_path):
     """No attempt delivers anything: each lost attempt spends a try, and the attempt after the
@@ -111,6 +113,7 @@ async def test_a_job_that_kills_its_worker_before_its_first_token_is_dead_letter
 
 
 @pytest.mark.fault
+@ON_EVERY_FAULT_BACKEND
 async def test_a_job_that_kills_its_worker_at_the_same_token_each_time_is_dead_lettered(fclient, fsync_redis,
                                                                                        tiny_model_path, tmp_path):
     """The first attempt delivers 49 tokens (an interruption: no try spent); every later one dies

@@ -5,15 +5,12 @@ primary serving its stream, resuming after the last entry it gave, with nothing 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 from typing import cast
 
-import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from slotq.jobs.producer.stream_reader import ClusterStreamReader, stream_reader
-from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import STREAM_BUCKETS, stream_bucket, stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
@@ -32,26 +29,12 @@ async def collect(reader: ClusterStreamReader, job_id: str) -> list[str]:
     return [entry.text for entry in [e async for e in reader.follow(job_id)] if entry.kind == EntryKind.CHUNK]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalValkeyCluster]:
-    with LocalValkeyCluster(tmp_path_factory.mktemp("cluster"), primaries=3, replicas_per_primary=1) as local:
-        yield local
-
-
-@pytest.fixture
-async def redis(cluster: LocalValkeyCluster) -> AsyncIterator[Redis]:
-    client = await connect(cluster.url, patient=True)
-    await cast(RedisCluster, client).flushall(target_nodes=RedisCluster.PRIMARIES)
-    yield client
-    await client.aclose()
-
-
-async def test_forty_followers_share_one_read_per_bucket(redis: Redis) -> None:
-    reader = stream_reader(redis)
+async def test_forty_followers_share_one_read_per_bucket(replicated_redis: Redis) -> None:
+    reader = stream_reader(replicated_redis)
     assert isinstance(reader, ClusterStreamReader)
     ids = [f"follow-{n}" for n in range(40)]
     followers = [asyncio.create_task(collect(reader, job_id)) for job_id in ids]
-    appender = StreamAppender(redis, maxlen=1000, ttl_s=60)
+    appender = StreamAppender(replicated_redis, maxlen=1000, ttl_s=60)
     try:
         for n in range(3):
             assert await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(f"{job_id}/{n}")])
@@ -66,12 +49,12 @@ async def test_forty_followers_share_one_read_per_bucket(redis: Redis) -> None:
         await reader.close()
 
 
-async def test_a_follower_carries_on_after_its_streams_primary_fails_over(cluster: LocalValkeyCluster,
-                                                                          redis: Redis) -> None:
+async def test_a_follower_carries_on_after_its_streams_primary_fails_over(replicated_cluster: LocalValkeyCluster,
+                                                                          replicated_redis: Redis) -> None:
     job_id = "through-the-failover"
-    reader = stream_reader(redis)
+    reader = stream_reader(replicated_redis)
     assert isinstance(reader, ClusterStreamReader)
-    appender = StreamAppender(redis, maxlen=1000, ttl_s=60)
+    appender = StreamAppender(replicated_redis, maxlen=1000, ttl_s=60)
     seen: list[str] = []
 
     async def follow() -> None:
@@ -86,9 +69,9 @@ async def test_a_follower_carries_on_after_its_streams_primary_fails_over(cluste
         async with asyncio.timeout(10):
             while len(seen) < 3:
                 await asyncio.sleep(0.02)
-        node = cast(RedisCluster, redis).get_node_from_key(stream_key(job_id, clustered=True))
-        await asyncio.to_thread(cluster.kill_primary, int(node.port))
-        await asyncio.to_thread(cluster.wait_for_failover, 30)
+        node = cast(RedisCluster, replicated_redis).get_node_from_key(stream_key(job_id, clustered=True))
+        await asyncio.to_thread(replicated_cluster.kill_primary, int(node.port))
+        await asyncio.to_thread(replicated_cluster.wait_for_failover, 30)
         for n in range(3, 6):      # the writer's patient client reaches the promoted replica
             await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(str(n))])])
         await appender.append("w:end", [JobEntries(job_id, "", TTL.FINAL, [final()])])

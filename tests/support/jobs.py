@@ -16,15 +16,17 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from slotq.engine import EngineStats
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol import registry, streams
+from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import job_record_key
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest, StreamEntry, WorkerInfo
 from slotq.jobs.redis_cluster import LocalValkeyCluster
@@ -35,7 +37,7 @@ from slotq.jobs.worker.worker import SlotqWorker, engine_heartbeat_fields
 __all__ = [
     "ON_EVERY_BACKEND", "SLOTQ_BIN", "WorkerProcess", "advertise", "chunks", "clean_env", "client", "collect_stream",
     "inject_raw_job", "job_request", "jobs_in_queue", "raw_entries", "redis_backend", "redis_cluster", "redis_server",
-    "redis_url", "settings_for", "start_worker", "wait_for_workers", "worker",
+    "redis_url", "replicated_cluster", "replicated_redis", "settings_for", "start_worker", "wait_for_workers", "worker",
 ]
 
 SLOTQ_BIN = Path(sys.executable).parent / "slotq"
@@ -71,6 +73,23 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalVal
     """A 3-primary Valkey Cluster for the session (started by the first test that asks for it)."""
     with LocalValkeyCluster(tmp_path_factory.mktemp("jobs-cluster"), primaries=3) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def replicated_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalValkeyCluster]:
+    """3 primaries with a replica each, one cluster per test module (its tests may kill primaries)."""
+    with LocalValkeyCluster(tmp_path_factory.mktemp("replicated-cluster"), primaries=3,
+                            replicas_per_primary=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+async def replicated_redis(replicated_cluster: LocalValkeyCluster) -> AsyncIterator[Redis]:
+    """slotq's patient client of the module's replicated cluster, its primaries emptied."""
+    client = await connect(replicated_cluster.url, patient=True)
+    await cast(RedisCluster, client).flushall(target_nodes=RedisCluster.PRIMARIES)
+    yield client
+    await client.aclose()
 
 
 def emptied(server: EmbeddedRedis | LocalValkeyCluster) -> str:
