@@ -31,7 +31,7 @@ from slotq.jobs.protocol.arq_formats import (
     read_result_record,
     result_record,
 )
-from slotq.jobs.protocol.connection import subscriber
+from slotq.jobs.protocol.connection import is_cluster, subscriber
 from slotq.jobs.protocol.keys import (
     ABORTS,
     DEFAULT_TENANT,
@@ -207,7 +207,7 @@ class RedisQueue:
 
     def __init__(self, redis: Redis, name: str, lanes: Sequence[str], *, clock_offset_s: float = 0.0) -> None:
         self.redis = redis
-        self.keys = QueueKeys(name, tuple(lanes), clustered=isinstance(redis, RedisCluster))
+        self.keys = QueueKeys(name, tuple(lanes), clustered=is_cluster(redis))
         self._clock_offset_ms = clock_offset_s * 1000
         self._scripts = ScriptRunner(redis)
 
