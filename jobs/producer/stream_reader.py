@@ -306,8 +306,9 @@ class ClusterStreamReader:
         given = last_id
         lost_since: float | None = None
         while True:
-            reader = await self._reader(bucket, fresh_map=lost_since is not None)
+            reader: StreamReader | None = None
             try:
+                reader = await self._reader(bucket, fresh_map=lost_since is not None)
                 async for entry in reader.follow(job_id, last_id=given, idle_ms=idle_ms, is_live=is_live):
                     given, lost_since = entry.id, None
                     yield entry
@@ -315,7 +316,8 @@ class ClusterStreamReader:
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 now = asyncio.get_running_loop().time()
                 lost_since = now if lost_since is None else lost_since
-                await self._drop(bucket, reader)
+                if reader is not None:
+                    await self._drop(bucket, reader)
                 if now - lost_since > NODE_LOST_WAIT_S:
                     raise
                 log.warning("job %s: the node of its stream failed; looking for the node that serves it now", job_id)
