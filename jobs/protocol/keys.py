@@ -10,6 +10,8 @@ keeps them in one slot):
 ``slotq:stream:{<id>}``           STREAM  the job's output entries (:mod:`slotq.jobs.protocol.streams`)
 ``slotq:fence:{<id>}``            HASH    the job's stream fence: the newest claim of the job that raised it
                                           (``seq``, ``lease``) and the last flush it let through (``flush``)
+``slotq:stream-mark:<writer>``    STRING  the last flush a stream writer applied, and its answer (on a cluster
+                                          one per stream bucket: ``slotq:stream-mark:{<bucket tag>}:<writer>``)
 ``slotq:dlq:{<id>}``              HASH    a dead letter (:mod:`slotq.jobs.protocol.dead_letters`; on a cluster
                                           every dead-letter key is named otherwise, see :class:`DeadLetterKeys`)
 ``slotq:dlq``                     ZSET    job id -> time it was dead-lettered
@@ -139,6 +141,14 @@ def stream_key(job_id: str, *, clustered: bool = False) -> str:
     if clustered:
         return f"slotq:stream:{{{STREAM_TAGS[stream_bucket(job_id)]}}}:{job_id}"
     return f"slotq:stream:{{{job_id}}}"
+
+
+def write_mark_key(writer_id: str, bucket: int | None = None) -> str:
+    """The last flush a stream writer applied, and its answer (makes a re-sent flush idempotent): one
+    per writer, and on a cluster one per stream ``bucket``, in the slot of the streams it covers."""
+    if bucket is None:
+        return f"slotq:stream-mark:{writer_id}"
+    return f"slotq:stream-mark:{{{STREAM_TAGS[bucket]}}}:{writer_id}"
 
 
 def fence_key(job_id: str, *, clustered: bool = False) -> str:

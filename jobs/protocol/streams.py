@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from slotq.jobs.protocol.connection import is_cluster
-from slotq.jobs.protocol.keys import fence_key, stream_bucket, stream_key
+from slotq.jobs.protocol.keys import fence_key, stream_bucket, stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
 from slotq.jobs.protocol.scripts.stream_flush import FencedStream, RaiseFence, StreamFlush
@@ -185,14 +185,16 @@ class StreamAppender:
     """Appends the entries of many jobs in one round trip (``STREAM_FLUSH``).
 
     A job with a lease is written only while its fence holds that lease (:func:`raise_fences`, and
-    :mod:`slotq.jobs.protocol.scripts.stream_flush` for why). Each flush has an id that the fence
-    of every job it wrote remembers, so a flush re-sent after a lost reply is never appended twice.
-    On a Redis Cluster the jobs are sent as one script per hash slot, in one pipeline. Redis errors
-    are raised: retrying is the caller's choice.
+    :mod:`slotq.jobs.protocol.scripts.stream_flush` for why). Each flush has an id; the script
+    records the last one it applied under ``writer_id`` with its answer, and answers an id it has
+    already applied from that record, so a flush re-sent after a lost reply is never appended
+    twice. On a Redis Cluster the jobs are sent as one script per stream bucket, all at once (the
+    record is then one per bucket). Redis errors are raised: retrying is the caller's choice.
     """
 
-    def __init__(self, redis: Redis, *, maxlen: int, ttl_s: int, ttl_live_s: int | None = None) -> None:
+    def __init__(self, redis: Redis, *, writer_id: str, maxlen: int, ttl_s: int, ttl_live_s: int | None = None) -> None:
         self.redis = redis
+        self.writer_id = writer_id
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.ttl_live_s = ttl_live_s or ttl_s
@@ -202,7 +204,7 @@ class StreamAppender:
         """Send one flush; per job, whether its entries were written (False: fenced off)."""
         calls = []
         clustered = is_cluster(self.redis)
-        for group in by_bucket(self.redis, jobs, lambda job: job.job_id):
+        for bucket, group in by_bucket(self.redis, jobs, lambda job: job.job_id):
             entries: list[str | int] = []
             for job in group:
                 for fields in job.entries:
@@ -210,6 +212,7 @@ class StreamAppender:
                     for name, value in fields.items():
                         entries += [name, value]
             calls.append((group, StreamFlush(
+                flush_mark=write_mark_key(self.writer_id, bucket),
                 jobs=[fenced_stream(job.job_id, clustered) for job in group], flush_id=flush_id, maxlen=self.maxlen,
                 live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s, leases=[job.lease for job in group],
                 ttls=[int(job.ttl) for job in group], entry_counts=[len(job.entries) for job in group],
@@ -225,15 +228,16 @@ def fenced_stream(job_id: str, clustered: bool) -> FencedStream:
     return FencedStream(stream_key(job_id, clustered=clustered), fence_key(job_id, clustered=clustered))
 
 
-def by_bucket(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> list[list[T]]:
-    """``items`` in groups whose job keys (stream, fence) share one hash slot, for one script each:
-    every item in one group on a single Redis, one group per stream bucket on a cluster."""
+def by_bucket(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> list[tuple[int | None, list[T]]]:
+    """``items`` in groups whose job keys (stream, fence) share one hash slot, for one script each,
+    with their stream bucket: every item in one group (bucket None) on a single Redis, one group per
+    stream bucket on a cluster."""
     if not is_cluster(redis):
-        return [list(items)] if items else []
-    groups: dict[int, list[T]] = {}
+        return [(None, list(items))] if items else []
+    groups: dict[int | None, list[T]] = {}
     for item in items:
         groups.setdefault(stream_bucket(job_id(item)), []).append(item)
-    return list(groups.values())
+    return list(groups.items())
 
 
 async def raise_fences(redis: Redis, leases: Mapping[str, str], *, ttl_s: int) -> dict[str, bool]:
@@ -244,9 +248,9 @@ async def raise_fences(redis: Redis, leases: Mapping[str, str], *, ttl_s: int) -
     groups = by_bucket(redis, list(leases), lambda job_id: job_id)
     answers = await scripts.run_all([RaiseFence(jobs=[fenced_stream(job_id, clustered) for job_id in group],
                                                 leases=[leases[job_id] for job_id in group], ttl_s=ttl_s)
-                                     for group in groups])
+                                     for _, group in groups])
     raised: dict[str, bool] = {}
-    for group, answer in zip(groups, answers):
+    for (_, group), answer in zip(groups, answers):
         text = answer.decode() if isinstance(answer, bytes) else answer
         raised.update((job_id, ok == "1") for job_id, ok in zip(group, text))
     return raised
@@ -258,7 +262,7 @@ async def end_stream(redis: Redis, job_id: str, entry: StreamEntry, *, maxlen: i
     re-sends the same flush while Redis is unreachable and returns once it is acknowledged: the job
     has left the queue, and its followers wait for this entry."""
     writer_id = uuid.uuid4().hex
-    appender = StreamAppender(redis, maxlen=maxlen, ttl_s=ttl_s)
+    appender = StreamAppender(redis, writer_id=writer_id, maxlen=maxlen, ttl_s=ttl_s)
     jobs = [JobEntries(job_id, "", TTL.FINAL, [encode_entry(entry)])]
     while True:
         try:

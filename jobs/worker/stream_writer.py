@@ -114,7 +114,8 @@ class StreamWriter:
         self.policy = FlushPolicy(max_delay_s=flush_ms / 1000)
         self.on_fenced = on_fenced
         self._writer_id = writer_id or uuid.uuid4().hex
-        self._appender = StreamAppender(redis, maxlen=maxlen, ttl_s=ttl_s, ttl_live_s=ttl_live_s)
+        self._appender = StreamAppender(redis, writer_id=self._writer_id, maxlen=maxlen, ttl_s=ttl_s,
+                                        ttl_live_s=ttl_live_s)
         self._flush_numbers = itertools.count()
         self._leases: dict[str, str] = {}              # job id -> the lease its new entries are written under
         self._pending: dict[str, _JobBatch] = {}       # not yet sent

@@ -4,4 +4,4 @@
 Fixtures from tests/conftest.py (the tiny model, a session Valkey, clients, in-process workers)
 apply here too."""
 
-from tests.support.faults import fclient, fsync_redis  # noqa: F401  (fixtures of this folder)
+from tests.support.faults import fault_backend, fclient, fsync_redis  # noqa: F401  (fixtures of this folder)

@@ -34,7 +34,7 @@ async def test_forty_followers_share_one_read_per_bucket(replicated_redis: Redis
     assert isinstance(reader, ClusterStreamReader)
     ids = [f"follow-{n}" for n in range(40)]
     followers = [asyncio.create_task(collect(reader, job_id)) for job_id in ids]
-    appender = StreamAppender(replicated_redis, maxlen=1000, ttl_s=60)
+    appender = StreamAppender(replicated_redis, writer_id="w", maxlen=1000, ttl_s=60)
     try:
         for n in range(3):
             assert await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(f"{job_id}/{n}")])
@@ -54,7 +54,7 @@ async def test_a_follower_carries_on_after_its_streams_primary_fails_over(replic
     job_id = "through-the-failover"
     reader = stream_reader(replicated_redis)
     assert isinstance(reader, ClusterStreamReader)
-    appender = StreamAppender(replicated_redis, maxlen=1000, ttl_s=60)
+    appender = StreamAppender(replicated_redis, writer_id="w", maxlen=1000, ttl_s=60)
     seen: list[str] = []
 
     async def follow() -> None:

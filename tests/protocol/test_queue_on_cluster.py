@@ -44,7 +44,7 @@ async def test_a_job_goes_the_whole_way_with_its_stream_on_its_own_shard(redis: 
     assert sorted(job.id for job in claimed) == sorted(ids)
     assert await raise_fences(redis, {job.id: job.lease for job in claimed}, ttl_s=60) == dict.fromkeys(ids, True)
 
-    appender = StreamAppender(redis, maxlen=1000, ttl_s=60)
+    appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
     flush = [JobEntries(job.id, job.lease, TTL.LIVE, [chunk(job.id)]) for job in claimed]
     assert await appender.append("w1:0", flush) == [True] * len(ids)
     assert await appender.append("w1:0", flush) == [True] * len(ids)     # re-sent: not written twice
@@ -75,7 +75,7 @@ async def test_a_newer_claim_fences_off_the_older_attempt_across_slots(redis: Re
     assert int(new.lease.split("#")[1]) > int(old.lease.split("#")[1])
     assert await raise_fences(redis, {"j": new.lease}, ttl_s=60) == {"j": True}
     assert await raise_fences(redis, {"j": old.lease}, ttl_s=60) == {"j": False}     # late: it lost the job
-    appender = StreamAppender(redis, maxlen=1000, ttl_s=60)
+    appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
     assert await appender.append("w1:1", [JobEntries("j", old.lease, TTL.KEEP, [chunk("old")])]) == [False]
     assert await appender.append("w2:0", [JobEntries("j", new.lease, TTL.LIVE, [chunk("new")])]) == [True]
     assert [e.text for e in await read_all(redis, "j")] == ["new"]

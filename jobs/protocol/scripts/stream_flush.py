@@ -4,9 +4,10 @@ entries (STREAM_FLUSH), both for a group of jobs whose keys share one slot (ever
 Redis; :class:`slotq.jobs.protocol.streams.StreamAppender` groups them).
 
 Why the fence is the job's own key and not the queue's ``owners`` hash: on a Redis Cluster a
-job's stream hashes by its id, so that streaming spreads over every shard, and a script can only
-check keys of its own slot. The fence (``slotq:fence:{id}``, a hash) holds the newest claim that
-raised it (``seq``, ``lease``) and the last flush it applied (``flush``):
+job's stream hashes by its stream bucket, so that streaming spreads over every shard, and a script
+can only check keys of its own slot. The fence (a hash beside the stream,
+:func:`~slotq.jobs.protocol.keys.fence_key`) holds the newest claim that raised it (``seq``,
+``lease``):
 
 * a claim raises the fence to its lease *before* its attempt reads the stream to resume, and only
   upwards (a claim's number, the end of its lease, rises with every claim of the queue:
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slotq.jobs.protocol.scripts.layout import Arg, ArgList, KeyList, LuaScript
+from slotq.jobs.protocol.scripts.layout import Arg, ArgList, Key, KeyList, LuaScript
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ for job = 1, #jobs do
     out[job] = '0'
   else
     redis.call('HSET', jobs[job].fence, 'seq', seq, 'lease', lease)
-    redis.call('HDEL', jobs[job].fence, 'flush')
     redis.call('EXPIRE', jobs[job].fence, ttl_s)
     out[job] = '1'
   end
@@ -65,49 +65,47 @@ return table.concat(out)
 class StreamFlush(LuaScript[bytes | str]):
     """STREAM_FLUSH: append each job's entries to its stream, each job fenced by its lease.
 
-    Returns one '1'/'0' per job ('0': the job's fence holds another claim, nothing written). A
-    flush already applied to a job (re-sent because its reply was lost) answers '1' again,
-    unwritten: the fence remembers the last flush it let through. Unfenced jobs (lease '': a
-    producer ending a job no worker runs) are always written."""
+    Returns one '1'/'0' per job ('0': the job's fence holds another claim, nothing written). A flush
+    id already applied (re-sent because its reply was lost) gets its first answer again, unwritten:
+    the writer's mark, beside the streams, keeps the last one. Unfenced jobs (lease '': a producer
+    ending a job no worker runs) are always written. A flush costs 2 commands, one HGET per fenced
+    job and one XADD per entry."""
 
+    flush_mark: Key                # the writer's last flush id and its answer (in the streams' slot)
     jobs: KeyList[FencedStream]
     flush_id: Arg[str]
     maxlen: Arg[int]               # each stream's approximate length at most (XADD MAXLEN ~)
     live_ttl_s: Arg[int]
-    final_ttl_s: Arg[int]
+    final_ttl_s: Arg[int]          # also how long the flush mark is kept
     leases: ArgList[str]           # per job, in the order of ``jobs`` ('' = not fenced)
     ttls: ArgList[int]             # 0 keep the stream's TTL, 1 live, 2 final
     entry_counts: ArgList[int]
     entries: ArgList[str | int]    # per entry, job after job: n (2 x its fields), then field, value, ...
 
     BODY = """
+local mark = redis.call('GET', flush_mark)
+local prefix = flush_id .. '|'
+if mark and string.sub(mark, 1, #prefix) == prefix then return string.sub(mark, #prefix + 1) end
 local out, at = {}, 1
 for job = 1, #jobs do
-  local ok, applied = true, false
-  local fence = jobs[job].fence
-  local held = redis.call('HMGET', fence, 'lease', 'flush')
-  if leases[job] ~= '' then ok = held[1] == leases[job] end
-  applied = held[2] == flush_id
+  local ok = leases[job] == '' or redis.call('HGET', jobs[job].fence, 'lease') == leases[job]
   for _ = 1, entry_counts[job] do
     local n = tonumber(entries[at])
-    if ok and not applied then
+    if ok then
       local cmd = {'XADD', jobs[job].stream, 'MAXLEN', '~', maxlen, '*'}
       for f = 1, n do cmd[#cmd + 1] = entries[at + f] end
       redis.call(unpack(cmd))
     end
     at = at + n + 1
   end
-  if ok and not applied then
-    redis.call('HSET', fence, 'flush', flush_id)
-    local ttl = (ttls[job] == 1 and live_ttl_s) or (ttls[job] == 2 and final_ttl_s) or nil
-    if ttl then
-      redis.call('EXPIRE', jobs[job].stream, ttl)
-      redis.call('EXPIRE', fence, ttl)
-    elseif leases[job] == '' and redis.call('TTL', fence) < 0 then
-      redis.call('EXPIRE', fence, final_ttl_s)
-    end
+  local ttl = (ttls[job] == 1 and live_ttl_s) or (ttls[job] == 2 and final_ttl_s) or nil
+  if ok and ttl then
+    redis.call('EXPIRE', jobs[job].stream, ttl)
+    if leases[job] ~= '' then redis.call('EXPIRE', jobs[job].fence, ttl) end
   end
   out[job] = ok and '1' or '0'
 end
-return table.concat(out)
+local answer = table.concat(out)
+redis.call('SET', flush_mark, prefix .. answer, 'EX', final_ttl_s)
+return answer
 """
