@@ -18,6 +18,7 @@ import pytest
 from bench.fleet_bench import READ_EVERY, FleetSettings, Plan, measure_step
 from bench.fleet_host import Design
 from bench.sim_engine import SimulationParams
+from slotq.jobs.cli.main import main
 from slotq.jobs.protocol.keys import STREAM_TAGS
 
 SLOTS = 100                  # two workers of 50, one per fleet process
@@ -64,3 +65,7 @@ async def test_the_step_on_a_cluster_splits_its_valkey_cpu_over_the_primaries(tm
     assert row["stream_buckets_by_primary"].keys() == by_primary.keys()
     assert sum(row["stream_buckets_by_primary"].values()) == len(STREAM_TAGS)
 
+
+def test_the_cluster_option_is_the_fleet_benchmarks_only() -> None:
+    with pytest.raises(SystemExit, match="--cluster apply to `slotq bench fleet` only"):
+        main(["bench", "queue", "--cluster", "3"])
