@@ -24,7 +24,7 @@ from slotq.jobs.cli.watch import ChildExited
 def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, json_path: Path | None = None,
                   options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run benchmark ``which``; ``options`` are its own keyword arguments (``slotq bench spec``'s
-    ``concurrency``, ``rounds``, ``draft_model``)."""
+    ``concurrency``, ``rounds``, ``draft_model``; ``slotq bench fleet``'s ``cluster``)."""
     from bench import (
         bulk_bench,
         constraints_bench,

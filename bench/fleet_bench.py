@@ -21,6 +21,13 @@ Per fleet size and design, a short search starts at 0.05 enqueues/s per slot (50
 slots) and goes up (or down, if that fails) until pickup p99 crosses 100 ms.
 Each step runs under :func:`slotq.jobs.cli.watch.run_watched`: a fleet process that dies stops the
 benchmark with its exit code and log tail.
+
+``slotq bench fleet --cluster 1,3,6`` (:func:`run_cluster`) measures only the streaming steps
+(:data:`STREAMING`), on one Valkey and on a local Valkey Cluster of each size
+(:class:`~slotq.jobs.redis_cluster.LocalValkeyCluster`), side by side. On a machine with fewer
+cores than shards, the shards share the cores, so a cluster's capacity is read from CPU
+accounting rather than from wall-clock saturation: each primary's ``INFO cpu``, and the load at
+which the hottest primary would fill its own core.
 """
 
 from __future__ import annotations
@@ -34,10 +41,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from bench import fleet_counters
 from bench.arq_baseline import BaselineClient
@@ -47,8 +55,11 @@ from bench.report import markdown_table, percentile, progress, write_results
 from bench.sim_engine import SimulationParams
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.producer.stream_reader import StreamReader
+from slotq.jobs.producer.stream_reader import ClusterStreamReader, StreamReader, stream_reader
+from slotq.jobs.protocol.connection import connect, is_cluster
+from slotq.jobs.protocol.keys import STREAM_TAGS, QueueKeys
 from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.redis_cluster import LocalValkeyCluster
 from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.settings import ClientSettings
 
@@ -97,6 +108,10 @@ STREAMING = [FleetSettings(sim=SimulationParams(tokens_per_s=50, step_s=0.02), s
 STREAMING_SLOTS = 100
 STREAMING_RATE = 12.5
 GPU_WORKER_SLOTS = 64
+# ``--cluster``: the issue's target, a streaming capacity of this many times one Valkey's at this many
+# primaries (each step's pickup p99 under PICKUP_P99_LIMIT_MS)
+CLUSTER_TARGET_RATIO = 2.5
+CLUSTER_TARGET_PRIMARIES = 3
 
 # More jobs running than arq's old queue_read_limit (1000) at a lower rate: 10,000 slots, 100
 # enqueues/s of 12-s jobs (about 1,200 running), the simulated engine stepping every 3 s so that a job
@@ -111,6 +126,7 @@ FULL = Plan(sizes=(100, 1_000, 10_000), warmup_s=6, window_s=10, min_jobs=150, m
 QUICK = Plan(sizes=(100, 1_000), warmup_s=5, window_s=4, min_jobs=0, max_window_s=4, tail_s=1, up=(2,), down=(0.5,))
 DESIGNS: tuple[Design, ...] = ("slotq", "baseline")
 DESIGN_LABEL = {"slotq": "slotq (claim script)", "baseline": "arq poll (before)"}
+AnyStreamReader = StreamReader | ClusterStreamReader         # stream_reader()'s: one Valkey's, a cluster's
 
 
 @dataclass
@@ -128,7 +144,7 @@ class Followers:
     ended: int = 0
     errors: list[BaseException] = field(default_factory=list)
 
-    def start(self, reader: StreamReader, job_id: str) -> None:
+    def start(self, reader: AnyStreamReader, job_id: str) -> None:
         task = asyncio.create_task(_follow(reader, job_id))
         self.running.add(task)
         task.add_done_callback(self._done)
@@ -143,12 +159,25 @@ class Followers:
             self.ended += 1
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a step's keys live, by primary (``host:port``): the one holding the queue's slot, so every
+    claim-path key (claims, enqueues, job records, results), and how many of the job streams'
+    buckets each holds. One Valkey holds everything."""
+
+    queue_node: str
+    stream_buckets: dict[str, int]
+
+
 # ---------------------------------------------------------------------- one step
 async def measure_step(design: Design, slots: int, rate: float, plan: Plan, settings: FleetSettings,
-                       workdir: Path) -> dict[str, Any]:
-    """A fresh Valkey and fleet, ``rate`` enqueues/s for warm-up + window + tail: one result row."""
+                       workdir: Path, primaries: int = 0) -> dict[str, Any]:
+    """A fresh Valkey and fleet, ``rate`` enqueues/s for warm-up + window + tail: one result row.
+    ``primaries``: 0 for one Valkey (the embedded server), else a local Valkey Cluster of that many
+    primaries (no replicas), each with the same persistence (append-only, fsync every second)."""
     workdir.mkdir(parents=True)
-    server = EmbeddedRedis(workdir / "valkey")
+    server = LocalValkeyCluster(workdir / "valkey", primaries=primaries) if primaries else EmbeddedRedis(
+        workdir / "valkey")
     url = server.start()
     workers = max(1, slots // SLOTS_PER_WORKER)
     hosts: list[ChildProcess] = []
@@ -169,7 +198,7 @@ async def measure_step(design: Design, slots: int, rate: float, plan: Plan, sett
         for host in hosts:
             host.stop()
         server.stop()
-    return {"design": design, "slots": slots, "workers": workers, **row}
+    return {"design": design, "slots": slots, "workers": workers, "primaries": primaries, **row}
 
 
 async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan, settings: FleetSettings,
@@ -177,9 +206,11 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
     client_settings = ClientSettings(redis_url=url, queue_name=QUEUE, max_queue_length=1_000_000)
     client_cls = BaselineClient if design == "baseline" else SlotqClient
     producers = [await client_cls.connect(url, client_settings) for _ in range(PRODUCERS)]
-    stream_redis = Redis.from_url(url)
-    reader = StreamReader(stream_redis)      # every followed stream on one XREAD, as SlotqClient does
-    stats_redis = Redis.from_url(url)
+    stream_redis = await connect(url, patient=False)
+    # every followed stream on one XREAD (one per stream bucket on a cluster), as SlotqClient does
+    reader = stream_reader(stream_redis)
+    stats_redis = await connect(url, patient=False)
+    layout = await _layout(stats_redis, client_settings)
     pids = [h.proc.pid for h in hosts] + [os.getpid()]
     jobs: dict[str, Enqueued] = {}
     followers = Followers()
@@ -208,7 +239,7 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
         for r in records:
             r.poll()
         now_ms = time.time() * 1000
-        return {**_row(rate, jobs, records, start, end, start_ms, end_ms, now_ms),
+        return {**_row(rate, jobs, records, start, end, start_ms, end_ms, now_ms), **_shards(start, end, layout),
                 "driver_loop_lag_max_ms": round(driver_lag_ms, 1),
                 "streams_followed_to_the_end": followers.ended,
                 "enqueues_unanswered_after_1s": sum(not j.task.done() and j.at_ms < now_ms - 1000
@@ -223,6 +254,25 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
         await reader.close()
         await stream_redis.aclose()
         await stats_redis.aclose()
+
+
+async def _layout(redis: Redis, settings: ClientSettings) -> Layout | None:
+    """The cluster's :class:`Layout` as its slot map says; None on one Valkey."""
+    if not is_cluster(redis):
+        return None
+    cluster = cast(RedisCluster, redis)
+    await cluster.initialize()
+
+    def primary_of(key: str) -> str:
+        node = cluster.get_node_from_key(key)
+        assert node is not None, f"no primary serves the slot of {key}"
+        return str(node.name)
+
+    buckets = {str(node.name): 0 for node in cluster.get_primaries()}
+    for tag in STREAM_TAGS:
+        buckets[primary_of(f"{{{tag}}}")] += 1
+    queue_prefix = QueueKeys(settings.queue_name, tuple(settings.lanes), clustered=True).prefix
+    return Layout(queue_node=primary_of(queue_prefix), stream_buckets=buckets)
 
 
 async def _wait_ready(client: SlotqClient, records: list[RecordReader], workers: int, timeout_s: float = 180) -> None:
@@ -246,7 +296,7 @@ async def _sleep_polling(seconds: float, records: list[RecordReader]) -> None:
             r.poll()
 
 
-async def _produce(producers: list[SlotqClient], reader: StreamReader, rate: float, settings: FleetSettings,
+async def _produce(producers: list[SlotqClient], reader: AnyStreamReader, rate: float, settings: FleetSettings,
                    jobs: dict[str, Enqueued], followers: Followers) -> None:
     """Poisson arrivals at ``rate``; each enqueue is its own task, so a slow reply never slows the rate."""
     rng = random.Random(13)
@@ -264,7 +314,7 @@ async def _produce(producers: list[SlotqClient], reader: StreamReader, rate: flo
         i += 1
 
 
-async def _follow(reader: StreamReader, job_id: str) -> None:
+async def _follow(reader: AnyStreamReader, job_id: str) -> None:
     """A stream reader: every entry until the final one (SlotqClient.stream's shared XREAD)."""
     async for _entry in reader.follow(job_id, idle_ms=5000):
         pass
@@ -307,6 +357,19 @@ def _row(rate: float, jobs: dict[str, Enqueued], records: list[RecordReader], st
         "fleet_loop_lag_max_ms": round(max((s.lag_max_ms for r in records for s in r.samples
                                             if start_ms / 1000 <= s.at <= end_ms / 1000), default=0.0), 1),
         "commands_per_job_by_name": {name: round(calls / n_jobs, 2) for name, calls in top},
+    }
+
+
+def _shards(start: fleet_counters.Counters, end: fleet_counters.Counters, layout: Layout | None) -> dict[str, Any]:
+    """How the window's Valkey CPU split over the primaries, the hottest one's, and the queue's."""
+    by_node = fleet_counters.window(start, end).valkey_cores_by_node
+    queue_node = layout.queue_node if layout else next(iter(by_node))
+    return {
+        "valkey_cores_by_primary": {node: round(cores, 4) for node, cores in by_node.items()},
+        "hottest_primary_cores": round(max(by_node.values()), 4),
+        "queue_primary": queue_node,
+        "queue_primary_cores": round(by_node[queue_node], 4),
+        "stream_buckets_by_primary": layout.stream_buckets if layout else None,     # one Valkey: no buckets
     }
 
 
@@ -393,8 +456,11 @@ def ran_out(row: dict[str, Any]) -> str | None:
 
 
 # ---------------------------------------------------------------------- the run
-async def run(quick: bool, settings: FleetSettings | None = None,
-              plan: Plan | None = None) -> tuple[dict[str, Any], str]:
+async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | None = None,
+              cluster: list[int] | None = None) -> tuple[dict[str, Any], str]:
+    """The whole benchmark; with ``cluster`` (numbers of primaries), only :func:`run_cluster`'s steps."""
+    if cluster:
+        return await run_cluster(quick, cluster, plan)
     settings = settings or FleetSettings()
     plan = plan or (QUICK if quick else FULL)
     steps: list[dict[str, Any]] = []
@@ -432,12 +498,95 @@ async def run(quick: bool, settings: FleetSettings | None = None,
     return data, table
 
 
+async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = None) -> tuple[dict[str, Any], str]:
+    """``slotq bench fleet --cluster N,...``: the streaming steps on one Valkey and on a local Valkey
+    Cluster of each number of ``primaries``, side by side; per flush setting, the backends run one
+    after the other, so a change in the machine's load between them stays small."""
+    plan = plan or (QUICK if quick else FULL)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="slotq-fleet-cluster-") as tmp:
+        for stream_settings in STREAMING:
+            for n in (0, *primaries):
+                progress(f"streaming on {_backend_label(n)}: {STREAMING_SLOTS} slots, {STREAMING_RATE:g} "
+                         f"enqueues/s, {stream_settings.sim.step_s * 1000:g} ms steps, "
+                         f"{stream_settings.stream_flush_ms:g} ms flush")
+                row = await measure_step("slotq", STREAMING_SLOTS, STREAMING_RATE, plan, stream_settings,
+                                         Path(tmp) / f"streaming-{stream_settings.stream_flush_ms:g}-{n}", primaries=n)
+                row = {**row, "stream_flush_ms": stream_settings.stream_flush_ms, **_capacity(row)}
+                progress(f"  pickup p50 {row['pickup_p50_ms']} ms, p99 {row['pickup_p99_ms']} ms, Valkey "
+                         f"{row['valkey_cpu_cores']} cores, hottest primary {row['hottest_primary_cores']}, "
+                         f"capacity {row['capacity_busy_slots']:,} busy slots")
+                rows.append(row)
+    for row in rows:
+        one = next(r for r in rows if r["primaries"] == 0 and r["stream_flush_ms"] == row["stream_flush_ms"])
+        row["capacity_vs_one_valkey"] = round(row["capacity_busy_slots"] / one["capacity_busy_slots"], 2)
+    data = {"streaming_by_backend": rows, "settings": STREAMING[0].model_dump(),
+            "stream_flush_ms": [s.stream_flush_ms for s in STREAMING], "plan": plan.model_dump(),
+            "targets": _cluster_targets(rows)}
+    table = _cluster_table(rows)
+    if not quick:
+        write_results("fleet-cluster", data, table, f"slotq bench fleet --cluster {','.join(map(str, primaries))}")
+    return data, table
+
+
 # ---------------------------------------------------------------------- the report
+def _backend_label(primaries: int) -> str:
+    return "one Valkey" if primaries == 0 else f"a cluster of {primaries} primar{'y' if primaries == 1 else 'ies'}"
+
+
 def _capacity(row: dict[str, Any]) -> dict[str, Any]:
-    """Busy GPU slots (and workers of 64) one Valkey core serves at a streaming step's cost."""
+    """Busy GPU slots (and workers of 64) one Valkey core serves at a streaming step's cost, and the
+    busy slots a backend serves before its hottest primary fills its core (one Valkey: the same)."""
     slots = row["running_jobs"] / row["valkey_cpu_cores"]
     return {"busy_slots_per_valkey_core": round(slots),
-            "gpu_workers_per_valkey_core": round(slots / GPU_WORKER_SLOTS, 1)}
+            "gpu_workers_per_valkey_core": round(slots / GPU_WORKER_SLOTS, 1),
+            "capacity_busy_slots": round(row["running_jobs"] / row["hottest_primary_cores"])}
+
+
+def _cluster_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's target per flush setting, checked on this run's rows at the target's size."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        if r["primaries"] == CLUSTER_TARGET_PRIMARIES:
+            out[f"{r['stream_flush_ms']:g}_ms_flush"] = {
+                "capacity_vs_one_valkey": r["capacity_vs_one_valkey"],
+                f"at_least_{CLUSTER_TARGET_RATIO:g}x": r["capacity_vs_one_valkey"] >= CLUSTER_TARGET_RATIO,
+                "pickup_p99_under_100_ms": passes(r),
+            }
+    return out
+
+
+def _cluster_table(rows: list[dict[str, Any]]) -> str:
+    def cores_split(r: dict[str, Any]) -> str:
+        """Each primary's share of the Valkey CPU, the queue's primary first (marked q); with its stream buckets."""
+        by_node: dict[str, float] = r["valkey_cores_by_primary"]
+        buckets: dict[str, int] | None = r["stream_buckets_by_primary"]
+        order = sorted(by_node, key=lambda node: (node != r["queue_primary"], -by_node[node]))
+        return " / ".join(f"{by_node[node] / r['valkey_cpu_cores']:.0%}"
+                          + ("q" if node == r["queue_primary"] and buckets else "")
+                          + (f" ({buckets[node]})" if buckets else "") for node in order)
+
+    table = markdown_table(
+        ["stream flush ms", "Valkey", "running", "pickup p50 / p99 ms", "commands / token",
+         "Valkey cores: all / hottest primary", "CPU share per primary (stream buckets)", "queue's primary: cores",
+         "capacity: busy slots", "vs one Valkey"],
+        [[f"{r['stream_flush_ms']:g}", _backend_label(r["primaries"]).removeprefix("a "), f"{r['running_jobs']}",
+          f"{r['pickup_p50_ms']:g} / {r['pickup_p99_ms']:g}"
+          + (f" ({r['unclaimed_jobs']} unclaimed)" if r["unclaimed_jobs"] else ""),
+          f"{r['redis_commands_per_token']}", f"{r['valkey_cpu_cores']:.3f} / {r['hottest_primary_cores']:.3f}",
+          cores_split(r), f"{r['queue_primary_cores']:.3f}", f"{r['capacity_busy_slots']:,}",
+          f"{r['capacity_vs_one_valkey']:.2f}x"] for r in rows])
+    sim = STREAMING[0].sim
+    return (f"{table}\n\nStreaming at a GPU's pace on one Valkey and on local Valkey Clusters (no replicas), side by "
+            f"side: {STREAMING_SLOTS} slots, {STREAMING_RATE:g} enqueues/s of {STREAMING[0].job_tokens}-token jobs, "
+            f"the simulated engine stepping every {sim.step_s * 1000:g} ms with one token per sequence "
+            f"({sim.tokens_per_s:g} tokens/s), {SLOTS_PER_WORKER} slots per worker in {HOSTS} processes, one job in "
+            f"{READ_EVERY} followed by a stream reader; a fresh server or cluster (append-only, fsync every second) "
+            f"per step. The shards share this machine's cores, so capacity comes from CPU accounting, not from "
+            f"saturating them: capacity = running jobs / the hottest primary's Valkey cores, the busy slots at which "
+            f"that primary would fill its own core (one Valkey: busy slots per Valkey core). CPU share: each "
+            f"primary's part of the Valkey CPU, the queue's primary (q: every claim-path key, job records and results) "
+            f"first; in brackets, how many of the {len(STREAM_TAGS)} stream buckets it holds.")
 
 
 def _over_limit_table(rows: list[dict[str, Any]]) -> str:

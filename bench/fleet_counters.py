@@ -1,8 +1,9 @@
 """What the fleet benchmark reads at the start and end of each measured window: Valkey's own
 counters (``INFO commandstats``: commands run inside Lua scripts count, each under its own name;
-``INFO cpu``) and the CPU time of the benchmark's processes and of the whole machine (``/proc``),
-so a result can say whether Valkey or the simulator's Python side ran out of CPU first, and how
-late each process's event loop ran."""
+``INFO cpu``; on a cluster, of every primary: the commands summed, each primary's CPU apart) and the
+CPU time of the benchmark's processes and of the whole machine (``/proc``), so a result can say
+whether Valkey or the simulator's Python side ran out of CPU first, and how late each process's
+event loop ran."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from slotq.jobs.protocol.connection import is_cluster
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 NOT_COUNTED = {"info"}           # the benchmark's own reads of these counters
@@ -20,8 +25,8 @@ NOT_COUNTED = {"info"}           # the benchmark's own reads of these counters
 @dataclass(frozen=True)
 class Counters:
     wall: float
-    commands: dict[str, int]     # command name -> calls
-    valkey_cpu_s: float
+    commands: dict[str, int]     # command name -> calls, summed over the primaries
+    valkey_cpu_s: dict[str, float]   # "host:port" of each primary (the one server's) -> its CPU seconds
     python_cpu_s: float          # the benchmark's Python processes (driver and fleet hosts)
     machine_busy_s: float        # every process on the machine, summed over cores
 
@@ -30,7 +35,7 @@ class Counters:
 class Window:
     seconds: float
     commands: dict[str, int]
-    valkey_cores: float
+    valkey_cores_by_node: dict[str, float]
     python_cores: float
     machine_busy_cores: float
 
@@ -38,14 +43,35 @@ class Window:
     def total_commands(self) -> int:
         return sum(self.commands.values())
 
+    @property
+    def valkey_cores(self) -> float:
+        """Every primary's CPU together (the one server's on a single Valkey)."""
+        return sum(self.valkey_cores_by_node.values())
+
 
 async def read(redis: Redis, python_pids: list[int]) -> Counters:
-    stats = await redis.info("commandstats")
-    cpu = await redis.info("cpu")
-    commands = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+    """The counters now; on a cluster, each primary's (replicas serve no command of the benchmark)."""
+    stats, cpu = await _info_by_node(redis, "commandstats"), await _info_by_node(redis, "cpu")
+    commands: dict[str, int] = {}
+    for node_stats in stats.values():
+        for name, v in node_stats.items():
+            command = name.removeprefix("cmdstat_")
+            commands[command] = commands.get(command, 0) + int(v["calls"])
     return Counters(wall=time.monotonic(), commands=commands,
-                    valkey_cpu_s=float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+                    valkey_cpu_s={node: float(c["used_cpu_sys"]) + float(c["used_cpu_user"])
+                                  for node, c in cpu.items()},
                     python_cpu_s=sum(_process_cpu_s(pid) for pid in python_pids), machine_busy_s=_machine_busy_s())
+
+
+async def _info_by_node(redis: Redis, section: str) -> dict[str, dict[str, Any]]:
+    """``INFO section`` of every primary, by its ``host:port``."""
+    if is_cluster(redis):
+        # one node at a time: redis-py keys a reply by node only when it asked several (not a 1-primary cluster)
+        cluster = cast(RedisCluster, redis)
+        await cluster.initialize()
+        return {str(node.name): await cluster.info(section, target_nodes=node) for node in cluster.get_primaries()}
+    where = redis.connection_pool.connection_kwargs
+    return {f"{where.get('host', 'localhost')}:{where.get('port', 6379)}": await redis.info(section)}
 
 
 def window(start: Counters, end: Counters) -> Window:
@@ -53,7 +79,8 @@ def window(start: Counters, end: Counters) -> Window:
     commands = {name: calls - start.commands.get(name, 0) for name, calls in end.commands.items()
                 if name not in NOT_COUNTED and calls > start.commands.get(name, 0)}
     return Window(seconds=seconds, commands=commands,
-                  valkey_cores=(end.valkey_cpu_s - start.valkey_cpu_s) / seconds,
+                  valkey_cores_by_node={node: (cpu_s - start.valkey_cpu_s.get(node, 0.0)) / seconds
+                                        for node, cpu_s in end.valkey_cpu_s.items()},
                   python_cores=(end.python_cpu_s - start.python_cpu_s) / seconds,
                   machine_busy_cores=(end.machine_busy_s - start.machine_busy_s) / seconds)
 

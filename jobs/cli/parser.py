@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from slotq.jobs.cli.commands.bench import client_counts, cmd_bench
+from slotq.jobs.cli.commands.bench import client_counts, cmd_bench, primary_counts
 from slotq.jobs.cli.commands.bulk import cmd_bulk
 from slotq.jobs.cli.commands.demo import cmd_demo
 from slotq.jobs.cli.commands.dlq import cmd_dlq
@@ -156,5 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", type=Path, metavar="PATH",
                    help="spec only: a small GGUF with the bundled model's vocabulary; adds the draft-model rows "
                         "(SLOTQ_SPEC=draft, llama-server --model-draft)")
+    p.add_argument("--cluster", type=primary_counts, metavar="N,N,...",
+                   help="fleet only: instead of the whole benchmark, its streaming steps (a GPU's pace, 10 and "
+                        "100 ms flush) on one Valkey and on a local Valkey Cluster of each N primaries, side by "
+                        "side; capacity = busy slots per core of the hottest primary, and its ratio to one "
+                        "Valkey's (writes bench/results/fleet-cluster.md)")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -4,17 +4,22 @@
 The benchmark's figures are only as good as its load. Two defects went unseen because nothing ran
 it: every stream reader but the first failed at once (so the tables streamed far less than their
 captions said), and the arq baseline never entered the worker registry (so the benchmark waited
-three minutes for it and stopped). This test asserts counts only, never timings."""
+three minutes for it and stopped). ``slotq bench fleet --cluster`` runs the same step on a local
+Valkey Cluster; it is run here on the smallest cluster that has more than one primary to split
+the load over. These tests assert counts only, never timings."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.fleet_bench import READ_EVERY, FleetSettings, Plan, measure_step
 from bench.fleet_host import Design
 from bench.sim_engine import SimulationParams
+from slotq.jobs.cli.main import main
+from slotq.jobs.protocol.keys import STREAM_TAGS
 
 SLOTS = 100                  # two workers of 50, one per fleet process
 RATE = 20.0                  # enqueues/s
@@ -23,10 +28,7 @@ SETTINGS = FleetSettings(job_tokens=20, sim=SimulationParams(tokens_per_s=50, st
 PLAN = Plan(sizes=(SLOTS,), warmup_s=1, window_s=2, min_jobs=0, max_window_s=2, tail_s=1.5, up=(), down=())
 
 
-@pytest.mark.parametrize("design", ["slotq", "baseline"])
-async def test_a_small_fleet_step_claims_every_job_and_follows_one_stream_in_ten(design: Design,
-                                                                                 tmp_path: Path) -> None:
-    row = await measure_step(design, SLOTS, RATE, PLAN, SETTINGS, tmp_path / design)
+def _assert_every_job_claimed_and_streams_followed(row: dict[str, Any]) -> None:
     assert row["workers"] == 2
     assert row["jobs_measured"] > 0
     assert row["unclaimed_jobs"] == 0
@@ -34,3 +36,36 @@ async def test_a_small_fleet_step_claims_every_job_and_follows_one_stream_in_ten
     # about 5 s of enqueues at 20/s, one in READ_EVERY followed; most of them have ended
     enqueued_before_the_tail = RATE * (SETTINGS.job_seconds + 2 + PLAN.window_s)
     assert row["streams_followed_to_the_end"] >= enqueued_before_the_tail / READ_EVERY / 2
+
+
+def _fleet_errors(workdir: Path) -> list[str]:
+    """The ERROR lines the fleet processes logged: a worker's loop failing on the backend (a cluster
+    refusing a command) would change the load measured without stopping the step."""
+    return [line for log in sorted(workdir.glob("host*.log")) for line in log.read_text().splitlines()
+            if " ERROR " in line]
+
+
+@pytest.mark.parametrize("design", ["slotq", "baseline"])
+async def test_a_small_fleet_step_claims_every_job_and_follows_one_stream_in_ten(design: Design,
+                                                                                 tmp_path: Path) -> None:
+    row = await measure_step(design, SLOTS, RATE, PLAN, SETTINGS, tmp_path / design)
+    _assert_every_job_claimed_and_streams_followed(row)
+    assert list(row["valkey_cores_by_primary"]) == [row["queue_primary"]]        # one Valkey holds everything
+    assert row["hottest_primary_cores"] == row["queue_primary_cores"]
+
+
+async def test_the_step_on_a_cluster_splits_its_valkey_cpu_over_the_primaries(tmp_path: Path) -> None:
+    row = await measure_step("slotq", SLOTS, RATE, PLAN, SETTINGS, tmp_path / "cluster", primaries=2)
+    _assert_every_job_claimed_and_streams_followed(row)
+    assert _fleet_errors(tmp_path / "cluster") == []
+    by_primary = row["valkey_cores_by_primary"]
+    assert len(by_primary) == 2 and min(by_primary.values()) > 0      # streams on both, claims on one
+    assert row["queue_primary"] in by_primary
+    assert row["hottest_primary_cores"] == max(by_primary.values())
+    assert row["stream_buckets_by_primary"].keys() == by_primary.keys()
+    assert sum(row["stream_buckets_by_primary"].values()) == len(STREAM_TAGS)
+
+
+def test_the_cluster_option_is_the_fleet_benchmarks_only() -> None:
+    with pytest.raises(SystemExit, match="--cluster apply to `slotq bench fleet` only"):
+        main(["bench", "queue", "--cluster", "3"])

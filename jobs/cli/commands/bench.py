@@ -12,14 +12,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SPEC_BENCH_OPTIONS = ("concurrency", "rounds", "draft_model")
+# the options of one benchmark only, passed to its run() as keyword arguments
+BENCH_OPTIONS = {"spec": ("concurrency", "rounds", "draft_model"), "fleet": ("cluster",)}
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    options = {name: getattr(args, name) for name in SPEC_BENCH_OPTIONS if getattr(args, name) is not None}
-    if options and args.which != "spec":
-        flags = ", ".join("--" + name.replace("_", "-") for name in options)
-        raise SystemExit(f"slotq bench {args.which}: {flags} apply to `slotq bench spec` only")
+    options = {name: getattr(args, name) for names in BENCH_OPTIONS.values() for name in names
+               if getattr(args, name) is not None}
+    for which, names in BENCH_OPTIONS.items():
+        foreign = [name for name in names if name in options and args.which != which]
+        if foreign:
+            flags = ", ".join("--" + name.replace("_", "-") for name in foreign)
+            raise SystemExit(f"slotq bench {args.which}: {flags} apply to `slotq bench {which}` only")
     if args.draft_model is not None and not args.draft_model.is_file():
         raise SystemExit(f"slotq bench spec: --draft-model: no such file: {args.draft_model}")
     run_benchmark = _checkout_benchmarks()
@@ -29,12 +33,21 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def client_counts(text: str) -> list[int]:
     """``--concurrency 1,4,16``: positive client counts."""
+    return _positive_counts(text, "client counts", "1,4,16")
+
+
+def primary_counts(text: str) -> list[int]:
+    """``--cluster 1,3,6``: numbers of cluster primaries."""
+    return _positive_counts(text, "numbers of primaries", "1,3,6")
+
+
+def _positive_counts(text: str, what: str, example: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected client counts such as 1,4,16, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what} such as {example}, got {text!r}") from None
     if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"client counts must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{what} must be >= 1, got {text!r}")
     return counts
 
 
