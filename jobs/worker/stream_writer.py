@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from slotq.jobs.protocol.connection import is_cluster
+from slotq.jobs.protocol.keys import stream_bucket
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry, raise_fences
 from slotq.jobs.protocol.wire import TokenLogprob, ToolCallDelta
@@ -67,22 +70,27 @@ class _Flush:
 class FlushPolicy:
     """When the pending entries are worth a flush.
 
-    A flush costs Redis a fixed handful of commands (the script call, the fence, the flush mark)
-    plus one XADD per entry, and costs every reader of the flushed streams a read. Sent per decode
-    step, with one token per job, that is more commands than tokens. So a flush waits until its
-    tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS + entries`` -- or until
-    its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
+    A flush costs Redis a fixed handful of commands per script call (the call, the flush mark, a
+    reader's read) plus one XADD per entry; on a Redis Cluster it is one call per stream bucket it
+    touches. Sent per decode step, with one token per job, that is more commands than tokens. So a
+    flush waits until its tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS x calls
+    + entries`` -- or until its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
     flush every few tokens, many slow ones every step or two, and no text waits longer than
     ``max_delay_s``. A job's first entry, a final entry and errors go at once: time to first
     token and to the result are never delayed.
     """
 
     max_delay_s: float
-    FIXED_COMMANDS = 5      # EVALSHA, GET + SET of the flush mark, HMGET of the fences; one reader's XREAD
+    FIXED_COMMANDS = 5      # per call: EVALSHA, GET + SET of the flush mark, the fences; one reader's XREAD
 
-    def due_in(self, *, waited_s: float, tokens: int, entries: int, urgent: bool) -> float:
+    @classmethod
+    def pays(cls, *, tokens: int, entries: int, calls: int) -> bool:
+        """Whether ``tokens`` pay for a flush of ``entries`` in ``calls`` script calls."""
+        return tokens >= cls.FIXED_COMMANDS * calls + entries
+
+    def due_in(self, *, waited_s: float, tokens: int, entries: int, calls: int, urgent: bool) -> float:
         """Seconds until the pending entries should be flushed (0 = now)."""
-        if urgent or tokens >= self.FIXED_COMMANDS + entries:
+        if urgent or self.pays(tokens=tokens, entries=entries, calls=calls):
             return 0.0
         return max(0.0, self.max_delay_s - waited_s)
 
@@ -119,6 +127,8 @@ class StreamWriter:
         self._flush_numbers = itertools.count()
         self._leases: dict[str, str] = {}              # job id -> the lease its new entries are written under
         self._pending: dict[str, _JobBatch] = {}       # not yet sent
+        # on a cluster: stream bucket -> pending jobs in it (a flush is one script call per bucket)
+        self._buckets: Counter[int] | None = Counter() if is_cluster(redis) else None
         self._inflight: _Flush | None = None           # sent, not yet acknowledged
         self._started: set[str] = set()                # jobs this writer has written to (expiry set)
         self._tokens = 0                               # in _pending: chunk tokens, entries, oldest add
@@ -207,10 +217,16 @@ class StreamWriter:
         self._urgent = True                    # a final entry or an error: the reader is waiting for it
         self._added()
 
+    def _calls(self) -> int:
+        """The script calls a flush of the pending entries takes."""
+        return len(self._buckets) if self._buckets is not None else 1
+
     def _batch(self, job_id: str) -> _JobBatch:
         batch = self._pending.get(job_id)
         if batch is None:
             batch = self._pending[job_id] = _JobBatch(lease=self._leases.get(job_id, ""))
+            if self._buckets is not None:
+                self._buckets[stream_bucket(job_id)] += 1
             if job_id not in self._started:
                 self._started.add(job_id)
                 batch.ttl = TTL.LIVE
@@ -223,16 +239,24 @@ class StreamWriter:
         if self._since is None:
             self._since = time.monotonic()
             self._wake.set()
-        elif self._urgent or self._tokens >= FlushPolicy.FIXED_COMMANDS + self._entries:
+        elif self._urgent or FlushPolicy.pays(tokens=self._tokens, entries=self._entries, calls=self._calls()):
             self._wake.set()
 
     def drop(self, job_id: str) -> None:
         """Forget a job's unwritten entries (its lease was lost; a flush in flight is fenced off)."""
         batch = self._pending.pop(job_id, None)
         if batch is not None:
+            self._forget_bucket(job_id)
             self._entries -= len(batch.entries)
             self._tokens -= sum(len(e.token_ids) for e in batch.entries if isinstance(e, _Chunk))
         self._started.discard(job_id)
+
+    def _forget_bucket(self, job_id: str) -> None:
+        if self._buckets is not None:
+            bucket = stream_bucket(job_id)
+            self._buckets[bucket] -= 1
+            if not self._buckets[bucket]:
+                del self._buckets[bucket]
 
     async def write_all(self, job_id: str, *, within_s: float | None = None) -> bool:
         """Return True once every entry of ``job_id`` added so far is in Redis (or was fenced off).
@@ -272,6 +296,8 @@ class StreamWriter:
                     return True
                 self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", list(self._pending.items()))
                 self._pending = {}
+                if self._buckets is not None:
+                    self._buckets.clear()
                 self._tokens = self._entries = 0
                 self._since = None
                 self._urgent = False
@@ -310,7 +336,7 @@ class StreamWriter:
                 continue
             else:
                 delay = self.policy.due_in(waited_s=time.monotonic() - (self._since or time.monotonic()),
-                                           tokens=self._tokens, entries=self._entries,
+                                           tokens=self._tokens, entries=self._entries, calls=self._calls(),
                                            urgent=self._urgent or self._inflight is not None)
                 if delay > 0:
                     self._wake.clear()

@@ -104,3 +104,18 @@ async def test_a_queue_name_with_its_own_hash_tag_is_kept(redis: Redis) -> None:
     assert await queue.enqueue("a", "generate", {}, lane="bulk", max_waiting=None,
                                serializer=serialize) == Enqueued.CREATED
     assert [job.id for job in await queue.claim(1, "w", 30_000)] == ["a"]
+
+
+async def test_scripts_sent_together_are_loaded_where_a_node_lacks_them(redis: Redis) -> None:
+    """A flush over many buckets goes as one cluster pipeline of EVALSHAs; a node that never ran
+    the script (here: every node, after SCRIPT FLUSH; in life, a replica just promoted) answers
+    NOSCRIPT, and those calls alone run again, loading it."""
+    appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
+    ids = [f"flushed-{n}" for n in range(12)]
+    assert await appender.append("w:0", [JobEntries(job_id, "", TTL.LIVE, [chunk("a")]) for job_id in ids]) == \
+        [True] * len(ids)
+    await cast(RedisCluster, redis).execute_command("SCRIPT FLUSH", target_nodes=RedisCluster.PRIMARIES)
+    assert await appender.append("w:1", [JobEntries(job_id, "", TTL.LIVE, [chunk("b")]) for job_id in ids]) == \
+        [True] * len(ids)
+    for job_id in ids:
+        assert [e.text for e in await read_all(redis, job_id)] == ["a", "b"]      # each written once

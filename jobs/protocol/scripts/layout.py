@@ -25,7 +25,6 @@ own text), so a rolling upgrade never runs one release's arguments through anoth
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
 import types
@@ -255,14 +254,33 @@ class ScriptRunner:
 
     async def run_all(self, calls: Sequence[LuaScript[Any]]) -> list[Any]:
         """Run ``calls`` in one round trip, in order, each atomic but not together; their replies.
-        On a single Redis they go out as one pipeline; on a cluster, where each may belong to
-        another node (redis-py's cluster pipeline takes no scripts), all at once, one per node
-        connection."""
+        On a single Redis they go out as one pipeline; on a cluster as one cluster pipeline, which
+        sends each node its calls in one batch, the nodes at once (so a node reads them with one
+        system call, not one per call)."""
         if len(calls) == 1:
             return [await self.run(calls[0])]
         if isinstance(self._redis, RedisCluster):
-            return list(await asyncio.gather(*(self.run(call) for call in calls)))
+            return await self._run_all_on_cluster(self._redis, calls)
         async with self._redis.pipeline(transaction=False) as pipe:
             for call in calls:
                 await self.queue(call, pipe)
             return list(await pipe.execute())
+
+    async def _run_all_on_cluster(self, cluster: RedisCluster, calls: Sequence[LuaScript[Any]]) -> list[Any]:
+        """:meth:`run_all` on a cluster. A cluster pipeline refuses its evalsha() method, so each call
+        goes as EVALSHA by name; a call a node answers NOSCRIPT (a node that never ran the script,
+        such as a replica just promoted) runs again on its own, which loads it there. Nothing else is
+        sent twice."""
+        pipe = cluster.pipeline()
+        for call in calls:
+            keys = call.keys()
+            pipe.execute_command("EVALSHA", self._script(call).sha, len(keys), *keys, *call.args())
+        replies = await pipe.execute(raise_on_error=False)
+        out = []
+        for call, reply in zip(calls, replies):
+            if isinstance(reply, NoScriptError):
+                reply = await self.run(call)
+            elif isinstance(reply, Exception):
+                raise reply
+            out.append(reply)
+        return out
