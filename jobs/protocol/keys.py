@@ -8,8 +8,8 @@ keeps them in one slot):
 
 ================================  ======  ===========================================================
 ``slotq:stream:{<id>}``           STREAM  the job's output entries (:mod:`slotq.jobs.protocol.streams`)
-``slotq:fence:{<id>}``            HASH    the job's stream fence: the newest claim of the job that raised it
-                                          (``seq``, ``lease``) and the last flush it let through (``flush``)
+``slotq:fences``                  HASH    job id -> its stream fence: the lease of the newest claim that raised it
+                                          (on a cluster one per stream bucket: ``slotq:fences:{<bucket tag>}``)
 ``slotq:stream-mark:<writer>``    STRING  the last flush a stream writer applied, and its answer (on a cluster
                                           one per stream bucket: ``slotq:stream-mark:{<bucket tag>}:<writer>``)
 ``slotq:dlq:{<id>}``              HASH    a dead letter (:mod:`slotq.jobs.protocol.dead_letters`; on a cluster
@@ -57,12 +57,12 @@ share one hash slot, and each job's stream and fence share another, the job's ow
 * a job's *arq id*, the id arq's ``run_job`` sees and builds its keys from, is ``{Q}:<id>``
   (``arq:job:{slotq:queue}:<id>``), so the job record, attempt counter and result record live in
   the queue's slot too; on a single Redis the arq id is the job id;
-* a job's stream and fence are ``slotq:stream:{<bucket tag>}:<id>`` and ``slotq:fence:{<bucket
-  tag>}:<id>``, in one of :data:`STREAM_BUCKETS` buckets picked by the job id, whose hash tags have
-  slots spread evenly over the slot space: the streaming load -- most of what a fleet writes --
-  spreads over every shard, while a writer's flush and a reader's blocking XREAD still cover many
-  jobs in one command per bucket. The fence is what lets a stream write be checked against the
-  job's owner without the queue's slot (:mod:`slotq.jobs.protocol.scripts.stream_flush`);
+* a job's stream is ``slotq:stream:{<bucket tag>}:<id>``, in one of :data:`STREAM_BUCKETS` buckets
+  picked by the job id, whose hash tags hash into equal parts of the slot space: the streaming load
+  -- most of what a fleet writes -- spreads over the shards, while a writer's flush and a reader's
+  blocking XREAD still cover many jobs in one command per bucket. The bucket's fences
+  (``slotq:fences:{<bucket tag>}``) are what let a stream write be checked against the job's owner
+  without the queue's slot (:mod:`slotq.jobs.protocol.scripts.stream_flush`);
 * dead letters share one slot of their own (:class:`DeadLetterKeys`), so recording and removing
   one stays one atomic script;
 * ``arq:abort`` and the worker registry are keys of their own slots, written by one command each.
@@ -145,17 +145,21 @@ def stream_key(job_id: str, *, clustered: bool = False) -> str:
 
 def write_mark_key(writer_id: str, bucket: int | None = None) -> str:
     """The last flush a stream writer applied, and its answer (makes a re-sent flush idempotent): one
-    per writer, and on a cluster one per stream ``bucket``, in the slot of the streams it covers."""
+    per writer, and on a cluster one per stream ``bucket``, in the slot of the bucket's streams."""
     if bucket is None:
         return f"slotq:stream-mark:{writer_id}"
     return f"slotq:stream-mark:{{{STREAM_TAGS[bucket]}}}:{writer_id}"
 
 
-def fence_key(job_id: str, *, clustered: bool = False) -> str:
-    """The job's stream fence, in the slot of its stream (:mod:`slotq.jobs.protocol.scripts.stream_flush`)."""
-    if clustered:
-        return f"slotq:fence:{{{STREAM_TAGS[stream_bucket(job_id)]}}}:{job_id}"
-    return f"slotq:fence:{{{job_id}}}"
+def fences_key(bucket: int | None = None) -> str:
+    """The stream fences (job id -> lease, :mod:`slotq.jobs.protocol.scripts.stream_flush`): one hash on
+    a single Redis, one per stream ``bucket`` on a cluster, in the slot of the bucket's streams."""
+    return "slotq:fences" if bucket is None else f"slotq:fences:{{{STREAM_TAGS[bucket]}}}"
+
+
+def job_fences_key(job_id: str, *, clustered: bool = False) -> str:
+    """The fences hash that holds ``job_id``'s fence."""
+    return fences_key(stream_bucket(job_id) if clustered else None)
 
 
 def worker_key(worker_id: str) -> str:

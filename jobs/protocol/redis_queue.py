@@ -36,7 +36,7 @@ from slotq.jobs.protocol.keys import (
     ABORTS,
     DEFAULT_TENANT,
     QueueKeys,
-    fence_key,
+    job_fences_key,
     job_record_key,
     result_key,
     retry_counter_key,
@@ -349,12 +349,13 @@ class RedisQueue:
         return len(forgotten)
 
     async def _delete_streams(self, job_ids: Sequence[str]) -> None:
-        """Delete the streams and fences of ``job_ids`` (each job's two keys share its slot)."""
+        """Delete the streams and fences of ``job_ids`` (a job's stream and fences hash share a slot)."""
         if job_ids:
+            clustered = self.keys.clustered
             async with self.redis.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
-                    pipe.delete(stream_key(job_id, clustered=self.keys.clustered),
-                                fence_key(job_id, clustered=self.keys.clustered))
+                    pipe.delete(stream_key(job_id, clustered=clustered))
+                    pipe.hdel(job_fences_key(job_id, clustered=clustered), job_id)
                 await pipe.execute()
 
     async def clear_job(self, job_id: str) -> None:

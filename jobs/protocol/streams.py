@@ -26,10 +26,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from slotq.jobs.protocol.connection import is_cluster
-from slotq.jobs.protocol.keys import fence_key, stream_bucket, stream_key, write_mark_key
+from slotq.jobs.protocol.keys import fences_key, stream_bucket, stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
-from slotq.jobs.protocol.scripts.stream_flush import FencedStream, RaiseFence, StreamFlush
+from slotq.jobs.protocol.scripts.stream_flush import RaiseFence, StreamFlush
 from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, TokenLogprob, ToolCallDelta, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -212,9 +212,10 @@ class StreamAppender:
                     for name, value in fields.items():
                         entries += [name, value]
             calls.append((group, StreamFlush(
-                flush_mark=write_mark_key(self.writer_id, bucket),
-                jobs=[fenced_stream(job.job_id, clustered) for job in group], flush_id=flush_id, maxlen=self.maxlen,
-                live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s, leases=[job.lease for job in group],
+                flush_mark=write_mark_key(self.writer_id, bucket), fences=fences_key(bucket),
+                streams=[stream_key(job.job_id, clustered=clustered) for job in group], flush_id=flush_id,
+                maxlen=self.maxlen, live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s,
+                job_ids=[job.job_id for job in group], leases=[job.lease for job in group],
                 ttls=[int(job.ttl) for job in group], entry_counts=[len(job.entries) for job in group],
                 entries=entries)))
         written: dict[str, bool] = {}
@@ -222,10 +223,6 @@ class StreamAppender:
             text = answer.decode() if isinstance(answer, bytes) else answer
             written.update((job.job_id, ok == "1") for job, ok in zip(group, text))
         return [written[job.job_id] for job in jobs]
-
-
-def fenced_stream(job_id: str, clustered: bool) -> FencedStream:
-    return FencedStream(stream_key(job_id, clustered=clustered), fence_key(job_id, clustered=clustered))
 
 
 def by_bucket(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> list[tuple[int | None, list[T]]]:
@@ -244,11 +241,10 @@ async def raise_fences(redis: Redis, leases: Mapping[str, str], *, ttl_s: int) -
     """Raise the fence of each job (job id -> its new claim's lease) before its attempt reads its
     stream; per job, False when a newer claim holds the fence already (this claim lost the job)."""
     scripts = ScriptRunner(redis)
-    clustered = is_cluster(redis)
     groups = by_bucket(redis, list(leases), lambda job_id: job_id)
-    answers = await scripts.run_all([RaiseFence(jobs=[fenced_stream(job_id, clustered) for job_id in group],
+    answers = await scripts.run_all([RaiseFence(fences=fences_key(bucket), job_ids=group,
                                                 leases=[leases[job_id] for job_id in group], ttl_s=ttl_s)
-                                     for _, group in groups])
+                                     for bucket, group in groups])
     raised: dict[str, bool] = {}
     for (_, group), answer in zip(groups, answers):
         text = answer.decode() if isinstance(answer, bytes) else answer

@@ -13,7 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from slotq.jobs.protocol.arq_formats import ABORT_JOBS_SET, result_record
-from slotq.jobs.protocol.keys import fence_key, stream_key
+from slotq.jobs.protocol.keys import job_fences_key, stream_key
 from slotq.jobs.protocol.redis_queue import Enqueued, RedisQueue
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, raise_fences, read_all
@@ -51,7 +51,7 @@ async def test_a_job_goes_the_whole_way_with_its_stream_on_its_own_shard(redis: 
     shards = {cast(RedisCluster, redis).get_node_from_key(stream_key(job_id, clustered=True)).name for job_id in ids}
     assert len(shards) == 3, "the streams of 12 jobs spread over every shard"
     for job_id in ids:
-        stream, fence = stream_key(job_id, clustered=True), fence_key(job_id, clustered=True)
+        stream, fence = stream_key(job_id, clustered=True), job_fences_key(job_id, clustered=True)
         assert key_slot(stream.encode()) == key_slot(fence.encode())
         assert [e.text for e in await read_all(redis, job_id)] == [job_id]
 

@@ -157,4 +157,18 @@ async def test_a_fence_only_rises_and_an_older_claim_cannot_take_it_back(redis) 
     writer.add_chunk("j", attempt=1, choice=0, text="late", token_ids=[1], n_tokens=1)
     assert await writer.flush()
     assert await entries(redis, "j") == []
-    assert 0 < await redis.ttl("slotq:fence:{j}") <= 60
+    assert 0 < await redis.ttl("slotq:fences") <= 60
+
+
+async def test_a_jobs_final_entry_takes_its_fence_away(redis) -> None:
+    """The fences are one hash (one per stream bucket on a cluster), so a finished job's fence is
+    removed with its final entry rather than left to expire."""
+    assert await raise_fences(redis, {"done": "w#5", "running": "w#6"}, ttl_s=60) == {"done": True, "running": True}
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60)
+    writer.bind("done", "w#5")
+    writer.bind("running", "w#6")
+    writer.add_chunk("running", attempt=1, choice=0, text="x", token_ids=[1], n_tokens=1)
+    writer.add("done", StreamEntry(id="", kind=EntryKind.DONE, attempt=1, final=True))
+    assert await writer.flush()
+    assert await redis.hkeys("slotq:fences") == [b"running"]
+    assert [e.kind for e in await entries(redis, "done")] == [EntryKind.DONE]
