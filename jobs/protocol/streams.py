@@ -224,6 +224,10 @@ class StreamAppender:
             written.update((job.job_id, ok == "1") for job, ok in zip(group, text))
         return [written[job.job_id] for job in jobs]
 
+    async def raise_fences(self, leases: Mapping[str, str]) -> dict[str, bool]:
+        """:func:`raise_fences` with this appender's runner, the fences living as long as a live stream."""
+        return await raise_fences(self.redis, leases, ttl_s=self.ttl_live_s, scripts=self._scripts)
+
 
 def by_bucket(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> list[tuple[int | None, list[T]]]:
     """``items`` in groups whose job keys (stream, fence) share one hash slot, for one script each,
@@ -237,10 +241,12 @@ def by_bucket(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> l
     return list(groups.items())
 
 
-async def raise_fences(redis: Redis, leases: Mapping[str, str], *, ttl_s: int) -> dict[str, bool]:
+async def raise_fences(redis: Redis, leases: Mapping[str, str], *, ttl_s: int,
+                       scripts: ScriptRunner | None = None) -> dict[str, bool]:
     """Raise the fence of each job (job id -> its new claim's lease) before its attempt reads its
-    stream; per job, False when a newer claim holds the fence already (this claim lost the job)."""
-    scripts = ScriptRunner(redis)
+    stream; per job, False when a newer claim holds the fence already (this claim lost the job).
+    ``scripts``: the caller's runner, whose scripts are loaded already."""
+    scripts = scripts or ScriptRunner(redis)
     groups = by_bucket(redis, list(leases), lambda job_id: job_id)
     answers = await scripts.run_all([RaiseFence(fences=fences_key(bucket), job_ids=group,
                                                 leases=[leases[job_id] for job_id in group], ttl_s=ttl_s)

@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from slotq.jobs.protocol.connection import is_cluster
 from slotq.jobs.protocol.keys import stream_bucket
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
-from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry, raise_fences
+from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
 from slotq.jobs.protocol.wire import TokenLogprob, ToolCallDelta
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,7 @@ class StreamWriter:
         """Raise the fence of ``job_id`` to the lease it is bound to, before its attempt reads the
         stream to resume (:func:`~slotq.jobs.protocol.streams.raise_fences`). False: a newer claim
         of the job holds the fence, so this attempt has lost it."""
-        lease = self._leases[job_id]
-        return (await raise_fences(self.redis, {job_id: lease}, ttl_s=self._appender.ttl_live_s))[job_id]
+        return (await self._appender.raise_fences({job_id: self._leases[job_id]}))[job_id]
 
     def unbind(self, job_id: str) -> None:
         """The attempt is over (entries it already added keep their lease until written)."""
