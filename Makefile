@@ -87,6 +87,7 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench gateway
 	$(VENV)/bin/slotq bench gateway-batch
 	$(VENV)/bin/slotq bench fleet
+	$(VENV)/bin/slotq bench fleet --cluster 1,3,6
 	$(VENV)/bin/slotq bench bulk
 	$(VENV)/bin/slotq bench peers
 	$(VENV)/bin/slotq bench overhead
