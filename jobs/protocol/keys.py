@@ -120,7 +120,7 @@ STREAM_BUCKETS = 16      # on a cluster: job streams spread over at most this ma
 def _spread_tags(count: int) -> tuple[str, ...]:
     """``count`` hash tags, the k-th hashing into the k-th of ``count`` equal ranges of the slots, so
     on a cluster whose primaries hold equal contiguous ranges (as every tool splits them) the
-    buckets fall evenly on the primaries."""
+    buckets fall on the primaries as evenly as ``count`` allows (exactly when the primaries divide it)."""
     width = CLUSTER_SLOTS // count
     tags = []
     for k in range(count):
