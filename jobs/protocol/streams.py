@@ -1,9 +1,10 @@
-"""The per-job output stream ``slotq:stream:{job_id}``: its entry codec, the one script that
-appends to it, and every read of it.
+"""The per-job output stream (``slotq:stream:{job_id}``; on a Redis Cluster in a stream bucket,
+:func:`~slotq.jobs.protocol.keys.stream_key`): its entry codec, the scripts that fence and append
+to it, and every read of it.
 
 Writers send entries through :class:`StreamAppender` (the ``STREAM_FLUSH`` script: many jobs'
-entries, each job fenced by its lease in its own fence key, in one round trip; on a Redis Cluster
-one script per slot, sent together). The worker's batching writer
+entries, each job fenced by its lease in the fences hash beside its stream, in one round trip; on a
+Redis Cluster one script per stream bucket, sent together). The worker's batching writer
 (:class:`~slotq.jobs.worker.stream_writer.StreamWriter`) decides when; this module only encodes.
 Readers use plain XREAD from their last id (no consumer groups; :mod:`slotq.jobs.producer.stream_reader`):
 any number of readers, each can drop and resume without gaps or repeats, and an HTTP gateway can
