@@ -147,7 +147,13 @@ class ThinkingConfig(BaseModel):
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1024)
-    display: str | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> ThinkingConfig:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError("budget_tokens: give it with type 'enabled', and only then")
+        return self
 
 
 class JsonOutputFormat(BaseModel):

@@ -56,8 +56,10 @@ def test_tool_choice(choice, tool_choice, parallel):
 
 def test_a_named_tool_choice_and_what_counting_makes_of_it():
     forced = {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}}
-    job = to_job_request(messages(**forced, stop_sequences=["END"], metadata={"user_id": "u"}))
+    job = to_job_request(messages(**forced, stop_sequences=["END"], metadata={"user_id": "u"}, lane="bulk"),
+                         idempotency_key="from-header")
     assert job.tool_choice.function.name == "get_weather" and job.stop == ["END"]
+    assert (job.lane, job.idempotency_key) == ("bulk", "from-header")
     assert job.metadata == {"user_id": "u"}
     conversation = {"model": "m", "messages": [{"role": "user", "content": "x"}], **forced}
     count = to_count_job(CountTokensRequest.model_validate(conversation))
@@ -151,6 +153,12 @@ def test_only_the_last_event_of_an_entry_carries_its_id_and_resuming_sends_the_r
         resumed = parsed(events(MessageEventRenderer("j1", "m", after=f"100-{n}"), STREAM))
         upto = next(i for i, (_n, id, _d) in enumerate(full) if id == f"100-{n}") + 1
         assert resumed == full[upto:]
+
+
+def test_a_stream_past_its_deadline_ends_with_a_timeout_error():
+    [(name, _id, data)] = parsed(MessageEventRenderer("j1", "m").failed(ApiError.deadline("too late")))
+    assert name == "error" and data["error"] == {"type": "timeout_error", "message": "too late",
+                                                 "code": "deadline_exceeded"}
 
 
 def test_a_failed_job_ends_the_stream_with_an_error_event():

@@ -179,6 +179,7 @@ def test_count_tokens_is_what_the_message_is_charged(client: anthropic.Anthropic
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}]},
      "messages[0].content[0].tool_use_id"),
     ({"mcp_servers": [{"type": "url", "url": "https://example.com"}]}, "mcp_servers"),
+    ({"thinking": {"type": "enabled"}}, "budget_tokens"),
 ])
 def test_bad_input_is_refused_by_name_in_anthropics_shape(stack: Stack, body: dict, named: str) -> None:
     request = {"model": MODEL, "max_tokens": 8, "messages": ASK} | body
@@ -190,7 +191,7 @@ def test_bad_input_is_refused_by_name_in_anthropics_shape(stack: Stack, body: di
     assert named in error["error"]["message"], error
 
 
-def test_the_sdk_raises_its_own_errors(client: anthropic.Anthropic) -> None:
+def test_the_sdk_raises_its_own_errors(stack: Stack, client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model=MODEL, max_tokens=8, messages=ASK, extra_body={"temperature": 3})
     assert bad.value.body["error"]["type"] == "invalid_request_error"
@@ -198,6 +199,8 @@ def test_the_sdk_raises_its_own_errors(client: anthropic.Anthropic) -> None:
         client.messages.create(model="no-such-model", max_tokens=8, messages=ASK)
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="no-such-model", messages=ASK)
+    missing = httpx.get(f"{stack.url}/v1/messages/batches", timeout=30)      # Message Batches: not served
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
 
 
 def test_x_api_key_and_bearer_keys_name_the_tenant(stack: Stack) -> None:
