@@ -30,7 +30,6 @@ from slotq.jobs.anthropic.wire import (
     CountTokensRequest,
     Message,
     MessagesRequest,
-    SlotqInfo,
     StopReason,
     TextBlock,
     TextOut,
@@ -41,6 +40,7 @@ from slotq.jobs.anthropic.wire import (
     Usage,
 )
 from slotq.jobs.openai.errors import ApiError, from_validation, public_param
+from slotq.jobs.openai.wire import SlotqInfo
 from slotq.jobs.protocol.schemas import JobRequest, JobResult
 from slotq.jobs.protocol.wire import FinishReason
 from slotq.jobs.protocol.wire import Usage as JobUsage

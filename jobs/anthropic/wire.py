@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from slotq.jobs.openai.wire import SlotqInfo
+
 # Fields of Anthropic's API that change nothing on slotq: accepted and dropped.
 _IGNORED = ("service_tier", "inference_geo", "speed", "cache_control", "diagnostics", "user_profile_id",
             "workspace_id")
@@ -272,14 +274,6 @@ class ToolUseOut(BaseModel):
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
-class SlotqInfo(BaseModel):
-    """slotq's own fields on a Message (the SDK keeps unknown fields: ``message.model_extra``)."""
-
-    job_id: str
-    worker: str | None = None
-    attempts: int = 0
-
-
 class Message(BaseModel):
     id: str
     type: Literal["message"] = "message"
@@ -289,7 +283,8 @@ class Message(BaseModel):
     stop_reason: StopReason | None
     stop_sequence: str | None = None
     usage: Usage
-    slotq: SlotqInfo | None = None
+    slotq: SlotqInfo | None = Field(None, description="slotq's own fields, as on OpenAI's objects (the SDK keeps "
+                                                      "them: message.model_extra)")
 
 
 class TokenCount(BaseModel):
