@@ -206,6 +206,12 @@ class CountTokensRequest(BaseModel):
                 raise ValueError(f"{name}: not supported: {why}")
         return {k: v for k, v in data.items() if k not in _IGNORED and k not in _REFUSED}
 
+    @model_validator(mode="after")
+    def _forced_needs_tools(self) -> CountTokensRequest:
+        if self.tool_choice is not None and self.tool_choice.type in ("any", "tool") and not self.tools:
+            raise ValueError(f"tool_choice: type {self.tool_choice.type!r} needs tools")
+        return self
+
     @field_validator("system", mode="before")
     @classmethod
     def _system_text(cls, value: Any) -> Any:

@@ -79,9 +79,16 @@ def test_output_config_format_is_the_json_schema():
      "messages[0].content[0].tool_use_id"),
 ])
 def test_job_errors_name_the_messages_field(fields, named):
+    """What only the job checks (its bounds, a tool's name) is reported under the request's names."""
     with pytest.raises(ApiError) as refused:
         to_job_request(messages(**fields))
     assert refused.value.param == named and refused.value.status == 400
+
+
+def test_a_forced_tool_choice_needs_tools():
+    with pytest.raises(ValueError, match="tool_choice: type 'any' needs tools"):
+        messages(tool_choice={"type": "any"})
+    assert to_job_request(messages(tools=[], tool_choice={"type": "auto"})).tools is None   # an empty list: none
 
 
 def test_errors_in_anthropics_shape_by_status():
