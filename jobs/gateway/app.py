@@ -1,4 +1,5 @@
-"""The gateway's ASGI app: OpenAI's API (Batch API included), background jobs, health, metrics and the dashboard.
+"""The gateway's ASGI app: OpenAI's API (Batch API included), Anthropic's Messages API, background jobs, health,
+metrics and the dashboard.
 
 No interactive API docs page: FastAPI's loads Swagger UI from a CDN, which an offline deployment
 cannot reach. ``/openapi.json`` describes the API for any OpenAPI viewer or client generator.
@@ -16,7 +17,15 @@ from fastapi.staticfiles import StaticFiles
 from starlette.routing import Match, Mount
 from starlette.types import Scope
 
-from slotq.jobs.gateway import http_errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
+from slotq.jobs.gateway import (
+    http_errors,
+    routes_anthropic,
+    routes_batches,
+    routes_files,
+    routes_jobs,
+    routes_openai,
+    routes_ops,
+)
 from slotq.jobs.gateway.auth import KeyRing
 from slotq.jobs.gateway.batch_driver import BatchDriver
 from slotq.jobs.gateway.batches import BatchStore
@@ -71,8 +80,8 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     app.state.settings = settings
     app.state.keys = KeyRing(settings)
     http_errors.install(app)
-    for router in (routes_openai.router, routes_jobs.router, routes_files.router, routes_batches.router,
-                   routes_ops.router, routes_ops.api):
+    for router in (routes_openai.router, routes_anthropic.router, routes_jobs.router, routes_files.router,
+                   routes_batches.router, routes_ops.router, routes_ops.api):
         app.include_router(router)
     app.router.routes.append(Dashboard("/", SecurityHeaders(StaticFiles(directory=STATIC_DIR, html=True)),
                                        name="dashboard"))

@@ -1,4 +1,4 @@
-"""Bearer API keys and the tenant each belongs to.
+"""API keys (a Bearer token, or Anthropic's ``x-api-key`` header) and the tenant each belongs to.
 
 Keys come from ``SLOTQ_API_KEYS``, ``SLOTQ_ADMIN_KEYS`` and ``SLOTQ_API_KEYS_FILE`` (``name=key``
 entries; a bare key is a tenant of its own). A request's key gives its :class:`Caller`: the tenant
@@ -85,15 +85,18 @@ class KeyRing:
 
 
 async def authenticate(request: Request) -> Caller:
-    """The caller of this request, from its ``Authorization: Bearer`` key (401 without a valid one)."""
+    """The caller of this request, from its ``Authorization: Bearer`` key, or its ``x-api-key``
+    header as Anthropic's SDKs send the key (401 without a valid one)."""
     keys: KeyRing = request.app.state.keys
     if not keys.required:
         return KEYLESS_CALLER
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    caller = await keys.caller(token.strip()) if scheme.lower() == "bearer" else None
+    key = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+    caller = await keys.caller(key) if key else None
     if caller is None:
-        raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with a key from "
-                            "SLOTQ_API_KEYS", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>') "
+                            "with a key from SLOTQ_API_KEYS", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
     return caller
 
 

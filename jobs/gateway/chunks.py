@@ -61,6 +61,26 @@ def parse_stream_id(value: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
+def unfinished_stream(job_id: str, reason: FinishReason) -> ApiError:
+    """A stream that ended without a reply: its job was cancelled or passed its deadline."""
+    if reason == FinishReason.DEADLINE:
+        return ApiError.deadline(f"job {job_id}: the deadline passed; the partial result is at /v1/jobs/{job_id}")
+    return ApiError(409, f"job {job_id} was cancelled", code="job_cancelled")
+
+
+def first_entry_error(entry: StreamEntry, job_id: str,
+                      param: Callable[[str | None], str | None] = public_param) -> ApiError | None:
+    """A fresh stream whose first entry already ends the job (rejected by the worker, expired,
+    cancelled): answered as an HTTP error instead of a stream (any renderer's ``first_error``)."""
+    if not entry.final:
+        return None
+    if entry.kind == EntryKind.ERROR:
+        return ApiError.from_job_error(entry.error, job_id, param)
+    if entry.kind == EntryKind.DONE and entry.finish_reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
+        return unfinished_stream(job_id, entry.finish_reason)
+    return None
+
+
 class ChunkRenderer:
     def __init__(self, kind: Kind, job_id: str, model: str, created: int, *, n: int, include_usage: bool,
                  after: str | None = None, param: Callable[[str | None], str | None] = public_param) -> None:
@@ -95,7 +115,7 @@ class ChunkRenderer:
             if entry.usage is not None:
                 self._usage[entry.choice] = entry.usage
             if entry.finish_reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
-                return self._end_with(self._unfinished(entry.finish_reason), entry.id, show=new)
+                return self._end_with(unfinished_stream(self.job_id, entry.finish_reason), entry.id, show=new)
             if new:
                 events.append(self._chunk([self._choice(entry.choice, reason=finish_reason(entry.finish_reason))],
                                           id=entry.id))
@@ -124,26 +144,12 @@ class ChunkRenderer:
         return self._end_with(error, None)
 
     def first_error(self, entry: StreamEntry) -> ApiError | None:
-        """A fresh stream whose first entry already ends the job (rejected by the worker, expired,
-        cancelled): answered as an HTTP error instead of a stream."""
-        if self.after is not None or not entry.final:
-            return None
-        if entry.kind == EntryKind.ERROR:
-            return ApiError.from_job_error(entry.error, self.job_id, self.param)
-        if entry.kind == EntryKind.DONE and entry.finish_reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
-            return self._unfinished(entry.finish_reason)
-        return None
+        return None if self.after is not None else first_entry_error(entry, self.job_id, self.param)
 
     # ------------------------------------------------------------------ building events
     def _end_with(self, error: ApiError, id: str | None, *, show: bool = True) -> list[str]:
         self.finished = True
         return [error_event(error, id=id)] if show else []
-
-    def _unfinished(self, reason: FinishReason) -> ApiError:
-        if reason == FinishReason.DEADLINE:
-            return ApiError.deadline(f"job {self.job_id}: the deadline passed; "
-                                     f"the partial result is at /v1/jobs/{self.job_id}")
-        return ApiError(409, f"job {self.job_id} was cancelled", code="job_cancelled")
 
     def _reply_piece(self, entry: StreamEntry) -> ChatChunkChoice | TextChoice:
         """A chunk entry as a chunk's choice: text, and (chat) reasoning and tool call pieces."""

@@ -1,5 +1,6 @@
 """Errors as HTTP responses: an :class:`~slotq.jobs.openai.errors.ApiError` as JSON, and FastAPI's
-own errors (bad JSON, 404, 405, body limits) and Redis outages in the same OpenAI shape.
+own errors (bad JSON, 404, 405, body limits) and Redis outages in the same OpenAI shape, or in
+Anthropic's on the Messages API's paths (:mod:`slotq.jobs.anthropic.errors`).
 
 Kept apart from :mod:`slotq.jobs.openai.errors` so that the error type, which OpenAI Batch lines
 (``slotq bulk``) share, does not import the web stack.
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
+from slotq.jobs.anthropic.errors import anthropic_body, speaks_anthropic
 from slotq.jobs.errors import RedisUnavailable
 from slotq.jobs.openai.errors import ApiError, from_validation
 
@@ -24,29 +26,31 @@ log = logging.getLogger(__name__)
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
 
 
-def response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def response(error: ApiError, path: str = "") -> JSONResponse:
+    """``error`` as the API at ``path`` writes errors: Anthropic's shape on the Messages API, OpenAI's elsewhere."""
+    body = anthropic_body(error) if speaks_anthropic(path) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def install(app: FastAPI) -> None:
-    """Every error response in OpenAI's shape, FastAPI's own (bad JSON, 404, 405) included."""
+    """Every error response in its API's shape, FastAPI's own (bad JSON, 404, 405) included."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return response(exc)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {}
         if err.get("type") == "json_invalid":
             return response(ApiError.invalid(f"the request body is not valid JSON: {err.get('msg')}", None,
-                                             code="invalid_json"))
-        return response(from_validation(exc))
+                                             code="invalid_json"), request.url.path)
+        return response(from_validation(exc), request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return response(ApiError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
-                                 headers=dict(exc.headers or {})))
+                                 headers=dict(exc.headers or {})), request.url.path)
 
     @app.exception_handler(RedisError)
     @app.exception_handler(RedisUnavailable)
@@ -56,4 +60,5 @@ def install(app: FastAPI) -> None:
         log.warning("%s %s: Redis unavailable (%s: %s)", request.method, request.url.path, type(exc).__name__, exc)
         return response(ApiError(503, "the queue's Redis is unavailable; retry later",
                                  type="server_error", code="redis_unavailable",
-                                 headers={"Retry-After": str(request.app.state.settings.gateway_retry_after_s)}))
+                                 headers={"Retry-After": str(request.app.state.settings.gateway_retry_after_s)}),
+                        request.url.path)

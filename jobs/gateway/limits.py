@@ -56,7 +56,7 @@ class AmbiguousFraming:
                 error = ApiError(400, "the request has both Content-Length and Transfer-Encoding, which frame its "
                                       "body differently (RFC 9112 section 6.3): send one of them",
                                  code="ambiguous_framing", headers=CLOSE)
-                await response(error)(scope, receive, send)
+                await response(error, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -83,7 +83,8 @@ class BodyLimits:
         too_large = f"the request body is larger than the limit of {shown}"
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await response(ApiError(413, too_large, code="request_too_large", headers=CLOSE))(scope, receive, send)
+            error = ApiError(413, too_large, code="request_too_large", headers=CLOSE)
+            await response(error, scope["path"])(scope, receive, send)
             return
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         received = 0
@@ -190,4 +191,4 @@ class KeylessGuard:
         if error is None:
             await self.app(scope, receive, send)
         else:
-            await response(error)(scope, receive, send)
+            await response(error, scope["path"])(scope, receive, send)

@@ -10,11 +10,13 @@ worker if one dies, and cancelled when its client leaves unless ``keep_on_discon
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request, Response
 
 from slotq.jobs.gateway.auth import Caller, CallerDep, authenticate
 from slotq.jobs.gateway.chunks import ChunkRenderer, parse_stream_id
+from slotq.jobs.gateway.records import JobRecord
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
@@ -36,8 +38,8 @@ from slotq.jobs.openai.wire import (
     ModelCard,
     ModelList,
 )
-from slotq.jobs.producer.client import JobNotFound, JobTimeout
-from slotq.jobs.protocol.schemas import JobStatus
+from slotq.jobs.producer.client import JobHandle, JobNotFound, JobTimeout, SlotqClient
+from slotq.jobs.protocol.schemas import JobResult, JobStatus
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
@@ -120,35 +122,50 @@ async def complete(request: Request, caller: Caller, body: WireRequest) -> Respo
         return await open_stream(request, gateway, handle.client, handle.id, renderer,
                                  cancel_on_disconnect=owner_cancels, deadline=job.deadline, headers=headers,
                                  first_error=renderer.first_error)
-    timeout = None if job.deadline is None else max(0.0, job.deadline - time.time()) + DEADLINE_GRACE_S
+    try:
+        result = await finished_result(request, gateway, handle, deadline=job.deadline, owner_cancels=owner_cancels,
+                                       param=wire_param(body))
+    except ClientGone:
+        return Response(status_code=499)
+    return Response(to_response(kind, result, record.model, record.created).model_dump_json(),
+                    media_type="application/json", headers=headers)
+
+
+async def finished_result(request: Request, gateway: Gateway, handle: JobHandle, *, deadline: float | None,
+                          owner_cancels: bool, param: Callable[[str | None], str | None]) -> JobResult:
+    """The result of a job that finished its reply, waited for until its deadline; an ApiError for
+    one that did not (failed, cancelled, past its deadline: ``param`` names a field as the request
+    did). ClientGone when the client leaves first, the job then cancelled if ``owner_cancels``."""
+    timeout = None if deadline is None else max(0.0, deadline - time.time()) + DEADLINE_GRACE_S
     try:
         result = await until_disconnected(request, handle.result(timeout=timeout))
     except ClientGone:
         if owner_cancels:
             gateway.client_left(handle.client, handle.id)
-        return Response(status_code=499)
+        raise
     except JobTimeout:
         gateway.cancel_soon(handle.client, handle.id)
         raise ApiError.deadline(f"job {handle.id}: the deadline passed before it finished") from None
     except JobNotFound:
         raise ApiError.job_not_found(handle.id) from None
-    error = unfinished_error(result, wire_param(body))
+    error = unfinished_error(result, param)
     if error is not None:
-        error.headers |= headers
+        error.headers |= {"X-Slotq-Job-Id": handle.id}
         raise error
-    return Response(to_response(kind, result, record.model, record.created).model_dump_json(),
-                    media_type="application/json", headers=headers)
+    return result
 
 
-async def _resume(request: Request, gateway: Gateway, caller: Caller, body: WireRequest) -> Response:
-    """``Last-Event-ID`` on a streaming request: continue the stream of the job created under the
-    same idempotency key, after that event. Never creates a job."""
+async def resumed_job(request: Request, gateway: Gateway, caller: Caller,
+                      body_key: str | None) -> tuple[str, str, SlotqClient, JobRecord | None]:
+    """(Last-Event-ID, job id, its queue's client, its record) of the job a streaming request with
+    ``Last-Event-ID`` resumes: the one created under the same idempotency key (the body's
+    ``body_key`` or the header's). Never creates a job."""
     last_id = request.headers["last-event-id"].strip()
     try:
         parse_stream_id(last_id)
     except ValueError as exc:
         raise ApiError.invalid(f"Last-Event-ID: {exc}", "Last-Event-ID") from None
-    key = body.idempotency_key or request.headers.get("idempotency-key")
+    key = body_key or request.headers.get("idempotency-key")
     if not key:
         raise ApiError.invalid("Last-Event-ID resumes the job created under the same idempotency key, and this request "
                                "has none: send the original request's idempotency_key "
@@ -157,6 +174,13 @@ async def _resume(request: Request, gateway: Gateway, caller: Caller, body: Wire
     job_id, client, record = await gateway.find(caller.tenant, key)
     if await client.status(job_id) == JobStatus.NOT_FOUND:
         raise ApiError.job_not_found(key)
+    return last_id, job_id, client, record
+
+
+async def _resume(request: Request, gateway: Gateway, caller: Caller, body: WireRequest) -> Response:
+    """``Last-Event-ID`` on a streaming request: continue the stream of the job created under the
+    same idempotency key, after that event."""
+    last_id, job_id, client, record = await resumed_job(request, gateway, caller, body.idempotency_key)
     renderer = ChunkRenderer(kind_of(body), job_id, record.model if record else body.model,
                              record.created if record else int(time.time()), n=body.n or 1,
                              include_usage=body.include_usage, after=last_id, param=wire_param(body))

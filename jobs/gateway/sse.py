@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from slotq.jobs.errors import JobNotFound, StreamGone
 from slotq.jobs.gateway import metrics
-from slotq.jobs.gateway.chunks import comment, error_event
+from slotq.jobs.gateway.chunks import comment
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.producer.client import SlotqClient
@@ -42,7 +42,9 @@ class Renderer(Protocol):
 
     def opening(self) -> list[str]: ...
     def feed(self, entry: StreamEntry) -> list[str]: ...
-    def failed(self, error: ApiError) -> list[str]: ...
+    def failed(self, error: ApiError) -> list[str]:
+        """The stream ends early with ``error`` (unreadable, or past the request's deadline)."""
+        ...
 
 
 def stream_error(exc: Exception, job_id: str) -> ApiError:
@@ -153,7 +155,9 @@ async def _events(gateway: Gateway, client: SlotqClient, job_id: str, renderer: 
             if item is None:
                 if deadline is not None and time.time() > deadline + DEADLINE_GRACE_S:
                     gateway.cancel_soon(client, job_id)
-                    yield error_event(ApiError.deadline(f"job {job_id}: the deadline passed before it finished"))
+                    for event in renderer.failed(ApiError.deadline(f"job {job_id}: the deadline passed before it "
+                                                                   "finished")):
+                        yield event
                     break
                 yield comment("keep-alive")
             else:
