@@ -359,9 +359,11 @@ class SlotqWorker:
             await self._join_queue()
         except QueueServedByAnotherModel as exc:
             # Only after this worker went unheard past its entry's time (stalled, cut off from Redis) and
-            # another model took the queue: the queue is theirs now.
-            log.error("%s; stopping", exc)
-            self.request_stop("the queue is served by another model")
+            # another model took the queue: the queue is theirs now. Its running jobs (leases just renewed)
+            # may finish; it no longer advertises itself, so no route leads here.
+            if not self._draining:
+                log.error("%s; stopping", exc)
+                self.request_stop("the queue is served by another model")
             return
         stats = self.engine.stats()
         now = time.time()

@@ -123,3 +123,20 @@ async def test_workers_of_two_models_starting_together_never_share_a_queue(redis
         assert await memberships[0 if winner == "a" else 1].join(ttl_s=30) is None    # ... or their entries expired
     finally:
         await redis.aclose()
+
+
+async def test_a_worker_whose_queue_was_taken_by_another_model_stops(start_worker, client: SlotqClient,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A worker unheard past its entry's time (stalled, cut off) may find on its next heartbeat that a
+    worker of another model took the queue meanwhile: it drains and leaves, and the queue stays theirs."""
+    worker = await start_worker(model_name="model-a", lock_ttl_s=3, drain_grace_s=0)
+    assert worker.queue is not None
+    serving = worker.queue.keys.serving
+    await client.redis.hdel(serving, worker.id)                       # its entry expired while it stalled ...
+    await client.redis.hset(serving, "newcomer", f"{10**15}\tgeneration\tmodel-b")    # ... and model-b joined
+    async with asyncio.timeout(30):
+        while await client.workers():
+            await asyncio.sleep(0.1)
+    assert list(await client.redis.hgetall(serving)) == [b"newcomer"]
+    assert "queue 'slotq:queue' is served by model 'model-b' (generation jobs, worker newcomer)" in caplog.text
+    assert "may not join it" in caplog.text and caplog.text.rstrip().endswith("; stopping")
