@@ -132,8 +132,10 @@ async def test_a_worker_whose_queue_was_taken_by_another_model_stops(start_worke
     worker = await start_worker(model_name="model-a", lock_ttl_s=3, drain_grace_s=0)
     assert worker.queue is not None
     serving = worker.queue.keys.serving
-    await client.redis.hdel(serving, worker.id)                       # its entry expired while it stalled ...
-    await client.redis.hset(serving, "newcomer", f"{10**15}\tgeneration\tmodel-b")    # ... and model-b joined
+    async with client.redis.pipeline(transaction=True) as both:      # at once: no heartbeat of its in between
+        both.hdel(serving, worker.id)                                # its entry expired while it stalled ...
+        both.hset(serving, "newcomer", f"{10**15}\tgeneration\tmodel-b")     # ... and model-b joined
+        await both.execute()
     async with asyncio.timeout(30):
         while await client.workers():
             await asyncio.sleep(0.1)

@@ -23,7 +23,11 @@ class JoinQueue(LuaScript[list[bytes]]):
     starts and with every heartbeat (it renews its entry).
 
     Returns an empty list when the worker joined, else ``[worker id, kind, model]`` of one worker
-    that serves the queue otherwise (nothing is written then)."""
+    that serves the queue otherwise (nothing is written then).
+
+    A renewal whose entry is still live is O(1): while it was live no worker of another model or kind
+    could join, so there is nothing to check. Only a join (or a worker back after its entry lapsed)
+    reads every entry, O(workers of the queue); a fleet's heartbeats stay O(1) each."""
 
     serving: Key                  # the queue's workers: worker id -> until ms <TAB> kind <TAB> model
     worker: Arg[str]
@@ -34,6 +38,15 @@ class JoinQueue(LuaScript[list[bytes]]):
     HELPERS = NOW
     BODY = """
 local now = server_ms()
+local serves = kind .. '\t' .. model
+local mine = redis.call('HGET', serving, worker)
+if mine then
+  local mine_until, mine_serves = string.match(mine, '^([^\t]*)\t(.*)$')
+  if mine_serves == serves and tonumber(mine_until) ~= nil and tonumber(mine_until) > now then
+    redis.call('HSET', serving, worker, (now + ttl_ms) .. '\t' .. serves)
+    return {}
+  end
+end
 local entries = redis.call('HGETALL', serving)
 for i = 1, #entries, 2 do
   local other, entry = entries[i], entries[i + 1]
@@ -44,6 +57,6 @@ for i = 1, #entries, 2 do
     return {other, other_kind, other_model}
   end
 end
-redis.call('HSET', serving, worker, (now + ttl_ms) .. '\t' .. kind .. '\t' .. model)
+redis.call('HSET', serving, worker, (now + ttl_ms) .. '\t' .. serves)
 return {}
 """
