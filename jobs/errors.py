@@ -45,6 +45,21 @@ class JobRejected(SlotqError, ValueError):
         self.field = field
 
 
+class QueueServedByAnotherModel(SlotqError):
+    """A worker may not join a queue that live workers of another model or kind serve: the jobs on
+    it were queued for theirs. It says which queue, which model and how to give this one its own."""
+
+    def __init__(self, *, queue: str, model: str, kind: str, other_worker: str, other_model: str,
+                 other_kind: str) -> None:
+        super().__init__(
+            f"queue {queue!r} is served by model {other_model!r} ({other_kind} jobs, worker {other_worker}); this "
+            f"worker serves {model!r} ({kind} jobs) and may not join it. Give it a queue of its own: "
+            f"SLOTQ_QUEUE_NAME (--queue-name), e.g. SLOTQ_QUEUE_NAME=slotq:queue:{model}; or stop the workers of "
+            f"{other_model!r} first")
+        self.queue = queue
+        self.other_model = other_model
+
+
 class JobNotFound(SlotqError, LookupError):
     """No such job: never enqueued, or its result expired."""
 

@@ -313,7 +313,8 @@ class BulkRun:
     async def _enqueue(self, line: BulkLine, job_id: str) -> None:
         """Enqueue under the line's job id; an existing job of that id (an earlier run's) is adopted."""
         key, tenant = split_job_id(job_id)
-        request = line.request.model_copy(update={"idempotency_key": key, "tenant": tenant})
+        named = {} if self.options.model is None else {"model": self.options.model}    # its worker checks it
+        request = line.request.model_copy(update={"idempotency_key": key, "tenant": tenant, **named})
         while True:
             try:
                 await self._patiently(lambda: self.client.enqueue_embedding(request)

@@ -87,7 +87,8 @@ class ChunkRenderer:
         self.kind = kind
         self.param = param          # a job field's name as the request spelled it, for errors
         self.job_id = job_id
-        self.model = model
+        self.model = model                        # asked for; the served one's once an entry names it
+        self.fingerprint: str | None = None        # the served model's GGUF fingerprint (system_fingerprint)
         self.created = created
         self.n = n
         self.include_usage = include_usage
@@ -107,6 +108,8 @@ class ChunkRenderer:
         position = parse_stream_id(entry.id)
         new = self.after is None or position > self.after
         events: list[str] = []
+        if entry.model is not None:               # done and error entries name the model that served the job
+            self.model, self.fingerprint = entry.model, entry.model_fingerprint
         if entry.kind == EntryKind.CHUNK:
             piece = self._reply_piece(entry)          # built even when not sent: completions' text offsets move on
             if new:
@@ -185,9 +188,11 @@ class ChunkRenderer:
         chunk: ChatCompletionChunk | TextCompletionChunk
         if self.kind == "chat":
             chunk = ChatCompletionChunk(id=chunk_id, created=self.created, model=self.model, usage=usage_obj,
+                                        system_fingerprint=self.fingerprint,
                                         choices=[c for c in choices if isinstance(c, ChatChunkChoice)])
         else:
             chunk = TextCompletionChunk(id=chunk_id, created=self.created, model=self.model, usage=usage_obj,
+                                        system_fingerprint=self.fingerprint,
                                         choices=[c for c in choices if isinstance(c, TextChoice)])
         return sse(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}), id=id)
 

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -140,10 +140,12 @@ class FileStore:
             await asyncio.sleep(SWEEP_S)
 
     async def sweep(self) -> int:
-        """Remove every expired file but those in use; how many were removed."""
+        """Remove every expired file but those in use; how many were removed. A record that cannot be
+        read (written by hand, or by a version that stored another shape) is skipped with an error
+        naming its key, and stays for an operator: it never stops the sweep of the others."""
         if not await self.records.expired(self.clock(), 1):
             return 0                  # the common case: nothing expired, so no batch needs reading either
-        keep = await self.in_use()
+        keep = set(await self.in_use())           # and the records that cannot be read
         removed = 0
         while ids := [i for i in await self.records.expired(self.clock(), SWEEP_BATCH + len(keep)) if i not in keep]:
             chunk = ids[:SWEEP_BATCH]
@@ -151,7 +153,14 @@ class FileStore:
                 if raw is None:
                     await self.records.forget_expiry(file_id)
                     continue
-                removed += await self._remove(FileObject.model_validate_json(raw))
+                try:
+                    obj = FileObject.model_validate_json(raw)
+                except ValidationError as exc:
+                    log.error("file record %s cannot be read (%s); skipped by the sweep, left for an operator "
+                              "to delete", self.records.keys.file(file_id), exc.errors()[0]["msg"])
+                    keep.add(file_id)
+                    continue
+                removed += await self._remove(obj)
         if removed:
             log.info("removed %d expired files", removed)
         return removed

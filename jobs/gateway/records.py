@@ -10,7 +10,10 @@
 ``slotq:gateway:file-expiry``     ZSET    file id -> expires_at (unix s), for the sweep
 ``slotq:gateway:batch:{<id>}``    HASH    a batch: one JSON value per field of its object (plus queue, tenant)
 ``slotq:gateway:batches[:<t>]``   ZSET    batch id -> created (ms), per tenant (the default tenant's has no suffix)
-``slotq:gateway:batches:active``  SET     batches not finished yet (scanned for expired leases)
+``slotq:gateway:batches-active``  SET     batches not finished yet (scanned for expired leases); not under
+                                          ``batches:``, where the tenants' indexes are (a tenant may be named
+                                          ``active``). Gateways before it used ``slotq:gateway:batches:active``:
+                                          a set there is moved into it (:meth:`BatchRecords.active_ids`)
 ``slotq:gateway:batch-lease:{id}``STRING  the token of the gateway driving the batch, with a TTL
 ================================  ======  ===========================================================
 
@@ -101,7 +104,14 @@ class BatchKeys:
 
     @property
     def active(self) -> str:
-        return "{slotq:gateway:batches}:active" if self.clustered else "slotq:gateway:batches:active"
+        """Not under ``batches:``, where the tenants' indexes are: a tenant named ``active`` has its own."""
+        return "{slotq:gateway:batches}:active" if self.clustered else "slotq:gateway:batches-active"
+
+    @property
+    def former_active(self) -> str | None:
+        """Where gateways before :attr:`active` kept the unfinished batches (on a single Redis; a
+        cluster's names never collided), which is also the index of a tenant named ``active``."""
+        return None if self.clustered else "slotq:gateway:batches:active"
 
     @staticmethod
     def lease(batch_id: str) -> str:
@@ -294,6 +304,16 @@ _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+# KEYS: the unfinished batches, where older gateways kept them. A set at the older name (a tenant
+# named ``active`` keeps a ZSET there) is moved into the first, so a batch an older gateway started
+# during a rolling upgrade is driven too; then the first's members.
+_ACTIVE_IDS = """
+if redis.call('TYPE', KEYS[2]).ok == 'set' then
+  redis.call('SUNIONSTORE', KEYS[1], KEYS[1], KEYS[2])
+  redis.call('DEL', KEYS[2])
+end
+return redis.call('SMEMBERS', KEYS[1])
+"""
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -313,9 +333,13 @@ class BatchRecords:
         self._transition = redis.register_script(_TRANSITION)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
+        self._active_ids = redis.register_script(_ACTIVE_IDS)
 
     async def add(self, batch_id: str, tenant: str, fields: Mapping[str, Any], *, created_ms: int) -> None:
-        """A new batch, listed in its tenant's index and among the unfinished ones in the same step."""
+        """A new batch, listed in its tenant's index and among the unfinished ones in the same step
+        (after taking over an older gateway's unfinished ones, whose set is a tenant's index now)."""
+        if self.keys.index(tenant) == self.keys.former_active:
+            await self.active_ids()
         await self._add(keys=[self.keys.batch(batch_id), self.keys.index(tenant), self.keys.active],
                         args=[batch_id, created_ms, *_encoded_pairs(fields)])
 
@@ -348,7 +372,11 @@ class BatchRecords:
                                            args=[len(statuses), *statuses, *_encoded_pairs(fields)]) == 1)
 
     async def active_ids(self) -> list[str]:
-        return sorted(i.decode() for i in await reply(self.redis.smembers(self.keys.active)))
+        """The unfinished batches (taking over those an older gateway listed under the former name)."""
+        former = self.keys.former_active
+        ids = (await self._active_ids(keys=[self.keys.active, former]) if former is not None
+               else await reply(self.redis.smembers(self.keys.active)))
+        return sorted(i.decode() for i in ids)
 
     async def retire(self, batch_id: str) -> None:
         await reply(self.redis.srem(self.keys.active, batch_id))

@@ -71,6 +71,7 @@ class Gateway:
                                    f"{self.settings.gateway_max_metadata_bytes} (SLOTQ_GATEWAY_MAX_METADATA_BYTES)",
                                    "metadata", code="metadata_too_large")
         route = await self.router.route(model, job.kind)
+        job = job.model_copy(update={"model": model})     # its worker checks it: never run by another model
         served = {w.kind for w in route.workers}
         if job.kind not in served:
             path = "/v1/embeddings" if job.kind == JobKind.EMBEDDING else "/v1/chat/completions or /v1/completions"

@@ -216,18 +216,22 @@ def completion_id(kind: Kind, job_id: str) -> str:
 def to_response(kind: AnyKind, result: JobResult, model: str, created: int,
                 encoding_format: str = "float") -> ChatCompletion | TextCompletion | EmbeddingsResponse:
     """A finished job as OpenAI's ``chat.completion``, ``text_completion`` or embeddings ``list`` object
-    (``encoding_format``: the embedding request's)."""
+    (``encoding_format``: the embedding request's). ``model`` is the name asked for; the response names
+    the model that served the job when its result says (``system_fingerprint``: its GGUF's fingerprint)."""
+    model = result.model or model
     if kind == "embedding":
         return to_embeddings_response(result, model, encoding_format)
     slotq = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
     usage = usage_out(result.usage)
     rid = completion_id(kind, result.id)
     if kind == "chat":
-        return ChatCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
+        return ChatCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq,
+                              system_fingerprint=result.model_fingerprint, choices=[
             ChatChoice(index=c.index, message=assistant_message(c), finish_reason=finish_reason(c.finish_reason),
                        logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs))
             for c in result.choices])
-    return TextCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq, choices=[
+    return TextCompletion(id=rid, created=created, model=model, usage=usage, slotq=slotq,
+                          system_fingerprint=result.model_fingerprint, choices=[
         TextChoice(index=c.index, text=c.text, logprobs=None if c.logprobs is None else text_logprobs(
             c.logprobs, TextOffsets()), finish_reason=finish_reason(c.finish_reason)) for c in result.choices])
 
@@ -255,7 +259,7 @@ def to_embeddings_response(result: JobResult, model: str, encoding_format: str =
     vector as OpenAI's base64 already, so ``base64`` passes it through."""
     data = [EmbeddingData(index=i, embedding=encoded if encoding_format == "base64" else decode_vector(encoded))
             for i, encoded in enumerate(result.embeddings)]
-    return EmbeddingsResponse(data=data, model=model, slotq=SlotqInfo(job_id=result.id, worker=result.worker,
-                                                                      attempts=result.attempts),
+    about = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
+    return EmbeddingsResponse(data=data, model=result.model or model, slotq=about,
                               usage=EmbeddingsUsage(prompt_tokens=result.usage.prompt_tokens,
                                                     total_tokens=result.usage.prompt_tokens))

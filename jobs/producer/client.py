@@ -49,7 +49,6 @@ from slotq.jobs.protocol.schemas import (
     AnyJobRequest,
     EmbeddingJobRequest,
     EntryKind,
-    JobKind,
     JobRequest,
     JobResult,
     JobStatus,
@@ -411,21 +410,28 @@ class SlotqClient:
         (:mod:`~slotq.jobs.protocol.registry`)."""
         return await registry.live_workers(self.redis)
 
-    async def _queue_workers(self, kind: JobKind) -> list[WorkerInfo]:
+    async def _queue_workers(self, request: AnyJobRequest) -> list[WorkerInfo]:
         """The live workers of this queue, or JobRejected when every one serves another kind of job
-        (an embedding job sent to a text generator's queue, or the reverse). With none, an empty list."""
+        (an embedding job sent to a text generator's queue, or the reverse) or another model than
+        the one the request names. With none, an empty list. (A worker refuses such a job too, by
+        name: this only spares the round trip while the workers are known.)"""
         workers = [w for w in await self._cached_workers() if w.queue == self.settings.queue_name]
+        kind = request.kind
         if workers and all(w.kind != kind for w in workers):
             raise JobRejected(
                 f"the workers of queue {self.settings.queue_name!r} (model {workers[0].model}) serve "
                 f"{workers[0].kind.value} jobs, not {kind.value} jobs; use the queue of a model that serves them",
                 field="model")
+        if workers and request.model is not None and all(w.model != request.model for w in workers):
+            raise JobRejected(
+                f"model {request.model!r} is not served on queue {self.settings.queue_name!r} (its workers serve "
+                f"{workers[0].model!r}); use the queue of {request.model!r} (SLOTQ_QUEUE_NAME)", field="model")
         return [w for w in workers if w.kind == kind]
 
     async def _check_embedding_fits(self, request: EmbeddingJobRequest) -> None:
         """Refuse a text that cannot fit the largest input limit the queue's workers advertise (its
         characters over that limit times ``max_prompt_chars_per_token``), unless it is to be truncated."""
-        contexts = [w.ctx for w in await self._queue_workers(JobKind.EMBEDDING) if w.ctx]
+        contexts = [w.ctx for w in await self._queue_workers(request) if w.ctx]
         if not contexts or request.truncate:
             return
         limit = int(max(contexts) * self.settings.max_prompt_chars_per_token)
@@ -444,7 +450,7 @@ class SlotqClient:
         against that context times ``max_prompt_chars_per_token``: a prompt that long cannot fit,
         and refusing it here spares a worker tokenizing megabytes only to say so. With no live
         worker, accept."""
-        contexts = [w.ctx for w in await self._queue_workers(JobKind.GENERATION) if w.ctx]
+        contexts = [w.ctx for w in await self._queue_workers(request) if w.ctx]
         if not contexts:
             return
         ctx = max(contexts)

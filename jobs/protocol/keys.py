@@ -40,6 +40,8 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
 ``Q:wake``                        LIST    one token per waiting job (capped): an idle worker BLPOPs one
 ``Q:claim_seq``                   STRING  the number of the queue's newest claim (see :attr:`QueueKeys.claim_seq`)
+``Q:serving``                     HASH    worker id -> ``<until ms><TAB><kind><TAB><model>``: the workers serving the
+                                          queue, all of one model and kind (:mod:`slotq.jobs.protocol.scripts.serving`)
 ``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
 ``arq:job:<arq id>``              STRING  the job record in arq's format (function, payload, enqueue time)
 ``arq:retry:<arq id>``            STRING  attempt counter (arq's ``run_job`` increments it)
@@ -308,6 +310,13 @@ class QueueKeys:
         one. The number is at least the server's time in microseconds, so it keeps rising after a
         failover that lost the last increments."""
         return f"{self.prefix}:claim_seq"
+
+    @property
+    def serving(self) -> str:
+        """The workers serving the queue and the model and kind each serves, until when (Redis' clock):
+        a worker joins only while every live entry names its own model and kind, so a queue is never
+        served by two models (:class:`~slotq.jobs.protocol.scripts.serving.JoinQueue`)."""
+        return f"{self.prefix}:serving"
 
     def abort_channel(self, token: str) -> str:
         return f"{self.prefix}:abort:{token}"

@@ -16,6 +16,10 @@ Beside the version, a payload names its ``kind`` (:class:`~slotq.jobs.protocol.s
 not a generation job: an embedding job's ``inputs`` validate as an :class:`EmbeddingJobRequest`. A worker
 older than 1.3 reads an embedding payload as a generation job with unknown fields and refuses it as
 ``invalid_payload`` (it has no prompt), never runs it.
+
+A payload may name the ``model`` it is for (1.4; the gateway always does): a worker of another model
+refuses it as ``wrong_model`` (:mod:`slotq.jobs.worker.served_model`). A worker older than 1.4 ignores
+the field, so upgrade the workers before the producers that name models.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from slotq.jobs.protocol.wire import ErrorInfo
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = (1, 3)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`,
-                              # `logprobs`, and `kind` (embedding jobs: `inputs`, `truncate`)
+SCHEMA_VERSION = (1, 4)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`,
+                              # `logprobs`, and `kind` (embedding jobs: `inputs`, `truncate`), 1.4 `model`
 VERSION_FIELD = "schema_version"
 KIND_FIELD = "kind"
 _REQUEST_MODELS: dict[JobKind, type[AnyJobRequest]] = {JobKind.GENERATION: JobRequest,

@@ -7,16 +7,24 @@ last beat) lets a reader list the fleet in O(workers) without a scan of the keys
 silent for an hour are pruned by the beats of the others. Readers: the producer client (its
 limit checks and ``workers()``), and through it the gateway's routing, ``slotq status`` and the
 dashboard.
+
+A worker also holds an entry in its queue's serving record (:class:`QueueMembership`), the one
+place that decides which model and kind a queue serves: a worker of another model or kind is
+refused there, atomically, before it can claim anything.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from slotq.jobs.protocol.keys import WORKER_INDEX, worker_key
-from slotq.jobs.protocol.schemas import WorkerInfo
+from slotq.jobs.protocol.keys import WORKER_INDEX, QueueKeys, worker_key
+from slotq.jobs.protocol.replies import reply
+from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
+from slotq.jobs.protocol.scripts.layout import ScriptRunner
+from slotq.jobs.protocol.scripts.serving import JoinQueue
 
 RECENT_S = 120.0        # the index is read this far back (heartbeats come every few seconds)
 INDEX_KEEP_S = 3600     # a worker silent this long leaves the index
@@ -52,3 +60,38 @@ async def live_workers(redis: Redis) -> list[WorkerInfo]:
         hashes = await pipe.execute()
     workers = [WorkerInfo.model_validate({k.decode(): v.decode() for k, v in raw.items()}) for raw in hashes if raw]
     return sorted(workers, key=lambda w: w.id)
+
+
+@dataclass(frozen=True)
+class QueueServer:
+    """A worker serving a queue, and what it serves."""
+
+    worker: str
+    kind: JobKind
+    model: str
+
+
+class QueueMembership:
+    """One worker's entry in its queue's serving record (``Q:serving``, :class:`JoinQueue`): the
+    model and kind it serves there, renewed with every heartbeat, gone three beats after the last."""
+
+    def __init__(self, redis: Redis, keys: QueueKeys, server: QueueServer) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.server = server
+        self._scripts = ScriptRunner(redis)
+
+    async def join(self, *, ttl_s: float) -> QueueServer | None:
+        """Join (or stay in) the queue for ``ttl_s`` more; None when done, else the live worker of
+        another model or kind that holds the queue (and this worker is not in it)."""
+        other = await self._scripts.run(JoinQueue(
+            serving=self.keys.serving, worker=self.server.worker, kind=self.server.kind.value,
+            model=self.server.model, ttl_ms=int(ttl_s * 1000)))
+        if not other:
+            return None
+        worker, kind, model = (part.decode() for part in other)
+        return QueueServer(worker=worker, kind=JobKind(kind), model=model)
+
+    async def leave(self) -> None:
+        """A worker stopping: the queue is free for another model at once once its last worker left."""
+        await reply(self.redis.hdel(self.keys.serving, self.server.worker))

@@ -71,6 +71,10 @@ class JobFields(BaseModel):
     tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN,
                         description="who the job belongs to (the gateway sets the caller's); scopes the idempotency "
                                     "key and the job id")
+    model: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="the model the job is for (the gateway sets the one asked for): a worker of another model refuses "
+                    "it by name (wrong_model) and never runs it; unset = whichever model serves the queue")
 
     @model_validator(mode="after")
     def _serializable(self) -> JobFields:
@@ -182,6 +186,9 @@ class JobResult(BaseModel):
     choices: list[ChoiceResult] = Field(default_factory=list)
     error: ErrorInfo | None = None
     worker: str | None = Field(None, description="the worker whose attempt wrote the job's final stream entry")
+    model: str | None = Field(None, description="the model that worker serves (its SLOTQ_MODEL_NAME or file name)")
+    model_fingerprint: str | None = Field(
+        None, description="a fingerprint of that model's GGUF file (16 hex digits: its size and first and last MiB)")
     attempts: int = Field(
         0, description="the attempt that ended the job (attempts handed back on shutdown do not count)")
     interruptions: int = Field(
@@ -241,6 +248,8 @@ class StreamEntry(BaseModel):
     timings: Timings | None = None
     error: ErrorInfo | None = None
     worker: str | None = Field(None, description="the worker that wrote it (done and error entries)")
+    model: str | None = Field(None, description="the model of that worker (done and error entries)")
+    model_fingerprint: str | None = Field(None, description="a fingerprint of that model's GGUF file (as model)")
     final: bool = Field(False, description="the last entry of the job: nothing follows")
 
 

@@ -127,6 +127,10 @@ def encode_entry(entry: StreamEntry) -> dict[str, str]:
         fields["e"] = entry.error.model_dump_json()
     if entry.worker is not None:
         fields["w"] = entry.worker
+    if entry.model is not None:
+        fields["m"] = entry.model
+    if entry.model_fingerprint is not None:
+        fields["mf"] = entry.model_fingerprint
     if entry.final:
         fields["f"] = "1"
     return fields
@@ -153,6 +157,8 @@ def decode_entry(entry_id: bytes | str, raw: Mapping[Any, Any]) -> StreamEntry:
         timings=Timings.model_validate_json(f["tm"]) if "tm" in f else None,
         error=ErrorInfo.model_validate_json(f["e"]) if "e" in f else None,
         worker=f.get("w"),
+        model=f.get("m"),
+        model_fingerprint=f.get("mf"),
         final=f.get("f") == "1",
     )
 

@@ -47,6 +47,7 @@ from slotq.jobs.worker.engine_api import JobEmbedder, JobEngine, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
 from slotq.jobs.worker.results import Attribution
 from slotq.jobs.worker.resume import Delivered, Replies, read_delivered
+from slotq.jobs.worker.served_model import ServedModel
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
@@ -66,16 +67,19 @@ class JobRun:
                  is_abort: Callable[[], bool], lease_lost: Callable[[], bool],
                  verdict: Callable[..., Verdict] | None = None, ledger: AttemptLedger | None = None,
                  lent_reserve: bool = False, faults: JobFaults = JobFaults(), gate: StartGate | None = None,
-                 embedder: JobEmbedder | None = None) -> None:
+                 embedder: JobEmbedder | None = None, served: ServedModel | None = None) -> None:
         """``ledger`` judges lost attempts (interrupted or failed); without one (arq's own queue, as
         the arq baseline runs) every attempt spends a try. ``lent_reserve``: the claim lent this
         attempt the worker's reserve (its tenant had nothing running), and so does its engine request.
         ``gate``: the worker's, where suspects start isolated (with a ledger; without one, a suspect
         starts like any job). Whoever runs the attempt calls ``gate.leave`` when it ends. ``embedder``:
         the engine again on an embedding worker, which runs embedding jobs (None on a generation
-        worker, which fails them by name)."""
+        worker). ``served``: the model and kind this worker serves; a job of another is refused by name
+        (:meth:`ServedModel.refusal`) before anything runs. None only where no worker's model is at stake
+        (arq's own queue in the baseline benchmark, tests of one attempt)."""
         self.engine = engine
         self.embedder = embedder
+        self.served = served
         self.writer = writer
         self.settings = settings
         self.worker_id = worker_id
@@ -122,6 +126,10 @@ class JobRun:
             return await self._dead_letter(decoded.error)
         job = decoded.request
         self.metadata = dict(job.metadata)
+        refusal = None if self.served is None else self.served.refusal(
+            job, worker=self.worker_id, queue=self.settings.queue_name)
+        if refusal is not None:        # kept as a dead letter: requeued once its model serves the queue
+            return await self._dead_letter(refusal)
         if self.lease_lost():          # claimed again before this attempt got going
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
         # Read even on attempt 1: a job handed back on shutdown runs again with the same try number.
@@ -193,11 +201,7 @@ class JobRun:
         """An embedding job: all its vectors at once, into the result; the stream gets the final entry
         (usage) that wakes those waiting. Nothing is delivered before the end, so a lost attempt made
         no progress and a retry starts over."""
-        if self.embedder is None:
-            return await self._fail(ErrorInfo(code="wrong_job_kind", retryable=False, field="model", message=(
-                f"an embedding job reached a generation worker ({self.worker_id}, model "
-                f"{self.engine.info.model_name}, queue {self.settings.queue_name}); embedding jobs go to the queue "
-                "of an embedding worker (slotq worker --embeddings)")))
+        assert self.embedder is not None, "refused by ServedModel.refusal: an embedding job on a generation worker"
         request = to_engine_embedding_request(job, request_id=self.job_id)
         try:
             embedded = await self.embedder.embed(request)
@@ -366,13 +370,23 @@ class JobRun:
     def _entry(self, kind: EntryKind, **fields: Any) -> StreamEntry:
         """A stream entry of this attempt other than a chunk, signed with its worker: the final
         one tells whose attempt ended the job, even when another worker writes the result."""
-        return StreamEntry(id="", kind=kind, attempt=self.attempt, worker=self.worker_id, **fields)
+        return StreamEntry(id="", kind=kind, attempt=self.attempt, worker=self.worker_id, model=self._model_name,
+                           model_fingerprint=self._model_fingerprint, **fields)
+
+    @property
+    def _model_name(self) -> str | None:
+        return self.served.name if self.served is not None else None
+
+    @property
+    def _model_fingerprint(self) -> str | None:
+        return self.served.fingerprint if self.served is not None else None
 
     # ------------------------------------------------------------------ results
     def _about(self) -> Attribution:
         """What every result of this attempt says besides its outcome."""
         return Attribution(job_id=self.job_id, worker=self.worker_id, attempts=self.attempt,
-                           interruptions=self.interruptions, metadata=self.metadata, max_tokens_cap=self.cap)
+                           interruptions=self.interruptions, metadata=self.metadata, max_tokens_cap=self.cap,
+                           model=self._model_name, model_fingerprint=self._model_fingerprint)
 
     def _result(self, replies: Replies, finished: dict[int, Done]) -> JobResult:
         return results.succeeded(replies, finished, self._about())

@@ -78,8 +78,8 @@ for _counted_as in ("interruption", "failure"):
     ATTEMPTS_LOST.labels(counted_as=_counted_as)       # exported at 0 from the start, so rate() sees the first one
 DEAD_LETTERS = Counter(
     "slotq_dead_letters", "Jobs dead-lettered by this worker, by reason (the error code: killed_its_worker, "
-    "tries_exhausted, interruptions_exhausted, poison_payload, invalid_payload, unsupported_payload_version, or the "
-    "code of the retryable error the last try ended with)", ["reason"])
+    "tries_exhausted, interruptions_exhausted, poison_payload, invalid_payload, unsupported_payload_version, "
+    "wrong_model, wrong_job_kind, or the code of the retryable error the last try ended with)", ["reason"])
 for _reason in ("killed_its_worker", "tries_exhausted", "interruptions_exhausted"):
     DEAD_LETTERS.labels(reason=_reason)                # exported at 0 from the start, so rate() sees the first one
 TTFT = Histogram("slotq_time_to_first_token_seconds", "Submit to first token, in the engine", buckets=LATENCY_BUCKETS)

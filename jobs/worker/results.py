@@ -1,7 +1,7 @@
 """A job's result, as its attempt's outcomes sum up: pure functions, no Redis.
 
-Every result names whose attempt ended the job (:class:`Attribution`: the worker, the attempt
-number, the interruptions before it, the job's metadata and any ``max_tokens`` cap). A job of
+Every result names whose attempt ended the job (:class:`Attribution`: the worker and its model, the
+attempt number, the interruptions before it, the job's metadata and any ``max_tokens`` cap). A job of
 several choices gets one :class:`~slotq.jobs.protocol.schemas.ChoiceResult` each, and the result
 reads choice 0 for its text, finish reason and timings, counts the prompt once and adds up the
 completions. A result rebuilt from a complete stream (an earlier attempt ended the job and only its
@@ -29,6 +29,14 @@ class Attribution:
     interruptions: int
     metadata: dict[str, Any] = field(default_factory=dict)
     max_tokens_cap: MaxTokensCap | None = None
+    model: str | None = None                # the model the worker serves, and its GGUF's fingerprint
+    model_fingerprint: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The result fields every outcome shares."""
+        return {"id": self.job_id, "worker": self.worker, "model": self.model,
+                "model_fingerprint": self.model_fingerprint, "attempts": self.attempts,
+                "interruptions": self.interruptions, "metadata": self.metadata}
 
 
 def summarize(choices: list[ChoiceResult], about: Attribution, *, status: JobStatus, text: str,
@@ -37,14 +45,13 @@ def summarize(choices: list[ChoiceResult], about: Attribution, *, status: JobSta
     prompt counts once and completions add up."""
     first = choices[0] if choices and choices[0].index == 0 else None
     return JobResult(
-        id=about.job_id, status=status, text=text,
+        status=status, text=text,
         finish_reason=first.finish_reason if first else fallback_reason,
         usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
                     completion_tokens=sum(c.usage.completion_tokens for c in choices),
                     cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices)),
         timings=first.timings if first else None,
-        choices=choices, worker=about.worker, attempts=about.attempts, interruptions=about.interruptions,
-        metadata=about.metadata, max_tokens_cap=about.max_tokens_cap,
+        choices=choices, max_tokens_cap=about.max_tokens_cap, **about.fields(),
     )
 
 
@@ -55,24 +62,22 @@ def succeeded(replies: Replies, finished: dict[int, Done], about: Attribution) -
 
 
 def failed(error: ErrorInfo | None, about: Attribution) -> JobResult:
-    return JobResult(id=about.job_id, status=JobStatus.FAILED, error=error, worker=about.worker,
-                     attempts=about.attempts, interruptions=about.interruptions, finish_reason=FinishReason.ERROR,
-                     metadata=about.metadata)
+    return JobResult(status=JobStatus.FAILED, error=error, finish_reason=FinishReason.ERROR, **about.fields())
 
 
 def embedded(about: Attribution, *, status: JobStatus, finish_reason: FinishReason, usage: Usage) -> JobResult:
     """The result of an embedding job, before its vectors are added."""
-    return JobResult(id=about.job_id, status=status, finish_reason=finish_reason, usage=usage, worker=about.worker,
-                     attempts=about.attempts, interruptions=about.interruptions, metadata=about.metadata)
+    return JobResult(status=status, finish_reason=finish_reason, usage=usage, **about.fields())
 
 
 def from_stream(delivered: Delivered, about: Attribution) -> JobResult:
     """The result a complete stream holds (``delivered.final`` is set): an earlier attempt wrote its
     final entry, and only its finish was lost (e.g. its lease expired during a cut, after the final
-    entry reached Redis). It names that attempt and its worker."""
+    entry reached Redis). It names that attempt, its worker and its worker's model."""
     final = delivered.final
     assert final is not None
-    about = replace(about, worker=final.worker, attempts=final.attempt)
+    about = replace(about, worker=final.worker, attempts=final.attempt, model=final.model,
+                    model_fingerprint=final.model_fingerprint)
     if final.kind == EntryKind.ERROR:
         return failed(final.error, about)
     choices = [delivered.replies.choice(c, d.finish_reason, d.usage or Usage(), d.timings or Timings())

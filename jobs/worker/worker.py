@@ -8,6 +8,10 @@
   reaper once their lease expires; a worker that stalled past its lease is fenced off.
 * The heartbeat, the cancel listener and the metrics loop run under a :class:`Supervisor`: an
   unexpected exception is logged, sent to Sentry, and the loop restarted.
+* It serves one model and kind on one queue: at start-up it joins the queue's serving record, which
+  refuses a worker of another model or kind while one serves the queue
+  (:class:`~slotq.jobs.errors.QueueServedByAnotherModel`, before the model loads), and every job
+  is checked against its model before it runs (:mod:`slotq.jobs.worker.served_model`).
 * Before it claims anything it runs one warm-up decode; only then is it ready (heartbeat field
   ``ready``, HTTP ``/ready`` next to ``/metrics``; ``/live`` for liveness, see :mod:`slotq.jobs.worker.health`).
 * Its active slots follow memory, KV use, decode speed and waiting work, and it degrades in steps
@@ -38,12 +42,14 @@ from redis.exceptions import RedisError
 
 from slotq.engine import Engine, EngineStats
 from slotq.jobs.aio import wait_until_set
+from slotq.jobs.errors import QueueServedByAnotherModel
 from slotq.jobs.protocol import registry
 from slotq.jobs.protocol.arq_adapter import Attempt
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
 from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
+from slotq.jobs.protocol.registry import QueueMembership, QueueServer
 from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.worker import health, metrics
@@ -53,6 +59,7 @@ from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine
 from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
 from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.runtime import QueueRuntime
+from slotq.jobs.worker.served_model import ServedModel, gguf_fingerprint
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
@@ -90,8 +97,8 @@ class SlotqWorker:
         self.lease_ms = settings.lock_ttl_s * 1000
         self.engine: JobEngine | None = None
         self.embedder: JobEmbedder | None = None      # the engine again, on an embedding worker
-        self.kind = JobKind.GENERATION
-        self.served_model = ""
+        self.served: ServedModel | None = None          # known once the model file is found
+        self.membership: QueueMembership | None = None   # this worker's entry in its queue's serving record
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -187,17 +194,22 @@ class SlotqWorker:
     # ------------------------------------------------------------------ lifecycle
     async def _on_startup(self) -> None:
         config = self.settings.engine_config()
-        self.served_model = self.settings.served_model_name(config.model_path)
-        self.kind = self.settings.job_kind(config.model_path)
-        log.info("loading %s as %r for %s jobs (%d slots, ctx %d)", config.model_path.name, self.served_model,
-                 self.kind.value, config.slots, config.ctx)
+        self.served = ServedModel(name=self.settings.served_model_name(config.model_path),
+                                  kind=self.settings.job_kind(config.model_path),
+                                  fingerprint=await asyncio.to_thread(gguf_fingerprint, config.model_path))
+        assert self.queue is not None and self.runtime is not None
+        self.membership = QueueMembership(self.queue.redis, self.queue.keys, QueueServer(
+            worker=self.id, kind=self.served.kind, model=self.served.name))
+        await self._join_queue()                # refused before a long model load
+        log.info("loading %s as %r (fingerprint %s) for %s jobs (%d slots, ctx %d)", config.model_path.name,
+                 self.served.name, self.served.fingerprint, self.kind.value, config.slots, config.ctx)
         if self.kind == JobKind.EMBEDDING:
             from slotq.engine.embedding import EmbeddingEngine
 
             self.engine = self.embedder = await EmbeddingEngine.start(config)
         else:
             self.engine = await self.engine_factory(config)
-        assert self.queue is not None and self.runtime is not None
+        await self._join_queue()                # the load may have outlasted the entry; before any claim
         self.runtime.reserve = self.engine.reserve_slots
         self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
                                    maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
@@ -224,6 +236,21 @@ class SlotqWorker:
         log.info("worker %s ready (warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s", self.id, warm_s,
                  self.engine.info.model_name, config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
 
+    @property
+    def kind(self) -> JobKind:
+        """The kind of job this worker serves (generation until its model is known)."""
+        return self.served.kind if self.served is not None else JobKind.GENERATION
+
+    async def _join_queue(self) -> None:
+        """Hold this worker's entry in the queue's serving record for three beats; raise
+        :class:`QueueServedByAnotherModel` when a live worker of another model or kind holds the queue."""
+        assert self.membership is not None and self.served is not None
+        other = await self.membership.join(ttl_s=self.settings.lock_ttl_s)
+        if other is not None:
+            raise QueueServedByAnotherModel(
+                queue=self.settings.queue_name, model=self.served.name, kind=self.served.kind.value,
+                other_worker=other.worker, other_model=other.model, other_kind=other.kind.value)
+
     async def _on_shutdown(self) -> None:
         assert self.queue is not None
         await self._faults.before_loops_stop(self._beat_now, lambda: self._heartbeat_ok_at)
@@ -232,6 +259,8 @@ class SlotqWorker:
             await self.writer.close()
         try:
             await registry.leave(self.queue.redis, self.id)
+            if self.membership is not None:
+                await self.membership.leave()
         except RedisError:
             pass
         if self.engine:
@@ -316,6 +345,7 @@ class SlotqWorker:
     async def _heartbeat_once(self) -> None:
         """Renew the leases of running jobs and advertise this worker."""
         assert self.runtime is not None and self.queue is not None and self.engine is not None
+        assert self.served is not None
         self._faults.on_heartbeat()
         runtime = self.runtime
         jobs = runtime.leases()
@@ -325,6 +355,16 @@ class SlotqWorker:
             if not ok and runtime.is_current(job):
                 log.warning("job %s: its lease expired and the job was requeued; abandoning this attempt", job.id)
                 runtime.lose_lease(job.id, job.lease)
+        try:
+            await self._join_queue()
+        except QueueServedByAnotherModel as exc:
+            # Only after this worker went unheard past its entry's time (stalled, cut off from Redis) and
+            # another model took the queue: the queue is theirs now. Its running jobs (leases just renewed)
+            # may finish; it no longer advertises itself, so no route leads here.
+            if not self._draining:
+                log.error("%s; stopping", exc)
+                self.request_stop("the queue is served by another model")
+            return
         stats = self.engine.stats()
         now = time.time()
         rate = 0.0
@@ -332,7 +372,7 @@ class SlotqWorker:
             rate = (stats.generated_tokens - self._tokens_seen[1]) / (now - self._tokens_seen[0])
         self._tokens_seen = (now, stats.generated_tokens)
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
-            "id": self.id, "queue": self.settings.queue_name, "model": self.served_model, "kind": self.kind,
+            "id": self.id, "queue": self.settings.queue_name, "model": self.served.name, "kind": self.served.kind,
             "ctx": self.engine.ctx_per_seq, **engine_heartbeat_fields(stats),
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
@@ -390,7 +430,7 @@ class SlotqWorker:
                      lease_lost=lambda: runtime.has_lost_lease(job_id),
                      verdict=self.elastic.verdict if self.elastic else None,
                      ledger=AttemptLedger(self.queue, claim), lent_reserve=claim.lent_reserve,
-                     faults=self._job_faults, gate=self._start_gate, embedder=self.embedder)
+                     faults=self._job_faults, gate=self._start_gate, embedder=self.embedder, served=self.served)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)

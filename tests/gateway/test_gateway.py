@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 
 from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.wire import ErrorInfo
+from slotq.jobs.worker.served_model import gguf_fingerprint
 from tests.support.gateway import Event, Stack, chunk_text, free_port, sse_events
 from tests.support.jobs import SLOTQ_BIN, clean_env
 from tests.support.processes import wait_for
@@ -682,15 +683,34 @@ def test_two_gateways_serve_one_jobs_stream(stack):
     assert len(seen[one]) > 2
 
 
-def test_two_models_on_two_workers_are_routed_by_model(stack):
+def test_two_models_on_two_workers_are_routed_by_model(stack, tiny_model_path):
+    """Each reply names the model that served it (the worker's, not the echoed request) and its GGUF's
+    fingerprint, streamed or not; none is answered by the other model."""
     client = sdk(stack.gateways[1].url)
-    for i in range(6):
+    fingerprint = gguf_fingerprint(tiny_model_path)
+    for i in range(20):
         model = ("tiny-a", "tiny-b")[i % 2]
         reply = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=4, extra_body=greedy())
-        assert reply.model == model
+        assert reply.model == model and reply.system_fingerprint == fingerprint
         assert reply.slotq["worker"] == {"tiny-a": "gw-worker-a", "tiny-b": "gw-worker-b"}[model]
         expected_queue = {"tiny-a": "slotq:queue", "tiny-b": "slotq:queue:b"}[model]
-        assert job(stack.url, reply.slotq["job_id"])["queue"] == expected_queue
+        stored = job(stack.url, reply.slotq["job_id"])
+        assert stored["queue"] == expected_queue and stored["result"]["model"] == model
+    chunks = list(client.chat.completions.create(model="tiny-b", messages=PROMPT, max_tokens=4, stream=True,
+                                                 extra_body=greedy()))
+    assert chunks[-1].model == "tiny-b" and chunks[-1].system_fingerprint == fingerprint
+
+
+def test_a_worker_of_another_model_on_a_served_queue_is_refused_by_name(stack):
+    """Two models, both with the default queue (the way a fleet grows): the second exits before it loads
+    its model, naming the queue, the model there and the setting to change; nothing else changes."""
+    intruder = stack.start_worker("gw-worker-z", "tiny-z")
+    assert intruder.proc.wait(60) == 1
+    log = intruder.log_tail()
+    stack.workers.pop("gw-worker-z").stop()          # gone: the stack's later waits check its workers live
+    assert "queue 'slotq:queue' is served by model 'tiny-a' (generation jobs, worker gw-worker-a)" in log
+    assert "this worker serves 'tiny-z'" in log and "SLOTQ_QUEUE_NAME" in log
+    assert {m.id for m in sdk(stack.url).models.list()} == {"tiny-a", "tiny-b"}
 
 
 # ---------------------------------------------------------------------- operations

@@ -47,6 +47,22 @@ def test_models_say_which_kind_they_serve(sdk: OpenAI) -> None:
     assert kinds == {"tiny-gen": "generation", "tiny-embed": "embedding"}
 
 
+def test_an_embeddings_worker_with_default_settings_is_refused_by_name(stack: Stack, sdk: OpenAI) -> None:
+    """`slotq worker --embeddings`, the natural first try, beside a generation worker on the default queue:
+    it exits at once naming the queue, the model and the kind there, and the setting to change; both
+    kinds are still served by their own workers."""
+    intruder = stack.start_worker("gw-embed-default", "tiny-embed-2", embeddings="true")
+    assert intruder.proc.wait(60) == 1
+    log = intruder.log_tail()
+    stack.workers.pop("gw-embed-default").stop()          # gone: the stack's later waits check its workers live
+    assert "queue 'slotq:queue' is served by model 'tiny-gen' (generation jobs, worker gw-generator)" in log
+    assert "'tiny-embed-2' (embedding jobs)" in log and "SLOTQ_QUEUE_NAME" in log
+    assert {model.id for model in sdk.models.list()} == {"tiny-gen", "tiny-embed"}
+    assert sdk.embeddings.create(model="tiny-embed", input=TEXTS[:1]).model == "tiny-embed"
+    reply = sdk.chat.completions.create(model="tiny-gen", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert reply.model == "tiny-gen" and (reply.model_extra or {})["slotq"]["worker"] == "gw-generator"
+
+
 def test_every_input_shape_embeds(sdk: OpenAI) -> None:
     listed = sdk.embeddings.create(model="tiny-embed", input=TEXTS, user="ignored")
     assert [d.index for d in listed.data] == [0, 1, 2] and listed.model == "tiny-embed"

@@ -1,7 +1,8 @@
 """The gateway's own records (jobs/gateway/records.py) on a single Redis and on a real 3-primary Valkey
 Cluster: on the cluster the file and batch scripts keep their keys in one slot each (a cluster refuses a
 script across slots, and any transaction), the files' MGET too; on both every operation reads back what
-it wrote; on a single Redis the names stay those the gateway always used."""
+it wrote; on a single Redis the names stay those the gateway always used (but the unfinished batches,
+which a tenant named ``active`` collided with)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_single_redis_names_are_unchanged_and_cluster_names_share_a_slot() -> No
         "slotq:gateway:file-expiry")
     assert (batches.batch("b1"), batches.index("default"), batches.index("t"), batches.active, batches.lease("b1")) \
         == ("slotq:gateway:batch:{b1}", "slotq:gateway:batches", "slotq:gateway:batches:t",
-            "slotq:gateway:batches:active", "slotq:gateway:batch-lease:{b1}")
+            "slotq:gateway:batches-active", "slotq:gateway:batch-lease:{b1}")
+    assert batches.index("active") != batches.active                   # a tenant may be named active
     files, batches = FileKeys(clustered=True), BatchKeys(clustered=True)
     assert len(slots(files.file("f1"), files.file("f2"), files.index("default"), files.index("t"), files.bytes("t"),
                      files.expiry)) == 1
@@ -107,6 +109,24 @@ async def test_batches_are_added_listed_moved_and_driven_under_a_lease(redis: Re
     assert await records.renew("b1", "gw-1") and not await records.renew("b1", "gw-2")
     await records.release("b1", "gw-1")
     assert await records.acquire("b1", "gw-2")
+
+
+async def test_a_tenant_named_active_has_its_batches_and_older_gateways_unfinished_ones_are_driven(
+        redis: Redis) -> None:
+    """The tenant ``active``'s index was once the name of the unfinished batches' set (a 503 for every batch
+    it created). A set left there by an older gateway (a rolling upgrade) is taken over, and a tenant's
+    index there is left alone."""
+    records = BatchRecords(redis, lease_ms=10_000)
+    former = records.keys.former_active
+    if former is not None:
+        await redis.sadd(former, "old-1", "old-2")                      # listed by an older gateway
+    await records.add("b1", "active", {"status": "validating"}, created_ms=1000)
+    await records.add("b2", "active", {"status": "validating"}, created_ms=1001)
+    assert await records.page("active", 0, 10) == ["b2", "b1"]
+    assert await records.active_ids() == ["b1", "b2", *(["old-1", "old-2"] if former else [])]
+    await records.retire("b1")
+    assert await records.active_ids() == ["b2", *(["old-1", "old-2"] if former else [])]
+    assert await records.page("active", 0, 10) == ["b2", "b1"]         # the tenant's index is untouched
 
 
 async def test_the_records_are_laid_out_for_the_client(redis: Redis) -> None:

@@ -231,6 +231,31 @@ async def test_expired_files_are_gone_and_swept_but_a_running_batchs_input_stays
         await redis.aclose()
 
 
+async def test_a_corrupt_file_record_is_skipped_and_the_sweep_goes_on(redis_url, tmp_path, caplog):
+    """A record that cannot be read once stopped the sweeper for good (/ready: 503 file_sweep_stopped):
+    now it is skipped, named in the log and left in place, and every other expired file is removed."""
+    redis = Redis.from_url(redis_url)
+    now = [1_000_000.0]
+    store = FileStore(redis, tmp_path, max_bytes=1 << 20, tenant_max_files=10, tenant_max_bytes=1 << 20,
+                      default_expiry_s=100, clock=lambda: now[0])
+    try:
+        corrupt = await store.upload(io.BytesIO(b"a\n"), "a.jsonl", "batch", "t")
+        fine = await store.upload(io.BytesIO(b"bb\n"), "b.jsonl", "batch", "t")
+        await redis.set(store.records.keys.file(corrupt.id), b"{not json")
+        now[0] += 101
+        store.start(lambda: asyncio.sleep(0, set()))
+        async with asyncio.timeout(10):
+            while (tmp_path / fine.id).exists():
+                await asyncio.sleep(0.05)
+        assert store.running                                        # the sweeper goes on
+        assert await store.sweep() == 0                              # the corrupt record stays, skipped again
+        assert await redis.get(store.records.keys.file(corrupt.id)) == b"{not json"
+        assert f"file record {store.records.keys.file(corrupt.id)} cannot be read" in caplog.text
+    finally:
+        await store.close()
+        await redis.aclose()
+
+
 async def test_two_uploads_racing_for_a_tenants_last_place_take_it_once(redis_url, tmp_path):
     redis = Redis.from_url(redis_url)
     store = FileStore(redis, tmp_path, max_bytes=1 << 20, tenant_max_files=1, tenant_max_bytes=1 << 20,

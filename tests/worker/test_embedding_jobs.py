@@ -26,7 +26,7 @@ TEXTS = ["the cat sat on the mat", "hello world", "queues and slots"]
 def test_payloads_name_their_kind() -> None:
     embedding = EmbeddingJobRequest(inputs=TEXTS, truncate=True, lane="bulk")
     payload = encode_payload(embedding)
-    assert payload["kind"] == "embedding" and payload["schema_version"] == "1.3"
+    assert payload["kind"] == "embedding" and payload["schema_version"] == "1.4"
     assert decode_payload(payload).request == embedding
     generation = encode_payload(JobRequest(prompt="hi"))
     assert "kind" not in generation                           # a generation payload reads as before
@@ -84,7 +84,7 @@ async def test_a_job_of_the_other_kind_fails_by_name(start_worker, client: Slotq
     generator = await start_worker(worker_name="generator")
     failed = await stray_embedding.result(timeout=60)
     assert failed.status == JobStatus.FAILED and failed.error.code == "wrong_job_kind" and not failed.error.retryable
-    assert "an embedding job reached a generation worker (generator" in failed.error.message
+    assert "an embedding job reached a worker of generation jobs (generator" in failed.error.message
     assert (await (await client.enqueue(job_request())).result(timeout=60)).status == JobStatus.SUCCEEDED
     fresh = SlotqClient(client.redis, client.settings, owns_connection=False)     # no cached view of the workers
     with pytest.raises(JobRejected, match="serve generation jobs, not embedding jobs") as refused:
@@ -96,8 +96,8 @@ async def test_a_job_of_the_other_kind_fails_by_name(start_worker, client: Slotq
     stray_generation = await other.enqueue(job_request())
     await start_worker(worker_name="embedder", embeddings=True, queue_name="slotq:embed")
     failed = await other.result(stray_generation.id, timeout=60)
-    assert failed.status == JobStatus.FAILED and failed.error.code == "invalid_request"
-    assert "a generation job reached an embedding worker" in failed.error.message
+    assert failed.status == JobStatus.FAILED and failed.error.code == "wrong_job_kind"
+    assert "a generation job reached a worker of embedding jobs (embedder" in failed.error.message
     assert len((await other.embed(TEXTS, timeout=60)).vectors) == 3
     other = SlotqClient(client.redis, other.settings, owns_connection=False)
     with pytest.raises(JobRejected, match="serve embedding jobs, not generation jobs"):
