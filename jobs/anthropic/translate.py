@@ -179,7 +179,8 @@ def tool_input(arguments: str) -> dict[str, Any] | None:
 def to_message(result: JobResult, model: str) -> Message:
     """A finished job as Anthropic's Message: its thinking, its text, then its calls. A call cut
     short by ``max_tokens`` has no complete input and is left out (``stop_reason`` is
-    ``max_tokens``); the job's result (``GET /v1/jobs/{id}``) keeps its text."""
+    ``max_tokens``); the job's result (``GET /v1/jobs/{id}``) keeps its text. ``model`` is the name
+    asked for; the Message names the model that served the job when its result says."""
     content: list[ThinkingOut | TextOut | ToolUseOut] = []
     reason = result.finish_reason
     if result.choices:
@@ -195,7 +196,7 @@ def to_message(result: JobResult, model: str) -> Message:
                 content.append(ToolUseOut(id=call.id, name=call.function.name, input=arguments))
     elif result.text:
         content.append(TextOut(text=result.text))
-    return Message(id=message_id(result.id), model=model, content=content, stop_reason=stop_reason(reason),
+    return Message(id=message_id(result.id), model=result.model or model, content=content, stop_reason=stop_reason(reason),
                    usage=usage_out(result.usage),
                    slotq=SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts))
 
