@@ -181,6 +181,7 @@ class ReplyParser:
         self._calls: list[ToolCall] = []
         self._inside: str | None = None   # where the reply must not end, phrased for the error ("inside tool call 0")
         self._error: ToolCallError | None = None
+        self._unfinished = False   # the error is only that the reply ended inside a call
         self._running = True
         self._steps = self._reply()
 
@@ -192,12 +193,14 @@ class ReplyParser:
         self._pos = 0
         return self._step()
 
-    def finish(self) -> ReplyDelta:
+    def finish(self, *, cut: bool = False) -> ReplyDelta:
         """Flush what was held back. Raises ToolCallError naming what is wrong when a call began but is
-        unfinished or its arguments are not a JSON object ('the model's tool call is not valid JSON: ...')."""
+        unfinished or its arguments are not a JSON object ('the model's tool call is not valid JSON: ...').
+        A reply ``cut`` by its length limit may end inside a call: it keeps what the call got, as
+        OpenAI answers ``finish_reason: length`` with the call's arguments as far as they came."""
         self._ended = True
         delta = self._step()
-        if self._error is not None:
+        if self._error is not None and not (cut and self._unfinished):
             raise self._error
         return delta
 
@@ -221,6 +224,7 @@ class ReplyParser:
             except _ReplyEnded:
                 self._running = False
                 if self._inside is not None:
+                    self._unfinished = True
                     self._error = ToolCallError(f"the model's tool call is unfinished: the reply ended {self._inside}")
             except ToolCallError as exc:
                 self._running = False
