@@ -36,7 +36,7 @@ from typing import Any
 
 import llguidance
 
-from slotq.engine.constraints import COMPACT_JSON, Constraint, validate_constraint
+from slotq.engine.constraints import COMPACT_JSON, Constraint, closed_objects, validate_constraint, with_subschemas
 from slotq.engine.errors import GrammarError
 from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCall, ToolCallError, ToolCallFormat
@@ -110,33 +110,24 @@ def _embedded_parameters(tool: ToolSpec, index: int, root_defs: dict[str, Any]) 
     """A function's ``parameters`` as a wrapper schema embeds them. They are a schema document of their
     own, so their local references (``#/$defs/City``, how pydantic writes a nested model) mean their
     own root, not the wrapper's: parameters that hold one move under the wrapper root's ``$defs``
-    (added to ``root_defs``) with each reference rebased there, and are embedded as a ``$ref``."""
-    parameters = tool.function.parameters
-    if not _has_local_ref(parameters):
-        return parameters
+    (added to ``root_defs``) with each reference rebased there, and are embedded as a ``$ref``.
+    Their objects are closed as a response_format's are (:func:`~slotq.engine.constraints.closed_objects`)."""
+    parameters: dict[str, Any] = closed_objects(tool.function.parameters)
     key = f"slotq_parameters_{index}"
-    root_defs[key] = _rebased_refs(parameters, f"#/$defs/{key}")
+    rebased = _rebased_refs(parameters, f"#/$defs/{key}")
+    if rebased == parameters:       # no local reference: embedded as they are
+        return parameters
+    root_defs[key] = rebased
     return {"$ref": f"#/$defs/{key}"}
 
 
-_SCHEMA_VALUES = frozenset({"const", "enum", "default", "examples"})   # data, not schema: never rebased
-
-
-def _has_local_ref(schema: Any) -> bool:
-    if isinstance(schema, dict):
-        return any((key == "$ref" and isinstance(value, str) and value.startswith("#"))
-                   or (key not in _SCHEMA_VALUES and _has_local_ref(value)) for key, value in schema.items())
-    return isinstance(schema, list) and any(_has_local_ref(item) for item in schema)
-
-
 def _rebased_refs(schema: Any, base: str) -> Any:
-    if isinstance(schema, dict):
-        return {key: (base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                      else value if key in _SCHEMA_VALUES else _rebased_refs(value, base))
-                for key, value in schema.items()}
-    if isinstance(schema, list):
-        return [_rebased_refs(item, base) for item in schema]
-    return schema
+    """``schema`` with each local reference (``#...``) moved under ``base``."""
+    rebased = with_subschemas(schema, lambda sub: _rebased_refs(sub, base))
+    ref = rebased.get("$ref") if isinstance(rebased, dict) else None
+    if isinstance(ref, str) and ref.startswith("#"):
+        rebased["$ref"] = base + ref[1:]
+    return rebased
 
 
 def generic_schema(tools: list[ToolSpec], *, forced: bool, parallel: bool) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from slotq.engine import (
     SamplingParams,
 )
 from tests.support import REPO_ROOT
-from tests.support.engine import collect, greedy, run_one, running_engine
+from tests.support.engine import collect, collect_choices, greedy, run_one, running_engine
 
 
 # ----------------------------------------------------------------------------- invalid requests
@@ -179,6 +179,32 @@ async def test_json_schema_output_parses_and_matches_the_schema(tiny_model_path:
         # byte sequences count as one character in the grammar but become several U+FFFD here.)
         assert isinstance(value["name"], str)
         assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
+
+
+OPEN_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "object", "properties": {"c": {"type": "boolean"}}}}}
+
+
+async def test_an_object_schema_without_additional_properties_admits_no_other_keys(tiny_model_path: Path) -> None:
+    """``additionalProperties`` unsaid reads as false (llama-server's reading), in a json_schema and
+    in a tool's parameters: pydantic and the frameworks send such schemas, and a model then invents keys."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": OPEN_SCHEMA}}]
+    async with running_engine(tiny_model_path, slots=8, ctx=1024) as engine:
+        sampled = SamplingParams(temperature=1.5, seed=7, json_schema=OPEN_SCHEMA)
+        schema_replies, _ = await collect_choices(engine.submit(GenerationRequest(
+            prompt="{", n=8, max_tokens=120, sampling=sampled)))
+        arguments: dict[tuple[int, int], str] = {}
+        handle = engine.submit(GenerationRequest(
+            messages=[{"role": "user", "content": "call f"}], tools=tools, tool_choice="required", n=8,
+            max_tokens=200, parallel_tool_calls=False, sampling=SamplingParams(temperature=1.5, seed=7)))
+        async for event in handle:
+            for call in getattr(event, "tool_calls", ()):
+                arguments[event.choice, call.index] = arguments.get((event.choice, call.index), "") + call.arguments
+    values = [json.loads(choice.text) for choice in schema_replies.values()]
+    values += [json.loads(text) for text in arguments.values()]
+    assert len(values) == 16
+    for value in values:
+        assert set(value) <= {"a", "b"} and set(value.get("b", {})) <= {"c"}, value
 
 
 _NOTHING_LEFT_TO_SAMPLE = textwrap.dedent("""
