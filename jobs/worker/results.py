@@ -54,10 +54,12 @@ def succeeded(replies: Replies, finished: dict[int, Done], about: Attribution) -
                      about, status=JobStatus.SUCCEEDED, text=replies.text.get(0, ""))
 
 
-def failed(error: ErrorInfo | None, about: Attribution) -> JobResult:
+def failed(error: ErrorInfo | None, about: Attribution, usage: Usage | None = None) -> JobResult:
+    """A failed job's result; ``usage``: what it generated before it failed (its prompt and the tokens
+    its choices delivered), as a cancelled job reports its own."""
     return JobResult(id=about.job_id, status=JobStatus.FAILED, error=error, worker=about.worker,
                      attempts=about.attempts, interruptions=about.interruptions, finish_reason=FinishReason.ERROR,
-                     metadata=about.metadata)
+                     metadata=about.metadata, usage=usage or Usage())
 
 
 def embedded(about: Attribution, *, status: JobStatus, finish_reason: FinishReason, usage: Usage) -> JobResult:
@@ -74,7 +76,7 @@ def from_stream(delivered: Delivered, about: Attribution) -> JobResult:
     assert final is not None
     about = replace(about, worker=final.worker, attempts=final.attempt)
     if final.kind == EntryKind.ERROR:
-        return failed(final.error, about)
+        return failed(final.error, about, final.usage)
     choices = [delivered.replies.choice(c, d.finish_reason, d.usage or Usage(), d.timings or Timings())
                for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
     status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED
