@@ -131,7 +131,8 @@ def _rebased_refs(schema: Any, base: str) -> Any:
 
 
 def generic_schema(tools: list[ToolSpec], *, forced: bool, parallel: bool) -> dict[str, Any]:
-    """The generic format's reply: calls of ``tools``, or (unless ``forced``) a plain response."""
+    """The generic format's reply: calls of ``tools``, or (unless ``forced``) a plain response, never
+    an empty one (``{"response": ""}`` answers nothing: the bundled model wrote it in 2 of 8 tries)."""
     call, root_defs = _one_of_calls(tools)
     calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
     if not parallel:
@@ -142,7 +143,7 @@ def generic_schema(tools: list[ToolSpec], *, forced: bool, parallel: bool) -> di
         schema = tool_calls
     else:
         response = {"type": "object", "additionalProperties": False, "required": ["response"],
-                    "properties": {"response": {"type": "string"}}}
+                    "properties": {"response": {"type": "string", "minLength": 1}}}
         schema = {"anyOf": [tool_calls, response]}
     return {**schema, "$defs": root_defs} if root_defs else schema
 
