@@ -213,7 +213,7 @@ def _native_message(message: ChatMessage) -> dict[str, Any]:
     if message.tool_calls:
         out["tool_calls"] = [{"id": call.id, "type": "function",
                               "function": {"name": call.function.name,
-                                           "arguments": _as_object(call.function.arguments)}}
+                                           "arguments": json.loads(call.function.arguments)}}
                              for call in message.tool_calls]
     return out
 
@@ -243,15 +243,6 @@ def _generic_instructions(request: GenerationParams) -> str:
         how = ("Respond in JSON with `tool_calls`: a list of calls of these functions, each with its `name` and "
                "`arguments`.")
     return f"You can call these functions (`parameters` is the JSON schema of a call's arguments):\n{described}\n{how}"
-
-
-def _as_object(arguments: str) -> Any:
-    """A previous call's arguments as the template expects them: the object, or the text as sent
-    when it is not JSON (a template then writes it as it is)."""
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
 
 
 # ---------------------------------------------------------------------------- reading the reply
