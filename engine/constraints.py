@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,49 @@ if TYPE_CHECKING:
     from slotq.engine.request import SamplingParams
 
 COMPACT_JSON: Any = {"whitespace_flexible": False}   # llguidance's JsonCompileOptions (a TypedDict): see above
+
+
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas (JSON Schema 2020-12
+# and draft 7): what with_subschemas rewrites. Anything else (const, enum, default,
+# examples, a property's name) is data and stays as it is.
+_SUBSCHEMA = frozenset({"items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+                        "additionalProperties", "unevaluatedProperties", "unevaluatedItems"})
+_SUBSCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})   # items: draft 7's tuples
+_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def with_subschemas(schema: Any, rewrite: Callable[[Any], Any]) -> Any:
+    """``schema`` (a dict, or a list of them) with ``rewrite`` applied to each of its direct
+    subschemas, the rest (data such as ``const`` or ``enum``, a property's name) as it is."""
+    if isinstance(schema, list):
+        return [rewrite(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: rewrite(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [rewrite(item) for item in value]
+        elif key in _SUBSCHEMA:
+            out[key] = rewrite(value)
+        else:
+            out[key] = value
+    return out
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and says nothing of other keys, as llama.cpp's grammar converter (llama-server)
+    reads it: what pydantic, LangChain, instructor and pydantic-ai send without ``strict`` would let
+    the model invent keys, and a small model does (6 of 6 replies on the bundled model, often
+    padding until ``max_tokens``). A schema that wants other keys says ``additionalProperties: true``
+    (or gives ``patternProperties``)."""
+    out = with_subschemas(schema, closed_objects)
+    if isinstance(out, dict) and isinstance(out.get("properties"), dict) and not {
+            "additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass(frozen=True)
@@ -66,7 +110,8 @@ def constraint_for(sampling: SamplingParams) -> Constraint | None:
     if sampling.json_schema is not None:
         try:
             return Constraint("sampling.json_schema",
-                              llguidance.LLMatcher.grammar_from_json_schema(sampling.json_schema, COMPACT_JSON))
+                              llguidance.LLMatcher.grammar_from_json_schema(closed_objects(sampling.json_schema),
+                                                                            COMPACT_JSON))
         except Exception as exc:  # llguidance raises ValueError, and its converter assorted errors
             raise GrammarError(f"sampling.json_schema: cannot be compiled: {exc}",
                                field="sampling.json_schema") from None

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from slotq.engine.chat import ChatTemplate
+from slotq.engine.chat import ESCAPE_OPEN, ChatTemplate, ControlTokens
 from slotq.engine.config import EngineConfig, KVLayout, SpecMode
 from slotq.engine.constraints import ConstraintCompiler, TokenMatcher, constraint_for
 from slotq.engine.errors import EngineError, InvalidRequest, PromptTooLong
@@ -87,7 +87,8 @@ class Engine:
         self.info = self.model.info
         self.ctx_per_seq = min(config.ctx, self.info.n_ctx_seq)   # a split layout caps it at one stream
         self.template = ChatTemplate(self.model.chat_template(), self.model.token_text(self.model.bos_token),
-                                     self.model.token_text(self.model.eos_token))
+                                     self.model.token_text(self.model.eos_token),
+                                     ControlTokens(self.model.control_tokens()))
         self.tool_format = detect_tool_format(self.model.chat_template())    # how this model's calls are written
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
         self._constraints = ConstraintCompiler(self.model.vocab, self.info.n_vocab, self._eog_tokens, config)
@@ -182,7 +183,12 @@ class Engine:
                                     if native_tools else None)
 
     def _tokens_of(self, text: str) -> list[int]:
-        tokens = self.model.tokenize(text)
+        """The prompt's tokens; a rendered chat with escaped text (a message spelling a control
+        token) is split so that only the template's own control tokens are read as such."""
+        if ESCAPE_OPEN in text and self.template.control_tokens is not None:
+            tokens = self.model.tokenize_pieces(self.template.control_tokens.split(text))
+        else:
+            tokens = self.model.tokenize(text)
         bos = self.model.bos_token
         if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
             tokens = tokens[1:]      # the template wrote BOS itself

@@ -221,6 +221,35 @@ class LlamaModel:
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    def control_tokens(self) -> dict[str, tuple[int, bool, bool]]:
+        """Each token llama.cpp reads out of a prompt's text only when told to parse specials (control
+        and unknown tokens: a chat template's turn markers), by its text: its id, and whether it
+        strips the whitespace on its left and on its right (``LSTRIP`` / ``RSTRIP``)."""
+        hidden = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        found: dict[str, tuple[int, bool, bool]] = {}
+        for token in range(self.info.n_vocab):
+            attr = int(llama_cpp.llama_vocab_get_attr(self.vocab, token))
+            text = self.token_text(token) if attr & hidden else ""
+            if text and text not in found:
+                found[text] = (token, bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP),
+                               bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP))
+        return found
+
+    def tokenize_pieces(self, pieces: Sequence[str | int]) -> list[int]:
+        """Tokens of a prompt given as plain-text pieces (tokenized with no control token read out of
+        them) and control token ids, with BOS / EOS added as :meth:`tokenize` adds them. The same
+        tokens as :meth:`tokenize` with ``parse_special`` when the pieces hold no control token's text:
+        llama.cpp, too, splits the text at control tokens first and tokenizes each piece alone."""
+        tokens = [self.bos_token] if llama_cpp.llama_vocab_get_add_bos(self.vocab) else []
+        for piece in pieces:
+            if isinstance(piece, int):
+                tokens.append(piece)
+            elif piece:
+                tokens.extend(self.tokenize(piece, add_special=False, parse_special=False))
+        if llama_cpp.llama_vocab_get_add_eos(self.vocab):
+            tokens.append(self.eos_token)
+        return tokens
+
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 

@@ -39,6 +39,10 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 MISTRAL_CALL_ID = "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
+# How a Llama 3 call's JSON begins: its name (or llama.cpp's optional "type": "function") first, or
+# its parameters, which a model may write before the name. A reply that begins with another object
+# is a JSON answer, not a call.
+LLAMA3_CALL_OPENINGS = (("{", '"name"', ":"), ("{", '"type"', ":", '"function"', ","), ("{", '"parameters"', ":"))
 ARGUMENT_KEYS = ("arguments", "parameters")   # Llama 3.x writes "parameters"; the other formats "arguments"
 
 _NON_SPACE = re.compile(r"\S")
@@ -181,6 +185,7 @@ class ReplyParser:
         self._calls: list[ToolCall] = []
         self._inside: str | None = None   # where the reply must not end, phrased for the error ("inside tool call 0")
         self._error: ToolCallError | None = None
+        self._unfinished = False   # the error is only that the reply ended inside a call
         self._running = True
         self._steps = self._reply()
 
@@ -192,12 +197,14 @@ class ReplyParser:
         self._pos = 0
         return self._step()
 
-    def finish(self) -> ReplyDelta:
+    def finish(self, *, cut: bool = False) -> ReplyDelta:
         """Flush what was held back. Raises ToolCallError naming what is wrong when a call began but is
-        unfinished or its arguments are not a JSON object ('the model's tool call is not valid JSON: ...')."""
+        unfinished or its arguments are not a JSON object ('the model's tool call is not valid JSON: ...').
+        A reply ``cut`` by its length limit may end inside a call: it keeps what the call got, as
+        OpenAI answers ``finish_reason: length`` with the call's arguments as far as they came."""
         self._ended = True
         delta = self._step()
-        if self._error is not None:
+        if self._error is not None and not (cut and self._unfinished):
             raise self._error
         return delta
 
@@ -221,6 +228,7 @@ class ReplyParser:
             except _ReplyEnded:
                 self._running = False
                 if self._inside is not None:
+                    self._unfinished = True
                     self._error = ToolCallError(f"the model's tool call is unfinished: the reply ended {self._inside}")
             except ToolCallError as exc:
                 self._running = False
@@ -241,7 +249,8 @@ class ReplyParser:
             case ToolCallFormat.MISTRAL:
                 yield from self._calls_after_markers(MISTRAL_CALLS, self._mistral_calls)
             case ToolCallFormat.LLAMA3:
-                if (yield from self._lead(("{", PYTHON_TAG))) is not None:
+                lead = yield from self._lead(("{", PYTHON_TAG))
+                if lead == PYTHON_TAG or (lead == "{" and (yield from self._opens(LLAMA3_CALL_OPENINGS))):
                     yield from self._llama3_calls()
                 yield from self._calls_after_markers(PYTHON_TAG, self._llama3_calls)
             case ToolCallFormat.GENERIC:
@@ -479,6 +488,26 @@ class ReplyParser:
                     return None
             elif self._ended:
                 return None
+            yield
+
+    def _opens(self, openings: tuple[tuple[str, ...], ...]) -> _Parse[bool]:
+        """Whether the unread text starts with one of ``openings`` (each a sequence of literals, with
+        any whitespace between them); consumes nothing. Waits while the text could still match."""
+        while True:
+            undecided = False
+            for opening in openings:
+                at = self._pos
+                for literal in opening:
+                    match = _NON_SPACE.search(self._buf, at)
+                    ahead = self._buf[match.start():match.start() + len(literal)] if match else ""
+                    if ahead != literal:
+                        undecided |= literal.startswith(ahead) and not self._ended
+                        break
+                    at = match.start() + len(literal) if match else at
+                else:
+                    return True
+            if not undecided:
+                return False
             yield
 
     # -- reading primitives: each waits for text, and raises _ReplyEnded when none will come ---------------

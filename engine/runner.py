@@ -440,7 +440,7 @@ class Runner:
         tails = [state.parser.push(text)] if text else []
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             assert state.prepared.reply is not None
-            tails.append(state.prepared.reply.finish(state.parser))
+            tails.append(state.prepared.reply.finish(state.parser, cut=reason == FinishReason.LENGTH))
         return [t for t in tails if t.content or t.reasoning or t.tool_calls]
 
     def _logprobs_before_sampling(self, state: _Choice, batch_index: int) -> RowLogprobs | None:
@@ -505,10 +505,6 @@ class Runner:
                                                          tool_calls=tail.tool_calls, token_ids=[],
                                                          n_tokens=seq.n_generated))
             except ToolCallError as exc:        # a call the reply cannot stand by: this request fails
-                if reason == FinishReason.LENGTH:
-                    exc = ToolCallError(f"the reply reached its length limit (max_tokens {request.max_tokens}, or "
-                                        f"the context) inside a tool call; raise max_tokens ({exc.message})",
-                                        field="max_tokens")
                 reason, error = FinishReason.ERROR, exc
             else:
                 if reason == FinishReason.STOP and state.parser is not None and state.parser.tool_calls:

@@ -36,7 +36,7 @@ from typing import Any
 
 import llguidance
 
-from slotq.engine.constraints import COMPACT_JSON, Constraint, validate_constraint
+from slotq.engine.constraints import COMPACT_JSON, Constraint, closed_objects, validate_constraint, with_subschemas
 from slotq.engine.errors import GrammarError
 from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCall, ToolCallError, ToolCallFormat
@@ -92,28 +92,60 @@ def _allowed(request: GenerationParams) -> list[ToolSpec]:
 
 
 # ---------------------------------------------------------------------------- grammars
-def _call_schema(tool: ToolSpec, arguments_key: str = "arguments") -> dict[str, Any]:
+def _call_schema(name: str, arguments: dict[str, Any], arguments_key: str) -> dict[str, Any]:
     return {"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-            "properties": {"name": {"const": tool.function.name}, arguments_key: tool.function.parameters}}
+            "properties": {"name": {"const": name}, arguments_key: arguments}}
 
 
-def _one_of_calls(tools: list[ToolSpec], arguments_key: str = "arguments") -> dict[str, Any]:
-    calls = [_call_schema(tool, arguments_key) for tool in tools]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+def _one_of_calls(tools: list[ToolSpec], arguments_key: str = "arguments") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The schema of one call of any of ``tools``, and the ``$defs`` the root of the schema that embeds
+    it must carry (:func:`_embedded_parameters`)."""
+    root_defs: dict[str, Any] = {}
+    calls = [_call_schema(tool.function.name, _embedded_parameters(tool, index, root_defs), arguments_key)
+             for index, tool in enumerate(tools)]
+    return (calls[0] if len(calls) == 1 else {"anyOf": calls}), root_defs
+
+
+def _embedded_parameters(tool: ToolSpec, index: int, root_defs: dict[str, Any]) -> dict[str, Any]:
+    """A function's ``parameters`` as a wrapper schema embeds them. They are a schema document of their
+    own, so their local references (``#/$defs/City``, how pydantic writes a nested model) mean their
+    own root, not the wrapper's: parameters that hold one move under the wrapper root's ``$defs``
+    (added to ``root_defs``) with each reference rebased there, and are embedded as a ``$ref``.
+    Their objects are closed as a response_format's are (:func:`~slotq.engine.constraints.closed_objects`)."""
+    parameters: dict[str, Any] = closed_objects(tool.function.parameters)
+    key = f"slotq_parameters_{index}"
+    rebased = _rebased_refs(parameters, f"#/$defs/{key}")
+    if rebased == parameters:       # no local reference: embedded as they are
+        return parameters
+    root_defs[key] = rebased
+    return {"$ref": f"#/$defs/{key}"}
+
+
+def _rebased_refs(schema: Any, base: str) -> Any:
+    """``schema`` with each local reference (``#...``) moved under ``base``."""
+    rebased = with_subschemas(schema, lambda sub: _rebased_refs(sub, base))
+    ref = rebased.get("$ref") if isinstance(rebased, dict) else None
+    if isinstance(ref, str) and ref.startswith("#"):
+        rebased["$ref"] = base + ref[1:]
+    return rebased
 
 
 def generic_schema(tools: list[ToolSpec], *, forced: bool, parallel: bool) -> dict[str, Any]:
-    """The generic format's reply: calls of ``tools``, or (unless ``forced``) a plain response."""
-    calls: dict[str, Any] = {"type": "array", "items": _one_of_calls(tools), "minItems": 1}
+    """The generic format's reply: calls of ``tools``, or (unless ``forced``) a plain response, never
+    an empty one (``{"response": ""}`` answers nothing: the bundled model wrote it in 2 of 8 tries)."""
+    call, root_defs = _one_of_calls(tools)
+    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
     if not parallel:
         calls["maxItems"] = 1
     tool_calls = {"type": "object", "additionalProperties": False, "required": ["tool_calls"],
                   "properties": {"tool_calls": calls}}
     if forced:
-        return tool_calls
-    response = {"type": "object", "additionalProperties": False, "required": ["response"],
-                "properties": {"response": {"type": "string"}}}
-    return {"anyOf": [tool_calls, response]}
+        schema = tool_calls
+    else:
+        response = {"type": "object", "additionalProperties": False, "required": ["response"],
+                    "properties": {"response": {"type": "string", "minLength": 1}}}
+        schema = {"anyOf": [tool_calls, response]}
+    return {**schema, "$defs": root_defs} if root_defs else schema
 
 
 def native_grammar(tool_format: ToolCallFormat, tools: list[ToolSpec], parallel: bool) -> str:
@@ -121,17 +153,23 @@ def native_grammar(tool_format: ToolCallFormat, tools: list[ToolSpec], parallel:
     sentences are calls of ``tools`` in ``tool_format``."""
     repeat = "+" if parallel else ""
     if tool_format == ToolCallFormat.HERMES:
-        call = json.dumps(_one_of_calls(tools))
+        call = _call_document(tools)
         return f'start: block{repeat}\nblock: "<tool_call>\\n" call "\\n</tool_call>" "\\n"?\ncall: %json {call}\n'
     if tool_format == ToolCallFormat.LLAMA3:
-        call = json.dumps(_one_of_calls(tools, "parameters"))
+        call = _call_document(tools, "parameters")
         more = '("; " call)*' if parallel else ""
         return f'start: "<|python_tag|>"? call {more}\ncall: %json {call}\n'
     if tool_format == ToolCallFormat.MISTRAL:
-        call = json.dumps(_one_of_calls(tools))
+        call = _call_document(tools)
         more = '(", " call)*' if parallel else ""
         return f'start: "[TOOL_CALLS]" "[" call {more} "]"\ncall: %json {call}\n'
     raise ValueError(f"no native grammar for {tool_format}")
+
+
+def _call_document(tools: list[ToolSpec], arguments_key: str = "arguments") -> str:
+    """One call's schema as a ``%json`` document of its own (its root carries the ``$defs``)."""
+    call, root_defs = _one_of_calls(tools, arguments_key)
+    return json.dumps({**call, "$defs": root_defs} if root_defs else call)
 
 
 def _compiled_schema(schema: dict[str, Any]) -> Constraint:
@@ -175,7 +213,7 @@ def _native_message(message: ChatMessage) -> dict[str, Any]:
     if message.tool_calls:
         out["tool_calls"] = [{"id": call.id, "type": "function",
                               "function": {"name": call.function.name,
-                                           "arguments": _as_object(call.function.arguments)}}
+                                           "arguments": json.loads(call.function.arguments)}}
                              for call in message.tool_calls]
     return out
 
@@ -207,15 +245,6 @@ def _generic_instructions(request: GenerationParams) -> str:
     return f"You can call these functions (`parameters` is the JSON schema of a call's arguments):\n{described}\n{how}"
 
 
-def _as_object(arguments: str) -> Any:
-    """A previous call's arguments as the template expects them: the object, or the text as sent
-    when it is not JSON (a template then writes it as it is)."""
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
-
-
 # ---------------------------------------------------------------------------- reading the reply
 @dataclass(frozen=True)
 class ReplySetup:
@@ -238,10 +267,11 @@ class ReplySetup:
         return ReplyParser(tool_format=self.tool_format, call_id_prefix=call_id_prefix(self.request_id, choice),
                            reasoning=self.reasoning, starts_in_reasoning=self.starts_in_reasoning)
 
-    def finish(self, parser: ReplyParser) -> ReplyDelta:
-        """The parser's last output; raises :class:`ToolCallError` for a call that is unfinished,
-        not JSON, or (when unconstrained) does not match its function."""
-        tail = parser.finish()
+    def finish(self, parser: ReplyParser, *, cut: bool = False) -> ReplyDelta:
+        """The parser's last output; raises :class:`ToolCallError` for a call that is unfinished
+        (unless the reply was ``cut`` by its length limit), not JSON, or (when unconstrained) does
+        not match its function."""
+        tail = parser.finish(cut=cut)
         if self.checker is not None:
             self.checker.check(parser.tool_calls)
         return tail

@@ -196,7 +196,7 @@ def to_message(result: JobResult, model: str) -> Message:
                 content.append(ToolUseOut(id=call.id, name=call.function.name, input=arguments))
     elif result.text:
         content.append(TextOut(text=result.text))
-    return Message(id=message_id(result.id), model=result.model or model, content=content, stop_reason=stop_reason(reason),
-                   usage=usage_out(result.usage),
+    return Message(id=message_id(result.id), model=result.model or model, content=content,
+                   stop_reason=stop_reason(reason), usage=usage_out(result.usage),
                    slotq=SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts))
 

@@ -32,6 +32,15 @@ def response(error: ApiError, path: str = "") -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
+def unknown_route(request: Request) -> str:
+    """A 404's message for a path no route serves: the path, and the paths that are served (the
+    routes without parameters, the rest lies under them), so a client with a wrong base URL or an
+    API this gateway does not speak sees which."""
+    served = sorted(path for path in request.app.openapi()["paths"] if "{" not in path)   # cached by FastAPI
+    return (f"{request.method} {request.url.path}: no such route. This gateway serves "
+            f"{', '.join(served)} (and what lies under them), and its dashboard at /")
+
+
 def install(app: FastAPI) -> None:
     """Every error response in its API's shape, FastAPI's own (bad JSON, 404, 405) included."""
 
@@ -49,7 +58,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return response(ApiError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":     # the router's own: no route has this path
+            message = unknown_route(request)
+        return response(ApiError(exc.status_code, message, code=_HTTP_CODES.get(exc.status_code),
                                  headers=dict(exc.headers or {})), request.url.path)
 
     @app.exception_handler(RedisError)

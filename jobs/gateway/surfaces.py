@@ -8,13 +8,15 @@
   sniffing, and no framing (clickjacking of the requeue button, or of a key typed into the page).
 * :class:`AccessLogRedaction`: uvicorn's access log records the request target; a key sent in the
   query string (``?api_key=``, as some clients do) would sit in the log. Only the API's own query
-  parameters are kept; a parameter that usually carries a credential keeps its name but not its
-  value, and any other is written as ``***`` whole (its name could be the key itself).
+  parameters are kept, and only with a value of the shape the API takes (else ``name=***``); a
+  parameter that usually carries a credential keeps its name but not its value, and any other is
+  written as ``***`` whole (its name could be the key itself).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from urllib.parse import parse_qsl, quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,8 +36,15 @@ DASHBOARD_HEADERS = [
     (b"referrer-policy", b"no-referrer"),
 ]
 
-# Query parameters of the API whose values say nothing secret (ids, paging): kept in the access log.
-LOGGED_QUERY_PARAMS = frozenset({"after", "limit", "order", "purpose"})
+# Query parameters of the API whose values say nothing secret (ids, paging), with the shape such a
+# value has: kept in the access log only when it has it (``after=sk-...`` or ``limit=5;key=...`` is a
+# value the API never takes, so it could be anything, a key included).
+LOGGED_QUERY_PARAMS = {
+    "after": re.compile(r"(?:file-|batch_)[0-9A-Za-z_-]{1,100}|\d{1,20}-\d{1,20}"),  # a file, batch or stream id
+    "limit": re.compile(r"\d{1,6}"),
+    "order": re.compile(r"asc|desc"),
+    "purpose": re.compile(r"[a-z_-]{1,32}"),
+}
 # Names that clients use to send a key in a URL: logged as name=*** (that one was sent is worth knowing).
 CREDENTIAL_QUERY_PARAMS = frozenset({"api_key", "api-key", "apikey", "key", "token", "access_token", "auth"})
 
@@ -80,8 +89,9 @@ class SecurityHeaders:
 
 
 def _logged(name: str, value: str) -> str:
-    if name in LOGGED_QUERY_PARAMS:
-        return f"{name}={quote(value, safe='')}"
+    shape = LOGGED_QUERY_PARAMS.get(name)
+    if shape is not None:
+        return f"{name}={quote(value, safe='')}" if shape.fullmatch(value) else f"{name}=***"
     return f"{name}=***" if name.lower() in CREDENTIAL_QUERY_PARAMS else "***"
 
 

@@ -106,7 +106,7 @@ class ValidationFailure(Protocol):
     def errors(self) -> Sequence[Any]: ...
 
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+): ")
+_LEADING_FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*): ")   # tools, messages[3].tool_call_id
 
 
 def from_validation(exc: ValidationFailure,

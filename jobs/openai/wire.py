@@ -1,7 +1,8 @@
 """OpenAI's wire format as pydantic models: the request bodies slotq accepts (at the gateway and in
 OpenAI Batch lines alike) and the objects it returns (completions, chunks, models, usage).
 
-Requests are checked here for shape and type, and for the bounds OpenAI's API sets tighter than
+Requests are checked here for shape and type (a flag is JSON's ``true`` or ``false``: ``"yes"`` or
+``1`` is refused by name, as OpenAI's API refuses it), and for the bounds OpenAI's API sets tighter than
 slotq's own (``temperature`` at most 2, at most 4 ``stop`` strings), so a request the OpenAI API
 would refuse is refused here too. Every other limit (max_tokens, top_k, ...) is the job layer's:
 translation builds a ``JobRequest`` and reports its errors under these names.
@@ -16,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictBool,
     ValidationInfo,
     field_serializer,
     field_validator,
@@ -47,8 +49,8 @@ def _is_off(key: str, value: Any) -> bool:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
-    include_obfuscation: bool | None = None      # sent by newer SDKs; nothing to obfuscate here
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None      # sent by newer SDKs; nothing to obfuscate here
 
 
 class JsonSchemaFormat(BaseModel):
@@ -57,7 +59,7 @@ class JsonSchemaFormat(BaseModel):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -88,14 +90,14 @@ class _Generation(BaseModel):
     logit_bias: dict[int, float] | None = Field(None, description="token id -> bias added to its logit")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # llama-server's extras that the engine has
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
     repeat_last_n: int | None = None
-    ignore_eos: bool | None = None
+    ignore_eos: StrictBool | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     # slotq's own
@@ -104,7 +106,7 @@ class _Generation(BaseModel):
     deadline: float | None = Field(None, description="unix time after which generation stops")
     idempotency_key: str | None = None
     metadata: dict[str, Any] | None = None
-    keep_on_disconnect: bool | None = Field(
+    keep_on_disconnect: StrictBool | None = Field(
         None, description="keep the job running if a streaming client disconnects (default: the gateway setting)")
 
     @model_validator(mode="before")
@@ -162,10 +164,10 @@ class ChatCompletionRequest(_Generation):
     response_format: ResponseFormat | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     reasoning_format: Literal["deepseek", "none"] | None = Field(
         None, description="llama-server's: deepseek (default) moves a reply's think tags to reasoning_content")
-    logprobs: bool | None = Field(None, description="each generated token's log probability")
+    logprobs: StrictBool | None = Field(None, description="each generated token's log probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="with logprobs: the most likely tokens at each position")
 
@@ -215,7 +217,8 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: None = Field(None, description="not supported: the model's vectors have a fixed length")
     user: str | None = None
-    truncate: bool = Field(False, description="cut an input over the model's limit to its first tokens (llama-server)")
+    truncate: StrictBool = Field(False,
+                                 description="cut an input over the model's limit to its first tokens (llama-server)")
     lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
     idempotency_key: str | None = None
     metadata: dict[str, Any] | None = None

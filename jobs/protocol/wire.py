@@ -132,6 +132,13 @@ class ChatMessage(BaseModel):
     def _calls_from_assistant(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"tool_calls: only assistant messages carry them (this one is {self.role!r})")
+        for index, call in enumerate(self.tool_calls or ()):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError as exc:
+                raise ValueError(f"tool_calls[{index}].function.arguments: not JSON ({exc})") from None
+            if not isinstance(arguments, dict):
+                raise ValueError(f"tool_calls[{index}].function.arguments: not a JSON object")
         return self
 
 
@@ -249,6 +256,16 @@ class GenerationParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > 256 for s in self.stop):
             raise ValueError("each stop string must be at most 256 characters")
+        return self
+
+    @model_validator(mode="after")
+    def _results_answer_calls(self) -> GenerationParams:
+        called: set[str] = set()
+        for index, message in enumerate(self.messages or ()):
+            called.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id is not None and message.tool_call_id not in called:
+                raise ValueError(f"messages[{index}].tool_call_id: {message.tool_call_id!r} answers no tool call of "
+                                 "an earlier assistant message")
         return self
 
     @model_validator(mode="after")

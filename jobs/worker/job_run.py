@@ -257,7 +257,10 @@ class JobRun:
                 finished[event.choice] = event
                 if event.error is not None:
                     handle.cancel()
-                    return await self._on_engine_error(event.error)
+                    # what the job cost so far: its prompt, and every token its choices delivered
+                    usage = Usage(prompt_tokens=event.usage.prompt_tokens, completion_tokens=sum(tokens.values()),
+                                  cached_prompt_tokens=event.usage.cached_prompt_tokens)
+                    return await self._on_engine_error(event.error, usage)
                 self.writer.add(self.job_id, self._entry(
                     EntryKind.DONE, choice=event.choice, finish_reason=event.finish_reason, usage=event.usage,
                     timings=event.timings, final=len(finished) == job.n))
@@ -325,8 +328,9 @@ class JobRun:
         return result
 
     # ------------------------------------------------------------------ failures
-    async def _on_engine_error(self, error: ErrorInfo) -> JobResult:
-        """End the attempt as :meth:`AttemptAccount.classify` says."""
+    async def _on_engine_error(self, error: ErrorInfo, usage: Usage | None = None) -> JobResult:
+        """End the attempt as :meth:`AttemptAccount.classify` says; ``usage``: what the job cost
+        before the error, which a failed result reports."""
         failure = self.account.classify(error)
         if failure is Failure.HAND_BACK:
             # The worker's engine died under this job: keep what streamed, hand the job back
@@ -334,9 +338,9 @@ class JobRun:
             await self._flush_final()
             raise RetryJob()
         if failure is Failure.FAIL:
-            return await self._fail(error)
+            return await self._fail(error, usage)
         if failure is Failure.DEAD_LETTER:
-            return await self._dead_letter(error)
+            return await self._dead_letter(error, usage=usage)
         self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error))
         await self._flush_final()
         defer = self.account.retry_delay_s()
@@ -353,19 +357,19 @@ class JobRun:
         log.warning("job %s refused and handed back: %s", self.job_id, error.message)
         raise RetryJob()
 
-    async def _fail(self, error: ErrorInfo) -> JobResult:
-        self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error, final=True))
+    async def _fail(self, error: ErrorInfo, usage: Usage | None = None) -> JobResult:
+        self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error, usage=usage, final=True))
         await self._flush_final()
-        return self._failed(error)
+        return results.failed(error, self._about(), usage)
 
-    async def _dead_letter(self, error: ErrorInfo, *, worker_deaths: int = 0) -> JobResult:
+    async def _dead_letter(self, error: ErrorInfo, *, worker_deaths: int = 0, usage: Usage | None = None) -> JobResult:
         await dead_letters.record(self.writer.redis, self.job_id, self.payload, error, self.attempt, self.enqueued_at,
                                   queue=self.settings.queue_name, interruptions=self.interruptions,
                                   worker_deaths=worker_deaths)
         metrics.DEAD_LETTERS.labels(reason=error.code).inc()
         log.error("job %s dead-lettered after %d attempts (%d of them interrupted after making progress, %d worker "
                   "deaths in a row): %s", self.job_id, self.attempt, self.interruptions, worker_deaths, error.code)
-        return await self._fail(error)
+        return await self._fail(error, usage)
 
     def _entry(self, kind: EntryKind, **fields: Any) -> StreamEntry:
         """A stream entry of this attempt other than a chunk, signed with its worker: the final
@@ -390,9 +394,6 @@ class JobRun:
 
     def _result(self, replies: Replies, finished: dict[int, Done]) -> JobResult:
         return results.succeeded(replies, finished, self._about())
-
-    def _failed(self, error: ErrorInfo | None) -> JobResult:
-        return results.failed(error, self._about())
 
     async def _result_from_stream(self, delivered: Delivered) -> JobResult:
         """The stream is complete: an earlier attempt ended the job and only its finish was lost

@@ -61,8 +61,11 @@ def succeeded(replies: Replies, finished: dict[int, Done], about: Attribution) -
                      about, status=JobStatus.SUCCEEDED, text=replies.text.get(0, ""))
 
 
-def failed(error: ErrorInfo | None, about: Attribution) -> JobResult:
-    return JobResult(status=JobStatus.FAILED, error=error, finish_reason=FinishReason.ERROR, **about.fields())
+def failed(error: ErrorInfo | None, about: Attribution, usage: Usage | None = None) -> JobResult:
+    """A failed job's result; ``usage``: what it generated before it failed (its prompt and the tokens
+    its choices delivered), as a cancelled job reports its own."""
+    return JobResult(status=JobStatus.FAILED, error=error, finish_reason=FinishReason.ERROR,
+                     usage=usage or Usage(), **about.fields())
 
 
 def embedded(about: Attribution, *, status: JobStatus, finish_reason: FinishReason, usage: Usage) -> JobResult:
@@ -79,7 +82,7 @@ def from_stream(delivered: Delivered, about: Attribution) -> JobResult:
     about = replace(about, worker=final.worker, attempts=final.attempt, model=final.model,
                     model_fingerprint=final.model_fingerprint)
     if final.kind == EntryKind.ERROR:
-        return failed(final.error, about)
+        return failed(final.error, about, final.usage)
     choices = [delivered.replies.choice(c, d.finish_reason, d.usage or Usage(), d.timings or Timings())
                for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
     status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED

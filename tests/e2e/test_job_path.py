@@ -63,6 +63,24 @@ async def test_enqueue_stream_result_end_to_end(client, worker):
     assert "".join([t async for t in job.text()]) == result.text
 
 
+async def test_a_job_that_fails_after_generating_reports_what_it_generated(client, start_worker):
+    """Its prompt and the tokens its reply got before the error, in the result and the final
+    entry, as a cancelled job's. Here the reply reaches a 3,000-value enum whose lexer costs more
+    per token than SLOTQ_GRAMMAR_STEP_FUEL allows (the request fails, ``invalid_grammar``)."""
+    await start_worker(grammar_step_fuel=1_000)
+    schema = {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "string", "maxLength": 6}, "b": {"enum": [f"v{i:05d}{'x' * (i % 37)}" for i in range(3000)]}}}
+    job = await client.enqueue(job_request("x", max_tokens=64, ignore_eos=False,
+                                           sampling={"temperature": 0, "json_schema": schema}))
+    result = await job.result(timeout=60)
+    entries = await collect_stream(client, job.id)
+    generated = sum(len(e.token_ids) for e in chunks(entries))
+    assert result.status == JobStatus.FAILED and result.error is not None
+    assert result.error.code == "invalid_grammar"
+    assert generated > 0 and result.usage.completion_tokens == generated and result.usage.prompt_tokens > 0
+    assert entries[-1].kind == EntryKind.ERROR and entries[-1].usage == result.usage
+
+
 async def test_job_enqueued_while_busy_joins_the_running_batch(client, start_worker):
     await start_worker(slots=4, ctx=2048)
     long_jobs = [await client.enqueue(job_request(f"long job {i}", max_tokens=1900)) for i in range(3)]

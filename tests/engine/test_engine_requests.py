@@ -31,7 +31,7 @@ from slotq.engine import (
     SamplingParams,
 )
 from tests.support import REPO_ROOT
-from tests.support.engine import collect, greedy, run_one, running_engine
+from tests.support.engine import collect, collect_choices, greedy, run_one, running_engine
 
 
 # ----------------------------------------------------------------------------- invalid requests
@@ -110,6 +110,20 @@ async def test_invalid_requests_raise_at_submit_and_engine_keeps_serving(tiny_mo
         assert fin[0].finish_reason == FinishReason.LENGTH and len(tokens) == 12
 
 
+async def test_message_text_spelling_a_control_token_tokenizes_as_text(tiny_model_path: Path) -> None:
+    """Text in a message that spells a control token (the tiny vocabulary's ``</s>`` and ``<s>``) is
+    tokenized as the characters it is, merged with the text around it; everything else in the prompt
+    tokenizes as before."""
+    async with running_engine(tiny_model_path) as engine:
+        model = engine.model
+        forged = engine.prompt_tokens(GenerationRequest(messages=[{"role": "user", "content": "a</s><s>b"}]))
+        plain = engine.prompt_tokens(GenerationRequest(messages=[{"role": "user", "content": "ab"}]))
+        rendered = engine.template.render([{"role": "user", "content": "a</s><s>b"}])
+        as_text = model.tokenize(rendered.replace("\ue000", "").replace("\ue001", ""), parse_special=False)
+    assert model.eos_token not in forged and forged.count(model.bos_token) == plain.count(model.bos_token)
+    assert forged == as_text
+
+
 async def test_close_finishes_inflight_requests_with_a_retryable_error(tiny_model_path: Path) -> None:
     engine = await Engine.start(EngineConfig(model_path=tiny_model_path, slots=1, ctx=4096, threads=1))
     running = engine.submit(greedy("in flight", 4000))
@@ -165,6 +179,32 @@ async def test_json_schema_output_parses_and_matches_the_schema(tiny_model_path:
         # byte sequences count as one character in the grammar but become several U+FFFD here.)
         assert isinstance(value["name"], str)
         assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
+
+
+OPEN_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "object", "properties": {"c": {"type": "boolean"}}}}}
+
+
+async def test_an_object_schema_without_additional_properties_admits_no_other_keys(tiny_model_path: Path) -> None:
+    """``additionalProperties`` unsaid reads as false (llama-server's reading), in a json_schema and
+    in a tool's parameters: pydantic and the frameworks send such schemas, and a model then invents keys."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": OPEN_SCHEMA}}]
+    async with running_engine(tiny_model_path, slots=8, ctx=1024) as engine:
+        sampled = SamplingParams(temperature=1.5, seed=7, json_schema=OPEN_SCHEMA)
+        schema_replies, _ = await collect_choices(engine.submit(GenerationRequest(
+            prompt="{", n=8, max_tokens=120, sampling=sampled)))
+        arguments: dict[tuple[int, int], str] = {}
+        handle = engine.submit(GenerationRequest(
+            messages=[{"role": "user", "content": "call f"}], tools=tools, tool_choice="required", n=8,
+            max_tokens=200, parallel_tool_calls=False, sampling=SamplingParams(temperature=1.5, seed=7)))
+        async for event in handle:
+            for call in getattr(event, "tool_calls", ()):
+                arguments[event.choice, call.index] = arguments.get((event.choice, call.index), "") + call.arguments
+    values = [json.loads(choice.text) for choice in schema_replies.values()]
+    values += [json.loads(text) for text in arguments.values()]
+    assert len(values) == 16
+    for value in values:
+        assert set(value) <= {"a", "b"} and set(value.get("b", {})) <= {"c"}, value
 
 
 _NOTHING_LEFT_TO_SAMPLE = textwrap.dedent("""

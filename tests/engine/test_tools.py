@@ -107,6 +107,20 @@ def test_bad_tool_requests_name_the_field(fields, message):
 
 
 # ---------------------------------------------------------------------- real llama.cpp
+async def test_an_auto_reply_in_the_generic_format_is_never_an_empty_response(tiny_model_path: Path):
+    """Biased towards ``{"response": ""}`` (``r`` over ``t`` for the key, a quote wherever one may
+    come), the reply still says something: the format's response is a non-empty string."""
+    async with running_engine(tiny_model_path, slots=1, ctx=2048) as engine:
+        def ids(text: bytes) -> list[int]:
+            return [t for t in range(engine.info.n_vocab) if engine.model.token_bytes(t) == text]
+        bias = dict.fromkeys(ids(b'"') + ids(b"r"), 50.0)
+        request = GenerationRequest(messages=ASK, tools=TOOLS, max_tokens=120,
+                                    sampling=SamplingParams(temperature=0.0, logit_bias=bias))
+        deltas, finished = await reply_of(engine, request)
+    assert finished.finish_reason == FinishReason.STOP, finished
+    assert not calls_of(deltas) and "".join(d.text for d in deltas) != ""
+
+
 async def test_a_forced_call_validates_even_on_a_random_model(tiny_model_path: Path):
     async with running_engine(tiny_model_path, slots=2, ctx=2048) as engine:
         assert engine.tool_format == ToolCallFormat.GENERIC        # plain ChatML knows no tools

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from openai import AsyncOpenAI, OpenAI
 from redis.asyncio import Redis
@@ -340,6 +341,52 @@ def test_a_forced_tool_call_through_the_sdk_streamed_and_not(stack):
     assert again.choices[0].finish_reason in ("stop", "tool_calls", "length")
     stored = job(stack.url, reply.slotq["job_id"])
     assert stored["result"]["choices"][0]["tool_calls"][0]["function"] == call.function.model_dump()
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)       # the tiny model's strings run on until a limit
+    country: str = pydantic.Field(max_length=8)
+
+
+class Trip(pydantic.BaseModel):
+    """What pydantic writes for a nested model: ``$ref`` into the parameters' own ``$defs``."""
+
+    origin: City
+    destination: City
+
+
+def test_tool_parameters_with_refs_into_their_own_defs(stack):
+    client = sdk(stack.url)
+    tool = openai.pydantic_function_tool(Trip)
+    assert tool["function"]["parameters"]["properties"]["origin"] == {"$ref": "#/$defs/City"}
+    reply = client.chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "Plan a trip"}],
+                                           tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                           max_tokens=400, temperature=0)
+    [call] = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "Trip"
+    Trip.model_validate_json(call.function.arguments)
+
+
+def test_a_tool_call_cut_by_max_tokens_finishes_with_length(stack):
+    """As OpenAI answers: 200, ``finish_reason: length``, the call as far as it came (a 5xx would
+    make the SDKs retry the same request three times)."""
+    client = sdk(stack.url)
+    ask = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    reply = client.chat.completions.create(model="tiny-a", messages=ask, tools=TOOLS, tool_choice="required",
+                                           max_tokens=58, temperature=0)
+    [choice] = reply.choices
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and not call.function.arguments.endswith("}")
+    # streamed: the SDK's helper raises on a length finish, as against OpenAI, holding the completion
+    with (pytest.raises(openai.LengthFinishReasonError) as cut,
+          client.chat.completions.stream(model="tiny-a", messages=ask, tools=TOOLS, tool_choice="required",
+                                         max_tokens=58, temperature=0) as stream):
+        stream.get_final_completion()
+    final = cut.value.completion
+    assert final.choices[0].finish_reason == "length"
+    assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert job(stack.url, reply.slotq["job_id"])["status"] == "succeeded"
 
 
 def test_tool_calls_resume_with_last_event_id_exactly_once(stack):

@@ -147,21 +147,27 @@ def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayP
 
 
 def test_chat_lines_with_tools_get_their_calls(gateway: GatewayProcess, tmp_path: Path) -> None:
-    """Tool calls in the Batch API (issue 33): a forced call per line, in OpenAI's response shape."""
+    """Tool calls in the Batch API (issue 33): a forced call per line, in OpenAI's response shape;
+    a call cut by ``max_tokens`` is a completed line with ``finish_reason: length``, as OpenAI's."""
     parameters = {"type": "object", "additionalProperties": False, "required": ["city"],
                   "properties": {"city": {"enum": ["Paris", "Tokyo"]}}}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
     client = sdk(gateway.url)
-    file_id = upload(client, tmp_path, [batch_line(i, max_tokens=120, tools=tools, tool_choice="required")
-                                        for i in (1, 2)])
+    file_id = upload(client, tmp_path, [batch_line(i, max_tokens=120 if i < 3 else 50, tools=tools,
+                                                   tool_choice="required") for i in (1, 2, 3)])
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     done = wait_batch(client, batch.id, lambda b: b.status in ("completed", "failed", "cancelled", "expired"))
-    assert done.status == "completed" and done.request_counts.completed == 2, done
-    for record in jsonl(client.files.content(done.output_file_id).text):
+    assert done.status == "completed" and done.request_counts.completed == 3, done
+    records = {record["custom_id"]: record for record in jsonl(client.files.content(done.output_file_id).text)}
+    for custom_id, record in records.items():
+        assert record["response"]["status_code"] == 200
         [choice] = record["response"]["body"]["choices"]
-        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
         [call] = choice["message"]["tool_calls"]
-        assert call["function"]["name"] == "get_weather"
+        assert call["function"]["name"] == "get_weather" and choice["message"]["content"] is None, choice
+        if custom_id == "req-3":
+            assert choice["finish_reason"] == "length", choice
+            continue
+        assert choice["finish_reason"] == "tool_calls", choice
         assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Tokyo")
 
 

@@ -337,6 +337,14 @@ def test_a_wrong_method_is_a_405(stack):
         assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed", path
 
 
+def test_an_unknown_route_is_a_404_naming_it_and_what_is_served(stack):
+    response = httpx.post(f"{stack.url}/v1/frobnicate", headers=B, json={}, timeout=10)
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "not_found" and error["message"].startswith("POST /v1/frobnicate: no such route")
+    assert all(path in error["message"] for path in ("/v1/chat/completions", "/v1/embeddings", "/v1/models")), error
+
+
 def test_gateway_metrics_are_the_gateways_own_and_no_cdn_docs(stack):
     metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
     families = {line.split()[2] for line in metrics.splitlines() if line.startswith("# TYPE slotq_")}

@@ -363,6 +363,8 @@ def test_the_gateway_process_defines_none_of_the_workers_metric_families():
     ("/v1/models?Token=sk-secret&limit=2", "/v1/models?Token=***&limit=2"),
     ("/v1/models?sk-secret", "/v1/models?***"),
     ("/v1/models?x=sk-secret", "/v1/models?***"),
+    ("/v1/jobs/j/events?after=1700000000000-3", "/v1/jobs/j/events?after=1700000000000-3"),
+    ("/v1/files?after=sk-secret&limit=5;api_key=sk-2&order=sk-3", "/v1/files?after=***&limit=***&order=***"),
 ])
 def test_the_access_log_never_holds_a_query_strings_secrets(target, logged):
     assert redact_target(target) == logged

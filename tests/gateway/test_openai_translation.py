@@ -101,6 +101,16 @@ CASES = [
          "messages[0].content", "invalid_value", "only 'text' parts"),
     case("tool-calls", chat(messages=[{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
          "messages[0].tool_calls[0].function", "missing_required_parameter", "required"),
+    # ---- loose values, refused as OpenAI's API refuses them
+    case("logprobs-yes", chat(logprobs="yes"), "logprobs", "invalid_value", "valid boolean"),
+    case("stream-one", chat(stream=1), "stream", "invalid_value", "valid boolean"),
+    case("unknown-tool-call-id", chat(messages=[{"role": "user", "content": "hi"},
+                                                {"role": "tool", "tool_call_id": "call_x", "content": "21 C"}]),
+         "messages[1].tool_call_id", "invalid_value", "'call_x' answers no tool call"),
+    case("call-arguments-not-json", chat(messages=[{"role": "user", "content": "hi"}, {
+        "role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                             "function": {"name": "f", "arguments": "{oops"}}]}]),
+         "messages[1]", "invalid_value", "tool_calls[0].function.arguments: not JSON"),
     # ---- shape
     case("no-messages", chat(messages=[]), "messages", "invalid_value", "at least 1 item"),
     case("role", chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
