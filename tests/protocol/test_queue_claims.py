@@ -10,7 +10,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from slotq.jobs.protocol.keys import ABORTS, QueueKeys, job_record_key, retry_counter_key
+from slotq.jobs.protocol.keys import ABORTS, QueueKeys, job_fences_key, job_record_key, retry_counter_key
 from slotq.jobs.protocol.redis_queue import (
     NO_QUOTAS,
     AttemptOutcomes,
@@ -23,6 +23,8 @@ from slotq.jobs.protocol.redis_queue import (
     WaitReplicas,
 )
 from slotq.jobs.protocol.serialization import serialize
+from slotq.jobs.protocol.streams import raise_fences, read_all
+from slotq.jobs.protocol.wire import FinishReason
 from tests.support.jobs import ON_EVERY_BACKEND
 
 LEASE_MS = 60_000
@@ -77,6 +79,30 @@ async def test_an_enqueue_waits_for_replicas_in_the_same_round_trip(queue):
                                wait_replicas=WaitReplicas(1, 50)) == Enqueued.FULL
     assert await queue.enqueue("b", "generate", {}, lane="bulk", max_waiting=None, serializer=serialize,
                                wait_replicas=WaitReplicas(0, 50)) == Enqueued.CREATED
+
+
+async def commands_run(redis: aioredis.Redis, name: str) -> int:
+    """How many ``name`` commands (``script|exists``, ``evalsha``) the server has run."""
+    return int((await redis.info("commandstats")).get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+async def test_scripts_in_one_round_trip_ask_no_script_exists_first(queue, redis):
+    """An enqueue with SLOTQ_REDIS_WAIT_REPLICAS and a FINISH (with its DROP_ABORT) each go as one pipeline:
+    redis-py's registered scripts would ask SCRIPT EXISTS before every such pipeline, a hidden round trip.
+    A server that lost its scripts (SCRIPT FLUSH: a restart, a promoted replica) still runs them."""
+    before = await commands_run(redis, "script|exists")
+    assert await queue.enqueue("a", "generate", {}, lane="bulk", max_waiting=None, serializer=serialize,
+                               wait_replicas=WaitReplicas(0, 50)) == Enqueued.CREATED
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    assert await queue.finish(job, b"", 60_000)
+    await redis.script_flush()
+    assert await queue.enqueue("b", "generate", {}, lane="bulk", max_waiting=None, serializer=serialize,
+                               wait_replicas=WaitReplicas(0, 50)) == Enqueued.CREATED
+    [job] = await queue.claim(1, "w1", LEASE_MS)
+    await redis.script_flush()
+    assert await queue.finish(job, b"", 60_000)
+    assert await queue.in_queue(["a", "b"]) == [False, False]
+    assert await commands_run(redis, "script|exists") == before
 
 
 async def test_wake_tokens_never_exceed_waiting_jobs(queue, redis):
@@ -255,6 +281,21 @@ async def test_cancel_queued_and_running(queue, redis):
         assert await queue.cancel("never-enqueued") == 0
     finally:
         await pubsub.aclose()
+
+
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
+async def test_a_job_cancelled_while_queued_after_an_earlier_claim_leaves_no_fence(client):
+    """A claim raised the job's stream fence, the job went back to waiting (a hand-back), and the
+    producer cancelled it there: the unfenced final entry it writes takes the fence away, as a
+    worker's fenced final entry does (before, the field stayed in the fences hash for good)."""
+    queue, redis = client.queue, client.redis
+    await put(queue, "j")
+    [claim] = await queue.claim(1, "w1", LEASE_MS)
+    assert await raise_fences(redis, {"j": claim.lease}, ttl_s=60) == {"j": True}
+    assert await queue.hand_back(claim)
+    assert await client.cancel("j")
+    assert await redis.hget(job_fences_key("j", clustered=queue.keys.clustered), "j") is None
+    assert [entry.finish_reason for entry in await read_all(redis, "j")] == [FinishReason.CANCELLED]
 
 
 async def test_claim_cost_does_not_grow_with_running_jobs(queue, redis):
