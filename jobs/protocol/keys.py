@@ -40,6 +40,8 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
 ``Q:wake``                        LIST    one token per waiting job (capped): an idle worker BLPOPs one
 ``Q:claim_seq``                   STRING  the number of the queue's newest claim (see :attr:`QueueKeys.claim_seq`)
+``Q:claim_mark:<token>``          STRING  a worker's last claim id and its reply, replayed to the claim re-sent after a
+                                          lost reply (:mod:`slotq.jobs.protocol.scripts.claims`); lives one lease
 ``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
 ``arq:job:<arq id>``              STRING  the job record in arq's format (function, payload, enqueue time)
 ``arq:retry:<arq id>``            STRING  attempt counter (arq's ``run_job`` increments it)
@@ -308,6 +310,12 @@ class QueueKeys:
         one. The number is at least the server's time in microseconds, so it keeps rising after a
         failover that lost the last increments."""
         return f"{self.prefix}:claim_seq"
+
+    def claim_mark(self, token: str) -> str:
+        """The last claim of the worker ``token`` (CLAIM, PREEMPT, LEND_RESERVE: one at a time per
+        worker) and its reply, so that the claim re-sent after its reply was lost is answered with
+        the jobs it took, not with more."""
+        return f"{self.prefix}:claim_mark:{token}"
 
     def abort_channel(self, token: str) -> str:
         return f"{self.prefix}:abort:{token}"
