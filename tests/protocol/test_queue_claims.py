@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 
 import pytest
@@ -330,6 +331,33 @@ async def test_a_claim_whose_reply_was_lost_is_answered_again_not_run_again(queu
     finally:
         await impatient.aclose()
         await busy.aclose()
+
+
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
+async def test_every_claim_script_answers_a_resent_claim_from_its_mark(queue):
+    """CLAIM, PREEMPT and LEND_RESERVE sent twice under one claim id (what a client's retry sends): the
+    second is answered with the first one's jobs and lease, claims nothing more; on a cluster the mark
+    lies in the queue's slot. A new id claims again."""
+    queue._claim_ids = itertools.repeat("resent")        # each call's id, as its retries send it
+    for job_id in ("c1", "c2"):
+        await put(queue, job_id, "bulk", tenant=job_id)      # one tenant each: the one left may be lent
+    first = await queue.claim(1, "w1", LEASE_MS)
+    assert len(first) == 1 and await queue.claim(1, "w1", LEASE_MS) == first
+    [other] = {"c1", "c2"} - {first[0].id}
+    await put(queue, "p1")
+    queue._claim_ids = itertools.repeat("resent-preempt")
+    preempted = await queue.preempt("bulk", "w1", LEASE_MS)
+    assert preempted is not None and preempted.id == "p1"
+    await put(queue, "p2")
+    assert await queue.preempt("bulk", "w1", LEASE_MS) == preempted
+    queue._claim_ids = itertools.repeat("resent-lend")
+    lent = await queue.lend_reserve("bulk", "w2", LEASE_MS)
+    assert lent is not None and lent.id == other
+    await put(queue, "c3", "bulk", tenant="other")
+    assert await queue.lend_reserve("bulk", "w2", LEASE_MS) == lent
+    assert await queue.in_queue(["p2", "c3"]) == [True, True]
+    queue._claim_ids = itertools.repeat("fresh")
+    assert [job.id for job in await queue.claim(2, "w1", LEASE_MS)] == ["p2", "c3"]
 
 
 async def test_claim_cost_does_not_grow_with_running_jobs(queue, redis):
