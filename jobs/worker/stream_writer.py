@@ -70,7 +70,7 @@ class _Flush:
 
 # A flush Redis refused this many times in a row with a deterministic error (a Lua error, OOM, WRONGTYPE:
 # connection.is_transient) is given up: sending it again gets the same answer. A few tries, with the flush
-# loop's backoff (about 1.5 s in all), let an OOM that eviction or a freed key clears pass.
+# loop's backoff (under a second in all), let an OOM that eviction or a freed key clears at once pass.
 DETERMINISTIC_TRIES = 4
 
 
