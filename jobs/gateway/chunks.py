@@ -137,7 +137,8 @@ class ChunkRenderer:
             self._usage.clear()
             self._offsets.clear()
             return self._end_with(ApiError(
-                500, f"job {self.job_id} was retried from the start on another worker (n > 1 cannot resume); "
+                500, f"job {self.job_id} was retried from the start (n > 1 cannot resume, nor a stream trimmed by "
+                     f"SLOTQ_STREAM_MAXLEN); "
                      f"the text streamed so far is void. The job goes on: its result will be at /v1/jobs/{self.job_id}",
                 type="server_error", code="stream_restarted"), entry.id)
         return events

@@ -52,7 +52,19 @@ from redis.asyncio.connection import AbstractConnection, ConnectionPool, SSLConn
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, SlotNotCoveredError
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    MovedError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -223,6 +235,27 @@ def _retries_within(seconds: float, base: float = 0.05, cap: float = 1.0) -> int
             break
         n += 1
     return n
+
+
+# What a retry can outlast: the server away or not answering, a server that is loading its data, a
+# primary demoted or not yet promoted (a failover), a cluster still settling its slots, a script busy
+# past its time limit. ``BUSY`` has no class of its own in redis-py.
+_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError, BusyLoadingError, ReadOnlyError, MasterDownError,
+              TryAgainError, ClusterDownError, SlotNotCoveredError, AskError, MovedError)
+_TRANSIENT_REPLIES = ("BUSY ", "LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "NOREPLICAS")
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` is one that trying the same command again can outlast (Redis away, loading, in
+    a failover). Every other Redis error is deterministic: a script's Lua error, ``OOM`` (Redis at its
+    ``maxmemory`` under ``noeviction``), a bad argument or ``WRONGTYPE``. Sending the same command again
+    gets the same answer until someone acts, so callers count it, say it, and give up rather than retry
+    it as an outage (``slotq_redis_failures_total``, docs/operations.md)."""
+    if isinstance(error, _TRANSIENT):
+        return True
+    if isinstance(error, RedisClusterException):        # "Redis Cluster cannot be connected"
+        return isinstance(error.__cause__, _TRANSIENT)
+    return isinstance(error, ResponseError) and str(error).startswith(_TRANSIENT_REPLIES)
 
 
 async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca_file: Path | None = None) -> Redis:

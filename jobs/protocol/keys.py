@@ -42,6 +42,8 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:claim_seq``                   STRING  the number of the queue's newest claim (see :attr:`QueueKeys.claim_seq`)
 ``Q:serving``                     HASH    worker id -> ``<until ms><TAB><kind><TAB><model>``: the workers serving the
                                           queue, all of one model and kind (:mod:`slotq.jobs.protocol.scripts.serving`)
+``Q:claim_mark:<token>``          STRING  a worker's last claim id and its reply, replayed to the claim re-sent after a
+                                          lost reply (:mod:`slotq.jobs.protocol.scripts.claims`); lives one lease
 ``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
 ``arq:job:<arq id>``              STRING  the job record in arq's format (function, payload, enqueue time)
 ``arq:retry:<arq id>``            STRING  attempt counter (arq's ``run_job`` increments it)
@@ -317,6 +319,12 @@ class QueueKeys:
         a worker joins only while every live entry names its own model and kind, so a queue is never
         served by two models (:class:`~slotq.jobs.protocol.scripts.serving.JoinQueue`)."""
         return f"{self.prefix}:serving"
+
+    def claim_mark(self, token: str) -> str:
+        """The last claim of the worker ``token`` (CLAIM, PREEMPT, LEND_RESERVE: one at a time per
+        worker) and its reply, so that the claim re-sent after its reply was lost is answered with
+        the jobs it took, not with more."""
+        return f"{self.prefix}:claim_mark:{token}"
 
     def abort_channel(self, token: str) -> str:
         return f"{self.prefix}:abort:{token}"

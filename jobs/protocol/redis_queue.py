@@ -14,7 +14,9 @@ job (its ``run_job``: the job record, the attempt counter, timeouts, abort, the 
 
 from __future__ import annotations
 
+import itertools
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -210,6 +212,7 @@ class RedisQueue:
         self.keys = QueueKeys(name, tuple(lanes), clustered=is_cluster(redis))
         self._clock_offset_ms = clock_offset_s * 1000
         self._scripts = ScriptRunner(redis)
+        self._claim_ids = (f"{uuid.uuid4().hex}:{n}" for n in itertools.count())
 
     def _arq_keys(self, job_id: str) -> tuple[str, str, str]:
         """The job's record, attempt counter and result keys (arq's, in the queue's slot on a cluster)."""
@@ -433,13 +436,18 @@ class RedisQueue:
         worker owes a lower lane under its guaranteed share, see ``CLAIM``), then highest lane
         first; oldest first within a lane. Each is owned by this claim's lease (``token#n``, fresh
         for every claim) until ``lease_ms`` after the claim by Redis' clock (renew it), and starts
-        its next attempt."""
+        its next attempt.
+
+        Each claim (this, :meth:`preempt`, :meth:`lend_reserve`) sends a fresh id, the same in the
+        retries the client makes of it: a claim re-sent after its reply was lost is answered with
+        the jobs it took (see ``claims.py``) instead of taking more."""
         k = self.keys
         owed = owed or {}
         flat = await self._scripts.run(Claim(
-            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, wake=k.wake, tenant_waiting=k.tenant_waiting,
-            tenant_running=k.tenant_running, lanes=k.lane_keys(), max_jobs=max_jobs, lease_ms=lease_ms, token=token,
-            wake_cap=WAKE_CAP, promote_limit=PROMOTE_LIMIT, owed=[owed.get(lane, 0) for lane in k.lanes]))
+            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, claim_mark=k.claim_mark(token), wake=k.wake,
+            tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running, lanes=k.lane_keys(), max_jobs=max_jobs,
+            lease_ms=lease_ms, token=token, claim_id=next(self._claim_ids), wake_cap=WAKE_CAP,
+            promote_limit=PROMOTE_LIMIT, owed=[owed.get(lane, 0) for lane in k.lanes]))
         return self._claimed(flat)
 
     async def preempt(self, victim_lane: str, token: str, lease_ms: int, *,
@@ -452,10 +460,10 @@ class RedisQueue:
         k = self.keys
         above = k.lanes[:k.lanes.index(victim_lane)]
         flat = await self._scripts.run(Preempt(
-            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, wake=k.wake, preemptions=k.preemptions,
-            tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running, lanes=k.lane_keys(above),
-            lease_ms=lease_ms, token=token, wake_cap=WAKE_CAP, promote_limit=PROMOTE_LIMIT,
-            victim_lane=victim_lane if hand_back else ""))
+            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, claim_mark=k.claim_mark(token), wake=k.wake,
+            preemptions=k.preemptions, tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running,
+            lanes=k.lane_keys(above), lease_ms=lease_ms, token=token, claim_id=next(self._claim_ids),
+            wake_cap=WAKE_CAP, promote_limit=PROMOTE_LIMIT, victim_lane=victim_lane if hand_back else ""))
         claimed = self._claimed(flat)
         return claimed[0] if claimed else None
 
@@ -465,9 +473,10 @@ class RedisQueue:
         with a free slot took the wake-up and claims it."""
         k = self.keys
         flat = await self._scripts.run(LendReserve(
-            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, wake=k.wake, tenant_waiting=k.tenant_waiting,
-            tenant_running=k.tenant_running, waiting=k.waiting(lane), deferred=k.deferred(lane),
-            running=k.running(lane), lease_ms=lease_ms, token=token, promote_limit=PROMOTE_LIMIT))
+            jobs=k.jobs, owners=k.owners, claim_seq=k.claim_seq, claim_mark=k.claim_mark(token), wake=k.wake,
+            tenant_waiting=k.tenant_waiting, tenant_running=k.tenant_running, waiting=k.waiting(lane),
+            deferred=k.deferred(lane), running=k.running(lane), lease_ms=lease_ms, token=token,
+            claim_id=next(self._claim_ids), promote_limit=PROMOTE_LIMIT))
         claimed = self._claimed(flat, lanes=(lane,), lent_reserve=True)
         return claimed[0] if claimed else None
 

@@ -211,7 +211,7 @@ class EntryKind(StrEnum):
     CHUNK = "chunk"     # text and the token ids it came from
     DONE = "done"       # one choice finished
     ERROR = "error"     # an attempt failed; final unless retryable
-    RESTART = "restart" # a retried attempt could not resume (n > 1): discard earlier chunks
+    RESTART = "restart" # a retried attempt could not resume (n > 1, a trimmed stream): discard earlier chunks
 
 
 def assemble_tool_calls(deltas: Iterable[ToolCallDelta]) -> list[ToolCallSpec]:

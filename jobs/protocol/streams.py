@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from slotq.jobs.protocol.connection import is_cluster
+from slotq.jobs.protocol.connection import is_cluster, is_transient
 from slotq.jobs.protocol.keys import fences_key, stream_bucket, stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
@@ -269,7 +269,8 @@ async def end_stream(redis: Redis, job_id: str, entry: StreamEntry, *, maxlen: i
     """Append a job's final ``entry`` from outside any worker (a producer cancelling a job no
     worker runs): not fenced, and the stream then lives ``ttl_s``. Like the worker's writer, it
     re-sends the same flush while Redis is unreachable and returns once it is acknowledged: the job
-    has left the queue, and its followers wait for this entry."""
+    has left the queue, and its followers wait for this entry. An error no retry outlasts (a Lua
+    error, OOM, WRONGTYPE: :func:`~slotq.jobs.protocol.connection.is_transient`) is raised at once."""
     writer_id = uuid.uuid4().hex
     appender = StreamAppender(redis, writer_id=writer_id, maxlen=maxlen, ttl_s=ttl_s)
     jobs = [JobEntries(job_id, "", TTL.FINAL, [encode_entry(entry)])]
@@ -278,6 +279,8 @@ async def end_stream(redis: Redis, job_id: str, entry: StreamEntry, *, maxlen: i
             await appender.append(f"{writer_id}:0", jobs)
             return
         except (RedisError, OSError) as exc:
+            if not is_transient(exc):
+                raise
             log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(jobs))
             await asyncio.sleep(RETRY_S)
 

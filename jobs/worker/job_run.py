@@ -134,8 +134,8 @@ class JobRun:
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
         # Read even on attempt 1: a job handed back on shutdown runs again with the same try number.
         delivered = await read_delivered(self.writer, self.job_id)
-        if delivered.final is not None and not (isinstance(job, EmbeddingJobRequest)
-                                                and delivered.final.kind == EntryKind.DONE):
+        if delivered.final is not None and not delivered.trimmed and not (
+                isinstance(job, EmbeddingJobRequest) and delivered.final.kind == EntryKind.DONE):
             # An earlier attempt finished; only its finish was lost. (An embedding job's vectors are not in
             # its stream: they are computed again.)
             return await self._result_from_stream(delivered)
@@ -153,10 +153,15 @@ class JobRun:
                 return await self._fail(ErrorInfo(code="expired", retryable=False, message=(
                     "the job's deadline cannot be met: it passed, or is nearer than one decode step "
                     f"({first_token_s * 1000:.0f} ms on this worker), before the job could start")))
-        resume = delivered.tokens.get(0, []) if job.n == 1 else []
-        if job.n > 1 and delivered.tokens:
+        if delivered.trimmed or (job.n > 1 and delivered.tokens):
+            # Start over (the stream's readers discard what came before): several choices cannot resume, and
+            # a trimmed stream no longer holds the prefix the job delivered.
+            if delivered.trimmed:
+                log.warning("job %s: its stream was trimmed (SLOTQ_STREAM_MAXLEN) before this attempt; it starts "
+                            "over instead of resuming from a wrong prefix", self.job_id)
             self.writer.add(self.job_id, self._entry(EntryKind.RESTART))
             delivered = Delivered()
+        resume = delivered.tokens.get(0, []) if job.n == 1 else []
         max_tokens = job.max_tokens
         if self.verdict is not None:
             verdict = self.verdict(max_tokens=job.max_tokens, resuming=bool(delivered.tokens))

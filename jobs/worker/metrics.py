@@ -2,8 +2,9 @@
 
 Names mirror llama-server's where the meaning is the same (under the ``slotq_`` prefix), plus
 what llama-server lacks: queue depth and age, KV usage, TTFT and inter-token latency
-histograms, retries, lost attempts (interruptions apart from failures), dead letters and
-preemptions. They are served, with /ready and /live, by :mod:`slotq.jobs.worker.health`; the elastic
+histograms, retries, lost attempts (interruptions apart from failures), dead letters,
+preemptions, Redis failures by kind (an outage apart from an error no retry outlasts) and the
+stream writer's backlog. They are served, with /ready and /live, by :mod:`slotq.jobs.worker.health`; the elastic
 worker's own metrics are in :mod:`slotq.jobs.worker.elastic.metrics`. Engine counters are sampled from
 ``Engine.stats()`` once a second, so the hot path does no metric work.
 """
@@ -17,6 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from slotq.engine import EngineStats
 from slotq.engine.config import SpecMode
+from slotq.jobs.protocol.connection import is_transient
 from slotq.jobs.protocol.redis_queue import LaneCounts
 from slotq.jobs.protocol.schemas import JobResult
 
@@ -82,6 +84,19 @@ DEAD_LETTERS = Counter(
     "wrong_model, wrong_job_kind, or the code of the retryable error the last try ended with)", ["reason"])
 for _reason in ("killed_its_worker", "tries_exhausted", "interruptions_exhausted"):
     DEAD_LETTERS.labels(reason=_reason)                # exported at 0 from the start, so rate() sees the first one
+REDIS_FAILURES = Counter(
+    "slotq_redis_failures", "Redis commands of this worker that failed, by operation (flush: a stream flush; claim: "
+    "CLAIM, PREEMPT or LEND_RESERVE; reap: the reaper's REAP) and kind (transient: an outage, a failover, a "
+    "loading server, which a retry outlasts; deterministic: a Lua error, OOM, a bad argument or WRONGTYPE, which "
+    "the same command gets again)", ["operation", "kind"])
+for _operation in ("flush", "claim", "reap"):
+    for _kind in ("transient", "deterministic"):
+        REDIS_FAILURES.labels(operation=_operation, kind=_kind)    # exported at 0, so rate() sees the first one
+STREAM_BUFFERED_TOKENS = Gauge("slotq_stream_buffered_tokens",
+                               "Generated tokens the stream writer holds that Redis has not acknowledged yet")
+STREAM_OLDEST_UNFLUSHED = Gauge(
+    "slotq_stream_oldest_unflushed_age_seconds", "How long the oldest stream entry Redis has not acknowledged has "
+    "waited (0 when none): over SLOTQ_HEALTH_MAX_STALL_S, /ready fails")
 TTFT = Histogram("slotq_time_to_first_token_seconds", "Submit to first token, in the engine", buckets=LATENCY_BUCKETS)
 INTER_TOKEN = Histogram("slotq_inter_token_latency_seconds", "Mean time between tokens of a job",
                         buckets=TOKEN_BUCKETS)
@@ -132,6 +147,18 @@ class EngineSampler:
         SPEC_ACCEPTANCE.set(acceptance if acceptance is not None else math.nan)
         for source in SPEC_SOURCES:
             SPEC_SOURCE.labels(source=source.value).set(int(stats.spec == source))
+
+
+def redis_failure(operation: str, error: BaseException) -> None:
+    """Count a failed Redis command of ``operation`` (flush, claim, reap) by its kind."""
+    kind = "transient" if is_transient(error) else "deterministic"
+    REDIS_FAILURES.labels(operation=operation, kind=kind).inc()
+
+
+def sample_stream_backlog(tokens: int, oldest_s: float) -> None:
+    """The stream writer's backlog (:meth:`~slotq.jobs.worker.stream_writer.StreamWriter.backlog`)."""
+    STREAM_BUFFERED_TOKENS.set(tokens)
+    STREAM_OLDEST_UNFLUSHED.set(oldest_s)
 
 
 def sample_queue(counts: Sequence[LaneCounts]) -> None:

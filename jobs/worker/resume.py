@@ -6,6 +6,11 @@ next attempt decodes on from the last token delivered, token for token what one 
 made); its text, reasoning, tool-call pieces and log-probabilities are kept to build the result;
 a ``RESTART`` entry (a job of several choices starts over) forgets everything before it; and a
 final entry means an earlier attempt ended the job and only its finish was lost.
+
+A stream that ``SLOTQ_STREAM_MAXLEN`` trimmed no longer holds its first entries: the tokens it
+holds are not the prefix the job delivered, and resuming from them would go on from the wrong
+place, silently. :attr:`Delivered.trimmed` says so, and the attempt starts over instead, after a
+``RESTART`` entry that tells the stream's readers to discard what came before.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Delivered:
     replies: Replies = field(default_factory=Replies)
     done: dict[int, StreamEntry] = field(default_factory=dict)
     final: StreamEntry | None = None
+    trimmed: bool = False       # entries of this run (since the last RESTART) were trimmed away: not a prefix
 
     @property
     def token_count(self) -> int:
@@ -61,9 +67,12 @@ class Delivered:
 
 
 async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
-    """What the stream of ``job_id`` holds for the attempt about to run (since its last ``RESTART``)."""
+    """What the stream of ``job_id`` holds for the attempt about to run (since its last ``RESTART``).
+    A stream that holds entries but no ``RESTART`` is asked whether it was trimmed (one XINFO STREAM
+    more: a job's first attempt, with an empty stream, pays nothing)."""
     delivered = Delivered()
-    for entry in await streams.read_all(writer.redis, job_id):
+    entries = await streams.read_all(writer.redis, job_id)
+    for entry in entries:
         if entry.kind == EntryKind.RESTART:
             delivered = Delivered()
         elif entry.kind == EntryKind.CHUNK:
@@ -73,4 +82,7 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
             delivered.done[entry.choice] = entry
         if entry.final:
             delivered.final = entry
+    if entries and all(entry.kind != EntryKind.RESTART for entry in entries):
+        start = await streams.stream_start(writer.redis, job_id)
+        delivered.trimmed = start is not None and start.trimmed
     return delivered

@@ -60,8 +60,10 @@ from typing import Any
 
 from slotq.jobs.aio import cancel_and_wait
 from slotq.jobs.protocol.arq_adapter import ArqJobRunner, Deserializer, ExitKind, JobExit, JobFunction, Serializer
+from slotq.jobs.protocol.connection import is_transient
 from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress
 from slotq.jobs.protocol.redis_queue import BusyToken, ClaimedJob, RedisQueue
+from slotq.jobs.worker import metrics
 from slotq.jobs.worker.preemption_policy import Answer, PreemptionPolicy
 from slotq.jobs.worker.slot_ledger import SlotLedger
 
@@ -117,6 +119,7 @@ class QueueRuntime:
         self._busy_task: asyncio.Task[BusyToken | None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
+        self._failing_since: float | None = None   # first of the claims and reaps that have failed since one worked
 
     # ------------------------------------------------------------------ what the worker reads
     @property
@@ -198,9 +201,10 @@ class QueueRuntime:
         try:
             claimed = await self.queue.claim(free, self.token, self.lease_ms, owed=self.owed_slots())
         except Exception as exc:  # Redis down: the next tick tries again (commands already retried ~30 s)
-            log.warning("claim failed (%s: %s); retrying", type(exc).__name__, exc)
+            self._redis_failed("claim", exc)
             await asyncio.sleep(1)
             return []
+        self._redis_worked()
         for job in claimed:
             self._start(job)
         return claimed
@@ -329,8 +333,9 @@ class QueueRuntime:
         try:
             job = await self.queue.lend_reserve(token.lane, self.token, self.lease_ms)
         except Exception as exc:  # Redis down: the token is lost; the job waits for a slot as any other
-            log.warning("claim for the reserve failed (%s: %s)", type(exc).__name__, exc)
+            self._redis_failed("claim", exc)
             return
+        self._redis_worked()
         if job is not None:
             self._run_in_reserve(job, "its tenant has nothing running")
 
@@ -347,8 +352,9 @@ class QueueRuntime:
         try:
             job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms, hand_back=not in_reserve)
         except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job
-            log.warning("preemption claim failed (%s: %s)", type(exc).__name__, exc)
+            self._redis_failed("claim", exc)
             return
+        self._redis_worked()
         if job is None:
             return
         if in_reserve:
@@ -366,6 +372,27 @@ class QueueRuntime:
         if not held.leaving:
             self._runner.cancel(victim.job_id)     # hand back: the attempt flushes its stream first
 
+    def _redis_failed(self, operation: str, error: Exception) -> None:
+        """A claim or a reap failed: counted by kind (``slotq_redis_failures_total``), logged, and the
+        start of a failing streak noted for ``/ready`` (:meth:`failing_for`). A deterministic error (a Lua
+        error, OOM, WRONGTYPE) is logged as an error: the next try gets the same answer until someone acts."""
+        metrics.redis_failure(operation, error)
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+        if is_transient(error):
+            log.warning("%s failed (%s: %s); retrying", operation, type(error).__name__, error)
+        else:
+            log.error("%s refused by Redis (%s: %s): it will be refused again until this is fixed", operation,
+                      type(error).__name__, error)
+
+    def _redis_worked(self) -> None:
+        self._failing_since = None
+
+    def failing_for(self) -> float:
+        """Seconds since the first of the claims and reaps that have all failed since one last worked (0
+        while the last worked)."""
+        return 0.0 if self._failing_since is None else time.monotonic() - self._failing_since
+
     def _can_claim(self) -> bool:
         return self._claiming and not self.full and self._may_claim()
 
@@ -382,8 +409,13 @@ class QueueRuntime:
         job), act on aborts whose notification was missed, and surface crashed attempts."""
         try:
             reaped = await self.queue.reap()
+        except Exception as exc:
+            self._redis_failed("reap", exc)
+        else:
+            self._redis_worked()
             if reaped:
                 log.warning("requeued %d jobs whose worker stopped renewing their lease", reaped)
+        try:
             await self._runner.check_aborts()
         except Exception as exc:
             log.warning("queue maintenance failed (%s: %s)", type(exc).__name__, exc)

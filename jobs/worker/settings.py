@@ -61,6 +61,10 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
                           "detected from the GGUF: an encoder such as BERT, or a pooling type in its header. A text "
                           "generator serves embeddings only when asked (--embeddings, mean pooling by default)")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
+    health_max_stall_s: float = Field(
+        60.0, gt=0, description="/ready fails (and the worker claims nothing) while a generated stream entry has "
+                                "waited this long for Redis to take it, or the worker's claims and reaps have all "
+                                "failed for this long (Redis refusing them: a Lua error, OOM, WRONGTYPE)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
 
     @model_validator(mode="after")

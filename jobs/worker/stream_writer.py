@@ -20,15 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from slotq.jobs.protocol.connection import is_cluster
+from slotq.jobs.protocol.connection import is_cluster, is_transient
 from slotq.jobs.protocol.keys import stream_bucket
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
 from slotq.jobs.protocol.wire import TokenLogprob, ToolCallDelta
+from slotq.jobs.worker import metrics
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +63,15 @@ class _JobBatch:
 class _Flush:
     id: str
     jobs: list[tuple[str, _JobBatch]]
+    since: float                   # when its oldest entry was added (monotonic)
+    tokens: int                    # its chunk tokens
+    refusals: int = 0              # tries Redis answered with a deterministic error (see StreamWriter.flush)
+
+
+# A flush Redis refused this many times in a row with a deterministic error (a Lua error, OOM, WRONGTYPE:
+# connection.is_transient) is given up: sending it again gets the same answer. A few tries, with the flush
+# loop's backoff (under a second in all), let an OOM that eviction or a freed key clears at once pass.
+DETERMINISTIC_TRIES = 4
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,9 @@ class StreamWriter:
     lease (:func:`~slotq.jobs.protocol.streams.raise_fences`): each entry keeps its lease until it
     is written, so entries an attempt left buffered are refused once the job is claimed again, even
     by this worker. A refused job's pending entries are dropped and ``on_fenced(job_id, lease)`` is
-    told. Entries of a job never bound are not fenced.
+    told. Entries of a job never bound are not fenced. So is a flush Redis refuses for good (a
+    deterministic error, :data:`DETERMINISTIC_TRIES` times in a row): retried as an outage it would
+    hold its jobs' attempts forever.
     """
 
     def __init__(self, redis: Redis, *, flush_ms: float, maxlen: int, ttl_s: int, ttl_live_s: int | None = None,
@@ -171,8 +181,17 @@ class StreamWriter:
         return (await self._appender.raise_fences({job_id: self._leases[job_id]}))[job_id]
 
     def unbind(self, job_id: str) -> None:
-        """The attempt is over (entries it already added keep their lease until written)."""
+        """The attempt is over (entries it already added keep their lease until written). The job is
+        forgotten: an attempt that ends without a final entry (handed back, retried) would otherwise
+        stay among the jobs this writer started for good, and the job's next attempt here would not
+        set its stream's live expiry again."""
         self._leases.pop(job_id, None)
+        self._started.discard(job_id)
+
+    def tracked_jobs(self) -> int:
+        """Jobs the writer keeps anything of (a lease, pending entries, a started stream): none once
+        every attempt has ended and its entries are written."""
+        return len(self._leases.keys() | self._pending.keys() | self._started)
 
     def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
                   n_tokens: int, reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = (),
@@ -293,7 +312,8 @@ class StreamWriter:
             if self._inflight is None:
                 if not self._pending:
                     return True
-                self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", list(self._pending.items()))
+                self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", list(self._pending.items()),
+                                        since=self._since or time.monotonic(), tokens=self._tokens)
                 self._pending = {}
                 if self._buckets is not None:
                     self._buckets.clear()
@@ -306,22 +326,55 @@ class StreamWriter:
                     JobEntries(job_id, batch.lease, batch.ttl,
                                [e.fields() if isinstance(e, _Chunk) else encode_entry(e) for e in batch.entries])
                     for job_id, batch in sent.jobs])
-            except (RedisConnectionError, RedisTimeoutError, OSError, RedisError) as exc:
-                log.warning("stream flush failed (%s); %d jobs buffered", type(exc).__name__, len(sent.jobs))
-                return False
+            except (OSError, RedisError) as exc:
+                return self._failed(sent, exc)
             self._inflight = None
             self.round_trips += 1
             for (job_id, batch), ok in zip(sent.jobs, written):
                 if ok:
                     self.entries_written += len(batch.entries)
                     continue
-                pending = self._pending.get(job_id)
-                if pending is not None and pending.lease == batch.lease:
-                    self.drop(job_id)
                 log.warning("job %s: its lease %s no longer owns it; its entries are dropped", job_id, batch.lease)
-                if self.on_fenced is not None:
-                    self.on_fenced(job_id, batch.lease)
+                self._refused(job_id, batch)
             return True
+
+    def _failed(self, sent: _Flush, error: OSError | RedisError) -> bool:
+        """A flush that raised: kept to be sent again (False) while the error is one a retry can
+        outlast; given up after :data:`DETERMINISTIC_TRIES` deterministic errors in a row (True: nothing
+        is left to send), its jobs' entries dropped and each attempt stopped as if fenced off (its job
+        goes back to the queue when its lease ends, and resumes from what reached its stream)."""
+        metrics.redis_failure("flush", error)
+        if is_transient(error):
+            log.warning("stream flush failed (%s); %d jobs buffered", type(error).__name__, len(sent.jobs))
+            return False
+        sent.refusals += 1
+        log.error("stream flush refused by Redis (%s: %s), %d of %d tries; %d jobs buffered", type(error).__name__,
+                  error, sent.refusals, DETERMINISTIC_TRIES, len(sent.jobs))
+        if sent.refusals < DETERMINISTIC_TRIES:
+            return False
+        self._inflight = None
+        for job_id, batch in sent.jobs:
+            log.error("job %s: %d stream entries given up (Redis refused them %d times: %s); its attempt stops",
+                      job_id, len(batch.entries), DETERMINISTIC_TRIES, error)
+            self._refused(job_id, batch)
+        return True
+
+    def _refused(self, job_id: str, batch: _JobBatch) -> None:
+        """``batch`` of ``job_id`` will never be written: drop what is pending under its lease and tell
+        ``on_fenced``."""
+        pending = self._pending.get(job_id)
+        if pending is not None and pending.lease == batch.lease:
+            self.drop(job_id)
+        if self.on_fenced is not None:
+            self.on_fenced(job_id, batch.lease)
+
+    def backlog(self) -> tuple[int, float]:
+        """Chunk tokens not yet acknowledged by Redis (pending or in flight), and how long the oldest
+        entry among them has waited (s; 0 when none waits): the ``slotq_stream_*`` gauges, and what
+        ``/ready`` compares with ``SLOTQ_HEALTH_MAX_STALL_S``."""
+        oldest = [t for t in (self._since, self._inflight.since if self._inflight else None) if t is not None]
+        tokens = self._tokens + (self._inflight.tokens if self._inflight else 0)
+        return tokens, time.monotonic() - min(oldest) if oldest else 0.0
 
     async def _flush_loop(self) -> None:
         """Sleeps while nothing waits; flushes when the policy says so; backs off while Redis is down."""

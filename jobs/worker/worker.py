@@ -184,12 +184,22 @@ class SlotqWorker:
             state = "draining"
         elif not fresh:
             state = "redis_unreachable"
+        elif self._stalled():
+            state = "redis_stalled"
         else:
             state = "ready"
         detail: dict[str, Any] = {"state": state, "worker": self.id}
         if self.elastic is not None:
             detail |= self.elastic.heartbeat_fields()
         return state == "ready", detail
+
+    def _stalled(self) -> bool:
+        """Past ``SLOTQ_HEALTH_MAX_STALL_S``: a stream entry still waits for Redis to take it, or the
+        claims and reaps have all failed (Redis reachable, so the heartbeat stays current, yet refusing
+        what the worker asks: a Lua error, OOM, WRONGTYPE)."""
+        limit = self.settings.health_max_stall_s
+        waited = self.writer.backlog()[1] if self.writer is not None else 0.0
+        return waited > limit or (self.runtime is not None and self.runtime.failing_for() > limit)
 
     # ------------------------------------------------------------------ lifecycle
     async def _on_startup(self) -> None:
@@ -392,6 +402,8 @@ class SlotqWorker:
         sampler = metrics.EngineSampler()
         while True:
             sampler.update(self.engine.stats())
+            if self.writer is not None:
+                metrics.sample_stream_backlog(*self.writer.backlog())
             elastic_metrics.WORKER_READY.set(int(self._readiness()[0]))
             metrics.sample_queue(await self.queue.counts())
             await asyncio.sleep(1)
@@ -435,16 +447,16 @@ class SlotqWorker:
         log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)
         self.writer.bind(job_id, claim.lease)
-        if not await self.writer.raise_fence(job_id):
-            runtime.lose_lease(job_id, claim.lease)     # a newer claim holds the job's stream: this attempt stops
-        self._runs[job_id] = run
-        if runtime.full:
-            # The claim that filled the slots went back to waiting before this attempt ran, so it
-            # saw no preemption candidate and is not listening for preemption tokens; wake it to
-            # wait again with one, rather than up to SLOTQ_POLL_DELAY_S later. No Redis command:
-            # a full worker does not claim.
-            runtime.nudge()
-        try:
+        try:        # from the bind on: a fence that fails to rise unbinds too
+            if not await self.writer.raise_fence(job_id):
+                runtime.lose_lease(job_id, claim.lease)     # a newer claim holds the job's stream: this attempt stops
+            self._runs[job_id] = run
+            if runtime.full:
+                # The claim that filled the slots went back to waiting before this attempt ran, so it
+                # saw no preemption candidate and is not listening for preemption tokens; wake it to
+                # wait again with one, rather than up to SLOTQ_POLL_DELAY_S later. No Redis command:
+                # a full worker does not claim.
+                runtime.nudge()
             result = await run.run()
         except asyncio.CancelledError:
             log.info("job %s %s", job_id, "abandoned (lease lost)" if runtime.has_lost_lease(job_id) else "handed back")

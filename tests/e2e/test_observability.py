@@ -36,7 +36,8 @@ RULE_TESTS = ROOT / "deploy/prometheus/slotq-alerts.test.yaml"
 DASHBOARD = ROOT / "deploy/grafana/slotq-dashboard.json"
 METRIC_NAME = re.compile(r"\b(slotq_[a-z0-9_]+|process_[a-z0-9_]+)\b")
 ALERTS = {"SlotqNoLiveWorker", "SlotqQueueWaitHigh", "SlotqDeadLettersGrowing", "SlotqKVCacheHigh",
-          "SlotqWorkerRestarting", "SlotqBackgroundLoopRestarting", "SlotqDegraded", "SlotqMemoryHigh"}
+          "SlotqWorkerRestarting", "SlotqBackgroundLoopRestarting", "SlotqDegraded", "SlotqMemoryHigh",
+          "SlotqRedisRefusing", "SlotqStreamStalled"}
 
 
 @pytest.fixture(scope="module")

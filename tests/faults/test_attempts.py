@@ -150,6 +150,31 @@ async def test_a_job_whose_stream_is_complete_gets_the_result_of_the_attempt_tha
     assert await dead_letters.count(client.redis) == 0
 
 
+async def test_a_job_whose_stream_was_trimmed_starts_over_instead_of_resuming_from_a_wrong_prefix(client,
+                                                                                                   start_worker):
+    """Attempt 1 ("ghost") streamed two chunks and lost its lease; SLOTQ_STREAM_MAXLEN then trimmed the
+    first away. What the stream holds is no longer the prefix the job delivered (before, the next attempt
+    resumed from the second chunk's tokens, silently): it writes a RESTART entry, which tells the
+    stream's readers to discard what came before, and generates from scratch -- its reply is the one a
+    fresh run of the same request gives."""
+    request = job_request("trimmed away", max_tokens=6)
+    job = await client.enqueue(request)
+    assert [claim.id for claim in await client.queue.claim(1, "ghost", lease_ms=100)] == [job.id]
+    await client.redis.incr(retry_counter_key(job.id))            # arq's run_job counted attempt 1
+    for text, ids in (("ab", [97, 98]), ("cd", [99, 100])):
+        await client.redis.xadd(stream_key(job.id), encode_entry(StreamEntry(
+            id="", kind=EntryKind.CHUNK, attempt=1, text=text, token_ids=ids, n_tokens=ids[-1] - 96)))
+    await client.redis.xtrim(stream_key(job.id), maxlen=1, approximate=False)
+    await asyncio.sleep(0.2)                                       # the ghost's lease expires
+    await start_worker(worker_name="second")
+    result = await job.result(timeout=60)
+    fresh = await (await client.enqueue(request)).result(timeout=60)
+    assert result.status == fresh.status == JobStatus.SUCCEEDED, (result, fresh)
+    assert (result.text, result.usage.completion_tokens) == (fresh.text, 6), (result, fresh)
+    kinds = [entry.kind for entry in await raw_entries(client, job.id)]
+    assert kinds[:2] == [EntryKind.CHUNK, EntryKind.RESTART] and kinds[-1] == EntryKind.DONE, kinds
+
+
 async def test_a_cancelled_running_job_reports_the_tokens_it_computed(client, start_worker):
     """Usage of a job cancelled mid-generation: its prompt and every token it delivered, in the
     result and in its final stream entry (billing and metrics read them)."""

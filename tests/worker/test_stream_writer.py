@@ -146,6 +146,28 @@ async def test_entries_buffered_by_an_attempt_are_refused_once_the_same_worker_c
         server.stop()
 
 
+async def test_an_attempt_that_ended_without_a_final_entry_leaves_nothing_behind(redis) -> None:
+    """A job handed back or retried ends its attempt without a final entry; its unbind forgets the job,
+    so the writer keeps nothing of it, and the job's next attempt here sets its stream's live expiry
+    again (its stream may have aged through a retry's backoff)."""
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, ttl_live_s=3600, writer_id="w")
+    writer.bind("j", "w#1")
+    assert await writer.raise_fence("j")
+    writer.add_chunk("j", attempt=1, choice=0, text="a", token_ids=[1], n_tokens=1)
+    writer.add("j", StreamEntry(id="", kind=EntryKind.ERROR, attempt=1))          # retried: not final
+    assert await writer.write_all("j")
+    writer.unbind("j")
+    assert writer.tracked_jobs() == 0
+    await redis.expire(stream_key("j"), 100)                                      # aged through the backoff
+    writer.bind("j", "w#2")
+    assert await writer.raise_fence("j")
+    writer.add_chunk("j", attempt=2, choice=0, text="b", token_ids=[2], n_tokens=2)
+    assert await writer.write_all("j")
+    assert await redis.ttl(stream_key("j")) > 3000
+    writer.unbind("j")
+    assert writer.tracked_jobs() == 0
+
+
 async def test_a_fence_only_rises_and_an_older_claim_cannot_take_it_back(redis) -> None:
     """The claim numbers order the claims of a job: one that comes late with an older number (its
     worker stalled between the claim and the raise) loses the job, and its writes are refused."""

@@ -68,6 +68,25 @@ local function claim_lanes(jobs, owners, claim_seq, lanes, want, lease_ms, token
 end
 """
 
+# A claim carries an id, fresh for each call and the same in each of its retries: redis-py sends a
+# command again, whole, when its connection failed or its reply did not come in time, and a claim whose
+# reply was lost had already run. It would run again and take more jobs, the first ones left under a
+# lease nobody holds until the reaper returns them (a lease later). So each claim that took jobs keeps
+# its id and reply in the worker's claim mark (for one lease), and a claim that finds its own id there
+# answers that reply again and touches nothing. As the stream writer's flush ids do (stream_flush.py).
+_REPLAY = """
+local function replayed(claim_mark, claim_id)
+  local mark = redis.call('GET', claim_mark)
+  local prefix = claim_id .. '|'
+  if mark and string.sub(mark, 1, #prefix) == prefix then return cjson.decode(string.sub(mark, #prefix + 1)) end
+  return nil
+end
+local function remembered(claim_mark, claim_id, out, lease_ms)
+  if #out > 2 then redis.call('SET', claim_mark, claim_id .. '|' .. cjson.encode(out), 'PX', lease_ms) end
+  return out
+end
+"""
+
 ClaimReply = list[Any]
 """The server's now (ms, the claim time), the claim's lease ('' when it claimed nothing), then id
 (bytes), lane index (0-based, counted from the first lane the script was given), ready ms for each
@@ -90,6 +109,7 @@ class Claim(LuaScript[ClaimReply]):
     jobs: Key
     owners: Key
     claim_seq: Key
+    claim_mark: Key            # the worker's (:attr:`QueueKeys.claim_mark`)
     wake: Key
     tenant_waiting: Key
     tenant_running: Key
@@ -97,18 +117,21 @@ class Claim(LuaScript[ClaimReply]):
     max_jobs: Arg[int]
     lease_ms: Arg[int]
     token: Arg[str]            # the worker's: the lease is ``<token>#<claim number>``
+    claim_id: Arg[str]         # this call's, the same in its retries (see _REPLAY)
     wake_cap: Arg[int]
     promote_limit: Arg[int]
     owed: ArgList[int]         # per lane (same order): the worker's slots guaranteed to it that it does not hold
 
-    HELPERS = _CLAIM_LANES + SYNC_TOKENS
+    HELPERS = _CLAIM_LANES + SYNC_TOKENS + _REPLAY
     BODY = """
+local again = replayed(claim_mark, claim_id)
+if again then return again end
 local out, left = claim_lanes(jobs, owners, claim_seq, lanes, max_jobs, lease_ms, token, promote_limit, tenant_waiting,
                               tenant_running, owed)
 local still_waiting = 0
 for _, n in ipairs(left) do still_waiting = still_waiting + n end
 sync_tokens(wake, still_waiting, wake_cap)
-return out
+return remembered(claim_mark, claim_id, out, lease_ms)
 """
 
 
@@ -128,6 +151,7 @@ class Preempt(LuaScript[ClaimReply]):
     jobs: Key
     owners: Key
     claim_seq: Key
+    claim_mark: Key            # the worker's (:attr:`QueueKeys.claim_mark`)
     wake: Key
     preemptions: Key
     tenant_waiting: Key
@@ -135,12 +159,15 @@ class Preempt(LuaScript[ClaimReply]):
     lanes: KeyList[LaneKeys]   # every lane above the victim's, highest priority first
     lease_ms: Arg[int]
     token: Arg[str]
+    claim_id: Arg[str]
     wake_cap: Arg[int]
     promote_limit: Arg[int]
     victim_lane: Arg[str]      # '' = none yields: the job runs in the worker's reserve, beside its slots
 
-    HELPERS = _CLAIM_LANES + SYNC_TOKENS
+    HELPERS = _CLAIM_LANES + SYNC_TOKENS + _REPLAY
     BODY = """
+local again = replayed(claim_mark, claim_id)
+if again then return again end
 if redis.call('LLEN', wake) == 0 then return {} end
 local out, left = claim_lanes(jobs, owners, claim_seq, lanes, 1, lease_ms, token, promote_limit, tenant_waiting,
                                tenant_running)
@@ -149,7 +176,7 @@ if #out > 2 then
   redis.call('LPOP', wake)
 end
 for n = 1, #left do sync_tokens(lanes[n].preempt, left[n], wake_cap) end
-return out
+return remembered(claim_mark, claim_id, out, lease_ms)
 """
 
 
@@ -169,6 +196,7 @@ class LendReserve(LuaScript[ClaimReply]):
     jobs: Key
     owners: Key
     claim_seq: Key
+    claim_mark: Key            # the worker's (:attr:`QueueKeys.claim_mark`)
     wake: Key
     tenant_waiting: Key
     tenant_running: Key
@@ -177,10 +205,13 @@ class LendReserve(LuaScript[ClaimReply]):
     running: Key
     lease_ms: Arg[int]
     token: Arg[str]
+    claim_id: Arg[str]
     promote_limit: Arg[int]
 
-    HELPERS = _CLAIM_LANES
+    HELPERS = _CLAIM_LANES + _REPLAY
     BODY = """
+local again = replayed(claim_mark, claim_id)
+if again then return again end
 if redis.call('LLEN', wake) == 0 then return {} end
 promote(jobs, deferred, waiting, server_ms(), promote_limit)
 local next_job = redis.call('ZRANGE', waiting, 0, 0)[1]
@@ -190,5 +221,5 @@ if redis.call('HEXISTS', tenant_running, tenant) == 1 then return {} end
 local out = claim_lanes(jobs, owners, claim_seq, {{waiting = waiting, deferred = deferred, running = running}}, 1,
                         lease_ms, token, promote_limit, tenant_waiting, tenant_running)
 redis.call('LPOP', wake)
-return out
+return remembered(claim_mark, claim_id, out, lease_ms)
 """

@@ -35,7 +35,7 @@ from typing import Annotated, Any, ClassVar, Generic, TypeVar, Union, get_args, 
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
@@ -221,60 +221,43 @@ class ScriptRunner:
         reply: Reply = await self._script(call)(keys=call.keys(), args=call.args())
         return reply
 
-    async def queue(self, call: LuaScript[Any], pipe: Pipeline) -> None:
-        """Queue ``call`` on ``pipe``: its reply comes with the pipeline's."""
-        await self._script(call)(keys=call.keys(), args=call.args(), client=pipe)
-
     async def run_and_wait(self, call: LuaScript[Reply], replicas: int, timeout_ms: int) -> tuple[Reply, int]:
         """Run ``call``, then WAIT for ``replicas`` replicas (at most ``timeout_ms``): its reply, and how many
         replicas acknowledged it. One round trip on one connection, as WAIT counts the writes of the
-        connection it is sent on: on a single Redis a pipeline; on a cluster a cluster pipeline whose WAIT
-        goes to the node of the script's first key, so both travel on that node's connection."""
-        if not isinstance(self._redis, RedisCluster):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                await self.queue(call, pipe)
-                pipe.wait(replicas, timeout_ms)
-                reply, acknowledged = await pipe.execute()
-            return reply, int(acknowledged)
+        connection it is sent on: a pipeline (on a cluster, a cluster pipeline whose WAIT goes to the node of
+        the script's first key, so both travel on that node's connection). A NOSCRIPT answer (nothing ran)
+        loads the script and sends both again."""
         try:
-            return await self._evalsha_and_wait(self._redis, call, replicas, timeout_ms)
-        except NoScriptError:       # nothing ran: load it on every primary (a shard lacked it), send both again
-            await self._redis.script_load(self._script(call).script)
-            return await self._evalsha_and_wait(self._redis, call, replicas, timeout_ms)
+            return await self._evalsha_and_wait(call, replicas, timeout_ms)
+        except NoScriptError:
+            await self._load(call)
+            return await self._evalsha_and_wait(call, replicas, timeout_ms)
 
-    async def _evalsha_and_wait(self, cluster: RedisCluster, call: LuaScript[Reply], replicas: int,
-                                timeout_ms: int) -> tuple[Reply, int]:
+    async def _evalsha_and_wait(self, call: LuaScript[Reply], replicas: int, timeout_ms: int) -> tuple[Reply, int]:
         keys = call.keys()
-        pipe = cluster.pipeline()
-        # EVALSHA by name: a cluster pipeline refuses its evalsha() method
-        pipe.execute_command("EVALSHA", self._script(call).sha, len(keys), *keys, *call.args())
-        pipe.wait(replicas, timeout_ms, target_nodes=cluster.get_node_from_key(keys[0]))
+        pipe = self._pipeline()
+        self._send(pipe, call)
+        if isinstance(self._redis, RedisCluster):
+            pipe.wait(replicas, timeout_ms, target_nodes=self._redis.get_node_from_key(keys[0]))
+        else:
+            pipe.wait(replicas, timeout_ms)
         reply, acknowledged = await pipe.execute()
         return reply, int(acknowledged)
 
     async def run_all(self, calls: Sequence[LuaScript[Any]]) -> list[Any]:
         """Run ``calls`` in one round trip, in order, each atomic but not together; their replies.
-        On a single Redis they go out as one pipeline; on a cluster as one cluster pipeline, which
-        sends each node its calls in one batch, the nodes at once (so a node reads them with one
-        system call, not one per call)."""
+        They go out as one pipeline (on a cluster one cluster pipeline, which sends each node its calls in
+        one batch, the nodes at once, so a node reads them with one system call, not one per call).
+
+        Each call goes as EVALSHA by name, not through redis-py's registered script, whose pipeline asks
+        SCRIPT EXISTS first: a hidden round trip per pipeline (and a cluster pipeline refuses its evalsha()
+        method). A call answered NOSCRIPT (a server that never ran the script: restarted, or a replica just
+        promoted) runs again on its own, which loads it; nothing else is sent twice."""
         if len(calls) == 1:
             return [await self.run(calls[0])]
-        if isinstance(self._redis, RedisCluster):
-            return await self._run_all_on_cluster(self._redis, calls)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for call in calls:
-                await self.queue(call, pipe)
-            return list(await pipe.execute())
-
-    async def _run_all_on_cluster(self, cluster: RedisCluster, calls: Sequence[LuaScript[Any]]) -> list[Any]:
-        """:meth:`run_all` on a cluster. A cluster pipeline refuses its evalsha() method, so each call
-        goes as EVALSHA by name; a call a node answers NOSCRIPT (a node that never ran the script,
-        such as a replica just promoted) runs again on its own, which loads it there. Nothing else is
-        sent twice."""
-        pipe = cluster.pipeline()
+        pipe = self._pipeline()
         for call in calls:
-            keys = call.keys()
-            pipe.execute_command("EVALSHA", self._script(call).sha, len(keys), *keys, *call.args())
+            self._send(pipe, call)
         replies = await pipe.execute(raise_on_error=False)
         out = []
         for call, reply in zip(calls, replies):
@@ -284,3 +267,19 @@ class ScriptRunner:
                 raise reply
             out.append(reply)
         return out
+
+    def _pipeline(self) -> Pipeline | ClusterPipeline:
+        """A pipeline without a transaction (a cluster's has none)."""
+        if isinstance(self._redis, RedisCluster):
+            pipe: ClusterPipeline = self._redis.pipeline()
+            return pipe
+        return self._redis.pipeline(transaction=False)
+
+    def _send(self, pipe: Pipeline | ClusterPipeline, call: LuaScript[Any]) -> None:
+        """Queue ``call`` on ``pipe`` as EVALSHA by name (see :meth:`run_all`)."""
+        keys = call.keys()
+        pipe.execute_command("EVALSHA", self._script(call).sha, len(keys), *keys, *call.args())
+
+    async def _load(self, call: LuaScript[Any]) -> None:
+        """Load ``call``'s script (on a cluster, on every primary)."""
+        await self._redis.script_load(self._script(call).script)

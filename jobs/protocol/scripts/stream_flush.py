@@ -69,9 +69,11 @@ class StreamFlush(LuaScript[bytes | str]):
     Returns one '1'/'0' per job ('0': the job's fence holds another claim, nothing written). A flush
     id already applied (re-sent because its reply was lost) gets its first answer again, unwritten:
     the writer's mark, beside the streams, keeps the last one. Unfenced jobs (lease '': a producer
-    ending a job no worker runs) are always written. A job's final entry takes its fence away (the
-    job is over; a claim that still comes raises it again). The fences of all jobs are read with one
-    HMGET: a flush costs 4 commands plus one XADD per entry."""
+    ending a job no worker runs) are always written. A job's final entry takes its fence away, fenced
+    or not (the job is over; a claim that still comes raises it again): a producer ending a job
+    cancelled while it waited, after an earlier claim had raised its fence, leaves no field behind
+    for good. The fences of all jobs are read with one HMGET: a flush costs 4 commands plus one XADD
+    per entry."""
 
     flush_mark: Key                # the writer's last flush id and its answer (in the streams' slot)
     fences: Key
@@ -106,7 +108,7 @@ for job = 1, #job_ids do
   if ok and ttls[job] == 1 then redis.call('EXPIRE', streams[job], live_ttl_s) end
   if ok and ttls[job] == 2 then
     redis.call('EXPIRE', streams[job], final_ttl_s)
-    if leases[job] ~= '' then redis.call('HDEL', fences, job_ids[job]) end
+    redis.call('HDEL', fences, job_ids[job])
   end
   if ok and leases[job] ~= '' and ttls[job] == 1 then fenced = true end
   out[job] = ok and '1' or '0'
