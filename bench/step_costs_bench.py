@@ -9,6 +9,12 @@ so both run side by side in one process on the same data):
   synthetic logits): before, a float64 log-softmax, an ``argpartition`` and 21 validated pydantic
   models per row, one row at a time; after, :func:`slotq.engine.logprobs.step_logprobs` for the
   block and :func:`~slotq.engine.logprobs.as_event` per row.
+* ``prefix``: one admission's prefix lookups (the longest prefix among the running slots' KV and
+  the idle caches, then the running sequence still computing a longer one) while 64 or 256 running
+  sequences share a 2,048-token system prompt (token ids below the tiny model's 4,096): before,
+  every running sequence's tokens sliced and compared one by one in Python; after, a dict walk of
+  chained block hashes (:mod:`slotq.engine.prefix_index`), its first lookup (hashing every running
+  sequence once) and a later one (the hashes kept) timed apart.
 * ``replies``: a worker's reply of 16,384 pieces gathered by ``Replies.add``: before, one string
   concatenation per piece (quadratic), after, a list joined when read.
 
@@ -26,12 +32,15 @@ import numpy as np
 from bench.report import markdown_table, progress, write_results
 from slotq.engine.events import TokenLogprob, TopLogprob
 from slotq.engine.logprobs import as_event, step_logprobs, token_text
+from slotq.engine.prefix_index import PrefixIndex, PrefixMatch
 from slotq.jobs.worker.resume import Replies
 
 SEQUENCES = (64, 256)
 QWEN_VOCAB = 151_936
 TOP = 20
 REPLY_PIECES = 16_384
+SYSTEM_PROMPT = 2_048
+TINY_VOCAB = 4_096
 
 
 def cpu_ms(repeats: int, work: Callable[..., object], *args: Any) -> float:
@@ -84,6 +93,72 @@ def _bench_logprobs(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+# ------------------------------------------------------------------ prefix
+def _slow_common_prefix(a: list[int], b: list[int], at_most: int) -> int:
+    n = min(len(a), len(b), at_most)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _prefix_before(running: list[tuple[int, list[int], int]], idle: dict[int, list[int]],
+                   tokens: list[int]) -> tuple[PrefixMatch | None, int]:
+    """45647eb's two lookups: each running slot's computed tokens sliced and compared token by
+    token, then each idle cache, then every running sequence's whole tokens again."""
+    at_most = len(tokens) - 1
+    best: PrefixMatch | None = None
+    for slot, held in ((slot, seq_tokens[:n]) for slot, seq_tokens, n in running):
+        n = _slow_common_prefix(held, tokens, at_most)
+        if n > (best.n_tokens if best else 0):
+            best = PrefixMatch(slot, n, idle=False)
+    for slot, held in idle.items():
+        n = _slow_common_prefix(held, tokens, at_most)
+        if n > 0 and (best is None or n > best.n_tokens or (n == best.n_tokens and not best.idle)):
+            best = PrefixMatch(slot, n, idle=True)
+    wait_n = 0
+    for _, seq_tokens, _ in running:
+        wait_n = max(wait_n, _slow_common_prefix(seq_tokens, tokens, at_most))
+    return best, wait_n
+
+
+def _prefix_after(index: PrefixIndex, running: list[tuple[int, list[int], int]],
+                  tokens: list[int]) -> tuple[PrefixMatch | None, int]:
+    best = index.longest_match(tokens, at_most=len(tokens) - 1, running=running)
+    wait = index.longest_running_match(tokens, at_most=len(tokens) - 1,
+                                       running=[(slot, seq_tokens, len(seq_tokens)) for slot, seq_tokens, _ in running])
+    return best, wait.n_tokens if wait else 0
+
+
+def _bench_prefix(quick: bool) -> list[dict[str, Any]]:
+    out = []
+    for n in SEQUENCES:
+        progress(f"prefix: {n} running sequences sharing {SYSTEM_PROMPT} tokens")
+        rng = np.random.default_rng(n)
+        system = rng.integers(0, TINY_VOCAB, SYSTEM_PROMPT).tolist()
+        running = [(slot, system + rng.integers(0, TINY_VOCAB, 200).tolist(), SYSTEM_PROMPT + 150)
+                   for slot in range(n)]
+        idle = {n + i: system + rng.integers(0, TINY_VOCAB, 100).tolist() for i in range(4)}
+        newcomer = system + rng.integers(0, TINY_VOCAB, 64).tolist()
+
+        def fresh_index(idle: dict[int, list[int]] = idle) -> PrefixIndex:
+            index = PrefixIndex()
+            for slot, held in idle.items():
+                index.keep(slot, held)
+            return index
+        warm = fresh_index()
+        expected = _prefix_before(running, idle, newcomer)
+        assert _prefix_after(warm, running, newcomer) == expected      # the same answer, or the numbers mean nothing
+        repeats = 3 if quick else 7
+        before = cpu_ms(repeats, _prefix_before, running, idle, newcomer)
+        first = min(cpu_ms(1, _prefix_after, fresh_index(), running, newcomer) for _ in range(repeats))
+        out.append({"item": "prefix lookups of one admission, first (hashing)", "sequences": n,
+                    "before_ms": before, "after_ms": first})
+        out.append({"item": "prefix lookups of one admission, later", "sequences": n,
+                    "before_ms": before, "after_ms": cpu_ms(repeats, _prefix_after, warm, running, newcomer)})
+    return out
+
+
 # ------------------------------------------------------------------ replies
 def _replies_before(pieces: list[str]) -> str:
     """45647eb's ``Replies.add``: the reply so far plus the new piece, a new string each time."""
@@ -110,7 +185,7 @@ def _bench_replies(quick: bool) -> list[dict[str, Any]]:
 
 
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
-    measured = [*_bench_logprobs(quick), *_bench_replies(quick)]
+    measured = [*_bench_logprobs(quick), *_bench_prefix(quick), *_bench_replies(quick)]
     rows = [[m["item"], str(m["sequences"]), f"{m['before_ms']:.2f}", f"{m['after_ms']:.2f}",
              f"{m['before_ms'] / m['after_ms']:.1f}x"] for m in measured]
     table = markdown_table(["per step", "sequences", "before, CPU ms", "after, CPU ms", "speed-up"], rows)
