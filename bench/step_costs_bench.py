@@ -15,6 +15,11 @@ so both run side by side in one process on the same data):
   every running sequence's tokens sliced and compared one by one in Python; after, a dict walk of
   chained block hashes (:mod:`slotq.engine.prefix_index`), its first lookup (hashing every running
   sequence once) and a later one (the hashes kept) timed apart.
+* ``stats``: the stats the engine publishes every step, with 64 or 256 slots each holding a
+  copy of a shared 2,048-cell prompt and 200 cells of their own (a quarter of them idle caches):
+  before, two scans of the KV ledger and a validated :class:`~slotq.engine.stats.EngineStats`;
+  after, counts kept as the ledger changes copied into a :class:`~slotq.engine.stats.StatsSnapshot`
+  (the model is built when read).
 * ``replies``: a worker's reply of 16,384 pieces gathered by ``Replies.add``: before, one string
   concatenation per piece (quadratic), after, a list joined when read.
 
@@ -33,6 +38,8 @@ from bench.report import markdown_table, progress, write_results
 from slotq.engine.events import TokenLogprob, TopLogprob
 from slotq.engine.logprobs import as_event, step_logprobs, token_text
 from slotq.engine.prefix_index import PrefixIndex, PrefixMatch
+from slotq.engine.scheduler import Scheduler, SchedulerConfig
+from slotq.engine.stats import EngineCounters, EngineStats
 from slotq.jobs.worker.resume import Replies
 
 SEQUENCES = (64, 256)
@@ -159,6 +166,48 @@ def _bench_prefix(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+# ------------------------------------------------------------------ stats
+def _scanned_cells(segments: dict[int, list[Any]], exclude: frozenset[int] = frozenset()) -> int:
+    """45647eb's ``KVLedger.used_cells``: every segment of every sequence, each step."""
+    longest: dict[int, int] = {}
+    for seq_id, segs in segments.items():
+        if seq_id not in exclude:
+            for seg in segs:
+                longest[seg.block] = max(longest.get(seg.block, 0), seg.length)
+    return sum(longest.values())
+
+
+def _stats_before(counters: EngineCounters, scheduler: Scheduler, idle: frozenset[int]) -> EngineStats:
+    values = counters.snapshot(scheduler, "bench")._values     # the same fields, then the old work on top
+    segments = scheduler.ledger._segments
+    used = _scanned_cells(segments)
+    return EngineStats(**{**values, "kv_cells_used": used, "kv_cells_cached": used - _scanned_cells(segments, idle)})
+
+
+def _bench_stats(quick: bool) -> list[dict[str, Any]]:
+    out = []
+    for n in SEQUENCES:
+        progress(f"stats: {n} slots")
+        scheduler = Scheduler(SchedulerConfig(n_slots=n, n_batch=2 * n, kv_cells=1_000_000, prefill_chunk=512))
+        ledger = scheduler.ledger
+        ledger.extend(0, SYSTEM_PROMPT)
+        for slot in range(1, n):
+            ledger.copy_prefix(0, slot, SYSTEM_PROMPT)
+        for slot in range(n):
+            for _ in range(200):            # one decoded cell per step
+                ledger.extend(slot, 1)
+        idle = frozenset(range(0, n, 4))
+        for slot in idle:
+            ledger.park(slot)
+        counters = EngineCounters()
+        assert _stats_before(counters, scheduler, idle) == counters.snapshot(scheduler, "bench").stats()
+        repeats = 20 if quick else 100
+        out.append({"item": "stats published per step", "sequences": n,
+                    "before_ms": cpu_ms(repeats, _stats_before, counters, scheduler, idle),
+                    "after_ms": cpu_ms(repeats, counters.snapshot, scheduler, "bench")})
+    return out
+
+
 # ------------------------------------------------------------------ replies
 def _replies_before(pieces: list[str]) -> str:
     """45647eb's ``Replies.add``: the reply so far plus the new piece, a new string each time."""
@@ -185,7 +234,7 @@ def _bench_replies(quick: bool) -> list[dict[str, Any]]:
 
 
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
-    measured = [*_bench_logprobs(quick), *_bench_prefix(quick), *_bench_replies(quick)]
+    measured = [*_bench_logprobs(quick), *_bench_prefix(quick), *_bench_stats(quick), *_bench_replies(quick)]
     rows = [[m["item"], str(m["sequences"]), f"{m['before_ms']:.2f}", f"{m['after_ms']:.2f}",
              f"{m['before_ms'] / m['after_ms']:.1f}x"] for m in measured]
     table = markdown_table(["per step", "sequences", "before, CPU ms", "after, CPU ms", "speed-up"], rows)

@@ -57,7 +57,7 @@ from slotq.engine.scheduler import BatchItem, KVFullAction, Scheduler, Scheduler
 from slotq.engine.sequence import SeqState, Sequence
 from slotq.engine.speculation import Drafter, DraftPlanner, Proposal
 from slotq.engine.state import EngineState, Lifecycle
-from slotq.engine.stats import EngineCounters, EngineStats
+from slotq.engine.stats import EngineCounters, EngineStats, StatsSnapshot
 from slotq.engine.text import StopMatcher, Utf8Stream
 from slotq.engine.tools import ReplySetup
 
@@ -119,7 +119,7 @@ class Runner:
         self.lifecycle = lifecycle
         self.faults = faults
         self.counters = EngineCounters()
-        self.stats: EngineStats = self.counters.snapshot(scheduler, model.info.model_name)   # replaced, never mutated
+        self._snapshot: StatsSnapshot = self.counters.snapshot(scheduler, model.info.model_name)   # replaced
         self._outbox = Outbox()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -130,6 +130,11 @@ class Runner:
         self.thread = threading.Thread(target=self._run, name="slotq-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
+    @property
+    def stats(self) -> EngineStats:
+        """The latest step's stats (built here, on the reader's thread, from the step's snapshot)."""
+        return self._snapshot.stats()
+
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a request; raises EngineDead / EngineStopped unless the engine is running."""
         self.lifecycle.while_running(lambda: self._commands.put(prepared))
@@ -186,7 +191,7 @@ class Runner:
 
     def _publish(self) -> set[str]:
         """Stats first, then the step's events. Returns requests whose event loop is closed."""
-        self.stats = self.counters.snapshot(self.scheduler, self.model.info.model_name)
+        self._snapshot = self.counters.snapshot(self.scheduler, self.model.info.model_name)
         return self._outbox.flush()
 
     def _emit(self, prepared: PreparedRequest, event: Event) -> None:
@@ -567,7 +572,7 @@ class Runner:
             for choice in sorted(choices):
                 self._fail_unstarted(prepared, choice, error)
         try:
-            self.stats = self.counters.snapshot(self.scheduler, self.model.info.model_name)
+            self._snapshot = self.counters.snapshot(self.scheduler, self.model.info.model_name)
         except Exception:
             log.exception("could not publish the final engine stats")
         self._outbox.flush()

@@ -419,6 +419,7 @@ class Scheduler:
             keep, copy_from = 0, (source if n_reuse else None)
         self._free_slots.remove(slot)
         self._prefixes.forget(slot)
+        self.ledger.park(slot, False)
         self.ledger.truncate(slot, keep)
         if copy_from is not None:
             self.ledger.copy_prefix(copy_from, slot, n_reuse)
@@ -493,6 +494,7 @@ class Scheduler:
             return
         if keep_cache and seq.n_computed > 0:
             self._prefixes.keep(slot, seq.tokens[: seq.n_computed], returning=returning)
+            self.ledger.park(slot)
         else:
             self.ledger.remove(slot)
             self._pending_evictions.append(slot)
