@@ -9,6 +9,11 @@ so both run side by side in one process on the same data):
   synthetic logits): before, a float64 log-softmax, an ``argpartition`` and 21 validated pydantic
   models per row, one row at a time; after, :func:`slotq.engine.logprobs.step_logprobs` for the
   block and :func:`~slotq.engine.logprobs.as_event` per row.
+* ``masks``: one step's JSON-schema masks for 64 or 256 constrained sequences (each at its own
+  point of the object) over a synthetic 151,936-token vocabulary (256 byte tokens and random
+  words; llguidance's tokenizer built from it): before, each matcher masking its row in turn
+  (45647eb's ``TokenMatcher.mask``); after, :class:`~slotq.engine.constraints.StepMasks` for all rows. The
+  masks are filled by llguidance's threads, so the wall time is given beside the CPU time.
 * ``prefix``: one admission's prefix lookups (the longest prefix among the running slots' KV and
   the idle caches, then the running sequence still computing a longer one) while 64 or 256 running
   sequences share a 2,048-token system prompt (token ids below the tiny model's 4,096): before,
@@ -32,12 +37,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import llguidance
 import numpy as np
 
 from bench.report import markdown_table, progress, write_results
+from slotq.engine.constraints import Constraint, StepMasks, TokenMatcher, constraint_for
 from slotq.engine.events import TokenLogprob, TopLogprob
+from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.engine.logprobs import as_event, step_logprobs, token_text
 from slotq.engine.prefix_index import PrefixIndex, PrefixMatch
+from slotq.engine.request import SamplingParams
 from slotq.engine.scheduler import Scheduler, SchedulerConfig
 from slotq.engine.stats import EngineCounters, EngineStats
 from slotq.jobs.worker.resume import Replies
@@ -48,6 +57,16 @@ TOP = 20
 REPLY_PIECES = 16_384
 SYSTEM_PROMPT = 2_048
 TINY_VOCAB = 4_096
+
+
+def wall_ms(repeats: int, work: Callable[..., object], *args: Any) -> float:
+    """The least wall time of ``repeats`` runs of ``work(*args)``, in ms."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work(*args)
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
 
 
 def cpu_ms(repeats: int, work: Callable[..., object], *args: Any) -> float:
@@ -97,6 +116,82 @@ def _bench_logprobs(quick: bool) -> list[dict[str, Any]]:
         out.append({"item": "logprobs (top 20, 151,936 vocab)", "sequences": n,
                     "before_ms": cpu_ms(repeats, _logprobs_before, rows, sampled),
                     "after_ms": cpu_ms(repeats, _logprobs_after, rows, sampled)})
+    return out
+
+
+# ------------------------------------------------------------------ masks
+SCHEMA = {"type": "object", "required": ["name", "n", "tags"], "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 40}, "n": {"type": "integer", "minimum": 0},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}}}
+WALK = b'{"name":"a queue of jobs","n":1234,"tags":["red","blue"]}'
+
+
+class _ByteTokenizer:
+    """A synthetic vocabulary for llguidance: the 256 bytes, then distinct random ASCII words (the
+    shape of a BPE vocabulary), the last token the end of text. Encodes byte by byte."""
+
+    def __init__(self, n_vocab: int) -> None:
+        rng = np.random.default_rng(0)
+        words: dict[bytes, None] = {}
+        while len(words) < n_vocab - 257:
+            words[bytes(rng.integers(97, 123, int(rng.integers(2, 9))).tolist())] = None
+        self.tokens = [bytes([b]) for b in range(256)] + list(words) + [b"<eos>"]
+        self.eos_token_id = n_vocab - 1
+        self.bos_token_id = None
+        self.special_token_ids = [n_vocab - 1]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def _matchers(n: int, tokenizer: llguidance.LLTokenizer, constraint: Constraint) -> list[TokenMatcher]:
+    knobs = GrammarKnobs()
+    out = []
+    for i in range(n):
+        matcher = TokenMatcher(llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0,
+                                                    limits=knobs.parser_limits()), constraint, knobs, QWEN_VOCAB)
+        for byte in WALK[:i % (len(WALK) - 1)]:             # each at its own point of the object
+            matcher.accept(byte)
+        out.append(matcher)
+    return out
+
+
+def _masks_before(masks: StepMasks, matchers: list[TokenMatcher], rows: np.ndarray) -> None:
+    """45647eb's ``TokenMatcher.mask``, one row after another: llguidance's mask into the matcher's
+    words, every bit unpacked, and -inf written through a boolean index."""
+    masks.apply([])                 # no row left marked by a run of the batched path
+    bitmask = np.zeros((QWEN_VOCAB + 31) // 32, dtype=np.int32)
+    for matcher, row in zip(matchers, rows, strict=True):
+        matcher._matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        matcher.raise_if_error()
+        allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little", count=QWEN_VOCAB)
+        row[allowed == 0] = -np.inf
+
+
+def _bench_masks(quick: bool) -> list[dict[str, Any]]:
+    progress(f"masks: building llguidance's tokenizer for {QWEN_VOCAB} tokens")
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer(QWEN_VOCAB)))
+    constraint = constraint_for(SamplingParams(json_schema=SCHEMA))
+    assert constraint is not None
+    out = []
+    for n in SEQUENCES:
+        progress(f"masks: {n} constrained rows x {QWEN_VOCAB}")
+        matchers = _matchers(n, tokenizer, constraint)
+        logits = np.random.default_rng(n).normal(0, 1, (n, QWEN_VOCAB)).astype(np.float32)
+        before_rows, after_rows = logits.copy(), logits.copy()
+        masks = StepMasks(QWEN_VOCAB)
+        _masks_before(masks, matchers, before_rows)
+        masks.apply([(matcher, after_rows[i]) for i, matcher in enumerate(matchers)])
+        assert np.array_equal(before_rows, after_rows)                 # the same masks, or the numbers mean nothing
+        masks.apply([])
+        repeats = 3 if quick else 7
+        rows = logits.copy()
+        pairs = [(matcher, rows[i]) for i, matcher in enumerate(matchers)]
+        for clock, name in ((cpu_ms, "CPU"), (wall_ms, "wall")):
+            out.append({"item": f"JSON-schema masks, 151,936 vocab ({name} time)", "sequences": n,
+                        "before_ms": clock(repeats, _masks_before, masks, matchers, rows),
+                        "after_ms": clock(repeats, masks.apply, pairs)})
+        masks.apply([])
     return out
 
 
@@ -234,7 +329,8 @@ def _bench_replies(quick: bool) -> list[dict[str, Any]]:
 
 
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
-    measured = [*_bench_logprobs(quick), *_bench_prefix(quick), *_bench_stats(quick), *_bench_replies(quick)]
+    measured = [*_bench_logprobs(quick), *_bench_masks(quick), *_bench_prefix(quick), *_bench_stats(quick),
+                *_bench_replies(quick)]
     rows = [[m["item"], str(m["sequences"]), f"{m['before_ms']:.2f}", f"{m['after_ms']:.2f}",
              f"{m['before_ms'] / m['after_ms']:.1f}x"] for m in measured]
     table = markdown_table(["per step", "sequences", "before, CPU ms", "after, CPU ms", "speed-up"], rows)

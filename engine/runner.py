@@ -35,6 +35,7 @@ from typing import TypeAlias
 
 import numpy as np
 
+from slotq.engine.constraints import StepMasks, TokenMatcher
 from slotq.engine.errors import (
     DecodeFailed,
     EngineDead,
@@ -127,6 +128,7 @@ class Runner:
         self._deadlines: dict[str, float] = {}      # request id -> unix time, while it has open choices
         self._open: dict[PreparedRequest, set[int]] = {}    # admitted requests -> choices without a Finished yet
         self._logprob_rows: dict[int, RowLogprobs] = {}     # this step's batch index -> its raw row's logprobs
+        self._masks = StepMasks(model.n_vocab)
         self.thread = threading.Thread(target=self._run, name="slotq-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -371,6 +373,7 @@ class Runner:
             if fork.seq.n_pending == 0:     # an n > 1 sibling: sample from the leader's prompt logits
                 sample_at.append((fork.seq, leader_index[id(fork.leader)], []))
         self._compute_logprobs(sample_at)
+        self._mask_rows(sample_at)
         generated_before = self.counters.generated
         for seq, index, draft in sample_at:
             if seq.state == SeqState.RUNNING:
@@ -469,6 +472,17 @@ class Runner:
             rows = np.stack([self.model.logits_row(i) for i in wanted])
             tops, names_of = zip(*wanted.values(), strict=True)
             self._logprob_rows = dict(zip(wanted, step_logprobs(rows, tops, names_of), strict=True))
+
+    def _mask_rows(self, sample_at: list[tuple[Sequence, int, list[int]]]) -> None:
+        """Every constrained sequence's first row of this step masked at once (after the logprobs
+        read the raw rows). A row two sequences sample (an n > 1 sibling's first token) is masked
+        here for the first; the other masks it again at its sample, as a draft row is."""
+        rows: dict[int, tuple[TokenMatcher, np.ndarray]] = {}
+        for seq, index, _ in sample_at:
+            matcher = seq.payload.chain.matcher
+            if matcher is not None and index not in rows and seq.state == SeqState.RUNNING:
+                rows[index] = (matcher, self.model.logits_row(index))
+        self._masks.apply(list(rows.values()))
 
     def _has_open_choices(self, request_id: str) -> bool:
         return any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting))
