@@ -28,7 +28,7 @@ import numpy as np
 
 from bench.report import distinct_prompt, markdown_table, progress, write_results
 from slotq.engine import bundled_model_path
-from slotq.engine.logprobs import as_event, step_logprobs
+from slotq.engine.logprobs import StepLogprobs, as_event
 from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import EntryKind, JobRequest
@@ -84,10 +84,11 @@ async def _measure(url: str, rounds: int, max_tokens: int) -> dict[str, list[flo
 def _engine_work_ms(top: int, repeats: int = 200) -> float:
     """Median ms of one token's logprobs (log-softmax, top ``top``, the entry) on a random row."""
     rows = np.random.default_rng(0).normal(0, 4, (1, SMOLLM2_VOCAB)).astype(np.float32)
+    step = StepLogprobs()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        as_event(step_logprobs(rows.copy(), [top], [lambda token: b"tok"])[0].of(int(rows[0].argmax())))
+        as_event(step.compute(list(rows), [top], [lambda token: b"tok"])[0].of(int(rows[0].argmax())))
         times.append((time.perf_counter() - started) * 1000)
     return statistics.median(times)
 

@@ -7,7 +7,7 @@ so both run side by side in one process on the same data):
 
 * ``logprobs``: one step's top-20 logprobs for every row, over a 151,936-token vocabulary (Qwen's;
   synthetic logits): before, a float64 log-softmax, an ``argpartition`` and 21 validated pydantic
-  models per row, one row at a time; after, :func:`slotq.engine.logprobs.step_logprobs` for the
+  models per row, one row at a time; after, :class:`slotq.engine.logprobs.StepLogprobs` for the
   block and :func:`~slotq.engine.logprobs.as_event` per row.
 * ``masks``: one step's JSON-schema masks for 64 or 256 constrained sequences (each at its own
   point of the object) over a synthetic 151,936-token vocabulary (256 byte tokens and random
@@ -44,7 +44,7 @@ from bench.report import markdown_table, progress, write_results
 from slotq.engine.constraints import Constraint, StepMasks, TokenMatcher, constraint_for
 from slotq.engine.events import TokenLogprob, TopLogprob
 from slotq.engine.grammar_knobs import GrammarKnobs
-from slotq.engine.logprobs import as_event, step_logprobs, token_text
+from slotq.engine.logprobs import StepLogprobs, as_event, token_text
 from slotq.engine.prefix_index import PrefixIndex, PrefixMatch
 from slotq.engine.request import SamplingParams
 from slotq.engine.scheduler import Scheduler, SchedulerConfig
@@ -101,8 +101,8 @@ def _described(token: int, logprobs: np.ndarray) -> dict[str, Any]:
             "logprob": float(f"{logprobs[token]:.7g}")}
 
 
-def _logprobs_after(rows: np.ndarray, sampled: list[int]) -> list[TokenLogprob]:
-    results = step_logprobs(np.array(rows), [TOP] * len(rows), [lambda token: b"tok"] * len(rows))
+def _logprobs_after(step: StepLogprobs, rows: np.ndarray, sampled: list[int]) -> list[TokenLogprob]:
+    results = step.compute(list(rows), [TOP] * len(rows), [lambda token: b"tok"] * len(rows))
     return [as_event(row.of(token)) for row, token in zip(results, sampled, strict=True)]
 
 
@@ -115,7 +115,7 @@ def _bench_logprobs(quick: bool) -> list[dict[str, Any]]:
         repeats = 2 if quick else 5
         out.append({"item": "logprobs (top 20, 151,936 vocab)", "sequences": n,
                     "before_ms": cpu_ms(repeats, _logprobs_before, rows, sampled),
-                    "after_ms": cpu_ms(repeats, _logprobs_after, rows, sampled)})
+                    "after_ms": cpu_ms(repeats, _logprobs_after, StepLogprobs(), rows, sampled)})
     return out
 
 

@@ -5,7 +5,7 @@ The rows are read before the sampler chain and the constraint mask touch them (t
 before temperature, penalties, logit bias and constraints. That is what OpenAI reports and what
 llama-server reports by default (``post_sampling_probs`` false). Only requests that ask pay for it.
 
-All the rows of one step that need logprobs are computed in one call (:func:`step_logprobs`): one
+All the rows of one step that need logprobs are computed in one call (:class:`StepLogprobs`): one
 float32 log-softmax over the ``[rows x vocab]`` block and one ``argpartition`` of it for the top
 alternatives (no full sort), so the numpy overhead is paid once per step, not once per sequence.
 The results are slotted dataclasses (:class:`TokenLogprobs`, :class:`Alternative`) rather than a
@@ -72,26 +72,42 @@ class RowLogprobs:
         return Alternative(token, token_text(piece), piece, float(f"{logprob:.{SIGNIFICANT_DIGITS}g}"))
 
 
-def step_logprobs(rows: np.ndarray, tops: Sequence[int], token_bytes: Sequence[TokenBytes]) -> list[RowLogprobs]:
-    """The log-softmax of each of a step's raw logits ``rows`` (``[n x vocab]`` float32, kept: the
-    caller hands a copy the constraint masks will not write) and row ``i``'s ``tops[i]`` best
-    tokens, named with ``token_bytes[i]``. Vectorised over the whole block: a stable log-sum-exp
-    (each row's peak subtracted before ``exp``, in float32) and one top-k for the largest
-    ``top`` of the step (:func:`top_tokens`); each row keeps its own first ``tops[i]``."""
-    if rows.ndim != 2 or len(rows) != len(tops) or len(tops) != len(token_bytes):
-        raise ValueError(f"rows: expected one [n x vocab] row per entry of tops ({len(tops)}) and of "
-                         f"token_bytes ({len(token_bytes)}), got shape {rows.shape}")
-    most = max(tops, default=0)
-    top_ids, peaks = top_tokens(rows, most)
-    shifts = np.empty(len(rows), dtype=np.float32)
-    scratch = np.empty((min(len(rows), _CHUNK_ROWS), rows.shape[1]), dtype=np.float32)   # reused: stays in cache
-    for start in range(0, len(rows), _CHUNK_ROWS):
-        chunk = slice(start, start + _CHUNK_ROWS)
-        block = scratch[:len(rows[chunk])]
-        np.subtract(rows[chunk], peaks[chunk, None], out=block)
-        np.exp(block, out=block)
-        shifts[chunk] = peaks[chunk] + np.log(block.sum(axis=1))
-    return [RowLogprobs(rows[i], float(shifts[i]), top_ids[i][:k], token_bytes[i]) for i, k in enumerate(tops)]
+class StepLogprobs:
+    """Computes a step's logprobs in one call (:meth:`compute`), in blocks it keeps from step to
+    step: the copy of the raw rows and the ``exp`` scratch. A new ``[rows x vocab]`` array per step
+    (150 MB at 256 rows of 151k) would be page-faulted in every time, which cost as much as the
+    arithmetic. A step's :class:`RowLogprobs` read the kept copy, so they are valid until the next
+    :meth:`compute` (the runner reads them within the step)."""
+
+    def __init__(self) -> None:
+        self._rows = np.empty((0, 0), dtype=np.float32)
+        self._scratch = np.empty((0, 0), dtype=np.float32)
+
+    def compute(self, rows: Sequence[np.ndarray], tops: Sequence[int],
+                token_bytes: Sequence[TokenBytes]) -> list[RowLogprobs]:
+        """The log-softmax of each of a step's raw logits ``rows`` (float32 rows of one vocabulary,
+        copied here: the constraint masks may write them later) and row ``i``'s ``tops[i]`` best
+        tokens, named with ``token_bytes[i]``. Vectorised over the whole block: a stable
+        log-sum-exp (each row's peak subtracted before ``exp``, in float32) and one top-k for the
+        largest ``top`` of the step (:func:`top_tokens`); each row keeps its own first ``tops[i]``."""
+        if len(rows) == 0 or len(rows) != len(tops) or len(tops) != len(token_bytes):
+            raise ValueError(f"rows: expected one row per entry of tops ({len(tops)}) and of token_bytes "
+                             f"({len(token_bytes)}), got {len(rows)}")
+        n, n_vocab = len(rows), len(rows[0])
+        if self._rows.shape[0] < n or self._rows.shape[1] != n_vocab:
+            self._rows = np.empty((n, n_vocab), dtype=np.float32)
+            self._scratch = np.empty((min(n, _CHUNK_ROWS), n_vocab), dtype=np.float32)
+        block = self._rows[:n]
+        np.stack(rows, out=block)
+        top_ids, peaks = top_tokens(block, max(tops))
+        shifts = np.empty(n, dtype=np.float32)
+        for start in range(0, n, _CHUNK_ROWS):          # a few rows' temporary at a time: it stays in cache
+            chunk = slice(start, start + _CHUNK_ROWS)
+            scratch = self._scratch[:len(block[chunk])]
+            np.subtract(block[chunk], peaks[chunk, None], out=scratch)
+            np.exp(scratch, out=scratch)
+            shifts[chunk] = peaks[chunk] + np.log(scratch.sum(axis=1))
+        return [RowLogprobs(block[i], float(shifts[i]), top_ids[i][:k], token_bytes[i]) for i, k in enumerate(tops)]
 
 
 def top_tokens(rows: np.ndarray, k: int) -> tuple[list[list[int]], np.ndarray]:
@@ -145,4 +161,4 @@ def token_text(piece: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
-__all__ = ["Alternative", "RowLogprobs", "TokenLogprobs", "as_event", "step_logprobs", "token_text", "top_tokens"]
+__all__ = ["Alternative", "RowLogprobs", "StepLogprobs", "TokenLogprobs", "as_event", "token_text", "top_tokens"]

@@ -48,7 +48,7 @@ from slotq.engine.errors import (
 from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
-from slotq.engine.logprobs import RowLogprobs, TokenBytes, as_event, step_logprobs
+from slotq.engine.logprobs import RowLogprobs, StepLogprobs, TokenBytes, as_event
 from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.outbox import Outbox, Sink
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCallError
@@ -127,6 +127,7 @@ class Runner:
         self._eog_cache: dict[int, bool] = {}
         self._deadlines: dict[str, float] = {}      # request id -> unix time, while it has open choices
         self._open: dict[PreparedRequest, set[int]] = {}    # admitted requests -> choices without a Finished yet
+        self._logprobs = StepLogprobs()
         self._logprob_rows: dict[int, RowLogprobs] = {}     # this step's batch index -> its raw row's logprobs
         self._masks = StepMasks(model.n_vocab)
         self.thread = threading.Thread(target=self._run, name="slotq-engine", daemon=True)
@@ -469,9 +470,9 @@ class Runner:
                 for batch_index in range(index, index + len(draft) + 1):
                     wanted.setdefault(batch_index, (top, names))
         if wanted:
-            rows = np.stack([self.model.logits_row(i) for i in wanted])
             tops, names_of = zip(*wanted.values(), strict=True)
-            self._logprob_rows = dict(zip(wanted, step_logprobs(rows, tops, names_of), strict=True))
+            rows = self._logprobs.compute([self.model.logits_row(i) for i in wanted], tops, names_of)
+            self._logprob_rows = dict(zip(wanted, rows, strict=True))
 
     def _mask_rows(self, sample_at: list[tuple[Sequence, int, list[int]]]) -> None:
         """Every constrained sequence's first row of this step masked at once (after the logprobs

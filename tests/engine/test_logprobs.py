@@ -15,7 +15,7 @@ import pytest
 from llama_cpp import Llama
 
 from slotq.engine import Engine, GenerationRequest, SamplingParams, TextDelta, TokenLogprob
-from slotq.engine.logprobs import as_event, step_logprobs
+from slotq.engine.logprobs import StepLogprobs, as_event
 from tests.support.engine import greedy, running_engine
 
 TOLERANCE = 1e-4       # the float32 logits rounded to 7 significant digits
@@ -138,7 +138,7 @@ def test_a_steps_rows_in_one_call_match_a_float64_log_softmax_row_by_row(n_vocab
     rows[3, -1] = rows[3].max() + 2             # the best token is the last id (a leftover past the groups)
     tops = [20, 3, 0, 20, 1]
     reference = float64_log_softmax(rows)
-    result = step_logprobs(rows.copy(), tops, [lambda token: str(token).encode()] * len(rows))
+    result = StepLogprobs().compute(list(rows), tops, [lambda token: str(token).encode()] * len(rows))
     for i, (row, top) in enumerate(zip(result, tops, strict=True)):
         sampled = int(rng.integers(n_vocab))
         entry = row.of(sampled)
@@ -155,4 +155,6 @@ def test_a_steps_rows_in_one_call_match_a_float64_log_softmax_row_by_row(n_vocab
 
 def test_a_block_that_is_not_one_row_per_top_is_refused() -> None:
     with pytest.raises(ValueError, match="rows: expected one"):
-        step_logprobs(np.zeros((2, 8), dtype=np.float32), [1], [lambda token: b""])
+        StepLogprobs().compute([], [], [])
+    with pytest.raises(ValueError, match="rows: expected one"):
+        StepLogprobs().compute(list(np.zeros((2, 8), dtype=np.float32)), [1], [lambda token: b""])
