@@ -331,7 +331,7 @@ def _bench_replies(quick: bool) -> list[dict[str, Any]]:
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
     measured = [*_bench_logprobs(quick), *_bench_masks(quick), *_bench_prefix(quick), *_bench_stats(quick),
                 *_bench_replies(quick)]
-    rows = [[m["item"], str(m["sequences"]), f"{m['before_ms']:.2f}", f"{m['after_ms']:.2f}",
+    rows = [[m["item"], str(m["sequences"]), f"{m['before_ms']:.3g}", f"{m['after_ms']:.3g}",
              f"{m['before_ms'] / m['after_ms']:.1f}x"] for m in measured]
     table = markdown_table(["per step", "sequences", "before, CPU ms", "after, CPU ms", "speed-up"], rows)
     write_results("step_costs", {"measured": measured}, table, "slotq bench step-costs" + (" --quick" if quick else ""))
