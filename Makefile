@@ -93,5 +93,6 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench overhead
 	$(VENV)/bin/slotq bench constraints
 	$(VENV)/bin/slotq bench logprobs
+	$(VENV)/bin/slotq bench step-costs
 	$(VENV)/bin/slotq bench embeddings
 	$(VENV)/bin/slotq bench spec

@@ -1,7 +1,7 @@
 """Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
-logprobs|embeddings|spec``). Each measures its variants side by side in one run, prints a table with ratios (or one
-JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to ``bench/results/<name>.md``
-for the README.
+logprobs|embeddings|spec|step-costs``). Each measures its variants side by side in one run, prints a table with
+ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
+``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
 ``slotq worker``, the fleet benchmark's fleet processes) runs under
@@ -39,6 +39,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         prefix_bench,
         queue_bench,
         spec_bench,
+        step_costs_bench,
     )
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
@@ -55,6 +56,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         "logprobs": logprobs_bench.run,
         "embeddings": embeddings_bench.run,
         "spec": spec_bench.run,
+        "step-costs": step_costs_bench.run,
     }
     try:
         data, table = asyncio.run(functools.partial(runners[which], **(options or {}))(quick))

@@ -30,8 +30,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeAlias
 
+import numpy as np
+
+from slotq.engine.constraints import StepMasks, TokenMatcher
 from slotq.engine.errors import (
     DecodeFailed,
     EngineDead,
@@ -44,7 +48,7 @@ from slotq.engine.errors import (
 from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDelta, Timings, Usage
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
-from slotq.engine.logprobs import RowLogprobs
+from slotq.engine.logprobs import RowLogprobs, StepLogprobs, TokenBytes, as_event
 from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.outbox import Outbox, Sink
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCallError
@@ -54,7 +58,7 @@ from slotq.engine.scheduler import BatchItem, KVFullAction, Scheduler, Scheduler
 from slotq.engine.sequence import SeqState, Sequence
 from slotq.engine.speculation import Drafter, DraftPlanner, Proposal
 from slotq.engine.state import EngineState, Lifecycle
-from slotq.engine.stats import EngineCounters, EngineStats
+from slotq.engine.stats import EngineCounters, EngineStats, StatsSnapshot
 from slotq.engine.text import StopMatcher, Utf8Stream
 from slotq.engine.tools import ReplySetup
 
@@ -116,18 +120,24 @@ class Runner:
         self.lifecycle = lifecycle
         self.faults = faults
         self.counters = EngineCounters()
-        self.stats: EngineStats = self.counters.snapshot(scheduler, model.info.model_name)   # replaced, never mutated
+        self._snapshot: StatsSnapshot = self.counters.snapshot(scheduler, model.info.model_name)   # replaced
         self._outbox = Outbox()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._eog_cache: dict[int, bool] = {}
         self._deadlines: dict[str, float] = {}      # request id -> unix time, while it has open choices
         self._open: dict[PreparedRequest, set[int]] = {}    # admitted requests -> choices without a Finished yet
-        self._logprob_rows_step = -1                        # the decode step whose rows _logprob_rows holds
-        self._logprob_rows: dict[int, RowLogprobs] = {}     # batch index -> its raw row's logprobs
+        self._logprobs = StepLogprobs()
+        self._logprob_rows: dict[int, RowLogprobs] = {}     # this step's batch index -> its raw row's logprobs
+        self._masks = StepMasks(model.n_vocab)
         self.thread = threading.Thread(target=self._run, name="slotq-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
+    @property
+    def stats(self) -> EngineStats:
+        """The latest step's stats (built here, on the reader's thread, from the step's snapshot)."""
+        return self._snapshot.stats()
+
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a request; raises EngineDead / EngineStopped unless the engine is running."""
         self.lifecycle.while_running(lambda: self._commands.put(prepared))
@@ -184,7 +194,7 @@ class Runner:
 
     def _publish(self) -> set[str]:
         """Stats first, then the step's events. Returns requests whose event loop is closed."""
-        self.stats = self.counters.snapshot(self.scheduler, self.model.info.model_name)
+        self._snapshot = self.counters.snapshot(self.scheduler, self.model.info.model_name)
         return self._outbox.flush()
 
     def _emit(self, prepared: PreparedRequest, event: Event) -> None:
@@ -363,6 +373,8 @@ class Runner:
         for fork in out.forks:
             if fork.seq.n_pending == 0:     # an n > 1 sibling: sample from the leader's prompt logits
                 sample_at.append((fork.seq, leader_index[id(fork.leader)], []))
+        self._compute_logprobs(sample_at)
+        self._mask_rows(sample_at)
         generated_before = self.counters.generated
         for seq, index, draft in sample_at:
             if seq.state == SeqState.RUNNING:
@@ -406,7 +418,7 @@ class Runner:
         """Sample one token from a row, append it and emit its text; returns it and, if it ends the
         sequence, how (the caller ends it once its KV is settled)."""
         state: _Choice = seq.payload
-        logprobs = self._logprobs_before_sampling(state, batch_index)
+        logprobs = self._logprob_rows.get(batch_index) if state.prepared.request.logprobs is not None else None
         try:
             token = self.model.sample(state.chain, batch_index)
         except GrammarError as exc:     # its constraint ran out of fuel: this request ends, the batch goes on
@@ -424,7 +436,7 @@ class Runner:
         self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
                                              reasoning=reply.reasoning, tool_calls=reply.tool_calls,
                                              token_ids=[token], n_tokens=seq.n_generated,
-                                             logprobs=None if logprobs is None else [logprobs.of(token)]))
+                                             logprobs=None if logprobs is None else [as_event(logprobs.of(token))]))
         if match.stopped or (state.parser is not None and state.parser.error is not None):
             return token, _End(FinishReason.STOP, flush=False)      # a broken call fails it there (_reply_tail)
         if seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
@@ -443,23 +455,35 @@ class Runner:
             tails.append(state.prepared.reply.finish(state.parser, cut=reason == FinishReason.LENGTH))
         return [t for t in tails if t.content or t.reasoning or t.tool_calls]
 
-    def _logprobs_before_sampling(self, state: _Choice, batch_index: int) -> RowLogprobs | None:
-        """The raw row's log-softmax, for a request that asks for logprobs (None, at no cost, for
-        the others), taken before the sampler chain and the constraint mask touch the row. The
-        siblings of an n > 1 request sample their first token from the leader's row after the
-        leader masked it, so a row is kept for the rest of its step and read once."""
-        top = state.prepared.request.logprobs
-        if top is None:
-            return None
-        step = self.counters.decode_steps
-        if self._logprob_rows_step != step:
-            self._logprob_rows_step, self._logprob_rows = step, {}
-        row = self._logprob_rows.get(batch_index)
-        if row is None:
-            special = state.special_text      # the tokens read as the reply's text reads them
-            row = self._logprob_rows[batch_index] = RowLogprobs(
-                self.model.logits_row(batch_index), top, lambda token: self.model.token_bytes(token, special=special))
-        return row
+    def _compute_logprobs(self, sample_at: list[tuple[Sequence, int, list[int]]]) -> None:
+        """The raw rows' log-softmax of every row this step samples for a request that asks for
+        logprobs (the row of its last token and one per draft token), in one call, before any
+        sampler chain or constraint mask touches a row. The siblings of an n > 1 request sample
+        their first token from the leader's row, so a row is computed once and read by each."""
+        self._logprob_rows = {}
+        wanted: dict[int, tuple[int, TokenBytes]] = {}      # batch index -> (top, how its tokens read)
+        for seq, index, draft in sample_at:
+            state: _Choice = seq.payload
+            top = state.prepared.request.logprobs
+            if top is not None:
+                names = partial(self.model.token_bytes, special=state.special_text)   # as the reply's text reads
+                for batch_index in range(index, index + len(draft) + 1):
+                    wanted.setdefault(batch_index, (top, names))
+        if wanted:
+            tops, names_of = zip(*wanted.values(), strict=True)
+            rows = self._logprobs.compute([self.model.logits_row(i) for i in wanted], tops, names_of)
+            self._logprob_rows = dict(zip(wanted, rows, strict=True))
+
+    def _mask_rows(self, sample_at: list[tuple[Sequence, int, list[int]]]) -> None:
+        """Every constrained sequence's first row of this step masked at once (after the logprobs
+        read the raw rows). A row two sequences sample (an n > 1 sibling's first token) is masked
+        here for the first; the other masks it again at its sample, as a draft row is."""
+        rows: dict[int, tuple[TokenMatcher, np.ndarray]] = {}
+        for seq, index, _ in sample_at:
+            matcher = seq.payload.chain.matcher
+            if matcher is not None and index not in rows and seq.state == SeqState.RUNNING:
+                rows[index] = (matcher, self.model.logits_row(index))
+        self._masks.apply(list(rows.values()))
 
     def _has_open_choices(self, request_id: str) -> bool:
         return any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting))
@@ -559,7 +583,7 @@ class Runner:
             for choice in sorted(choices):
                 self._fail_unstarted(prepared, choice, error)
         try:
-            self.stats = self.counters.snapshot(self.scheduler, self.model.info.model_name)
+            self._snapshot = self.counters.snapshot(self.scheduler, self.model.info.model_name)
         except Exception:
             log.exception("could not publish the final engine stats")
         self._outbox.flush()

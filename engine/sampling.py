@@ -30,6 +30,11 @@ class SamplerChain:
         self._matcher = matcher
 
     @property
+    def matcher(self) -> TokenMatcher | None:
+        """The constraint the chain masks each row with (None: unconstrained)."""
+        return self._matcher
+
+    @property
     def handle(self) -> llama_cpp.llama_sampler_p:
         """The live chain. After :meth:`free` it is gone: llama.cpp would be handed a NULL chain."""
         if self._handle is None:

@@ -92,7 +92,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from slotq.engine.kv_ledger import KVLedger
-from slotq.engine.prefix_index import PrefixIndex, common_prefix_length
+from slotq.engine.prefix_index import PrefixIndex
 from slotq.engine.request_queue import RequestQueue
 from slotq.engine.sequence import SeqState, Sequence
 from slotq.engine.speculation import DraftPlanner, Proposal
@@ -419,6 +419,7 @@ class Scheduler:
             keep, copy_from = 0, (source if n_reuse else None)
         self._free_slots.remove(slot)
         self._prefixes.forget(slot)
+        self.ledger.park(slot, False)
         self.ledger.truncate(slot, keep)
         if copy_from is not None:
             self.ledger.copy_prefix(copy_from, slot, n_reuse)
@@ -436,15 +437,14 @@ class Scheduler:
         """Share a prefix that a running sequence is still computing instead of computing it twice."""
         if not self.config.prefix_cache:
             return
-        cap = len(seq.tokens) - 1
-        best, best_n = None, 0
-        for other in self.running:
-            if other is not seq:
-                n = common_prefix_length(other.tokens, seq.tokens, cap)
-                if n > best_n:
-                    best, best_n = other, n
-        if best is not None and best_n - n_reuse >= self.config.min_wait_tokens and best.n_computed < best_n:
-            seq.fork_of, seq.fork_len = best, best_n
+        others = {other.seq_id: other for other in self.running if other is not seq and other.seq_id is not None}
+        match = self._prefixes.longest_running_match(seq.tokens, at_most=len(seq.tokens) - 1, running=(
+            (slot, other.tokens, len(other.tokens)) for slot, other in others.items()))
+        if match is None:
+            return
+        best = others[match.slot]
+        if match.n_tokens - n_reuse >= self.config.min_wait_tokens and best.n_computed < match.n_tokens:
+            seq.fork_of, seq.fork_len = best, match.n_tokens
 
     def _best_prefix(self, seq: Sequence) -> tuple[int | None, int]:
         """The slot whose KV shares the longest prefix with ``seq`` (capped so at least one
@@ -453,7 +453,7 @@ class Scheduler:
             return None, 0
         # A running slot's prefix is copied; with a stream per slot that copies its whole stream.
         copy_floor = self.config.min_copy_tokens if self.config.kv_stream_cells is not None else 0
-        running = ((s.seq_id, s.tokens[: s.n_computed]) for s in self.running if s.seq_id is not None)
+        running = ((s.seq_id, s.tokens, s.n_computed) for s in self.running if s.seq_id is not None)
         match = self._prefixes.longest_match(seq.tokens, at_most=len(seq.tokens) - 1, running=running,
                                              min_running_tokens=copy_floor)
         if match is None or match.n_tokens < self.config.min_reuse_tokens:
@@ -494,6 +494,7 @@ class Scheduler:
             return
         if keep_cache and seq.n_computed > 0:
             self._prefixes.keep(slot, seq.tokens[: seq.n_computed], returning=returning)
+            self.ledger.park(slot)
         else:
             self.ledger.remove(slot)
             self._pending_evictions.append(slot)

@@ -1,17 +1,18 @@
 """Engine counters (written by the engine thread) and the immutable snapshot readers get.
 
 The engine thread owns every live structure (counters, scheduler, KV ledger). Once per loop
-iteration it publishes an :class:`EngineStats`, a frozen model swapped in with one reference
-assignment, so a reader on another thread (the worker's metrics and heartbeat) never iterates a
-structure the engine thread is changing, and always sees one consistent moment. Building it costs
-about 15 us per step, well under 1% of a decode step.
+iteration it publishes a :class:`StatsSnapshot`, swapped in with one reference assignment, so a
+reader on another thread (the worker's metrics and heartbeat) never iterates a structure the engine
+thread is changing, and always sees one consistent moment. Publishing costs O(1) per step: the
+values are counters kept as things happen (the KV ledger counts its cells as its segments change),
+copied into a dict; the :class:`EngineStats` model is built from it only when someone reads it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +40,7 @@ class EngineCounters:
     spec: str = "off"                 # where drafts come from: off, ngram or draft (config.SpecMode)
     spec_draft_tokens: int = 0        # draft tokens decoded for verification
     spec_accepted_tokens: int = 0     # of those, the ones verification kept
+    _finished: dict[str, int] = field(default_factory=dict)    # finish_reasons as of the last finish (never mutated)
 
     def decoded(self, n_tokens: int, n_seqs: int, seconds: float) -> None:
         self.decode_steps += 1
@@ -53,13 +55,15 @@ class EngineCounters:
 
     def finished(self, reason: FinishReason) -> None:
         self.finish_reasons[reason.value] += 1
+        self._finished = dict(self.finish_reasons)      # a new dict per finish, not per step: snapshots share it
 
-    def snapshot(self, scheduler: Scheduler, model: str) -> EngineStats:
-        """Engine thread only: the state of this moment, safe to hand to any thread."""
+    def snapshot(self, scheduler: Scheduler, model: str) -> StatsSnapshot:
+        """Engine thread only: the values of this moment, safe to hand to any thread. O(1): no
+        structure is scanned and no model built (that waits for a reader)."""
         s = self.decode_steps
         limits = scheduler.limits
         kv_used = scheduler.ledger.used_cells()
-        return EngineStats(
+        return StatsSnapshot(dict(
             model=model,
             slots_total=scheduler.config.n_slots,
             slots_active=limits.active_slots,
@@ -70,7 +74,7 @@ class EngineCounters:
             prompt_tokens_cached=scheduler.prompt_tokens_reused,
             generated_tokens=self.generated,
             kv_cells_used=kv_used,
-            kv_cells_cached=kv_used - scheduler.ledger.used_cells(exclude=scheduler.idle_cache_ids()),
+            kv_cells_cached=kv_used - scheduler.ledger.active_cells(),
             kv_cells_total=scheduler.config.kv_cells,
             avg_busy_slots_per_decode=self.busy_slot_steps / s if s else 0.0,
             preemptions=scheduler.preemptions,
@@ -81,11 +85,28 @@ class EngineCounters:
             stream_tokens=self.stream_tokens,
             batch_limit=limits.n_batch,
             prefill_chunk_limit=limits.prefill_chunk,
-            finished=dict(self.finish_reasons),
+            finished=self._finished,
             spec=self.spec,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
-        )
+        ))
+
+
+class StatsSnapshot:
+    """One moment's values, published by the engine thread every step, and the :class:`EngineStats`
+    they make, built on the first read (on the reader's thread: the values never change; two
+    readers racing both build the same model)."""
+
+    __slots__ = ("_stats", "_values")
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = values
+        self._stats: EngineStats | None = None
+
+    def stats(self) -> EngineStats:
+        if self._stats is None:
+            self._stats = EngineStats(**self._values)
+        return self._stats
 
 
 class EngineStats(BaseModel):

@@ -58,7 +58,7 @@ def summarize(choices: list[ChoiceResult], about: Attribution, *, status: JobSta
 def succeeded(replies: Replies, finished: dict[int, Done], about: Attribution) -> JobResult:
     """The result of a generation whose choices all ended (``finished``, by choice)."""
     return summarize([replies.choice(c, f.finish_reason, f.usage, f.timings) for c, f in sorted(finished.items())],
-                     about, status=JobStatus.SUCCEEDED, text=replies.text.get(0, ""))
+                     about, status=JobStatus.SUCCEEDED, text=replies.text(0))
 
 
 def failed(error: ErrorInfo | None, about: Attribution, usage: Usage | None = None) -> JobResult:
@@ -86,5 +86,5 @@ def from_stream(delivered: Delivered, about: Attribution) -> JobResult:
     choices = [delivered.replies.choice(c, d.finish_reason, d.usage or Usage(), d.timings or Timings())
                for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
     status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED
-    return summarize(choices, about, status=status, text=delivered.replies.text.get(0, ""),
+    return summarize(choices, about, status=status, text=delivered.replies.text(0),
                      fallback_reason=final.finish_reason)

@@ -26,25 +26,36 @@ from slotq.jobs.worker.stream_writer import StreamWriter
 @dataclass
 class Replies:
     """What each choice's reply said so far, as the stream carries it: its text, its reasoning,
-    and the pieces of its tool calls in order."""
+    and the pieces of its tool calls in order.
 
-    text: dict[int, str] = field(default_factory=dict)
-    reasoning: dict[int, str] = field(default_factory=dict)
+    Text and reasoning are kept as lists of the pieces that arrived and joined when read: adding a
+    piece to a growing string copies the whole reply every time (quadratic in a long reply)."""
+
+    text_pieces: dict[int, list[str]] = field(default_factory=dict)
+    reasoning_pieces: dict[int, list[str]] = field(default_factory=dict)
     tool_calls: dict[int, list[ToolCallDelta]] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)    # a job's that asked for them
 
     def add(self, choice: int, text: str, reasoning: str, tool_calls: list[ToolCallDelta],
             logprobs: list[TokenLogprob] | None = None) -> None:
-        self.text[choice] = self.text.get(choice, "") + text
+        self.text_pieces.setdefault(choice, []).append(text)
         if reasoning:
-            self.reasoning[choice] = self.reasoning.get(choice, "") + reasoning
+            self.reasoning_pieces.setdefault(choice, []).append(reasoning)
         if tool_calls:
             self.tool_calls.setdefault(choice, []).extend(tool_calls)
         if logprobs is not None:
             self.logprobs.setdefault(choice, []).extend(logprobs)
 
+    def text(self, choice: int) -> str:
+        """The text of ``choice`` so far ("" before any)."""
+        return "".join(self.text_pieces.get(choice, ()))
+
+    def reasoning(self, choice: int) -> str:
+        """The reasoning of ``choice`` so far ("" before any)."""
+        return "".join(self.reasoning_pieces.get(choice, ()))
+
     def choice(self, index: int, finish_reason: FinishReason, usage: Usage, timings: Timings) -> ChoiceResult:
-        return ChoiceResult(index=index, text=self.text.get(index, ""), reasoning=self.reasoning.get(index, ""),
+        return ChoiceResult(index=index, text=self.text(index), reasoning=self.reasoning(index),
                             tool_calls=assemble_tool_calls(self.tool_calls.get(index, ())),
                             logprobs=self.logprobs.get(index), finish_reason=finish_reason, usage=usage,
                             timings=timings)

@@ -8,16 +8,27 @@ enum of 100,000 values made every decode step of the batch wait seconds.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import resource
 from pathlib import Path
 
+import numpy as np
 import pytest
 from llama_cpp import llama_grammar
 
 from slotq.engine import FinishReason, GrammarError, SamplingParams
-from slotq.engine.constraints import check_constraint
+from slotq.engine.config import EngineConfig
+from slotq.engine.constraints import (
+    ConstraintCompiler,
+    StepMasks,
+    TokenMatcher,
+    check_constraint,
+    constraint_for,
+    forbid,
+)
 from slotq.engine.grammar_knobs import GrammarKnobs
+from slotq.engine.llama_model import LlamaModel
 from tests.support.engine import greedy, run_one, running_engine
 
 MIN_ITEMS_BOMB = {"type": "array", "minItems": 100_000_000, "items": {"type": "string"}}   # 77 bytes as JSON
@@ -95,3 +106,66 @@ async def test_integer_bounds_and_enums_hold(tiny_model_path: Path) -> None:
             assert finished.finish_reason == FinishReason.STOP, text
             value = json.loads(text)
             assert 3 <= value["n"] <= 7 and value["c"] in ("x", "y")
+
+
+def reference_mask(logits: np.ndarray, matcher: TokenMatcher) -> np.ndarray:
+    """A row masked the plain way: llguidance's byte per token (0: not allowed), -inf where it is 0."""
+    allowed = np.frombuffer(matcher._matcher.compute_logit_bias(), dtype=np.uint8)[:len(logits)]
+    return np.where(allowed == 0, np.float32(-np.inf), logits)
+
+
+@pytest.mark.parametrize("allowed_share", [0.0, 0.0001, 0.01, 0.3, 1.0])
+def test_forbid_writes_minus_infinity_exactly_where_the_bits_are_clear(allowed_share: float) -> None:
+    """Both ways (few words allowing a token: -inf everywhere and the allowed put back; many:
+    every bit unpacked), and a vocabulary that ends inside a word."""
+    n_vocab = 151_930
+    rng = np.random.default_rng(int(allowed_share * 1e4))
+    allowed = rng.random(n_vocab) < allowed_share
+    words = np.packbits(np.concatenate([allowed, np.zeros(-n_vocab % 32, bool)]), bitorder="little").view(np.int32)
+    row = rng.normal(0, 1, n_vocab).astype(np.float32)
+    expected = np.where(allowed, row, np.float32(-np.inf))
+    forbid(row, words)
+    assert np.array_equal(row, expected)
+
+
+def test_a_steps_masks_filled_together_equal_each_matchers_own(tiny_model_path: Path) -> None:
+    """StepMasks writes exactly the -inf each matcher's own mask writes, at every state of a walk
+    through the schema; the row it masked is left alone by the matcher's next mask call (and only
+    that call: the next step's apply clears a mark that was not used)."""
+    schema = {"type": "object", "required": ["n", "c"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 7}, "c": {"enum": ["xy", "yz"]}}}
+    model = LlamaModel(EngineConfig(model_path=tiny_model_path, slots=1, ctx=128, threads=1))
+    try:
+        compiler = ConstraintCompiler(model.vocab, model.n_vocab, [model.eos_token], GrammarKnobs())
+        constraint = constraint_for(constrained(schema))
+        assert constraint is not None
+        batched = [compiler.matcher(constraint, []) for _ in range(3)]
+        alone = [compiler.matcher(constraint, []) for _ in range(3)]
+        reference = [compiler.matcher(constraint, []) for _ in range(3)]
+        masks = StepMasks(model.n_vocab)
+        rng = np.random.default_rng(3)
+        walk = list(b'{"n":5,"c":"yz"}')
+        for step in range(len(walk)):
+            logits = rng.normal(0, 1, (3, model.n_vocab)).astype(np.float32)
+            rows, own = logits.copy(), logits.copy()
+            masks.apply([(matcher, rows[i]) for i, matcher in enumerate(batched)])
+            for i, matcher in enumerate(alone):
+                matcher.mask(own[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+            assert np.array_equal(rows, own), step
+            assert np.array_equal(rows, [reference_mask(logits[i], matcher) for i, matcher in enumerate(reference)])
+            assert np.isinf(rows).any(axis=1).all()                 # the schema forbids something at every step
+            rows[0] = logits[0]                                      # the same row, unmasked again in place
+            batched[0].mask(rows[0].ctypes.data_as(ctypes.POINTER(ctypes.c_float)))   # marked: left alone
+            assert np.array_equal(rows[0], logits[0])
+            fresh = logits[1].copy()
+            batched[1].mask(fresh.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))    # another row: masked
+            assert np.array_equal(fresh, own[1])
+            token = next(t for t in range(model.n_vocab) if model.token_bytes(t, special=False) == bytes([walk[step]]))
+            for matcher in (*batched, *alone, *reference):
+                matcher.accept(token)
+        masks.apply([])                                              # the marks of the last step expire
+        row = rng.normal(0, 1, model.n_vocab).astype(np.float32)
+        batched[2].mask(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        assert np.isinf(row).any()
+    finally:
+        model.close()

@@ -15,6 +15,7 @@ import pytest
 from llama_cpp import Llama
 
 from slotq.engine import Engine, GenerationRequest, SamplingParams, TextDelta, TokenLogprob
+from slotq.engine.logprobs import StepLogprobs, as_event
 from tests.support.engine import greedy, running_engine
 
 TOLERANCE = 1e-4       # the float32 logits rounded to 7 significant digits
@@ -119,3 +120,41 @@ def test_logprobs_are_bounded_by_openais_limit() -> None:
         GenerationRequest(prompt="x", logprobs=21)
     with pytest.raises(ValueError, match="greater than or equal to 0"):
         GenerationRequest(prompt="x", logprobs=-1)
+
+
+def float64_log_softmax(rows: np.ndarray) -> np.ndarray:
+    shifted = rows.astype(np.float64) - rows.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize("n_vocab", [151_936, 1_000, 70])
+def test_a_steps_rows_in_one_call_match_a_float64_log_softmax_row_by_row(n_vocab: int) -> None:
+    """Rows of different tops in one block (a 151k vocabulary, one that the top-k's groups do not
+    divide, and one with fewer groups than ``top``): each row's own logprobs within float32
+    tolerance, its top in order (ties by id), and the sampled token's entry beside it."""
+    rng = np.random.default_rng(7)
+    rows = rng.normal(0, 4, (5, n_vocab)).astype(np.float32)
+    rows[1, 10:14] = rows[1].max() + 1          # a tie at the top: the lower ids first
+    rows[3, -1] = rows[3].max() + 2             # the best token is the last id (a leftover past the groups)
+    tops = [20, 3, 0, 20, 1]
+    reference = float64_log_softmax(rows)
+    result = StepLogprobs().compute(list(rows), tops, [lambda token: str(token).encode()] * len(rows))
+    for i, (row, top) in enumerate(zip(result, tops, strict=True)):
+        sampled = int(rng.integers(n_vocab))
+        entry = row.of(sampled)
+        assert entry.chosen.id == sampled and entry.chosen.token == str(sampled)
+        assert entry.chosen.logprob == pytest.approx(reference[i, sampled], abs=TOLERANCE)
+        expected = np.lexsort((np.arange(n_vocab), -reference[i]))[:top].tolist()    # best first, ties by id
+        assert [alt.id for alt in entry.top] == expected, i
+        for alt in entry.top:
+            assert alt.logprob == pytest.approx(reference[i, alt.id], abs=TOLERANCE)
+        event = as_event(entry)
+        assert (event.id, event.logprob, [alt.id for alt in event.top]) == (sampled, entry.chosen.logprob, expected)
+        assert event.token_bytes == list(str(sampled).encode())
+
+
+def test_a_block_that_is_not_one_row_per_top_is_refused() -> None:
+    with pytest.raises(ValueError, match="rows: expected one"):
+        StepLogprobs().compute([], [], [])
+    with pytest.raises(ValueError, match="rows: expected one"):
+        StepLogprobs().compute(list(np.zeros((2, 8), dtype=np.float32)), [1], [lambda token: b""])

@@ -8,12 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slotq.engine import prefix_index
 from slotq.engine.prefix_index import PrefixIndex, PrefixMatch, common_prefix_length
 
-NO_RUNNING: list[tuple[int, list[int]]] = []
+NO_RUNNING: list[tuple[int, list[int], int]] = []
+
+
+def held(*slots: tuple[int, list[int]]) -> list[tuple[int, list[int], int]]:
+    """Running slots whose KV holds all their tokens."""
+    return [(slot, tokens, len(tokens)) for slot, tokens in slots]
 
 
 def _index(*idle: tuple[int, list[int]]) -> PrefixIndex:
@@ -33,21 +40,21 @@ def test_an_empty_index_matches_nothing() -> None:
 
 def test_no_shared_first_token_is_no_match() -> None:
     index = _index((0, [5, 6, 7]))
-    assert index.longest_match([1, 6, 7], at_most=2, running=[(1, [2, 6, 7])]) is None
+    assert index.longest_match([1, 6, 7], at_most=2, running=held((1, [2, 6, 7]))) is None
 
 
 def test_empty_tokens_and_a_zero_limit_match_nothing() -> None:
     index = _index((0, [1, 2, 3]), (1, []))
     assert index.longest_match([], at_most=5, running=NO_RUNNING) is None
-    assert index.longest_match([1, 2, 3], at_most=0, running=[(2, [1, 2, 3])]) is None
+    assert index.longest_match([1, 2, 3], at_most=0, running=held((2, [1, 2, 3]))) is None
 
 
 # ----------------------------------------------------------------------------- longest match
 def test_the_longest_prefix_wins_among_idle_caches_and_running_slots() -> None:
     index = _index((0, [1, 2, 9]), (1, [1, 2, 3, 4, 8]), (2, [1]))
-    match = index.longest_match([1, 2, 3, 4, 5, 6], at_most=5, running=[(3, [1, 2, 3, 7])])
+    match = index.longest_match([1, 2, 3, 4, 5, 6], at_most=5, running=held((3, [1, 2, 3, 7])))
     assert match == PrefixMatch(slot=1, n_tokens=4, idle=True)
-    match = index.longest_match([1, 2, 3, 7, 5, 6], at_most=5, running=[(3, [1, 2, 3, 7])])
+    match = index.longest_match([1, 2, 3, 7, 5, 6], at_most=5, running=held((3, [1, 2, 3, 7])))
     assert match == PrefixMatch(slot=3, n_tokens=4, idle=False)
 
 
@@ -64,7 +71,7 @@ def test_a_match_is_no_longer_than_what_the_slot_holds() -> None:
 
 def test_a_running_slot_shorter_than_the_copy_floor_does_not_count() -> None:
     index = _index((0, [1, 2]))
-    running = [(1, [1, 2, 3, 4])]
+    running = held((1, [1, 2, 3, 4]))
     tokens = [1, 2, 3, 4, 5]
     assert index.longest_match(tokens, at_most=4, running=running, min_running_tokens=5) == PrefixMatch(0, 2, True)
     assert index.longest_match(tokens, at_most=4, running=running, min_running_tokens=4) == PrefixMatch(1, 4, False)
@@ -80,7 +87,7 @@ def test_the_copy_floor_does_not_apply_to_idle_caches() -> None:
 def test_on_a_tie_an_idle_cache_beats_a_running_slot() -> None:
     """Taking an idle cache over copies nothing; a running slot's cells would be copied."""
     index = _index((5, [1, 2, 3]))
-    match = index.longest_match([1, 2, 3, 4], at_most=3, running=[(0, [1, 2, 3, 9])])
+    match = index.longest_match([1, 2, 3, 4], at_most=3, running=held((0, [1, 2, 3, 9])))
     assert match == PrefixMatch(slot=5, n_tokens=3, idle=True)
 
 
@@ -93,7 +100,7 @@ def test_on_a_tie_among_idle_caches_the_least_recently_used_wins() -> None:
 
 
 def test_on_a_tie_among_running_slots_the_first_given_wins() -> None:
-    running = [(4, [1, 2, 7]), (0, [1, 2, 8])]
+    running = held((4, [1, 2, 7]), (0, [1, 2, 8]))
     assert PrefixIndex().longest_match([1, 2, 5], at_most=2, running=running) == PrefixMatch(4, 2, idle=False)
 
 
@@ -171,19 +178,25 @@ class _Reference:
         return PrefixMatch(slot, n, idle)
 
 
-_tokens = st.lists(st.integers(0, 2), max_size=6)      # a small alphabet: many shared prefixes and ties
+_tokens = st.lists(st.integers(0, 2), max_size=14)     # a small alphabet: many shared prefixes and ties
 _slots = st.integers(0, 5)
 _ops = st.lists(st.one_of(st.tuples(st.just("keep"), _slots, _tokens, st.booleans()),
                           st.tuples(st.just("forget"), _slots, st.just([]), st.just(False))), max_size=12)
+# A running slot: its tokens, how many its KV holds, and tokens appended before a second lookup.
+_running = st.lists(st.tuples(_tokens, st.integers(0, 14), st.lists(st.integers(0, 2), max_size=6)), max_size=3)
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=_ops, running_tokens=st.lists(_tokens, max_size=3), query=_tokens, at_most=st.integers(0, 7),
-       min_running_tokens=st.integers(0, 4))
+@given(ops=_ops, running_slots=_running, query=_tokens, at_most=st.integers(0, 15),
+       min_running_tokens=st.integers(0, 4), block_tokens=st.sampled_from([1, 2, 3, 16]))
 def test_property_matches_a_brute_force_reference(ops: list[tuple[str, int, list[int], bool]],
-                                                  running_tokens: list[list[int]], query: list[int], at_most: int,
-                                                  min_running_tokens: int) -> None:
-    index, reference = PrefixIndex(), _Reference()
+                                                  running_slots: list[tuple[list[int], int, list[int]]],
+                                                  query: list[int], at_most: int, min_running_tokens: int,
+                                                  block_tokens: int) -> None:
+    """Whatever the block size, the block hashes find exactly the brute force's matches, also on a
+    second lookup after the running sequences computed more tokens (their hashes kept and extended)
+    and the sequence looked up runs, and after a running sequence left an idle cache."""
+    index, reference = PrefixIndex(block_tokens), _Reference()
     returning: set[int] = set()
     for op, slot, tokens, cancelled in ops:
         if op == "keep":
@@ -199,6 +212,41 @@ def test_property_matches_a_brute_force_reference(ops: list[tuple[str, int, list
     assert index.idle_slots() == [slot for slot, _ in reference.idle]
     assert {slot for slot in range(6) if index.is_returning(slot)} == returning
     # Running slots are never idle ones (the scheduler forgets a cache when its slot is taken).
-    running = [(10 + i, tokens) for i, tokens in enumerate(running_tokens)]
-    assert index.longest_match(query, at_most=at_most, running=running, min_running_tokens=min_running_tokens) == \
-        reference.longest_match(query, at_most, running, min_running_tokens)
+    running = [(10 + i, list(tokens), min(n_held, len(tokens))) for i, (tokens, n_held, _) in enumerate(running_slots)]
+    for lookup in range(2):
+        expected = reference.longest_match(query, at_most, [(slot, t[:n]) for slot, t, n in running],
+                                           min_running_tokens)
+        assert index.longest_match(query, at_most=at_most, running=running,
+                                   min_running_tokens=min_running_tokens) == expected
+        expected_running = _Reference().longest_match(query, at_most, [(slot, t) for slot, t, _ in running], 0)
+        assert index.longest_running_match(query, at_most=at_most,
+                                           running=[(slot, t, len(t)) for slot, t, _ in running]) == expected_running
+        if lookup == 0:
+            for (_, tokens, _), (_, _, more) in zip(running, running_slots, strict=True):
+                tokens.extend(more)
+            running = [(slot, tokens, len(tokens)) for slot, tokens, _ in running]
+            running.append((20, query, len(query) // 2))     # the sequence looked up was admitted (hashes reused)
+    if running:                                          # the first running sequence leaves an idle cache
+        slot, tokens, n_held = running.pop(0)
+        index.keep(slot, tokens[:n_held])
+        reference.keep(slot, tokens[:n_held])
+        assert index.longest_match(query, at_most=at_most, running=running, min_running_tokens=min_running_tokens) \
+            == reference.longest_match(query, at_most, [(s, t[:n]) for s, t, n in running], min_running_tokens)
+
+
+def test_colliding_block_hashes_still_give_the_exact_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block hashing alike makes every slot look like a full match; the winner's tokens are
+    compared, and the lookup falls back to comparing every slot's tokens."""
+    monkeypatch.setattr(prefix_index, "block_hash", lambda parent, block: 0)
+    index = PrefixIndex(2)
+    index.keep(0, [5, 5, 5, 5, 5, 5])
+    index.keep(1, [1, 2, 3, 4, 9, 9])
+    assert index.longest_match([1, 2, 3, 4, 5, 6], at_most=5, running=held((7, [1, 2, 8, 8]))) == \
+        PrefixMatch(1, 4, idle=True)
+    assert index.longest_running_match([1, 2, 3], at_most=2, running=held((7, [1, 2, 8, 8]))) == \
+        PrefixMatch(7, 2, idle=False)
+
+
+def test_a_block_size_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="block_tokens: must be at least 1"):
+        PrefixIndex(0)

@@ -6,7 +6,11 @@ plays the runner on a fake unified KV cache).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slotq.engine.kv_ledger import KVLedger
 from slotq.engine.scheduler import KVFullAction, Scheduler
@@ -331,6 +335,49 @@ def test_ledger_copy_of_a_copy_and_removing_the_source() -> None:
     assert led.used_cells() == 10                        # seq 2 still holds its 10 cells
     led.truncate(2, 3)
     assert led.used_cells() == 3
+
+
+_seq = st.integers(0, 3)
+_ledger_ops = st.lists(st.one_of(st.tuples(st.just("extend"), _seq, _seq, st.integers(1, 5)),
+                                 st.tuples(st.just("copy"), _seq, _seq, st.integers(0, 12)),
+                                 st.tuples(st.just("truncate"), _seq, _seq, st.integers(0, 12)),
+                                 st.tuples(st.just("remove"), _seq, _seq, st.just(0)),
+                                 st.tuples(st.just("park"), _seq, _seq, st.integers(0, 1))), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_ledger_ops, shared=st.booleans())
+def test_ledger_counts_match_the_cells_each_sequence_holds(ops: list[tuple[str, int, int, int]], shared: bool) -> None:
+    """The ledger's running counts against the cells themselves: each decoded cell a new id, a
+    shared copy the same ids, a split copy new ones; used = all ids held, active = those held by
+    a sequence not parked (an idle cache's cells are the difference)."""
+    led = KVLedger(shared_copies=shared)
+    cells: dict[int, list[int]] = {}
+    parked: set[int] = set()
+    new_ids = itertools.count()
+    for op, seq, other, n in ops:
+        if op == "extend":
+            led.extend(seq, n)
+            cells.setdefault(seq, []).extend(next(new_ids) for _ in range(n))
+        elif op == "copy" and seq != other:
+            led.remove(other)                            # a copy goes to an empty sequence
+            parked.discard(other)
+            led.copy_prefix(seq, other, n)
+            held = cells.get(seq, [])[:n]
+            cells[other] = list(held) if shared else [next(new_ids) for _ in held]
+        elif op == "truncate":
+            led.truncate(seq, n)
+            cells[seq] = cells.get(seq, [])[:n]
+        elif op == "remove":
+            led.remove(seq)
+            cells.pop(seq, None)
+            parked.discard(seq)
+        elif op == "park":
+            led.park(seq, bool(n))
+            (parked.add if n else parked.discard)(seq)
+        assert led.used_cells() == len({c for held in cells.values() for c in held})
+        assert led.active_cells() == len({c for s, held in cells.items() if s not in parked for c in held})
+        assert all(led.length(s) == len(held) for s, held in cells.items())
 
 
 

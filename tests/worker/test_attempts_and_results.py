@@ -65,6 +65,17 @@ def test_a_result_reads_choice_zero_counts_the_prompt_once_and_adds_up_completio
     assert (result.worker, result.attempts, result.interruptions, result.metadata) == ("w", 2, 1, {"k": "v"})
 
 
+def test_a_replys_pieces_join_in_order_per_choice_text_and_reasoning_apart() -> None:
+    replies = Replies()
+    for i in range(1000):
+        replies.add(0, f"{i} ", "hm " if i % 2 else "", [])
+    replies.add(1, "other", "", [])
+    assert replies.text(0) == "".join(f"{i} " for i in range(1000))
+    assert replies.reasoning(0) == "hm " * 500 and replies.reasoning(1) == "" and replies.text(2) == ""
+    choice = replies.choice(0, FinishReason.STOP, Usage(), Timings())
+    assert (choice.text, choice.reasoning) == (replies.text(0), replies.reasoning(0))
+
+
 def test_a_result_from_a_complete_stream_names_the_attempt_that_completed_it() -> None:
     delivered = Delivered()
     delivered.final = StreamEntry(id="1-0", kind=EntryKind.ERROR, attempt=1, worker="other", final=True,
