@@ -297,6 +297,7 @@ class Runner:
                 state.admitted_at = now
 
     def _propose_drafts(self) -> dict[Sequence, Proposal]:
+        """The drafter's proposals for the sequences the planner wants offers from this step."""
         if self.drafter is None or self.scheduler.drafts is None:
             return {}
         return propose_drafts(self.drafter, self.scheduler.drafts, self.scheduler.running, self.ctx_per_seq)

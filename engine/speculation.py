@@ -19,8 +19,13 @@ time that grows with its tokens (:class:`StepCost`, measured on this model and d
 draft token is worth the chance that it and every draft token before it are accepted. The planner
 adds draft tokens, most likely first, while they raise the step's expected tokens per second by at
 least :data:`MIN_GAIN`; so drafting stops where a step is compute-bound (many sequences on a CPU, a
-full GPU batch), and a sequence whose drafts miss stops drafting. docs/architecture.md,
-"Speculative decoding", has the figures.
+full GPU batch), and a sequence whose drafts miss stops drafting. What the table cannot see (the
+delivery of a step's tokens, beside the next decode) is measured: per concurrency, steps with drafts
+must deliver more tokens per second than steps without, or the required gain rises there
+(:meth:`DraftPlanner.observe_step`). Declining is cheap: an upper bound, a dozen step prices, rules
+out a concurrency where no draft can pay before any sequence is asked for a proposal
+(:meth:`DraftPlanner.offer_to`), and there only a few sequences a step keep being shadow-tested.
+docs/architecture.md, "Speculative decoding", has the figures.
 
 A sequence's acceptance is learned for free where its drafts are n-gram lookups: a draft that was
 offered but not sent is still compared with the token the step sampled (a shadow test), so a
@@ -461,6 +466,7 @@ class _Gate:
     steps_left: int
     open: bool
     declined: tuple[float, int] = (-1.0, 0)     # the best offer (acceptance, room) a full plan found nothing for
+    declined_gain: float = 0.0                  # ... at this required gain
     period: int = 0                             # steps a decline closes it for: doubles while full plans decline
 
 
@@ -526,7 +532,7 @@ class DraftPlanner:
             is_open = self._could_pay(n, {}, n, best, self.k_max, n / base * self.required_gain(n))
             same = gate.n_generating == n
             gate = self._gate = _Gate(n, best, GATE_REUSE, is_open, gate.declined if same else (-1.0, 0),
-                                      gate.period if same else 0)
+                                      gate.declined_gain if same else 0.0, gate.period if same else 0)
         gate.steps_left -= 1
         if gate.open:
             return decoding
@@ -585,7 +591,8 @@ class DraftPlanner:
         p_top, k_top = eligible[0][0], max(e[1] for e in eligible)
         gate = self._gate
         if (not prompt_lengths and gate.n_generating == n_generating and not gate.open and gate.steps_left > 0
-                and _expected(p_top, k_top) <= _expected(*gate.declined) * DECLINE_SLACK):
+                and _expected(p_top, k_top) <= _expected(*gate.declined) * DECLINE_SLACK
+                and self.required_gain(n_generating) >= gate.declined_gain):
             return {}           # no better offer than a full plan found nothing for, a few steps ago
         sizes = [j for j in _prefix_sizes(len(eligible))
                  if self._could_pay_with(j, n_generating, prompts, p_top, k_top, best_rate)]
@@ -616,7 +623,8 @@ class DraftPlanner:
             last = self._gate
             period = min(max(last.period * 2, GATE_REUSE), GATE_MAX_REUSE) if last.n_generating == n_generating \
                 else GATE_REUSE
-            self._gate = _Gate(n_generating, self._best_acceptance(), period, False, (p_top, k_top), period)
+            self._gate = _Gate(n_generating, self._best_acceptance(), period, False, (p_top, k_top),
+                               self.required_gain(n_generating), period)
         elif j:
             self._gate.declined, self._gate.period = (-1.0, 0), 0
         return {seq: min(room, k) for _, k, seq, _ in eligible[:j]}
