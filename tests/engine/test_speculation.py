@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from slotq.engine import ChatMessage, Engine, EngineStats, Finished, FinishReason, GenerationRequest, SamplingParams
+from slotq.engine.config import EngineConfig, SpecMode
 from slotq.engine.scheduler import KVFullAction, Scheduler
 from slotq.engine.sequence import Sequence
 from slotq.engine.speculation import (
@@ -34,6 +35,16 @@ from tests.support.scheduler_sim import config, make_seq
 CPU = {1: 0.0065, 2: 0.014, 4: 0.020, 8: 0.034, 16: 0.047, 32: 0.085, 64: 0.17}
 # A GPU-like step: flat until the batch fills the device.
 GPU = {1: 0.010, 64: 0.0105, 128: 0.011, 256: 0.020, 512: 0.040}
+
+
+# ----------------------------------------------------------------------------- the default
+def test_the_default_drafts_only_with_a_draft_model(tiny_model_path: Path) -> None:
+    """SLOTQ_SPEC=auto must never be slower than off; n-gram drafts are not shown to keep that at
+    every concurrency, so auto without a draft model is off, and n-gram lookup is asked for by name."""
+    assert EngineConfig(model_path=tiny_model_path).spec == SpecMode.AUTO
+    assert EngineConfig(model_path=tiny_model_path).spec_source == SpecMode.OFF
+    assert EngineConfig(model_path=tiny_model_path, draft_model=tiny_model_path).spec_source == SpecMode.DRAFT
+    assert EngineConfig(model_path=tiny_model_path, spec=SpecMode.NGRAM).spec_source == SpecMode.NGRAM
 
 
 # ----------------------------------------------------------------------------- n-gram drafter
