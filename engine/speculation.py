@@ -83,9 +83,13 @@ REALISED_DECAY = 0.98
 MIN_EVIDENCE_S = 0.2
 """Seconds of steps of each kind, with drafts and without, before their rates are compared."""
 
-PENALTY_STEP = 1.05
-"""The factor by which one step with drafts that realised less than steps without raises the
-required gain at its concurrency (and one that realised more lowers it)."""
+PENALTY_UP = 1.25
+"""The factor by which one step with drafts, while steps with drafts have realised less than steps
+without, raises the required gain at its concurrency: six such steps take it to the cap."""
+
+PENALTY_DOWN = 1.05
+"""The factor by which one step with drafts, while they have realised more, lowers it: slower than
+it rises, so noise around break-even leans towards not drafting (the default's promise)."""
 
 MAX_PENALTY = 4.0
 """At most this penalty: a plan must then promise 4.4x the plain step, which only long, sure copies do."""
@@ -649,7 +653,8 @@ class DraftPlanner:
         its start to this one's, holds what its tokens cost to deliver too (the worker's event
         loop shares the process and the cores). Per concurrency, steps with drafts must realise
         more tokens per second than steps without; where they do not, the required gain there
-        rises by :data:`PENALTY_STEP` (and falls back as they do, or slowly while none are sent)."""
+        rises by :data:`PENALTY_UP` (and falls back by :data:`PENALTY_DOWN` as they do, or slowly
+        while none are sent)."""
         self.cost.observe(lengths, decode_s, step_s)
         last, self._last_step = self._last_step, _Step(started, step_s, n_generating, tokens, drafted)
         if last is None:
@@ -663,9 +668,9 @@ class DraftPlanner:
             bucket.penalty = 1 + (bucket.penalty - 1) * PENALTY_FORGET
         elif bucket.plain.seconds >= MIN_EVIDENCE_S and bucket.drafted.seconds >= MIN_EVIDENCE_S:
             if bucket.drafted.rate < bucket.plain.rate:
-                bucket.penalty = min(bucket.penalty * PENALTY_STEP, MAX_PENALTY)
+                bucket.penalty = min(bucket.penalty * PENALTY_UP, MAX_PENALTY)
             else:
-                bucket.penalty = max(1.0, bucket.penalty / PENALTY_STEP)
+                bucket.penalty = max(1.0, bucket.penalty / PENALTY_DOWN)
 
     def forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq, None)
