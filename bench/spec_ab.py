@@ -24,6 +24,7 @@ from slotq.engine import (
     TextDelta,
     bundled_model_path,
 )
+from slotq.engine.config import SpecMode
 
 
 def _request(workload: str, i: int, max_tokens: int) -> GenerationRequest:
@@ -46,9 +47,9 @@ async def _batch(engine: Engine, workload: str, clients: int, first: int, max_to
 
 
 async def run(clients: int, rounds: int, max_tokens: dict[str, int]) -> list[str]:
-    def config(spec: str) -> EngineConfig:
+    def config(spec: SpecMode) -> EngineConfig:
         return EngineConfig(model_path=bundled_model_path(), spec=spec, slots=clients, ctx=2048, threads=2)
-    engines = {"off": await Engine.start(config("off")), "ngram": await Engine.start(config("ngram"))}
+    engines = {"off": await Engine.start(config(SpecMode.OFF)), "ngram": await Engine.start(config(SpecMode.NGRAM))}
     try:
         totals: dict[tuple[str, str], list[float]] = {}
         for r in range(rounds):
