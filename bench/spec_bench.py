@@ -2,7 +2,7 @@
 
 Rows (each a process of its own, serving with as many slots as there are clients, ``C``):
 
-- ``slotq spec=off`` and ``slotq spec=auto`` (n-gram drafts from each sequence's own prompt and
+- ``slotq spec=off`` and ``slotq spec=ngram`` (n-gram drafts from each sequence's own prompt and
   output): a ``slotq worker`` each, behind one ``slotq gateway``;
 - ``llama-server`` without drafting, and with ``--spec-type ngram-simple``, ``ngram-map-k`` and
   ``ngram-mod``, each at this build's defaults (:mod:`bench.llama_server` builds it from the
@@ -97,7 +97,7 @@ class System:
 
 def systems(server: bool, draft_model: Path | None) -> list[System]:
     rows = [System(SLOTQ_OFF, "spec-off", {"SLOTQ_SPEC": "off"}),
-            System(SLOTQ_NGRAM, "spec-auto", {"SLOTQ_SPEC": "auto"})]
+            System(SLOTQ_NGRAM, "spec-ngram", {"SLOTQ_SPEC": "ngram"})]
     if draft_model is not None:
         rows.append(System(SLOTQ_DRAFT, "spec-draft", {"SLOTQ_SPEC": "draft", "SLOTQ_DRAFT_MODEL": str(draft_model)}))
     if server:
@@ -168,7 +168,7 @@ def scrape(text: str) -> dict[str, float]:
 
 def worker_environment(environ: Mapping[str, str], row: System, common: dict[str, str]) -> dict[str, str]:
     """A slotq row's worker: this process' environment without the settings that tell the rows apart
-    (``ROW_SETTINGS``: a ``SLOTQ_DRAFT_MODEL`` set here must not turn the auto row into a draft-model
+    (``ROW_SETTINGS``: a ``SLOTQ_DRAFT_MODEL`` set here must not turn the n-gram row into a draft-model
     row), then ``common``, the row's queue and model name, and its own speculation settings.
     ``SLOTQ_SPEC_K_MIN``/``K_MAX`` pass through to every slotq row."""
     inherited = {k: v for k, v in environ.items() if k not in ROW_SETTINGS}

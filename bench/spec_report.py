@@ -12,7 +12,7 @@ from typing import Any
 from bench.report import markdown_table
 
 SLOTQ_OFF = "slotq spec=off"
-SLOTQ_NGRAM = "slotq spec=auto"          # auto without a draft model: n-gram drafts
+SLOTQ_NGRAM = "slotq spec=ngram"
 SLOTQ_DRAFT = "slotq spec=draft"
 LLAMA_PLAIN = "llama-server"
 LLAMA_SPEC_PREFIX = "llama-server --spec-type "
@@ -81,7 +81,7 @@ def _ratio_cell(row: dict[str, Any], ratio: str, system: str) -> str:
     value = row[ratio]
     if value is None:
         return "–"
-    # the targets are about n-gram drafting (SLOTQ_SPEC=auto); a draft-model row is shown beside it
+    # the targets are about n-gram drafting (SLOTQ_SPEC=ngram); a draft-model row is shown beside it
     target = target_for(row["workload"], ratio, row["concurrency"]) if system == SLOTQ_NGRAM else None
     if target is None:
         return f"{value:.2f}"

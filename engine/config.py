@@ -64,7 +64,7 @@ class SpecMode(StrEnum):
     """Speculative decoding (engine/speculation.py): where drafts come from. Every mode drafts only
     where the step-cost rule says a draft pays (docs/architecture.md, "Speculative decoding")."""
 
-    AUTO = "auto"       # the draft model when draft_model is set, else n-gram lookup
+    AUTO = "auto"       # the draft model when draft_model is set, else off (n-gram lookup is asked for: NGRAM)
     OFF = "off"
     NGRAM = "ngram"     # drafts from the sequence's own prompt and output (prompt lookup)
     DRAFT = "draft"     # a second, smaller GGUF with the same vocabulary (draft_model)
@@ -142,9 +142,10 @@ class EngineKnobs(GrammarKnobs):
 
     spec: SpecMode = Field(
         SpecMode.AUTO,
-        description="speculative decoding: auto = the draft model when draft_model is set, else n-gram drafts from "
-                    "each sequence's own prompt and output; off; ngram; draft (needs draft_model). A draft goes into "
-                    "a step only where its expected accepted tokens pay for the step time it adds")
+        description="speculative decoding: auto = the draft model when draft_model is set, else off; off; ngram = "
+                    "drafts from each sequence's own prompt and output; draft (needs draft_model). A draft goes into "
+                    "a step only where its expected accepted tokens pay for the step time it adds. The default drafts "
+                    "only with a draft model: n-gram drafts were not shown never to lose (docs/architecture.md)")
     spec_k_max: int = Field(32, ge=1, le=64, description="most draft tokens one sequence adds to a step")
     spec_k_min: int = Field(2, ge=1, le=64,
                             description="fewest draft tokens worth sending (a shorter draft is not sent)")
@@ -185,9 +186,12 @@ class EngineConfig(EngineKnobs):
 
     @property
     def spec_source(self) -> SpecMode:
-        """``spec`` decided: OFF, NGRAM or DRAFT (never AUTO)."""
+        """``spec`` decided: OFF, NGRAM or DRAFT (never AUTO). AUTO, the default, must never be slower
+        than OFF: n-gram drafts could not be shown to keep that promise at every concurrency on a
+        shared 2-core machine (docs/architecture.md, "Speculative decoding"), so without a draft
+        model AUTO is OFF and n-gram lookup is asked for by name (NGRAM)."""
         if self.spec == SpecMode.AUTO:
-            return SpecMode.DRAFT if self.draft_model is not None else SpecMode.NGRAM
+            return SpecMode.DRAFT if self.draft_model is not None else SpecMode.OFF
         return self.spec
 
     @property

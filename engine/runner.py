@@ -56,7 +56,7 @@ from slotq.engine.request import GenerationRequest
 from slotq.engine.sampling import SamplerChain
 from slotq.engine.scheduler import BatchItem, KVFullAction, Scheduler, SchedulerLimits, SchedulerOutput
 from slotq.engine.sequence import SeqState, Sequence
-from slotq.engine.speculation import Drafter, DraftPlanner, Proposal
+from slotq.engine.speculation import Drafter, DraftPlanner, Proposal, propose_drafts
 from slotq.engine.state import EngineState, Lifecycle
 from slotq.engine.stats import EngineCounters, EngineStats, StatsSnapshot
 from slotq.engine.text import StopMatcher, Utf8Stream
@@ -307,18 +307,10 @@ class Runner:
                 state.admitted_at = now
 
     def _propose_drafts(self) -> dict[Sequence, Proposal]:
-        """What the drafter could add after each generating sequence's last token, capped so the
-        drafts stay inside the sequence's context (the scheduler caps them by max_tokens)."""
+        """The drafter's proposals for the sequences the planner wants offers from this step."""
         if self.drafter is None or self.scheduler.drafts is None:
             return {}
-        k_max = self.scheduler.drafts.k_max
-        proposals: dict[Sequence, Proposal] = {}
-        for seq in self.scheduler.running:
-            if seq.fork_of is None and seq.is_decoding:
-                room = min(k_max, self.ctx_per_seq - len(seq.tokens))
-                if room > 0:
-                    proposals[seq] = self.drafter.propose(seq, room)
-        return proposals
+        return propose_drafts(self.drafter, self.scheduler.drafts, self.scheduler.running, self.ctx_per_seq)
 
     def _fill_drafts(self, out: SchedulerOutput, proposals: dict[Sequence, Proposal]) -> None:
         """The planned drafts: a proposal's own tokens, or the drafter's work for the rest."""
@@ -342,7 +334,8 @@ class Runner:
         seq_ids: list[int] = []
         wants: list[bool] = []
         sample_at: list[tuple[Sequence, int, list[int]]] = []
-        generating = any(item.seq.is_decoding for item in out.items)    # someone gets a token this step
+        n_decoding = sum(item.seq.is_decoding for item in out.items)
+        generating = n_decoding > 0                                     # someone gets a token this step
         for item in out.items:
             seq = item.seq
             slot = seq.slot
@@ -383,7 +376,10 @@ class Runner:
             step_seconds = time.perf_counter() - step_started
             self.counters.generating_step(step_seconds, (self.counters.generated - generated_before) / len(sample_at))
             if self.scheduler.drafts is not None:
-                self.scheduler.drafts.cost.observe([item.n_tokens for item in out.items], decode_seconds, step_seconds)
+                self.scheduler.drafts.observe_step(
+                    [item.n_tokens for item in out.items], decode_seconds, step_seconds, started=step_started,
+                    n_generating=n_decoding, tokens=self.counters.generated - generated_before,
+                    drafted=any(item.draft for item in out.items))
 
     def _generate(self, seq: Sequence, index: int, draft: list[int], proposal: Proposal | None) -> None:
         """Take the tokens of one sequence's step: the row at ``index``, and one row more per draft

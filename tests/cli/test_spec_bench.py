@@ -90,8 +90,8 @@ def test_ratios_compare_slotq_spec_with_slotq_off_the_best_llama_server_mode_and
 
 def test_the_table_marks_each_target_and_shows_acceptance() -> None:
     text = table(RESULTS, ["a note"])
-    assert "| copy-heavy | 1 | slotq spec=auto | 2.50 (met: ≥ 1.8) | 1.25 (met: ≥ 1.2) (ngram-mod) | 2.08 |" in text
-    assert "| free-form | 4 | slotq spec=auto | 0.94 (missed: ≥ 0.97) | – | – |" in text
+    assert "| copy-heavy | 1 | slotq spec=ngram | 2.50 (met: ≥ 1.8) | 1.25 (met: ≥ 1.2) (ngram-mod) | 2.08 |" in text
+    assert "| free-form | 4 | slotq spec=ngram | 0.94 (missed: ≥ 0.97) | – | – |" in text
     assert "75% (300 / 400)" in text and "0 drafted" in text
     assert text.endswith("a note")
 
@@ -126,12 +126,13 @@ def test_client_counts_must_be_positive(capsys: pytest.CaptureFixture[str]) -> N
 def test_a_slotq_rows_draft_source_is_its_own_not_inherited_from_this_environment() -> None:
     environ = {"SLOTQ_DRAFT_MODEL": "/elsewhere/draft.gguf", "SLOTQ_SPEC": "off", "SLOTQ_SPEC_K_MAX": "4", "HOME": "/h"}
     by = {row.name: row for row in systems(server=True, draft_model=Path("/models/draft.gguf"))}
-    auto = worker_environment(environ, by[SLOTQ_NGRAM], {"SLOTQ_SLOTS": "4"})
-    assert "SLOTQ_DRAFT_MODEL" not in auto
-    assert (auto["SLOTQ_SPEC"], auto["SLOTQ_SPEC_K_MAX"], auto["SLOTQ_SLOTS"], auto["HOME"]) == ("auto", "4", "4", "/h")
+    ngram = worker_environment(environ, by[SLOTQ_NGRAM], {"SLOTQ_SLOTS": "4"})
+    assert "SLOTQ_DRAFT_MODEL" not in ngram
+    assert (ngram["SLOTQ_SPEC"], ngram["SLOTQ_SPEC_K_MAX"], ngram["SLOTQ_SLOTS"], ngram["HOME"]) \
+        == ("ngram", "4", "4", "/h")
     draft = worker_environment(environ, by[SLOTQ_DRAFT], {})
     assert (draft["SLOTQ_SPEC"], draft["SLOTQ_DRAFT_MODEL"]) == ("draft", "/models/draft.gguf")
-    assert auto["SLOTQ_QUEUE_NAME"] != draft["SLOTQ_QUEUE_NAME"]
+    assert ngram["SLOTQ_QUEUE_NAME"] != draft["SLOTQ_QUEUE_NAME"]
 
 
 def test_a_row_gives_tokens_per_second_over_the_rounds_and_each_streams_speed_after_its_first_token() -> None:

@@ -5,14 +5,28 @@ without drafts, whatever the request asks for."""
 from __future__ import annotations
 
 import asyncio
+import random
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from slotq.engine import ChatMessage, Engine, EngineStats, Finished, FinishReason, GenerationRequest, SamplingParams
+from slotq.engine.config import EngineConfig, SpecMode
 from slotq.engine.scheduler import KVFullAction, Scheduler
 from slotq.engine.sequence import Sequence
-from slotq.engine.speculation import MIN_GAIN, DraftPlanner, NgramDrafter, Proposal, StepCost
+from slotq.engine.speculation import (
+    INDEX_CHUNK,
+    INDEX_TABLE_SIZE,
+    MAX_PENALTY,
+    MIN_GAIN,
+    PROBE_SEQS,
+    DraftPlanner,
+    NgramDrafter,
+    Proposal,
+    StepCost,
+    propose_drafts,
+)
 from tests.support.engine import collect, collect_choices, greedy, running_engine
 from tests.support.scheduler_sim import config, make_seq
 
@@ -21,6 +35,16 @@ from tests.support.scheduler_sim import config, make_seq
 CPU = {1: 0.0065, 2: 0.014, 4: 0.020, 8: 0.034, 16: 0.047, 32: 0.085, 64: 0.17}
 # A GPU-like step: flat until the batch fills the device.
 GPU = {1: 0.010, 64: 0.0105, 128: 0.011, 256: 0.020, 512: 0.040}
+
+
+# ----------------------------------------------------------------------------- the default
+def test_the_default_drafts_only_with_a_draft_model(tiny_model_path: Path) -> None:
+    """SLOTQ_SPEC=auto must never be slower than off; n-gram drafts are not shown to keep that at
+    every concurrency, so auto without a draft model is off, and n-gram lookup is asked for by name."""
+    assert EngineConfig(model_path=tiny_model_path).spec == SpecMode.AUTO
+    assert EngineConfig(model_path=tiny_model_path).spec_source == SpecMode.OFF
+    assert EngineConfig(model_path=tiny_model_path, draft_model=tiny_model_path).spec_source == SpecMode.DRAFT
+    assert EngineConfig(model_path=tiny_model_path, spec=SpecMode.NGRAM).spec_source == SpecMode.NGRAM
 
 
 # ----------------------------------------------------------------------------- n-gram drafter
@@ -47,6 +71,54 @@ def test_ngram_prefers_the_longest_match_and_offers_nothing_without_one() -> Non
 def test_ngram_draft_stops_at_the_end_of_the_tokens() -> None:
     seq = make_seq([7, 7, 7, 7])                              # a loop drafts itself, up to what exists
     assert NgramDrafter().propose(seq, 16).tokens == [7]
+
+
+def test_a_long_run_is_indexed_as_token_by_token_indexing_would() -> None:
+    """The index takes a long run (a prompt) at once with numpy and a step's few tokens one by one:
+    both give the same chains, so a prompt's index does not depend on how it arrived."""
+    rng = random.Random(3)
+    tokens = [rng.randrange(40) for _ in range(3000)]       # a small vocabulary: many repeats and collisions
+    at_once, one_by_one = NgramDrafter(), NgramDrafter()
+    whole, grown = make_seq(tokens), make_seq(tokens[:3])
+    at_once.propose(whole, 8)
+    for token in tokens[3:]:
+        one_by_one.propose(grown, 8)
+        grown.tokens.append(token)
+    one_by_one.propose(grown, 8)
+    a, b = at_once._indexes[whole], one_by_one._indexes[grown]
+    assert a.indexed == b.indexed == len(tokens)
+    assert a.prev == b.prev and (a.head == b.head).all()
+    assert at_once.propose(whole, 8) == one_by_one.propose(grown, 8)
+
+
+def test_the_ngram_index_stays_within_its_bound_and_takes_a_long_prompt_over_steps() -> None:
+    """A 32k-token context: the index holds its 64 KiB table and 4 bytes a token (the tuple-keyed
+    maps it replaced held several hundred), and one proposal indexes at most INDEX_CHUNK tokens."""
+    rng = random.Random(5)
+    seq = make_seq([rng.randrange(150_000) for _ in range(32_768)])
+    drafter = NgramDrafter()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        drafter.propose(seq, 8)
+        assert drafter._indexes[seq].indexed <= INDEX_CHUNK + drafter.n_min
+        for _ in range(len(seq.tokens) // INDEX_CHUNK + 1):
+            drafter.propose(seq, 8)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert drafter._indexes[seq].indexed == len(seq.tokens)
+    bound = INDEX_TABLE_SIZE * 4 + 5 * len(seq.tokens) + 4096
+    assert drafter.index_bytes(seq) <= bound and held <= bound, (drafter.index_bytes(seq), held)
+
+
+def test_a_copy_far_back_is_found_past_recent_chance_matches() -> None:
+    """The chain walk passes recent two-token matches to reach an older four-token one."""
+    copied = [1, 2, 3, 4, 5, 6, 7]
+    noise = [x for i in range(10) for x in (3, 4, 100 + i)]        # "3 4" ten times, each followed by another token
+    seq = make_seq(copied + noise + [1, 2, 3, 4])
+    proposal = NgramDrafter().propose(seq, 3)
+    assert proposal.tokens == [5, 6, 7] and proposal.match == 4
 
 
 # ----------------------------------------------------------------------------- step cost
@@ -199,6 +271,79 @@ def test_ngram_proposals_say_how_long_their_copy_agreed() -> None:
     assert proposal.tokens == [9, 9] and proposal.match == 4
 
 
+class _CountedCost(StepCost):
+    """A real step cost that counts the step prices asked of it: what a plan costs."""
+
+    prices = 0
+
+    def step_seconds_of(self, counts: dict[int, int]) -> float:
+        self.prices += 1
+        return super().step_seconds_of(counts)
+
+
+def test_the_planner_declines_cheaply_at_high_concurrency() -> None:
+    """256 copying sequences on a CPU: no draft pays (the step is compute-bound). The first full plan
+    finds that; afterwards a step offers only PROBE_SEQS sequences to the drafter and prices a few
+    plans, not every (sequences, room) pair, while the probes keep shadow tests going."""
+    cost = _CountedCost(CPU)
+    planner = DraftPlanner(cost, k_min=2, k_max=32)
+    drafter = NgramDrafter()
+    seqs = [make_seq([i % 50 for i in range(200)] + [0]) for _ in range(256)]      # each copies its own loop
+    for seq in seqs:
+        seq.n_prompt, seq.n_computed = 200, 200          # one token generated: it decodes
+        _copying(planner, seq)
+    offered, prices = [], []
+    for _ in range(100):
+        cost.prices = 0
+        proposals = propose_drafts(drafter, planner, seqs, 4096)
+        assert planner.plan(list(proposals.items()), prompt_lengths=[], n_generating=256, budget=2048) == {}
+        offered.append(len(proposals))
+        prices.append(cost.prices)
+        for seq in seqs:
+            seq.tokens.append(seq.tokens[-50])
+            seq.n_computed += 1
+    assert offered[0] == 256 and prices[0] > 100                 # the first step prices it in full
+    full = [i for i, n in enumerate(offered) if n > PROBE_SEQS]
+    assert len(full) <= 4, full                                  # then at growing intervals (16, 32, 64 steps)
+    assert sum(prices) < 8 * prices[0], prices                    # 100 steps cost less than 8 full plans
+    assert max(n for n in offered[1:]) <= 256 and min(offered) == PROBE_SEQS
+
+
+def test_the_planner_backs_off_where_steps_with_drafts_realise_less() -> None:
+    """One sequence on a flat (GPU-like) step: drafts pay on paper. Measured, steps with drafts
+    deliver fewer tokens per second than steps without (their tokens' delivery costs what the table
+    does not see): the required gain rises until the plan stops drafting, and it falls back once
+    drafted steps realise more."""
+    planner = DraftPlanner(StepCost(GPU, rate=0.0), k_min=2, k_max=8)
+    seq = make_seq(10)
+    planner.observe(seq, 40, 26, match=32)                      # 65 %: pays on the table
+    assert planner.plan([(seq, _free(8))], prompt_lengths=[], n_generating=1, budget=64)
+    now = 0.0
+    for i in range(400):
+        drafted = i % 2 == 1
+        seconds = 0.050 if drafted else 0.010                    # 3 tokens in 50 ms against 1 in 10 ms
+        step_s = 0.020 if drafted else 0.009                     # (the rest of the period: their delivery)
+        planner.observe_step([4 if drafted else 1], step_s, step_s, started=now, n_generating=1,
+                             tokens=3 if drafted else 1, drafted=drafted)
+        now += seconds
+    assert planner.required_gain(1) > 2 * MIN_GAIN
+    assert planner.plan([(seq, _free(8))], prompt_lengths=[], n_generating=1, budget=64) == {}
+    assert planner.required_gain(64) == MIN_GAIN                 # another concurrency keeps its own record
+    for i in range(400):
+        drafted = i % 2 == 1
+        planner.observe_step([4 if drafted else 1], 0.009, 0.009, started=now, n_generating=1,
+                             tokens=6 if drafted else 1, drafted=drafted)
+        now += 0.010
+    assert planner.required_gain(1) < MIN_GAIN * 1.2 and planner.required_gain(1) <= MIN_GAIN * MAX_PENALTY
+
+
+def test_an_idle_gap_prices_nothing() -> None:
+    planner = DraftPlanner(StepCost(GPU, rate=0.0))
+    for i in range(200):
+        planner.observe_step([1], 0.009, 0.009, started=i * 1.0, n_generating=1, tokens=3, drafted=i % 2 == 1)
+    assert planner.required_gain(1) == MIN_GAIN                  # every period was mostly waiting for work
+
+
 # ----------------------------------------------------------------------------- scheduler rule 9
 def _decoding_scheduler(max_new: int = 50) -> tuple[Scheduler, DraftPlanner, Sequence]:
     planner = DraftPlanner(StepCost(GPU), k_min=2, k_max=8)
@@ -286,6 +431,20 @@ def _flat_step_cost(engine: Engine) -> None:
     whatever this machine's load) makes the planner send every draft it can."""
     if engine.scheduler.drafts is not None:
         engine.scheduler.drafts.cost = StepCost(GPU, rate=0.0)
+
+
+async def test_on_the_tiny_model_drafts_are_rejected_the_planner_backs_off_and_output_is_unchanged(
+        tiny_model_path: Path) -> None:
+    """The tiny random model never continues what came before, so each n-gram draft is rejected: its
+    greedy tokens are the same with drafts as without (rejected drafts' cells are forgotten), and the
+    planner, learning each sequence's misses, soon stops sending drafts even on a flat step cost."""
+    prompts = ["abc abc abc abc abc abc abc", "the cat the cat the cat the cat", "one two one two one two"]
+    requests = [greedy(p, 300) for p in prompts]
+    plain, _ = await _outputs(tiny_model_path, "off", requests)
+    spec, stats = await _outputs(tiny_model_path, "ngram", requests)
+    assert [tokens for _, tokens, _ in spec] == [tokens for _, tokens, _ in plain]
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens <= stats.spec_draft_tokens // 4, stats
+    assert stats.spec_draft_tokens < stats.generated_tokens // 20, stats
 
 
 @pytest.mark.real_model
