@@ -12,6 +12,14 @@
 ``slotq:gateway:batches[:<t>]``   ZSET    batch id -> created (ms), per tenant (the default tenant's has no suffix)
 ``slotq:gateway:batches:active``  SET     batches not finished yet (scanned for expired leases)
 ``slotq:gateway:batch-lease:{id}``STRING  the token of the gateway driving the batch, with a TTL
+``{W}:endpoint:<id>``             STRING  a webhook endpoint's object, secret and tenant (JSON);
+                                          ``{W}`` is ``{slotq:gateway:webhooks}``
+``{W}:endpoints:<tenant>``        ZSET    endpoint id -> created (ms)
+``{W}:event:<evt id>``            STRING  an emitted event (so that emitting it again adds nothing), with a TTL
+``{W}:delivery:<wh id>``          STRING  a pending delivery (JSON: its event's body, attempts so far), with a TTL
+``{W}:due``                       ZSET    ``<endpoint id>/<wh id>`` -> when it is next attempted (ms; while
+                                          claimed, when the claim's lease ends)
+``{W}:attempts:<endpoint id>``    LIST    the endpoint's last 100 attempts (JSON), newest first
 ================================  ======  ===========================================================
 
 **On a Redis Cluster** a script's keys must share a slot. A file's record, its tenant's index and
@@ -23,7 +31,8 @@ listed in the same step that creates it; so every file key shares the hash tag
 ``...:bytes:<t>``, ``...:expiry``; ``{slotq:gateway:batches}:batch:<id>``, ``...:index[:<t>]``,
 ``...:active``. Two slots hold them: files and batches are few, and each request touches a handful of
 keys. The job records, the models seen and the batch leases are one key per command and keep their
-names. On a single Redis every name is the one in the table.
+names. On a single Redis every name is the one in the table. The webhooks' keys are newer and have
+no older names to keep: they share ``{slotq:gateway:webhooks}`` on both (:class:`WebhookKeys`).
 
 Why here and not in :mod:`slotq.jobs.protocol`: the protocol is the contract between processes
 that read what another kind of process wrote (producers, workers, the CLI, the gateway as a
