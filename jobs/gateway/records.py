@@ -20,6 +20,7 @@
 ``{W}:due``                       ZSET    ``<endpoint id>/<wh id>`` -> when it is next attempted (ms; while
                                           claimed, when the claim's lease ends)
 ``{W}:attempts:<endpoint id>``    LIST    the endpoint's last 100 attempts (JSON), newest first
+``{W}:recent``                    LIST    every endpoint's last 100 attempts, for the dashboard
 ================================  ======  ===========================================================
 
 **On a Redis Cluster** a script's keys must share a slot. A file's record, its tenant's index and
@@ -404,6 +405,7 @@ class WebhookKeys:
         return f"{WEBHOOKS_TAG}:attempts:{endpoint_id}"
 
     due = f"{WEBHOOKS_TAG}:due"
+    recent = f"{WEBHOOKS_TAG}:recent"
 
 
 def due_member(endpoint_id: str, delivery_id: str) -> str:
@@ -448,14 +450,17 @@ for _, member in ipairs(due) do
 end
 return claimed
 """
-# KEYS: the due set, the delivery, the endpoint's attempts. ARGV: member, the claim's lease end
-# (ms), next due (ms, '' = no more attempts), the attempt (JSON), the delivery's record, keep (s),
-# attempts kept. The attempt is always recorded (it happened); the delivery moves on only while
-# this gateway's claim holds (0 otherwise: its lease ran out and another gateway may have it).
+# KEYS: the due set, the delivery, the endpoint's attempts, every tenant's recent attempts. ARGV:
+# member, the claim's lease end (ms), next due (ms, '' = no more attempts), the attempt (JSON), the
+# delivery's record, keep (s), attempts kept. The attempt is always recorded (it happened); the
+# delivery moves on only while this gateway's claim holds (0 otherwise: its lease ran out and
+# another gateway may have it).
 _FINISH = """
 redis.call('LPUSH', KEYS[3], ARGV[4])
 redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[7]) - 1)
 redis.call('EXPIRE', KEYS[3], ARGV[6])
+redis.call('LPUSH', KEYS[4], ARGV[4])
+redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[7]) - 1)
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) ~= tonumber(ARGV[2]) then return 0 end
 if ARGV[3] == '' then
@@ -554,7 +559,8 @@ class WebhookRecords:
                      keep_s: int) -> bool:
         """Record the attempt, and retire the delivery (``next_due_ms`` None) or schedule it again;
         False when this gateway's lease on it had run out (the delivery was left as it was)."""
-        keys = [self.keys.due, self.keys.delivery(claim.delivery_id), self.keys.attempts(claim.endpoint_id)]
+        keys = [self.keys.due, self.keys.delivery(claim.delivery_id), self.keys.attempts(claim.endpoint_id),
+                self.keys.recent]
         return bool(await self._finish(keys=keys, args=[
             due_member(claim.endpoint_id, claim.delivery_id), claim.lease_until_ms,
             "" if next_due_ms is None else next_due_ms, attempt, record, keep_s, ATTEMPTS_KEPT]) == 1)
@@ -564,6 +570,7 @@ class WebhookRecords:
         await reply(self.redis.zrem(self.keys.due, due_member(claim.endpoint_id, claim.delivery_id)))
         await self.redis.delete(self.keys.delivery(claim.delivery_id))
 
-    async def attempts(self, endpoint_id: str, limit: int) -> list[bytes]:
-        """The endpoint's most recent attempts, newest first."""
-        return list(await reply(self.redis.lrange(self.keys.attempts(endpoint_id), 0, limit - 1)))
+    async def attempts(self, endpoint_id: str | None, limit: int) -> list[bytes]:
+        """The endpoint's most recent attempts (every tenant's with None: the fleet view), newest first."""
+        key = self.keys.recent if endpoint_id is None else self.keys.attempts(endpoint_id)
+        return list(await reply(self.redis.lrange(key, 0, limit - 1)))

@@ -15,6 +15,7 @@ from slotq.jobs.gateway.webhooks import (
     DeletedWebhookEndpoint,
     DeliveryAttemptList,
     EventTypeList,
+    RotateSecret,
     UpdateWebhookEndpoint,
     WebhookEndpoint,
     WebhookEndpointList,
@@ -66,6 +67,17 @@ async def update_endpoint(webhook_endpoint_id: str, request: Request, payload: A
                           caller: CallerDep) -> WebhookEndpoint:
     return await webhooks_of(request).update(webhook_endpoint_id, caller.tenant,
                                              _body(UpdateWebhookEndpoint, payload))
+
+
+@router.post("/{webhook_endpoint_id}/rotate_secret")
+async def rotate_secret(webhook_endpoint_id: str, request: Request, caller: CallerDep,
+                        payload: Annotated[dict[str, Any] | None, Body()] = None) -> WebhookEndpointWithSecret:
+    """A new ``signing_secret``, shown this once. ``keep_old_secret_active_for_24_hours``: deliveries
+    carry a second signature, with the old secret, for 24 hours."""
+    body = _body(RotateSecret, payload or {})
+    endpoint = await webhooks_of(request).rotate_secret(webhook_endpoint_id, caller.tenant,
+                                                        keep_old=body.keep_old_secret_active_for_24_hours)
+    return endpoint.with_secret()
 
 
 @router.delete("/{webhook_endpoint_id}")

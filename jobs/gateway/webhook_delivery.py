@@ -47,7 +47,7 @@ from slotq.jobs.gateway.webhooks import (
     KEEP_S,
     AddressRefused,
     Delivery,
-    DeliveryAttempt,
+    FleetAttempt,
     Outcome,
     WebhookEndpoint,
     resolve,
@@ -151,14 +151,14 @@ class WebhookSender:
             endpoint = WebhookEndpoint.model_validate_json(endpoint_raw)
             started = time.time()
             status, error = await self._post(endpoint, delivery)
-            await self._record(claim, delivery, started, status, error)
+            await self._record(claim, delivery, endpoint.tenant, started, status, error)
         except (RedisError, OSError) as exc:
             log.warning("webhook delivery %s: Redis unavailable (%s); it is retried when its lease runs out",
                         claim.delivery_id, exc)
 
     async def _post(self, endpoint: WebhookEndpoint, delivery: Delivery) -> tuple[int | None, str | None]:
         """The endpoint's status code, and why the attempt failed (None: delivered)."""
-        headers = signed_headers(endpoint.signing_secret, delivery.id, delivery.body)
+        headers = signed_headers(endpoint.signing_secrets(time.time()), delivery.id, delivery.body)
         headers |= {"Content-Type": "application/json", "User-Agent": "slotq-webhooks"}
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -181,7 +181,7 @@ class WebhookSender:
             return status, f"HTTP {status}: redirects are not followed (to {str(location)[:200]!r})"
         return status, f"HTTP {status}"
 
-    async def _record(self, claim: Claim, delivery: Delivery, started: float, status: int | None,
+    async def _record(self, claim: Claim, delivery: Delivery, tenant: str, started: float, status: int | None,
                       error: str | None) -> None:
         attempts = delivery.attempts + 1
         now = time.time()
@@ -191,10 +191,11 @@ class WebhookSender:
             if next_at > delivery.created_ms / 1000 + self.settings.gateway_webhook_retry_for_s:
                 next_at = None
         outcome: Outcome = "delivered" if error is None else "retrying" if next_at is not None else "failed"
-        attempt = DeliveryAttempt(webhook_id=delivery.id, event_id=delivery.event_id, event_type=delivery.type,
-                                  attempt=attempts, attempted_at=round(started, 3),
-                                  duration_ms=int((now - started) * 1000), status_code=status, error=error,
-                                  outcome=outcome, next_attempt_at=None if next_at is None else round(next_at, 3))
+        attempt = FleetAttempt(tenant=tenant, endpoint_id=delivery.endpoint_id, webhook_id=delivery.id,
+                               event_id=delivery.event_id, event_type=delivery.type, attempt=attempts,
+                               attempted_at=round(started, 3), duration_ms=int((now - started) * 1000),
+                               status_code=status, error=error, outcome=outcome,
+                               next_attempt_at=None if next_at is None else round(next_at, 3))
         held = await self.records.finish(
             claim, attempt=attempt.model_dump_json(), next_due_ms=None if next_at is None else int(next_at * 1000),
             record=delivery.model_copy(update={"attempts": attempts}).model_dump_json(), keep_s=KEEP_S)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import hashlib
 import hmac
 import ipaddress
@@ -30,10 +31,10 @@ import json
 import secrets
 import socket
 import time
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
 
 from slotq.jobs.gateway.records import WebhookRecords
@@ -49,20 +50,24 @@ SECRET_PREFIX = "whsec_"
 
 
 # ---------------------------------------------------------------------- the objects
+def _endpoint_url(value: str) -> str:
+    url_host(value)
+    return value
+
+
+EndpointUrl = Annotated[str, Field(min_length=1, max_length=MAX_URL_CHARS), AfterValidator(_endpoint_url)]
+EndpointName = Annotated[str, Field(min_length=1, max_length=256)]
+EventTypes = Annotated[list[EventType], Field(min_length=1, max_length=len(EVENT_TYPES))]
+
+
 class CreateWebhookEndpoint(BaseModel):
     """The body of ``POST /v1/webhook_endpoints``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=256)
-    url: str = Field(min_length=1, max_length=MAX_URL_CHARS)
-    event_types: list[EventType] = Field(min_length=1, max_length=len(EVENT_TYPES))
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        url_host(value)
-        return value
+    name: EndpointName
+    url: EndpointUrl
+    event_types: EventTypes
 
 
 class UpdateWebhookEndpoint(BaseModel):
@@ -70,21 +75,22 @@ class UpdateWebhookEndpoint(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = Field(None, min_length=1, max_length=256)
-    url: str | None = Field(None, min_length=1, max_length=MAX_URL_CHARS)
-    event_types: list[EventType] | None = Field(None, min_length=1, max_length=len(EVENT_TYPES))
+    name: EndpointName | None = None
+    url: EndpointUrl | None = None
+    event_types: EventTypes | None = None
 
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            url_host(value)
-        return value
+
+class RotateSecret(BaseModel):
+    """The body of ``POST /v1/webhook_endpoints/{id}/rotate_secret``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keep_old_secret_active_for_24_hours: bool = False
 
 
 class WebhookEndpoint(BaseModel):
-    """OpenAI's webhook endpoint object (``tenant`` and ``signing_secret``, slotq's record of it, never sent
-    but by :meth:`with_secret` at creation)."""
+    """OpenAI's webhook endpoint object; ``signing_secret`` and ``tenant`` are kept in Redis, never
+    sent (but the secret once, by :meth:`with_secret`, at creation)."""
 
     id: str
     object: Literal["webhook_endpoint"] = "webhook_endpoint"
@@ -96,26 +102,29 @@ class WebhookEndpoint(BaseModel):
     signing_secret_hint: str
     signing_secret: str = Field(exclude=True)
     tenant: str = Field(exclude=True)
+    # after a rotation that keeps the old secret for 24 hours: it, and until when it also signs
+    previous_secret: str | None = Field(None, exclude=True)
+    previous_secret_until: int | None = Field(None, exclude=True)
 
     def with_secret(self) -> WebhookEndpointWithSecret:
-        return WebhookEndpointWithSecret(**self.model_dump(), signing_secret=self.signing_secret)
+        return WebhookEndpointWithSecret.model_validate_json(self.stored())
 
     def stored(self) -> str:
-        """What Redis keeps: the object, its secret and its tenant."""
-        return json.dumps(self.model_dump(mode="json") | {"signing_secret": self.signing_secret, "tenant": self.tenant})
+        """What Redis keeps: the object, its secrets and its tenant."""
+        kept = {"signing_secret": self.signing_secret, "tenant": self.tenant, "previous_secret": self.previous_secret,
+                "previous_secret_until": self.previous_secret_until}      # excluded from the object, not from Redis
+        return json.dumps(self.model_dump(mode="json") | kept)
+
+    def signing_secrets(self, now: float) -> list[str]:
+        """The secrets a delivery is signed with now: the current one, and the previous one in its 24 hours."""
+        if self.previous_secret is not None and now < (self.previous_secret_until or 0):
+            return [self.signing_secret, self.previous_secret]
+        return [self.signing_secret]
 
 
-class WebhookEndpointWithSecret(BaseModel):
+class WebhookEndpointWithSecret(WebhookEndpoint):
     """The endpoint as ``POST /v1/webhook_endpoints`` returns it: the only time its secret is shown."""
 
-    id: str
-    object: Literal["webhook_endpoint"] = "webhook_endpoint"
-    name: str
-    url: str
-    event_types: list[EventType]
-    created_at: int
-    updated_at: int
-    signing_secret_hint: str
     signing_secret: str
 
 
@@ -155,6 +164,7 @@ class DeliveryAttempt(BaseModel):
     """One attempt to deliver an event, as ``GET /v1/webhook_endpoints/{id}/attempts`` lists it."""
 
     object: Literal["webhook_endpoint.attempt"] = "webhook_endpoint.attempt"
+    endpoint_id: str
     webhook_id: str
     event_id: str
     event_type: EventType
@@ -167,6 +177,12 @@ class DeliveryAttempt(BaseModel):
     next_attempt_at: float | None
 
 
+class FleetAttempt(DeliveryAttempt):
+    """An attempt as stored, and as the dashboard's fleet view lists every tenant's."""
+
+    tenant: str
+
+
 class DeliveryAttemptList(BaseModel):
     object: Literal["list"] = "list"
     data: list[DeliveryAttempt]
@@ -177,6 +193,11 @@ def new_secret() -> str:
     return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(24)).decode()
 
 
+def secret_hint(secret: str) -> str:
+    """Enough of the secret to tell which one a receiver holds (4 of its 32 base64 characters)."""
+    return secret[:len(SECRET_PREFIX) + 4] + "..."
+
+
 def signature(secret: str, webhook_id: str, timestamp: int, body: str) -> str:
     """The Standard Webhooks signature: ``v1,`` + base64 of the HMAC-SHA256, keyed with the
     base64-decoded secret, of ``<webhook-id>.<webhook-timestamp>.<body>``."""
@@ -185,10 +206,12 @@ def signature(secret: str, webhook_id: str, timestamp: int, body: str) -> str:
     return "v1," + base64.b64encode(digest).decode()
 
 
-def signed_headers(secret: str, webhook_id: str, body: str, timestamp: int | None = None) -> dict[str, str]:
+def signed_headers(keys: list[str], webhook_id: str, body: str, timestamp: int | None = None) -> dict[str, str]:
+    """The Standard Webhooks headers; with several secrets (a rotation in progress), one signature
+    each, space-separated: a receiver that knows either accepts the delivery."""
     timestamp = int(time.time()) if timestamp is None else timestamp
     return {"webhook-id": webhook_id, "webhook-timestamp": str(timestamp),
-            "webhook-signature": signature(secret, webhook_id, timestamp, body)}
+            "webhook-signature": " ".join(signature(key, webhook_id, timestamp, body) for key in keys)}
 
 
 # ---------------------------------------------------------------------- where an endpoint is
@@ -272,7 +295,7 @@ class WebhookStore:
         secret = new_secret()
         endpoint = WebhookEndpoint(id="we_" + secrets.token_hex(12), name=request.name, url=request.url,
                                    event_types=list(dict.fromkeys(request.event_types)), created_at=now,
-                                   updated_at=now, signing_secret_hint=secret[:10] + "...", signing_secret=secret,
+                                   updated_at=now, signing_secret_hint=secret_hint(secret), signing_secret=secret,
                                    tenant=tenant)
         await self.records.put_endpoint(endpoint.id, tenant, endpoint.stored(), created_ms=time.time_ns() // 1_000_000)
         return endpoint
@@ -313,6 +336,19 @@ class WebhookStore:
             await self.records.put_endpoint(endpoint.id, tenant, endpoint.stored(), created_ms=None)
         return endpoint
 
+    async def rotate_secret(self, endpoint_id: str, tenant: str, *, keep_old: bool) -> WebhookEndpoint:
+        """A new secret; with ``keep_old``, deliveries carry a signature with the old one too for 24
+        hours (OpenAI's ``keep_old_secret_active_for_24_hours``), so receivers can switch in that time."""
+        endpoint = await self.get(endpoint_id, tenant)
+        now = int(time.time())
+        secret = new_secret()
+        endpoint = endpoint.model_copy(update={
+            "signing_secret": secret, "signing_secret_hint": secret_hint(secret), "updated_at": now,
+            "previous_secret": endpoint.signing_secret if keep_old else None,
+            "previous_secret_until": now + 86_400 if keep_old else None})
+        await self.records.put_endpoint(endpoint.id, tenant, endpoint.stored(), created_ms=None)
+        return endpoint
+
     async def delete(self, endpoint_id: str, tenant: str) -> DeletedWebhookEndpoint:
         await self.get(endpoint_id, tenant)
         await self.records.remove_endpoint(endpoint_id, tenant)
@@ -322,6 +358,10 @@ class WebhookStore:
         await self.get(endpoint_id, tenant)
         raws = await self.records.attempts(endpoint_id, limit)
         return DeliveryAttemptList(data=[DeliveryAttempt.model_validate_json(raw) for raw in raws])
+
+    async def fleet_attempts(self, limit: int) -> builtins.list[FleetAttempt]:  # builtins: this class has a list()
+        """Every tenant's most recent attempts (the dashboard: admin keys only)."""
+        return [FleetAttempt.model_validate_json(raw) for raw in await self.records.attempts(None, limit)]
 
 
 # ---------------------------------------------------------------------- events

@@ -26,7 +26,9 @@ import standardwebhooks
 from openai import OpenAI
 from redis.asyncio import Redis
 
-from slotq.jobs.gateway.webhooks import EventType, emit_event
+from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.gateway.webhook_delivery import retry_delay_s
+from slotq.jobs.gateway.webhooks import AddressRefused, EventType, emit_event, resolve
 from tests.support import free_port
 from tests.support.gateway import GatewayProcess, Stack
 
@@ -223,6 +225,27 @@ def test_finished_batch_sends_its_event_signed(stack: Stack, gateway: GatewayPro
     assert client.webhooks.delete(created.id).deleted
 
 
+def test_rotated_secret_signs_beside_the_old_one_for_a_day(stack: Stack, gateway: GatewayProcess,
+                                                             receivers: Callable[..., Receiver]) -> None:
+    receiver = receivers()
+    endpoint_id, old = register(gateway.url, receiver)
+    client = sdk(gateway.url)
+    rotated = client.webhooks.rotate_secret(endpoint_id, keep_old_secret_active_for_24_hours=True)
+    assert rotated.signing_secret != old and rotated.signing_secret_hint == rotated.signing_secret[:10] + "..."
+    emit(stack, "alpha", ["resp_rotated_keep"])
+    wait_for("the event", lambda: len(receiver.received) == 1)
+    assert len(receiver.received[0].headers["webhook-signature"].split()) == 2
+    assert verified(receiver, old) == verified(receiver, rotated.signing_secret)   # either secret verifies
+
+    new = client.webhooks.rotate_secret(endpoint_id).signing_secret                 # the old one stops at once
+    emit(stack, "alpha", ["resp_rotated_drop"])
+    wait_for("the second event", lambda: len(receiver.received) == 2)
+    last = receiver.received[1]
+    standardwebhooks.Webhook(new).verify(last.body, last.headers)
+    with pytest.raises(standardwebhooks.WebhookVerificationError):
+        standardwebhooks.Webhook(rotated.signing_secret).verify(last.body, last.headers)
+
+
 # ---------------------------------------------------------------------- the fault test
 def test_endpoint_down_then_up_gets_every_event_once(stack: Stack, gateway: GatewayProcess,
                                                       receivers: Callable[..., Receiver]) -> None:
@@ -293,6 +316,28 @@ def test_hanging_endpoint_does_not_delay_another_tenants_delivery(stack: Stack,
 
 
 # ---------------------------------------------------------------------- no SSRF
+@pytest.mark.parametrize(("host", "kind"), [("::ffff:127.0.0.1", "loopback"), ("100.64.0.1", "not globally routable"),
+                                            ("fe80::1", "link-local"), ("0.0.0.0", "unspecified"),
+                                            ("224.0.0.1", "multicast"), ("192.168.1.10", "private")])
+def test_non_public_addresses_are_named(host: str, kind: str) -> None:
+    with pytest.raises(AddressRefused, match=f"is a {kind} address"):
+        asyncio.run(resolve(host, 80, allow_private=False))
+    assert asyncio.run(resolve(host, 80, allow_private=True)) == [host]
+    assert asyncio.run(resolve("93.184.215.14", 443, allow_private=False)) == ["93.184.215.14"]
+
+
+def test_retry_schedule_spans_a_day() -> None:
+    settings = GatewaySettings(_env_file=None)  # type: ignore[call-arg]
+    full = [5, 20, 80, 320, 1280, 5120, 14400, 14400]
+    for attempt, longest in enumerate(full, 1):
+        assert 0.75 * longest <= retry_delay_s(settings, attempt) <= longest
+    elapsed, attempts = 0.0, 1
+    while elapsed + (wait := retry_delay_s(settings, attempts)) <= settings.gateway_webhook_retry_for_s:
+        elapsed, attempts = elapsed + wait, attempts + 1
+    assert 11 <= attempts <= 14 and elapsed > 20 * 3600
+
+
+
 def test_private_addresses_are_refused_at_registration_and_at_delivery(
         stack: Stack, receivers: Callable[..., Receiver]) -> None:
     strict = start_gateway(stack, "strict", allow_private=False)
