@@ -24,11 +24,11 @@ import httpx
 import pytest
 import standardwebhooks
 from openai import OpenAI
-from redis.asyncio import Redis
 
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.gateway.webhook_delivery import retry_delay_s
 from slotq.jobs.gateway.webhooks import AddressRefused, EventType, emit_event, resolve
+from slotq.jobs.protocol.connection import connect
 from tests.support import free_port
 from tests.support.gateway import GatewayProcess, Stack
 
@@ -156,7 +156,7 @@ def register(url: str, receiver: Receiver, tenant: str = "alpha",
 
 def emit(stack: Stack, tenant: str, data_ids: list[str], type: EventType = "response.completed") -> list[str]:
     async def run() -> list[str]:
-        redis = Redis.from_url(stack.redis.url)
+        redis = await connect(stack.redis.url, patient=False)        # a cluster client on a cluster
         try:
             return [await emit_event(redis, tenant, type, data_id) for data_id in data_ids]
         finally:
@@ -293,6 +293,20 @@ def test_gateway_restart_mid_retry_keeps_the_pending_deliveries(stack: Stack,
             f"resp_restart_{i}" for i in range(3)]
     finally:
         second.stop()
+
+
+def test_deliveries_on_a_valkey_cluster(tmp_path: Path, tiny_model_path: Path,
+                                        receivers: Callable[..., Receiver]) -> None:
+    """Every webhook key shares one slot: the emit, claim and finish scripts run on a cluster too."""
+    with Stack.started(tmp_path, tiny_model_path, cluster=True) as cluster:
+        gateway = start_gateway(cluster, "cluster-gateway")
+        receiver = receivers(started=False)
+        endpoint_id, secret = register(gateway.url, receiver)
+        emit(cluster, "alpha", ["resp_cluster_1", "resp_cluster_2"])
+        wait_for("a failed attempt", lambda: attempts(gateway.url, endpoint_id))
+        receiver.start()
+        wait_for("both events", lambda: len(receiver.received) == 2)
+        assert sorted(e["data"]["id"] for e in verified(receiver, secret)) == ["resp_cluster_1", "resp_cluster_2"]
 
 
 # ---------------------------------------------------------------------- isolation
