@@ -155,6 +155,8 @@ class WebhookSender:
         except (RedisError, OSError) as exc:
             log.warning("webhook delivery %s: Redis unavailable (%s); it is retried when its lease runs out",
                         claim.delivery_id, exc)
+        except Exception:       # logged, never raised into the sender: the lease brings it back
+            log.exception("webhook delivery %s failed; it is retried when its lease runs out", claim.delivery_id)
 
     async def _post(self, endpoint: WebhookEndpoint, delivery: Delivery) -> tuple[int | None, str | None]:
         """The endpoint's status code, and why the attempt failed (None: delivered)."""

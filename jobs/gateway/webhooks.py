@@ -2,7 +2,7 @@
 
 Shapes are OpenAI's (``client.webhooks.create/list/retrieve/update/delete`` in the official SDK):
 an endpoint has a ``name``, an ``url`` and the ``event_types`` it receives; its signing secret
-(``whsec_`` + base64 of 24 random bytes) is shown once, when it is created. An event is OpenAI's
+(``whsec_`` + base64 of 24 random bytes) is shown when it is created or rotated, never after. An event is OpenAI's
 ``{"id": "evt_...", "object": "event", "created_at": ..., "type": ..., "data": {"id": ...}}``,
 delivered signed with the Standard Webhooks scheme (the headers ``webhook-id``,
 ``webhook-timestamp`` and ``webhook-signature: v1,<base64 HMAC-SHA256 of "id.timestamp.body">``),
@@ -90,7 +90,7 @@ class RotateSecret(BaseModel):
 
 class WebhookEndpoint(BaseModel):
     """OpenAI's webhook endpoint object; ``signing_secret`` and ``tenant`` are kept in Redis, never
-    sent (but the secret once, by :meth:`with_secret`, at creation)."""
+    sent (but the secret by :meth:`with_secret`, when it is created or rotated)."""
 
     id: str
     object: Literal["webhook_endpoint"] = "webhook_endpoint"

@@ -216,10 +216,21 @@ def test_finished_batch_sends_its_event_signed(stack: Stack, gateway: GatewayPro
     assert event.type == "batch.completed" and event.data.id == batch.id and event.id.startswith("evt_")
     assert client.batches.retrieve(batch.id).status == "completed"      # final before the event is sent
     assert verified(receiver, created.signing_secret)[0]["data"] == {"id": batch.id}
+
+    path.write_text(json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": "no-such-model", "messages": []}}) + "\n")
+    with open(path, "rb") as f:
+        unknown = client.files.create(file=f, purpose="batch").id
+    failed = client.batches.create(input_file_id=unknown, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for("the failed batch's event", lambda: len(receiver.received) == 2, timeout=60)
+    event = client.webhooks.unwrap(receiver.received[1].body, receiver.received[1].headers,
+                                   secret=created.signing_secret)
+    assert event.type == "batch.failed" and event.data.id == failed.id
+    assert client.batches.retrieve(failed.id).status == "failed"
     with pytest.raises(standardwebhooks.WebhookVerificationError):      # a test that can fail: another secret
         standardwebhooks.Webhook(client.webhooks.create(name="other", url=receiver.url, event_types=[
             "batch.failed"]).signing_secret).verify(delivery.body, delivery.headers)
-    [attempt] = attempts(gateway.url, created.id)
+    attempt = attempts(gateway.url, created.id)[-1]
     assert attempt["outcome"] == "delivered" and attempt["status_code"] == 200 and attempt["error"] is None
     assert attempt["webhook_id"] == delivery.headers["webhook-id"] and attempt["event_type"] == "batch.completed"
     assert client.webhooks.delete(created.id).deleted
