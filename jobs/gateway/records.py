@@ -425,28 +425,32 @@ for i = 3, #KEYS do
 end
 return 1
 """
-# KEYS: the due set. ARGV: now (ms), lease until (ms), how many to claim, how many to look at,
-# defer until (ms), an endpoint's room (deliveries at once), then endpoint, room for the endpoints
-# this gateway has deliveries in flight to. A claimed member's due time becomes its lease's end: no
-# other gateway sees it before then, and that time is the claim's token (finish checks it). A due
-# member of an endpoint with no room left is deferred, so that a dead endpoint's backlog never sits
-# in front of the others' deliveries.
+# KEYS: the due set. ARGV: now (ms), lease until (ms), how many to claim, how many to look at, an
+# endpoint's room (deliveries at once), then endpoint, room for the endpoints this gateway has
+# deliveries in flight to. A claimed member's due time becomes its lease's end: no other gateway
+# sees it before then, and that time is the claim's token (finish checks it). Due members of an
+# endpoint with no room left are passed over; when they filled the whole look (others may wait
+# behind them), they move to ``now``, behind every delivery that fell due before: still due, and
+# a dead endpoint's backlog never sits in front of the others' deliveries.
 _CLAIM = """
 local room = {}
-for i = 7, #ARGV, 2 do room[ARGV[i]] = tonumber(ARGV[i + 1]) end
-local claimed = {}
+for i = 6, #ARGV, 2 do room[ARGV[i]] = tonumber(ARGV[i + 1]) end
+local claimed, passed = {}, {}
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[4]))
 for _, member in ipairs(due) do
   if #claimed >= tonumber(ARGV[3]) then break end
   local endpoint = string.match(member, '^([^/]+)/')
-  local left = room[endpoint] or tonumber(ARGV[6])
+  local left = room[endpoint] or tonumber(ARGV[5])
   if left <= 0 then
-    redis.call('ZADD', KEYS[1], ARGV[5], member)
+    passed[#passed + 1] = member
   else
     room[endpoint] = left - 1
     redis.call('ZADD', KEYS[1], ARGV[2], member)
     claimed[#claimed + 1] = member
   end
+end
+if #due == tonumber(ARGV[4]) and #claimed < tonumber(ARGV[3]) then
+  for _, member in ipairs(passed) do redis.call('ZADD', KEYS[1], ARGV[1], member) end
 end
 return claimed
 """
@@ -538,12 +542,12 @@ class WebhookRecords:
         return bool(await self._emit(keys=keys, args=args) == 1)
 
     async def claim(self, *, now_ms: int, lease_ms: int, count: int, endpoint_room: int,
-                    rooms: Mapping[str, int], defer_ms: int) -> list[Claim]:
+                    rooms: Mapping[str, int]) -> list[Claim]:
         """Up to ``count`` due deliveries, leased to this gateway for ``lease_ms``: at most
         ``endpoint_room`` per endpoint, or ``rooms[endpoint]`` for those listed."""
         lease_until = now_ms + lease_ms
         members = await self._claim(keys=[self.keys.due], args=[
-            now_ms, lease_until, count, count * 4, now_ms + defer_ms, endpoint_room,
+            now_ms, lease_until, count, count * 4, endpoint_room,
             *(item for pair in rooms.items() for item in pair)])
         claims = []
         for member in members:

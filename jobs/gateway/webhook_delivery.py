@@ -16,8 +16,9 @@ event. Its ``webhook-id`` is the same on every attempt.
 
 A slow or dead endpoint harms nobody else: each attempt has SLOTQ_GATEWAY_WEBHOOK_TIMEOUT_S, DNS
 included; a replica runs at most SLOTQ_GATEWAY_WEBHOOK_ENDPOINT_CONCURRENCY attempts per endpoint
-and SLOTQ_GATEWAY_WEBHOOK_CONCURRENCY in all; and a due delivery to an endpoint with no room left
-is deferred by the claim rather than waited for, so the others' deliveries behind it go out.
+and SLOTQ_GATEWAY_WEBHOOK_CONCURRENCY in all; and due deliveries to an endpoint with no room left
+are passed over by the claim (and moved behind the others when they fill its look), not waited
+for, so the others' deliveries behind them go out.
 
 No SSRF at delivery: the endpoint's host is resolved at each attempt, every address checked
 (:func:`~slotq.jobs.gateway.webhooks.resolve`), and the request sent to the checked address (the
@@ -59,7 +60,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5              # how often a replica looks for due deliveries (emitters in other processes cannot wake it)
 LEASE_MARGIN_S = 10.0     # a claim outlives its attempt's timeout by this much
-DEFER_S = 1.0             # a due delivery to an endpoint with no room left is looked at again this much later
 
 
 def retry_delay_s(settings: GatewaySettings, attempts: int) -> float:
@@ -125,8 +125,7 @@ class WebhookSender:
         per_endpoint = self.settings.gateway_webhook_endpoint_concurrency
         claims = await self.records.claim(
             now_ms=time.time_ns() // 1_000_000, lease_ms=self.lease_ms, count=room, endpoint_room=per_endpoint,
-            rooms={endpoint: per_endpoint - n for endpoint, n in self._in_flight.items()},
-            defer_ms=int(DEFER_S * 1000))
+            rooms={endpoint: per_endpoint - n for endpoint, n in self._in_flight.items()})
         for claim in claims:
             self._in_flight[claim.endpoint_id] = self._in_flight.get(claim.endpoint_id, 0) + 1
             task = asyncio.get_running_loop().create_task(self._deliver(claim), name=f"slotq-{claim.delivery_id}")
