@@ -283,6 +283,22 @@ def test_endpoint_down_then_up_gets_every_event_once(stack: Stack, gateway: Gate
     assert len(receiver.received) == 20
 
 
+def test_a_delivery_is_given_up_after_its_retry_window(stack: Stack, receivers: Callable[..., Receiver]) -> None:
+    gateway = start_gateway(stack, "give-up", gateway_webhook_retry_for_s=2)
+    try:
+        receiver = receivers(started=False)
+        endpoint_id, _ = register(gateway.url, receiver)
+        emit(stack, "alpha", ["resp_given_up"])
+        last = wait_for("the last attempt", lambda: [a for a in attempts(gateway.url, endpoint_id)
+                                                     if a["outcome"] == "failed"])[0]
+        assert last["next_attempt_at"] is None and last["attempt"] >= 2 and "ConnectError" in last["error"]
+        receiver.start()
+        time.sleep(1.5)
+        assert receiver.received == [] and attempts(gateway.url, endpoint_id)[0] == last     # no attempt after it
+    finally:
+        gateway.stop()
+
+
 def test_gateway_restart_mid_retry_keeps_the_pending_deliveries(stack: Stack,
                                                                  receivers: Callable[..., Receiver]) -> None:
     first = start_gateway(stack, "restart-1")
