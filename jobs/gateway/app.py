@@ -1,5 +1,5 @@
-"""The gateway's ASGI app: OpenAI's API (Batch API included), Anthropic's Messages API, background jobs, health,
-metrics and the dashboard.
+"""The gateway's ASGI app: OpenAI's API (Batch API and webhooks included), Anthropic's Messages API,
+background jobs, health, metrics and the dashboard.
 
 No interactive API docs page: FastAPI's loads Swagger UI from a CDN, which an offline deployment
 cannot reach. ``/openapi.json`` describes the API for any OpenAPI viewer or client generator.
@@ -25,6 +25,7 @@ from slotq.jobs.gateway import (
     routes_jobs,
     routes_openai,
     routes_ops,
+    routes_webhooks,
 )
 from slotq.jobs.gateway.auth import KeyRing
 from slotq.jobs.gateway.batch_driver import BatchDriver
@@ -36,6 +37,8 @@ from slotq.jobs.gateway.metrics import MetricsMiddleware
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.gateway.surfaces import PrivatePort, SecurityHeaders
+from slotq.jobs.gateway.webhook_delivery import WebhookSender
+from slotq.jobs.gateway.webhooks import WebhookStore
 from slotq.jobs.producer.client import SlotqClient
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -67,9 +70,14 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         files.start(in_use=batches.active_input_ids)
         app.state.history = history = FleetHistory(gateway)
         history.start()
+        app.state.webhooks = WebhookStore(gateway.client.redis, allow_private=settings.gateway_webhook_allow_private,
+                                          tenant_max_endpoints=settings.gateway_webhook_tenant_max_endpoints)
+        app.state.webhook_sender = sender = WebhookSender(gateway.client.redis, settings)
+        sender.start()
         try:
             yield
         finally:
+            await sender.close()
             await history.close()
             await files.close()
             await driver.close()
@@ -81,7 +89,8 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     app.state.keys = KeyRing(settings)
     http_errors.install(app)
     for router in (routes_openai.router, routes_anthropic.router, routes_jobs.router, routes_files.router,
-                   routes_batches.router, routes_ops.router, routes_ops.api):
+                   routes_batches.router, routes_webhooks.router, routes_webhooks.event_types, routes_ops.router,
+                   routes_ops.api):
         app.include_router(router)
     app.router.routes.append(Dashboard("/", SecurityHeaders(StaticFiles(directory=STATIC_DIR, html=True)),
                                        name="dashboard"))

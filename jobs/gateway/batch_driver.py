@@ -8,6 +8,10 @@ lines it holds, and adopts the jobs still in Redis under their derived ids, so a
 mid-batch costs no line twice. While it runs, the driver renews the lease, writes the progress
 counts to Redis, and looks for a cancel (set by whichever replica got ``POST .../cancel``); a lost
 lease (Redis unreachable for a whole lease, or another gateway took over) stops the run at once.
+
+A finished batch's webhook event (``batch.completed`` and the rest) is emitted before the batch
+leaves the set of unfinished ones, so a gateway that dies between the two emits it at the next
+scan (an event emitted twice is delivered once: :func:`~slotq.jobs.gateway.webhooks.emit_event`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from slotq.jobs.gateway.batches import (
 )
 from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.service import Gateway
+from slotq.jobs.gateway.webhooks import EventType, emit_event
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol.schemas import JobKind
 from slotq.jobs.protocol.wire import ErrorInfo, Usage
@@ -47,6 +52,8 @@ from slotq.jobs.protocol.wire import ErrorInfo, Usage
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0      # progress writes, cancel checks and lease renewals (at most a third of the lease)
+BATCH_EVENTS: dict[str, EventType] = {"completed": "batch.completed", "failed": "batch.failed",
+                                      "cancelled": "batch.cancelled", "expired": "batch.expired"}
 BATCH_EXPIRED = ErrorInfo(code="batch_expired", retryable=False,
                           message="This request could not be executed before the completion window expired.")
 
@@ -100,11 +107,18 @@ class BatchDriver:
                 continue
             status = await self.batches.status(batch_id)
             if status is None or status in FINAL_STATUSES:
-                await self.batches.retire(batch_id)
+                await self.retire(batch_id)
             elif await self.batches.acquire(batch_id, self.token):
                 run = _BatchRun(self, batch_id)
                 self._running[batch_id] = run
                 run.task = asyncio.get_running_loop().create_task(self._drive(run), name=f"slotq-{batch_id}")
+
+    async def retire(self, batch_id: str) -> None:
+        """The batch is finished: emit its webhook event, then no gateway looks at it again."""
+        batch = await self.batches.find(batch_id)
+        if batch is not None and batch.status in BATCH_EVENTS:
+            await emit_event(self.gateway.client.redis, batch.tenant, BATCH_EVENTS[batch.status], batch.id)
+        await self.batches.retire(batch_id)
 
     async def _drive(self, run: _BatchRun) -> None:
         try:
@@ -167,7 +181,7 @@ class _BatchRun:
     async def _drive(self, batch: Batch) -> None:
         if batch.status == "cancelling" and batch.queue is None:      # cancelled before it started
             await self.batches.transition(batch.id, {"cancelling"}, "cancelled")
-            await self.batches.retire(batch.id)
+            await self.driver.retire(batch.id)
             return
         if batch.queue is None:
             validated = await self._validate(batch)
@@ -229,7 +243,7 @@ class _BatchRun:
     async def _fail(self, batch: Batch, error: BatchError) -> None:
         await self.batches.transition(batch.id, {"validating", "in_progress", "cancelling"}, "failed",
                                       errors=BatchErrors(data=[error]))
-        await self.batches.retire(batch.id)
+        await self.driver.retire(batch.id)
         log.warning("batch %s failed: %s", batch.id, error.message)
 
     async def _tick(self, batch: Batch) -> None:
@@ -285,7 +299,7 @@ class _BatchRun:
         else:
             done = await self.batches.transition(batch.id, {"cancelling"}, "cancelled", **outputs)
         if done:
-            await self.batches.retire(batch.id)
+            await self.driver.retire(batch.id)
         log.info("batch %s: %s (%d completed, %d failed of %d)", batch.id, await self.batches.status(batch.id),
                  self.counts.completed, self.counts.failed, self.counts.total)
 

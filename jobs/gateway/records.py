@@ -15,6 +15,15 @@
                                           ``active``). Gateways before it used ``slotq:gateway:batches:active``:
                                           a set there is moved into it (:meth:`BatchRecords.active_ids`)
 ``slotq:gateway:batch-lease:{id}``STRING  the token of the gateway driving the batch, with a TTL
+``{W}:endpoint:<id>``             STRING  a webhook endpoint's object, secret and tenant (JSON);
+                                          ``{W}`` is ``{slotq:gateway:webhooks}``
+``{W}:endpoints:<tenant>``        ZSET    endpoint id -> created (ms)
+``{W}:event:<evt id>``            STRING  an emitted event (so that emitting it again adds nothing), with a TTL
+``{W}:delivery:<wh id>``          STRING  a pending delivery (JSON: its event's body, attempts so far), with a TTL
+``{W}:due``                       ZSET    ``<endpoint id>/<wh id>`` -> when it is next attempted (ms; while
+                                          claimed, when the claim's lease ends)
+``{W}:attempts:<endpoint id>``    LIST    the endpoint's last 100 attempts (JSON), newest first
+``{W}:recent``                    LIST    every endpoint's last 100 attempts, for the dashboard
 ================================  ======  ===========================================================
 
 **On a Redis Cluster** a script's keys must share a slot. A file's record, its tenant's index and
@@ -26,7 +35,8 @@ listed in the same step that creates it; so every file key shares the hash tag
 ``...:bytes:<t>``, ``...:expiry``; ``{slotq:gateway:batches}:batch:<id>``, ``...:index[:<t>]``,
 ``...:active``. Two slots hold them: files and batches are few, and each request touches a handful of
 keys. The job records, the models seen and the batch leases are one key per command and keep their
-names. On a single Redis every name is the one in the table.
+names. On a single Redis every name is the one in the table. The webhooks' keys are newer and have
+no older names to keep: they share ``{slotq:gateway:webhooks}`` on both (:class:`WebhookKeys`).
 
 Why here and not in :mod:`slotq.jobs.protocol`: the protocol is the contract between processes
 that read what another kind of process wrote (producers, workers, the CLI, the gateway as a
@@ -389,3 +399,210 @@ class BatchRecords:
 
     async def release(self, batch_id: str, token: str) -> None:
         await self._release(keys=[self.keys.lease(batch_id)], args=[token])
+
+
+# ---------------------------------------------------------------------- webhooks
+WEBHOOKS_TAG = "{slotq:gateway:webhooks}"
+ATTEMPTS_KEPT = 100          # recent attempts listed per endpoint
+
+
+@dataclass(frozen=True)
+class WebhookKeys:
+    """The webhooks' keys, all in the slot of ``{slotq:gateway:webhooks}`` on a single Redis as on a
+    cluster (new keys, no older names to keep): the scripts that emit an event and that claim and
+    finish deliveries touch several of them at once."""
+
+    @staticmethod
+    def endpoint(endpoint_id: str) -> str:
+        return f"{WEBHOOKS_TAG}:endpoint:{endpoint_id}"
+
+    @staticmethod
+    def index(tenant: str) -> str:
+        return f"{WEBHOOKS_TAG}:endpoints:{tenant}"
+
+    @staticmethod
+    def event(event_id: str) -> str:
+        return f"{WEBHOOKS_TAG}:event:{event_id}"
+
+    @staticmethod
+    def delivery(delivery_id: str) -> str:
+        return f"{WEBHOOKS_TAG}:delivery:{delivery_id}"
+
+    @staticmethod
+    def attempts(endpoint_id: str) -> str:
+        return f"{WEBHOOKS_TAG}:attempts:{endpoint_id}"
+
+    due = f"{WEBHOOKS_TAG}:due"
+    recent = f"{WEBHOOKS_TAG}:recent"
+
+
+def due_member(endpoint_id: str, delivery_id: str) -> str:
+    """A pending delivery in the due set: its endpoint first, so that the claim can pass over the
+    deliveries of an endpoint already at its concurrency without reading their records."""
+    return f"{endpoint_id}/{delivery_id}"
+
+
+# KEYS: the event marker, the due set, then one delivery key per endpoint.
+# ARGV: keep (s), due (ms), then member, record for each delivery key.
+# -> 0 when the event was emitted before (its marker is set): nothing is added twice.
+_EMIT = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
+for i = 3, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[2 * i - 2], 'EX', ARGV[1])
+  redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2 * i - 3])
+end
+return 1
+"""
+# KEYS: the due set. ARGV: now (ms), lease until (ms), how many to claim, how many to look at, an
+# endpoint's room (deliveries at once), then endpoint, room for the endpoints this gateway has
+# deliveries in flight to. A claimed member's due time becomes its lease's end: no other gateway
+# sees it before then, and that time is the claim's token (finish checks it). Due members of an
+# endpoint with no room left are passed over; when they filled the whole look (others may wait
+# behind them), they move to ``now``, behind every delivery that fell due before: still due, and
+# a dead endpoint's backlog never sits in front of the others' deliveries.
+_CLAIM = """
+local room = {}
+for i = 6, #ARGV, 2 do room[ARGV[i]] = tonumber(ARGV[i + 1]) end
+local claimed, passed = {}, {}
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[4]))
+for _, member in ipairs(due) do
+  if #claimed >= tonumber(ARGV[3]) then break end
+  local endpoint = string.match(member, '^([^/]+)/')
+  local left = room[endpoint] or tonumber(ARGV[5])
+  if left <= 0 then
+    passed[#passed + 1] = member
+  else
+    room[endpoint] = left - 1
+    redis.call('ZADD', KEYS[1], ARGV[2], member)
+    claimed[#claimed + 1] = member
+  end
+end
+if #due == tonumber(ARGV[4]) and #claimed < tonumber(ARGV[3]) then
+  for _, member in ipairs(passed) do redis.call('ZADD', KEYS[1], ARGV[1], member) end
+end
+return claimed
+"""
+# KEYS: the due set, the delivery, the endpoint's attempts, every tenant's recent attempts. ARGV:
+# member, the claim's lease end (ms), next due (ms, '' = no more attempts), the attempt (JSON), the
+# delivery's record, keep (s), attempts kept. The attempt is always recorded (it happened); the
+# delivery moves on only while this gateway's claim holds (0 otherwise: its lease ran out and
+# another gateway may have it).
+_FINISH = """
+redis.call('LPUSH', KEYS[3], ARGV[4])
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[7]) - 1)
+redis.call('EXPIRE', KEYS[3], ARGV[6])
+redis.call('LPUSH', KEYS[4], ARGV[4])
+redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[7]) - 1)
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) ~= tonumber(ARGV[2]) then return 0 end
+if ARGV[3] == '' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('DEL', KEYS[2])
+else
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[5], 'KEEPTTL')
+end
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A pending delivery this gateway may attempt until ``lease_until_ms``."""
+
+    endpoint_id: str
+    delivery_id: str
+    lease_until_ms: int
+
+
+class WebhookRecords:
+    """Endpoints (a JSON string each, indexed per tenant), emitted events' markers (so an event
+    emitted twice is delivered once), pending deliveries (a JSON string each, and the due set that
+    says when each is attempted next), and each endpoint's recent attempts (a capped list)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.keys = WebhookKeys()
+        self._emit = redis.register_script(_EMIT)
+        self._claim = redis.register_script(_CLAIM)
+        self._finish = redis.register_script(_FINISH)
+
+    # ------------------------------------------------------------------ endpoints
+    async def put_endpoint(self, endpoint_id: str, tenant: str, record: str, *, created_ms: int | None) -> None:
+        """Write the endpoint; with ``created_ms``, a new one, listed in its tenant's index."""
+        async with self.redis.pipeline(transaction=not is_cluster(self.redis)) as pipe:
+            pipe.set(self.keys.endpoint(endpoint_id), record)
+            if created_ms is not None:
+                pipe.zadd(self.keys.index(tenant), {endpoint_id: created_ms})
+            await pipe.execute()
+
+    async def get_endpoint(self, endpoint_id: str) -> bytes | None:
+        record: bytes | None = await self.redis.get(self.keys.endpoint(endpoint_id))
+        return record
+
+    async def endpoint_ids(self, tenant: str) -> list[str]:
+        """The tenant's endpoints, newest first."""
+        return [i.decode() for i in await self.redis.zrange(self.keys.index(tenant), 0, -1, desc=True)]
+
+    async def get_endpoints(self, endpoint_ids: Sequence[str]) -> list[bytes | None]:
+        if not endpoint_ids:
+            return []
+        records: list[bytes | None] = await self.redis.mget([self.keys.endpoint(i) for i in endpoint_ids])
+        return records
+
+    async def remove_endpoint(self, endpoint_id: str, tenant: str) -> None:
+        """Its pending deliveries stay in the due set; the delivery loop drops each when it finds the
+        endpoint gone."""
+        async with self.redis.pipeline(transaction=not is_cluster(self.redis)) as pipe:
+            pipe.zrem(self.keys.index(tenant), endpoint_id)
+            pipe.delete(self.keys.endpoint(endpoint_id), self.keys.attempts(endpoint_id))
+            await pipe.execute()
+
+    # ------------------------------------------------------------------ events and deliveries
+    async def emit(self, event_id: str, deliveries: Mapping[tuple[str, str], str], *, due_ms: int,
+                   keep_s: int) -> bool:
+        """Add a delivery per (endpoint id, delivery id) -> record, unless the event was emitted before."""
+        members = list(deliveries)
+        keys = [self.keys.event(event_id), self.keys.due, *(self.keys.delivery(d) for _, d in members)]
+        args: list[str | int] = [keep_s, due_ms]
+        for (endpoint_id, delivery_id), record in deliveries.items():
+            args += [due_member(endpoint_id, delivery_id), record]
+        return bool(await self._emit(keys=keys, args=args) == 1)
+
+    async def claim(self, *, now_ms: int, lease_ms: int, count: int, endpoint_room: int,
+                    rooms: Mapping[str, int]) -> list[Claim]:
+        """Up to ``count`` due deliveries, leased to this gateway for ``lease_ms``: at most
+        ``endpoint_room`` per endpoint, or ``rooms[endpoint]`` for those listed."""
+        lease_until = now_ms + lease_ms
+        members = await self._claim(keys=[self.keys.due], args=[
+            now_ms, lease_until, count, count * 4, endpoint_room,
+            *(item for pair in rooms.items() for item in pair)])
+        claims = []
+        for member in members:
+            endpoint_id, _, delivery_id = member.decode().partition("/")
+            claims.append(Claim(endpoint_id, delivery_id, lease_until))
+        return claims
+
+    async def get_delivery(self, delivery_id: str) -> bytes | None:
+        record: bytes | None = await self.redis.get(self.keys.delivery(delivery_id))
+        return record
+
+    async def finish(self, claim: Claim, *, attempt: str, next_due_ms: int | None, record: str,
+                     keep_s: int) -> bool:
+        """Record the attempt, and retire the delivery (``next_due_ms`` None) or schedule it again;
+        False when this gateway's lease on it had run out (the delivery was left as it was)."""
+        keys = [self.keys.due, self.keys.delivery(claim.delivery_id), self.keys.attempts(claim.endpoint_id),
+                self.keys.recent]
+        return bool(await self._finish(keys=keys, args=[
+            due_member(claim.endpoint_id, claim.delivery_id), claim.lease_until_ms,
+            "" if next_due_ms is None else next_due_ms, attempt, record, keep_s, ATTEMPTS_KEPT]) == 1)
+
+    async def drop(self, claim: Claim) -> None:
+        """A delivery whose endpoint or record is gone."""
+        await reply(self.redis.zrem(self.keys.due, due_member(claim.endpoint_id, claim.delivery_id)))
+        await self.redis.delete(self.keys.delivery(claim.delivery_id))
+
+    async def attempts(self, endpoint_id: str | None, limit: int) -> list[bytes]:
+        """The endpoint's most recent attempts (every tenant's with None: the fleet view), newest first."""
+        key = self.keys.recent if endpoint_id is None else self.keys.attempts(endpoint_id)
+        return list(await reply(self.redis.lrange(key, 0, limit - 1)))

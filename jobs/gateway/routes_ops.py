@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -26,6 +26,7 @@ from slotq.jobs.gateway.history import FleetHistory
 from slotq.jobs.gateway.routes_openai import gateway_of
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.surfaces import on_private_port
+from slotq.jobs.gateway.webhooks import WebhookStore
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol import dead_letters
 
@@ -94,15 +95,15 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     """Kubernetes' readinessProbe, as the worker's ``/ready``: 200 while Redis answers and the
-    gateway's background tasks (batch driver, file sweep) run; 503 with the state otherwise.
+    gateway's background tasks (batch driver, file sweep, webhook sender) run; 503 with the state otherwise.
     (uvicorn serves nothing before the lifespan has started them, as a worker answers nothing
     ready before its warm-up.) A Redis outage takes replicas out of the load balancer; it never
     restarts them (liveness is a TCP check)."""
     state = request.app.state
     if await _redis_answers(request) is not None:
         ok, detail = False, "redis_unavailable"
-    elif stopped := [name for name, task in (("batch_driver", state.batch_driver), ("file_sweep", state.files))
-                     if not task.running]:
+    elif stopped := [name for name, task in (("batch_driver", state.batch_driver), ("file_sweep", state.files),
+                                             ("webhook_sender", state.webhook_sender)) if not task.running]:
         ok, detail = False, f"{stopped[0]}_stopped"
     else:
         ok, detail = True, "ready"
@@ -142,6 +143,13 @@ async def list_dead_letters(request: Request, limit: int = 100) -> dict[str, Any
     redis = gateway_of(request).client.redis
     letters = [await dead_letters.get(redis, job_id) for job_id in await dead_letters.list_ids(redis, limit)]
     return {"data": [letter.model_dump(mode="json", exclude={"payload"}) for letter in letters if letter]}
+
+
+@api.get("/webhook-attempts")
+async def list_webhook_attempts(request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 50) -> dict[str, Any]:
+    """Every tenant's most recent webhook delivery attempts, newest first."""
+    webhooks: WebhookStore = request.app.state.webhooks
+    return {"data": [attempt.model_dump(mode="json") for attempt in await webhooks.fleet_attempts(limit)]}
 
 
 @api.post("/dead-letters/{job_id}/requeue")

@@ -151,6 +151,25 @@ class GatewaySettings(ClientSettings):
         30.0, ge=1, le=3600, description="a batch whose gateway stopped renewing its lease this long is resumed "
                                          "by another")
     gateway_batch_window: int = Field(256, ge=1, le=100_000, description="lines of one batch in Redis at once")
+    gateway_webhook_allow_private: bool = Field(
+        False, description="allow webhook endpoints on loopback, private, link-local and other non-public addresses "
+                           "(checked at registration and at each delivery); off = no SSRF into the network")
+    gateway_webhook_timeout_s: float = Field(
+        10.0, gt=0, le=60, description="one webhook attempt, DNS to status line; no answer by then is a failed "
+                                       "attempt")
+    gateway_webhook_retry_base_s: float = Field(
+        5.0, gt=0, le=3600, description="the wait after a webhook's first failed attempt; each next wait is 4 times "
+                                        "longer")
+    gateway_webhook_retry_max_s: float = Field(
+        4 * 3600, gt=0, le=86_400, description="the longest wait between two attempts of a webhook")
+    gateway_webhook_retry_for_s: int = Field(
+        86_400, ge=1, le=2 * 86_400, description="how long after its event a webhook is retried before it is given up")
+    gateway_webhook_endpoint_concurrency: int = Field(
+        4, ge=1, le=1000, description="webhook attempts at once to one endpoint, per gateway replica")
+    gateway_webhook_concurrency: int = Field(
+        64, ge=1, le=10_000, description="webhook attempts at once, per gateway replica")
+    gateway_webhook_tenant_max_endpoints: int = Field(
+        20, ge=1, le=10_000, description="webhook endpoints one tenant may register")
 
     @property
     def files_dir(self) -> Path:

@@ -29,10 +29,12 @@ import pytest
 from redis.asyncio import Redis
 
 from slotq.engine import bundled_model_path
+from slotq.jobs.gateway.webhooks import emit_event
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol import dead_letters, registry
 from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.protocol.wire import ErrorInfo
+from tests.support import free_port
 from tests.support.engine import engine_stats
 from tests.support.gateway import Stack
 from tests.support.jobs import advertise
@@ -74,8 +76,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
         engine = {"ctx": 2048, "threads": 2} if SCREENSHOT_TO else {"ctx": 16_384}
         # no cache slot, so no reserve: the playground reply takes a bulk job's slot, which the charts show
         s.start_worker("browser-worker", MODEL_NAME, slots=2, cache_slots=0, **engine)
-        s.start_gateway("browser-gateway").wait_ready()
-        s.start_gateway("browser-keyed", admin_keys=f"ops={ADMIN_KEY}").wait_ready()
+        s.start_gateway("browser-gateway", gateway_webhook_allow_private=True).wait_ready()
+        s.start_gateway("browser-keyed", admin_keys=f"ops={ADMIN_KEY}", gateway_webhook_allow_private=True).wait_ready()
         s.wait_for_models({MODEL_NAME})
         yield s
 
@@ -227,6 +229,28 @@ def test_playground_reply_survives_a_reload_mid_stream(stack, page):
     job = _finished(stack, job_id)
     assert job["status"] == "succeeded" and job["result"]["attempts"] == 1     # the reload did not cancel it
     assert after["text"] == job["result"]["text"]                # nothing lost, nothing repeated
+    _assert_no_policy_violation(page)
+
+
+def test_dashboard_lists_webhook_attempts(stack, page):
+    """An endpoint that is down: its failed attempt shows, with the error and the next retry."""
+    down = f"http://127.0.0.1:{free_port()}/hooks"                 # nothing listens there
+    endpoint = httpx.post(f"{stack.url}/v1/webhook_endpoints", json={
+        "name": "down", "url": down, "event_types": ["batch.failed"]}).json()
+
+    async def emit() -> str:
+        redis = Redis.from_url(stack.redis.url)
+        try:
+            return await emit_event(redis, "default", "batch.failed", f"batch_{uuid.uuid4().hex[:8]}")
+        finally:
+            await redis.aclose()
+
+    event_id = _in_a_loop(emit)
+    page.goto(stack.url)
+    row = page.wait_for_selector(f'#webhook-attempts tr.retrying:has(code:text-is("{endpoint["id"]}"))')
+    assert "batch.failed" in row.inner_text() and event_id in row.inner_text() and "ConnectError" in row.inner_text()
+    assert "default" in row.inner_text() and "in " in row.inner_text()                 # the next attempt is due
+    httpx.delete(f"{stack.url}/v1/webhook_endpoints/{endpoint['id']}").raise_for_status()
     _assert_no_policy_violation(page)
 
 

@@ -100,6 +100,20 @@ $("#dead-letters").addEventListener("click", async (event) => {
   refreshDeadLetters();
 });
 
+// ------------------------------------------------------------------ webhooks
+// /api/webhook-attempts: every tenant's last delivery attempts, newest first.
+async function refreshWebhookAttempts() {
+  const { data } = await api("/api/webhook-attempts");
+  const now = Date.now() / 1000;
+  $("#webhook-attempts tbody").innerHTML = data.map((a) => `
+    <tr data-webhook="${esc(a.webhook_id)}" class="${esc(a.outcome)}"><td>${ago(now - a.attempted_at)}</td>
+      <td>${esc(a.tenant)}</td><td><code>${esc(a.endpoint_id)}</code></td>
+      <td>${esc(a.event_type)} <code class="muted small">${esc(a.event_id)}</code></td><td class="num">${a.attempt}</td>
+      <td class="${a.error ? "err" : ""}">${esc(a.error || `HTTP ${a.status_code}`)} <span class="muted small">${a.duration_ms} ms</span></td>
+      <td>${esc(a.outcome)}</td><td>${a.next_attempt_at == null ? "–" : `in ${ago(a.next_attempt_at - now)}`}</td></tr>`).join("");
+  $("#no-webhook-attempts").hidden = data.length > 0;
+}
+
 // ------------------------------------------------------------------ lanes over time
 // /api/history: a sample every few seconds over the last 15 minutes (the gateway's ring buffer).
 // Drawn as inline SVG: one line per lane, a shared time axis ending now.
@@ -320,11 +334,13 @@ function start() {
   refresh();
   refreshModels().catch(() => {});
   refreshDeadLetters().catch(() => {});
+  refreshWebhookAttempts().catch(() => {});
   refreshHistory().catch(() => {});
   setInterval(refresh, 1000);
   setInterval(() => refreshHistory().catch(() => {}), 5000);
   setInterval(() => refreshModels().catch(() => {}), 5000);
   setInterval(() => refreshDeadLetters().catch(() => {}), 3000);
+  setInterval(() => refreshWebhookAttempts().catch(() => {}), 3000);
   const state = load();
   if (state) {
     $("#play-prompt").value = state.request.messages[0].content;
