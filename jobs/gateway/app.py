@@ -1,5 +1,5 @@
-"""The gateway's ASGI app: OpenAI's API (Batch API included), Anthropic's Messages API, background jobs, health,
-metrics and the dashboard.
+"""The gateway's ASGI app: OpenAI's API (Batch and Responses APIs included), Anthropic's Messages API,
+background jobs, health, metrics and the dashboard.
 
 No interactive API docs page: FastAPI's loads Swagger UI from a CDN, which an offline deployment
 cannot reach. ``/openapi.json`` describes the API for any OpenAPI viewer or client generator.
@@ -25,6 +25,7 @@ from slotq.jobs.gateway import (
     routes_jobs,
     routes_openai,
     routes_ops,
+    routes_responses,
 )
 from slotq.jobs.gateway.auth import KeyRing
 from slotq.jobs.gateway.batch_driver import BatchDriver
@@ -80,8 +81,8 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     app.state.settings = settings
     app.state.keys = KeyRing(settings)
     http_errors.install(app)
-    for router in (routes_openai.router, routes_anthropic.router, routes_jobs.router, routes_files.router,
-                   routes_batches.router, routes_ops.router, routes_ops.api):
+    for router in (routes_openai.router, routes_responses.router, routes_anthropic.router, routes_jobs.router,
+                   routes_files.router, routes_batches.router, routes_ops.router, routes_ops.api):
         app.include_router(router)
     app.router.routes.append(Dashboard("/", SecurityHeaders(StaticFiles(directory=STATIC_DIR, html=True)),
                                        name="dashboard"))

@@ -1,0 +1,177 @@
+"""OpenAI's Responses API (``/v1/responses``) through real processes: Valkey, ``slotq worker`` on the
+tiny model and ``slotq gateway``, driven with the official ``openai`` SDK (``client.responses``),
+and httpx where the wire itself is the point.
+
+The tiny model's template knows no tools, so its worker uses slotq's generic tool format, and a
+forced ``tool_choice`` gives a call whose arguments validate against the tool's schema. A second
+worker serves the tiny model with a template that opens ``<think>`` for the reply: everything it
+writes is reasoning, which comes back as a reasoning item.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.support.gateway import Stack
+from tests.support.tiny_model import CHATML_TEMPLATE, TINY_SCALE, TINY_SEED, write_tiny_llama
+
+MODEL, THINKER = "tiny", "tiny-think"
+KEY = "sk-responses"
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 12}}}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+          "parameters": WEATHER, "strict": True}]
+ASK = "What is the weather in Paris?"
+THINKING_TEMPLATE = CHATML_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
+                                            "<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
+    folder = tmp_path_factory.mktemp("responses")
+    thinker = write_tiny_llama(folder / "thinker.gguf", seed=TINY_SEED, scale=TINY_SCALE,
+                               chat_template=THINKING_TEMPLATE)
+    with Stack.started(folder, tiny_model_path) as s:
+        s.start_worker("responses-worker", MODEL, ctx=4096)
+        s.start_worker("responses-thinker", THINKER, queue="slotq:queue:think", model=thinker)
+        s.start_gateway("responses-open")
+        s.start_gateway("responses-keys", api_keys=f"acme={KEY}", tenant_tokens_per_min=100)
+        for gateway in s.gateways:
+            gateway.wait_ready()
+        s.wait_for_models({MODEL, THINKER})
+        yield s
+
+
+@pytest.fixture
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+# ---------------------------------------------------------------------- responses
+def test_a_response_to_a_string_and_to_items(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=12,
+                                       temperature=0)
+    assert response.object == "response" and response.id.startswith("resp_") and response.model == MODEL
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+    assert response.output_text and response.output_text == message.content[0].text
+    assert response.usage is not None and response.usage.output_tokens == 12 and response.usage.input_tokens > 0
+    assert response.usage.total_tokens == response.usage.input_tokens + 12
+    assert response.instructions == "Be brief." and response.max_output_tokens == 12
+    assert response.model_extra and response.model_extra["slotq"]["job_id"]
+
+    as_items = client.responses.create(model=MODEL, max_output_tokens=12, temperature=0, input=[
+        {"role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}])
+    assert as_items.output_text == response.output_text        # the same prompt, greedy: the same reply
+
+
+def test_a_short_reply_is_completed(client: openai.OpenAI) -> None:
+    """``text.format`` json_schema with a schema that closes after a few tokens: the reply ends by
+    itself (status completed) and parses."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    response = client.responses.create(model=MODEL, input="Is it sunny?", max_output_tokens=40, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "answer", "schema": schema,
+                                                        "strict": True}})
+    assert response.status == "completed" and response.incomplete_details is None, response
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text is not None and response.text.format.type == "json_schema"
+    anything = client.responses.create(model=MODEL, input="JSON please", max_output_tokens=60, temperature=0,
+                                       text={"format": {"type": "json_object"}})
+    if anything.status == "completed":
+        assert isinstance(json.loads(anything.output_text), dict)
+
+
+def test_a_function_tool_loop(client: openai.OpenAI) -> None:
+    forced = {"type": "function", "name": "get_weather"}
+    first = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice=forced, max_output_tokens=200,
+                                    temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1, first
+    [call] = calls
+    assert call.name == "get_weather" and call.call_id and call.id
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+    # the agent loop: the output items go back as input, with the function's output
+    conversation = [{"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in first.output],
+                    {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    again = client.responses.create(model=MODEL, input=conversation, tools=TOOLS, tool_choice="auto",
+                                    max_output_tokens=300, temperature=0)
+    assert again.status in ("completed", "incomplete")
+    assert again.usage is not None and first.usage is not None
+    assert again.usage.input_tokens > first.usage.input_tokens      # the call and its output are in the prompt
+
+    none = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice="none", max_output_tokens=8,
+                                   temperature=0)
+    assert [item.type for item in none.output] == ["message"]
+
+
+def test_reasoning_comes_back_as_a_reasoning_item(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=THINKER, input=ASK, max_output_tokens=10, temperature=0,
+                                       reasoning={"effort": "low"})
+    reasoning = [item for item in response.output if item.type == "reasoning"]
+    assert len(reasoning) == 1 and reasoning[0].content and reasoning[0].content[0].text, response
+    assert response.status == "incomplete" and response.reasoning is not None
+    # sent back with the conversation, a reasoning item is accepted (and left out of the prompt)
+    again = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in response.output],
+        {"role": "user", "content": "And tomorrow?"}])
+    assert again.output_text is not None
+
+
+# ---------------------------------------------------------------------- errors and keys
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0]"),
+    ({"tools": [{"type": "computer_use_preview", "display_width": 1, "display_height": 1,
+                 "environment": "linux"}]}, "tools[0]"),
+    ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools[0]"),
+    ({"max_output_tokens": 10**7}, "max_output_tokens"),
+    ({"temperature": 9}, "temperature"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "?"}]}, "input[0].call_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]},
+     "input[0].content"),
+    ({"previous_response_id": "resp_x"}, "previous_response_id"),
+    ({"tool_choice": {"type": "function", "name": "nowhere"}, "tools": TOOLS}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),
+])
+def test_bad_input_is_refused_by_name_in_openais_shape(stack: Stack, body: dict, param: str) -> None:
+    response = httpx.post(f"{stack.url}/v1/responses", json={"model": MODEL, "input": ASK} | body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert param.split("[")[0] in error["message"], error
+    if param == "tools[0]":
+        assert repr(body["tools"][0]["type"]) in error["message"]       # the hosted tool, by name
+
+
+def test_the_sdk_raises_its_own_errors_and_keys_name_the_tenant(stack: Stack, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=MODEL, input=ASK, tools=[{"type": "web_search"}])
+    assert bad.value.param == "tools[0]" and "web_search" in bad.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="no-such-model", input=ASK)
+
+    url = f"{stack.gateways[1].url}/v1"
+    keyed = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+    response = keyed.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    assert response.model_extra and response.model_extra["slotq"]["job_id"].endswith("acme")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0).responses.create(model=MODEL, input=ASK)
+    refused = []             # each reserves its prompt and 60 tokens of acme's 100 a minute
+    for _ in range(3):
+        try:
+            keyed.responses.create(model=MODEL, input=ASK, max_output_tokens=60)
+        except openai.RateLimitError as exc:
+            refused.append(exc)
+    assert refused and refused[0].response.headers["retry-after"]

@@ -1,0 +1,150 @@
+"""The Responses API's pure parts: a request -> the job it runs, a job's result -> the Response
+object (the real ``openai`` SDK against a real gateway: test_gateway_responses.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from slotq.jobs.openai.errors import ApiError, from_validation
+from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
+from slotq.jobs.protocol.wire import FinishReason, Timings, ToolCallSpec, Usage
+from slotq.jobs.responses.translate import to_job_request, to_response
+from slotq.jobs.responses.wire import ResponsesRequest
+
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object",
+                                                                   "properties": {"city": {"type": "string"}}}}
+
+
+def request(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi"} | fields)
+
+
+def refusal(**fields) -> ApiError:
+    """The 400 a request with ``fields`` gets, whether the body's model or the translation refuses it."""
+    try:
+        to_job_request(request(**fields))
+    except ValidationError as exc:
+        return from_validation(exc)
+    except ApiError as exc:
+        return exc
+    raise AssertionError(f"{fields} was accepted")
+
+
+def test_a_tool_loop_in_input_items_becomes_chat_messages():
+    job = to_job_request(request(instructions="Be brief.", tools=[TOOL], max_output_tokens=32, input=[
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+                                                        {"type": "input_text", "text": "Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Nice"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
+    ]))
+    assert [(m.role, m.content) for m in job.messages or []] == [
+        ("system", "Be brief."), ("system", "Use tools."), ("user", "Weather in Paris?"),
+        ("assistant", "Let me look."), ("tool", "sunny"), ("tool", "rain")]
+    assert [c.id for c in job.messages[3].tool_calls or []] == ["call_1", "call_2"]
+    assert [m.tool_call_id for m in job.messages[4:]] == ["call_1", "call_2"]
+    assert job.max_tokens == 32 and job.tools and job.tools[0].function.name == "get_weather"
+
+
+def test_a_call_without_a_preceding_assistant_message_opens_one():
+    job = to_job_request(request(input=[{"role": "user", "content": "hi"},
+                                        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                        {"type": "function_call_output", "call_id": "c", "output": "ok"}]))
+    assert [(m.role, m.content) for m in job.messages or []] == [("user", "hi"), ("assistant", ""), ("tool", "ok")]
+
+
+def test_text_format_tool_choice_and_sampling_reach_the_job():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    job = to_job_request(request(text={"format": {"type": "json_schema", "name": "a", "schema": schema}},
+                                 temperature=0.2, top_p=0.5))
+    assert job.sampling.json_schema == schema and job.sampling.temperature == 0.2 and job.sampling.top_p == 0.5
+    job = to_job_request(request(tools=[TOOL], parallel_tool_calls=True,
+                                 tool_choice={"type": "function", "name": "get_weather"}))
+    assert job.tool_choice.function.name == "get_weather" and job.parallel_tool_calls       # type: ignore[union-attr]
+    assert to_job_request(request(text={"format": {"type": "json_object"}})).sampling.json_schema == {"type": "object"}
+    assert to_job_request(request(text={"format": {"type": "text"}})).sampling.json_schema is None
+    assert to_job_request(request(tools=[TOOL], tool_choice="required")).tool_choice == "required"
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"tools": [{"type": "web_search"}]}, "tools[0]", "'web_search'"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0]", "'file_search'"),
+    ({"tools": [{"type": "computer_use_preview"}]}, "tools[0]", "'computer_use_preview'"),
+    ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools[0]", "'code_interpreter'"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "'web_search_preview'"),
+    ({"tool_choice": {"type": "function", "name": "nowhere"}, "tools": [TOOL]}, "tool_choice", "'nowhere'"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "?"}]}, "input[0].call_id", "call_x"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "required"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content",
+     "'input_image'"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stored responses"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call'"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+    ({"background": True}, "background", "not supported"),
+    ({"truncation": "auto"}, "truncation", "never drops"),
+    ({"temperature": 3}, "temperature", "2"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
+    ({"top_logprobs": 3}, "top_logprobs", "not supported"),
+])
+def test_bad_input_is_refused_naming_the_field(fields: dict, param: str, words: str):
+    error = refusal(**fields)
+    assert error.status == 400 and param in (error.param or "") + error.message, error.body()
+    assert words in error.message, error.body()
+
+
+def test_off_values_of_unserved_fields_and_ignored_fields_pass():
+    job = to_job_request(request(previous_response_id=None, background=False, store=True, user="u",
+                                 include=["reasoning.encrypted_content"], truncation="disabled",
+                                 reasoning={"effort": "low"}, service_tier="auto", text={"verbosity": "low"}))
+    assert job.messages and job.messages[0].content == "hi"
+
+
+def result(text: str = "", *, reason: FinishReason = FinishReason.STOP, reasoning: str = "",
+           calls: list[ToolCallSpec] | None = None) -> JobResult:
+    usage = Usage(prompt_tokens=10, completion_tokens=5, cached_prompt_tokens=4)
+    choice = ChoiceResult(index=0, text=text, reasoning=reasoning, tool_calls=calls or [], finish_reason=reason,
+                          usage=usage, timings=Timings())
+    return JobResult(id="j1", status=JobStatus.SUCCEEDED, text=text, finish_reason=reason, usage=usage,
+                     choices=[choice], worker="w1", attempts=1)
+
+
+def test_a_result_is_a_response_with_items_usage_and_echoed_settings():
+    call = ToolCallSpec.model_validate({"id": "call_a", "function": {"name": "get_weather",
+                                                                     "arguments": '{"city": "Paris"}'}})
+    body = request(instructions="Be brief.", tools=[TOOL], temperature=0, metadata={"k": "v"})
+    response = json.loads(to_response(result("Looking.", reasoning="hm", calls=[call], reason=FinishReason.TOOL_CALLS),
+                                      body, "m", 100).model_dump_json())
+    assert response["id"] == "resp_j1" and response["object"] == "response" and response["status"] == "completed"
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message", "function_call"]
+    assert response["output"][0]["content"] == [{"type": "reasoning_text", "text": "hm"}]
+    assert response["output"][1]["content"][0] == {"type": "output_text", "text": "Looking.", "annotations": [],
+                                                   "logprobs": []}
+    assert response["output"][2] | {"id": None} == {"type": "function_call", "id": None, "call_id": "call_a",
+                                                    "name": "get_weather", "arguments": '{"city": "Paris"}',
+                                                    "status": "completed"}
+    assert response["usage"] == {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4},
+                                 "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0},
+                                 "total_tokens": 15}
+    assert response["instructions"] == "Be brief." and response["tools"][0]["name"] == "get_weather"
+    assert response["temperature"] == 0 and response["metadata"] == {"k": "v"}
+    assert response["incomplete_details"] is None
+    assert response["slotq"] == {"job_id": "j1", "worker": "w1", "attempts": 1}
+
+
+def test_a_reply_cut_by_max_output_tokens_is_incomplete_without_its_unfinished_call():
+    cut = ToolCallSpec.model_validate({"id": "call_a", "function": {"name": "f", "arguments": '{"city": "Par'}})
+    response = to_response(result(calls=[cut], reason=FinishReason.LENGTH), request(), "m", 100)
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in response.output] == ["message"] and response.output[0].status == "incomplete"
