@@ -178,35 +178,49 @@ def is_complete_json(arguments: str) -> bool:
 
 def output_items(job_id: str, reasoning: str, text: str, calls: list[ToolCallSpec], *,
                  incomplete: bool) -> list[OutputItem]:
-    """A reply as output items: its reasoning, its message, then its function calls (a call whose
-    arguments the cut left unfinished is left out). Item ids derive from the job's, so a reply
+    """A reply as output items: its reasoning, its message (when it wrote text), then its function
+    calls (a call whose arguments the cut left unfinished is left out). Item ids derive from the job's, so a reply
     reads the same each time it is rendered."""
     status: ItemStatus = "incomplete" if incomplete else "completed"
     items: list[OutputItem] = []
     if reasoning:
         items.append(ReasoningOut(id=f"rs_{job_id}", content=[ReasoningText(text=reasoning)], status=status))
     whole = [(i, call) for i, call in enumerate(calls) if is_complete_json(call.function.arguments)]
-    if text or not whole:
+    if text:
         items.append(OutputMessage(id=f"msg_{job_id}", status=status, content=[OutputText(text=text)]))
     items += [FunctionCallOut(id=f"fc_{job_id}_{i}", call_id=call.id, name=call.function.name,
                               arguments=call.function.arguments, status="completed") for i, call in whole]
     return items
 
 
+def response_shell(request: ResponsesRequest, job_id: str, model: str, created: int) -> Response:
+    """The Response of a job that has not finished: no output yet, the request's settings echoed
+    (what a stream's ``response.created`` carries)."""
+    return Response(id=response_id(job_id), created_at=created, model=model, status="in_progress", output=[],
+                    usage=None, **echoed(request), slotq=SlotqInfo(job_id=job_id))
+
+
+def finished(shell: Response, output: list[OutputItem], reason: FinishReason | None, usage: Usage,
+             completed_at: int) -> Response:
+    """``shell`` with a reply's output: ``incomplete`` (reason ``max_output_tokens``) when the
+    limit cut it, ``completed`` otherwise."""
+    incomplete = reason == FinishReason.LENGTH
+    return shell.model_copy(update={
+        "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage_out(usage),
+        "completed_at": None if incomplete else completed_at,
+        "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None})
+
+
 def to_response(result: JobResult, request: ResponsesRequest, model: str, created: int) -> Response:
     """A finished job as OpenAI's Response, the request's settings echoed."""
-    reason = result.choices[0].finish_reason if result.choices else result.finish_reason
     choice = result.choices[0] if result.choices else None
-    incomplete = reason == FinishReason.LENGTH
+    reason = choice.finish_reason if choice else result.finish_reason
     output = output_items(result.id, choice.reasoning if choice else "", choice.text if choice else result.text,
-                          choice.tool_calls if choice else [], incomplete=incomplete)
-    return Response(id=response_id(result.id), created_at=created, model=model, output=output,
-                    status="incomplete" if incomplete else "completed",
-                    completed_at=None if incomplete else created + int((result.timings.total_ms if result.timings
-                                                                        else 0) / 1000),
-                    incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
-                    usage=usage_out(result.usage), **echoed(request),
-                    slotq=SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts))
+                          choice.tool_calls if choice else [], incomplete=reason == FinishReason.LENGTH)
+    shell = response_shell(request, result.id, model, created)
+    shell.slotq = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
+    total_s = int(result.timings.total_ms / 1000) if result.timings else 0
+    return finished(shell, output, reason, result.usage, created + total_s)
 
 
 def echoed(request: ResponsesRequest) -> dict[str, Any]:

@@ -129,6 +129,57 @@ def test_reasoning_comes_back_as_a_reasoning_item(client: openai.OpenAI) -> None
     assert again.output_text is not None
 
 
+# ---------------------------------------------------------------------- streaming
+def test_a_streamed_response_is_the_sdks_event_sequence(client: openai.OpenAI) -> None:
+    whole = client.responses.create(model=MODEL, input="Hello", max_output_tokens=12, temperature=0)
+    events = list(client.responses.create(model=MODEL, input="Hello", max_output_tokens=12, temperature=0,
+                                          stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], kinds
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"], kinds
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}, kinds
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert streamed == whole.output_text                    # greedy on one model: the same reply
+    final = events[-1].response
+    assert final.status == "incomplete" and final.output_text == whole.output_text
+    assert final.usage is not None and whole.usage is not None and final.usage.output_tokens == 12
+    assert final.id == events[0].response.id
+
+
+def test_a_streamed_function_call_and_the_final_response(client: openai.OpenAI) -> None:
+    forced = {"type": "function", "name": "get_weather"}
+    whole = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice=forced, max_output_tokens=200,
+                                    temperature=0)
+    with client.responses.stream(model=MODEL, input=ASK, tools=TOOLS, tool_choice=forced, max_output_tokens=200,
+                                 temperature=0) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    assert kinds[-1] == "response.completed"
+    [call] = [item for item in final.output if item.type == "function_call"]
+    [expected] = [item for item in whole.output if item.type == "function_call"]
+    assert (call.name, call.arguments) == (expected.name, expected.arguments)
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
+def test_a_streamed_reasoning_item(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model=THINKER, input=ASK, max_output_tokens=10, temperature=0,
+                                          stream=True))
+    deltas = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    final = events[-1].response
+    [reasoning] = [item for item in final.output if item.type == "reasoning"]
+    assert deltas and reasoning.content and reasoning.content[0].text == deltas
+
+
+def test_a_stream_refused_at_once_is_an_http_error(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=MODEL, input=ASK, max_output_tokens=10**7, stream=True)
+    assert bad.value.param == "max_output_tokens"
+
+
 # ---------------------------------------------------------------------- errors and keys
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),

@@ -1,5 +1,6 @@
 """The Responses API's pure parts: a request -> the job it runs, a job's result -> the Response
-object (the real ``openai`` SDK against a real gateway: test_gateway_responses.py)."""
+object, a job's stream entries -> the events the ``openai`` SDK reads (the real SDK against a real
+gateway: test_gateway_responses.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from slotq.jobs.gateway.response_events import ResponseEventRenderer
 from slotq.jobs.openai.errors import ApiError, from_validation
-from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
-from slotq.jobs.protocol.wire import FinishReason, Timings, ToolCallSpec, Usage
-from slotq.jobs.responses.translate import to_job_request, to_response
-from slotq.jobs.responses.wire import ResponsesRequest
+from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobResult, JobStatus, StreamEntry
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, ToolCallDelta, ToolCallSpec, Usage
+from slotq.jobs.responses.translate import response_shell, to_job_request, to_response
+from slotq.jobs.responses.wire import Response, ResponsesRequest
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object",
                                                                    "properties": {"city": {"type": "string"}}}}
@@ -147,4 +149,85 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete_without_its_unfinished_c
     response = to_response(result(calls=[cut], reason=FinishReason.LENGTH), request(), "m", 100)
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens"
-    assert [item.type for item in response.output] == ["message"] and response.output[0].status == "incomplete"
+    assert response.output == []
+    cut_text = to_response(result("Once upon", reason=FinishReason.LENGTH), request(), "m", 100)
+    assert [(item.type, item.status) for item in cut_text.output] == [("message", "incomplete")]
+
+
+# ---------------------------------------------------------------------- the event stream
+def entry(n: int, kind: EntryKind = EntryKind.CHUNK, **fields) -> StreamEntry:
+    return StreamEntry(id=f"100-{n}", kind=kind, attempt=1, **fields)
+
+
+REPLY = [
+    entry(1, reasoning="Hm, "), entry(2, reasoning="weather."), entry(3, text="Let me "), entry(4, text="look."),
+    entry(5, tool_calls=[ToolCallDelta(index=0, id="call_1", name="get_weather", arguments='{"ci')]),
+    entry(6, tool_calls=[ToolCallDelta(index=0, arguments='ty": "Paris"}')]),
+    entry(7, EntryKind.ERROR, error=ErrorInfo(code="worker_lost", message="x", retryable=True)),   # retried
+    entry(8, EntryKind.DONE, finish_reason=FinishReason.TOOL_CALLS, final=True, worker="w1",
+          usage=Usage(prompt_tokens=9, completion_tokens=6)),
+]
+
+
+def rendered(renderer: ResponseEventRenderer, entries: list[StreamEntry]) -> list[dict]:
+    lines = renderer.opening() + [line for e in entries for line in renderer.feed(e)]
+    events = []
+    for line in lines:
+        head, data = line.strip().split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
+def shell(**fields) -> Response:
+    return response_shell(request(**fields), "j1", "m", 100)
+
+
+def test_a_reply_streams_as_the_event_sequence_the_sdk_reads():
+    events = rendered(ResponseEventRenderer(shell()), REPLY)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [(e["type"], e.get("output_index")) for e in events] == [
+        ("response.created", None), ("response.in_progress", None),
+        ("response.output_item.added", 0), ("response.reasoning_text.delta", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.content_part.added", 1), ("response.output_text.delta", 1),
+        ("response.output_text.delta", 1), ("response.output_text.done", 1), ("response.content_part.done", 1),
+        ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2), ("response.function_call_arguments.done", 2),
+        ("response.output_item.done", 2), ("response.completed", None)]
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    assert events[14]["item"] == {"type": "function_call", "id": "fc_j1_0", "call_id": "call_1", "name": "get_weather",
+                                  "arguments": "", "status": "in_progress"}
+    assert events[11]["text"] == "Let me look." and events[17]["arguments"] == '{"city": "Paris"}'
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["usage"]["total_tokens"] == 15
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"] == [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert final["slotq"]["worker"] == "w1"
+
+
+def test_a_resumed_stream_sends_exactly_the_events_after_starting_after():
+    whole = rendered(ResponseEventRenderer(shell()), REPLY)
+    for cut in (0, 1, 5, 13, len(whole) - 2):
+        resumed = rendered(ResponseEventRenderer(shell(), starting_after=cut), REPLY)
+        assert [e for e in resumed if e["type"] not in ("response.completed",)] == \
+            [e for e in whole[cut + 1:] if e["type"] not in ("response.completed",)]
+        assert resumed[-1]["type"] == "response.completed"
+
+
+def test_a_cut_reply_is_incomplete_and_a_failed_job_is_response_failed():
+    cut = rendered(ResponseEventRenderer(shell()), [
+        entry(1, text="Once"), entry(2, EntryKind.DONE, finish_reason=FinishReason.LENGTH, final=True)])
+    assert cut[-1]["type"] == "response.incomplete"
+    assert cut[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut[-2]["item"]["status"] == "incomplete"
+    failed = rendered(ResponseEventRenderer(shell()), [
+        entry(1, text="Once"),
+        entry(2, EntryKind.ERROR, final=True, error=ErrorInfo(code="engine_error", message="boom", retryable=False))])
+    assert failed[-1]["type"] == "response.failed" and failed[-1]["response"]["status"] == "failed"
+    assert failed[-1]["response"]["error"]["code"] == "engine_error"
+    cancelled = rendered(ResponseEventRenderer(shell()), [
+        entry(1, EntryKind.DONE, finish_reason=FinishReason.CANCELLED, final=True)])
+    assert cancelled[-1]["response"]["error"]["code"] == "job_cancelled"
