@@ -156,6 +156,36 @@ def to_job_request(request: ResponsesRequest, *, idempotency_key: str | None = N
         raise from_validation(exc, _rename) from None
 
 
+def listed_items(request: ResponsesRequest, job_id: str) -> list[dict[str, Any]]:
+    """The request's input as the items ``GET /v1/responses/{id}/input_items`` lists: each with its
+    ``type`` and an ``id`` (``item_<job id>_<index>`` where the request gave none), a message's
+    content as parts."""
+    raw_items = request.input if isinstance(request.input, list) else [{"role": "user", "content": request.input}]
+    listed = []
+    for i, raw in enumerate(raw_items):
+        item = {"type": "message", **raw}
+        item.setdefault("id", f"item_{job_id}_{i}")
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        if item["type"] in ("message", "function_call", "function_call_output"):
+            item.setdefault("status", "completed")
+        listed.append(item)
+    return listed
+
+
+def counting_request(request: ResponsesRequest) -> ResponsesRequest:
+    """The request whose job counts a conversation's input tokens (``/v1/responses/input_tokens``):
+    the same prompt, rendered and tokenized by a worker's engine (only workers hold the tokenizer
+    and the chat template), one greedy token generated, not stored. A forced tool choice counts as
+    ``auto`` (a forced call cut at one token would not finish; the prompts are the same where the
+    template renders tools, and differ by one sentence in slotq's generic tool format)."""
+    choice = request.tool_choice
+    return request.model_copy(update={
+        "max_output_tokens": 1, "temperature": 0.0, "top_p": None, "text": None, "stream": False, "store": False,
+        "tool_choice": choice if choice in (None, "none", "auto") else "auto"})
+
+
 def response_id(job_id: str) -> str:
     return f"resp_{job_id}"
 
@@ -211,16 +241,21 @@ def finished(shell: Response, output: list[OutputItem], reason: FinishReason | N
         "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None})
 
 
-def to_response(result: JobResult, request: ResponsesRequest, model: str, created: int) -> Response:
-    """A finished job as OpenAI's Response, the request's settings echoed."""
+def output_items_of(result: JobResult) -> list[OutputItem]:
+    """A finished job's reply as output items."""
     choice = result.choices[0] if result.choices else None
     reason = choice.finish_reason if choice else result.finish_reason
-    output = output_items(result.id, choice.reasoning if choice else "", choice.text if choice else result.text,
-                          choice.tool_calls if choice else [], incomplete=reason == FinishReason.LENGTH)
+    return output_items(result.id, choice.reasoning if choice else "", choice.text if choice else result.text,
+                        choice.tool_calls if choice else [], incomplete=reason == FinishReason.LENGTH)
+
+
+def to_response(result: JobResult, request: ResponsesRequest, model: str, created: int) -> Response:
+    """A finished job as OpenAI's Response, the request's settings echoed."""
+    reason = result.choices[0].finish_reason if result.choices else result.finish_reason
     shell = response_shell(request, result.id, model, created)
     shell.slotq = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
     total_s = int(result.timings.total_ms / 1000) if result.timings else 0
-    return finished(shell, output, reason, result.usage, created + total_s)
+    return finished(shell, output_items_of(result), reason, result.usage, created + total_s)
 
 
 def echoed(request: ResponsesRequest) -> dict[str, Any]:
@@ -232,4 +267,5 @@ def echoed(request: ResponsesRequest) -> dict[str, Any]:
             "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
             "tool_choice": request.tool_choice or "auto", "parallel_tool_calls": bool(request.parallel_tool_calls),
             "reasoning": request.reasoning.model_dump(exclude_none=True) if request.reasoning else None,
-            "metadata": request.metadata or {}}
+            "metadata": request.metadata or {}, "store": request.store,
+            "previous_response_id": request.previous_response_id}

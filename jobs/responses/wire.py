@@ -5,8 +5,8 @@ Requests are checked for shape here, with OpenAI's own bounds where they are tig
 (``temperature`` at most 2); every other limit is the job layer's, reported under these names by
 :mod:`slotq.jobs.responses.translate`. What slotq cannot honour is refused by name: the built-in
 tools only OpenAI hosts (web search, file search, computer use, code interpreter, ...), image, file
-and audio input, ``truncation: auto``, and the stateful fields this gateway does not serve yet
-(``previous_response_id``, ``background``, ``conversation``, ``prompt``). What changes nothing
+and audio input, ``truncation: auto``, and the stateful fields this gateway does not serve
+(``background``, ``conversation``, ``prompt``). What changes nothing
 here is accepted and ignored (``user``, ``service_tier``, ``prompt_cache_key``, ``include``,
 ``reasoning``'s effort: a slotq model thinks or not as its chat template makes it).
 
@@ -25,10 +25,9 @@ from slotq.jobs.openai.wire import SlotqInfo
 
 # Fields of OpenAI's API that change nothing on slotq: accepted and dropped.
 _IGNORED = ("user", "safety_identifier", "service_tier", "prompt_cache_key", "prompt_cache_retention", "include",
-            "stream_options", "store")
+            "stream_options")
 # Fields slotq does not serve: dropped when off (null, false, 0, empty), refused by name otherwise.
 _REFUSED = {
-    "previous_response_id": "slotq does not keep responses yet: send the whole conversation as input items",
     "background": "slotq does not run background responses yet: send the request with stream true (a stream "
                   "resumes with Last-Event-ID on /v1/chat/completions) or use /v1/jobs",
     "conversation": "slotq keeps no conversations: send the whole conversation as input items",
@@ -210,7 +209,8 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
-    input: str | list[dict[str, Any]] = Field(description="a user message's text, or input items")
+    input: str | list[dict[str, Any]] = Field(
+        default_factory=list, description="a user message's text, or input items (none: previous_response_id's)")
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -224,6 +224,8 @@ class ResponsesRequest(BaseModel):
         None, description="'auto' is refused: slotq never drops input items (a prompt too long is a 400)")
     metadata: dict[str, str] | None = Field(None, max_length=16)
     stream: bool = False
+    store: bool = Field(True, description="keep the response (GET /v1/responses/{id}, previous_response_id)")
+    previous_response_id: str | None = Field(None, description="continue the conversation this stored response ended")
     # slotq's own (the SDK sends them with extra_body)
     lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
     priority: int | None = None
@@ -366,7 +368,24 @@ class Response(BaseModel):
     truncation: Literal["disabled"] = "disabled"
     metadata: dict[str, str] = Field(default_factory=dict)
     previous_response_id: str | None = None
-    store: bool = Field(False, description="false: slotq does not keep responses yet")
+    store: bool = True
     background: bool = False
     slotq: SlotqInfo | None = Field(None, description="slotq's own fields, as on the chat objects (the SDK keeps "
                                                       "them: response.model_extra)")
+
+
+class InputTokens(BaseModel):
+    """``POST /v1/responses/input_tokens``' answer."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
+class ItemList(BaseModel):
+    """``GET /v1/responses/{id}/input_items``' answer: a page of the response's input items."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -23,7 +23,7 @@ from tests.support.gateway import Stack
 from tests.support.tiny_model import CHATML_TEMPLATE, TINY_SCALE, TINY_SEED, write_tiny_llama
 
 MODEL, THINKER = "tiny", "tiny-think"
-KEY = "sk-responses"
+KEY, OTHER_KEY = "sk-responses", "sk-responses-globex"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
            "properties": {"city": {"type": "string", "maxLength": 12}}}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -42,7 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
         s.start_worker("responses-worker", MODEL, ctx=4096)
         s.start_worker("responses-thinker", THINKER, queue="slotq:queue:think", model=thinker)
         s.start_gateway("responses-open")
-        s.start_gateway("responses-keys", api_keys=f"acme={KEY}", tenant_tokens_per_min=100)
+        s.start_gateway("responses-keys", api_keys=f"acme={KEY},globex={OTHER_KEY}", tenant_tokens_per_min=100)
         for gateway in s.gateways:
             gateway.wait_ready()
         s.wait_for_models({MODEL, THINKER})
@@ -180,6 +180,92 @@ def test_a_stream_refused_at_once_is_an_http_error(client: openai.OpenAI) -> Non
     assert bad.value.param == "max_output_tokens"
 
 
+# ---------------------------------------------------------------------- stored responses
+def test_previous_response_id_continues_a_stored_conversation(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0)
+    assert first.store is True
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="What is my name?",
+                                     max_output_tokens=6, temperature=0)
+    assert second.previous_response_id == first.id
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens   # the turn came along
+    # the same conversation sent whole reads the same prompt: the same tokens, the same greedy reply
+    whole = client.responses.create(model=MODEL, max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": "My name is Ada."}, *[item.model_dump(exclude_none=True) for item in first.output],
+        {"role": "user", "content": "What is my name?"}])
+    assert whole.usage is not None and whole.usage.input_tokens == second.usage.input_tokens
+    assert whole.output_text == second.output_text
+
+
+def test_a_tool_loop_through_previous_response_id(client: openai.OpenAI) -> None:
+    """The agents' pattern: the call's response id and only the function's output go back."""
+    first = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+                                    max_output_tokens=200, temperature=0)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    answer = client.responses.create(model=MODEL, previous_response_id=first.id, tools=TOOLS, max_output_tokens=300,
+                                     temperature=0, tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "sunny, 21 C"}])
+    assert answer.status in ("completed", "incomplete") and [item.type for item in answer.output] == ["message"]
+
+
+def test_retrieve_delete_and_what_is_not_stored(client: openai.OpenAI) -> None:
+    created = client.responses.create(model=MODEL, input="Hello", max_output_tokens=5, temperature=0,
+                                      metadata={"run": "r1"})
+    fetched = client.responses.retrieve(created.id)
+    assert (fetched.id, fetched.status, fetched.output_text) == (created.id, created.status, created.output_text)
+    assert fetched.metadata == {"run": "r1"} and fetched.usage == created.usage
+    client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    unstored = client.responses.create(model=MODEL, input="Hello", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=MODEL, input="Hello", previous_response_id="resp_nope")
+    assert missing.value.param == "previous_response_id"
+
+
+def test_input_items_list_the_conversation_and_input_tokens_count_it(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="My name is Ada.", instructions="Be brief.",
+                                    max_output_tokens=4, temperature=0)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="What is my name?",
+                                     max_output_tokens=4, temperature=0)
+    newest_first = client.responses.input_items.list(second.id)
+    kinds = [(item.type, getattr(item, "role", None)) for item in newest_first.data]
+    assert kinds == [("message", "user"), ("message", "assistant"), ("message", "user")], kinds
+    assert [part.text for part in newest_first.data[2].content] == ["My name is Ada."]
+    in_order = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [item.id for item in in_order.data] == [item.id for item in reversed(newest_first.data)][:2]
+    assert in_order.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=in_order.data[-1].id)
+    assert [item.id for item in rest.data] == [newest_first.data[0].id] and not rest.has_more
+
+    counted = client.responses.input_tokens.count(model=MODEL, previous_response_id=first.id,
+                                                  input="What is my name?", instructions="Be brief.")
+    again = client.responses.create(model=MODEL, previous_response_id=first.id, input="What is my name?",
+                                    instructions="Be brief.", max_output_tokens=1, store=False)
+    assert again.usage is not None and counted.input_tokens == again.usage.input_tokens > 0
+    with_tools = client.responses.input_tokens.count(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required")
+    assert with_tools.input_tokens > client.responses.input_tokens.count(model=MODEL, input=ASK).input_tokens
+
+
+def test_a_stored_response_belongs_to_its_tenant(stack: Stack) -> None:
+    url = f"{stack.gateways[1].url}/v1"
+    acme = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+    globex = openai.OpenAI(base_url=url, api_key=OTHER_KEY, max_retries=0, timeout=60)
+    created = acme.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+    assert acme.responses.retrieve(created.id).id == created.id
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.create(model=MODEL, input="Hi", previous_response_id=created.id)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.delete(created.id)
+    assert acme.responses.retrieve(created.id).id == created.id
+
+
 # ---------------------------------------------------------------------- errors and keys
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
@@ -192,7 +278,7 @@ def test_a_stream_refused_at_once_is_an_http_error(client: openai.OpenAI) -> Non
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "?"}]}, "input[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]},
      "input[0].content"),
-    ({"previous_response_id": "resp_x"}, "previous_response_id"),
+    ({"conversation": "conv_x"}, "conversation"),
     ({"tool_choice": {"type": "function", "name": "nowhere"}, "tools": TOOLS}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),
 ])

@@ -91,7 +91,7 @@ def test_text_format_tool_choice_and_sampling_reach_the_job():
      "'input_image'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stored responses"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call'"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+    ({"conversation": "conv_1"}, "conversation", "not supported"),
     ({"background": True}, "background", "not supported"),
     ({"truncation": "auto"}, "truncation", "never drops"),
     ({"temperature": 3}, "temperature", "2"),
