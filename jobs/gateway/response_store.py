@@ -77,7 +77,7 @@ class ResponseStore:
 
     async def put(self, job_id: str, request: ResponsesRequest, record: JobRecord) -> None:
         stored = StoredResponse(request=request, model=record.model, created=record.created)
-        await self.redis.set(stored_response_key(job_id), stored.model_dump_json(), ex=self.ttl_s)
+        await self.redis.set(stored_response_key(job_id), stored.model_dump_json(by_alias=True), ex=self.ttl_s)
 
     async def get(self, tenant: str, response_id: str, param: str | None = None) -> Stored:
         """The tenant's stored response; a 404 (naming ``param`` when given) for none, another

@@ -10,6 +10,7 @@ alike, and errors are in OpenAI's shape, naming the field as the Responses reque
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -21,6 +22,7 @@ from slotq.jobs.gateway.routes_openai import finished_result, gateway_of
 from slotq.jobs.gateway.sse import ClientGone, open_stream
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.openai.translate import unfinished_error
+from slotq.jobs.producer.client import JobNotFound, JobTimeout
 from slotq.jobs.protocol.schemas import JobStatus
 from slotq.jobs.responses.translate import (
     counting_request,
@@ -34,6 +36,7 @@ from slotq.jobs.responses.wire import InputTokens, ItemList, ResponseError, Resp
 from slotq.jobs.responses.wire import Response as ResponseObject
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+CANCEL_WAIT_S = 5.0      # how long a cancel waits for the job's cancelled result before answering as it stands
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -74,8 +77,13 @@ async def create_response(body: ResponsesRequest, request: Request, caller: Call
         await store.put(handle.id, body, record)
     keep = (body.keep_on_disconnect if body.keep_on_disconnect is not None
             else gateway.settings.gateway_keep_on_disconnect)
-    owner_cancels = handle.created and not keep       # only the request that created a job cancels it
+    # only the request that created a job cancels it, and a background response only on request
+    owner_cancels = handle.created and not keep and not body.background
     headers = {"X-Slotq-Job-Id": handle.id}
+    if body.background and not body.stream:
+        queued = response_shell(body, handle.id, record.model, record.created)
+        queued.status = "queued"
+        return Response(queued.model_dump_json(), media_type="application/json", headers=headers)
     if body.stream:
         renderer = ResponseEventRenderer(response_shell(body, handle.id, record.model, record.created))
         return await open_stream(request, gateway, handle.client, handle.id, renderer,
@@ -109,10 +117,21 @@ def stored_response(stored: Stored) -> ResponseObject:
 
 
 @router.get("/responses/{response_id}")
-async def get_response(response_id: str, request: Request, caller: CallerDep) -> Response:
+async def get_response(response_id: str, request: Request, caller: CallerDep, stream: bool = False,
+                       starting_after: int | None = Query(None, ge=-1)) -> Response:
+    """The Response as it stands, or (``stream=true``) its events from the job's stream, those
+    after ``starting_after`` only: a client that lost a stream resumes it exactly once, from any
+    gateway, while the job's stream lives (``SLOTQ_STREAM_TTL_S`` after it ends; then 410, and the
+    Response itself still answers). Reading never cancels the job."""
     stored = await store_of(request).get(caller.tenant, response_id)
-    return Response(stored_response(stored).model_dump_json(), media_type="application/json",
-                    headers={"X-Slotq-Job-Id": stored.job_id})
+    headers = {"X-Slotq-Job-Id": stored.job_id}
+    if stream:
+        shell = response_shell(stored.stored.request, stored.job_id, stored.stored.model, stored.stored.created)
+        renderer = ResponseEventRenderer(shell, starting_after=starting_after)
+        return await open_stream(request, gateway_of(request), stored.client, stored.job_id, renderer,
+                                 cancel_on_disconnect=False, deadline=None, headers=headers,
+                                 first_error=renderer.first_error)
+    return Response(stored_response(stored).model_dump_json(), media_type="application/json", headers=headers)
 
 
 @router.delete("/responses/{response_id}")
@@ -140,3 +159,22 @@ async def list_input_items(response_id: str, request: Request, caller: CallerDep
     page = items[:limit]
     return ItemList(data=page, first_id=page[0]["id"] if page else None, last_id=page[-1]["id"] if page else None,
                     has_more=len(items) > limit)
+
+
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request, caller: CallerDep) -> Response:
+    """Cancel a background response's job and answer the Response as it then stands (``cancelled``,
+    or its outcome when it had finished already). A response that is not a background one is
+    cancelled by its own request leaving, as on OpenAI: a 400."""
+    store = store_of(request)
+    stored = await store.get(caller.tenant, response_id)
+    if not stored.stored.request.background:
+        raise ApiError.invalid(f"{response_id} is not a background response: only those are cancelled by id",
+                               "response_id")
+    if stored.result is None:
+        await stored.client.cancel(stored.job_id)
+        with contextlib.suppress(JobTimeout, JobNotFound):
+            await stored.client.result(stored.job_id, timeout=CANCEL_WAIT_S)   # a running job stops at its next step
+        stored = await store.get(caller.tenant, response_id)
+    return Response(stored_response(stored).model_dump_json(), media_type="application/json",
+                    headers={"X-Slotq-Job-Id": stored.job_id})

@@ -267,5 +267,5 @@ def echoed(request: ResponsesRequest) -> dict[str, Any]:
             "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
             "tool_choice": request.tool_choice or "auto", "parallel_tool_calls": bool(request.parallel_tool_calls),
             "reasoning": request.reasoning.model_dump(exclude_none=True) if request.reasoning else None,
-            "metadata": request.metadata or {}, "store": request.store,
+            "metadata": request.metadata or {}, "store": request.store, "background": request.background,
             "previous_response_id": request.previous_response_id}

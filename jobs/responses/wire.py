@@ -6,7 +6,7 @@ Requests are checked for shape here, with OpenAI's own bounds where they are tig
 :mod:`slotq.jobs.responses.translate`. What slotq cannot honour is refused by name: the built-in
 tools only OpenAI hosts (web search, file search, computer use, code interpreter, ...), image, file
 and audio input, ``truncation: auto``, and the stateful fields this gateway does not serve
-(``background``, ``conversation``, ``prompt``). What changes nothing
+(``conversation``, ``prompt``). What changes nothing
 here is accepted and ignored (``user``, ``service_tier``, ``prompt_cache_key``, ``include``,
 ``reasoning``'s effort: a slotq model thinks or not as its chat template makes it).
 
@@ -28,8 +28,6 @@ _IGNORED = ("user", "safety_identifier", "service_tier", "prompt_cache_key", "pr
             "stream_options")
 # Fields slotq does not serve: dropped when off (null, false, 0, empty), refused by name otherwise.
 _REFUSED = {
-    "background": "slotq does not run background responses yet: send the request with stream true (a stream "
-                  "resumes with Last-Event-ID on /v1/chat/completions) or use /v1/jobs",
     "conversation": "slotq keeps no conversations: send the whole conversation as input items",
     "prompt": "slotq keeps no prompt templates: send instructions and input",
     "top_logprobs": "the Responses API's logprobs are not served: use /v1/chat/completions with logprobs",
@@ -226,6 +224,8 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = Field(True, description="keep the response (GET /v1/responses/{id}, previous_response_id)")
     previous_response_id: str | None = Field(None, description="continue the conversation this stored response ended")
+    background: bool = Field(False, description="answer at once and run the response as a durable job: poll it, "
+                                                "stream it from any event (starting_after), cancel it")
     # slotq's own (the SDK sends them with extra_body)
     lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
     priority: int | None = None
@@ -258,6 +258,13 @@ class ResponsesRequest(BaseModel):
         if kind != "function" or not isinstance(value.get("name"), str) or set(value) != {"type", "name"}:
             raise ValueError("give 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": <a tool's name>}")
         return value
+
+    @model_validator(mode="after")
+    def _background_is_stored(self) -> ResponsesRequest:
+        if self.background and not self.store:
+            raise ValueError("background: a background response is stored (it is polled and resumed by id): "
+                             "leave store true")
+        return self
 
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> ResponsesRequest:

@@ -11,6 +11,9 @@ writes is reasoning, which comes back as a reasoning item.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.gateway import Stack
+from tests.support.gateway import Event, Stack, sse_events
 from tests.support.tiny_model import CHATML_TEMPLATE, TINY_SCALE, TINY_SEED, write_tiny_llama
 
 MODEL, THINKER = "tiny", "tiny-think"
@@ -29,6 +32,9 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"]
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
           "parameters": WEATHER, "strict": True}]
 ASK = "What is the weather in Paris?"
+# A reply the grammar keeps going for a few hundred tokens, whatever the tiny model would rather do
+LONG_STORY = {"type": "object", "required": ["story"], "additionalProperties": False,
+              "properties": {"story": {"type": "string", "minLength": 400}}}
 THINKING_TEMPLATE = CHATML_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
                                             "<|im_start|>assistant\n<think>\n{% endif %}")
 
@@ -264,6 +270,92 @@ def test_a_stored_response_belongs_to_its_tenant(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError):
         globex.responses.delete(created.id)
     assert acme.responses.retrieve(created.id).id == created.id
+
+
+# ---------------------------------------------------------------------- background responses
+def finished_response(client: openai.OpenAI, response_id: str, timeout: float = 60) -> openai.types.responses.Response:
+    deadline = time.monotonic() + timeout
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, response
+        time.sleep(0.1)
+    return response
+
+
+def test_a_background_response_is_polled_and_its_events_resume_from_starting_after(client: openai.OpenAI) -> None:
+    created = client.responses.create(model=MODEL, input="Hello", background=True, max_output_tokens=40,
+                                      temperature=0)
+    assert created.status == "queued" and created.background is True and created.output == []
+    done = finished_response(client, created.id)
+    assert done.status == "incomplete" and done.background is True and done.output_text
+    whole = [event.model_dump() for event in client.responses.retrieve(created.id, stream=True)]
+    assert [event["sequence_number"] for event in whole] == list(range(len(whole)))
+    assert whole[-1]["type"] == "response.incomplete" and whole[-1]["response"]["output"] == \
+        [item.model_dump() for item in done.output]
+    for cut in (3, len(whole) // 2, len(whole) - 2):
+        resumed = [event.model_dump() for event in
+                   client.responses.retrieve(created.id, stream=True, starting_after=cut)]
+        assert [e["sequence_number"] for e in resumed] == list(range(cut + 1, len(whole)))
+        assert [e for e in resumed if e["type"] != "response.incomplete"] == \
+            [e for e in whole[cut + 1:] if e["type"] != "response.incomplete"]
+
+
+def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
+    created = client.responses.create(model=MODEL, input="Hello", background=True,
+                                      max_output_tokens=3000)
+    cancelled = client.responses.cancel(created.id)
+    assert cancelled.status == "cancelled" and cancelled.error is not None, cancelled
+    assert client.responses.retrieve(created.id).status == "cancelled"
+    foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(foreground.id)
+    with pytest.raises(openai.BadRequestError) as unstored:
+        client.responses.create(model=MODEL, input="Hi", background=True, store=False)
+    assert unstored.value.param == "background"
+
+
+def without_final(events: list[dict]) -> list[dict]:
+    """The events but the last Response's, whose ``completed_at`` is the time it was rendered."""
+    return [e for e in events if e["type"] not in ("response.completed", "response.incomplete")]
+
+
+def stream_lines(url: str, **params: object) -> Iterator[Event]:
+    with httpx.stream("GET", url, params=params, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for event in sse_events(response.iter_lines()):
+            if isinstance(event, Event):
+                yield event
+
+
+@pytest.mark.fault
+def test_a_background_stream_survives_a_gateway_killed_mid_stream(stack: Stack) -> None:
+    """A background response streamed through one gateway, that gateway killed (-9) after a few
+    events; a gateway started afresh resumes with starting_after: what the client then holds is
+    exactly the events an uninterrupted read gives, each once."""
+    first = stack.start_gateway("responses-doomed")
+    first.wait_ready()
+    created = httpx.post(f"{first.url}/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "Hello", "background": True, "max_output_tokens": 600, "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "story", "schema": LONG_STORY}}}).json()
+    assert created["status"] == "queued", created
+    seen = []
+    for event in stream_lines(f"{first.url}/v1/responses/{created['id']}", stream="true"):
+        seen.append(json.loads(event.data))
+        if len(seen) == 12:
+            os.kill(first.proc.pid, signal.SIGKILL)        # mid-stream: the client holds 12 events
+            break
+    first.stop()
+    assert all(event["type"] != "response.incomplete" for event in seen)
+    second = stack.start_gateway("responses-restarted")
+    second.wait_ready()
+    url = f"{second.url}/v1/responses/{created['id']}"
+    after = seen[-1]["sequence_number"]
+    resumed = [json.loads(e.data) for e in stream_lines(url, stream="true", starting_after=after)]
+    uninterrupted = [json.loads(e.data) for e in stream_lines(url, stream="true")]
+    assert without_final(seen + resumed) == without_final(uninterrupted)
+    assert [e["sequence_number"] for e in seen + resumed] == list(range(len(uninterrupted)))
+    assert len(resumed) > 5 and resumed[-1]["type"] == uninterrupted[-1]["type"]
+    assert resumed[-1]["type"] in ("response.completed", "response.incomplete")
+    assert resumed[-1]["response"]["output"] == uninterrupted[-1]["response"]["output"]
 
 
 # ---------------------------------------------------------------------- errors and keys

@@ -92,7 +92,7 @@ def test_text_format_tool_choice_and_sampling_reach_the_job():
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stored responses"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call'"),
     ({"conversation": "conv_1"}, "conversation", "not supported"),
-    ({"background": True}, "background", "not supported"),
+    ({"background": True, "store": False}, "background", "store"),
     ({"truncation": "auto"}, "truncation", "never drops"),
     ({"temperature": 3}, "temperature", "2"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
