@@ -35,6 +35,8 @@ ASK = "What is the weather in Paris?"
 # A reply the grammar keeps going for a few hundred tokens, whatever the tiny model would rather do
 LONG_STORY = {"type": "object", "required": ["story"], "additionalProperties": False,
               "properties": {"story": {"type": "string", "minLength": 400}}}
+LONGER_STORY = {"type": "object", "required": ["story"], "additionalProperties": False,
+                "properties": {"story": {"type": "string", "minLength": 2000}}}
 THINKING_TEMPLATE = CHATML_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
                                             "<|im_start|>assistant\n<think>\n{% endif %}")
 
@@ -328,8 +330,8 @@ def stream_lines(url: str, **params: object) -> Iterator[Event]:
 
 @pytest.mark.fault
 def test_a_background_stream_survives_a_gateway_killed_mid_stream(stack: Stack) -> None:
-    """A background response streamed through one gateway, that gateway killed (-9) after a few
-    events; a gateway started afresh resumes with starting_after: what the client then holds is
+    """A background response streamed through one gateway, that gateway killed (-9) after the
+    first text delta; a gateway started afresh resumes with starting_after: what the client then holds is
     exactly the events an uninterrupted read gives, each once."""
     first = stack.start_gateway("responses-doomed")
     first.wait_ready()
@@ -340,8 +342,8 @@ def test_a_background_stream_survives_a_gateway_killed_mid_stream(stack: Stack) 
     seen = []
     for event in stream_lines(f"{first.url}/v1/responses/{created['id']}", stream="true"):
         seen.append(json.loads(event.data))
-        if len(seen) == 12:
-            os.kill(first.proc.pid, signal.SIGKILL)        # mid-stream: the client holds 12 events
+        if len(seen) == 5:
+            os.kill(first.proc.pid, signal.SIGKILL)        # mid-stream: the client holds its first text delta
             break
     first.stop()
     assert all(event["type"] != "response.incomplete" for event in seen)
@@ -353,9 +355,43 @@ def test_a_background_stream_survives_a_gateway_killed_mid_stream(stack: Stack) 
     uninterrupted = [json.loads(e.data) for e in stream_lines(url, stream="true")]
     assert without_final(seen + resumed) == without_final(uninterrupted)
     assert [e["sequence_number"] for e in seen + resumed] == list(range(len(uninterrupted)))
-    assert len(resumed) > 5 and resumed[-1]["type"] == uninterrupted[-1]["type"]
+    assert seen[-1]["type"] == "response.output_text.delta" and len(resumed) >= 2
+    assert resumed[-1]["type"] == uninterrupted[-1]["type"]
     assert resumed[-1]["type"] in ("response.completed", "response.incomplete")
     assert resumed[-1]["response"]["output"] == uninterrupted[-1]["response"]["output"]
+
+
+@pytest.mark.fault
+def test_a_background_response_survives_its_worker_killed_mid_reply(stack: Stack) -> None:
+    """Its worker killed (-9) while the reply is being written and a client is reading it: another
+    worker resumes the job, and the client resumes with starting_after to exactly the events an
+    uninterrupted read of the finished response gives, each once."""
+    model, queue = "tiny-fault", "slotq:queue:responses-fault"
+    doomed = stack.start_worker("responses-doomed-worker", model, queue=queue, ctx=4096)
+    stack.wait_for_models({model})
+    created = httpx.post(f"{stack.url}/v1/responses", timeout=60, json={
+        "model": model, "input": "Hello", "background": True, "max_output_tokens": 1500, "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "story", "schema": LONGER_STORY}}}).json()
+    url = f"{stack.url}/v1/responses/{created['id']}"
+    seen = []
+    for event in stream_lines(url, stream="true"):
+        seen.append(json.loads(event.data))
+        if len(seen) == 5:                              # the first text delta
+            status_at_kill = httpx.get(url, timeout=30).json()["status"]
+            os.kill(doomed.proc.pid, signal.SIGKILL)
+            break
+    assert status_at_kill == "in_progress"
+    stack.workers.pop(doomed.name).stop()
+    stack.start_worker("responses-heir-worker", model, queue=queue, ctx=4096)
+    resumed = [json.loads(e.data) for e in stream_lines(url, stream="true", starting_after=seen[-1]["sequence_number"])]
+    uninterrupted = [json.loads(e.data) for e in stream_lines(url, stream="true")]
+    assert without_final(seen + resumed) == without_final(uninterrupted)
+    assert [e["sequence_number"] for e in seen + resumed] == list(range(len(uninterrupted)))
+    final = uninterrupted[-1]["response"]
+    assert final["status"] in ("completed", "incomplete") and final["slotq"]["worker"] == "responses-heir-worker"
+    assert resumed[-1]["response"]["output"] == final["output"]
+    text = "".join(e["delta"] for e in uninterrupted if e["type"] == "response.output_text.delta")
+    assert final["output"][0]["content"][0]["text"] == text
 
 
 # ---------------------------------------------------------------------- errors and keys
