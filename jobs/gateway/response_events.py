@@ -23,7 +23,6 @@ the events after N: the events a client resumes with are exactly the ones it had
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from slotq.jobs.gateway.chunks import first_entry_error, sse, unfinished_stream
@@ -67,8 +66,9 @@ class ResponseEventRenderer:
             if entry.finish_reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
                 return self.failed(unfinished_stream(self.job_id, entry.finish_reason))
             events = self._close(incomplete=entry.finish_reason == FinishReason.LENGTH)
+            total_s = int(entry.timings.total_ms / 1000) if entry.timings else 0
             response = finished(self.shell, self._items, entry.finish_reason, entry.usage or Usage(),
-                                int(time.time()))
+                                self.shell.created_at + total_s)
             response.slotq = self.shell.slotq.model_copy(update={"worker": entry.worker, "attempts": entry.attempt}) \
                 if self.shell.slotq else None
             kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
