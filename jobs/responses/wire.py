@@ -36,8 +36,7 @@ _REFUSED = {
 # Built-in tools (and tool_choice types) that only OpenAI hosts: refused naming the type.
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
                 "file_search", "computer", "computer_use_preview", "computer_use", "code_interpreter",
-                "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom",
-                "programmatic_tool_calling")
+                "image_generation", "mcp", "local_shell", "shell", "apply_patch", "programmatic_tool_calling")
 # Content part types a message item may hold: text only (slotq serves text models).
 TEXT_PARTS = ("input_text", "output_text", "refusal")
 
@@ -47,8 +46,12 @@ def _is_off(value: Any) -> bool:
 
 
 def hosted_tool_error(kind: object) -> str:
-    return (f"type {kind!r} is a built-in tool that only OpenAI hosts; slotq runs function tools only "
-            "(type 'function' with name and parameters): run the tool in your app and describe it as a function")
+    """Why a tool of ``kind`` (not ``function``) is refused: OpenAI's built-in tools run on OpenAI's
+    servers; any other type (``custom`` free-form tools, ``allowed_tools``) slotq does not serve."""
+    what = ("is a built-in tool that only OpenAI hosts" if kind in HOSTED_TOOLS or str(kind).startswith(
+        ("web_search", "computer", "file_search")) else "is not served")
+    return (f"type {kind!r} {what}; slotq runs function tools only (type 'function' with name and "
+            "parameters): run the tool in your app and describe it as a function")
 
 
 class ContentPart(BaseModel):
@@ -253,9 +256,9 @@ class ResponsesRequest(BaseModel):
         if not isinstance(value, dict):
             return value
         kind = value.get("type")
-        if kind in HOSTED_TOOLS or str(kind).startswith(("web_search", "computer", "file_search")):
+        if kind != "function":
             raise ValueError(hosted_tool_error(kind))
-        if kind != "function" or not isinstance(value.get("name"), str) or set(value) != {"type", "name"}:
+        if not isinstance(value.get("name"), str) or set(value) != {"type", "name"}:
             raise ValueError("give 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": <a tool's name>}")
         return value
 
