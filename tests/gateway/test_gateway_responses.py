@@ -315,6 +315,18 @@ def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
     assert unstored.value.param == "background"
 
 
+def test_an_idempotency_key_gives_the_same_background_response(client: openai.OpenAI) -> None:
+    """A client that retries its create (a timeout, a dropped connection) gets the response it
+    started, not a second job."""
+    key = {"Idempotency-Key": f"responses-{time.time_ns()}"}
+    first = client.responses.create(model=MODEL, input="Hello", background=True, max_output_tokens=8,
+                                    extra_headers=key)
+    again = client.responses.create(model=MODEL, input="Hello", background=True, max_output_tokens=8,
+                                    extra_headers=key)
+    assert again.id == first.id
+    assert finished_response(client, first.id).status in ("completed", "incomplete")
+
+
 def stream_lines(url: str, **params: object) -> Iterator[Event]:
     with httpx.stream("GET", url, params=params, timeout=60) as response:
         assert response.status_code == 200, response.read()
@@ -402,6 +414,7 @@ def test_a_background_response_survives_its_worker_killed_mid_reply(stack: Stack
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]},
      "input[0].content"),
     ({"conversation": "conv_x"}, "conversation"),
+    ({"lane": "no-such-lane"}, "lane"),
     ({"tool_choice": {"type": "function", "name": "nowhere"}, "tools": TOOLS}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),
 ])
