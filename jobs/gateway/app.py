@@ -1,4 +1,4 @@
-"""The gateway's ASGI app: OpenAI's API (Batch API and webhooks included), Anthropic's Messages API,
+"""The gateway's ASGI app: OpenAI's API (Batch and Responses APIs and webhooks included), Anthropic's Messages API,
 background jobs, health, metrics and the dashboard.
 
 No interactive API docs page: FastAPI's loads Swagger UI from a CDN, which an offline deployment
@@ -25,6 +25,7 @@ from slotq.jobs.gateway import (
     routes_jobs,
     routes_openai,
     routes_ops,
+    routes_responses,
     routes_webhooks,
 )
 from slotq.jobs.gateway.auth import KeyRing
@@ -88,9 +89,9 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     app.state.settings = settings
     app.state.keys = KeyRing(settings)
     http_errors.install(app)
-    for router in (routes_openai.router, routes_anthropic.router, routes_jobs.router, routes_files.router,
-                   routes_batches.router, routes_webhooks.router, routes_webhooks.event_types, routes_ops.router,
-                   routes_ops.api):
+    for router in (routes_openai.router, routes_responses.router, routes_anthropic.router, routes_jobs.router,
+                   routes_files.router, routes_batches.router, routes_webhooks.router, routes_webhooks.event_types,
+                   routes_ops.router, routes_ops.api):
         app.include_router(router)
     app.router.routes.append(Dashboard("/", SecurityHeaders(StaticFiles(directory=STATIC_DIR, html=True)),
                                        name="dashboard"))

@@ -110,6 +110,11 @@ class GatewaySettings(ClientSettings):
     gateway_max_body_mb: float = Field(4.0, gt=0, description="largest request body (413 above it); a file upload "
                                                               "has SLOTQ_GATEWAY_MAX_FILE_MB instead")
     gateway_max_metadata_bytes: int = Field(16_384, ge=0, description="largest `metadata` of a job, as JSON")
+    gateway_response_ttl_s: int = Field(
+        86_400, ge=60, description="how long a stored response (store, previous_response_id) is kept; never longer "
+                                   "than its job's result (SLOTQ_KEEP_RESULT_S), which holds its output")
+    gateway_response_max_items: int = Field(
+        1000, ge=1, description="most items a stored conversation holds (previous_response_id chains included)")
     gateway_header_timeout_s: float = Field(10.0, gt=0, le=3600, description="a request's headers must arrive within "
                                                                               "this long, or the connection is closed")
     gateway_body_timeout_s: float = Field(60.0, gt=0, le=86_400, description="a request's whole body must arrive "

@@ -1,0 +1,57 @@
+"""The ``openai`` SDK's Responses API against the gateway on the bundled model (issue 45): a
+two-turn tool loop as agents run it, the call streamed and not. The first turn is forced
+(``tool_choice: required``); the function's output goes back with ``previous_response_id`` alone,
+and the model, free again (``auto``), answers in text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from tests.support.gateway import Stack
+
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
+
+MODEL = "smol"
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 40}}}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+          "parameters": WEATHER}]
+ASK = "What is the weather in Paris?"
+INSTRUCTIONS = "Answer questions about the weather."
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path) -> Iterator[Stack]:
+    with Stack.started(tmp_path_factory.mktemp("responses-model"), real_model_path) as s:
+        s.start_worker("responses-model-worker", MODEL, ctx=2048)
+        s.start_gateway("responses-model-gateway").wait_ready()
+        s.wait_for_models({MODEL})
+        yield s
+
+
+def test_the_openai_sdk_runs_a_responses_tool_loop_streamed_and_not(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    first = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=TOOLS,
+                                    tool_choice="required", max_output_tokens=64, temperature=0)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and call.name == "get_weather", first
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, WEATHER)
+
+    with client.responses.stream(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=TOOLS,
+                                 tool_choice="required", max_output_tokens=64, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert [item.arguments for item in streamed.output if item.type == "function_call"] == [call.arguments]
+
+    answer = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, previous_response_id=first.id,
+                                     tools=TOOLS, max_output_tokens=96, temperature=0, input=[
+                                         {"type": "function_call_output", "call_id": call.call_id,
+                                          "output": f"Sunny and 21 degrees in {arguments['city']}."}])
+    assert answer.status == "completed", answer
+    assert [item.type for item in answer.output] == ["message"] and answer.output_text.strip()
