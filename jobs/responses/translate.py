@@ -250,9 +250,10 @@ def output_items_of(result: JobResult) -> list[OutputItem]:
 
 
 def to_response(result: JobResult, request: ResponsesRequest, model: str, created: int) -> Response:
-    """A finished job as OpenAI's Response, the request's settings echoed."""
+    """A finished job as OpenAI's Response, the request's settings echoed; ``model`` is the name asked
+    for, and the Response names the model that served the job when its result says."""
     reason = result.choices[0].finish_reason if result.choices else result.finish_reason
-    shell = response_shell(request, result.id, model, created)
+    shell = response_shell(request, result.id, result.model or model, created)
     shell.slotq = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
     total_s = int(result.timings.total_ms / 1000) if result.timings else 0
     return finished(shell, output_items_of(result), reason, result.usage, created + total_s)
