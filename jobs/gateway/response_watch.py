@@ -69,6 +69,11 @@ class ResponseWatcher:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop().create_task(self._look_forever(), name="slotq-response-watch")
 
+    @property
+    def running(self) -> bool:
+        """Whether its looks go on (the gateway's /ready)."""
+        return self._loop is not None and not self._loop.done()
+
     async def close(self) -> None:
         if self._loop is not None:
             self._loop.cancel()
