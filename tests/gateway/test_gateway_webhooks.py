@@ -25,7 +25,7 @@ import pytest
 import standardwebhooks
 from openai import OpenAI
 
-from slotq.jobs.gateway.records import WebhookKeys
+from slotq.jobs.gateway.records import WebhookKeys, WebhookRecords
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.gateway.webhook_delivery import retry_delay_s
 from slotq.jobs.gateway.webhooks import AddressRefused, EventType, emit_event, resolve
@@ -409,6 +409,22 @@ def test_deliveries_on_a_valkey_cluster(tmp_path: Path, tiny_model_path: Path,
         receiver.start()
         wait_for("both events", lambda: len(receiver.received) == 2)
         assert sorted(e["data"]["id"] for e in verified(receiver, secret)) == ["resp_cluster_1", "resp_cluster_2"]
+        gateway.stop()                                   # its own looks would take the entry first
+        assert asyncio.run(watch_claim_unwatch(cluster)) == (["job-1"], [], [])
+
+
+async def watch_claim_unwatch(stack: Stack) -> tuple[list[str], list[str], list[bytes]]:
+    """The background responses' watch set, through a cluster client: claimed once, then not due."""
+    redis = await connect(stack.redis.url, patient=False)
+    try:
+        records = WebhookRecords(redis)
+        await records.watch("job-1", look_at_ms=1)
+        claimed = await records.claim_watched(now_ms=2, next_look_ms=10_000, count=10)
+        again = await records.claim_watched(now_ms=3, next_look_ms=10_000, count=10)
+        await records.unwatch(claimed)
+        return claimed, again, list(await redis.zrange(WebhookKeys.watched, 0, -1))
+    finally:
+        await redis.aclose()
 
 
 # ---------------------------------------------------------------------- isolation
