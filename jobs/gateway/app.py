@@ -35,6 +35,7 @@ from slotq.jobs.gateway.files import FileStore
 from slotq.jobs.gateway.history import FleetHistory
 from slotq.jobs.gateway.limits import AmbiguousFraming, BodyLimits, KeylessGuard
 from slotq.jobs.gateway.metrics import MetricsMiddleware
+from slotq.jobs.gateway.response_watch import ResponseWatcher
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.gateway.surfaces import PrivatePort, SecurityHeaders
@@ -75,9 +76,12 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
                                           tenant_max_endpoints=settings.gateway_webhook_tenant_max_endpoints)
         app.state.webhook_sender = sender = WebhookSender(gateway.client.redis, settings)
         sender.start()
+        app.state.response_watcher = watcher = ResponseWatcher(gateway)
+        watcher.start()
         try:
             yield
         finally:
+            await watcher.close()
             await sender.close()
             await history.close()
             await files.close()

@@ -24,6 +24,8 @@
                                           claimed, when the claim's lease ends)
 ``{W}:attempts:<endpoint id>``    LIST    the endpoint's last 100 attempts (JSON), newest first
 ``{W}:recent``                    LIST    every endpoint's last 100 attempts, for the dashboard
+``{W}:responses-watched``         ZSET    background responses' job ids -> when a gateway next looks whether
+                                          the job ended (ms), to emit its ``response.*`` event
 ================================  ======  ===========================================================
 
 **On a Redis Cluster** a script's keys must share a slot. A file's record, its tenant's index and
@@ -434,6 +436,7 @@ class WebhookKeys:
 
     due = f"{WEBHOOKS_TAG}:due"
     recent = f"{WEBHOOKS_TAG}:recent"
+    watched = f"{WEBHOOKS_TAG}:responses-watched"
 
 
 def due_member(endpoint_id: str, delivery_id: str) -> str:
@@ -482,6 +485,14 @@ if #due == tonumber(ARGV[4]) and #claimed < tonumber(ARGV[3]) then
 end
 return claimed
 """
+# KEYS: the watched responses. ARGV: now (ms), look again at (ms), how many. The members due now,
+# moved to the next look: another gateway passes over them until then, and one that dies while
+# looking leaves them to be looked at again.
+_CLAIM_WATCHED = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+for _, member in ipairs(due) do redis.call('ZADD', KEYS[1], ARGV[2], member) end
+return due
+"""
 # KEYS: the due set, the delivery, the endpoint's attempts, every tenant's recent attempts. ARGV:
 # member, the claim's lease end (ms), next due (ms, '' = no more attempts), the attempt (JSON), the
 # delivery's record, keep (s), attempts kept. The attempt is always recorded (it happened); the
@@ -526,6 +537,7 @@ class WebhookRecords:
         self._emit = redis.register_script(_EMIT)
         self._claim = redis.register_script(_CLAIM)
         self._finish = redis.register_script(_FINISH)
+        self._claim_watched = redis.register_script(_CLAIM_WATCHED)
 
     # ------------------------------------------------------------------ endpoints
     async def put_endpoint(self, endpoint_id: str, tenant: str, record: str, *, created_ms: int | None) -> None:
@@ -606,3 +618,17 @@ class WebhookRecords:
         """The endpoint's most recent attempts (every tenant's with None: the fleet view), newest first."""
         key = self.keys.recent if endpoint_id is None else self.keys.attempts(endpoint_id)
         return list(await reply(self.redis.lrange(key, 0, limit - 1)))
+
+    # ------------------------------------------------------------------ background responses watched
+    async def watch(self, job_id: str, *, look_at_ms: int) -> None:
+        """Look at the job at ``look_at_ms`` (and after, until :meth:`unwatch`)."""
+        await reply(self.redis.zadd(self.keys.watched, {job_id: look_at_ms}))
+
+    async def claim_watched(self, *, now_ms: int, next_look_ms: int, count: int) -> list[str]:
+        """Up to ``count`` watched jobs due a look, each not due again before ``next_look_ms``."""
+        return [m.decode() for m in await self._claim_watched(keys=[self.keys.watched],
+                                                              args=[now_ms, next_look_ms, count])]
+
+    async def unwatch(self, job_ids: Sequence[str]) -> None:
+        if job_ids:
+            await reply(self.redis.zrem(self.keys.watched, *job_ids))

@@ -95,7 +95,8 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     """Kubernetes' readinessProbe, as the worker's ``/ready``: 200 while Redis answers and the
-    gateway's background tasks (batch driver, file sweep, webhook sender) run; 503 with the state otherwise.
+    gateway's background tasks (batch driver, file sweep, webhook sender, response watcher) run; 503 with
+    the state otherwise.
     (uvicorn serves nothing before the lifespan has started them, as a worker answers nothing
     ready before its warm-up.) A Redis outage takes replicas out of the load balancer; it never
     restarts them (liveness is a TCP check)."""
@@ -103,7 +104,8 @@ async def ready(request: Request) -> JSONResponse:
     if await _redis_answers(request) is not None:
         ok, detail = False, "redis_unavailable"
     elif stopped := [name for name, task in (("batch_driver", state.batch_driver), ("file_sweep", state.files),
-                                             ("webhook_sender", state.webhook_sender)) if not task.running]:
+                                             ("webhook_sender", state.webhook_sender),
+                                             ("response_watcher", state.response_watcher)) if not task.running]:
         ok, detail = False, f"{stopped[0]}_stopped"
     else:
         ok, detail = True, "ready"

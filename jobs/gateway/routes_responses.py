@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.response_events import ResponseEventRenderer
 from slotq.jobs.gateway.response_store import ResponseStore, Stored
+from slotq.jobs.gateway.response_watch import ResponseWatcher
 from slotq.jobs.gateway.routes_openai import finished_result, gateway_of
 from slotq.jobs.gateway.sse import ClientGone, open_stream
 from slotq.jobs.openai.errors import ApiError
@@ -41,6 +42,11 @@ CANCEL_WAIT_S = 5.0      # how long a cancel waits for the job's cancelled resul
 
 def store_of(request: Request) -> ResponseStore:
     return ResponseStore(gateway_of(request))
+
+
+def watcher_of(request: Request) -> ResponseWatcher:
+    watcher: ResponseWatcher = request.app.state.response_watcher
+    return watcher
 
 
 @router.post("/responses/input_tokens")
@@ -75,6 +81,8 @@ async def create_response(body: ResponsesRequest, request: Request, caller: Call
     handle, record = await gateway.submit(job, body.model, "chat", wire_param)
     if body.store:
         await store.put(handle.id, body, record)
+    if body.background:                 # its webhook event, once its job ends
+        await watcher_of(request).watch(handle.id)
     keep = (body.keep_on_disconnect if body.keep_on_disconnect is not None
             else gateway.settings.gateway_keep_on_disconnect)
     # only the request that created a job cancels it, and a background response only on request

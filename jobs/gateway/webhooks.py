@@ -9,8 +9,8 @@ delivered signed with the Standard Webhooks scheme (the headers ``webhook-id``,
 which the SDK's ``client.webhooks.unwrap`` verifies.
 
 Events enter through :func:`emit_event`, the one call an API that finishes something makes (the
-Batch API's driver; the Responses API's background mode). It writes a pending delivery per
-subscribed endpoint into Redis in one step (:class:`~slotq.jobs.gateway.records.WebhookRecords`);
+Batch API's driver; :mod:`~slotq.jobs.gateway.response_watch` for background responses). It writes
+a pending delivery per subscribed endpoint into Redis in one step (:class:`~slotq.jobs.gateway.records.WebhookRecords`);
 :mod:`slotq.jobs.gateway.webhook_delivery` sends them, with retries, from any gateway replica.
 
 No SSRF: an endpoint whose host resolves to an address that is not globally routable (loopback,
@@ -31,6 +31,7 @@ import json
 import secrets
 import socket
 import time
+from collections.abc import Collection
 from typing import Annotated, Literal, get_args
 from urllib.parse import urlsplit
 
@@ -371,6 +372,14 @@ def event_id(tenant: str, type: EventType, data_id: str) -> str:
     return "evt_" + hashlib.sha256(f"{tenant}\0{type}\0{data_id}".encode()).hexdigest()[:32]
 
 
+async def subscribed_endpoints(records: WebhookRecords, tenant: str,
+                               types: Collection[EventType]) -> list[WebhookEndpoint]:
+    """The tenant's endpoints that receive any of ``types`` (one read when it has none)."""
+    raws = await records.get_endpoints(await records.endpoint_ids(tenant))
+    return [e for e in (WebhookEndpoint.model_validate_json(raw) for raw in raws if raw)
+            if not set(types).isdisjoint(e.event_types)]
+
+
 async def emit_event(redis: Redis, tenant: str, type: EventType, data_id: str) -> str:
     """Deliver the event ``type`` about the object ``data_id`` (a batch's or a response's id) to every
     endpoint of ``tenant`` that subscribes to it, with retries, from whichever gateway replica is up.
@@ -386,8 +395,7 @@ async def emit_event(redis: Redis, tenant: str, type: EventType, data_id: str) -
         raise ValueError(f"type: {type!r} is not a webhook event type ({', '.join(EVENT_TYPES)})")
     records = WebhookRecords(redis)
     evt = event_id(tenant, type, data_id)
-    raws = await records.get_endpoints(await records.endpoint_ids(tenant))
-    endpoints = [e for e in (WebhookEndpoint.model_validate_json(raw) for raw in raws if raw) if type in e.event_types]
+    endpoints = await subscribed_endpoints(records, tenant, {type})
     if not endpoints:
         return evt
     now_ms = time.time_ns() // 1_000_000

@@ -25,6 +25,7 @@ import pytest
 import standardwebhooks
 from openai import OpenAI
 
+from slotq.jobs.gateway.records import WebhookKeys, WebhookRecords
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.gateway.webhook_delivery import retry_delay_s
 from slotq.jobs.gateway.webhooks import AddressRefused, EventType, emit_event, resolve
@@ -188,11 +189,18 @@ def verified(receiver: Receiver, secret: str) -> list[dict[str, Any]]:
     return [webhook.verify(r.body, r.headers) for r in receiver.received]
 
 
+@pytest.fixture(scope="module")
+def served(stack: Stack) -> str:
+    """The tiny model, served by one worker for the whole module (a test waits for it to be seen:
+    ``stack.wait_for_models``, through its gateway)."""
+    stack.start_worker("webhook-worker", MODEL, ctx=2048)
+    return MODEL
+
+
 # ---------------------------------------------------------------------- a batch's event, through the SDK
-def test_finished_batch_sends_its_event_signed(stack: Stack, gateway: GatewayProcess,
+def test_finished_batch_sends_its_event_signed(stack: Stack, served: str, gateway: GatewayProcess,
                                                receivers: Callable[..., Receiver], tmp_path: Path) -> None:
-    stack.start_worker("webhook-worker", MODEL)
-    stack.wait_for_models({MODEL}, url=gateway.url)
+    stack.wait_for_models({served}, url=gateway.url)
     receiver = receivers()
     client = sdk(gateway.url)
     created = client.webhooks.create(name="batches", url=receiver.url,
@@ -234,6 +242,73 @@ def test_finished_batch_sends_its_event_signed(stack: Stack, gateway: GatewayPro
     assert attempt["outcome"] == "delivered" and attempt["status_code"] == 200 and attempt["error"] is None
     assert attempt["webhook_id"] == delivery.headers["webhook-id"] and attempt["event_type"] == "batch.completed"
     assert client.webhooks.delete(created.id).deleted
+
+
+# ---------------------------------------------------------------------- background responses' events
+RESPONSE_EVENTS = ("response.completed", "response.failed", "response.cancelled", "response.incomplete")
+
+
+def watched(stack: Stack) -> list[bytes]:
+    async def run() -> list[bytes]:
+        redis = await connect(stack.redis.url, patient=False)
+        try:
+            return list(await redis.zrange(WebhookKeys.watched, 0, -1))
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(run())
+
+
+def test_background_responses_send_their_ending_events_signed(stack: Stack, served: str, gateway: GatewayProcess,
+                                                             receivers: Callable[..., Receiver]) -> None:
+    """Each background response's event names it and says how it ended, as the Response's status
+    reads; a foreground response and a tenant with no endpoint send nothing."""
+    stack.wait_for_models({served}, url=gateway.url)
+    receiver = receivers()
+    endpoint_id, secret = register(gateway.url, receiver, event_types=RESPONSE_EVENTS)
+    client = sdk(gateway.url)
+    answer = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    completed = client.responses.create(model=served, input="Is it sunny?", background=True, max_output_tokens=40,
+                                        temperature=0, text={"format": {"type": "json_schema", "name": "answer",
+                                                                        "schema": answer, "strict": True}})
+    cut = client.responses.create(model=served, input="Hello", background=True, max_output_tokens=3)
+    long = client.responses.create(model=served, input="Hello", background=True, max_output_tokens=1500)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    client.responses.create(model=served, input="Hello", max_output_tokens=3)      # not a background one
+    sdk(gateway.url, "beta").responses.create(model=served, input="Hello", background=True, max_output_tokens=3)
+
+    wait_for("three events", lambda: len(receiver.received) >= 3, timeout=60)
+    time.sleep(1.5)                                      # a look later: nothing more, nothing twice
+    events = {e.data.id: e.type for e in (client.webhooks.unwrap(r.body, r.headers, secret=secret)
+                                           for r in receiver.received)}
+    assert len(receiver.received) == 3 and events == {completed.id: "response.completed",
+                                                      cut.id: "response.incomplete", long.id: "response.cancelled"}
+    for response_id, type in events.items():
+        assert type == f"response.{client.responses.retrieve(response_id).status}"   # final before it is sent
+    assert verified(receiver, secret)[0]["data"]["id"] in events
+    assert watched(stack) == []                          # every watch ended, the other tenant's too
+    client.webhooks.delete(endpoint_id)
+
+
+def test_a_background_response_ending_while_no_gateway_runs_is_told_by_the_next(
+        stack: Stack, served: str, receivers: Callable[..., Receiver]) -> None:
+    first = start_gateway(stack, "watch-1")
+    stack.wait_for_models({served}, url=first.url)
+    receiver = receivers()
+    endpoint_id, secret = register(first.url, receiver, event_types=RESPONSE_EVENTS)
+    created = sdk(first.url).responses.create(model=served, input="Hello", background=True, max_output_tokens=3)
+    first.stop()
+    time.sleep(2)                                        # the worker finishes it meanwhile
+    assert receiver.received == []
+    second = start_gateway(stack, "watch-2")
+    try:
+        [delivery] = wait_for("its event", lambda: list(receiver.received))
+        event = sdk(second.url).webhooks.unwrap(delivery.body, delivery.headers, secret=secret)
+        assert event.type == "response.incomplete" and event.data.id == created.id
+        sdk(second.url).webhooks.delete(endpoint_id)
+    finally:
+        second.stop()
 
 
 def test_rotated_secret_signs_beside_the_old_one_for_a_day(stack: Stack, gateway: GatewayProcess,
@@ -334,6 +409,22 @@ def test_deliveries_on_a_valkey_cluster(tmp_path: Path, tiny_model_path: Path,
         receiver.start()
         wait_for("both events", lambda: len(receiver.received) == 2)
         assert sorted(e["data"]["id"] for e in verified(receiver, secret)) == ["resp_cluster_1", "resp_cluster_2"]
+        gateway.stop()                                   # its own looks would take the entry first
+        assert asyncio.run(watch_claim_unwatch(cluster)) == (["job-1"], [], [])
+
+
+async def watch_claim_unwatch(stack: Stack) -> tuple[list[str], list[str], list[bytes]]:
+    """The background responses' watch set, through a cluster client: claimed once, then not due."""
+    redis = await connect(stack.redis.url, patient=False)
+    try:
+        records = WebhookRecords(redis)
+        await records.watch("job-1", look_at_ms=1)
+        claimed = await records.claim_watched(now_ms=2, next_look_ms=10_000, count=10)
+        again = await records.claim_watched(now_ms=3, next_look_ms=10_000, count=10)
+        await records.unwatch(claimed)
+        return claimed, again, list(await redis.zrange(WebhookKeys.watched, 0, -1))
+    finally:
+        await redis.aclose()
 
 
 # ---------------------------------------------------------------------- isolation
