@@ -224,6 +224,16 @@ def table(name: str, result: dict[str, dict[str, Any]]) -> str:
     return markdown_table(header, rows)
 
 
+def report(args: argparse.Namespace, data: dict[str, Any], tables: list[str]) -> None:
+    """Print (and unless ``--quick`` write) what is measured so far: a workload's figures are kept
+    even if a later one is stopped."""
+    text = "\n\n".join(tables)
+    print(text, flush=True)
+    if not args.quick:
+        command = f"python -m bench.worker_ab --before {args.before} --workloads {','.join(args.workloads)}"
+        write_results("worker_ab", data, text, command)
+
+
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="slotq-bench-ab-") as tmp_name:
         tmp = Path(tmp_name)
@@ -237,16 +247,14 @@ async def main(args: argparse.Namespace) -> None:
                 result = summary(await overhead(before, url, tmp, args.streams, args.tokens, args.rounds))
                 data["overhead"] = {"streams": args.streams, "tokens": args.tokens, "systems": result}
                 tables.append(table(f"overhead, {args.streams} streams x {args.tokens} tokens", result))
+                report(args, data, tables)
             if "queue" in args.workloads:
                 result = summary(await queue(before, url, tmp, args.clients, args.per_client, args.rounds))
                 data["queue"] = {"clients": args.clients, "per_client": args.per_client, "systems": result}
                 tables.append(table(f"queue, {args.clients} clients", result))
+                report(args, data, tables)
         finally:
             redis.stop()
-    text = "\n\n".join(tables)
-    print(text)
-    if not args.quick:
-        write_results("worker_ab", data, text, f"python -m bench.worker_ab --before {args.before}")
 
 
 if __name__ == "__main__":
