@@ -41,6 +41,7 @@ from slotq.engine import (
     Timings,
     Usage,
 )
+from slotq.engine.outbox import StepReceiver
 from slotq.engine.scheduler import SchedulerLimits
 from slotq.jobs.worker.engine_api import EngineFactory
 
@@ -111,7 +112,7 @@ class SimulatedEngine:
         n = max(1, len(text or "") // CHARS_PER_PROMPT_TOKEN)
         return [i % VOCAB for i in range(n)]
 
-    async def submit_async(self, request: GenerationRequest) -> RequestHandle:
+    async def submit_async(self, request: GenerationRequest, receiver: StepReceiver | None = None) -> RequestHandle:
         if self._closed:
             raise EngineStopped("the simulated engine is closed")
         if request.n > self.config.slots:
@@ -121,7 +122,7 @@ class SimulatedEngine:
         if n_prompt + request.max_tokens > self.ctx_per_seq:
             raise PromptTooLong(f"prompt is {n_prompt} tokens and max_tokens is {request.max_tokens}; prompt + "
                                 f"max_tokens must be <= {self.ctx_per_seq} (per-sequence context)", field="max_tokens")
-        handle = RequestHandle(self, request)   # the real engine's handle: events in, cancel out
+        handle = RequestHandle(self, request, receiver)   # the real engine's handle: events in, cancel out
         now = time.monotonic()
         resumed = len(request.resume_tokens)
         seqs = [_Sequence(handle, request.id, choice, n_prompt, request.max_tokens, resumed, resumed, now)
@@ -178,9 +179,9 @@ class SimulatedEngine:
                 seq.generated = due
                 self._generated += new
                 seq.first_token_at = seq.first_token_at or now
-                seq.handle.sink.deliver(TextDelta(request_id=seq.request_id, choice=seq.choice,
+                seq.handle.sink.receiver.receive([TextDelta(request_id=seq.request_id, choice=seq.choice,
                                              text="".join(WORDS[i % VOCAB] for i in range(first, due)),
-                                             token_ids=[i % VOCAB for i in range(first, due)], n_tokens=due))
+                                             token_ids=[i % VOCAB for i in range(first, due)], n_tokens=due)])
             if seq.generated >= seq.max_new:
                 self._end(seq, FinishReason.LENGTH, now)
             else:
@@ -194,14 +195,14 @@ class SimulatedEngine:
             self._by_request.pop(seq.request_id, None)
         fresh = seq.generated - seq.resumed
         first = seq.first_token_at
-        seq.handle.sink.deliver(Finished(
+        seq.handle.sink.receiver.receive([Finished(
             request_id=seq.request_id, choice=seq.choice, finish_reason=reason, error=error,
             usage=Usage(prompt_tokens=seq.n_prompt, completion_tokens=seq.generated),
             timings=Timings(queue_ms=(seq.admitted_at - seq.submitted_at) * 1000 if seq.admitted_at else 0.0,
                             ttft_ms=(first - seq.submitted_at) * 1000 if first else None,
                             total_ms=(now - seq.submitted_at) * 1000,
                             decode_tokens_per_s=(fresh - 1) / (now - first) if first and fresh > 1 and now > first
-                            else None)))
+                            else None))])
 
     # ------------------------------------------------------------------ what the elastic worker adjusts
     async def warm_up(self) -> float:

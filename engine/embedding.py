@@ -41,6 +41,7 @@ from slotq.engine.config import EngineConfig, KVLayout, Pooling
 from slotq.engine.errors import DecodeFailed, EngineDead, EngineStopped, InvalidRequest
 from slotq.engine.llama_devices import read_pooling_hint
 from slotq.engine.llama_model import ContextShape, LlamaModel
+from slotq.engine.outbox import StepReceiver
 from slotq.engine.request import EmbeddingParams, EmbeddingRequest, GenerationRequest
 from slotq.engine.scheduler import SchedulerLimits
 from slotq.engine.state import EngineState, Lifecycle
@@ -237,7 +238,7 @@ class EmbeddingEngine:
         if self._lifecycle.state is EngineState.RUNNING:
             self._commands.put(request_id)
 
-    async def submit_async(self, request: GenerationRequest) -> NoReturn:
+    async def submit_async(self, request: GenerationRequest, receiver: StepReceiver | None = None) -> NoReturn:
         """The generation engine's entry point: this engine generates nothing."""
         raise self._not_a_generator()
 

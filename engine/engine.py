@@ -7,8 +7,8 @@
 
 ``submit`` validates on the caller's thread (tokenization and grammar parsing only touch the
 vocabulary), so a bad request raises :class:`~slotq.engine.errors.InvalidRequest` before it is queued.
-Events cross from the engine thread into the caller's event loop once per decode step (see
-``slotq.engine.outbox``).
+Events cross from the engine thread into the caller's event loop once per decode step, as one
+batch for all the loop's requests (see ``slotq.engine.outbox``).
 
 An engine is RUNNING, FAILED (its thread crashed) or CLOSED (see ``slotq.engine.state``). The owner of
 an engine -- the worker -- watches for a crash with :meth:`Engine.wait_failed` rather than polling.
@@ -28,7 +28,7 @@ from slotq.engine.errors import EngineError, InvalidRequest, PromptTooLong
 from slotq.engine.events import Event, Finished
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
-from slotq.engine.outbox import Sink
+from slotq.engine.outbox import Sink, StepReceiver
 from slotq.engine.reply_parser import ToolCallFormat, detect_tool_format
 from slotq.engine.request import GenerationRequest, SamplingParams
 from slotq.engine.runner import PreparedRequest, Runner
@@ -52,17 +52,27 @@ class CancelsRequests(Protocol):
 class RequestHandle:
     """Events of one submitted request, as an async iterator. Leaving the iteration early
     (``break``, an exception, task cancellation) cancels the request so its slot is freed.
-    Whoever produces the events calls ``sink.deliver`` on the request's event loop (the engine
-    thread through its outbox; ``bench/sim_engine.py`` directly)."""
+    Whoever produces the events calls ``sink.receiver.receive`` on the request's event loop with
+    each step's events (the engine thread through its outbox; ``bench/sim_engine.py`` directly).
 
-    def __init__(self, engine: CancelsRequests, request: GenerationRequest) -> None:
+    ``receiver``: where the events go instead, for a consumer that takes each step's output as it
+    is delivered rather than one awaited event at a time (the worker's jobs); such a handle is not
+    iterated, only cancelled."""
+
+    def __init__(self, engine: CancelsRequests, request: GenerationRequest,
+                 receiver: StepReceiver | None = None) -> None:
         self.id = request.id
         self.request = request
         self._engine = engine
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.sink = Sink(asyncio.get_running_loop(), self._queue.put_nowait)
+        self._steps: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self.sink = Sink(asyncio.get_running_loop(), receiver or self)
         self._open_choices = request.n
         self.finished: list[Finished] = []
+
+    def receive(self, events: list[Event]) -> None:
+        """One step's events (:class:`~slotq.engine.outbox.StepReceiver`): one wake-up of the
+        iterating task per step, however many events the step had."""
+        self._steps.put_nowait(events)
 
     def cancel(self) -> None:
         self._engine.cancel(self.id)
@@ -70,11 +80,11 @@ class RequestHandle:
     async def __aiter__(self) -> AsyncIterator[Event]:
         try:
             while self._open_choices:
-                event = await self._queue.get()
-                if isinstance(event, Finished):
-                    self._open_choices -= 1
-                    self.finished.append(event)
-                yield event
+                for event in await self._steps.get():
+                    if isinstance(event, Finished):
+                        self._open_choices -= 1
+                        self.finished.append(event)
+                    yield event
         finally:
             if self._open_choices:
                 self.cancel()
@@ -257,10 +267,11 @@ class Engine:
         self._runner.submit(self.prepare(request, handle))
         return handle
 
-    async def submit_async(self, request: GenerationRequest) -> RequestHandle:
+    async def submit_async(self, request: GenerationRequest, receiver: StepReceiver | None = None) -> RequestHandle:
         """:meth:`submit` with validation (tokenizing a long prompt, parsing a grammar) on a worker
-        thread, so a server's event loop keeps serving meanwhile."""
-        handle = RequestHandle(self, request)
+        thread, so a server's event loop keeps serving meanwhile. ``receiver``: takes each step's
+        events of this request instead of the returned handle (see :class:`RequestHandle`)."""
+        handle = RequestHandle(self, request, receiver)
         self._runner.submit(await asyncio.to_thread(self.prepare, request, handle))
         return handle
 

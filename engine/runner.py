@@ -3,8 +3,10 @@
 This is the only code that touches the llama_context after start-up. It turns scheduler output
 into KV operations and one ``llama_decode``, samples every sequence that reached the end of its
 pending tokens, turns tokens into text (UTF-8 safe, stop strings held back), and reports events
-through an :class:`~slotq.engine.outbox.Outbox` that leaves the thread once per step, right after the
-step's stats snapshot is published (so a caller that has seen an event sees stats that include it).
+through an :class:`~slotq.engine.outbox.Outbox` that leaves the thread once per step, as one batch per
+event loop, right after the step's stats snapshot is published (so a caller that has seen an event
+sees stats that include it). A token's event is a slotted dataclass, built without a pydantic model or
+a reply delta of its own on the plain-text path: the thread makes one per token of every sequence.
 
 What fails one request, and what kills the engine:
 
@@ -428,11 +430,16 @@ class Runner:
         if self._is_eog(token) and not request.ignore_eos:
             return token, _End(FinishReason.STOP)
         match = state.stops.push(state.utf8.push(self.model.token_bytes(token, special=state.special_text)))
-        reply = state.parser.push(match.emit) if state.parser is not None else ReplyDelta(content=match.emit)
-        self._emit(state.prepared, TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
-                                             reasoning=reply.reasoning, tool_calls=reply.tool_calls,
-                                             token_ids=[token], n_tokens=seq.n_generated,
-                                             logprobs=None if logprobs is None else [as_event(logprobs.of(token))]))
+        token_logprobs = None if logprobs is None else [as_event(logprobs.of(token))]
+        if state.parser is None:        # plain text (the common case): no ReplyDelta per token
+            delta = TextDelta(request_id=seq.request_id, choice=seq.choice, text=match.emit, token_ids=[token],
+                              n_tokens=seq.n_generated, logprobs=token_logprobs)
+        else:
+            reply = state.parser.push(match.emit)
+            delta = TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
+                              reasoning=reply.reasoning, tool_calls=reply.tool_calls, token_ids=[token],
+                              n_tokens=seq.n_generated, logprobs=token_logprobs)
+        self._emit(state.prepared, delta)
         if match.stopped or (state.parser is not None and state.parser.error is not None):
             return token, _End(FinishReason.STOP, flush=False)      # a broken call fails it there (_reply_tail)
         if seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:

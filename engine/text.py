@@ -29,7 +29,7 @@ class Utf8Stream:
         return self._decoder.decode(piece)
 
 
-@dataclass
+@dataclass(slots=True)
 class StopMatch:
     """Result of feeding text to a :class:`StopMatcher`."""
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from slotq.engine import EngineConfig, EngineStats, Event, GenerationRequest
+from slotq.engine.outbox import StepReceiver
 from slotq.engine.request import EmbeddingRequest
 from slotq.engine.scheduler import SchedulerLimits
 
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
 
 
 class RunningRequest(Protocol):
-    """One submitted request: iterate it for its events (``TextDelta``, then one ``Finished`` per
-    choice); leaving the iteration early cancels it."""
+    """One submitted request: its events (``TextDelta``, then one ``Finished`` per choice) go to the
+    receiver it was submitted with, each step's at once, or, without one, to whoever iterates it
+    (leaving the iteration early cancels it)."""
 
     def cancel(self) -> None: ...
 
@@ -55,8 +57,9 @@ class JobEngine(Protocol):
         """The exception that killed the engine, or None while it can run requests."""
         ...
 
-    async def submit_async(self, request: GenerationRequest) -> RunningRequest:
-        """Queue a request; raises ``EngineError`` (``InvalidRequest``, ``EngineDead``, ...)."""
+    async def submit_async(self, request: GenerationRequest, receiver: StepReceiver | None = None) -> RunningRequest:
+        """Queue a request; raises ``EngineError`` (``InvalidRequest``, ``EngineDead``, ...). Its
+        events go to ``receiver`` (on this event loop, once per engine step), or to the handle."""
         ...
 
     def cancel(self, request_id: str) -> None: ...

@@ -21,9 +21,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from enum import Enum
 from typing import Any, NoReturn
 
-from slotq.engine import EngineError, GenerationRequest
+from slotq.engine import EngineError, Event, GenerationRequest, TextDelta
 from slotq.jobs.protocol import dead_letters
 from slotq.jobs.protocol.arq_adapter import Retry, RetryJob
 from slotq.jobs.protocol.payload import decode_payload
@@ -51,7 +52,14 @@ from slotq.jobs.worker.served_model import ServedModel
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.start_gate import StartGate
 from slotq.jobs.worker.stream_writer import StreamWriter
-from slotq.jobs.worker.wire_edge import Delta, Done, from_engine_event, to_engine_embedding_request, to_engine_request
+from slotq.jobs.worker.wire_edge import (
+    Done,
+    from_engine_finished,
+    to_engine_embedding_request,
+    to_engine_request,
+    wire_logprobs,
+    wire_tool_calls,
+)
 
 log = logging.getLogger(__name__)
 
@@ -179,14 +187,15 @@ class JobRun:
             return await self._complete_delivered(request, delivered)
         if self.faults.kills_at_start(self.job_id):
             await self.faults.kill_worker(self.writer.write_all(self.job_id))
+        output = JobOutput(self, job.n, delivered.replies, delivered.tokens, logprobs=job.logprobs is not None)
         try:
-            handle = await self.engine.submit_async(request)
+            handle = await self.engine.submit_async(request, output)
         except EngineError as exc:
             if exc.code == ENGINE_DEAD:
                 raise RetryJob() from exc          # hand back: not this job's fault, no try used
             return await self._fail(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable,
                                               field=exc.field))
-        return await self._follow(handle, request, job, delivered)
+        return await self._follow(handle, output, request, job)
 
     def _first_token_s(self) -> float:
         """The least time a first token takes here: this worker's mean decode step. A job whose
@@ -233,42 +242,25 @@ class JobRun:
         return results.embedded(self._about(), status=status, finish_reason=reason, usage=usage)
 
     # ------------------------------------------------------------------ streaming
-    async def _follow(self, handle: RunningRequest, request: GenerationRequest, job: JobRequest,
-                      delivered: Delivered) -> JobResult:
-        replies = delivered.replies
-        tokens = {c: len(delivered.tokens.get(c, [])) for c in range(job.n)}
-        if job.logprobs is not None:          # a choice with no tokens has an empty list, as OpenAI's
-            for choice in range(job.n):
-                replies.logprobs.setdefault(choice, [])
-        finished: dict[int, Done] = {}
+    async def _follow(self, handle: RunningRequest, output: JobOutput, request: GenerationRequest,
+                      job: JobRequest) -> JobResult:
+        """Wait while :class:`JobOutput` streams the attempt's output, waking only for what needs
+        this task: its first tokens (the start gate), an injected kill, its end."""
+        replies, tokens, finished = output.replies, output.tokens, output.finished
         try:
-            async for engine_event in handle:
-                event = from_engine_event(engine_event)
-                if isinstance(event, Delta):
-                    if self.faults.kill_due(delivered=sum(tokens.values()), new=self.generated,
-                                            arriving=len(event.token_ids)):
-                        await self.faults.kill_worker(self.writer.write_all(self.job_id))
-                    replies.add(event.choice, event.text, event.reasoning, event.tool_calls, event.logprobs)
-                    tokens[event.choice] += len(event.token_ids)
-                    self.generated += len(event.token_ids)
-                    self.tokens_left = (self.tokens_left or 0) - len(event.token_ids)
-                    self.writer.add_chunk(self.job_id, attempt=self.attempt, choice=event.choice, text=event.text,
-                                          token_ids=event.token_ids, n_tokens=event.n_tokens,
-                                          reasoning=event.reasoning, tool_calls=event.tool_calls,
-                                          logprobs=event.logprobs)
-                    if self.gate is not None and self.generated == len(event.token_ids):
+            try:
+                while (wake := await output.wakes.get()) is not Wake.ENDED:
+                    if wake is Wake.FIRST_TOKENS:
                         await self._made_progress()
-                    continue
-                finished[event.choice] = event
-                if event.error is not None:
-                    handle.cancel()
-                    # what the job cost so far: its prompt, and every token its choices delivered
-                    usage = Usage(prompt_tokens=event.usage.prompt_tokens, completion_tokens=sum(tokens.values()),
-                                  cached_prompt_tokens=event.usage.cached_prompt_tokens)
-                    return await self._on_engine_error(event.error, usage)
-                self.writer.add(self.job_id, self._entry(
-                    EntryKind.DONE, choice=event.choice, finish_reason=event.finish_reason, usage=event.usage,
-                    timings=event.timings, final=len(finished) == job.n))
+                    else:
+                        await self.faults.kill_worker(self.writer.write_all(self.job_id))
+            finally:
+                output.close(handle)
+            if (failed := output.failed) is not None and failed.error is not None:
+                # what the job cost so far: its prompt, and every token its choices delivered
+                usage = Usage(prompt_tokens=failed.usage.prompt_tokens, completion_tokens=sum(tokens.values()),
+                              cached_prompt_tokens=failed.usage.cached_prompt_tokens)
+                return await self._on_engine_error(failed.error, usage)
         except asyncio.CancelledError:
             if self.lease_lost():
                 self.writer.drop(self.job_id)              # another worker owns the job and its stream
@@ -406,3 +398,91 @@ class JobRun:
         ledger = self.account.ledger
         interruptions = await ledger.interruptions() if ledger is not None else 0
         return results.from_stream(delivered, replace(self._about(), interruptions=interruptions))
+
+
+class Wake(Enum):
+    """Why :class:`JobOutput` wakes its attempt's task."""
+
+    FIRST_TOKENS = "first_tokens"    # the attempt made progress: the start gate may let others start
+    KILL = "kill"                    # fault injection: the worker dies before these tokens are written
+    ENDED = "ended"                  # every choice finished, or one failed (``JobOutput.failed``)
+
+
+class JobOutput:
+    """One attempt's receiver of its engine output (:class:`~slotq.engine.outbox.StepReceiver`),
+    called on the worker's event loop once per engine step with the job's events of that step.
+
+    The engine delivers a whole step to every job at once; this puts each text delta straight into
+    the stream writer and the replies, and each normally finished choice's done entry, so nothing
+    wakes the attempt's task per token. The task wakes (:attr:`wakes`) only when it has something to
+    decide: the first tokens, an injected kill, the end (every choice done, or an error, after which
+    nothing more of the job is taken). A cancelled task (hand-back, abort, lost lease) calls
+    :meth:`close`, which stops the output and cancels the engine request, as leaving a
+    :class:`~slotq.engine.RequestHandle`'s iteration does."""
+
+    def __init__(self, run: JobRun, n_choices: int, replies: Replies, delivered: dict[int, list[int]], *,
+                 logprobs: bool) -> None:
+        """``replies``/``delivered``: what earlier attempts streamed (their tokens per choice).
+        ``logprobs``: the job asked for them (a choice with no tokens then has an empty list, as OpenAI's)."""
+        self.run = run
+        self.n_choices = n_choices
+        self.replies = replies
+        self.tokens = {c: len(delivered.get(c, [])) for c in range(n_choices)}   # delivered per choice
+        self.finished: dict[int, Done] = {}
+        self.failed: Done | None = None        # the choice whose error ended the job, if one did
+        self.wakes: asyncio.Queue[Wake] = asyncio.Queue()
+        self._closed = False
+        if logprobs:
+            for choice in range(n_choices):
+                replies.logprobs.setdefault(choice, [])
+
+    def receive(self, events: list[Event]) -> None:
+        for event in events:
+            if self._closed:
+                return
+            if isinstance(event, TextDelta):
+                self._delta(event)
+            else:
+                self._finished(from_engine_finished(event))
+
+    def _delta(self, event: TextDelta) -> None:
+        run = self.run
+        arriving = len(event.token_ids)
+        if run.faults.kill_due(delivered=sum(self.tokens.values()), new=run.generated, arriving=arriving):
+            self._end(Wake.KILL)
+            return
+        tool_calls = wire_tool_calls(event.tool_calls) if event.tool_calls else []
+        logprobs = None if event.logprobs is None else wire_logprobs(event.logprobs)
+        self.replies.add(event.choice, event.text, event.reasoning, tool_calls, logprobs)
+        self.tokens[event.choice] += arriving
+        run.generated += arriving
+        run.tokens_left = (run.tokens_left or 0) - arriving
+        run.writer.add_chunk(run.job_id, attempt=run.attempt, choice=event.choice, text=event.text,
+                             token_ids=event.token_ids, n_tokens=event.n_tokens, reasoning=event.reasoning,
+                             tool_calls=tool_calls, logprobs=logprobs)
+        if run.gate is not None and run.generated == arriving:
+            self.wakes.put_nowait(Wake.FIRST_TOKENS)
+
+    def _finished(self, done: Done) -> None:
+        self.finished[done.choice] = done
+        if done.error is not None:
+            self.failed = done
+            self._end(Wake.ENDED)
+            return
+        last = len(self.finished) == self.n_choices
+        self.run.writer.add(self.run.job_id, self.run._entry(
+            EntryKind.DONE, choice=done.choice, finish_reason=done.finish_reason, usage=done.usage,
+            timings=done.timings, final=last))
+        if last:
+            self._end(Wake.ENDED)
+
+    def _end(self, wake: Wake) -> None:
+        """Take nothing more of this job, and wake its task."""
+        self._closed = True
+        self.wakes.put_nowait(wake)
+
+    def close(self, handle: RunningRequest) -> None:
+        """The attempt stops following its output; a choice still open is cancelled in the engine."""
+        self._closed = True
+        if len(self.finished) < self.n_choices:
+            handle.cancel()

@@ -1,5 +1,7 @@
 """Where a worker crosses between the wire and the engine: a job into an engine request, and the
-engine's events into the wire's types (:mod:`slotq.jobs.protocol.wire`).
+engine's events into the wire's types (:mod:`slotq.jobs.protocol.wire`): a finished choice as a
+:class:`Done`, a text delta's tool-call pieces and logprobs as the wire's (its text and token ids
+need nothing).
 
 The wire is a contract with running producers and workers; the engine's types may change. Only
 this module speaks both, so an engine change shows up here (and in ``tests/worker/test_wire_edge.py``,
@@ -8,9 +10,12 @@ which checks the two statements of every shape agree), never silently in Redis.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from slotq.engine import Event, GenerationRequest, TextDelta
+from slotq.engine import Finished, GenerationRequest
+from slotq.engine import TokenLogprob as EngineTokenLogprob
+from slotq.engine.reply_parser import ToolCallDelta as EngineToolCallDelta
 from slotq.engine.request import EmbeddingRequest
 from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest
 from slotq.jobs.protocol.wire import (
@@ -23,20 +28,6 @@ from slotq.jobs.protocol.wire import (
     ToolCallDelta,
     Usage,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """New output for one choice (the engine's ``TextDelta``), in the wire's types: what a chunk
-    entry carries."""
-
-    choice: int
-    text: str
-    reasoning: str
-    tool_calls: list[ToolCallDelta]
-    token_ids: list[int]
-    n_tokens: int
-    logprobs: list[TokenLogprob] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +59,21 @@ def to_engine_embedding_request(job: EmbeddingJobRequest, *, request_id: str) ->
     return EmbeddingRequest(id=request_id, **job.model_dump(include=set(EmbeddingParams.model_fields)))
 
 
-def from_engine_event(event: Event) -> Delta | Done:
-    """An engine event in the wire's types. Called per token: a delta without tool calls or
-    logprobs (the common case) copies no more than its references."""
-    if isinstance(event, TextDelta):
-        return Delta(choice=event.choice, text=event.text, reasoning=event.reasoning,
-                     tool_calls=[ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
-                                 for d in event.tool_calls],
-                     token_ids=event.token_ids, n_tokens=event.n_tokens,
-                     logprobs=None if event.logprobs is None else
-                     [TokenLogprob.model_validate(lp, from_attributes=True) for lp in event.logprobs])
+def from_engine_finished(event: Finished) -> Done:
+    """How a choice ended, in the wire's types (once per choice)."""
     return Done(choice=event.choice, finish_reason=FinishReason(event.finish_reason.value),
                 usage=Usage.model_validate(event.usage, from_attributes=True),
                 timings=Timings.model_validate(event.timings, from_attributes=True),
                 error=None if event.error is None else ErrorInfo.model_validate(event.error, from_attributes=True))
+
+
+def wire_tool_calls(pieces: Sequence[EngineToolCallDelta]) -> list[ToolCallDelta]:
+    """A delta's tool-call pieces in the wire's types. A delta's text, reasoning and token ids are
+    ``str`` and ``int`` on both sides and cross as they are: only these and :func:`wire_logprobs`
+    are converted, and only when a delta has them (the per-token path of plain text converts nothing)."""
+    return [ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments) for d in pieces]
+
+
+def wire_logprobs(logprobs: Sequence[EngineTokenLogprob]) -> list[TokenLogprob]:
+    """A delta's logprobs (one per token id) in the wire's types."""
+    return [TokenLogprob.model_validate(lp, from_attributes=True) for lp in logprobs]

@@ -437,3 +437,38 @@ async def test_kv_overcommit_preemption_makes_progress(tiny_model_path: Path) ->
         _, tokens, fin = t.result()
         assert fin[0].finish_reason == FinishReason.LENGTH and len(tokens) == r.max_tokens
         assert tokens == ref_tokens                     # recomputation after preemption changed nothing
+
+
+class StepLog:
+    """A receiver (``submit_async(request, receiver)``): keeps each delivery as it came."""
+
+    def __init__(self) -> None:
+        self.deliveries: list[list[object]] = []
+        self.done = asyncio.Event()
+
+    def receive(self, events: list[object]) -> None:
+        self.deliveries.append(list(events))
+        if sum(isinstance(e, Finished) for batch in self.deliveries for e in batch) == 2:
+            self.done.set()
+
+
+async def test_a_receiver_gets_each_steps_events_of_its_request_at_once(tiny_model_path):
+    """The worker's jobs take their output per step: every choice's token of a step arrives in one
+    call, in order, and the finished events with the step that ended them. The same request read
+    through a handle yields the same events one at a time."""
+    request = greedy("one step, two choices", 12, n=2)
+    async with running_engine(tiny_model_path, slots=2) as engine:
+        log = StepLog()
+        handle = await engine.submit_async(request, log)
+        await asyncio.wait_for(log.done.wait(), 60)
+        iterated, _ = await collect_choices(engine.submit(request.model_copy(update={"id": "again"})))
+    events = [e for batch in log.deliveries for e in batch]
+    assert handle.finished == []                       # its events went to the receiver, not to the handle
+    assert len(log.deliveries) < len(events)           # not one call per event
+    generated = [batch for batch in log.deliveries if any(isinstance(e, TextDelta) and e.token_ids for e in batch)]
+    assert all({e.choice for e in batch if isinstance(e, TextDelta)} == {0, 1} for batch in generated)
+    assert sum(isinstance(e, Finished) for e in log.deliveries[-1]) == 2      # both ended in the last step
+    for choice in (0, 1):
+        deltas = [e for e in events if isinstance(e, TextDelta) and e.choice == choice]
+        assert [d.n_tokens for d in deltas if d.token_ids] == list(range(1, 13))
+        assert "".join(d.text for d in deltas) == iterated[choice].text

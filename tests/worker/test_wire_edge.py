@@ -6,7 +6,8 @@ keep the two statements equal, so an engine change can never alter the Redis pro
   schemas less titles and descriptions), configuration and validators; a field added or renamed
   on either side fails here, and so does a wire model without a counterpart;
 * both accept the same requests and refuse the same ones with the same errors (property-based);
-* the worker's edge (slotq.jobs.worker.wire_edge) loses nothing: wire -> engine -> wire is the identity;
+* the worker's edge (slotq.jobs.worker.wire_edge) loses nothing: wire -> engine -> wire is the identity,
+  and the engine's text delta holds exactly what a chunk entry carries;
 * protocol does not import the engine at all.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import subprocess
 import sys
 from typing import Any
@@ -30,12 +32,14 @@ from slotq.engine import request as engine_request
 from slotq.jobs.protocol import wire
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
 from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest
+from slotq.jobs.protocol.streams import encode_chunk
 from slotq.jobs.worker.wire_edge import (
-    Delta,
     Done,
-    from_engine_event,
+    from_engine_finished,
     to_engine_embedding_request,
     to_engine_request,
+    wire_logprobs,
+    wire_tool_calls,
 )
 
 # Every shape the wire states, beside the engine's statement of it.
@@ -265,11 +269,8 @@ LOGPROB_FIELDS = {"id": st.integers(0, 2**31), "token": TEXT, "token_bytes": st.
                   "logprob": st.floats(allow_nan=False)}
 TOKEN_LOGPROBS = st.builds(wire.TokenLogprob, top=st.lists(st.builds(wire.TopLogprob, **LOGPROB_FIELDS), max_size=3),
                            **LOGPROB_FIELDS)
-DELTAS = st.builds(Delta, choice=st.integers(0, 63), text=TEXT, reasoning=TEXT,
-                   tool_calls=st.lists(st.builds(wire.ToolCallDelta, index=st.integers(0, 9), id=TEXT | st.none(),
-                                                 name=TEXT | st.none(), arguments=TEXT), max_size=3),
-                   token_ids=st.lists(st.integers(0, 2**31), max_size=4), n_tokens=st.integers(0, 10**6),
-                   logprobs=st.none() | st.lists(TOKEN_LOGPROBS, max_size=3))
+TOOL_CALL_PIECES = st.lists(st.builds(wire.ToolCallDelta, index=st.integers(0, 9), id=TEXT | st.none(),
+                                     name=TEXT | st.none(), arguments=TEXT), max_size=3)
 TIME = st.floats(0, 1e9)
 TOKENS = st.integers(0, 10**6)
 DONES = st.builds(Done, choice=st.integers(0, 63), finish_reason=st.sampled_from(wire.FinishReason),
@@ -281,14 +282,22 @@ DONES = st.builds(Done, choice=st.integers(0, 63), finish_reason=st.sampled_from
                                               field=TEXT | st.none()))
 
 
-@given(DELTAS)
-def test_a_text_delta_crosses_the_edge_whole(delta: Delta) -> None:
-    event = TextDelta(request_id="j", choice=delta.choice, text=delta.text, reasoning=delta.reasoning,
-                      tool_calls=[engine_reply_parser.ToolCallDelta(**dataclasses.asdict(d)) for d in delta.tool_calls],
-                      token_ids=delta.token_ids, n_tokens=delta.n_tokens,
-                      logprobs=None if delta.logprobs is None else
-                      [_engine(lp, engine_events.TokenLogprob) for lp in delta.logprobs])
-    assert from_engine_event(event) == delta
+@given(TOOL_CALL_PIECES, st.lists(TOKEN_LOGPROBS, max_size=3))
+def test_a_text_deltas_pieces_cross_the_edge_whole(tool_calls: list[wire.ToolCallDelta],
+                                                   logprobs: list[wire.TokenLogprob]) -> None:
+    """A delta's text, reasoning and token ids are str and int on both sides and are written as
+    they are; its tool-call pieces and logprobs cross in the wire's types, nothing lost."""
+    crossed_calls = wire_tool_calls([engine_reply_parser.ToolCallDelta(**dataclasses.asdict(d)) for d in tool_calls])
+    crossed_logprobs = wire_logprobs([_engine(lp, engine_events.TokenLogprob) for lp in logprobs])
+    assert crossed_calls == tool_calls and all(type(d) is wire.ToolCallDelta for d in crossed_calls)
+    assert crossed_logprobs == logprobs and all(type(lp) is wire.TokenLogprob for lp in crossed_logprobs)
+
+
+def test_a_text_delta_holds_only_what_a_chunk_entry_carries() -> None:
+    """The fields of the engine's delta are a chunk's (less the attempt, which the worker adds) and
+    the request id: a field added to the engine's delta must be given a place on the wire here."""
+    chunk_fields = set(inspect.signature(encode_chunk).parameters) - {"attempt"}
+    assert {f.name for f in dataclasses.fields(TextDelta)} - {"request_id"} == chunk_fields
 
 
 @given(DONES)
@@ -297,5 +306,5 @@ def test_a_finished_choice_crosses_the_edge_whole(done: Done) -> None:
                      usage=_engine(done.usage, engine_events.Usage),
                      timings=_engine(done.timings, engine_events.Timings),
                      error=None if done.error is None else _engine(done.error, engine_events.ErrorInfo))
-    crossed = from_engine_event(event)
+    crossed = from_engine_finished(event)
     assert crossed == done and type(crossed.finish_reason) is wire.FinishReason

@@ -24,14 +24,14 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import yaml
 from redis.asyncio import Redis
 
-from slotq.engine import GenerationRequest, TextDelta
+from slotq.engine import GenerationRequest, RequestHandle, TextDelta
+from slotq.engine.outbox import StepReceiver
 from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobStatus
@@ -140,12 +140,14 @@ class OneTokenThenGenerating:
     """The engine as the attempt sees it here: its request delivers one token, then generates on
     (no end in sight) until it is cancelled."""
 
-    async def submit_async(self, request: GenerationRequest) -> AsyncIterator[TextDelta]:
-        async def events() -> AsyncIterator[TextDelta]:
-            yield TextDelta(request_id=request.id, text="a", token_ids=[7], n_tokens=1)
-            await asyncio.Event().wait()
+    async def submit_async(self, request: GenerationRequest, receiver: StepReceiver) -> RequestHandle:
+        handle = RequestHandle(self, request, receiver)
+        asyncio.get_running_loop().call_soon(
+            receiver.receive, [TextDelta(request_id=request.id, text="a", token_ids=[7], n_tokens=1)])
+        return handle
 
-        return events()
+    def cancel(self, request_id: str) -> None:
+        """It generates on: a cancel changes nothing the attempt could see."""
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         return [1, 2, 3]
