@@ -38,6 +38,7 @@ from tests.support.jobs import WorkerProcess, clean_env, emptied, wait_for_worke
 
 EXAMPLE_URL = "redis://localhost:6399/0"      # the embedded server a `slotq worker` starts: what the docs use
 EXAMPLE_GATEWAY = "http://127.0.0.1:8000"     # `slotq gateway`'s default address
+EXAMPLE_WEBHOOK = "https://hooks.example.com/"  # docs/gateway.md's webhook receiver: a name no offline machine resolves
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 WORKER = "docs-examples"
 # a hang guard, not a timed assertion: the examples' own result(timeout=60) fail long before it
@@ -63,9 +64,11 @@ def has_top_level_await(block: str) -> bool:
 
 
 def scripts(blocks: list[str], redis_url: str, gateway_url: str) -> list[str]:
-    """The blocks as runnable scripts: the awaiting ones in order in one ``main()``, then each blocking one."""
+    """The blocks as runnable scripts: the awaiting ones in order in one ``main()``, then each blocking one.
+    A webhook receiver becomes a local address that nothing answers (the test's gateway allows it)."""
     assert blocks, "no ```python blocks found"
-    blocks = [b.replace(EXAMPLE_URL, redis_url).replace(EXAMPLE_GATEWAY, gateway_url) for b in blocks]
+    blocks = [b.replace(EXAMPLE_URL, redis_url).replace(EXAMPLE_GATEWAY, gateway_url)
+              .replace(EXAMPLE_WEBHOOK, "http://127.0.0.1:9/") for b in blocks]
     awaiting = [b for b in blocks if has_top_level_await(b)]
     blocking = [b for b in blocks if not has_top_level_await(b)]
     body = textwrap.indent("\n".join(awaiting), "    ")
@@ -133,7 +136,8 @@ def test_the_bulk_python_api_examples_run(worker_redis_url: str, tmp_path: Path)
 
 def test_the_gateway_openai_sdk_examples_run(tiny_model_path: Path, tmp_path: Path) -> None:
     """The blocks that make their own client (a fragment such as the embeddings call needs an
-    embedding worker and the client of an earlier block)."""
+    embedding worker and the client of an earlier block). The webhook example's receiver is a name
+    no offline machine resolves, so it becomes a loopback address, which the gateway is told to allow."""
     blocks = [b for b in python_blocks((REPO_ROOT / "docs" / "gateway.md").read_text()) if "OpenAI(" in b]
     assert blocks and all(EXAMPLE_GATEWAY in b for b in blocks), blocks
     batch = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -142,7 +146,7 @@ def test_the_gateway_openai_sdk_examples_run(tiny_model_path: Path, tmp_path: Pa
     (tmp_path / "batch.jsonl").write_text("\n".join(batch) + "\n")
     with Stack.started(tmp_path, tiny_model_path) as stack:
         stack.start_worker("docs-gateway-worker", "smollm2", ctx=2048)
-        stack.start_gateway("docs-gateway", data_dir=tmp_path / "data").wait_ready()
+        stack.start_gateway("docs-gateway", data_dir=tmp_path / "data", gateway_webhook_allow_private=True).wait_ready()
         stack.wait_for_models({"smollm2"})
         run_scripts(blocks, stack.redis.url, tmp_path, stack.url)
 
