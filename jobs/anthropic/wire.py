@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from slotq.jobs.openai.wire import SlotqInfo
+from slotq.jobs.openai.wire import SlotqInfo, text_parts
 
 # Fields of Anthropic's API that change nothing on slotq: accepted and dropped.
 _IGNORED = ("service_tier", "inference_geo", "speed", "cache_control", "diagnostics", "user_profile_id",
@@ -82,15 +82,7 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Fi
 def as_blocks(value: Any, allowed: tuple[str, ...], where: str) -> Any:
     """``value`` as content blocks (a string is one text block); a block of a type not ``allowed``
     is refused naming it: images, documents and the server tools' blocks are nothing slotq runs."""
-    if isinstance(value, str):
-        return [{"type": "text", "text": value}]
-    if isinstance(value, list):
-        for i, block in enumerate(value):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            if kind not in allowed:
-                raise ValueError(f"block {i} is {kind!r}; {where} may hold {', '.join(map(repr, allowed))} blocks "
-                                 "(slotq serves text models)")
-    return value
+    return text_parts(value, allowed, text_type="text", where=where, noun="block")
 
 
 class InputMessage(BaseModel):

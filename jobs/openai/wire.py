@@ -308,6 +308,21 @@ class TextChoice(BaseModel):
     finish_reason: str | None
 
 
+def text_parts(value: Any, allowed: tuple[str, ...], *, text_type: str, where: str, noun: str) -> Any:
+    """``value`` as a list of content parts (a string is one ``text_type`` part); a part of a type not
+    ``allowed`` is refused naming its index and type: images, files and server tools' parts are
+    nothing slotq runs. Shared by the Responses API (``part``) and Anthropic's Messages (``block``)."""
+    if isinstance(value, str):
+        return [{"type": text_type, "text": value}]
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind not in allowed:
+                raise ValueError(f"{noun} {i} is {kind!r}; {where} may hold {', '.join(map(repr, allowed))} "
+                                 f"{noun}s (slotq serves text models)")
+    return value
+
+
 class SlotqInfo(BaseModel):
     """slotq's own fields on a response (the SDKs keep unknown fields: ``response.model_extra``)."""
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from slotq.jobs.openai.wire import SlotqInfo
+from slotq.jobs.openai.wire import SlotqInfo, text_parts
 
 # Fields of OpenAI's API that change nothing on slotq: accepted and dropped.
 _IGNORED = ("user", "safety_identifier", "service_tier", "prompt_cache_key", "prompt_cache_retention", "include",
@@ -81,15 +81,7 @@ class MessageItem(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [{"type": "input_text", "text": value}]
-        if isinstance(value, list):
-            for i, part in enumerate(value):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind not in TEXT_PARTS:
-                    raise ValueError(f"part {i} is {kind!r}; a message may hold {', '.join(map(repr, TEXT_PARTS))} "
-                                     "parts (slotq serves text models)")
-        return value
+        return text_parts(value, TEXT_PARTS, text_type="input_text", where="a message", noun="part")
 
     @property
     def text(self) -> str:
