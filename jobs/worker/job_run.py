@@ -167,7 +167,7 @@ class JobRun:
             if delivered.trimmed:
                 log.warning("job %s: its stream was trimmed (SLOTQ_STREAM_MAXLEN) before this attempt; it starts "
                             "over instead of resuming from a wrong prefix", self.job_id)
-            self.writer.add(self.job_id, self._entry(EntryKind.RESTART))
+            self.writer.add(self.job_id, self.entry(EntryKind.RESTART))
             delivered = Delivered()
         resume = delivered.tokens.get(0, []) if job.n == 1 else []
         max_tokens = job.max_tokens
@@ -237,7 +237,7 @@ class JobRun:
         return result
 
     async def _end_embedding(self, reason: FinishReason, usage: Usage, *, status: JobStatus) -> JobResult:
-        self.writer.add(self.job_id, self._entry(EntryKind.DONE, finish_reason=reason, usage=usage, final=True))
+        self.writer.add(self.job_id, self.entry(EntryKind.DONE, finish_reason=reason, usage=usage, final=True))
         await self._flush_final_shielded()
         return results.embedded(self._about(), status=status, finish_reason=reason, usage=usage)
 
@@ -286,7 +286,7 @@ class JobRun:
         stream without generating anything."""
         usage = Usage(prompt_tokens=len(self.engine.prompt_tokens(request)), completion_tokens=len(delivered.tokens[0]))
         finished = Done(choice=0, finish_reason=FinishReason.LENGTH, usage=usage, timings=Timings())
-        self.writer.add(self.job_id, self._entry(EntryKind.DONE, finish_reason=FinishReason.LENGTH, usage=usage,
+        self.writer.add(self.job_id, self.entry(EntryKind.DONE, finish_reason=FinishReason.LENGTH, usage=usage,
                                                  final=True))
         await self._flush_final()
         return self._result(delivered.replies, {0: finished})
@@ -315,7 +315,7 @@ class JobRun:
         for i, choice in enumerate(open_choices):
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=tokens[choice])
             finished[choice] = Done(choice=choice, finish_reason=FinishReason.CANCELLED, usage=usage, timings=Timings())
-            self.writer.add(self.job_id, self._entry(EntryKind.DONE, choice=choice,
+            self.writer.add(self.job_id, self.entry(EntryKind.DONE, choice=choice,
                                                      finish_reason=FinishReason.CANCELLED,
                                                      usage=usage, final=i == len(open_choices) - 1))
         await self._flush_final_shielded()
@@ -338,7 +338,7 @@ class JobRun:
             return await self._fail(error, usage)
         if failure is Failure.DEAD_LETTER:
             return await self._dead_letter(error, usage=usage)
-        self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error))
+        self.writer.add(self.job_id, self.entry(EntryKind.ERROR, error=error))
         await self._flush_final()
         defer = self.account.retry_delay_s()
         metrics.RETRIES.inc()
@@ -349,13 +349,13 @@ class JobRun:
     async def _hand_back_refused(self, error: ErrorInfo) -> NoReturn:
         """The worker refuses new jobs: say why in the stream (a retryable error, not final), and
         hand the job back unstarted without using a try; another worker claims it."""
-        self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error))
+        self.writer.add(self.job_id, self.entry(EntryKind.ERROR, error=error))
         await self._flush_final()
         log.warning("job %s refused and handed back: %s", self.job_id, error.message)
         raise RetryJob()
 
     async def _fail(self, error: ErrorInfo, usage: Usage | None = None) -> JobResult:
-        self.writer.add(self.job_id, self._entry(EntryKind.ERROR, error=error, usage=usage, final=True))
+        self.writer.add(self.job_id, self.entry(EntryKind.ERROR, error=error, usage=usage, final=True))
         await self._flush_final()
         return results.failed(error, self._about(), usage)
 
@@ -368,7 +368,7 @@ class JobRun:
                   "deaths in a row): %s", self.job_id, self.attempt, self.interruptions, worker_deaths, error.code)
         return await self._fail(error, usage)
 
-    def _entry(self, kind: EntryKind, **fields: Any) -> StreamEntry:
+    def entry(self, kind: EntryKind, **fields: Any) -> StreamEntry:
         """A stream entry of this attempt other than a chunk, signed with its worker: the final
         one tells whose attempt ended the job, even when another worker writes the result."""
         return StreamEntry(id="", kind=kind, attempt=self.attempt, worker=self.worker_id, model=self._model_name,
@@ -470,7 +470,7 @@ class JobOutput:
             self._end(Wake.ENDED)
             return
         last = len(self.finished) == self.n_choices
-        self.run.writer.add(self.run.job_id, self.run._entry(
+        self.run.writer.add(self.run.job_id, self.run.entry(
             EntryKind.DONE, choice=done.choice, finish_reason=done.finish_reason, usage=done.usage,
             timings=done.timings, final=last))
         if last:
