@@ -10,8 +10,10 @@ LLAMA_CPP = $(shell sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.
 CMAKE_ARGS_cuda = -DGGML_CUDA=on
 
 CHROMIUM ?= /usr/bin/chromium
-# Pythons besides .venv's 3.11 (requires-python >= 3.11) that the fast part of the suite runs on.
-PYTHONS ?= 3.12 3.13
+# Pythons besides .venv's 3.11 (requires-python >= 3.11) that the fast part of the suite runs on: the newest
+# one, so CI tests the oldest and the newest supported. 3.12 lies between them; a run of its own cost CI
+# 8.5 minutes, and no failure in its history here was specific to 3.12: `make test-pythons PYTHONS="3.12 3.13"` adds it.
+PYTHONS ?= 3.13
 FAST     = not real_model and not fault and not browser and not install
 
 .PHONY: demo lint test test-fast test-pythons test-deps bench install
