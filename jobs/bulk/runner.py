@@ -313,7 +313,11 @@ class BulkRun:
     async def _enqueue(self, line: BulkLine, job_id: str) -> None:
         """Enqueue under the line's job id; an existing job of that id (an earlier run's) is adopted."""
         key, tenant = split_job_id(job_id)
-        named = {} if self.options.model is None else {"model": self.options.model}    # its worker checks it
+        # The model the line is for: the batch's (the gateway's Batch API), else an OpenAI line's body.model.
+        # Enqueue refuses it by name when the queue's workers serve another model, and a worker that gets it
+        # anyway refuses it too (wrong_model): a run feeds one queue, so one model.
+        model = self.options.model or line.model
+        named = {"model": model} if model else {}
         request = line.request.model_copy(update={"idempotency_key": key, "tenant": tenant, **named})
         while True:
             try:

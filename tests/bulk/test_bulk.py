@@ -169,6 +169,7 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
         {"prompt": "a slotq line", "max_tokens": 3},                           # line 10: mixed formats work
         chat("c4", max_completion_tokens=4, response_format={"type": "json_object"}),
         chat("huge", max_tokens=600),                                          # line 12: refused at enqueue
+        chat("m2", model="another-model"),                                     # line 13: another model's line
     ]
     inp = write_jsonl(tmp_path / "batch.jsonl", lines)
     env = clean_env(redis_url=redis_url)
@@ -185,7 +186,7 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
                                              env=env, cwd=tmp_path)
         assert again == 1, err
         assert {k: json.loads(out)[k] for k in ("total", "done_before", "succeeded", "failed")} == {
-            "total": 11, "done_before": 4, "succeeded": 0, "failed": 7}
+            "total": 12, "done_before": 4, "succeeded": 0, "failed": 8}
         # an output file of another input is refused
         other = write_jsonl(tmp_path / "other.jsonl", slotq_lines(2))
         refused, _, err = await run_bulk_cli(str(other), "-o", "out.jsonl", env=env, cwd=tmp_path)
@@ -210,7 +211,7 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
     assert records["c4"]["response"]["body"]["usage"]["completion_tokens"] <= 4
 
     errors = {r["line"]: r for r in read_jsonl(tmp_path / "bad.jsonl")}
-    assert set(errors) == {3, 4, 5, 6, 8, 9, 12}
+    assert set(errors) == {3, 4, 5, 6, 8, 9, 12, 13}
     assert errors[3]["error"]["code"] == "invalid_json"
     def refused(number: int) -> dict[str, Any]:
         """A body the endpoint refused: the gateway's HTTP answer, no job (no request id)."""
@@ -227,6 +228,8 @@ async def test_openai_batch_lines_and_bad_lines(client, redis_url, tiny_model_pa
     assert "max_tokens" in errors[8]["response"]["body"]["error"]["message"]
     assert (refused(9)["param"], refused(9)["code"]) == ("functions", "unsupported_parameter")
     assert (refused(12)["param"], refused(12)["code"]) == ("max_tokens", "context_length_exceeded")   # at enqueue
+    assert refused(13)["param"] == "model"                 # a run feeds one queue: the line names its model's
+    assert "'another-model' is not served on queue" in refused(13)["message"] and "'tiny'" in refused(13)["message"]
 
 
 # ---------------------------------------------------------------------- lanes: interactive goes first
