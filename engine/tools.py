@@ -109,16 +109,22 @@ def _allowed(request: GenerationParams) -> list[ToolSpec]:
 
 
 # ---------------------------------------------------------------------------- grammars
-def _call_schema(name: str, arguments: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+def _call_schema(name: str, arguments: dict[str, Any], arguments_key: str, typed: bool) -> dict[str, Any]:
+    """One call's object; ``typed``: an optional ``"type": "function"`` may come first (Llama 3, as
+    llama.cpp's grammar for it allows, and the reply parser reads)."""
+    properties = {"name": {"const": name}, arguments_key: arguments}
+    if typed:
+        properties = {"type": {"const": "function"}, **properties}
     return {"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-            "properties": {"name": {"const": name}, arguments_key: arguments}}
+            "properties": properties}
 
 
-def _one_of_calls(tools: list[ToolSpec], arguments_key: str = "arguments") -> tuple[dict[str, Any], dict[str, Any]]:
+def _one_of_calls(tools: list[ToolSpec], arguments_key: str = "arguments",
+                  typed: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """The schema of one call of any of ``tools``, and the ``$defs`` the root of the schema that embeds
     it must carry (:func:`_embedded_parameters`)."""
     root_defs: dict[str, Any] = {}
-    calls = [_call_schema(tool.function.name, _embedded_parameters(tool, index, root_defs), arguments_key)
+    calls = [_call_schema(tool.function.name, _embedded_parameters(tool, index, root_defs), arguments_key, typed)
              for index, tool in enumerate(tools)]
     return (calls[0] if len(calls) == 1 else {"anyOf": calls}), root_defs
 
@@ -173,7 +179,7 @@ def native_grammar(tool_format: ToolCallFormat, tools: list[ToolSpec], parallel:
         call = _call_document(tools)
         return f'start: block{repeat}\nblock: "<tool_call>\\n" call "\\n</tool_call>" "\\n"?\ncall: %json {call}\n'
     if tool_format == ToolCallFormat.LLAMA3:
-        call = _call_document(tools, "parameters")
+        call = _call_document(tools, "parameters", typed=True)
         more = '("; " call)*' if parallel else ""
         return f'start: "<|python_tag|>"? call {more}\ncall: %json {call}\n'
     if tool_format == ToolCallFormat.MISTRAL:
@@ -183,9 +189,9 @@ def native_grammar(tool_format: ToolCallFormat, tools: list[ToolSpec], parallel:
     raise ValueError(f"no native grammar for {tool_format}")
 
 
-def _call_document(tools: list[ToolSpec], arguments_key: str = "arguments") -> str:
+def _call_document(tools: list[ToolSpec], arguments_key: str = "arguments", typed: bool = False) -> str:
     """One call's schema as a ``%json`` document of its own (its root carries the ``$defs``)."""
-    call, root_defs = _one_of_calls(tools, arguments_key)
+    call, root_defs = _one_of_calls(tools, arguments_key, typed)
     return json.dumps({**call, "$defs": root_defs} if root_defs else call)
 
 

@@ -202,6 +202,20 @@ async def test_an_auto_call_is_grammar_constrained_from_its_marker_on(hermes_mod
         assert finished.finish_reason == FinishReason.ERROR and "resume_tokens" in finished.error.message
 
 
+async def test_the_armed_grammar_takes_each_call_opening_its_parser_reads(tiny_model_path: Path):
+    # What a trigger hands over (the model wrote it freely) must be a start the call's grammar goes on from.
+    async with running_engine(tiny_model_path, slots=1) as engine:
+        compiler = engine._constraints
+        for tool_format, opening in [(ToolCallFormat.LLAMA3, b'{"name": "get_time"'),
+                                     (ToolCallFormat.LLAMA3, b'{ "type": "function", "name"'),
+                                     (ToolCallFormat.LLAMA3, b'<|python_tag|>{"name"'),
+                                     (ToolCallFormat.HERMES, b'<tool_call>\n{"name": "get_weather", "arg'),
+                                     (ToolCallFormat.MISTRAL, b'[TOOL_CALLS][{"name"')]:
+            plan = plan_tools(GenerationParams(tools=TOOLS, messages=ASK), tool_format)
+            assert plan is not None and plan.lazy
+            assert compiler.matcher(plan.constraint, []).follows(compiler.tokenize(opening)), opening
+
+
 @pytest.mark.parametrize(("tool_format", "pieces", "call"), [
     (ToolCallFormat.HERMES, [b"Let me ", b"check. <tool", b"_call>\n{"], b"<tool_call>\n{"),
     (ToolCallFormat.HERMES, [b"<think>a <tool_call> b</th", b"ink>ok <tool_call>"], b"<tool_call>"),
