@@ -55,6 +55,7 @@ from slotq.engine.errors import GrammarError
 from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.engine.reply_parser import (
     HERMES_OPEN,
+    LLAMA3_CALL_OPENINGS,
     MISTRAL_CALLS,
     PYTHON_TAG,
     THINK_CLOSE,
@@ -273,8 +274,10 @@ def _generic_instructions(request: GenerationParams) -> str:
 # 3) a reply that opens as a call object, as the reply parser reads one (LLAMA3_CALL_OPENINGS).
 _MARKERS = {ToolCallFormat.HERMES: HERMES_OPEN.encode(), ToolCallFormat.MISTRAL: MISTRAL_CALLS.encode(),
             ToolCallFormat.LLAMA3: PYTHON_TAG.encode()}
-_LLAMA3_OPENING = re.compile(rb'\s*(\{)\s*"(?:name|type|parameters)"\s*:')
-_OPENING_WINDOW = 64        # bytes of a reply's start within which a Llama 3 call must have opened
+_AFTER_BRACE = b"|".join(rb"\s*".join(re.escape(literal.encode()) for literal in opening[1:])
+                         for opening in LLAMA3_CALL_OPENINGS)      # each opening is "{", then its literals
+_LLAMA3_OPENING = re.compile(rb"\s*(\{)\s*(?:" + _AFTER_BRACE + rb")")
+_OPENING_WINDOW = 64        # bytes of a reply's start (after whitespace) within which a Llama 3 call has opened
 _THINK_OPEN, _THINK_CLOSE = THINK_OPEN.encode(), THINK_CLOSE.encode()
 
 
@@ -310,8 +313,8 @@ class CallTrigger:
             opened = self._opening.match(self._buf)
             if opened is not None:
                 return self._buf[opened.start(1):]
-            lead = self._buf.lstrip()
-            self._opening_open = (not lead or lead.startswith(b"{")) and len(self._buf) < _OPENING_WINDOW
+            self._buf = self._buf.lstrip()      # the opening's leading whitespace is no part of the call
+            self._opening_open = not self._buf or (self._buf.startswith(b"{") and len(self._buf) < _OPENING_WINDOW)
         at = self._buf.find(self._marker)
         if at >= 0:
             return self._buf[at:]

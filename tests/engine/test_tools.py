@@ -223,6 +223,8 @@ async def test_the_armed_grammar_takes_each_call_opening_its_parser_reads(tiny_m
     (ToolCallFormat.LLAMA3, [b" {", b'"name', b'": "f'], b'{"name": "f'),
     (ToolCallFormat.LLAMA3, [b'{"answer": 1}', b' <|python_tag|>{'], b"<|python_tag|>{"),
     (ToolCallFormat.LLAMA3, [b'{"answer": 1, "name": 2}'], None),               # a JSON answer is no call
+    (ToolCallFormat.LLAMA3, [b'{"type": "object"}'], None),
+    (ToolCallFormat.LLAMA3, [b"\n" * 100, b'{"type" : "function",'], b'{"type" : "function",'),
     (ToolCallFormat.HERMES, [b"no call, just ", b"<tool", b" talk"], None),
 ])
 def test_a_call_starts_at_its_marker_or_its_opening(tool_format, pieces, call):
