@@ -1,7 +1,8 @@
 """Tool calls in the engine (issue 33), on real llama.cpp: the tiny random model answers every
 forced call with arguments that validate against the function's schema, in the generic format
 (a template without tools, like the bundled model's) and in a native one (a Hermes template), and a
-resumed reply delivers the rest of a call exactly once.
+resumed reply delivers the rest of a call exactly once. Under ``auto`` a native call is constrained
+from its marker on (issue 43), so it validates too, and a plain-text reply is left alone.
 """
 
 from __future__ import annotations
