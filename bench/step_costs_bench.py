@@ -27,6 +27,12 @@ so both run side by side in one process on the same data):
   (the model is built when read).
 * ``replies``: a worker's reply of 16,384 pieces gathered by ``Replies.add``: before, one string
   concatenation per piece (quadratic), after, a list joined when read.
+* ``call triggers``: what watching for a call costs a native ``tool_choice: auto`` reply while it
+  is plain text (64 or 256 such sequences, one 4-byte piece each per step, Hermes format): before,
+  each piece through its :class:`~slotq.engine.reply_parser.ReplyParser` only (calls were checked
+  after the reply); after, also through its :class:`~slotq.engine.tools.CallTrigger`, which arms the
+  call's grammar at its marker. Plain-text requests without tools pay neither. Once armed, a call's
+  tokens cost a constrained row's mask each (the ``masks`` rows).
 
 No model is loaded and nothing is asserted: the numbers are the result.
 """
@@ -46,9 +52,11 @@ from slotq.engine.events import TokenLogprob, TopLogprob
 from slotq.engine.grammar_knobs import GrammarKnobs
 from slotq.engine.logprobs import StepLogprobs, as_event, token_text
 from slotq.engine.prefix_index import PrefixIndex, PrefixMatch
+from slotq.engine.reply_parser import ReplyParser, ToolCallFormat
 from slotq.engine.request import SamplingParams
 from slotq.engine.scheduler import Scheduler, SchedulerConfig
 from slotq.engine.stats import EngineCounters, EngineStats
+from slotq.engine.tools import CallTrigger
 from slotq.jobs.worker.resume import Replies
 
 SEQUENCES = (64, 256)
@@ -328,9 +336,40 @@ def _bench_replies(quick: bool) -> list[dict[str, Any]]:
              "after_ms": cpu_ms(repeats, _replies_after, pieces)}]
 
 
+# ------------------------------------------------------------------ call triggers
+TRIGGER_STEPS = 100
+PROSE = b"The forecast for Paris is sunny, with a light breeze from the west and no rain until Sunday. " * 4
+
+
+def _auto_replies(n: int, watched: bool) -> None:
+    """``TRIGGER_STEPS`` steps of ``n`` native auto replies writing prose, each piece through the
+    reply parser, and (``watched``) the call trigger."""
+    hermes = ToolCallFormat.HERMES
+    parsers = [ReplyParser(tool_format=hermes, call_id_prefix="call", reasoning=True) for _ in range(n)]
+    triggers = [CallTrigger(hermes, reasoning=True, starts_in_reasoning=False) for _ in range(n)] if watched else []
+    for step in range(TRIGGER_STEPS):
+        piece = PROSE[step * 4 % len(PROSE):][:4]
+        text = piece.decode()
+        for parser in parsers:
+            parser.push(text)
+        for trigger in triggers:
+            trigger.push(piece)
+
+
+def _bench_triggers(quick: bool) -> list[dict[str, Any]]:
+    repeats = 3 if quick else 7
+    out = []
+    for n in SEQUENCES:
+        progress(f"call triggers: {n} auto replies x {TRIGGER_STEPS} steps")
+        out.append({"item": "tool_choice auto, a plain-text step (parser, + call trigger)", "sequences": n,
+                    "before_ms": cpu_ms(repeats, _auto_replies, n, False) / TRIGGER_STEPS,
+                    "after_ms": cpu_ms(repeats, _auto_replies, n, True) / TRIGGER_STEPS})
+    return out
+
+
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
     measured = [*_bench_logprobs(quick), *_bench_masks(quick), *_bench_prefix(quick), *_bench_stats(quick),
-                *_bench_replies(quick)]
+                *_bench_replies(quick), *_bench_triggers(quick)]
     rows = [[m["item"], str(m["sequences"]), f"{m['before_ms']:.3g}", f"{m['after_ms']:.3g}",
              f"{m['before_ms'] / m['after_ms']:.1f}x"] for m in measured]
     table = markdown_table(["per step", "sequences", "before, CPU ms", "after, CPU ms", "speed-up"], rows)

@@ -179,6 +179,11 @@ class TokenMatcher:
         self._matcher.consume_token(token)
         self.raise_if_error()
 
+    def follows(self, tokens: list[int]) -> bool:
+        """Walk past ``tokens`` the model wrote before this matcher was armed (a lazy grammar's
+        trigger); False when the constraint refuses them."""
+        return bool(self._matcher.consume_tokens(tokens)) and not self._matcher.is_error()
+
     def raise_if_error(self) -> None:
         if self._matcher.is_error():
             _raise_if_error(self._constraint, self._matcher.get_error(), self._knobs)
@@ -269,6 +274,10 @@ class ConstraintCompiler:
                     self._tokenizer = lltokenizer_from_vocab(self._vocab, n_vocab=self._n_vocab,
                                                              eos_token=self._eog_tokens or None)
             return self._tokenizer
+
+    def tokenize(self, text: bytes) -> list[int]:
+        """``text`` as tokens a matcher can follow, control tokens' names spelled as plain text."""
+        return list(self.tokenizer().tokenize_bytes(text))
 
     def matcher(self, constraint: Constraint, resume_tokens: list[int]) -> TokenMatcher:
         """A matcher for a new request, already past ``resume_tokens`` (an earlier attempt's

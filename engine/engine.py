@@ -37,7 +37,7 @@ from slotq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerLimits
 from slotq.engine.speculation import Drafter, DraftPlanner, NgramDrafter, StepCost
 from slotq.engine.state import EngineState, Lifecycle
 from slotq.engine.stats import EngineStats
-from slotq.engine.tools import CallChecker, plan_tools, reply_setup, template_messages
+from slotq.engine.tools import LazyCall, plan_tools, reply_setup, template_messages
 
 CALIBRATION_TOKENS = 64
 """The largest step the start-up timing measures (speculation's step cost extrapolates beyond it,
@@ -228,26 +228,29 @@ class Engine:
                                  f"(0..{self.info.n_vocab - 1})", field="resume_tokens")
         plan = plan_tools(request, self.tool_format)
         constraint = plan.constraint if plan is not None else constraint_for(request.sampling)
-        checker = (CallChecker(self._constraints.tokenizer(), plan, self.config.parser_limits())
-                   if plan is not None and plan.constraint is None else None)
+        lazy = plan is not None and plan.lazy
         matcher: TokenMatcher | None = None
         if constraint is not None:
             if request.ignore_eos:
                 # A satisfied constraint allows only end-of-generation tokens: with them banned there is
                 # nothing the request could end with.
                 raise InvalidRequest(f"ignore_eos cannot be combined with {constraint.field}", field="ignore_eos")
-            matcher = self._constraints.matcher(constraint, request.resume_tokens)
+            # A lazy grammar is armed at the call's marker, past the tokens from there on (a resumed
+            # reply's too, as the runner replays them), so it starts here at its start.
+            matcher = self._constraints.matcher(constraint, [] if lazy else request.resume_tokens)
+        lazy_call = LazyCall(matcher, self._constraints.tokenize) if lazy and matcher is not None else None
+        chain_matcher = None if lazy else matcher
         seed = request.sampling.seed
 
         def make_chain(choice: int) -> SamplerChain:
             return build_chain(request, self.model.vocab, self.info.n_vocab, self._eog_tokens,
-                               matcher.fork() if matcher is not None else None,
+                               chain_matcher.fork() if chain_matcher is not None else None,
                                seed=(seed + choice) % 0xFFFFFFFF if seed is not None else self.config.seed)
 
         # Build one chain now so logit-bias errors surface at submit time, then free it.
         make_chain(0).free()
         return PreparedRequest(request, tokens, handle.sink, make_chain,
-                               reply=reply_setup(request, request.id, prompt, plan, checker))
+                               reply=reply_setup(request, request.id, prompt, plan, lazy_call))
 
     def _context_limit_reason(self) -> str:
         if self.ctx_per_seq < self.config.ctx:

@@ -44,6 +44,7 @@ from slotq.engine.errors import (
     EngineError,
     EngineStopped,
     GrammarError,
+    InvalidRequest,
     KVExhausted,
     RequestFailed,
 )
@@ -62,7 +63,7 @@ from slotq.engine.speculation import Drafter, DraftPlanner, Proposal, propose_dr
 from slotq.engine.state import EngineState, Lifecycle
 from slotq.engine.stats import EngineCounters, EngineStats, StatsSnapshot
 from slotq.engine.text import StopMatcher, Utf8Stream
-from slotq.engine.tools import ReplySetup
+from slotq.engine.tools import CallTrigger, ReplySetup
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class _Choice:
     utf8: Utf8Stream = field(default_factory=Utf8Stream)
     stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
     parser: ReplyParser | None = None
+    trigger: CallTrigger | None = None  # watching for a native auto call's start, to arm its grammar there
     special_text: bool = False          # control tokens rendered as text (see ReplySetup.special_tokens_as_text)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -266,6 +268,7 @@ class Runner:
             reply = prepared.reply
             state = _Choice(prepared, chain, stops=StopMatcher(list(prepared.request.stop)),
                             parser=reply.parser(choice) if reply is not None else None,
+                            trigger=reply.trigger() if reply is not None else None,
                             special_text=reply is not None and reply.special_tokens_as_text)
             self._replay_delivered_text(state, prepared.request.resume_tokens)
         except BaseException:
@@ -277,12 +280,36 @@ class Runner:
         """A resumed attempt rebuilds its text state from the tokens already delivered, so a
         character, a stop-string match or a tool call that spanned the crash point continues
         seamlessly. What the parser makes of them was delivered by the earlier attempt (it is
-        deterministic, call ids included), so it is dropped here: each piece reaches the stream once."""
-        for token in tokens:
+        deterministic, call ids included), so it is dropped here: each piece reaches the stream once.
+        A call's grammar armed on the way follows the tokens after the one that armed it."""
+        armed = False
+        for i, token in enumerate(tokens):
             piece = self.model.token_bytes(token, special=state.special_text)
+            if armed:
+                assert state.chain.matcher is not None
+                if not state.chain.matcher.follows([token]):
+                    raise InvalidRequest(f"resume_tokens: token {token} at position {i} is not allowed by the "
+                                         "tool call's grammar", field="resume_tokens")
+            elif state.trigger is not None:
+                armed = self._arm_at_call(state, piece)
             text = state.stops.push(state.utf8.push(piece)).emit
             if state.parser is not None and text:
                 state.parser.push(text)
+
+    @staticmethod
+    def _arm_at_call(state: _Choice, piece: bytes) -> bool:
+        """Feed a token's bytes to the choice's call trigger; at a call's start, arm the call's
+        grammar past the reply from there on (True). Raises ToolCallError when that text already
+        breaks the grammar."""
+        assert state.trigger is not None and state.prepared.reply is not None
+        call = state.trigger.push(piece)
+        if call is None:
+            return False
+        state.trigger = None
+        lazy_call = state.prepared.reply.lazy_call
+        assert lazy_call is not None
+        state.chain.arm(lazy_call.arm(call))
+        return True
 
     def _cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End every choice of a request, queued or running."""
@@ -429,7 +456,13 @@ class Runner:
         request = state.prepared.request
         if self._is_eog(token) and not request.ignore_eos:
             return token, _End(FinishReason.STOP)
-        match = state.stops.push(state.utf8.push(self.model.token_bytes(token, special=state.special_text)))
+        piece = self.model.token_bytes(token, special=state.special_text)
+        if state.trigger is not None:
+            try:
+                self._arm_at_call(state, piece)
+            except ToolCallError as exc:
+                return token, _End(FinishReason.ERROR, error=exc)
+        match = state.stops.push(state.utf8.push(piece))
         token_logprobs = None if logprobs is None else [as_event(logprobs.of(token))]
         if state.parser is None:        # plain text (the common case): no ReplyDelta per token
             delta = TextDelta(request_id=seq.request_id, choice=seq.choice, text=match.emit, token_ids=[token],
@@ -449,13 +482,12 @@ class Runner:
     @staticmethod
     def _reply_tail(state: _Choice, text: str, reason: FinishReason) -> list[ReplyDelta]:
         """What is left of a reply that ends for ``reason``: the text held back, and (a reply
-        that ended normally) what its parser held, its calls checked. Raises ToolCallError."""
+        that ended normally) what its parser held. Raises ToolCallError for a call left unfinished."""
         if state.parser is None:
             return [ReplyDelta(content=text)] if text else []
         tails = [state.parser.push(text)] if text else []
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            assert state.prepared.reply is not None
-            tails.append(state.prepared.reply.finish(state.parser, cut=reason == FinishReason.LENGTH))
+            tails.append(state.parser.finish(cut=reason == FinishReason.LENGTH))
         return [t for t in tails if t.content or t.reasoning or t.tool_calls]
 
     def _compute_logprobs(self, sample_at: list[tuple[Sequence, int, list[int]]]) -> None:

@@ -34,6 +34,12 @@ class SamplerChain:
         """The constraint the chain masks each row with (None: unconstrained)."""
         return self._matcher
 
+    def arm(self, matcher: TokenMatcher) -> None:
+        """Constrain the chain from its next sample on (a grammar armed lazily, at a tool call's marker)."""
+        if self._matcher is not None:
+            raise RuntimeError("the sampler chain is already constrained")
+        self._matcher = matcher
+
     @property
     def handle(self) -> llama_cpp.llama_sampler_p:
         """The live chain. After :meth:`free` it is gone: llama.cpp would be handed a NULL chain."""

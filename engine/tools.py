@@ -18,9 +18,14 @@ How a call is held to its function's ``parameters``:
   arguments that match their schemas, so even a 135M model's call validates. llama-server answered
   such requests on the same model with prose (``finish_reason: length``, no ``tool_calls``).
 * ``auto`` in the generic format is constrained the same way (a call, or a ``response``).
-* ``auto`` in a native format is free text until the model writes a call; the call's arguments are
-  checked against the schema when the reply ends, and a call that does not match fails the request
-  (``invalid_tool_call``) rather than reaching the caller half right.
+* ``auto`` in a native format is free text until the model writes a call's marker
+  (``<tool_call>``, ``[TOOL_CALLS]``, ``<|python_tag|>``, or a Llama 3 reply that opens as a call):
+  there the same grammar a forced call gets is armed (:class:`CallTrigger`, :class:`LazyCall`; a
+  lazy grammar, as llama-server's ``grammar_triggers``), fed what the model wrote from the marker
+  on, so the rest of the call is valid by construction and the reply ends with it (calls only, as
+  many as ``parallel_tool_calls`` allows). Text the model wrote past the marker before the grammar
+  was armed (the rest of the marker's token) that the grammar refuses fails the request
+  (``invalid_tool_call``): a call is never delivered half right.
 
 Native grammars spell their markers (``<tool_call>``, ``[TOOL_CALLS]``) as text: where a model has
 them as special tokens, a constrained call is written with the marker's ordinary tokens, which the
@@ -31,29 +36,45 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 
-from slotq.engine.constraints import COMPACT_JSON, Constraint, closed_objects, validate_constraint, with_subschemas
+from slotq.engine.constraints import (
+    COMPACT_JSON,
+    Constraint,
+    TokenMatcher,
+    closed_objects,
+    validate_constraint,
+    with_subschemas,
+)
 from slotq.engine.errors import GrammarError
 from slotq.engine.grammar_knobs import GrammarKnobs
-from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCall, ToolCallError, ToolCallFormat
+from slotq.engine.reply_parser import (
+    HERMES_OPEN,
+    LLAMA3_CALL_OPENINGS,
+    MISTRAL_CALLS,
+    PYTHON_TAG,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReplyParser,
+    ToolCallError,
+    ToolCallFormat,
+)
 from slotq.engine.request import ChatMessage, GenerationParams, NamedToolChoice, ToolSpec
-
-_ANY_WHITESPACE_JSON: Any = {"whitespace_flexible": True}    # checking what a model wrote freely
 
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What the engine does with one request's tools: the format its reply is parsed in, the
-    constraint (None: free text, calls checked when the reply ends) and each allowed function's
-    argument schema."""
+    """What the engine does with one request's tools: the format its reply is parsed in, and the
+    constraint that holds its calls, on the whole reply or (``lazy``) armed at a call's marker."""
 
     tool_format: ToolCallFormat
-    constraint: Constraint | None
-    parameters: dict[str, dict[str, Any]]
+    constraint: Constraint
+    lazy: bool = False
 
 
 def plan_tools(request: GenerationParams, tool_format: ToolCallFormat) -> ToolPlan | None:
@@ -63,15 +84,12 @@ def plan_tools(request: GenerationParams, tool_format: ToolCallFormat) -> ToolPl
     if not request.calls_tools:
         return None
     allowed = _allowed(request)
-    parameters = {tool.function.name: tool.function.parameters for tool in allowed}
     forced = request.tool_choice != "auto"
     if tool_format == ToolCallFormat.GENERIC:
         schema = generic_schema(allowed, forced=forced, parallel=request.parallel_tool_calls)
-        return ToolPlan(tool_format, _compiled_schema(schema), parameters)
-    if not forced:
-        return ToolPlan(tool_format, None, parameters)
+        return ToolPlan(tool_format, _compiled_schema(schema))
     return ToolPlan(tool_format, _compiled_lark(native_grammar(tool_format, allowed, request.parallel_tool_calls)),
-                    parameters)
+                    lazy=not forced)
 
 
 def check_tools(request: GenerationParams, knobs: GrammarKnobs) -> None:
@@ -92,16 +110,22 @@ def _allowed(request: GenerationParams) -> list[ToolSpec]:
 
 
 # ---------------------------------------------------------------------------- grammars
-def _call_schema(name: str, arguments: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+def _call_schema(name: str, arguments: dict[str, Any], arguments_key: str, typed: bool) -> dict[str, Any]:
+    """One call's object; ``typed``: an optional ``"type": "function"`` may come first (Llama 3, as
+    llama.cpp's grammar for it allows, and the reply parser reads)."""
+    properties = {"name": {"const": name}, arguments_key: arguments}
+    if typed:
+        properties = {"type": {"const": "function"}, **properties}
     return {"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-            "properties": {"name": {"const": name}, arguments_key: arguments}}
+            "properties": properties}
 
 
-def _one_of_calls(tools: list[ToolSpec], arguments_key: str = "arguments") -> tuple[dict[str, Any], dict[str, Any]]:
+def _one_of_calls(tools: list[ToolSpec], arguments_key: str = "arguments",
+                  typed: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """The schema of one call of any of ``tools``, and the ``$defs`` the root of the schema that embeds
     it must carry (:func:`_embedded_parameters`)."""
     root_defs: dict[str, Any] = {}
-    calls = [_call_schema(tool.function.name, _embedded_parameters(tool, index, root_defs), arguments_key)
+    calls = [_call_schema(tool.function.name, _embedded_parameters(tool, index, root_defs), arguments_key, typed)
              for index, tool in enumerate(tools)]
     return (calls[0] if len(calls) == 1 else {"anyOf": calls}), root_defs
 
@@ -156,7 +180,7 @@ def native_grammar(tool_format: ToolCallFormat, tools: list[ToolSpec], parallel:
         call = _call_document(tools)
         return f'start: block{repeat}\nblock: "<tool_call>\\n" call "\\n</tool_call>" "\\n"?\ncall: %json {call}\n'
     if tool_format == ToolCallFormat.LLAMA3:
-        call = _call_document(tools, "parameters")
+        call = _call_document(tools, "parameters", typed=True)
         more = '("; " call)*' if parallel else ""
         return f'start: "<|python_tag|>"? call {more}\ncall: %json {call}\n'
     if tool_format == ToolCallFormat.MISTRAL:
@@ -166,9 +190,9 @@ def native_grammar(tool_format: ToolCallFormat, tools: list[ToolSpec], parallel:
     raise ValueError(f"no native grammar for {tool_format}")
 
 
-def _call_document(tools: list[ToolSpec], arguments_key: str = "arguments") -> str:
+def _call_document(tools: list[ToolSpec], arguments_key: str = "arguments", typed: bool = False) -> str:
     """One call's schema as a ``%json`` document of its own (its root carries the ``$defs``)."""
-    call, root_defs = _one_of_calls(tools, arguments_key)
+    call, root_defs = _one_of_calls(tools, arguments_key, typed)
     return json.dumps({**call, "$defs": root_defs} if root_defs else call)
 
 
@@ -246,16 +270,88 @@ def _generic_instructions(request: GenerationParams) -> str:
 
 
 # ---------------------------------------------------------------------------- reading the reply
+# What starts a native call: its marker anywhere in the reply's content (after any thoughts), or (Llama
+# 3) a reply that opens as a call object, as the reply parser reads one (LLAMA3_CALL_OPENINGS).
+_MARKERS = {ToolCallFormat.HERMES: HERMES_OPEN.encode(), ToolCallFormat.MISTRAL: MISTRAL_CALLS.encode(),
+            ToolCallFormat.LLAMA3: PYTHON_TAG.encode()}
+_AFTER_BRACE = b"|".join(rb"\s*".join(re.escape(literal.encode()) for literal in opening[1:])
+                         for opening in LLAMA3_CALL_OPENINGS)      # each opening is "{", then its literals
+_LLAMA3_OPENING = re.compile(rb"\s*(\{)\s*(?:" + _AFTER_BRACE + rb")")
+_OPENING_WINDOW = 64        # bytes of a reply's start (after whitespace) within which a Llama 3 call has opened
+_THINK_OPEN, _THINK_CLOSE = THINK_OPEN.encode(), THINK_CLOSE.encode()
+
+
+class CallTrigger:
+    """Watches one choice's reply, token piece by token piece (bytes, as the model wrote them,
+    before stop strings), for the start of a native call; :meth:`push` returns the reply from there
+    on, once. Thoughts are skipped as the reply parser skips them (a ``<think>`` at the reply's
+    start, or one the prompt opened, up to ``</think>``): a marker inside them is not a call. Holds
+    only what a marker or the opening could still span, so it costs O(piece) per token."""
+
+    def __init__(self, tool_format: ToolCallFormat, *, reasoning: bool, starts_in_reasoning: bool) -> None:
+        self._marker = _MARKERS[tool_format]
+        self._opening = _LLAMA3_OPENING if tool_format == ToolCallFormat.LLAMA3 else None
+        self._buf = b""
+        self._thinking: bool | None = True if starts_in_reasoning else (None if reasoning else False)
+        self._opening_open = self._opening is not None     # the content's start may still open a call
+
+    def push(self, piece: bytes) -> bytes | None:
+        self._buf += piece
+        if self._thinking is None:          # does the reply open with <think>?
+            lead = self._buf.lstrip()
+            if len(lead) < len(_THINK_OPEN) and _THINK_OPEN.startswith(lead):
+                return None
+            self._thinking = lead.startswith(_THINK_OPEN)
+        if self._thinking:
+            at = self._buf.find(_THINK_CLOSE)
+            if at < 0:
+                self._buf = self._buf[-(len(_THINK_CLOSE) - 1):]
+                return None
+            self._thinking = False
+            self._buf = self._buf[at + len(_THINK_CLOSE):]
+        if self._opening_open and self._opening is not None:
+            opened = self._opening.match(self._buf)
+            if opened is not None:
+                return self._buf[opened.start(1):]
+            self._buf = self._buf.lstrip()      # the opening's leading whitespace is no part of the call
+            self._opening_open = not self._buf or (self._buf.startswith(b"{") and len(self._buf) < _OPENING_WINDOW)
+        at = self._buf.find(self._marker)
+        if at >= 0:
+            return self._buf[at:]
+        if not self._opening_open:
+            self._buf = self._buf[-(len(self._marker) - 1):]
+        return None
+
+
+@dataclass(frozen=True)
+class LazyCall:
+    """A native ``auto`` call's grammar, armed when its :class:`CallTrigger` fires: ``matcher`` is
+    its start state (compiled and checked at submit), ``tokenize`` spells bytes as the matcher's
+    tokens (a marker that is a control token is fed as its text, as the grammar spells it)."""
+
+    matcher: TokenMatcher
+    tokenize: Callable[[bytes], list[int]]
+
+    def arm(self, call: bytes) -> TokenMatcher:
+        """A matcher past ``call`` (the reply from the call's start on). Raises :class:`ToolCallError`
+        when what the model wrote there already breaks the grammar."""
+        matcher = self.matcher.fork()
+        if not matcher.follows(self.tokenize(call)):
+            raise ToolCallError(f"the model's tool call does not match its format or the allowed functions: "
+                                f"{call[:80].decode('utf-8', 'replace')!r}")
+        return matcher
+
+
 @dataclass(frozen=True)
 class ReplySetup:
     """How one request's reply is read, token text by token text: what :class:`ReplyParser` each
-    choice gets, and the checker of unconstrained calls (None: calls are constrained, or none)."""
+    choice gets, and (native ``auto`` calls) the grammar armed at a call's start."""
 
     request_id: str
     tool_format: ToolCallFormat | None
     reasoning: bool
     starts_in_reasoning: bool
-    checker: CallChecker | None = None
+    lazy_call: LazyCall | None = None
 
     @property
     def special_tokens_as_text(self) -> bool:
@@ -267,98 +363,29 @@ class ReplySetup:
         return ReplyParser(tool_format=self.tool_format, call_id_prefix=call_id_prefix(self.request_id, choice),
                            reasoning=self.reasoning, starts_in_reasoning=self.starts_in_reasoning)
 
-    def finish(self, parser: ReplyParser, *, cut: bool = False) -> ReplyDelta:
-        """The parser's last output; raises :class:`ToolCallError` for a call that is unfinished
-        (unless the reply was ``cut`` by its length limit), not JSON, or (when unconstrained) does
-        not match its function."""
-        tail = parser.finish(cut=cut)
-        if self.checker is not None:
-            self.checker.check(parser.tool_calls)
-        return tail
+    def trigger(self) -> CallTrigger | None:
+        """A new choice's watch for its first call (None: calls are constrained from the start, or none)."""
+        if self.lazy_call is None or self.tool_format is None:
+            return None
+        return CallTrigger(self.tool_format, reasoning=self.reasoning, starts_in_reasoning=self.starts_in_reasoning)
 
 
 def reply_setup(request: GenerationParams, request_id: str, prompt: str, plan: ToolPlan | None,
-                checker: CallChecker | None) -> ReplySetup | None:
+                lazy_call: LazyCall | None) -> ReplySetup | None:
     """None when the reply is plain text: a raw prompt, or a chat without tools whose think tags
     stay in the text (``reasoning_format`` none)."""
     reasoning = request.reasoning_format == "deepseek"
     if request.messages is None or (plan is None and not reasoning):
         return None
     return ReplySetup(request_id, plan.tool_format if plan else None, reasoning,
-                      starts_in_reasoning=reasoning and prompt.rstrip().endswith("<think>"), checker=checker)
+                      starts_in_reasoning=reasoning and prompt.rstrip().endswith("<think>"), lazy_call=lazy_call)
 
 
-# ---------------------------------------------------------------------------- checking calls
 def call_id_prefix(request_id: str, choice: int) -> str:
     """Tool call ids derive from the request and the choice, so an attempt that resumes the reply
     gives the calls the ids the interrupted one streamed."""
     return "call_" + hashlib.sha256(f"{request_id}/{choice}".encode()).hexdigest()[:20]
 
 
-def in_schema_order(value: Any, schema: Any, root: Any, depth: int = 0) -> Any:
-    """``value`` with each object's keys in the order its schema lists them (the rest after them,
-    as they were). llguidance's JSON grammar expects properties in the schema's order, as it
-    generates them; a model writing freely may order them otherwise, which JSON Schema allows.
-    Follows ``properties``, ``items``, local ``$ref`` and the branches of ``anyOf``/``oneOf``/
-    ``allOf`` (their properties' orders merged); bounded in depth, as a recursive schema may be."""
-    if depth > 64:
-        return value
-    schema = _resolved(schema, root)
-    parts = [schema, *(_resolved(b, root) for key in ("anyOf", "oneOf", "allOf") for b in schema.get(key) or ())]
-    if isinstance(value, dict):
-        properties: dict[str, Any] = {}
-        for part in parts:
-            for name, sub in (part.get("properties") or {}).items():
-                properties.setdefault(name, sub)
-        order = {name: i for i, name in enumerate(properties)}
-        keys = sorted(value, key=lambda k: order.get(k, len(order)))
-        return {k: in_schema_order(value[k], properties.get(k), root, depth + 1) for k in keys}
-    if isinstance(value, list):
-        items = next((part["items"] for part in parts if "items" in part), None)
-        return [in_schema_order(v, items, root, depth + 1) for v in value]
-    return value
-
-
-def _resolved(schema: Any, root: Any) -> dict[str, Any]:
-    """A schema with a local ``$ref`` replaced by its target ({} for what is not a schema)."""
-    ref = schema.get("$ref") if isinstance(schema, dict) else None
-    if isinstance(ref, str) and ref.startswith("#/"):
-        schema = root
-        for part in ref[2:].split("/"):
-            schema = schema.get(part) if isinstance(schema, dict) else None
-    return schema if isinstance(schema, dict) else {}
-
-
-class CallChecker:
-    """Checks, when an unconstrained reply ends, that each call names an allowed function and that
-    its arguments match that function's schema. Compiling needs the model's tokenizer (the worker's
-    :class:`~slotq.engine.constraints.ConstraintCompiler` provides it), so it runs in the engine."""
-
-    def __init__(self, tokenizer: llguidance.LLTokenizer, plan: ToolPlan, limits: llguidance.LLParserLimits) -> None:
-        self._tokenizer = tokenizer
-        self._plan = plan
-        self._limits = limits
-
-    def check(self, calls: list[ToolCall]) -> None:
-        for call in calls:
-            schema = self._plan.parameters.get(call.name)
-            if schema is None:
-                raise ToolCallError(f"the model called {call.name!r}, which is not among the allowed functions "
-                                    f"({sorted(self._plan.parameters)})")
-            try:
-                arguments = json.loads(call.arguments)
-            except ValueError as exc:
-                raise ToolCallError(f"the model's call of {call.name!r} has arguments that are not JSON: "
-                                    f"{exc}") from None
-            text = json.dumps(in_schema_order(arguments, schema, schema), ensure_ascii=False)
-            matcher = llguidance.LLMatcher(self._tokenizer,
-                                           llguidance.LLMatcher.grammar_from_json_schema(schema, _ANY_WHITESPACE_JSON),
-                                           log_level=0, limits=self._limits)
-            matcher.consume_tokens(self._tokenizer.tokenize_str(text))
-            if matcher.is_error() or not matcher.is_accepting():
-                raise ToolCallError(f"the model's call of {call.name!r} has arguments that do not match its "
-                                    f"parameters: {call.arguments[:200]}")
-
-
-__all__ = ["CallChecker", "ReplySetup", "ToolPlan", "call_id_prefix", "check_tools", "generic_schema",
+__all__ = ["CallTrigger", "LazyCall", "ReplySetup", "ToolPlan", "call_id_prefix", "check_tools", "generic_schema",
            "native_grammar", "plan_tools", "reply_setup", "template_messages"]

@@ -283,6 +283,9 @@ class GenerationParams(BaseModel):
         if self.calls_tools and (self.sampling.json_schema is not None or self.sampling.grammar is not None):
             raise ValueError("tools: cannot be combined with json_schema or grammar (a call's arguments are "
                              "already constrained by its parameters)")
+        if self.calls_tools and self.ignore_eos:
+            raise ValueError("ignore_eos: cannot be combined with tools (unless tool_choice is 'none'): a call is "
+                             "grammar-constrained and ends with end-of-generation, which ignore_eos bans")
         return self
 
     @property

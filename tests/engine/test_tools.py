@@ -1,7 +1,8 @@
 """Tool calls in the engine (issue 33), on real llama.cpp: the tiny random model answers every
 forced call with arguments that validate against the function's schema, in the generic format
 (a template without tools, like the bundled model's) and in a native one (a Hermes template), and a
-resumed reply delivers the rest of a call exactly once.
+resumed reply delivers the rest of a call exactly once. Under ``auto`` a native call is constrained
+from its marker on (issue 43), so it validates too, and a plain-text reply is left alone.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import jsonschema
 import pytest
 
 from slotq.engine import FinishReason, GenerationRequest, SamplingParams, TextDelta
-from slotq.engine.reply_parser import ToolCall, ToolCallError, ToolCallFormat
+from slotq.engine.reply_parser import ToolCallFormat
 from slotq.engine.request import GenerationParams
-from slotq.engine.tools import CallChecker, ToolPlan, plan_tools, template_messages
+from slotq.engine.tools import CallTrigger, plan_tools, template_messages
 from slotq.jobs.protocol.schemas import assemble_tool_calls
 from tests.support.engine import running_engine
 from tests.support.tiny_model import HERMES_TEMPLATE, TINY_SCALE, TINY_SEED, write_tiny_llama
@@ -35,7 +36,9 @@ ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 def tool_request(**fields: Any) -> GenerationRequest:
     fields.setdefault("messages", ASK)
-    return GenerationRequest(tools=TOOLS, max_tokens=120, sampling=SamplingParams(temperature=0.0), **fields)
+    fields.setdefault("max_tokens", 120)
+    fields.setdefault("sampling", SamplingParams(temperature=0.0))
+    return GenerationRequest(tools=TOOLS, **fields)
 
 
 async def reply_of(engine: Any, request: GenerationRequest) -> tuple[list[TextDelta], Any]:
@@ -88,11 +91,12 @@ def test_which_requests_are_constrained():
     generic = plan_tools(auto, ToolCallFormat.GENERIC)
     assert generic is not None and generic.constraint is not None            # a call or a response, always JSON
     native_auto = plan_tools(auto, ToolCallFormat.HERMES)
-    assert native_auto is not None and native_auto.constraint is None       # free text, calls checked at the end
+    assert native_auto is not None and native_auto.lazy                     # free text until a call's marker
     named = plan_tools(GenerationParams(tools=TOOLS, messages=ASK,
                                         tool_choice={"type": "function", "function": {"name": "get_time"}}),
                        ToolCallFormat.HERMES)
-    assert named is not None and named.constraint is not None and set(named.parameters) == {"get_time"}
+    assert named is not None and not named.lazy and "get_time" in named.constraint.grammar
+    assert "get_weather" not in named.constraint.grammar
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -100,6 +104,7 @@ def test_which_requests_are_constrained():
     ({"tool_choice": "required", "tools": None}, "needs tools"),
     ({"sampling": {"json_schema": {"type": "object"}}}, "cannot be combined"),
     ({"tools": TOOLS + TOOLS[:1]}, "unique"),
+    ({"ignore_eos": True}, "ignore_eos: cannot be combined with tools"),      # a constrained call must end
 ])
 def test_bad_tool_requests_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -161,16 +166,72 @@ async def test_a_resumed_reply_delivers_the_rest_of_its_call_exactly_once(tiny_m
             assert calls_of(before + rest) == calls_of(deltas), cut
 
 
-async def test_an_unconstrained_call_that_breaks_its_schema_fails_the_request(hermes_model_path: Path):
+def text_tokens(engine: Any, text: str) -> list[int]:
+    return engine.model.tokenize(text, add_special=False)
+
+
+async def test_an_auto_call_is_grammar_constrained_from_its_marker_on(hermes_model_path: Path):
+    # The random model would never write a call; the reply is made to start one: resumed past
+    # "<tool_call" with ">" pushed up, so the marker completes in this attempt's first token. From
+    # there the grammar writes a valid call, and only the end may follow it (no text, no second call).
     async with running_engine(hermes_model_path, slots=1, ctx=2048) as engine:
-        plan = ToolPlan(ToolCallFormat.HERMES, None, SCHEMAS)
-        checker = CallChecker(engine._constraints.tokenizer(), plan, engine.config.parser_limits())
-        checker.check([ToolCall(id="c", name="get_weather", arguments='{"city": "Paris", "days": 3}')])
-        checker.check([ToolCall(id="c", name="get_weather", arguments='{ "days":3 ,\n"city":"Zürich" }')])  # any order
-        with pytest.raises(ToolCallError, match="do not match"):
-            checker.check([ToolCall(id="c", name="get_weather", arguments='{"city": "Rome", "days": 3}')])
-        with pytest.raises(ToolCallError, match="not among"):
-            checker.check([ToolCall(id="c", name="rm_rf", arguments="{}")])
+        close = text_tokens(engine, ">")[-1:]       # SPM writes a leading space token first
+        assert engine.model.token_bytes(close[0]) == b">"
+        plain, finished = await reply_of(engine, tool_request())
+        assert finished.finish_reason != FinishReason.TOOL_CALLS and not calls_of(plain)   # text is not constrained
+        for resumed in ("Sure. <tool_call", "<think>hm <tool_call> no</think><tool_call"):
+            request = tool_request(resume_tokens=text_tokens(engine, resumed), max_tokens=200,
+                                   sampling=SamplingParams(temperature=0.0, logit_bias={close[0]: 50.0}))
+            deltas, finished = await reply_of(engine, request)
+            assert finished.finish_reason == FinishReason.TOOL_CALLS, (resumed, finished)
+            calls = calls_of(deltas)
+            assert len(calls) == 1
+            assert_valid(calls, {"get_weather", "get_time"})
+            text = "".join(engine.model.token_bytes(t).decode() for d in deltas for t in d.token_ids)
+            assert text.startswith(">\n{") and text.rstrip().endswith("</tool_call>"), text
+
+        # A resumed attempt arms the grammar while replaying, and follows the call the first one began.
+        begun = '<tool_call>\n{"name":"get_time","arguments":{"zone":"'
+        deltas, finished = await reply_of(engine, tool_request(resume_tokens=text_tokens(engine, begun)))
+        assert finished.finish_reason == FinishReason.TOOL_CALLS, finished
+        rest = "".join(engine.model.token_bytes(t).decode() for d in deltas for t in d.token_ids)
+        call = json.loads((begun + rest).removeprefix("<tool_call>\n").strip().removesuffix("</tool_call>"))
+        jsonschema.validate(call["arguments"], TIME)
+
+        broken = text_tokens(engine, '<tool_call>\n{"name":"rm_rf"')    # no attempt could have written it
+        _, finished = await reply_of(engine, tool_request(resume_tokens=broken))
+        assert finished.finish_reason == FinishReason.ERROR and "resume_tokens" in finished.error.message
+
+
+async def test_the_armed_grammar_takes_each_call_opening_its_parser_reads(tiny_model_path: Path):
+    # What a trigger hands over (the model wrote it freely) must be a start the call's grammar goes on from.
+    async with running_engine(tiny_model_path, slots=1) as engine:
+        compiler = engine._constraints
+        for tool_format, opening in [(ToolCallFormat.LLAMA3, b'{"name": "get_time"'),
+                                     (ToolCallFormat.LLAMA3, b'{ "type": "function", "name"'),
+                                     (ToolCallFormat.LLAMA3, b'<|python_tag|>{"name"'),
+                                     (ToolCallFormat.HERMES, b'<tool_call>\n{"name": "get_weather", "arg'),
+                                     (ToolCallFormat.MISTRAL, b'[TOOL_CALLS][{"name"')]:
+            plan = plan_tools(GenerationParams(tools=TOOLS, messages=ASK), tool_format)
+            assert plan is not None and plan.lazy
+            assert compiler.matcher(plan.constraint, []).follows(compiler.tokenize(opening)), opening
+
+
+@pytest.mark.parametrize(("tool_format", "pieces", "call"), [
+    (ToolCallFormat.HERMES, [b"Let me ", b"check. <tool", b"_call>\n{"], b"<tool_call>\n{"),
+    (ToolCallFormat.HERMES, [b"<think>a <tool_call> b</th", b"ink>ok <tool_call>"], b"<tool_call>"),
+    (ToolCallFormat.MISTRAL, [b"[TOOL_", b"CALLS][{"], b"[TOOL_CALLS][{"),
+    (ToolCallFormat.LLAMA3, [b" {", b'"name', b'": "f'], b'{"name": "f'),
+    (ToolCallFormat.LLAMA3, [b'{"answer": 1}', b' <|python_tag|>{'], b"<|python_tag|>{"),
+    (ToolCallFormat.LLAMA3, [b'{"answer": 1, "name": 2}'], None),               # a JSON answer is no call
+    (ToolCallFormat.LLAMA3, [b'{"type": "object"}'], None),
+    (ToolCallFormat.LLAMA3, [b"\n" * 100, b'{"type" : "function",'], b'{"type" : "function",'),
+    (ToolCallFormat.HERMES, [b"no call, just ", b"<tool", b" talk"], None),
+])
+def test_a_call_starts_at_its_marker_or_its_opening(tool_format, pieces, call):
+    trigger = CallTrigger(tool_format, reasoning=True, starts_in_reasoning=False)
+    fired = [got for piece in pieces if (got := trigger.push(piece)) is not None]
+    assert fired == ([call] if call else [])
 
 
 async def test_a_leading_think_goes_to_reasoning_unless_asked_not_to(tiny_model_path: Path):

@@ -343,6 +343,16 @@ def test_a_forced_tool_call_through_the_sdk_streamed_and_not(stack):
     assert stored["result"]["choices"][0]["tool_calls"][0]["function"] == call.function.model_dump()
 
 
+def test_ignore_eos_with_callable_tools_is_a_400_naming_it(stack):
+    # A call is grammar-constrained and ends with end-of-generation, which ignore_eos bans.
+    body = {"model": "tiny-a", "messages": PROMPT, "max_tokens": 3, "tools": TOOLS, "ignore_eos": True}
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "ignore_eos"
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, json={**body, "tool_choice": "none"})
+    assert reply.status_code == 200, reply.text
+
+
 class City(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=8)       # the tiny model's strings run on until a limit
     country: str = pydantic.Field(max_length=8)

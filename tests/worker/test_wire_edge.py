@@ -200,6 +200,8 @@ def _edge_cases() -> list[dict[str, Any]]:
         {**chat, "tools": [tool], "sampling": {"json_schema": {}}},
         {**chat, "tools": [tool], "sampling": {"grammar": 'root ::= "a"'}},
         {**chat, "tools": [tool], "tool_choice": "none", "sampling": {"grammar": 'root ::= "a"'}},
+        {**chat, "tools": [tool], "ignore_eos": True},
+        {**chat, "tools": [tool], "tool_choice": "none", "ignore_eos": True},
     ]
 
 
