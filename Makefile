@@ -5,7 +5,11 @@ VENV   ?= .venv
 PIP     = $(VENV)/bin/pip
 # GPU=cuda builds llama-cpp-python with CUDA (needs the CUDA toolkit: nvcc on PATH); empty = CPU.
 GPU    ?=
-STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)$(if $(GPU),-$(GPU))
+# instructor, for its test against the gateway (tests/gateway/test_gateway_clients.py), installed after slotq
+# without its dependencies: its pins (jiter<0.15, rich<15) make pip take openai back to 3.3 and pydantic-ai with
+# it. What it imports besides is in the test extra. .ci/test-python reads this line too.
+INSTRUCTOR = instructor==1.17.0
+STAMP   = $(VENV)/.installed-$(shell { cat pyproject.toml; echo '$(INSTRUCTOR)'; } | sha1sum | cut -c1-12)$(if $(GPU),-$(GPU))
 LLAMA_CPP = $(shell sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
 CMAKE_ARGS_cuda = -DGGML_CUDA=on
 
@@ -24,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	@echo "installing slotq (llama-cpp-python compiles from source the first time: ~6 min on 2 cores)"
 	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps '$(INSTRUCTOR)'
 ifneq ($(GPU),)
 	@echo "rebuilding $(LLAMA_CPP) for GPU=$(GPU) (CMAKE_ARGS=$(CMAKE_ARGS_$(GPU))); not from pip's cache, which holds the CPU build"
 	CMAKE_ARGS="$(CMAKE_ARGS_$(GPU))" $(PIP) install --quiet --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python '$(LLAMA_CPP)'

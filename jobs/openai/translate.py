@@ -15,7 +15,7 @@ gateway reports it as an error instead (409 ``job_cancelled`` / 504 ``deadline_e
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 from pydantic import ValidationError
@@ -105,7 +105,7 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         if request.max_completion_tokens is not None:
             fields["max_tokens"] = request.max_completion_tokens
         fmt = request.response_format
-        if fmt is not None and fmt.type != "text":
+        if fmt is not None and fmt.type != "text" and format_shapes_reply(request.tools, request.tool_choice):
             if request.json_schema is not None or request.grammar is not None:
                 raise ApiError.invalid("response_format: give response_format, json_schema or grammar, not several",
                                        "response_format")
@@ -127,6 +127,15 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         return JobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
         raise from_validation(exc, rename) from None
+
+
+def format_shapes_reply(tools: Sequence[object] | None, tool_choice: object) -> bool:
+    """Whether a request's response format (``response_format``, the Responses API's ``text.format``)
+    shapes its reply. Not when ``tool_choice`` forces a call (``required`` or a named function): the
+    reply is then a call, which its ``parameters`` constrain, with no text for a format to shape, as on
+    OpenAI. instructor's Responses mode sends its schema both ways. Under ``auto`` the reply may be
+    text, so the format applies, and with tools the job refuses the pair (a 400 naming ``tools``)."""
+    return not tools or tool_choice is None or tool_choice in ("auto", "none")
 
 
 def wire_param(request: AnyWireRequest) -> Callable[[str | None], str | None]:

@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from slotq.jobs.openai.errors import ApiError, from_validation, public_param
+from slotq.jobs.openai.translate import format_shapes_reply
 from slotq.jobs.openai.wire import SlotqInfo
 from slotq.jobs.protocol.schemas import JobRequest, JobResult
 from slotq.jobs.protocol.wire import FinishReason, ToolCallSpec, Usage
@@ -132,7 +133,8 @@ def to_job_request(request: ResponsesRequest, *, idempotency_key: str | None = N
     request's names. ``idempotency_key`` (the header's) and ``lane`` apply when the body sets none."""
     sampling: dict[str, Any] = {"temperature": request.temperature, "top_p": request.top_p}
     output_format = request.text.format if request.text else None
-    if output_format is not None and output_format.type != "text":
+    if output_format is not None and output_format.type != "text" and format_shapes_reply(request.tools,
+                                                                                        request.tool_choice):
         sampling["json_schema"] = output_format.schema_ if output_format.type == "json_schema" else {"type": "object"}
     fields: dict[str, Any] = {
         "messages": job_messages(request), "max_tokens": request.max_output_tokens,

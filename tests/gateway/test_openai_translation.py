@@ -30,6 +30,7 @@ from slotq.jobs.protocol.wire import FinishReason, Usage
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TEXT = {"model": "m", "prompt": "once"}
+FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 NO_MODEL = "model_not_found"        # what an accepted body meets next: routing, with no worker serving "m"
 
 
@@ -93,6 +94,10 @@ CASES = [
          "response_format", "invalid_value", "not several"),
     # ---- what slotq cannot honour, named
     case("tools", chat(tools=[{"type": "function"}]), "tools[0].function", "missing_required_parameter", "required"),
+    # a forced call is not shaped by response_format (instructor sends both); under auto the pair is refused
+    case("forced-call-with-format", chat(tools=[FN], tool_choice="required", response_format={"type": "json_object"})),
+    case("auto-call-with-format", chat(tools=[FN], response_format={"type": "json_object"}), "tools", "invalid_value",
+         "cannot be combined"),
     case("functions", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter", "not supported by slotq"),
     case("tool-choice-without-tools", chat(tool_choice="required"), "tool_choice", "invalid_value", "needs tools"),
     case("best_of", chat(best_of=3), "best_of", "unsupported_parameter"),

@@ -77,6 +77,17 @@ def test_text_format_tool_choice_and_sampling_reach_the_job():
     assert to_job_request(request(tools=[TOOL], tool_choice="required")).tool_choice == "required"
 
 
+def test_a_forced_call_is_not_shaped_by_text_format():
+    """instructor's Responses mode forces its tool and sends the same schema as text.format: the reply is a
+    call, which the format cannot shape (OpenAI accepts the pair). Under auto the reply may be text, and the
+    job refuses tools with a format, naming tools."""
+    fmt = {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}}
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        job = to_job_request(request(tools=[TOOL], tool_choice=choice, text=fmt))
+        assert job.sampling.json_schema is None and job.tools
+    assert refusal(tools=[TOOL], tool_choice="auto", text=fmt).param == "tools"
+
+
 @pytest.mark.parametrize(("fields", "param", "words"), [
     ({"tools": [{"type": "web_search"}]}, "tools[0]", "'web_search'"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0]", "'file_search'"),
