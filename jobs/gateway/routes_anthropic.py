@@ -16,7 +16,7 @@ from slotq.jobs.anthropic.translate import to_count_job, to_job_request, to_mess
 from slotq.jobs.anthropic.wire import CountTokensRequest, MessagesRequest, TokenCount
 from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.message_events import MessageEventRenderer
-from slotq.jobs.gateway.routes_openai import finished_result, gateway_of, resumed_job
+from slotq.jobs.gateway.routes_openai import count_prompt, finished_result, gateway_of, resumed_job
 from slotq.jobs.gateway.sse import ClientGone, open_stream
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
@@ -58,10 +58,5 @@ async def count_tokens(body: CountTokensRequest, request: Request, caller: Calle
     counts against the tenant's quotas as the work it is, and is cancelled if the client leaves."""
     gateway = gateway_of(request)
     job = to_count_job(body, tenant=caller.tenant)
-    handle, _record = await gateway.submit(job, body.model, "chat", wire_param)
-    try:
-        result = await finished_result(request, gateway, handle, deadline=None, owner_cancels=True, param=wire_param)
-    except ClientGone:
-        return Response(status_code=499)
-    return Response(TokenCount(input_tokens=result.usage.prompt_tokens).model_dump_json(),
-                    media_type="application/json", headers={"X-Slotq-Job-Id": handle.id})
+    return await count_prompt(request, gateway, job, body.model, wire_param,
+                              lambda tokens: TokenCount(input_tokens=tokens))

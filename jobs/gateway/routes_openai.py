@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel
 
 from slotq.jobs.gateway.auth import Caller, CallerDep, authenticate
 from slotq.jobs.gateway.chunks import ChunkRenderer, parse_stream_id
@@ -39,7 +40,7 @@ from slotq.jobs.openai.wire import (
     ModelList,
 )
 from slotq.jobs.producer.client import JobHandle, JobNotFound, JobTimeout, SlotqClient
-from slotq.jobs.protocol.schemas import JobResult, JobStatus
+from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
@@ -153,6 +154,21 @@ async def finished_result(request: Request, gateway: Gateway, handle: JobHandle,
         error.headers |= {"X-Slotq-Job-Id": handle.id}
         raise error
     return result
+
+
+async def count_prompt(request: Request, gateway: Gateway, job: JobRequest, model: str,
+                       param: Callable[[str | None], str | None], answer: Callable[[int], BaseModel]) -> Response:
+    """The token-counting routes' one answer (``/v1/messages/count_tokens``,
+    ``/v1/responses/input_tokens``): ``job`` generates one token, so the count is the prompt as a
+    worker serving ``model`` renders and tokenizes it, charged to the tenant's quotas as the work it
+    is; ``answer`` wraps the count in the route's shape. 499 (the job cancelled) if the client leaves."""
+    handle, _record = await gateway.submit(job, model, "chat", param)
+    try:
+        result = await finished_result(request, gateway, handle, deadline=None, owner_cancels=True, param=param)
+    except ClientGone:
+        return Response(status_code=499)
+    return Response(answer(result.usage.prompt_tokens).model_dump_json(), media_type="application/json",
+                    headers={"X-Slotq-Job-Id": handle.id})
 
 
 async def resumed_job(request: Request, gateway: Gateway, caller: Caller,

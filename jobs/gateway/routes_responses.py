@@ -19,7 +19,7 @@ from slotq.jobs.gateway.auth import CallerDep, authenticate
 from slotq.jobs.gateway.response_events import ResponseEventRenderer
 from slotq.jobs.gateway.response_store import ResponseStore, Stored
 from slotq.jobs.gateway.response_watch import ResponseWatcher
-from slotq.jobs.gateway.routes_openai import finished_result, gateway_of
+from slotq.jobs.gateway.routes_openai import count_prompt, finished_result, gateway_of
 from slotq.jobs.gateway.sse import ClientGone, open_stream
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.openai.translate import unfinished_error
@@ -61,13 +61,8 @@ async def input_tokens(body: ResponsesRequest, request: Request, caller: CallerD
         body = store.continued(await store.get(caller.tenant, body.previous_response_id,
                                                param="previous_response_id"), body)
     job = to_job_request(counting_request(body), tenant=caller.tenant)
-    handle, _record = await gateway.submit(job, body.model, "chat", wire_param)
-    try:
-        result = await finished_result(request, gateway, handle, deadline=None, owner_cancels=True, param=wire_param)
-    except ClientGone:
-        return Response(status_code=499)
-    return Response(InputTokens(input_tokens=result.usage.prompt_tokens).model_dump_json(),
-                    media_type="application/json", headers={"X-Slotq-Job-Id": handle.id})
+    return await count_prompt(request, gateway, job, body.model, wire_param,
+                              lambda tokens: InputTokens(input_tokens=tokens))
 
 
 @router.post("/responses")
