@@ -88,6 +88,8 @@ class Finished(BaseModel):
     request_id: str
     choice: int = 0
     finish_reason: FinishReason
+    stop_sequence: str | None = Field(None, description="finish_reason stop: the stop string that ended it "
+                                                        "(None: the model's end of turn)")
     usage: Usage
     timings: Timings
     error: ErrorInfo | None = None

@@ -102,6 +102,7 @@ class _End:
     reason: FinishReason
     error: EngineError | None = None
     flush: bool = True
+    stop_sequence: str | None = None    # the stop string that ended it
 
 
 _Command: TypeAlias = PreparedRequest | SchedulerLimits | str
@@ -437,7 +438,7 @@ class Runner:
         if draft and self.scheduler.settle_drafts(seq):
             self.model.kv_remove(seq.slot, seq.n_computed)
         if end is not None:
-            self._finish(seq, end.reason, error=end.error, flush=end.flush)
+            self._finish(seq, end.reason, error=end.error, flush=end.flush, stop_sequence=end.stop_sequence)
 
     def _take(self, seq: Sequence, batch_index: int) -> tuple[int | None, _End | None]:
         """Sample one token from a row, append it and emit its text; returns it and, if it ends the
@@ -474,7 +475,8 @@ class Runner:
                               n_tokens=seq.n_generated, logprobs=token_logprobs)
         self._emit(state.prepared, delta)
         if match.stopped or (state.parser is not None and state.parser.error is not None):
-            return token, _End(FinishReason.STOP, flush=False)      # a broken call fails it there (_reply_tail)
+            # a broken call fails it there (_reply_tail)
+            return token, _End(FinishReason.STOP, flush=False, stop_sequence=match.stop)
         if seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
             return token, _End(FinishReason.LENGTH)
         return token, None
@@ -547,7 +549,7 @@ class Runner:
             self._finish(item.seq, FinishReason.ERROR, error=error, reusable=False)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, error: EngineError | None = None,
-                flush: bool = True, reusable: bool = True) -> None:
+                flush: bool = True, reusable: bool = True, stop_sequence: str | None = None) -> None:
         if seq.state == SeqState.FINISHED:
             return
         state: _Choice = seq.payload
@@ -567,7 +569,7 @@ class Runner:
                 reason, error = FinishReason.ERROR, exc
             else:
                 if reason == FinishReason.STOP and state.parser is not None and state.parser.tool_calls:
-                    reason = FinishReason.TOOL_CALLS
+                    reason, stop_sequence = FinishReason.TOOL_CALLS, None
         state.chain.free()
         if self.drafter is not None:
             self.drafter.forget(seq)
@@ -586,6 +588,7 @@ class Runner:
         usage = Usage(prompt_tokens=seq.n_prompt, completion_tokens=n_new, cached_prompt_tokens=seq.n_reused)
         self.counters.finished(reason)
         self._emit(state.prepared, Finished(request_id=seq.request_id, choice=seq.choice, finish_reason=reason,
+                                            stop_sequence=stop_sequence if reason == FinishReason.STOP else None,
                                             usage=usage, timings=timings, error=_error_info(error)))
 
     def _fail_unstarted(self, prepared: PreparedRequest, choice: int, error: EngineError) -> None:

@@ -66,8 +66,8 @@ class MessageEventRenderer:
             events = self._close()
             usage = usage_out(entry.usage) if entry.usage is not None else None
             events.append(("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": stop_reason(entry.finish_reason),
-                                                   "stop_sequence": None},
+                "type": "message_delta", "delta": {"stop_reason": stop_reason(entry.finish_reason, entry.stop_sequence),
+                                                   "stop_sequence": entry.stop_sequence},
                 "usage": usage.model_dump(exclude={"cache_creation_input_tokens"}) if usage else {"output_tokens": 0}}))
             events.append(("message_stop", {"type": "message_stop"}))
             self.finished = True

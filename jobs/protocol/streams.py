@@ -119,6 +119,8 @@ def encode_entry(entry: StreamEntry) -> dict[str, str]:
         fields = {"k": entry.kind.value, "a": str(entry.attempt), "c": str(entry.choice)}
     if entry.finish_reason is not None:
         fields["fr"] = entry.finish_reason.value
+    if entry.stop_sequence is not None:
+        fields["ss"] = entry.stop_sequence
     if entry.usage is not None:
         fields["u"] = entry.usage.model_dump_json()
     if entry.timings is not None:
@@ -153,6 +155,7 @@ def decode_entry(entry_id: bytes | str, raw: Mapping[Any, Any]) -> StreamEntry:
         n_tokens=int(f.get("n", 0)),
         logprobs=decode_logprobs(f["lp"]) if "lp" in f else None,
         finish_reason=FinishReason(f["fr"]) if "fr" in f else None,
+        stop_sequence=f.get("ss"),
         usage=Usage.model_validate_json(f["u"]) if "u" in f else None,
         timings=Timings.model_validate_json(f["tm"]) if "tm" in f else None,
         error=ErrorInfo.model_validate_json(f["e"]) if "e" in f else None,

@@ -471,8 +471,8 @@ class JobOutput:
             return
         last = len(self.finished) == self.n_choices
         self.run.writer.add(self.run.job_id, self.run.entry(
-            EntryKind.DONE, choice=done.choice, finish_reason=done.finish_reason, usage=done.usage,
-            timings=done.timings, final=last))
+            EntryKind.DONE, choice=done.choice, finish_reason=done.finish_reason, stop_sequence=done.stop_sequence,
+            usage=done.usage, timings=done.timings, final=last))
         if last:
             self._end(Wake.ENDED)
 

@@ -199,7 +199,7 @@ async def test_stop_string_spanning_two_tokens(tiny_model_path: Path) -> None:
         prompt, stop, ref_text, ref_tokens = found
         cut = ref_text.find(stop)
         text, tokens, fin = await run_one(engine, greedy(prompt, 80, stop=[stop]))
-        assert fin[0].finish_reason == FinishReason.STOP
+        assert fin[0].finish_reason == FinishReason.STOP and fin[0].stop_sequence == stop
         assert text == ref_text[:cut]
         assert stop not in text
         assert tokens == ref_tokens[: len(tokens)]            # generation stopped right at the stop
@@ -213,6 +213,7 @@ async def test_stop_string_spanning_two_tokens(tiny_model_path: Path) -> None:
         if len(later) == 2 and later not in ref_text[: cut + 2]:
             text2, _, fin2 = await run_one(engine, greedy(prompt, 80, stop=[later, stop]))
             assert text2 == ref_text[:cut] and fin2[0].finish_reason == FinishReason.STOP
+            assert fin2[0].stop_sequence == stop                    # the Finished event names the one that matched
 
 
 async def test_partial_stop_match_at_the_end_is_released(tiny_model_path: Path) -> None:

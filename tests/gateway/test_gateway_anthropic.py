@@ -113,6 +113,26 @@ def test_a_stream_resumes_after_last_event_id_exactly_once(stack: Stack) -> None
     assert resumed[-1].event == "message_stop"
 
 
+def test_a_stop_sequence_is_named_as_the_reason_and_the_sequence(stack: Stack, client: anthropic.Anthropic) -> None:
+    """A reply that one of ``stop_sequences`` ends says ``stop_reason: stop_sequence`` and which one,
+    streamed and not (the SDK reads ``message_delta``), and the job's own result names it too."""
+    plain = client.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ASK)
+    text = plain.content[0].text
+    assert plain.stop_reason == "max_tokens" and plain.stop_sequence is None
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    before = text[:text.find(stop)]                    # greedy: the same reply, cut where the stop first appears
+    asked = {"model": MODEL, "max_tokens": 24, "extra_body": GREEDY, "messages": ASK,
+             "stop_sequences": ["\u2603 never", stop]}
+    message = client.messages.create(**asked)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop), (text, message)
+    assert "".join(b.text for b in message.content if b.type == "text") == before
+    with client.messages.stream(**asked) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    job = httpx.get(f"{stack.url}/v1/jobs/{message.model_extra['slotq']['job_id']}", timeout=30).json()["result"]
+    assert job["finish_reason"] == "stop" and job["stop_sequence"] == job["choices"][0]["stop_sequence"] == stop
+
+
 # ---------------------------------------------------------------------- tools
 def test_a_tool_loop_with_tool_use_and_tool_result(client: anthropic.Anthropic) -> None:
     forced = {"type": "tool", "name": "get_weather"}
