@@ -66,6 +66,9 @@ class TextDelta:
     A chat reply is split as it streams (:mod:`slotq.engine.reply_parser`): ``text`` is what the
     reply says, ``reasoning`` what it thought (think tags), ``tool_calls`` the next pieces of its calls.
     ``logprobs``: one per token id, in the same order, when the request asked for them.
+    ``prompt_tokens`` / ``cached_prompt_tokens``: on a choice's first delta only (0 on the others),
+    its prompt's tokens and those whose KV was reused, as its ``Finished`` usage will say: a consumer
+    that reports the prompt up front (Anthropic's ``message_start``) has it with the first token.
 
     A slotted dataclass, not a pydantic model: the engine thread makes one per token of every
     sequence, and nothing it holds needs validating (about 0.3 us to build instead of 3.3)."""
@@ -79,6 +82,8 @@ class TextDelta:
     token_ids: list[int]
     n_tokens: int                       # tokens generated so far for this choice, including these
     logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 class Finished(BaseModel):

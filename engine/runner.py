@@ -452,7 +452,8 @@ class Runner:
         seq.tokens.append(token)
         self.counters.generated += 1
         now = time.monotonic()
-        if state.first_token_at is None:
+        first = state.first_token_at is None
+        if first:
             state.first_token_at = now
         request = state.prepared.request
         if self._is_eog(token) and not request.ignore_eos:
@@ -473,6 +474,8 @@ class Runner:
             delta = TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
                               reasoning=reply.reasoning, tool_calls=reply.tool_calls, token_ids=[token],
                               n_tokens=seq.n_generated, logprobs=token_logprobs)
+        if first:
+            delta.prompt_tokens, delta.cached_prompt_tokens = seq.n_prompt, seq.n_reused
         self._emit(state.prepared, delta)
         if match.stopped or (state.parser is not None and state.parser.error is not None):
             # a broken call fails it there (_reply_tail)

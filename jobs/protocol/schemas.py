@@ -246,6 +246,9 @@ class StreamEntry(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     n_tokens: int = 0
     logprobs: list[TokenLogprob] | None = Field(None, description="one per token id (when the job asked for them)")
+    prompt_tokens: int | None = Field(
+        None, description="chunk: a choice's first of an attempt: the prompt's tokens (as the done entry's usage)")
+    cached_prompt_tokens: int = Field(0, description="with prompt_tokens: those of them whose KV was reused")
     finish_reason: FinishReason | None = None
     stop_sequence: str | None = Field(None, description="done: the stop string that ended the choice, if one did")
     usage: Usage | None = None

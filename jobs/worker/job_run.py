@@ -459,7 +459,8 @@ class JobOutput:
         run.tokens_left = (run.tokens_left or 0) - arriving
         run.writer.add_chunk(run.job_id, attempt=run.attempt, choice=event.choice, text=event.text,
                              token_ids=event.token_ids, n_tokens=event.n_tokens, reasoning=event.reasoning,
-                             tool_calls=tool_calls, logprobs=logprobs)
+                             tool_calls=tool_calls, logprobs=logprobs, prompt_tokens=event.prompt_tokens,
+                             cached_prompt_tokens=event.cached_prompt_tokens)
         if run.gate is not None and run.generated == arriving:
             self.wakes.put_nowait(Wake.FIRST_TOKENS)
 

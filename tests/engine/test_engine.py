@@ -372,6 +372,22 @@ async def test_prefix_cache_reuses_a_300_token_prefix_with_identical_output(tiny
     assert processed == n_second - fin[0].usage.cached_prompt_tokens <= n_second - 290
 
 
+async def test_the_first_delta_says_the_prompt_as_the_finish_will(tiny_model_path: Path) -> None:
+    """A choice's first delta carries its prompt's tokens and those of them cached (a consumer
+    reports the prompt up front: Anthropic's message_start); the later deltas carry none."""
+    prompt = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma"
+    async with running_engine(tiny_model_path, slots=2, ctx=512) as engine:
+        for request in (greedy(prompt, 6), greedy(prompt + " again", 6)):       # the second reuses a prefix
+            events = [ev async for ev in engine.submit(request)]
+            deltas = [ev for ev in events if isinstance(ev, TextDelta)]
+            [fin] = [ev for ev in events if isinstance(ev, Finished)]
+            assert (deltas[0].prompt_tokens, deltas[0].cached_prompt_tokens) == \
+                (fin.usage.prompt_tokens, fin.usage.cached_prompt_tokens)
+            assert deltas[0].prompt_tokens == len(engine.prompt_tokens(request))
+            assert all(d.prompt_tokens == d.cached_prompt_tokens == 0 for d in deltas[1:])
+        assert fin.usage.cached_prompt_tokens > 0
+
+
 async def test_simultaneous_requests_share_a_prefix_still_being_prefilled(tiny_model_path: Path) -> None:
     prefix = " ".join(["omega psi chi phi upsilon tau"] * 12)[:300]
     requests = [greedy(prefix + f" ending number {i}", 30) for i in range(3)]

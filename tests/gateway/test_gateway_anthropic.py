@@ -97,6 +97,19 @@ def test_the_stream_is_anthropics_event_sequence(stack: Stack) -> None:
     delta = events[-2].json()
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == 6 and delta["usage"]["input_tokens"] > 0
+    start = events[0].json()["message"]["usage"]          # the prompt, known with the first tokens
+    assert start == {"input_tokens": delta["usage"]["input_tokens"], "output_tokens": 0,
+                     "cache_read_input_tokens": delta["usage"]["cache_read_input_tokens"]}
+
+
+def test_message_start_counts_the_prompt_through_the_sdk(client: anthropic.Anthropic) -> None:
+    conversation = {"system": f"Count {uuid.uuid4().hex}", "messages": ASK}      # cold: no cached prefix
+    counted = client.messages.count_tokens(model=MODEL, **conversation)
+    with client.messages.stream(model=MODEL, max_tokens=4, extra_body=GREEDY, **conversation) as stream:
+        [start] = [event for event in stream if event.type == "message_start"]
+        final = stream.get_final_message()
+    assert start.message.usage.input_tokens + (start.message.usage.cache_read_input_tokens or 0) == \
+        counted.input_tokens == final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 0
 
 
 def test_a_stream_resumes_after_last_event_id_exactly_once(stack: Stack) -> None:
