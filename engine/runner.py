@@ -93,6 +93,7 @@ class _Choice:
     special_text: bool = False          # control tokens rendered as text (see ReplySetup.special_tokens_as_text)
     admitted_at: float | None = None
     first_token_at: float | None = None
+    reasoning_tokens: int = 0           # tokens generated up to the last one inside (or closing) the think block
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,7 @@ class Runner:
                 armed = self._arm_at_call(state, piece)
             text = state.stops.push(state.utf8.push(piece)).emit
             if state.parser is not None and text:
-                state.parser.push(text)
+                self._push_reply(state, text, i + 1)
 
     @staticmethod
     def _arm_at_call(state: _Choice, piece: bytes) -> bool:
@@ -470,7 +471,7 @@ class Runner:
             delta = TextDelta(request_id=seq.request_id, choice=seq.choice, text=match.emit, token_ids=[token],
                               n_tokens=seq.n_generated, logprobs=token_logprobs)
         else:
-            reply = state.parser.push(match.emit)
+            reply = self._push_reply(state, match.emit, seq.n_generated)
             delta = TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
                               reasoning=reply.reasoning, tool_calls=reply.tool_calls, token_ids=[token],
                               n_tokens=seq.n_generated, logprobs=token_logprobs)
@@ -483,6 +484,18 @@ class Runner:
         if seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
             return token, _End(FinishReason.LENGTH)
         return token, None
+
+    @staticmethod
+    def _push_reply(state: _Choice, text: str, n_generated: int) -> ReplyDelta:
+        """Parse a token's text as the reply's; the token is a reasoning token if the reply was in
+        its think block before it or is after it (``<think>`` and ``</think>`` count as reasoning).
+        ``n_generated``: the choice's tokens so far, this one included."""
+        assert state.parser is not None
+        inside = state.parser.thinking
+        reply = state.parser.push(text)
+        if inside or state.parser.thinking:
+            state.reasoning_tokens = n_generated
+        return reply
 
     @staticmethod
     def _reply_tail(state: _Choice, text: str, reason: FinishReason) -> list[ReplyDelta]:
@@ -588,7 +601,8 @@ class Runner:
             decode_tokens_per_s=((fresh - 1) / (now - state.first_token_at)
                                  if state.first_token_at and fresh > 1 and now > state.first_token_at else None),
         )
-        usage = Usage(prompt_tokens=seq.n_prompt, completion_tokens=n_new, cached_prompt_tokens=seq.n_reused)
+        usage = Usage(prompt_tokens=seq.n_prompt, completion_tokens=n_new, cached_prompt_tokens=seq.n_reused,
+                      reasoning_tokens=state.reasoning_tokens)
         self.counters.finished(reason)
         self._emit(state.prepared, Finished(request_id=seq.request_id, choice=seq.choice, finish_reason=reason,
                                             stop_sequence=stop_sequence if reason == FinishReason.STOP else None,

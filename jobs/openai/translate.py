@@ -28,6 +28,7 @@ from slotq.jobs.openai.wire import (
     ChatCompletionRequest,
     ChatLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     EmbeddingData,
     EmbeddingsRequest,
     EmbeddingsResponse,
@@ -164,7 +165,8 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 def usage_out(usage: Usage) -> UsageOut:
     return UsageOut(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                     total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens))
+                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+                    completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens))
 
 
 def unfinished_error(result: JobResult, param: Callable[[str | None], str | None] = public_param) -> ApiError | None:

@@ -50,7 +50,8 @@ def summarize(choices: list[ChoiceResult], about: Attribution, *, status: JobSta
         stop_sequence=first.stop_sequence if first else None,
         usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
                     completion_tokens=sum(c.usage.completion_tokens for c in choices),
-                    cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices)),
+                    cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices),
+                    reasoning_tokens=sum(c.usage.reasoning_tokens for c in choices)),
         timings=first.timings if first else None,
         choices=choices, max_tokens_cap=about.max_tokens_cap, **about.fields(),
     )

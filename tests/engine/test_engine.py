@@ -388,6 +388,23 @@ async def test_the_first_delta_says_the_prompt_as_the_finish_will(tiny_model_pat
         assert fin.usage.cached_prompt_tokens > 0
 
 
+async def test_reasoning_tokens_are_the_think_blocks(tiny_model_path: Path) -> None:
+    """A reply's reasoning tokens are those up to the one that closes its think block (tags
+    included); a grammar makes the tiny model write one."""
+    grammar = 'root ::= "<think>" [a-z] [a-z] [a-z] "</think>" "ok"'
+    request = GenerationRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
+                                sampling=SamplingParams(temperature=0, grammar=grammar))
+    async with running_engine(tiny_model_path, slots=1, ctx=512) as engine:
+        events = [ev async for ev in engine.submit(request)]
+        tokens = [t for ev in events if isinstance(ev, TextDelta) for t in ev.token_ids]
+        written = [engine.model.token_bytes(t) for t in tokens]
+    [fin] = [ev for ev in events if isinstance(ev, Finished)]
+    closed_at = next(n for n in range(1, len(written) + 1) if b"</think>" in b"".join(written[:n]))
+    assert len("".join(ev.reasoning for ev in events if isinstance(ev, TextDelta))) == 3
+    assert "".join(ev.text for ev in events if isinstance(ev, TextDelta)) == "ok"
+    assert fin.usage.reasoning_tokens == closed_at < fin.usage.completion_tokens
+
+
 async def test_simultaneous_requests_share_a_prefix_still_being_prefilled(tiny_model_path: Path) -> None:
     prefix = " ".join(["omega psi chi phi upsilon tau"] * 12)[:300]
     requests = [greedy(prefix + f" ending number {i}", 30) for i in range(3)]

@@ -208,7 +208,8 @@ def test_a_batch_lines_output_is_the_gateways_response_object(endpoint: Endpoint
     assert response == gateway and record["response"]["status_code"] == 200
     assert [c["finish_reason"] for c in response["choices"]] == ["stop", "length"]
     assert response["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                                 "prompt_tokens_details": {"cached_tokens": 1}}
+                                 "prompt_tokens_details": {"cached_tokens": 1},
+                                 "completion_tokens_details": {"reasoning_tokens": 0}}
     if endpoint == Endpoint.CHAT:
         assert response["choices"][0]["message"] == {"role": "assistant", "content": "out 0", "refusal": None}
 

@@ -277,7 +277,7 @@ TIME = st.floats(0, 1e9)
 TOKENS = st.integers(0, 10**6)
 DONES = st.builds(Done, choice=st.integers(0, 63), finish_reason=st.sampled_from(wire.FinishReason),
                   usage=st.builds(wire.Usage, prompt_tokens=TOKENS, completion_tokens=TOKENS,
-                                  cached_prompt_tokens=TOKENS),
+                                  cached_prompt_tokens=TOKENS, reasoning_tokens=TOKENS),
                   timings=st.builds(wire.Timings, queue_ms=TIME, ttft_ms=TIME | st.none(), total_ms=TIME,
                                     decode_tokens_per_s=TIME | st.none()),
                   error=st.none() | st.builds(wire.ErrorInfo, code=TEXT, message=TEXT, retryable=st.booleans(),
