@@ -178,8 +178,8 @@ class SlotqWorker:
             state = "loading_model"
         elif self.engine.failure is not None:
             state = "engine_failed"
-        elif not self.ready.is_set():
-            state = "warming_up"
+        elif not self.ready.is_set() or not self._heartbeat_ok_at:
+            state = "warming_up"        # or its first heartbeat (which advertises it) has not landed yet
         elif self._draining:
             state = "draining"
         elif not fresh:
