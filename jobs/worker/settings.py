@@ -60,6 +60,10 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         None, description="serve embedding jobs (the model pooled into vectors) instead of generating text; unset = "
                           "detected from the GGUF: an encoder such as BERT, or a pooling type in its header. A text "
                           "generator serves embeddings only when asked (--embeddings, mean pooling by default)")
+    engine_process: bool = Field(
+        False, description="run the llama.cpp engine in a process of its own (slotq.engine.process): the worker's "
+                           "event loop and the engine thread stop sharing one GIL. Off until a benchmark shows it "
+                           "never loses (docs/architecture.md, 'The engine process')")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     health_max_stall_s: float = Field(
         60.0, gt=0, description="/ready fails (and the worker claims nothing) while a generated stream entry has "

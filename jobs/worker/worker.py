@@ -41,6 +41,7 @@ import sentry_sdk
 from redis.exceptions import RedisError
 
 from slotq.engine import Engine, EngineStats
+from slotq.engine.process import EngineProcess
 from slotq.jobs.aio import wait_until_set
 from slotq.jobs.errors import QueueServedByAnotherModel
 from slotq.jobs.protocol import registry
@@ -88,10 +89,11 @@ def engine_heartbeat_fields(stats: EngineStats) -> dict[str, int | str]:
 class SlotqWorker:
     """Owns the engine, the stream writer, the heartbeat and the queue runtime."""
 
-    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory = Engine.start) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory | None = None) -> None:
         self.settings = settings
         self.redis_url = redis_url
-        self.engine_factory = engine_factory     # the fleet benchmark passes a simulated engine
+        # the fleet benchmark passes a simulated engine
+        self.engine_factory = engine_factory or (EngineProcess.start if settings.engine_process else Engine.start)
         self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.token = f"{self.id}:{uuid.uuid4().hex[:8]}"
         self.lease_ms = settings.lock_ttl_s * 1000
