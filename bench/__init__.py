@@ -38,6 +38,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         peers_bench,
         prefix_bench,
         queue_bench,
+        rerank_bench,
         spec_bench,
         step_costs_bench,
     )
@@ -55,6 +56,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         "constraints": constraints_bench.run,
         "logprobs": logprobs_bench.run,
         "embeddings": embeddings_bench.run,
+        "rerank": rerank_bench.run,
         "spec": spec_bench.run,
         "step-costs": step_costs_bench.run,
     }

@@ -142,12 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "llama-server in both KV layouts), constraints (what one JSON schema costs its "
                          "batch: llguidance beside llama.cpp's grammar sampler), "
                          "logprobs (what one logprobs stream costs the 7 plain ones beside it), embeddings (tokens/s "
-                         "of embedding requests through Redis beside llama-server --embeddings), spec (speculative "
+                         "of embedding requests through Redis beside llama-server --embeddings), rerank (the same "
+                         "scores and pairs/s beside llama-server --rerank), spec (speculative "
                          "decoding: slotq with and without it beside llama-server's draft modes), step-costs "
                          "(the engine thread's per-step Python at 64 and 256 sequences, before and after batching "
                          "it)", None)
     p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "gateway-batch", "fleet", "bulk", "peers",
-                                     "overhead", "constraints", "logprobs", "embeddings", "spec", "step-costs"])
+                                     "overhead", "constraints", "logprobs", "embeddings", "rerank", "spec",
+                                     "step-costs"])
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="print one JSON object instead of a table; with PATH, write it there and print the table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")

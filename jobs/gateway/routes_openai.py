@@ -21,7 +21,7 @@ from slotq.jobs.gateway.records import JobRecord
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
-from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.openai.translate import (
     WireRequest,
     kind_of,
@@ -89,21 +89,32 @@ async def embeddings(body: EmbeddingsRequest, request: Request, caller: CallerDe
     gateway = gateway_of(request)
     job = to_embedding_job(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
     handle, record = await gateway.submit(job, body.model, "embedding")
-    headers = {"X-Slotq-Job-Id": handle.id}
+    try:
+        result = await whole_result(request, gateway, handle)
+    except ClientGone:
+        return Response(status_code=499)
+    return Response(to_embeddings_response(result, record.model, body.encoding_format).model_dump_json(),
+                    media_type="application/json", headers={"X-Slotq-Job-Id": handle.id})
+
+
+async def whole_result(request: Request, gateway: Gateway, handle: JobHandle,
+                       param: Callable[[str | None], str | None] = public_param) -> JobResult:
+    """The result of a job answered all at once (embeddings, rerank), waited for while its client stays; an
+    ApiError for one that did not succeed (``param`` names a field as the request did). ClientGone when the
+    client leaves first: the job is then cancelled if this request created it."""
     try:
         result = await until_disconnected(request, handle.result())
     except ClientGone:
         if handle.created:
             gateway.client_left(handle.client, handle.id)
-        return Response(status_code=499)
+        raise
     except JobNotFound:
         raise ApiError.job_not_found(handle.id) from None
-    error = unfinished_error(result)
+    error = unfinished_error(result, param)
     if error is not None:
-        error.headers |= headers
+        error.headers |= {"X-Slotq-Job-Id": handle.id}
         raise error
-    return Response(to_embeddings_response(result, record.model, body.encoding_format).model_dump_json(),
-                    media_type="application/json", headers=headers)
+    return result
 
 
 async def complete(request: Request, caller: Caller, body: WireRequest) -> Response:

@@ -64,12 +64,23 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         False, description="run the llama.cpp engine in a process of its own (slotq.engine.process): the worker's "
                            "event loop and the engine thread stop sharing one GIL. Off until a benchmark shows it "
                            "never loses (docs/architecture.md, 'The engine process')")
+    rerank: bool | None = Field(
+        None, description="serve rerank jobs (documents scored against a query) on a reranker GGUF; unset = detected "
+                          "from the GGUF: rank pooling in its header. A model without it cannot rank (the worker "
+                          "refuses to start: model_cannot_rank)")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     health_max_stall_s: float = Field(
         60.0, gt=0, description="/ready fails (and the worker claims nothing) while a generated stream entry has "
                                 "waited this long for Redis to take it, or the worker's claims and reaps have all "
                                 "failed for this long (Redis refusing them: a Lua error, OOM, WRONGTYPE)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> WorkerSettings:
+        if self.embeddings and self.rerank:
+            raise ValueError("embeddings and rerank (SLOTQ_EMBEDDINGS, SLOTQ_RERANK) are both set: a worker serves one "
+                             "kind of job; run a worker for each")
+        return self
 
     @model_validator(mode="after")
     def _top_lane_keeps_half(self) -> WorkerSettings:
@@ -93,9 +104,12 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         return _QUANT_SUFFIX.sub("", model_path.stem) or model_path.stem
 
     def job_kind(self, model_path: Path) -> JobKind:
-        """The kind of job this worker serves: ``embeddings`` when set, else what the GGUF says."""
+        """The kind of job this worker serves: ``rerank`` or ``embeddings`` when set, else what the GGUF says."""
         from slotq.engine.embedding import is_embedding_model  # loads llama.cpp: only a worker asks
+        from slotq.engine.rerank import is_rank_model
 
+        if self.rerank or (self.rerank is None and not self.embeddings and is_rank_model(model_path)):
+            return JobKind.RERANK
         embeddings = self.embeddings if self.embeddings is not None else is_embedding_model(model_path)
         return JobKind.EMBEDDING if embeddings else JobKind.GENERATION
 

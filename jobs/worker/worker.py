@@ -56,7 +56,7 @@ from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.worker import health, metrics
 from slotq.jobs.worker.elastic import metrics as elastic_metrics
 from slotq.jobs.worker.elastic.loop import ElasticLoop
-from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine
+from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine, JobRanker
 from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
 from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.runtime import QueueRuntime
@@ -99,6 +99,7 @@ class SlotqWorker:
         self.lease_ms = settings.lock_ttl_s * 1000
         self.engine: JobEngine | None = None
         self.embedder: JobEmbedder | None = None      # the engine again, on an embedding worker
+        self.ranker: JobRanker | None = None          # the engine again, on a rerank worker
         self.served: ServedModel | None = None          # known once the model file is found
         self.membership: QueueMembership | None = None   # this worker's entry in its queue's serving record
         self.writer: StreamWriter | None = None
@@ -219,6 +220,10 @@ class SlotqWorker:
             from slotq.engine.embedding import EmbeddingEngine
 
             self.engine = self.embedder = await EmbeddingEngine.start(config)
+        elif self.kind == JobKind.RERANK:
+            from slotq.engine.rerank import RerankEngine
+
+            self.engine = self.ranker = await RerankEngine.start(config)
         else:
             self.engine = await self.engine_factory(config)
         await self._join_queue()                # the load may have outlasted the entry; before any claim
@@ -444,7 +449,8 @@ class SlotqWorker:
                      lease_lost=lambda: runtime.has_lost_lease(job_id),
                      verdict=self.elastic.verdict if self.elastic else None,
                      ledger=AttemptLedger(self.queue, claim), lent_reserve=claim.lent_reserve,
-                     faults=self._job_faults, gate=self._start_gate, embedder=self.embedder, served=self.served)
+                     faults=self._job_faults, gate=self._start_gate, embedder=self.embedder, ranker=self.ranker,
+                     served=self.served)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)
