@@ -175,6 +175,8 @@ class ChoiceResult(BaseModel):
         default_factory=list, description="the calls the reply made (finish_reason tool_calls), in OpenAI's shape: "
                                           "send them back in the next turn's assistant message")
     finish_reason: FinishReason
+    stop_sequence: str | None = Field(
+        None, description="finish_reason stop: the stop string that ended the reply (None: the model ended its turn)")
     usage: Usage
     timings: Timings
     logprobs: list[TokenLogprob] | None = Field(
@@ -194,6 +196,7 @@ class JobResult(BaseModel):
     status: JobStatus
     text: str = Field("", description="text of choice 0")
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = Field(None, description="choice 0's: the stop string that ended its reply")
     usage: Usage = Field(default_factory=Usage, description="prompt counted once; completion summed over choices")
     timings: Timings | None = None
     choices: list[ChoiceResult] = Field(default_factory=list)
@@ -265,7 +268,11 @@ class StreamEntry(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     n_tokens: int = 0
     logprobs: list[TokenLogprob] | None = Field(None, description="one per token id (when the job asked for them)")
+    prompt_tokens: int | None = Field(
+        None, description="chunk: a choice's first of an attempt: the prompt's tokens (as the done entry's usage)")
+    cached_prompt_tokens: int = Field(0, description="with prompt_tokens: those of them whose KV was reused")
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = Field(None, description="done: the stop string that ended the choice, if one did")
     usage: Usage | None = None
     timings: Timings | None = None
     error: ErrorInfo | None = None

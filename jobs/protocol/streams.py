@@ -43,12 +43,14 @@ RETRY_S = 0.2                                   # between tries of a flush while
 # ---------------------------------------------------------------------- the codec
 def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[int], n_tokens: int,
                  reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = (),
-                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, str]:
+                 logprobs: Sequence[TokenLogprob] | None = None, prompt_tokens: int = 0,
+                 cached_prompt_tokens: int = 0) -> dict[str, str]:
     """A chunk's fields, built without a StreamEntry: the worker's writer merges tokens into
     chunks on its per-token path and encodes each chunk once, here. Reasoning (``r``) and tool call
     pieces (``tc``) are written only when there are some, so plain text costs nothing more, and an
     entry without them (from an older worker too) decodes as none; so are logprobs (``lp``), only
-    for a job that asked for them."""
+    for a job that asked for them; so are a choice's prompt tokens and those of them cached (``p``,
+    ``pc``), on its first chunk of an attempt (``prompt_tokens`` 0: not this chunk)."""
     fields = {"k": EntryKind.CHUNK.value, "a": str(attempt), "c": str(choice), "t": text,
               "ids": " ".join(map(str, token_ids)), "n": str(n_tokens)}
     if reasoning:
@@ -58,6 +60,8 @@ def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[in
                                   ensure_ascii=False, separators=(",", ":"))
     if logprobs is not None:
         fields["lp"] = encode_logprobs(logprobs)
+    if prompt_tokens:
+        fields["p"], fields["pc"] = str(prompt_tokens), str(cached_prompt_tokens)
     return fields
 
 
@@ -114,11 +118,14 @@ def encode_entry(entry: StreamEntry) -> dict[str, str]:
     if entry.kind == EntryKind.CHUNK:
         fields = encode_chunk(attempt=entry.attempt, choice=entry.choice, text=entry.text, token_ids=entry.token_ids,
                               n_tokens=entry.n_tokens, reasoning=entry.reasoning, tool_calls=entry.tool_calls,
-                              logprobs=entry.logprobs)
+                              logprobs=entry.logprobs, prompt_tokens=entry.prompt_tokens or 0,
+                              cached_prompt_tokens=entry.cached_prompt_tokens)
     else:
         fields = {"k": entry.kind.value, "a": str(entry.attempt), "c": str(entry.choice)}
     if entry.finish_reason is not None:
         fields["fr"] = entry.finish_reason.value
+    if entry.stop_sequence is not None:
+        fields["ss"] = entry.stop_sequence
     if entry.usage is not None:
         fields["u"] = entry.usage.model_dump_json()
     if entry.timings is not None:
@@ -152,7 +159,10 @@ def decode_entry(entry_id: bytes | str, raw: Mapping[Any, Any]) -> StreamEntry:
         token_ids=[int(x) for x in ids.split()] if ids else [],
         n_tokens=int(f.get("n", 0)),
         logprobs=decode_logprobs(f["lp"]) if "lp" in f else None,
+        prompt_tokens=int(f["p"]) if "p" in f else None,
+        cached_prompt_tokens=int(f.get("pc", 0)),
         finish_reason=FinishReason(f["fr"]) if "fr" in f else None,
+        stop_sequence=f.get("ss"),
         usage=Usage.model_validate_json(f["u"]) if "u" in f else None,
         timings=Timings.model_validate_json(f["tm"]) if "tm" in f else None,
         error=ErrorInfo.model_validate_json(f["e"]) if "e" in f else None,

@@ -52,6 +52,8 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = Field(0, description="prompt tokens whose KV was reused, not recomputed")
+    reasoning_tokens: int = Field(
+        0, description="of completion_tokens, those of the reply's think block (its tags included)")
 
 
 class Timings(BaseModel):

@@ -45,11 +45,14 @@ class _Chunk:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None      # one per token id, for a job that asked for them
+    prompt_tokens: int = 0                          # an attempt's first chunk: the prompt's tokens (0: not said)
+    cached_prompt_tokens: int = 0                   # and those of them cached
 
     def fields(self) -> dict[str, str]:
         return encode_chunk(attempt=self.attempt, choice=self.choice, text="".join(self.texts),
                             token_ids=self.token_ids, n_tokens=self.n_tokens, reasoning="".join(self.reasoning),
-                            tool_calls=self.tool_calls, logprobs=self.logprobs)
+                            tool_calls=self.tool_calls, logprobs=self.logprobs, prompt_tokens=self.prompt_tokens,
+                            cached_prompt_tokens=self.cached_prompt_tokens)
 
 
 @dataclass
@@ -195,9 +198,11 @@ class StreamWriter:
 
     def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
                   n_tokens: int, reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = (),
-                  logprobs: list[TokenLogprob] | None = None) -> None:
+                  logprobs: list[TokenLogprob] | None = None, prompt_tokens: int = 0,
+                  cached_prompt_tokens: int = 0) -> None:
         """Queue generated output; consecutive chunks of one choice and attempt merge into one entry
-        (their logprobs too, so each token id keeps its own)."""
+        (their logprobs too, so each token id keeps its own). ``prompt_tokens`` (0: none) and
+        ``cached_prompt_tokens`` come with a choice's first tokens (the entry's ``p`` and ``pc``)."""
         batch = self._batch(job_id)
         last = batch.entries[-1] if batch.entries else None
         if isinstance(last, _Chunk) and last.choice == choice and last.attempt == attempt:
@@ -216,6 +221,8 @@ class StreamWriter:
             if last.logprobs is None:
                 last.logprobs = []
             last.logprobs.extend(logprobs)
+        if prompt_tokens:
+            last.prompt_tokens, last.cached_prompt_tokens = prompt_tokens, cached_prompt_tokens
         self._tokens += len(token_ids)
         self._added()
 
@@ -224,7 +231,8 @@ class StreamWriter:
         if entry.kind == EntryKind.CHUNK:
             self.add_chunk(job_id, attempt=entry.attempt, choice=entry.choice, text=entry.text,
                            token_ids=entry.token_ids, n_tokens=entry.n_tokens, reasoning=entry.reasoning,
-                           tool_calls=entry.tool_calls, logprobs=entry.logprobs)
+                           tool_calls=entry.tool_calls, logprobs=entry.logprobs,
+                           prompt_tokens=entry.prompt_tokens or 0, cached_prompt_tokens=entry.cached_prompt_tokens)
             return
         batch = self._batch(job_id)
         batch.entries.append(entry)

@@ -74,6 +74,7 @@ def test_a_response_to_a_string_and_to_items(client: openai.OpenAI) -> None:
     assert response.output_text and response.output_text == message.content[0].text
     assert response.usage is not None and response.usage.output_tokens == 12 and response.usage.input_tokens > 0
     assert response.usage.total_tokens == response.usage.input_tokens + 12
+    assert response.usage.output_tokens_details.reasoning_tokens == 0           # a reply that does not think
     assert response.instructions == "Be brief." and response.max_output_tokens == 12
     assert response.model_extra and response.model_extra["slotq"]["job_id"]
 
@@ -130,6 +131,12 @@ def test_reasoning_comes_back_as_a_reasoning_item(client: openai.OpenAI) -> None
     reasoning = [item for item in response.output if item.type == "reasoning"]
     assert len(reasoning) == 1 and reasoning[0].content and reasoning[0].content[0].text, response
     assert response.status == "incomplete" and response.reasoning is not None
+    # the prompt opened <think> and max_output_tokens cut the reply in it: every output token is reasoning
+    assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == 10
+    chat = client.chat.completions.create(model=THINKER, messages=[{"role": "user", "content": ASK}], max_tokens=10,
+                                          temperature=0)
+    assert chat.usage is not None and chat.usage.completion_tokens_details is not None
+    assert chat.usage.completion_tokens_details.reasoning_tokens == chat.usage.completion_tokens == 10
     # sent back with the conversation, a reasoning item is accepted (and left out of the prompt)
     again = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input=[
         {"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in response.output],
@@ -180,6 +187,7 @@ def test_a_streamed_reasoning_item(client: openai.OpenAI) -> None:
     final = events[-1].response
     [reasoning] = [item for item in final.output if item.type == "reasoning"]
     assert deltas and reasoning.content and reasoning.content[0].text == deltas
+    assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens == 10
 
 
 def test_a_stream_refused_at_once_is_an_http_error(client: openai.OpenAI) -> None:

@@ -49,7 +49,8 @@ async def entries(redis: Redis, job_id: str) -> list[StreamEntry]:
 async def test_consecutive_chunks_merge_into_one_entry_per_flush(redis) -> None:
     writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60)
     for n, text in enumerate(["Hel", "lo", ", ", "world"], start=1):
-        writer.add_chunk("j", attempt=1, choice=0, text=text, token_ids=[n], n_tokens=n)
+        writer.add_chunk("j", attempt=1, choice=0, text=text, token_ids=[n], n_tokens=n,
+                         **({"prompt_tokens": 12, "cached_prompt_tokens": 5} if n == 1 else {}))   # the first
     writer.add_chunk("j", attempt=1, choice=1, text="other", token_ids=[9], n_tokens=1)
     writer.add("j", StreamEntry(id="", kind=EntryKind.DONE, attempt=1, finish_reason=FinishReason.LENGTH, final=True))
     assert await writer.flush()
@@ -60,6 +61,7 @@ async def test_consecutive_chunks_merge_into_one_entry_per_flush(redis) -> None:
         (EntryKind.DONE, 0, "", [], 0),
     ]
     assert got[-1].final and writer.round_trips == 1
+    assert (got[0].prompt_tokens, got[0].cached_prompt_tokens) == (12, 5) and got[1].prompt_tokens is None
     assert 0 < await redis.ttl(stream_key("j")) <= 60
 
 

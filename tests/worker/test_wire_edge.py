@@ -278,11 +278,12 @@ TIME = st.floats(0, 1e9)
 TOKENS = st.integers(0, 10**6)
 DONES = st.builds(Done, choice=st.integers(0, 63), finish_reason=st.sampled_from(wire.FinishReason),
                   usage=st.builds(wire.Usage, prompt_tokens=TOKENS, completion_tokens=TOKENS,
-                                  cached_prompt_tokens=TOKENS),
+                                  cached_prompt_tokens=TOKENS, reasoning_tokens=TOKENS),
                   timings=st.builds(wire.Timings, queue_ms=TIME, ttft_ms=TIME | st.none(), total_ms=TIME,
                                     decode_tokens_per_s=TIME | st.none()),
                   error=st.none() | st.builds(wire.ErrorInfo, code=TEXT, message=TEXT, retryable=st.booleans(),
-                                              field=TEXT | st.none()))
+                                              field=TEXT | st.none()),
+                  stop_sequence=TEXT | st.none())
 
 
 @given(TOOL_CALL_PIECES, st.lists(TOKEN_LOGPROBS, max_size=3))
@@ -308,6 +309,7 @@ def test_a_finished_choice_crosses_the_edge_whole(done: Done) -> None:
     event = Finished(request_id="j", choice=done.choice, finish_reason=engine_events.FinishReason(done.finish_reason),
                      usage=_engine(done.usage, engine_events.Usage),
                      timings=_engine(done.timings, engine_events.Timings),
-                     error=None if done.error is None else _engine(done.error, engine_events.ErrorInfo))
+                     error=None if done.error is None else _engine(done.error, engine_events.ErrorInfo),
+                     stop_sequence=done.stop_sequence)
     crossed = from_engine_finished(event)
     assert crossed == done and type(crossed.finish_reason) is wire.FinishReason
