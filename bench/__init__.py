@@ -1,4 +1,4 @@
-"""Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
+"""Benchmarks (``slotq bench api-shapes|engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
 logprobs|embeddings|spec|step-costs``). Each measures its variants side by side in one run, prints a table with
 ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
 ``bench/results/<name>.md`` for the README.
@@ -26,6 +26,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
     """Run benchmark ``which``; ``options`` are its own keyword arguments (``slotq bench spec``'s
     ``concurrency``, ``rounds``, ``draft_model``; ``slotq bench fleet``'s ``cluster``)."""
     from bench import (
+        api_shapes,
         bulk_bench,
         constraints_bench,
         embeddings_bench,
@@ -44,6 +45,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
     )
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
+        "api-shapes": api_shapes.run,
         "engine": engine_bench.run,
         "queue": queue_bench.run,
         "prefix": prefix_bench.run,
