@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import cast
 
@@ -116,7 +117,8 @@ async def test_a_flush_is_one_script_per_node_and_a_resend_is_not_written_twice(
     flush = [JobEntries(job_id, "", TTL.KEEP, [chunk("+")]) for job_id in ids]
     assert await appender.append("w:1", flush) == [True] * len(ids)
     assert await appender.append("w:1", flush) == [True] * len(ids)       # re-sent: answered from the marks
-    assert set(script_calls(cluster).values()) == {2}, "one call per node per flush, 16 buckets on 3 nodes"
+    assert set(script_calls(cluster).values()) == {2}, "one call per node per flush, 48 buckets on 3 nodes"
+    assert sorted(Counter(node_of(redis, bucket) for bucket in range(STREAM_BUCKETS)).values()) == [16, 16, 16]
     for job_id in ids:
         assert [e.text for e in await read_all(redis, job_id)] == [job_id, "!", "+"]
 
@@ -188,6 +190,15 @@ async def test_a_migrating_slot_refuses_a_node_call_before_it_writes(cluster: Lo
     assert await appender.append("w:1", pair) == [True, True]        # the same flush, once the slot is stable
     for b in (first, other):
         assert [e.text for e in await read_all(redis, ids[b])] == ["a", "a"]
+
+
+@pytest.mark.parametrize("primaries", [2, 3, 4, 6, 8, 12, 16])
+def test_the_buckets_fall_evenly_on_equal_slot_ranges(primaries: int) -> None:
+    """However a tool rounds the ranges' edges (LocalValkeyCluster's split here; each tag lies in the
+    middle half of its 48th of the slots, far from any edge)."""
+    edges = [n * 16384 // primaries for n in range(primaries + 1)]
+    counts = [sum(edges[n] <= key_slot(tag.encode()) < edges[n + 1] for tag in STREAM_TAGS) for n in range(primaries)]
+    assert counts == [STREAM_BUCKETS // primaries] * primaries
 
 
 def test_the_node_script_declares_one_key_and_carries_the_flag() -> None:
