@@ -8,10 +8,12 @@
   reaper once their lease expires; a worker that stalled past its lease is fenced off.
 * The heartbeat, the cancel listener and the metrics loop run under a :class:`Supervisor`: an
   unexpected exception is logged, sent to Sentry, and the loop restarted.
-* It serves one model and kind on one queue: at start-up it joins the queue's serving record, which
-  refuses a worker of another model or kind while one serves the queue
+* It serves one model and kind on one queue at a time: loading a model, it joins the queue's
+  serving record, which refuses a worker of another model or kind while one serves the queue
   (:class:`~slotq.jobs.errors.QueueServedByAnotherModel`, before the model loads), and every job
-  is checked against its model before it runs (:mod:`slotq.jobs.worker.served_model`).
+  is checked against its model before it runs (:mod:`slotq.jobs.worker.served_model`). Given
+  several models (``SLOTQ_MODELS``, ``SLOTQ_MODELS_DIR``), each on a queue of its own, it offers
+  them all in the fleet's catalog (:mod:`slotq.jobs.protocol.catalog`) and loads the first.
 * Before it claims anything it runs one warm-up decode; only then is it ready (heartbeat field
   ``ready``, HTTP ``/ready`` next to ``/metrics``; ``/live`` for liveness, see :mod:`slotq.jobs.worker.health`).
 * Its active slots follow memory, KV use, decode speed and waiting work, and it degrades in steps
@@ -34,6 +36,8 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -43,8 +47,9 @@ from redis.exceptions import RedisError
 from slotq.engine import Engine, EngineStats
 from slotq.jobs.aio import wait_until_set
 from slotq.jobs.errors import QueueServedByAnotherModel
-from slotq.jobs.protocol import registry
+from slotq.jobs.protocol import catalog, registry
 from slotq.jobs.protocol.arq_adapter import Attempt
+from slotq.jobs.protocol.catalog import CatalogEntry
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION
 from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
@@ -75,6 +80,14 @@ EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worke
 EXIT_MARGIN_S = 30
 
 
+@dataclass(frozen=True)
+class ModelOffer:
+    """A model this worker can load: its file, and its entry in the fleet's catalog."""
+
+    path: Path
+    entry: CatalogEntry
+
+
 def engine_heartbeat_fields(stats: EngineStats) -> dict[str, int | str]:
     """What a heartbeat (:class:`WorkerInfo`) carries of the engine's snapshot: slots, tokens, KV
     use and speculative decoding's counters."""
@@ -99,6 +112,9 @@ class SlotqWorker:
         self.embedder: JobEmbedder | None = None      # the engine again, on an embedding worker
         self.served: ServedModel | None = None          # known once the model file is found
         self.membership: QueueMembership | None = None   # this worker's entry in its queue's serving record
+        self.offers: dict[str, ModelOffer] = {}         # the models it can load, the loaded one first (catalog)
+        self.load_s: float | None = None                # what loading the model cost, once warmed up
+        self._load_started = 0.0
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -134,7 +150,8 @@ class SlotqWorker:
             log.info("Prometheus metrics on :%d/metrics, readiness on /ready, liveness on /live",
                      self.settings.metrics_port)
         redis = await connect(self.redis_url, patient=True, ca_file=self.settings.redis_ca_file)
-        self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes,
+        first_model = next(iter(self.settings.model_files()))
+        self.queue = RedisQueue(redis, self.settings.queue_of(first_model), self.settings.lanes,
                                 clock_offset_s=self.settings.clock_offset_s)
         self.runtime = QueueRuntime(
             function_name=JOB_FUNCTION, job=self.run_job, queue=self.queue, token=self.token, lease_ms=self.lease_ms,
@@ -203,11 +220,37 @@ class SlotqWorker:
 
     # ------------------------------------------------------------------ lifecycle
     async def _on_startup(self) -> None:
-        config = self.settings.engine_config()
-        self.served = ServedModel(name=self.settings.served_model_name(config.model_path),
-                                  kind=self.settings.job_kind(config.model_path),
-                                  fingerprint=await asyncio.to_thread(gguf_fingerprint, config.model_path))
         assert self.queue is not None and self.runtime is not None
+        self.offers = await asyncio.to_thread(self._model_offers)
+        self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
+                                   maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
+                                   ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
+                                   writer_id=self.token,
+                                   on_fenced=self.runtime.lose_lease)   # a refused write: that attempt stops
+        await self._load_model(next(iter(self.offers)))
+        self.writer.start()
+        self.supervisor.start("heartbeat", self._heartbeat_loop)
+        if self.settings.metrics_port:
+            self.supervisor.start("metrics", self._metrics_loop)
+        await self._warm_up()
+
+    def _model_offers(self) -> dict[str, ModelOffer]:
+        """Every model this worker can load (:meth:`WorkerSettings.model_files`), with its queue, kind
+        and fingerprint: what it offers the fleet's catalog. Reads each file's header (a thread)."""
+        return {name: ModelOffer(path, CatalogEntry(model=name, queue=self.settings.queue_of(name),
+                                                    kind=self.settings.job_kind(path),
+                                                    fingerprint=gguf_fingerprint(path)))
+                for name, path in self.settings.model_files().items()}
+
+    async def _load_model(self, name: str) -> None:
+        """Serve ``name``: join its queue's serving record (refused by name before a long load when
+        another model holds the queue), start its engine, and the loops bound to the engine and the
+        queue. Claiming waits for :meth:`_warm_up`."""
+        assert self.queue is not None and self.runtime is not None
+        offer = self.offers[name]
+        config = self.settings.engine_config(offer.path)
+        self._load_started = time.monotonic()
+        self.served = ServedModel(name=name, kind=offer.entry.kind, fingerprint=offer.entry.fingerprint)
         self.membership = QueueMembership(self.queue.redis, self.queue.keys, QueueServer(
             worker=self.id, kind=self.served.kind, model=self.served.name))
         await self._join_queue()                # refused before a long model load
@@ -221,30 +264,31 @@ class SlotqWorker:
             self.engine = await self.engine_factory(config)
         await self._join_queue()                # the load may have outlasted the entry; before any claim
         self.runtime.reserve = self.engine.reserve_slots
-        self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
-                                   maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
-                                   ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
-                                   writer_id=self.token,
-                                   on_fenced=self.runtime.lose_lease)   # a refused write: that attempt stops
-        self.writer.start()
-        self.supervisor.start("heartbeat", self._heartbeat_loop)
         self.supervisor.start("cancel-listener", self._cancel_listener)
         self.supervisor.start("engine-watch", self._engine_watch)
-        if self.settings.metrics_port:
-            self.supervisor.start("metrics", self._metrics_loop)
         if self.kind == JobKind.GENERATION:     # its signals (KV use, decode speed) are a generator's
             self.elastic = ElasticLoop(self.settings, engine=self.engine, runtime=self.runtime, queue=self.queue,
                                        faults=self._faults, worker_id=self.id)
+
+    async def _warm_up(self) -> None:
+        """One warm-up decode, then claim: the model's load ends here (``slotq_model_load_seconds``,
+        the heartbeat's ``load_s``, the catalog)."""
+        assert self.engine is not None and self.runtime is not None and self.served is not None
         warm_s = await self.engine.warm_up()
         if self._faults.warmup_delay_s:
             await asyncio.sleep(self._faults.warmup_delay_s)
         if self.elastic is not None:
             self.supervisor.start("elastic", self.elastic.run)
+        self.load_s = time.monotonic() - self._load_started
+        metrics.MODEL_LOAD.labels(model=self.served.name).observe(self.load_s)
+        offer = self.offers[self.served.name]
+        self.offers[self.served.name] = ModelOffer(offer.path, replace(offer.entry, load_s=round(self.load_s, 3)))
         self.ready.set()
         self._beat_now.set()
         self.runtime.nudge()
-        log.info("worker %s ready (warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s", self.id, warm_s,
-                 self.engine.info.model_name, config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
+        log.info("worker %s ready (load %.2f s, warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s",
+                 self.id, self.load_s, warm_s, self.engine.info.model_name, self.settings.slots,
+                 self.runtime.queue.keys.queue, ",".join(self.settings.lanes))
 
     @property
     def kind(self) -> JobKind:
@@ -258,7 +302,7 @@ class SlotqWorker:
         other = await self.membership.join(ttl_s=self.settings.lock_ttl_s)
         if other is not None:
             raise QueueServedByAnotherModel(
-                queue=self.settings.queue_name, model=self.served.name, kind=self.served.kind.value,
+                queue=self.membership.keys.queue, model=self.served.name, kind=self.served.kind.value,
                 other_worker=other.worker, other_model=other.model, other_kind=other.kind.value)
 
     async def _on_shutdown(self) -> None:
@@ -269,6 +313,7 @@ class SlotqWorker:
             await self.writer.close()
         try:
             await registry.leave(self.queue.redis, self.id)
+            await catalog.withdraw(self.queue.redis, self.id, list(self.offers))
             if self.membership is not None:
                 await self.membership.leave()
         except RedisError:
@@ -382,11 +427,15 @@ class SlotqWorker:
             rate = (stats.generated_tokens - self._tokens_seen[1]) / (now - self._tokens_seen[0])
         self._tokens_seen = (now, stats.generated_tokens)
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
-            "id": self.id, "queue": self.settings.queue_name, "model": self.served.name, "kind": self.served.kind,
+            "id": self.id, "queue": self.queue.keys.queue, "model": self.served.name, "kind": self.served.kind,
             "ctx": self.engine.ctx_per_seq, **engine_heartbeat_fields(stats),
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
+            "models": len(self.offers), **({} if self.load_s is None else {"load_s": round(self.load_s, 3)}),
             **(self.elastic.heartbeat_fields() if self.elastic else {})}), interval_s=self.settings.lock_ttl_s / 3)
+        if not self._draining:
+            await catalog.publish(self.queue.redis, self.id, [offer.entry for offer in self.offers.values()],
+                                  ttl_s=self.settings.lock_ttl_s, now=now)
         was_stale = not self._may_claim()
         self._heartbeat_ok_at = time.monotonic()
         if was_stale:
