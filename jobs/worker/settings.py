@@ -31,6 +31,11 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
     models_dir: Path | None = Field(
         None, description="a folder of GGUF files this worker can serve, one loaded at a time: every *.gguf, named "
                           "by its file name without .gguf (with SLOTQ_MODELS: both)")
+    model_idle_s: float = Field(
+        3.0, ge=0, le=3600,
+        description="a worker of several models switches to another model (one with jobs waiting and no worker) "
+                    "only once its own model's queue has had nothing waiting and nothing running here for this "
+                    "long: hysteresis, so a bursty load does not make it thrash")
     model_name: str | None = Field(
         None, description="the name clients ask for (the gateway's `model`); unset = the model file's name without "
                           "its quantization suffix, e.g. SmolLM2-135M-Instruct for SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -51,13 +51,14 @@ from slotq.jobs.protocol import catalog, registry
 from slotq.jobs.protocol.arq_adapter import Attempt
 from slotq.jobs.protocol.catalog import CatalogEntry
 from slotq.jobs.protocol.connection import connect
-from slotq.jobs.protocol.keys import JOB_FUNCTION
+from slotq.jobs.protocol.keys import JOB_FUNCTION, loading_key
 from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
 from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
 from slotq.jobs.protocol.registry import QueueMembership, QueueServer
+from slotq.jobs.protocol.replies import reply
 from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
-from slotq.jobs.worker import health, metrics
+from slotq.jobs.worker import health, metrics, model_switch
 from slotq.jobs.worker.elastic import metrics as elastic_metrics
 from slotq.jobs.worker.elastic.loop import ElasticLoop
 from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine
@@ -71,6 +72,8 @@ from slotq.jobs.worker.stream_writer import StreamWriter
 from slotq.jobs.worker.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+
+_MODEL_LOOPS = ("cancel-listener", "engine-watch", "elastic")    # bound to the loaded model's engine and queue
 
 EXIT_ENGINE_DIED = 70               # EX_SOFTWARE: restart me
 EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worker from stopping in time
@@ -115,6 +118,7 @@ class SlotqWorker:
         self.offers: dict[str, ModelOffer] = {}         # the models it can load, the loaded one first (catalog)
         self.load_s: float | None = None                # what loading the model cost, once warmed up
         self._load_started = 0.0
+        self._switching = False                         # deciding to unload: claims nothing
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -191,6 +195,8 @@ class SlotqWorker:
         fresh = time.monotonic() - self._heartbeat_ok_at < self.settings.lock_ttl_s * 2 / 3
         if self.runtime is None:
             state = "connecting_to_redis"
+        elif self._switching and self.ready.is_set():
+            state = "switching_model"           # claims nothing: about to unload (a worker of several models)
         elif self.engine is None:
             state = "loading_model"
         elif self.engine.failure is not None:
@@ -233,6 +239,8 @@ class SlotqWorker:
         if self.settings.metrics_port:
             self.supervisor.start("metrics", self._metrics_loop)
         await self._warm_up()
+        if len(self.offers) > 1:
+            self.supervisor.start("model-switch", self._model_switch_loop)
 
     def _model_offers(self) -> dict[str, ModelOffer]:
         """Every model this worker can load (:meth:`WorkerSettings.model_files`), with its queue, kind
@@ -289,6 +297,115 @@ class SlotqWorker:
         log.info("worker %s ready (load %.2f s, warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s",
                  self.id, self.load_s, warm_s, self.engine.info.model_name, self.settings.slots,
                  self.runtime.queue.keys.queue, ",".join(self.settings.lanes))
+
+    async def _unload_model(self) -> None:
+        """Stop serving the loaded model: claim nothing more, stop the loops bound to its engine and
+        queue, leave the queue's serving record (the queue is free for any worker at once), close
+        the engine. Only with nothing running here (:meth:`_switch_to`)."""
+        assert self.runtime is not None
+        self.ready.clear()
+        await self.supervisor.stop(only=_MODEL_LOOPS)
+        self.elastic = None
+        self.runtime.slots = self.settings.slots        # the next model's elastic loop starts from the full count
+        if self.membership is not None:
+            membership, self.membership = self.membership, None
+            await membership.leave()
+        engine, self.engine, self.embedder = self.engine, None, None
+        if engine is not None:
+            await engine.close()
+
+    async def _switch_to(self, name: str) -> None:
+        """Serve ``name`` instead of the loaded model (:mod:`slotq.jobs.worker.model_switch` said so):
+        close the claim gate, and only if nothing came in meanwhile, unload, claim from ``name``'s
+        queue, load and warm up. A model that fails to load is dropped from this worker's offers and
+        the previous model loaded again; if that fails too, the worker stops (exit code 70) for its
+        supervisor to restart it."""
+        assert self.queue is not None and self.runtime is not None and self.served is not None
+        redis = self.queue.redis
+        if not await catalog.claim_load(redis, name, self.id):
+            return                                      # another worker is loading it
+        previous = self.served.name
+        try:
+            self._switching = True
+            while self.runtime.claiming_now:
+                await asyncio.sleep(0.01)
+            if self.runtime.running or not self.runtime.idle or self._draining:
+                return                                  # a claim raced the decision: stay (policy rule 1)
+            log.info("switching from model %s to %s (its jobs wait, no worker has it loaded)", previous, name)
+            await self._unload_model()
+            self._switching = False                     # no engine: the gate stays closed until the next is warm
+            try:
+                await self._serve(name)
+            except Exception as exc:
+                log.exception("model %s failed to load (%s: %s); this worker no longer offers it and loads %s "
+                              "again", name, type(exc).__name__, exc, previous)
+                sentry_sdk.capture_exception(exc)
+                del self.offers[name]
+                await catalog.withdraw(redis, self.id, [name])
+                await self._unload_model()
+                try:
+                    await self._serve(previous)
+                except Exception:
+                    log.exception("model %s failed to load again; stopping (exit code %d)", previous,
+                                  EXIT_ENGINE_DIED)
+                    self.exit_code = EXIT_ENGINE_DIED
+                    self.request_stop("no model could be loaded", grace_s=0)
+        finally:
+            self._switching = False
+            await catalog.release_load(redis, name)
+
+    async def _serve(self, name: str) -> None:
+        """Claim from ``name``'s queue, load the model and warm it up (the switch's second half)."""
+        assert self.queue is not None and self.runtime is not None
+        queue = self.offers[name].entry.queue
+        if queue != self.queue.keys.queue:
+            self.queue = RedisQueue(self.queue.redis, queue, self.settings.lanes,
+                                    clock_offset_s=self.settings.clock_offset_s)
+            await self.runtime.retarget(self.queue)
+        await self._load_model(name)
+        await self._warm_up()
+
+    async def _model_switch_loop(self) -> None:
+        """A worker of several models: every :data:`model_switch.POLL_S`, note whether its model's
+        queue is quiet, and once it has been for ``SLOTQ_MODEL_IDLE_S``, read the other models'
+        queues and switch where :func:`model_switch.choose` says."""
+        assert self.runtime is not None
+        quiet_since = time.monotonic()
+        while True:
+            await asyncio.sleep(model_switch.POLL_S)
+            if self.queue is None or self.served is None or not self.ready.is_set() or self._draining:
+                quiet_since = time.monotonic()
+                continue
+            pending = sum(lane.waiting + lane.deferred for lane in await self.queue.counts())
+            if pending or self.runtime.running:
+                quiet_since = time.monotonic()
+            quiet_s = time.monotonic() - quiet_since
+            if not model_switch.may_leave(running_here=self.runtime.running, pending=pending, quiet_s=quiet_s,
+                                          idle_s=self.settings.model_idle_s):
+                continue
+            target = model_switch.neediest(await self._demands())
+            if target is not None:
+                await self._switch_to(target)
+                quiet_since = time.monotonic()
+
+    async def _demands(self) -> list[model_switch.Demand]:
+        """What the queues of the other models this worker can load hold, and whether a worker
+        serves each (a ready one has it loaded, or one is loading it)."""
+        assert self.queue is not None and self.served is not None
+        redis = self.queue.redis
+        workers = await registry.live_workers(redis)
+        demands = []
+        for name, offer in self.offers.items():
+            if name == self.served.name:
+                continue
+            lanes = await RedisQueue(redis, offer.entry.queue, self.settings.lanes).counts()
+            ages = [lane.oldest_waiting_age_s for lane in lanes if lane.oldest_waiting_age_s is not None]
+            served = any(w.model == name and w.queue == offer.entry.queue and not w.draining and w.id != self.id
+                         for w in workers) or bool(await reply(redis.exists(loading_key(name))))
+            demands.append(model_switch.Demand(
+                model=name, waiting=sum(lane.waiting for lane in lanes), deferred=sum(lane.deferred for lane in lanes),
+                oldest_wait_s=max(ages) if ages else None, served=served))
+        return demands
 
     @property
     def kind(self) -> JobKind:
@@ -399,8 +516,7 @@ class SlotqWorker:
 
     async def _heartbeat_once(self) -> None:
         """Renew the leases of running jobs and advertise this worker."""
-        assert self.runtime is not None and self.queue is not None and self.engine is not None
-        assert self.served is not None
+        assert self.runtime is not None and self.queue is not None and self.served is not None
         self._faults.on_heartbeat()
         runtime = self.runtime
         jobs = runtime.leases()
@@ -411,7 +527,8 @@ class SlotqWorker:
                 log.warning("job %s: its lease expired and the job was requeued; abandoning this attempt", job.id)
                 runtime.lose_lease(job.id, job.lease)
         try:
-            await self._join_queue()
+            if self.membership is not None:     # None while a worker of several models switches
+                await self._join_queue()
         except QueueServedByAnotherModel as exc:
             # Only after this worker went unheard past its entry's time (stalled, cut off from Redis) and
             # another model took the queue: the queue is theirs now. Its running jobs (leases just renewed)
@@ -420,15 +537,19 @@ class SlotqWorker:
                 log.error("%s; stopping", exc)
                 self.request_stop("the queue is served by another model")
             return
-        stats = self.engine.stats()
+        engine = self.engine                    # None while a worker of several models switches
+        fields = (engine_heartbeat_fields(engine.stats()) if engine is not None else
+                  {"slots_total": self.settings.slots, "slots_busy": 0, "waiting": 0, "generated_tokens": 0})
+        generated = int(fields["generated_tokens"])
         now = time.time()
         rate = 0.0
         if self._tokens_seen is not None and now > self._tokens_seen[0]:
-            rate = (stats.generated_tokens - self._tokens_seen[1]) / (now - self._tokens_seen[0])
-        self._tokens_seen = (now, stats.generated_tokens)
+            # a new engine counts from 0 again: no negative rate after a switch
+            rate = max(0.0, (generated - self._tokens_seen[1]) / (now - self._tokens_seen[0]))
+        self._tokens_seen = (now, generated)
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
             "id": self.id, "queue": self.queue.keys.queue, "model": self.served.name, "kind": self.served.kind,
-            "ctx": self.engine.ctx_per_seq, **engine_heartbeat_fields(stats),
+            "ctx": engine.ctx_per_seq if engine is not None else 0, **fields,
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
             "models": len(self.offers), **({} if self.load_s is None else {"load_s": round(self.load_s, 3)}),
@@ -447,10 +568,11 @@ class SlotqWorker:
         await self.queue.follow_aborts(self.token, self.runtime.abort_now)
 
     async def _metrics_loop(self) -> None:
-        assert self.engine is not None and self.queue is not None
+        assert self.queue is not None
         sampler = metrics.EngineSampler()
         while True:
-            sampler.update(self.engine.stats())
+            if self.engine is not None:         # None while a worker of several models switches
+                sampler.update(self.engine.stats())
             if self.writer is not None:
                 metrics.sample_stream_backlog(*self.writer.backlog())
             elastic_metrics.WORKER_READY.set(int(self._readiness()[0]))

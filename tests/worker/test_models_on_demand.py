@@ -17,9 +17,9 @@ from slotq.jobs.gateway.routes_openai import model_card
 from slotq.jobs.gateway.routing import ModelRouter, routes_from
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol import catalog
+from slotq.jobs.protocol import catalog, dead_letters
 from slotq.jobs.protocol.catalog import CatalogEntry, CatalogModel
-from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
+from slotq.jobs.protocol.schemas import JobKind, JobStatus, WorkerInfo
 from slotq.jobs.worker.served_model import gguf_fingerprint
 from slotq.jobs.worker.settings import WorkerSettings
 from tests.support.jobs import job_request
@@ -135,3 +135,32 @@ async def test_catalog_entries_expire_and_disagreements_resolve_alike(client: Sl
     assert await catalog.claim_load(client.redis, "m", "w1") and not await catalog.claim_load(client.redis, "m", "w2")
     await catalog.release_load(client.redis, "m")
     assert await catalog.claim_load(client.redis, "m", "w2")
+
+
+# ---------------------------------------------------------------------- switching, through Redis
+async def test_one_worker_serves_two_models_by_switching(start_worker, client: SlotqClient, tiny_model_path: Path,
+                                                         second_model: Path) -> None:
+    """One worker, two models, jobs for both queued together and then more for the first: every job
+    completes, on its own model (the result's name and fingerprint), none lost, none dead-lettered; the
+    worker switched to the second model once the first's queue was quiet, and back."""
+    worker = await start_worker(model=None, models=f"first={tiny_model_path},second={second_model}",
+                                model_idle_s=0.2, slots=2, worker_name="switcher")
+    queues = {name: client.for_queue(f"slotq:queue:{name}") for name in ("first", "second")}
+    fingerprints = {"first": gguf_fingerprint(tiny_model_path), "second": gguf_fingerprint(second_model)}
+    wanted: dict[str, str] = {}
+    for i in range(8):
+        model = ("first", "second")[i % 2]
+        handle = await queues[model].enqueue(job_request(f"job {i}", max_tokens=4, model=model))
+        wanted[handle.id] = model
+    results = {job_id: await queues[model].result(job_id, timeout=60) for job_id, model in wanted.items()}
+    later = await queues["first"].enqueue(job_request("after the switch", max_tokens=4, model="first"))
+    results[later.id] = await queues["first"].result(later.id, timeout=60)
+    wanted[later.id] = "first"
+    for job_id, result in results.items():
+        assert result.status == JobStatus.SUCCEEDED, (job_id, result.error)
+        assert (result.model, result.model_fingerprint, result.worker) == (
+            wanted[job_id], fingerprints[wanted[job_id]], "switcher")
+    assert await dead_letters.by_reason(client.redis) == {}
+    for queue in queues.values():
+        assert await client.redis.hlen(queue.queue.keys.jobs) == 0               # nothing left behind
+    assert worker.served is not None and worker.served.name == "first" and worker.load_s is not None
