@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-POLL_S = 0.5     # how often an idle worker of several models looks at the other models' queues
+POLL_S = 0.25    # how often a worker of several models looks at its queue (and, once quiet, the others')
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,16 @@ class ModelOffer:
     entry: CatalogEntry
 
 
+@dataclass(frozen=True)
+class SwitchTimes:
+    """Where a switch's time went: it began (``time.monotonic()``) with the claim gate closed,
+    unloaded the old model in ``unload_s`` and loaded (and warmed up) the new one in ``load_s``."""
+
+    started_at: float
+    unload_s: float
+    load_s: float
+
+
 def engine_heartbeat_fields(stats: EngineStats) -> dict[str, int | str]:
     """What a heartbeat (:class:`WorkerInfo`) carries of the engine's snapshot: slots, tokens, KV
     use and speculative decoding's counters."""
@@ -119,6 +129,7 @@ class SlotqWorker:
         self.load_s: float | None = None                # what loading the model cost, once warmed up
         self._load_started = 0.0
         self._switching = False                         # deciding to unload: claims nothing
+        self.last_switch: SwitchTimes | None = None     # where the last switch's time went
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -332,10 +343,15 @@ class SlotqWorker:
             if self.runtime.running or not self.runtime.idle or self._draining:
                 return                                  # a claim raced the decision: stay (policy rule 1)
             log.info("switching from model %s to %s (its jobs wait, no worker has it loaded)", previous, name)
+            started = time.monotonic()
             await self._unload_model()
+            unloaded_s = time.monotonic() - started
             self._switching = False                     # no engine: the gate stays closed until the next is warm
             try:
                 await self._serve(name)
+                self.last_switch = SwitchTimes(started_at=started, unload_s=unloaded_s, load_s=self.load_s or 0.0)
+                log.info("switched from model %s to %s in %.2f s: unload %.2f s, load %.2f s", previous, name,
+                         time.monotonic() - started, unloaded_s, self.last_switch.load_s)
             except Exception as exc:
                 log.exception("model %s failed to load (%s: %s); this worker no longer offers it and loads %s "
                               "again", name, type(exc).__name__, exc, previous)
