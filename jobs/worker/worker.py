@@ -392,8 +392,11 @@ class SlotqWorker:
             if self.queue is None or self.served is None or not self.ready.is_set() or self._draining:
                 quiet_since = time.monotonic()
                 continue
+            if self.runtime.running:            # busy: not quiet, and no Redis read needed to know it
+                quiet_since = time.monotonic()
+                continue
             pending = sum(lane.waiting + lane.deferred for lane in await self.queue.counts())
-            if pending or self.runtime.running:
+            if pending:
                 quiet_since = time.monotonic()
             quiet_s = time.monotonic() - quiet_since
             if not model_switch.may_leave(running_here=self.runtime.running, pending=pending, quiet_s=quiet_s,
