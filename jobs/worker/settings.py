@@ -31,6 +31,11 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
     models_dir: Path | None = Field(
         None, description="a folder of GGUF files this worker can serve, one loaded at a time: every *.gguf, named "
                           "by its file name without .gguf (with SLOTQ_MODELS: both)")
+    models_max: int = Field(
+        1, ge=1, le=64,
+        description="models a worker of several models keeps loaded: the one it serves and up to this many - 1 "
+                    "idle ones, kept in memory so that switching back skips the load, unloaded by least recent use "
+                    "(llama-server's --models-max); each holds its weights and KV cache")
     model_idle_s: float = Field(
         3.0, ge=0, le=3600,
         description="a worker of several models switches to another model (one with jobs waiting and no worker) "

@@ -42,6 +42,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import sentry_sdk
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from slotq.engine import Engine, EngineStats
@@ -99,6 +100,7 @@ class SwitchTimes:
     started_at: float
     unload_s: float
     load_s: float
+    kept: bool = False      # the model was kept loaded (SLOTQ_MODELS_MAX): load_s is no load
 
 
 def engine_heartbeat_fields(stats: EngineStats) -> dict[str, int | str]:
@@ -126,10 +128,13 @@ class SlotqWorker:
         self.served: ServedModel | None = None          # known once the model file is found
         self.membership: QueueMembership | None = None   # this worker's entry in its queue's serving record
         self.offers: dict[str, ModelOffer] = {}         # the models it can load, the loaded one first (catalog)
-        self.load_s: float | None = None                # what loading the model cost, once warmed up
         self._load_started = 0.0
         self._switching = False                         # deciding to unload: claims nothing
         self.last_switch: SwitchTimes | None = None     # where the last switch's time went
+        # idle models kept loaded (SLOTQ_MODELS_MAX), the least recently used first
+        self._kept: dict[str, tuple[JobEngine, JobEmbedder | None]] = {}
+        self._reused = False                            # the model now served came back from _kept: no load
+        self._first_name = ""                           # the model it loads at start-up (_first_model)
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -165,8 +170,8 @@ class SlotqWorker:
             log.info("Prometheus metrics on :%d/metrics, readiness on /ready, liveness on /live",
                      self.settings.metrics_port)
         redis = await connect(self.redis_url, patient=True, ca_file=self.settings.redis_ca_file)
-        first_model = next(iter(self.settings.model_files()))
-        self.queue = RedisQueue(redis, self.settings.queue_of(first_model), self.settings.lanes,
+        self._first_name = await self._first_model(redis)
+        self.queue = RedisQueue(redis, self.settings.queue_of(self._first_name), self.settings.lanes,
                                 clock_offset_s=self.settings.clock_offset_s)
         self.runtime = QueueRuntime(
             function_name=JOB_FUNCTION, job=self.run_job, queue=self.queue, token=self.token, lease_ms=self.lease_ms,
@@ -244,7 +249,7 @@ class SlotqWorker:
                                    ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
                                    writer_id=self.token,
                                    on_fenced=self.runtime.lose_lease)   # a refused write: that attempt stops
-        await self._load_model(next(iter(self.offers)))
+        await self._load_model(self._first_name)
         self.writer.start()
         self.supervisor.start("heartbeat", self._heartbeat_loop)
         if self.settings.metrics_port:
@@ -275,7 +280,16 @@ class SlotqWorker:
         await self._join_queue()                # refused before a long model load
         log.info("loading %s as %r (fingerprint %s) for %s jobs (%d slots, ctx %d)", config.model_path.name,
                  self.served.name, self.served.fingerprint, self.kind.value, config.slots, config.ctx)
-        if self.kind == JobKind.EMBEDDING:
+        kept = self._kept.pop(name, None)
+        self._reused = kept is not None
+        while len(self._kept) > self.settings.models_max - 1:     # room for this one first
+            lru, (oldest, _) = next(iter(self._kept.items()))
+            del self._kept[lru]
+            log.info("unloading model %s (kept loaded, the least recently used)", lru)
+            await oldest.close()
+        if kept is not None:
+            self.engine, self.embedder = kept   # kept loaded (SLOTQ_MODELS_MAX): no load
+        elif self.kind == JobKind.EMBEDDING:
             from slotq.engine.embedding import EmbeddingEngine
 
             self.engine = self.embedder = await EmbeddingEngine.start(config)
@@ -289,30 +303,35 @@ class SlotqWorker:
             self.elastic = ElasticLoop(self.settings, engine=self.engine, runtime=self.runtime, queue=self.queue,
                                        faults=self._faults, worker_id=self.id)
 
-    async def _warm_up(self) -> None:
+    async def _warm_up(self) -> float:
         """One warm-up decode, then claim: the model's load ends here (``slotq_model_load_seconds``,
-        the heartbeat's ``load_s``, the catalog)."""
+        the heartbeat's ``load_s``, the catalog). Returns the seconds since :meth:`_load_model` began."""
         assert self.engine is not None and self.runtime is not None and self.served is not None
-        warm_s = await self.engine.warm_up()
+        warm_s = 0.0 if self._reused else await self.engine.warm_up()
         if self._faults.warmup_delay_s:
             await asyncio.sleep(self._faults.warmup_delay_s)
         if self.elastic is not None:
             self.supervisor.start("elastic", self.elastic.run)
-        self.load_s = time.monotonic() - self._load_started
-        metrics.MODEL_LOAD.labels(model=self.served.name).observe(self.load_s)
-        offer = self.offers[self.served.name]
-        self.offers[self.served.name] = ModelOffer(offer.path, replace(offer.entry, load_s=round(self.load_s, 3)))
+        took_s = time.monotonic() - self._load_started
+        if not self._reused:                    # a kept engine's return is no load: the figures stay the loads'
+            metrics.MODEL_LOAD.labels(model=self.served.name).observe(took_s)
+            offer = self.offers[self.served.name]
+            self.offers[self.served.name] = ModelOffer(offer.path, replace(offer.entry, load_s=round(took_s, 3)))
         self.ready.set()
         self._beat_now.set()
         self.runtime.nudge()
-        log.info("worker %s ready (load %.2f s, warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s",
-                 self.id, self.load_s, warm_s, self.engine.info.model_name, self.settings.slots,
+        log.info("worker %s ready (%s %.2f s, warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s",
+                 self.id, "kept loaded, back in" if self._reused else "load", took_s, warm_s,
+                 self.engine.info.model_name, self.settings.slots,
                  self.runtime.queue.keys.queue, ",".join(self.settings.lanes))
+        return took_s
 
     async def _unload_model(self) -> None:
         """Stop serving the loaded model: claim nothing more, stop the loops bound to its engine and
-        queue, leave the queue's serving record (the queue is free for any worker at once), close
-        the engine. Only with nothing running here (:meth:`_switch_to`)."""
+        queue, leave the queue's serving record (the queue is free for any worker at once), and close
+        the engine -- or, with ``SLOTQ_MODELS_MAX`` > 1, keep it loaded (its limits back to full;
+        :meth:`_load_model` closes the least recently used kept one when the next needs room). Only
+        with nothing running here (:meth:`_switch_to`)."""
         assert self.runtime is not None
         self.ready.clear()
         await self.supervisor.stop(only=_MODEL_LOOPS)
@@ -321,8 +340,14 @@ class SlotqWorker:
         if self.membership is not None:
             membership, self.membership = self.membership, None
             await membership.leave()
-        engine, self.engine, self.embedder = self.engine, None, None
-        if engine is not None:
+        engine, embedder, self.engine, self.embedder = self.engine, self.embedder, None, None
+        if engine is None:
+            return
+        if self.settings.models_max > 1 and self.served is not None and engine.failure is None:
+            full = engine.full_limits
+            engine.set_limits(active_slots=full.active_slots, n_batch=full.n_batch, prefill_chunk=full.prefill_chunk)
+            self._kept[self.served.name] = (engine, embedder)   # the most recently used last
+        else:
             await engine.close()
 
     async def _switch_to(self, name: str) -> None:
@@ -348,10 +373,11 @@ class SlotqWorker:
             unloaded_s = time.monotonic() - started
             self._switching = False                     # no engine: the gate stays closed until the next is warm
             try:
-                await self._serve(name)
-                self.last_switch = SwitchTimes(started_at=started, unload_s=unloaded_s, load_s=self.load_s or 0.0)
-                log.info("switched from model %s to %s in %.2f s: unload %.2f s, load %.2f s", previous, name,
-                         time.monotonic() - started, unloaded_s, self.last_switch.load_s)
+                loaded_s = await self._serve(name)
+                self.last_switch = SwitchTimes(started_at=started, unload_s=unloaded_s, load_s=loaded_s,
+                                               kept=self._reused)
+                log.info("switched from model %s to %s in %.2f s: unload %.2f s, %s %.2f s", previous, name,
+                         time.monotonic() - started, unloaded_s, "kept loaded" if self._reused else "load", loaded_s)
             except Exception as exc:
                 log.exception("model %s failed to load (%s: %s); this worker no longer offers it and loads %s "
                               "again", name, type(exc).__name__, exc, previous)
@@ -370,8 +396,9 @@ class SlotqWorker:
             self._switching = False
             await catalog.release_load(redis, name)
 
-    async def _serve(self, name: str) -> None:
-        """Claim from ``name``'s queue, load the model and warm it up (the switch's second half)."""
+    async def _serve(self, name: str) -> float:
+        """Claim from ``name``'s queue, load the model and warm it up (the switch's second half);
+        returns the seconds the load and warm-up took."""
         assert self.queue is not None and self.runtime is not None
         queue = self.offers[name].entry.queue
         if queue != self.queue.keys.queue:
@@ -379,7 +406,7 @@ class SlotqWorker:
                                     clock_offset_s=self.settings.clock_offset_s)
             await self.runtime.retarget(self.queue)
         await self._load_model(name)
-        await self._warm_up()
+        return await self._warm_up()
 
     async def _model_switch_loop(self) -> None:
         """A worker of several models: every :data:`model_switch.POLL_S`, note whether its model's
@@ -402,24 +429,31 @@ class SlotqWorker:
             if not model_switch.may_leave(running_here=self.runtime.running, pending=pending, quiet_s=quiet_s,
                                           idle_s=self.settings.model_idle_s):
                 continue
-            target = model_switch.neediest(await self._demands())
+            others = [name for name in self.offers if name != self.served.name]
+            target = model_switch.neediest(await self._demands(self.queue.redis, others))
             if target is not None:
                 await self._switch_to(target)
                 quiet_since = time.monotonic()
 
-    async def _demands(self) -> list[model_switch.Demand]:
-        """What the queues of the other models this worker can load hold, and whether a worker
-        serves each (a ready one has it loaded, or one is loading it)."""
-        assert self.queue is not None and self.served is not None
-        redis = self.queue.redis
+    async def _first_model(self, redis: Redis) -> str:
+        """The model to load first: of several, the one whose jobs have waited longest with no worker
+        (the switch policy's rules 4 and 5: a worker started by a scaler for a model's demand loads
+        that model), else the first given."""
+        names = list(self.settings.model_files())
+        if len(names) == 1:
+            return names[0]
+        return model_switch.neediest(await self._demands(redis, names)) or names[0]
+
+    async def _demands(self, redis: Redis, models: list[str]) -> list[model_switch.Demand]:
+        """What the queues of ``models`` hold, and whether another worker serves each (a ready one
+        has it loaded, or one is loading it)."""
         workers = await registry.live_workers(redis)
         demands = []
-        for name, offer in self.offers.items():
-            if name == self.served.name:
-                continue
-            lanes = await RedisQueue(redis, offer.entry.queue, self.settings.lanes).counts()
+        for name in models:
+            queue = self.settings.queue_of(name)
+            lanes = await RedisQueue(redis, queue, self.settings.lanes).counts()
             ages = [lane.oldest_waiting_age_s for lane in lanes if lane.oldest_waiting_age_s is not None]
-            served = any(w.model == name and w.queue == offer.entry.queue and not w.draining and w.id != self.id
+            served = any(w.model == name and w.queue == queue and not w.draining and w.id != self.id
                          for w in workers) or bool(await reply(redis.exists(loading_key(name))))
             demands.append(model_switch.Demand(
                 model=name, waiting=sum(lane.waiting for lane in lanes), deferred=sum(lane.deferred for lane in lanes),
@@ -456,6 +490,8 @@ class SlotqWorker:
             pass
         if self.engine:
             await self.engine.close()
+        for kept, _ in self._kept.values():
+            await kept.close()
         if self._http is not None:
             await asyncio.to_thread(self._http.shutdown)
             self._http.server_close()
@@ -557,6 +593,7 @@ class SlotqWorker:
                 self.request_stop("the queue is served by another model")
             return
         engine = self.engine                    # None while a worker of several models switches
+        load_s = self.offers[self.served.name].entry.load_s     # what loading its model cost here (None: not yet)
         fields = (engine_heartbeat_fields(engine.stats()) if engine is not None else
                   {"slots_total": self.settings.slots, "slots_busy": 0, "waiting": 0, "generated_tokens": 0})
         generated = int(fields["generated_tokens"])
@@ -571,7 +608,7 @@ class SlotqWorker:
             "ctx": engine.ctx_per_seq if engine is not None else 0, **fields,
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
-            "models": len(self.offers), **({} if self.load_s is None else {"load_s": round(self.load_s, 3)}),
+            "models": len(self.offers), **({} if load_s is None else {"load_s": load_s}),
             **(self.elastic.heartbeat_fields() if self.elastic else {})}), interval_s=self.settings.lock_ttl_s / 3)
         if not self._draining:
             await catalog.publish(self.queue.redis, self.id, [offer.entry for offer in self.offers.values()],

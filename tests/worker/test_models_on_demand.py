@@ -163,4 +163,42 @@ async def test_one_worker_serves_two_models_by_switching(start_worker, client: S
     assert await dead_letters.by_reason(client.redis) == {}
     for queue in queues.values():
         assert await client.redis.hlen(queue.queue.keys.jobs) == 0               # nothing left behind
-    assert worker.served is not None and worker.served.name == "first" and worker.load_s is not None
+    assert worker.served is not None and worker.served.name == "first" and worker.last_switch is not None
+
+
+async def test_models_max_keeps_idle_models_loaded_and_unloads_the_least_recently_used(
+        start_worker, client: SlotqClient, tiny_model_path: Path, second_model: Path, tmp_path: Path) -> None:
+    """SLOTQ_MODELS_MAX=2, three models: switching back to the model just left reuses its engine (no load,
+    the catalog's load time stays the real load's); a third model unloads the least recently used."""
+    third = write_tiny_llama(tmp_path / "third.gguf", seed=11)
+    worker = await start_worker(model=None, models=f"a={tiny_model_path},b={second_model},c={third}",
+                                models_max=2, model_idle_s=0.1, slots=2, worker_name="keeper")
+    engines = {}
+
+    async def serve(model: str) -> None:
+        queue = client.for_queue(f"slotq:queue:{model}")
+        result = await (await queue.enqueue(job_request(max_tokens=2, model=model))).result(timeout=60)
+        assert result.status == JobStatus.SUCCEEDED and result.model == model
+        assert worker.served is not None and worker.served.name == model
+        engines.setdefault(model, []).append(worker.engine)
+
+    await serve("a")
+    await serve("b")                  # a is kept
+    await serve("a")
+    assert engines["a"][1] is engines["a"][0] and worker.last_switch.kept        # the same engine: no load
+    await serve("c")                  # a is kept; b, the least recently used, is closed to make room
+    await serve("b")                  # c is kept, a closed
+    assert engines["b"][1] is not engines["b"][0] and not worker.last_switch.kept
+    await serve("a")
+    assert engines["a"][2] is not engines["a"][0] and not worker.last_switch.kept
+
+
+async def test_a_worker_starts_with_the_model_whose_jobs_wait(start_worker, client: SlotqClient,
+                                                              tiny_model_path: Path, second_model: Path) -> None:
+    """A worker started for a model's demand (a scaler bringing one up from zero) loads that model first,
+    not the first one given."""
+    queue = client.for_queue("slotq:queue:second")
+    waiting = await queue.enqueue(job_request(max_tokens=2, model="second"))
+    worker = await start_worker(model=None, models=f"first={tiny_model_path},second={second_model}")
+    assert worker.served is not None and worker.served.name == "second" and worker.last_switch is None
+    assert (await queue.result(waiting.id, timeout=60)).model == "second"
