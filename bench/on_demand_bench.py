@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -45,7 +44,7 @@ from slotq.jobs.worker.worker import SlotqWorker
 IDLE_S = 1.0            # SLOTQ_MODEL_IDLE_S of the benchmark's worker
 ROUNDS = 6
 TARGET_BEYOND_LOAD_S = 1.0
-THREADS = len(os.sched_getaffinity(0)) or 1
+THREADS = 1             # llama.cpp threads: one; a busy neighbour costs it less than spinning OpenMP threads
 
 
 def _job(model: str) -> JobRequest:
