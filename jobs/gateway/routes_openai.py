@@ -49,9 +49,11 @@ def gateway_of(request: Request) -> Gateway:
 
 
 def model_card(route: ModelRoute) -> ModelCard:
-    return ModelCard(id=route.model, created=int(min(w.started_at for w in route.workers)), kind=route.kind,
-                     queue=route.queue, workers=len(route.workers), slots_total=route.slots_total,
-                     slots_busy=route.slots_busy)
+    """A model as ``/v1/models`` lists it; one no worker has loaded (``unloaded``, from the catalog)
+    has no start time (``created`` 0) and no slots."""
+    return ModelCard(id=route.model, created=int(min((w.started_at for w in route.workers), default=0)),
+                     kind=route.kind, queue=route.queue, workers=len(route.workers), slots_total=route.slots_total,
+                     slots_busy=route.slots_busy, status=route.status, load_s=route.load_s)
 
 
 @router.get("/models")
@@ -65,8 +67,8 @@ async def get_model(model: str, request: Request) -> ModelCard:
     """One served model (404 for a model no live worker serves). ``:path``: names may hold a '/'."""
     route = (await gateway_of(request).router.routes()).get(model)
     if route is None:
-        raise ApiError(404, f"the model {model!r} does not exist or no live worker serves it", param="model",
-                       code="model_not_found")
+        raise ApiError(404, f"the model {model!r} does not exist or no live worker serves or can load it",
+                       param="model", code="model_not_found")
     return model_card(route)
 
 

@@ -72,7 +72,7 @@ class Gateway:
                                    "metadata", code="metadata_too_large")
         route = await self.router.route(model, job.kind)
         job = job.model_copy(update={"model": model})     # its worker checks it: never run by another model
-        served = {w.kind for w in route.workers}
+        served = {w.kind for w in route.workers} or {route.kind}
         if job.kind not in served:
             if job.kind == JobKind.RERANK:
                 raise ApiError.invalid(f"model {model!r} cannot rank: it serves {' and '.join(sorted(served))} jobs; "

@@ -456,9 +456,13 @@ class ModelCard(BaseModel):
     kind: JobKind = Field(description="generation (chat, completions), embedding (/v1/embeddings) or rerank "
                                       "(/v1/rerank)")
     queue: str
-    workers: int
+    workers: int = Field(description="live workers that have it loaded")
     slots_total: int
     slots_busy: int
+    status: Literal["loaded", "loading", "unloaded"] = Field(
+        "loaded", description="unloaded: no worker has it loaded; a request waits in its queue until one switches "
+                              "to it (about load_s)")
+    load_s: float | None = Field(None, description="what loading it cost a worker (seconds); None: not measured yet")
 
 
 class ModelList(BaseModel):

@@ -18,6 +18,10 @@ keeps them in one slot):
 ``slotq:dlq:reasons``             HASH    reason (the error code) -> dead letters kept with it
 ``slotq:worker:<worker id>``      HASH    a live worker's heartbeat, with a TTL (:mod:`slotq.jobs.protocol.registry`)
 ``slotq:workers``                 ZSET    worker id -> time of its last heartbeat (ms)
+``slotq:catalog``                 HASH    ``<model><TAB><worker id>`` -> what that worker can load, as JSON: the models
+                                          a fleet can serve, loaded or not (:mod:`slotq.jobs.protocol.catalog`)
+``slotq:catalog:loading:<model>`` STRING  the worker switching to load the model, with a TTL: one idle worker, not
+                                          all, answers a model's demand (:mod:`slotq.jobs.protocol.catalog`)
 ================================  ======  ===========================================================
 
 A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest priority first):
@@ -115,6 +119,7 @@ LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)
 JOB_FUNCTION = "generate"        # the one arq function name
 WORKER_INDEX = "slotq:workers"
+CATALOG = "slotq:catalog"
 
 
 CLUSTER_SLOTS = 16_384
@@ -171,6 +176,11 @@ def job_fences_key(job_id: str, *, clustered: bool = False) -> str:
 
 def worker_key(worker_id: str) -> str:
     return f"slotq:worker:{worker_id}"
+
+
+def loading_key(model: str) -> str:
+    """Which worker is switching to ``model`` (:mod:`slotq.jobs.protocol.catalog`)."""
+    return f"slotq:catalog:loading:{model}"
 
 
 # arq's keys of a job, from its arq id (:meth:`QueueKeys.arq_id`; the job id on a single Redis)

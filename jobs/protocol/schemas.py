@@ -309,6 +309,9 @@ class WorkerInfo(BaseModel):
     spec: str = Field("off", description="speculative decoding's draft source: off, ngram or draft")
     spec_draft_tokens: int = Field(0, description="draft tokens decoded for verification since the worker started")
     spec_accepted_tokens: int = Field(0, description="of those, the tokens verification kept")
+    load_s: float | None = Field(None, description="what loading its model cost (engine start + warm-up, seconds); "
+                                                   "None while it loads the first")
+    models: int = Field(1, description="models it can load (SLOTQ_MODELS / SLOTQ_MODELS_DIR); one loaded at a time")
 
     @computed_field  # type: ignore[prop-decorator]   # pydantic's documented use on a property
     @property
