@@ -144,6 +144,11 @@ class Runner:
         """The latest step's stats (built here, on the reader's thread, from the step's snapshot)."""
         return self._snapshot.stats()
 
+    @property
+    def snapshot(self) -> StatsSnapshot:
+        """The latest step's snapshot, not yet built into stats."""
+        return self._snapshot
+
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a request; raises EngineDead / EngineStopped unless the engine is running."""
         self.lifecycle.while_running(lambda: self._commands.put(prepared))

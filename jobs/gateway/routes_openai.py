@@ -19,8 +19,8 @@ from slotq.jobs.gateway.job_results import finished_result
 from slotq.jobs.gateway.records import JobRecord
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.service import Gateway
-from slotq.jobs.gateway.sse import ClientGone, open_stream, until_disconnected
-from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.gateway.sse import ClientGone, open_stream
+from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.openai.translate import (
     WireRequest,
     kind_of,
@@ -28,7 +28,6 @@ from slotq.jobs.openai.translate import (
     to_embeddings_response,
     to_job_request,
     to_response,
-    unfinished_error,
     wire_param,
 )
 from slotq.jobs.openai.wire import (
@@ -38,7 +37,7 @@ from slotq.jobs.openai.wire import (
     ModelCard,
     ModelList,
 )
-from slotq.jobs.producer.client import JobNotFound, SlotqClient
+from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobStatus
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
@@ -50,9 +49,11 @@ def gateway_of(request: Request) -> Gateway:
 
 
 def model_card(route: ModelRoute) -> ModelCard:
-    return ModelCard(id=route.model, created=int(min(w.started_at for w in route.workers)), kind=route.kind,
-                     queue=route.queue, workers=len(route.workers), slots_total=route.slots_total,
-                     slots_busy=route.slots_busy)
+    """A model as ``/v1/models`` lists it; one no worker has loaded (``unloaded``, from the catalog)
+    has no start time (``created`` 0) and no slots."""
+    return ModelCard(id=route.model, created=int(min((w.started_at for w in route.workers), default=0)),
+                     kind=route.kind, queue=route.queue, workers=len(route.workers), slots_total=route.slots_total,
+                     slots_busy=route.slots_busy, status=route.status, load_s=route.load_s)
 
 
 @router.get("/models")
@@ -66,8 +67,8 @@ async def get_model(model: str, request: Request) -> ModelCard:
     """One served model (404 for a model no live worker serves). ``:path``: names may hold a '/'."""
     route = (await gateway_of(request).router.routes()).get(model)
     if route is None:
-        raise ApiError(404, f"the model {model!r} does not exist or no live worker serves it", param="model",
-                       code="model_not_found")
+        raise ApiError(404, f"the model {model!r} does not exist or no live worker serves or can load it",
+                       param="model", code="model_not_found")
     return model_card(route)
 
 
@@ -88,21 +89,13 @@ async def embeddings(body: EmbeddingsRequest, request: Request, caller: CallerDe
     gateway = gateway_of(request)
     job = to_embedding_job(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
     handle, record = await gateway.submit(job, body.model, "embedding")
-    headers = {"X-Slotq-Job-Id": handle.id}
     try:
-        result = await until_disconnected(request, handle.result())
+        result = await finished_result(request, gateway, handle, deadline=None, owner_cancels=handle.created,
+                                       param=public_param)
     except ClientGone:
-        if handle.created:
-            gateway.client_left(handle.client, handle.id)
         return Response(status_code=499)
-    except JobNotFound:
-        raise ApiError.job_not_found(handle.id) from None
-    error = unfinished_error(result)
-    if error is not None:
-        error.headers |= headers
-        raise error
     return Response(to_embeddings_response(result, record.model, body.encoding_format).model_dump_json(),
-                    media_type="application/json", headers=headers)
+                    media_type="application/json", headers={"X-Slotq-Job-Id": handle.id})
 
 
 async def complete(request: Request, caller: Caller, body: WireRequest) -> Response:

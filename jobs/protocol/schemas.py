@@ -20,6 +20,7 @@ from slotq.jobs.protocol.wire import (
     FinishReason,
     FunctionCall,
     GenerationParams,
+    RerankParams,
     Timings,
     TokenLogprob,
     ToolCallDelta,
@@ -57,6 +58,7 @@ class JobKind(StrEnum):
 
     GENERATION = "generation"
     EMBEDDING = "embedding"
+    RERANK = "rerank"
 
 
 class JobFields(BaseModel):
@@ -134,7 +136,18 @@ class EmbeddingJobRequest(EmbeddingParams, JobFields):
                    for item in self.inputs)
 
 
-AnyJobRequest = JobRequest | EmbeddingJobRequest
+class RerankJobRequest(RerankParams, JobFields):
+    """A rerank job: one relevance score per document for its query, on a reranker's queue."""
+
+    kind: ClassVar[JobKind] = JobKind.RERANK
+
+    def quota_tokens(self) -> int:
+        """What the job reserves of its tenant's tokens per minute: the characters the model reads (the query
+        once per document) / QUOTA_CHARS_PER_TOKEN, as a generation job's prompt is counted."""
+        return -(-self.input_chars() // QUOTA_CHARS_PER_TOKEN)
+
+
+AnyJobRequest = JobRequest | EmbeddingJobRequest | RerankJobRequest
 
 
 def decode_vector(encoded: str) -> list[float]:
@@ -204,6 +217,15 @@ class JobResult(BaseModel):
         default_factory=list, description="embedding jobs: one vector per input, in input order, each little-endian "
                                           "float32 in base64 (OpenAI's encoding_format=base64); vectors() decodes them")
     dimensions: int | None = Field(None, description="embedding jobs: the length of each vector")
+    scores: list[float] = Field(
+        default_factory=list, description="rerank jobs: one relevance score per document, in document order (the "
+                                          "model's raw output: higher is more relevant); ranked() orders them")
+
+    def ranked(self, top_n: int | None = None) -> list[int]:
+        """A rerank job's document indices, most relevant first (ties keep document order), the first
+        ``top_n`` of them (all when None)."""
+        order = sorted(range(len(self.scores)), key=lambda i: -self.scores[i])
+        return order if top_n is None else order[:top_n]
 
     def vectors(self) -> list[list[float]]:
         """An embedding job's vectors as floats, one per input."""
@@ -287,6 +309,9 @@ class WorkerInfo(BaseModel):
     spec: str = Field("off", description="speculative decoding's draft source: off, ngram or draft")
     spec_draft_tokens: int = Field(0, description="draft tokens decoded for verification since the worker started")
     spec_accepted_tokens: int = Field(0, description="of those, the tokens verification kept")
+    load_s: float | None = Field(None, description="what loading its model cost (engine start + warm-up, seconds); "
+                                                   "None while it loads the first")
+    models: int = Field(1, description="models it can load (SLOTQ_MODELS / SLOTQ_MODELS_DIR); one loaded at a time")
 
     @computed_field  # type: ignore[prop-decorator]   # pydantic's documented use on a property
     @property

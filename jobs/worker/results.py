@@ -71,8 +71,8 @@ def failed(error: ErrorInfo | None, about: Attribution, usage: Usage | None = No
                      usage=usage or Usage(), **about.fields())
 
 
-def embedded(about: Attribution, *, status: JobStatus, finish_reason: FinishReason, usage: Usage) -> JobResult:
-    """The result of an embedding job, before its vectors are added."""
+def pooled(about: Attribution, *, status: JobStatus, finish_reason: FinishReason, usage: Usage) -> JobResult:
+    """The result of an embedding or rerank job, before its vectors or scores are added."""
     return JobResult(status=status, finish_reason=finish_reason, usage=usage, **about.fields())
 
 

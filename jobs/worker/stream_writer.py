@@ -81,27 +81,29 @@ DETERMINISTIC_TRIES = 4
 class FlushPolicy:
     """When the pending entries are worth a flush.
 
-    A flush costs Redis a fixed handful of commands per script call (the call, the flush mark, a
-    reader's read) plus one XADD per entry; on a Redis Cluster it is one call per stream bucket it
-    touches. Sent per decode step, with one token per job, that is more commands than tokens. So a
-    flush waits until its tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS x calls
-    + entries`` -- or until its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
+    A flush costs Redis a fixed handful of commands per stream bucket it touches (the flush mark,
+    the fences, the call or, in a node's call, the bucket's check; a reader's read) plus one XADD per
+    entry; a single Redis has one bucket, a Redis Cluster up to
+    :data:`~slotq.jobs.protocol.keys.STREAM_BUCKETS` (each node's in one script call). Sent per
+    decode step, with one token per job, that is more commands than tokens. So a flush waits until
+    its tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS x buckets + entries`` --
+    or until its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
     flush every few tokens, many slow ones every step or two, and no text waits longer than
     ``max_delay_s``. A job's first entry, a final entry and errors go at once: time to first
     token and to the result are never delayed.
     """
 
     max_delay_s: float
-    FIXED_COMMANDS = 5      # per call: EVALSHA, GET + SET of the flush mark, the fences; one reader's XREAD
+    FIXED_COMMANDS = 5      # per bucket: GET + SET of the flush mark, the fences, EVALSHA or EXISTS; a reader's XREAD
 
     @classmethod
-    def pays(cls, *, tokens: int, entries: int, calls: int) -> bool:
-        """Whether ``tokens`` pay for a flush of ``entries`` in ``calls`` script calls."""
-        return tokens >= cls.FIXED_COMMANDS * calls + entries
+    def pays(cls, *, tokens: int, entries: int, buckets: int) -> bool:
+        """Whether ``tokens`` pay for a flush of ``entries`` in ``buckets`` stream buckets."""
+        return tokens >= cls.FIXED_COMMANDS * buckets + entries
 
-    def due_in(self, *, waited_s: float, tokens: int, entries: int, calls: int, urgent: bool) -> float:
+    def due_in(self, *, waited_s: float, tokens: int, entries: int, buckets: int, urgent: bool) -> float:
         """Seconds until the pending entries should be flushed (0 = now)."""
-        if urgent or self.pays(tokens=tokens, entries=entries, calls=calls):
+        if urgent or self.pays(tokens=tokens, entries=entries, buckets=buckets):
             return 0.0
         return max(0.0, self.max_delay_s - waited_s)
 
@@ -112,7 +114,7 @@ class StreamWriter:
     When a flush goes out is :class:`FlushPolicy`'s call (at the latest ``flush_ms`` after the
     oldest waiting entry; at once for a job's first entry, final entries and errors). The script
     checks each job's fence, appends its entries and touches a stream's expiry only on its first
-    and its final write (on a Redis Cluster, one script per slot, sent together).
+    and its final write (on a Redis Cluster, one script per node, sent together).
 
     If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are written,
     in order, once it is back; generation does not stop for a Redis blip. A flush that was sent is
@@ -140,7 +142,7 @@ class StreamWriter:
         self._flush_numbers = itertools.count()
         self._leases: dict[str, str] = {}              # job id -> the lease its new entries are written under
         self._pending: dict[str, _JobBatch] = {}       # not yet sent
-        # on a cluster: stream bucket -> pending jobs in it (a flush is one script call per bucket)
+        # on a cluster: stream bucket -> pending jobs in it (what a flush costs grows with the buckets)
         self._buckets: Counter[int] | None = Counter() if is_cluster(redis) else None
         self._inflight: _Flush | None = None           # sent, not yet acknowledged
         self._started: set[str] = set()                # jobs this writer has written to (expiry set)
@@ -243,8 +245,8 @@ class StreamWriter:
         self._urgent = True                    # a final entry or an error: the reader is waiting for it
         self._added()
 
-    def _calls(self) -> int:
-        """The script calls a flush of the pending entries takes."""
+    def _buckets_touched(self) -> int:
+        """The stream buckets a flush of the pending entries touches."""
         return len(self._buckets) if self._buckets is not None else 1
 
     def _batch(self, job_id: str) -> _JobBatch:
@@ -265,7 +267,8 @@ class StreamWriter:
         if self._since is None:
             self._since = time.monotonic()
             self._wake.set()
-        elif self._urgent or FlushPolicy.pays(tokens=self._tokens, entries=self._entries, calls=self._calls()):
+        elif self._urgent or FlushPolicy.pays(tokens=self._tokens, entries=self._entries,
+                                              buckets=self._buckets_touched()):
             self._wake.set()
 
     def drop(self, job_id: str) -> None:
@@ -396,7 +399,7 @@ class StreamWriter:
                 continue
             else:
                 delay = self.policy.due_in(waited_s=time.monotonic() - (self._since or time.monotonic()),
-                                           tokens=self._tokens, entries=self._entries, calls=self._calls(),
+                                           tokens=self._tokens, entries=self._entries, buckets=self._buckets_touched(),
                                            urgent=self._urgent or self._inflight is not None)
                 if delay > 0:
                     self._wake.clear()

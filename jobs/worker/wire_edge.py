@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from slotq.engine import Finished, GenerationRequest
 from slotq.engine import TokenLogprob as EngineTokenLogprob
 from slotq.engine.reply_parser import ToolCallDelta as EngineToolCallDelta
-from slotq.engine.request import EmbeddingRequest
-from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest
+from slotq.engine.request import EmbeddingRequest, RerankRequest
+from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest, RerankJobRequest
 from slotq.jobs.protocol.wire import (
     EmbeddingParams,
     ErrorInfo,
     FinishReason,
     GenerationParams,
+    RerankParams,
     Timings,
     TokenLogprob,
     ToolCallDelta,
@@ -58,6 +59,11 @@ def to_engine_request(job: JobRequest, *, request_id: str, max_tokens: int, prio
 def to_engine_embedding_request(job: EmbeddingJobRequest, *, request_id: str) -> EmbeddingRequest:
     """The engine request that runs an embedding job (its embedding fields only)."""
     return EmbeddingRequest(id=request_id, **job.model_dump(include=set(EmbeddingParams.model_fields)))
+
+
+def to_engine_rerank_request(job: RerankJobRequest, *, request_id: str) -> RerankRequest:
+    """The engine request that runs a rerank job (its query and documents only)."""
+    return RerankRequest(id=request_id, **job.model_dump(include=set(RerankParams.model_fields)))
 
 
 def from_engine_finished(event: Finished) -> Done:

@@ -61,8 +61,9 @@ PAIRS: list[tuple[type[Any], type[Any]]] = [
     (wire.SamplingParams, engine_request.SamplingParams),
     (wire.GenerationParams, engine_request.GenerationParams),
     (wire.EmbeddingParams, engine_request.EmbeddingParams),
+    (wire.RerankParams, engine_request.RerankParams),
 ]
-CONSTANTS = ["TOOL_NAME_PATTERN", "MAX_TOOLS", "MAX_TOP_LOGPROBS", "MAX_EMBEDDING_INPUTS"]
+CONSTANTS = ["TOOL_NAME_PATTERN", "MAX_TOOLS", "MAX_TOP_LOGPROBS", "MAX_EMBEDDING_INPUTS", "MAX_RERANK_DOCUMENTS"]
 
 
 # ---------------------------------------------------------------------- the two statements agree
