@@ -398,11 +398,15 @@ async def test_reasoning_tokens_are_the_think_blocks(tiny_model_path: Path) -> N
         events = [ev async for ev in engine.submit(request)]
         tokens = [t for ev in events if isinstance(ev, TextDelta) for t in ev.token_ids]
         written = [engine.model.token_bytes(t) for t in tokens]
-    [fin] = [ev for ev in events if isinstance(ev, Finished)]
-    closed_at = next(n for n in range(1, len(written) + 1) if b"</think>" in b"".join(written[:n]))
-    assert len("".join(ev.reasoning for ev in events if isinstance(ev, TextDelta))) == 3
-    assert "".join(ev.text for ev in events if isinstance(ev, TextDelta)) == "ok"
-    assert fin.usage.reasoning_tokens == closed_at < fin.usage.completion_tokens
+        [fin] = [ev for ev in events if isinstance(ev, Finished)]
+        closed_at = next(n for n in range(1, len(written) + 1) if b"</think>" in b"".join(written[:n]))
+        assert len("".join(ev.reasoning for ev in events if isinstance(ev, TextDelta))) == 3
+        assert "".join(ev.text for ev in events if isinstance(ev, TextDelta)) == "ok"
+        assert fin.usage.reasoning_tokens == closed_at < fin.usage.completion_tokens
+        for delivered in (3, closed_at + 1):       # a resumed attempt counts the replayed tokens alike
+            resumed = request.model_copy(update={"resume_tokens": tokens[:delivered]})
+            [again] = [ev async for ev in engine.submit(resumed) if isinstance(ev, Finished)]
+            assert again.usage.reasoning_tokens == closed_at, delivered
 
 
 async def test_simultaneous_requests_share_a_prefix_still_being_prefilled(tiny_model_path: Path) -> None:
