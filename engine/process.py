@@ -104,16 +104,18 @@ def encode_event(event: Event) -> list[Any] | dict[str, Any]:
         return event.model_dump(mode="json")
     return [event.choice, event.text, event.reasoning, event.token_ids, event.n_tokens,
             [[c.index, c.id, c.name, c.arguments] for c in event.tool_calls] if event.tool_calls else None,
-            [lp.model_dump(mode="json") for lp in event.logprobs] if event.logprobs is not None else None]
+            [lp.model_dump(mode="json") for lp in event.logprobs] if event.logprobs is not None else None,
+            event.prompt_tokens, event.cached_prompt_tokens]
 
 
 def decode_event(request_id: str, data: list[Any] | dict[str, Any]) -> Event:
     if isinstance(data, dict):
         return Finished.model_validate(data)
-    choice, text, reasoning, token_ids, n_tokens, calls, logprobs = data
+    choice, text, reasoning, token_ids, n_tokens, calls, logprobs, prompt_tokens, cached_prompt_tokens = data
     return TextDelta(request_id=request_id, choice=choice, text=text, reasoning=reasoning, token_ids=token_ids,
                      n_tokens=n_tokens, tool_calls=[ToolCallDelta(*c) for c in calls] if calls else [],
-                     logprobs=[TokenLogprob.model_validate(lp) for lp in logprobs] if logprobs is not None else None)
+                     logprobs=[TokenLogprob.model_validate(lp) for lp in logprobs] if logprobs is not None else None,
+                     prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_prompt_tokens)
 
 
 def _error_fields(exc: EngineError) -> list[Any]:

@@ -5,6 +5,7 @@ clean signal. A real child process (spawn) on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -37,12 +38,15 @@ def test_events_cross_the_boundary_unchanged() -> None:
     lp = TokenLogprob(id=5, token="a", token_bytes=[97], logprob=-0.5,
                       top=[TopLogprob(id=5, token="a", token_bytes=[97], logprob=-0.5)])
     delta = TextDelta(request_id="r", choice=1, text="hi", reasoning="hm", token_ids=[5, 6], n_tokens=9,
-                      tool_calls=[ToolCallDelta(index=0, id="call_1", name="f", arguments='{"x"')], logprobs=[lp])
+                      tool_calls=[ToolCallDelta(index=0, id="call_1", name="f", arguments='{"x"')], logprobs=[lp],
+                      prompt_tokens=12, cached_prompt_tokens=4)
     plain = TextDelta(request_id="r", text="x", token_ids=[7], n_tokens=1)
-    done = Finished.model_validate({"request_id": "r", "finish_reason": "stop", "usage": {"prompt_tokens": 3},
-                                    "timings": {"ttft_ms": 1.5}})
+    done = Finished.model_validate({"request_id": "r", "finish_reason": "stop", "stop_sequence": "END",
+                                    "usage": {"prompt_tokens": 3, "reasoning_tokens": 2}, "timings": {"ttft_ms": 1.5}})
     for event in (delta, plain, done):
         assert decode_event("r", encode_event(event)) == event
+    # every field of a delta but its request id crosses: one added to TextDelta needs its place in the array
+    assert len(encode_event(plain)) == len(dataclasses.fields(TextDelta)) - 1
 
 
 async def test_generates_what_the_engine_generates_in_process(tiny_model_path: Path) -> None:
