@@ -244,10 +244,12 @@ def test_a_job_reaches_the_engine_as_it_was_enqueued(body: dict[str, Any], max_t
                                 lent_reserve=lent_reserve, resume_tokens=resume)
     assert (request.id, request.max_tokens, request.priority_class, request.lent_reserve, request.resume_tokens) == \
            ("j", max_tokens, priority_class, lent_reserve, resume)
+    # Compared as values, not JSON text: a -0.0 penalty equal to its 0.0 default is left out of the
+    # payload and comes back as 0.0, the same value (Hypothesis found it).
     fields = set(wire.GenerationParams.model_fields) - {"max_tokens"}
-    assert request.model_dump_json(include=fields) == job.model_dump_json(include=fields)
+    assert request.model_dump(mode="json", include=fields) == job.model_dump(mode="json", include=fields)
     back = wire.GenerationParams.model_validate(request.model_dump(include=set(wire.GenerationParams.model_fields)))
-    assert back.model_dump_json(exclude={"max_tokens"}) == job.model_dump_json(include=fields)
+    assert back.model_dump(mode="json", exclude={"max_tokens"}) == job.model_dump(mode="json", include=fields)
 
 
 @given(st.lists(TEXT.filter(bool), min_size=1, max_size=4) | st.lists(st.lists(st.integers(0, 2**31), min_size=1,
