@@ -17,7 +17,7 @@ Each worker's figure is also given over the in-process engine's. Wall time on a 
 noisy, so each system's CPU time per 1,000 generated tokens is measured too (``/proc``): of its
 main thread, where the event loop runs (the job layer, Redis, the engine's deliveries), and of its
 whole process (the engine thread and llama.cpp's threads besides; a worker's engine process too). Writes
-``bench/results/worker_ab.md`` and ``.json`` unless ``--quick``.
+``bench/results/worker_ab.md`` and ``.json`` (``--results NAME``: ``NAME.md``) unless ``--quick``.
 """
 
 from __future__ import annotations
@@ -245,8 +245,9 @@ def report(args: argparse.Namespace, data: dict[str, Any], tables: list[str]) ->
     print(text, flush=True)
     if not args.quick:
         command = f"python -m bench.worker_ab --before {args.before} --workloads {','.join(args.workloads)}" + "".join(
-            f" --after-env {name}={value}" for name, value in AFTER_ENV.items())
-        write_results("worker_ab", data, text, command)
+            f" --after-env {name}={value}" for name, value in AFTER_ENV.items()) + (
+            f" --results {args.results}" if args.results != "worker_ab" else "")
+        write_results(args.results, data, text, command)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -283,6 +284,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--after-env", action="append", default=[], metavar="SLOTQ_NAME=VALUE",
                         help="a setting of the after worker only (repeatable): with --before HEAD, a setting on / off")
+    parser.add_argument("--results", default="worker_ab", help="the name of the files written in bench/results")
     parser.add_argument("--quick", action="store_true", help="do not write bench/results")
     arguments = parser.parse_args()
     AFTER_ENV.update(item.split("=", 1) for item in arguments.after_env)

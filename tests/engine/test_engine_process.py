@@ -93,9 +93,8 @@ async def test_a_killed_child_ends_every_request_with_engine_dead(tiny_model_pat
     process = await start_process(tiny_model_path, slots=2, ctx=4096)
     try:
         watcher = asyncio.create_task(process.wait_failed())
-        handles = [await process.submit_async(greedy(f"doomed {i}", 4000)) for i in range(3)]   # one waits
-        first = await anext(aiter(handles[0]))
-        assert isinstance(first, TextDelta)
+        handles = [aiter(await process.submit_async(greedy(f"doomed {i}", 4000))) for i in range(3)]   # one waits
+        assert isinstance(await anext(handles[0]), TextDelta)
         assert process.pid is not None
         os.kill(process.pid, signal.SIGKILL)
         failure = await asyncio.wait_for(watcher, 10)
@@ -124,8 +123,8 @@ async def test_the_child_exits_when_its_parent_goes_away(tiny_model_path: Path) 
     process = await start_process(tiny_model_path, slots=2, ctx=4096)
     pid = process.pid
     assert pid is not None
-    handle = await process.submit_async(greedy("orphaned", 4000))
-    await anext(aiter(handle))
+    events = aiter(await process.submit_async(greedy("orphaned", 4000)))
+    await anext(events)
     process._writer.transport.abort()       # what the kernel does to a killed parent's socket
     deadline = time.monotonic() + 20
     while _alive(pid) and time.monotonic() < deadline:

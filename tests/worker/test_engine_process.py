@@ -1,6 +1,7 @@
 """A worker with its engine in a process of its own (``SLOTQ_ENGINE_PROCESS=true``): jobs through Redis
-stream what their results say, a cancel reaches the engine process, and an engine process killed
-with SIGKILL ends its worker with code 70 while another worker finishes the jobs, nothing lost."""
+stream what their results say, a cancel reaches the engine process, an engine process killed
+with SIGKILL ends its worker with code 70 while another worker finishes the jobs, nothing lost, and
+the engine process of a killed worker exits."""
 
 from __future__ import annotations
 
@@ -101,3 +102,26 @@ async def test_a_killed_engine_process_ends_the_worker_with_70_and_loses_no_job(
         assert info.queued == info.running == info.deferred == 0 and info.dead_letters == 0
     finally:
         fleet.stop_all()
+
+
+@pytest.mark.fault
+async def test_the_engine_process_of_a_killed_worker_exits(fclient, fsync_redis, tiny_model_path, tmp_path):
+    """SIGKILL of the worker: its engine process sees its socket close and exits, holding no model."""
+    fleet = Fleet(fclient, worker_env(fsync_redis.url, tiny_model_path), tmp_path)
+    worker = fleet.spawn("killed", engine_process="true")
+    try:
+        await fleet.wait_ready("killed")
+        engine_pid = _engine_process_of(worker.proc.pid)
+        fleet.kill("killed")
+        async with asyncio.timeout(20):
+            while Path(f"/proc/{engine_pid}").exists() and _state(engine_pid) != "Z":
+                await asyncio.sleep(0.05)
+    finally:
+        fleet.stop_all()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
