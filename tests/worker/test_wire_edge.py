@@ -59,10 +59,12 @@ PAIRS: list[tuple[type[Any], type[Any]]] = [
     (wire.FunctionName, engine_request.FunctionName),
     (wire.NamedToolChoice, engine_request.NamedToolChoice),
     (wire.SamplingParams, engine_request.SamplingParams),
+    (wire.LoraRef, engine_request.LoraRef),
     (wire.GenerationParams, engine_request.GenerationParams),
     (wire.EmbeddingParams, engine_request.EmbeddingParams),
 ]
-CONSTANTS = ["TOOL_NAME_PATTERN", "MAX_TOOLS", "MAX_TOP_LOGPROBS", "MAX_EMBEDDING_INPUTS"]
+CONSTANTS = ["TOOL_NAME_PATTERN", "MAX_TOOLS", "MAX_TOP_LOGPROBS", "MAX_EMBEDDING_INPUTS", "LORA_NAME_PATTERN",
+             "MAX_LORA_SCALE", "MAX_LORA_ADAPTERS"]
 
 
 # ---------------------------------------------------------------------- the two statements agree
