@@ -100,6 +100,9 @@ class _Generation(BaseModel):
     ignore_eos: StrictBool | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    lora: list[dict[str, Any]] | None = Field(
+        None, description='LoRA adapters: [{"id": 0 or "name", "scale": 0.5}] (scale: the adapter\'s configured one '
+                          "when left out); or name the model base:adapter")
     # slotq's own
     lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
     priority: int | None = None
@@ -416,6 +419,10 @@ class ModelCard(BaseModel):
     workers: int
     slots_total: int
     slots_busy: int
+    adapters: list[str] = Field(default_factory=list,
+                                description="LoRA adapters every worker loaded, in id order: ask for one as model "
+                                            "base:adapter or in the lora field")
+    parent: str | None = Field(None, description="a LoRA adapter's card (id base:adapter): its base model")
 
 
 class ModelList(BaseModel):

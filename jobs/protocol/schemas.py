@@ -280,6 +280,14 @@ class WorkerInfo(BaseModel):
     spec: str = Field("off", description="speculative decoding's draft source: off, ngram or draft")
     spec_draft_tokens: int = Field(0, description="draft tokens decoded for verification since the worker started")
     spec_accepted_tokens: int = Field(0, description="of those, the tokens verification kept")
+    adapters: list[str] = Field(default_factory=list,
+                                description="the LoRA adapters it loaded (SLOTQ_LORA), in index order")
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _names_from_hash(cls, value: Any) -> Any:
+        """The registry's hash holds the names comma-separated (a name has no comma: LORA_NAME_PATTERN)."""
+        return [name for name in value.split(",") if name] if isinstance(value, str) else value
 
     @computed_field  # type: ignore[prop-decorator]   # pydantic's documented use on a property
     @property

@@ -384,6 +384,7 @@ class SlotqWorker:
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
             "id": self.id, "queue": self.settings.queue_name, "model": self.served.name, "kind": self.served.kind,
             "ctx": self.engine.ctx_per_seq, **engine_heartbeat_fields(stats),
+            "adapters": [spec.name for spec in self.engine.config.lora_adapters],
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
             **(self.elastic.heartbeat_fields() if self.elastic else {})}), interval_s=self.settings.lock_ttl_s / 3)
