@@ -312,6 +312,14 @@ class WorkerInfo(BaseModel):
     load_s: float | None = Field(None, description="what loading its model cost (engine start + warm-up, seconds); "
                                                    "None while it loads the first")
     models: int = Field(1, description="models it can load (SLOTQ_MODELS / SLOTQ_MODELS_DIR); one loaded at a time")
+    adapters: list[str] = Field(default_factory=list,
+                                description="the LoRA adapters it loaded (SLOTQ_LORA), in index order")
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _names_from_hash(cls, value: Any) -> Any:
+        """The registry's hash holds the names comma-separated (a name has no comma: LORA_NAME_PATTERN)."""
+        return [name for name in value.split(",") if name] if isinstance(value, str) else value
 
     @computed_field  # type: ignore[prop-decorator]   # pydantic's documented use on a property
     @property
