@@ -18,7 +18,15 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
 from slotq.jobs.errors import RedisUnavailable
-from slotq.jobs.protocol.connection import connect, is_cluster, parse_cluster_url, redacted, redis_settings, subscriber
+from slotq.jobs.protocol.connection import (
+    connect,
+    is_cluster,
+    node_client,
+    parse_cluster_url,
+    redacted,
+    redis_settings,
+    subscriber,
+)
 from slotq.jobs.redis_cluster import HASH_SLOTS, LocalValkeyCluster, distinct_free_ports
 from tests.support.redis_ha import TlsProxy, make_ca_and_server_cert
 
@@ -228,5 +236,31 @@ async def test_a_worker_waits_out_a_primarys_failover(cluster_with_replicas: Loc
             assert await pipe.execute() == [1, 2, 1]
         await asyncio.to_thread(cluster_with_replicas.wait_for_failover)
         assert [node.role for node in cluster_with_replicas.nodes()].count("primary") == SHARDS
+    finally:
+        await redis.aclose()
+
+
+async def test_readers_of_several_streams_look_up_their_new_primary_at_once(
+        cluster_with_replicas: LocalValkeyCluster) -> None:
+    """After a primary's failover, the stream readers of its slots each read the slot map again
+    (``node_client(fresh_map=True)``), at once, while a command meets the dead node. Each read walks
+    the client's startup nodes, the dead one first. They used to read it side by side, outside the
+    client's lock: the first to finish removed the dead node from the startup nodes while the others
+    were still walking them, and redis-py 5 raised "dictionary changed size during iteration" out of
+    their followers (the chaos run on a cluster, test_chaos.py, ended streams that way). Now they
+    share one read under the lock, and every lookup finds the promoted replica."""
+    redis: Redis = await connect(cluster_with_replicas.url, patient=False, connect_timeout_s=10)
+    try:
+        keys = key_per_shard(cluster_with_replicas, "lookup")
+        await redis.set(keys[0], "kept")                             # the map, with shard 0's primary first
+        killed = cluster_with_replicas.kill_primary(0)
+        await asyncio.to_thread(cluster_with_replicas.wait_for_failover)
+        clients = await asyncio.gather(*(node_client(redis, keys[0], fresh_map=True) for _ in range(8)),
+                                       redis.get(keys[0]))
+        assert clients[-1] == b"kept"
+        for client in clients[:-1]:
+            assert client.connection_pool.connection_kwargs["port"] != killed
+            assert await client.get(keys[0]) == b"kept"
+            await client.aclose()
     finally:
         await redis.aclose()
