@@ -545,6 +545,17 @@ class _Cluster(RedisCluster):
                     startup[node.name] = ClusterNode(node.host, node.port, **self.connection_kwargs)
         return await super().initialize()
 
+    def get_default_node(self) -> ClusterNode:
+        """redis-py's default node, or a connection error while there is none: a command that failed on a
+        node drops the slot map, default node included, until the next read. A cluster pipeline whose batch
+        to one node failed meanwhile (its connections are closed with the map) looks the default node up
+        to replace it, and met None there: an AttributeError that no retry caught failed a worker's stream
+        flush, and with it its job, after a network cut. As a connection error the pipeline is retried."""
+        node = super().get_default_node()
+        if node is None:
+            raise RedisConnectionError("the cluster's slot map was dropped after a connection error")
+        return node
+
     async def read_slot_map(self) -> None:
         """Read the slot map again now (a node of it failed: a stream reader looks up the node that serves
         its bucket now), as the next command would after a connection error: from the URL's nodes too, and
