@@ -117,5 +117,6 @@ async def claim_load(redis: Redis, model: str, worker: str) -> bool:
 
 
 async def release_load(redis: Redis, model: str) -> None:
-    """The switch to ``model`` ended (loaded, or failed): its worker is counted by its heartbeat now."""
+    """The switch to ``model`` failed, or its worker's heartbeat now advertises the model (and other
+    workers count it from there): the mark goes."""
     await redis.delete(loading_key(model))

@@ -226,3 +226,19 @@ async def test_a_model_that_fails_to_load_is_dropped_and_the_worker_goes_back(
         while set(await catalog.read(client.redis, now=time.time())) != {"first"}:
             await asyncio.sleep(0.05)
     assert await client.redis.hexists(client.for_queue("slotq:queue:broken").queue.keys.jobs, stranded.id)
+
+
+async def test_of_two_idle_workers_one_answers_a_models_demand(start_worker, client: SlotqClient,
+                                                               tiny_model_path: Path, second_model: Path) -> None:
+    """Two workers of the same two models, both idle on the first: jobs for the second bring exactly one of
+    them to it (the loading mark, then its heartbeat, tell the other it is served); the first keeps a worker."""
+    models = f"first={tiny_model_path},second={second_model}"
+    workers = [await start_worker(model=None, models=models, model_idle_s=0.1, worker_name=f"fleet-{i}")
+               for i in range(2)]
+    queue = client.for_queue("slotq:queue:second")
+    handles = [await queue.enqueue(job_request(f"job {i}", max_tokens=4, model="second")) for i in range(6)]
+    for handle in handles:
+        assert (await queue.result(handle.id, timeout=60)).model == "second"
+    await asyncio.sleep(1)                    # time enough for a second switch, were there one
+    assert sorted(w.served.name for w in workers if w.served is not None) == ["first", "second"]
+    assert sum(w.last_switch is not None for w in workers) == 1
