@@ -1,7 +1,6 @@
-"""Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
-logprobs|embeddings|spec|step-costs|on-demand``).
-Each measures its variants side by side in one run, prints a table with
-ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
+"""Benchmarks (``slotq bench api-shapes|engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
+logprobs|embeddings|rerank|spec|step-costs|on-demand``). Each measures its variants side by side in one run,
+prints a table with ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
 ``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
@@ -27,6 +26,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
     """Run benchmark ``which``; ``options`` are its own keyword arguments (``slotq bench spec``'s
     ``concurrency``, ``rounds``, ``draft_model``; ``slotq bench fleet``'s ``cluster``)."""
     from bench import (
+        api_shapes,
         bulk_bench,
         constraints_bench,
         embeddings_bench,
@@ -40,11 +40,13 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         peers_bench,
         prefix_bench,
         queue_bench,
+        rerank_bench,
         spec_bench,
         step_costs_bench,
     )
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
+        "api-shapes": api_shapes.run,
         "engine": engine_bench.run,
         "queue": queue_bench.run,
         "prefix": prefix_bench.run,
@@ -57,6 +59,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         "constraints": constraints_bench.run,
         "logprobs": logprobs_bench.run,
         "embeddings": embeddings_bench.run,
+        "rerank": rerank_bench.run,
         "spec": spec_bench.run,
         "step-costs": step_costs_bench.run,
         "on-demand": on_demand_bench.run,

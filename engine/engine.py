@@ -36,7 +36,7 @@ from slotq.engine.sampling import SamplerChain, build_chain
 from slotq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerLimits
 from slotq.engine.speculation import Drafter, DraftPlanner, NgramDrafter, StepCost
 from slotq.engine.state import EngineState, Lifecycle
-from slotq.engine.stats import EngineStats
+from slotq.engine.stats import EngineStats, StatsSnapshot
 from slotq.engine.tools import LazyCall, plan_tools, reply_setup, template_messages
 
 CALIBRATION_TOKENS = 64
@@ -360,6 +360,11 @@ class Engine:
         It includes every event already delivered to you."""
         snapshot = self._runner.stats
         return snapshot.model_copy(update={"finished": dict(snapshot.finished)})
+
+    def stats_snapshot(self) -> StatsSnapshot:
+        """The latest step's raw snapshot, published by the engine thread with the step's events
+        (an engine process sends its values to its owner with each step: ``slotq.engine.process``)."""
+        return self._runner.snapshot
 
     async def close(self) -> None:
         """Stop the engine thread (requests still running end with the retryable

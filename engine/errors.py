@@ -27,6 +27,13 @@ class InvalidRequest(EngineError):
     retryable = False
 
 
+class ModelCannotRank(InvalidRequest):
+    """A rerank request (or a rerank engine) for a model that gives no relevance score: its GGUF has no
+    rank pooling (``<arch>.pooling_type`` = rank, a cross-encoder's classification head)."""
+
+    code = "model_cannot_rank"
+
+
 class PromptTooLong(InvalidRequest):
     code = "prompt_too_long"
 

@@ -250,6 +250,17 @@ class LlamaModel:
             tokens.append(self.eos_token)
         return tokens
 
+    def added_specials(self) -> tuple[int | None, int | None, int | None]:
+        """The BOS, EOS and SEP tokens the vocabulary asks to add around a text (``add_bos_token``,
+        ``add_eos_token``, ``add_sep_token``), each None when not asked; a vocabulary with no EOS ends with
+        its SEP instead, as llama-server's rerank prompt does."""
+        eos = self.eos_token
+        if eos == llama_cpp.LLAMA_TOKEN_NULL:
+            eos = int(llama_cpp.llama_vocab_sep(self.vocab))
+        return (self.bos_token if llama_cpp.llama_vocab_get_add_bos(self.vocab) else None,
+                eos if llama_cpp.llama_vocab_get_add_eos(self.vocab) else None,
+                int(llama_cpp.llama_vocab_sep(self.vocab)) if llama_cpp.llama_vocab_get_add_sep(self.vocab) else None)
+
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
@@ -275,8 +286,10 @@ class LlamaModel:
             llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
 
-    def chat_template(self) -> str | None:
-        raw = llama_cpp.llama_model_chat_template(self._model, None)
+    def chat_template(self, name: str | None = None) -> str | None:
+        """The GGUF's default chat template, or the one called ``name`` (``tokenizer.chat_template.<name>``,
+        e.g. a reranker's ``rerank`` prompt); None when it has none."""
+        raw = llama_cpp.llama_model_chat_template(self._model, name.encode() if name is not None else None)
         return raw.decode("utf-8", errors="replace") if raw else None
 
     # ------------------------------------------------------------ context (engine thread only)
@@ -333,8 +346,16 @@ class LlamaModel:
 
     @property
     def n_embd_out(self) -> int:
-        """Width of the vectors :meth:`sequence_embedding` returns."""
+        """Width of the model's output vectors: an embedding's dimensions."""
         return int(llama_cpp.llama_model_n_embd_out(self._model))
+
+    @property
+    def n_pooled_out(self) -> int:
+        """Floats per sequence that :meth:`sequence_embedding` returns: a vector of :attr:`n_embd_out`, or under
+        rank pooling the classifier's outputs (``n_cls_out``: one relevance score for a reranker)."""
+        if self.pooling_type == llama_cpp.LLAMA_POOLING_TYPE_RANK:
+            return int(llama_cpp.llama_model_n_cls_out(self._model))
+        return self.n_embd_out
 
     @property
     def pooling_type(self) -> int:
@@ -342,12 +363,13 @@ class LlamaModel:
         return int(llama_cpp.llama_pooling_type(self._ctx))
 
     def sequence_embedding(self, seq_id: int) -> np.ndarray:
-        """The pooled embedding of ``seq_id`` after the last decode (a copy: llama.cpp reuses the buffer)."""
+        """The pooled output of ``seq_id`` after the last decode, :attr:`n_pooled_out` floats (a copy: llama.cpp
+        reuses the buffer)."""
         pointer = llama_cpp.llama_get_embeddings_seq(self._ctx, seq_id)
         if not pointer:
             raise RuntimeError(f"llama.cpp has no pooled embedding for sequence {seq_id} (pooling type "
                                f"{self.pooling_type})")
-        return np.ctypeslib.as_array(pointer, shape=(self.n_embd_out,)).copy()
+        return np.ctypeslib.as_array(pointer, shape=(self.n_pooled_out,)).copy()
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -279,3 +279,25 @@ class EmbeddingParams(BaseModel):
 
 class EmbeddingRequest(EmbeddingParams):
     id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+
+
+MAX_RERANK_DOCUMENTS = 1000     # per request, as Cohere's rerank API allows
+
+
+class RerankParams(BaseModel):
+    """What to rank: documents scored for their relevance to one query, as llama-server's ``/v1/rerank``
+    takes them. Shared by the engine's request and the job layer's, so both validate alike."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(description="the text every document is scored against")
+    documents: list[str] = Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS,
+                                 description="texts to score; one relevance score each, in order")
+
+    def input_chars(self) -> int:
+        """Characters the model reads: the query once per document, and the documents."""
+        return len(self.query) * len(self.documents) + sum(len(d) for d in self.documents)
+
+
+class RerankRequest(RerankParams):
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)

@@ -144,9 +144,13 @@ class SchedulerLimits:
         return cls(config.n_slots, config.n_batch, config.prefill_chunk)
 
     def clamped(self, config: SchedulerConfig) -> SchedulerLimits:
-        return SchedulerLimits(active_slots=min(max(1, self.active_slots), config.n_slots),
-                               n_batch=min(max(1, self.n_batch), config.n_batch),
-                               prefill_chunk=min(max(1, self.prefill_chunk), config.prefill_chunk))
+        return self.within(SchedulerLimits.full(config))
+
+    def within(self, ceiling: SchedulerLimits) -> SchedulerLimits:
+        """Each value between 1 and ``ceiling``'s."""
+        return SchedulerLimits(active_slots=min(max(1, self.active_slots), ceiling.active_slots),
+                               n_batch=min(max(1, self.n_batch), ceiling.n_batch),
+                               prefill_chunk=min(max(1, self.prefill_chunk), ceiling.prefill_chunk))
 
 
 @dataclass

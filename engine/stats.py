@@ -103,6 +103,11 @@ class StatsSnapshot:
         self._values = values
         self._stats: EngineStats | None = None
 
+    @property
+    def values(self) -> dict[str, Any]:
+        """The raw values (plain numbers, strings and a dict): what an engine process sends its owner."""
+        return self._values
+
     def stats(self) -> EngineStats:
         if self._stats is None:
             self._stats = EngineStats(**self._values)

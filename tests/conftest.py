@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from slotq.engine import bundled_model_path
-from tests.support.tiny_model import TINY_SCALE, TINY_SEED, write_tiny_llama
+from tests.support.tiny_model import TINY_SCALE, TINY_SEED, write_tiny_llama, write_tiny_reranker
 
 # Fixtures every folder uses: a session Valkey, clients and in-process workers (tests/support/jobs.py).
 # Helpers (not fixtures) are imported by name from tests.support.*; folder-only fixtures live in that
@@ -48,6 +48,12 @@ pytest_plugins = ["tests.support.jobs"]
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny.gguf", seed=TINY_SEED, scale=TINY_SCALE)
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT cross-encoder with rank pooling: the suite's reranker (``slotq worker`` serves rerank jobs on it)."""
+    return write_tiny_reranker(tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -55,7 +55,6 @@ from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.keys import DEFAULT_TENANT, LANE_RE
 from slotq.jobs.protocol.schemas import (
     TENANT_PATTERN,
-    EmbeddingJobRequest,
     JobResult,
     JobStatus,
     split_job_id,
@@ -321,8 +320,7 @@ class BulkRun:
         request = line.request.model_copy(update={"idempotency_key": key, "tenant": tenant, **named})
         while True:
             try:
-                await self._patiently(lambda: self.client.enqueue_embedding(request)
-                                      if isinstance(request, EmbeddingJobRequest) else self.client.enqueue(request))
+                await self._patiently(lambda: self.client.enqueue_request(request))
                 break
             except QueueFull:
                 await asyncio.sleep(1.0)        # other producers filled the queue: wait for room

@@ -25,6 +25,7 @@ from slotq.jobs.gateway import (
     routes_jobs,
     routes_openai,
     routes_ops,
+    routes_rerank,
     routes_responses,
     routes_webhooks,
 )
@@ -93,9 +94,9 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
     app.state.settings = settings
     app.state.keys = KeyRing(settings)
     http_errors.install(app)
-    for router in (routes_openai.router, routes_responses.router, routes_anthropic.router, routes_jobs.router,
-                   routes_files.router, routes_batches.router, routes_webhooks.router, routes_webhooks.event_types,
-                   routes_ops.router, routes_ops.api):
+    for router in (routes_openai.router, routes_rerank.router, routes_responses.router, routes_anthropic.router,
+                   routes_jobs.router, routes_files.router, routes_batches.router, routes_webhooks.router,
+                   routes_webhooks.event_types, routes_ops.router, routes_ops.api):
         app.include_router(router)
     app.router.routes.append(Dashboard("/", SecurityHeaders(StaticFiles(directory=STATIC_DIR, html=True)),
                                        name="dashboard"))

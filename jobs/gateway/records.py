@@ -137,7 +137,7 @@ class JobRecord(BaseModel):
 
     queue: str
     model: str
-    kind: Literal["chat", "text", "embedding"]
+    kind: Literal["chat", "text", "embedding", "rerank"]
     created: int
     fingerprint: str | None = None      # None in records written before idempotency keys were checked
 

@@ -10,18 +10,17 @@ worker if one dies, and cancelled when its client leaves unless ``keep_on_discon
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel
 
 from slotq.jobs.gateway.auth import Caller, CallerDep, authenticate
 from slotq.jobs.gateway.chunks import ChunkRenderer, parse_stream_id
+from slotq.jobs.gateway.job_results import finished_result
 from slotq.jobs.gateway.records import JobRecord
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.service import Gateway
-from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
-from slotq.jobs.openai.errors import ApiError
+from slotq.jobs.gateway.sse import ClientGone, open_stream
+from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.openai.translate import (
     WireRequest,
     kind_of,
@@ -29,7 +28,6 @@ from slotq.jobs.openai.translate import (
     to_embeddings_response,
     to_job_request,
     to_response,
-    unfinished_error,
     wire_param,
 )
 from slotq.jobs.openai.wire import (
@@ -39,8 +37,8 @@ from slotq.jobs.openai.wire import (
     ModelCard,
     ModelList,
 )
-from slotq.jobs.producer.client import JobHandle, JobNotFound, JobTimeout, SlotqClient
-from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.schemas import JobStatus
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
@@ -91,21 +89,13 @@ async def embeddings(body: EmbeddingsRequest, request: Request, caller: CallerDe
     gateway = gateway_of(request)
     job = to_embedding_job(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
     handle, record = await gateway.submit(job, body.model, "embedding")
-    headers = {"X-Slotq-Job-Id": handle.id}
     try:
-        result = await until_disconnected(request, handle.result())
+        result = await finished_result(request, gateway, handle, deadline=None, owner_cancels=handle.created,
+                                       param=public_param)
     except ClientGone:
-        if handle.created:
-            gateway.client_left(handle.client, handle.id)
         return Response(status_code=499)
-    except JobNotFound:
-        raise ApiError.job_not_found(handle.id) from None
-    error = unfinished_error(result)
-    if error is not None:
-        error.headers |= headers
-        raise error
     return Response(to_embeddings_response(result, record.model, body.encoding_format).model_dump_json(),
-                    media_type="application/json", headers=headers)
+                    media_type="application/json", headers={"X-Slotq-Job-Id": handle.id})
 
 
 async def complete(request: Request, caller: Caller, body: WireRequest) -> Response:
@@ -132,45 +122,6 @@ async def complete(request: Request, caller: Caller, body: WireRequest) -> Respo
         return Response(status_code=499)
     return Response(to_response(kind, result, record.model, record.created).model_dump_json(),
                     media_type="application/json", headers=headers)
-
-
-async def finished_result(request: Request, gateway: Gateway, handle: JobHandle, *, deadline: float | None,
-                          owner_cancels: bool, param: Callable[[str | None], str | None]) -> JobResult:
-    """The result of a job that finished its reply, waited for until its deadline; an ApiError for
-    one that did not (failed, cancelled, past its deadline: ``param`` names a field as the request
-    did). ClientGone when the client leaves first, the job then cancelled if ``owner_cancels``."""
-    timeout = None if deadline is None else max(0.0, deadline - time.time()) + DEADLINE_GRACE_S
-    try:
-        result = await until_disconnected(request, handle.result(timeout=timeout))
-    except ClientGone:
-        if owner_cancels:
-            gateway.client_left(handle.client, handle.id)
-        raise
-    except JobTimeout:
-        gateway.cancel_soon(handle.client, handle.id)
-        raise ApiError.deadline(f"job {handle.id}: the deadline passed before it finished") from None
-    except JobNotFound:
-        raise ApiError.job_not_found(handle.id) from None
-    error = unfinished_error(result, param)
-    if error is not None:
-        error.headers |= {"X-Slotq-Job-Id": handle.id}
-        raise error
-    return result
-
-
-async def count_prompt(request: Request, gateway: Gateway, job: JobRequest, model: str,
-                       param: Callable[[str | None], str | None], answer: Callable[[int], BaseModel]) -> Response:
-    """The token-counting routes' one answer (``/v1/messages/count_tokens``,
-    ``/v1/responses/input_tokens``): ``job`` generates one token, so the count is the prompt as a
-    worker serving ``model`` renders and tokenizes it, charged to the tenant's quotas as the work it
-    is; ``answer`` wraps the count in the route's shape. 499 (the job cancelled) if the client leaves."""
-    handle, _record = await gateway.submit(job, model, "chat", param)
-    try:
-        result = await finished_result(request, gateway, handle, deadline=None, owner_cancels=True, param=param)
-    except ClientGone:
-        return Response(status_code=499)
-    return Response(answer(result.usage.prompt_tokens).model_dump_json(), media_type="application/json",
-                    headers={"X-Slotq-Job-Id": handle.id})
 
 
 async def resumed_job(request: Request, gateway: Gateway, caller: Caller,

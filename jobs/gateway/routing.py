@@ -114,6 +114,11 @@ class ModelRouter:
                 await self._remember(list(self._routes))
         return self._routes
 
+    async def models_of(self, kind: JobKind) -> list[str]:
+        """The models live workers serve ``kind`` of job for, by name."""
+        await self.routes()
+        return sorted(self._by_kind.get(kind, {}))
+
     async def route(self, model: str, kind: JobKind | None = None) -> ModelRoute:
         """The queue for ``model``; with ``kind``, one whose workers serve that kind of job when any
         does (a model name served for both kinds, on two queues), else any (the caller refuses it)."""

@@ -26,7 +26,7 @@ from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.producer.client import JobHandle, JobRejected, QueueFull, QuotaExceeded, SlotqClient
 from slotq.jobs.protocol.payload import encode_payload
-from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobKind, tenant_job_id, tenant_of_job
+from slotq.jobs.protocol.schemas import AnyJobRequest, JobKind, tenant_job_id, tenant_of_job
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Gateway:
             self._queues[name] = self.client.for_queue(name)
         return self._queues[name]
 
-    async def submit(self, job: AnyJobRequest, model: str, kind: Literal["chat", "text", "embedding"],
+    async def submit(self, job: AnyJobRequest, model: str, kind: Literal["chat", "text", "embedding", "rerank"],
                      param: Callable[[str | None], str | None] = public_param) -> tuple[JobHandle, JobRecord]:
         """Route by model and enqueue. With an idempotency key that matches a live job, that job
         (and the record of the request that created it) is returned instead. ``param`` names a
@@ -74,15 +74,16 @@ class Gateway:
         job = job.model_copy(update={"model": model})     # its worker checks it: never run by another model
         served = {w.kind for w in route.workers} or {route.kind}
         if job.kind not in served:
+            if job.kind == JobKind.RERANK:
+                raise ApiError.invalid(f"model {model!r} cannot rank: it serves {' and '.join(sorted(served))} jobs; "
+                                       "/v1/rerank needs a reranker (a GGUF with rank pooling, such as bge-reranker)",
+                                       "model", code="model_cannot_rank")
             path = "/v1/embeddings" if job.kind == JobKind.EMBEDDING else "/v1/chat/completions or /v1/completions"
             raise ApiError.invalid(f"model {model!r} serves {' and '.join(sorted(served))} jobs, not {job.kind.value} "
                                    f"jobs: {path} needs a model that serves them", "model", code="wrong_model_kind")
         client = self.queue(route.queue)
         try:
-            if isinstance(job, EmbeddingJobRequest):
-                handle = await client.enqueue_embedding(job)
-            else:
-                handle = await client.enqueue(job)
+            handle = await client.enqueue_request(job)
         except JobRejected as exc:
             raise ApiError.from_rejection(exc, param) from None
         except QueueFull as exc:

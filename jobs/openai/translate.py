@@ -15,7 +15,7 @@ gateway reports it as an error instead (409 ``job_cancelled`` / 504 ``deadline_e
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from pydantic import ValidationError
@@ -28,12 +28,18 @@ from slotq.jobs.openai.wire import (
     ChatCompletionRequest,
     ChatLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     EmbeddingData,
     EmbeddingsRequest,
     EmbeddingsResponse,
     EmbeddingsUsage,
     PromptTokensDetails,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
     SlotqInfo,
+    TeiRank,
     TextChoice,
     TextCompletion,
     TextLogprobs,
@@ -47,14 +53,16 @@ from slotq.jobs.protocol.schemas import (
     JobRequest,
     JobResult,
     JobStatus,
+    RerankJobRequest,
     decode_vector,
 )
-from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, Usage
+from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, ToolChoice, Usage
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest
 AnyKind = Literal["chat", "text", "embedding"]
 AnyWireRequest = WireRequest | EmbeddingsRequest
+ResponseKind = Literal["chat", "text", "embedding", "rerank"]     # what a job's record says it answers
 REQUEST_MODELS: dict[AnyKind, type[AnyWireRequest]] = {"chat": ChatCompletionRequest, "text": CompletionRequest,
                                                        "embedding": EmbeddingsRequest}
 
@@ -129,12 +137,14 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         raise from_validation(exc, rename) from None
 
 
-def format_shapes_reply(tools: Sequence[object] | None, tool_choice: object) -> bool:
+def format_shapes_reply(tools: Sequence[object] | None, tool_choice: ToolChoice | Mapping[str, Any] | None) -> bool:
     """Whether a request's response format (``response_format``, the Responses API's ``text.format``)
-    shapes its reply. Not when ``tool_choice`` forces a call (``required`` or a named function): the
-    reply is then a call, which its ``parameters`` constrain, with no text for a format to shape, as on
-    OpenAI. instructor's Responses mode sends its schema both ways. Under ``auto`` the reply may be
-    text, so the format applies, and with tools the job refuses the pair (a 400 naming ``tools``)."""
+    shapes its reply. ``tool_choice`` is a chat request's (an option, or a named function) or a
+    Responses request's (an option, or its ``{"type": "function", "name": ...}`` object). Not when it
+    forces a call (``required`` or a named function): the reply is then a call, which its
+    ``parameters`` constrain, with no text for a format to shape, as on OpenAI. instructor's Responses
+    mode sends its schema both ways. Under ``auto`` the reply may be text, so the format applies, and
+    with tools the job refuses the pair (a 400 naming ``tools``)."""
     return not tools or tool_choice is None or tool_choice in ("auto", "none")
 
 
@@ -162,7 +172,8 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 def usage_out(usage: Usage) -> UsageOut:
     return UsageOut(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                     total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens))
+                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+                    completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens))
 
 
 def unfinished_error(result: JobResult, param: Callable[[str | None], str | None] = public_param) -> ApiError | None:
@@ -222,14 +233,17 @@ def completion_id(kind: Kind, job_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
 
 
-def to_response(kind: AnyKind, result: JobResult, model: str, created: int,
-                encoding_format: str = "float") -> ChatCompletion | TextCompletion | EmbeddingsResponse:
+def to_response(kind: ResponseKind, result: JobResult, model: str, created: int, encoding_format: str = "float"
+                ) -> ChatCompletion | TextCompletion | EmbeddingsResponse | RerankResponse:
     """A finished job as OpenAI's ``chat.completion``, ``text_completion`` or embeddings ``list`` object
-    (``encoding_format``: the embedding request's). ``model`` is the name asked for; the response names
+    (``encoding_format``: the embedding request's), or a rerank job as llama-server's answer (every document,
+    without its text: the job keeps scores only). ``model`` is the name asked for; the response names
     the model that served the job when its result says (``system_fingerprint``: its GGUF's fingerprint)."""
     model = result.model or model
     if kind == "embedding":
         return to_embeddings_response(result, model, encoding_format)
+    if kind == "rerank":
+        return to_rerank_response(result, model)
     slotq = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
     usage = usage_out(result.usage)
     rid = completion_id(kind, result.id)
@@ -272,3 +286,42 @@ def to_embeddings_response(result: JobResult, model: str, encoding_format: str =
     return EmbeddingsResponse(data=data, model=result.model or model, slotq=about,
                               usage=EmbeddingsUsage(prompt_tokens=result.usage.prompt_tokens,
                                                     total_tokens=result.usage.prompt_tokens))
+
+
+def to_rerank_job(request: RerankRequest, *, idempotency_key: str | None = None, tenant: str | None = None
+                  ) -> RerankJobRequest:
+    """The caller's rerank job; its validation errors come back as a 400 naming the field as the request
+    spelled it (``documents`` or ``texts``) and the limit."""
+    items = "texts" if request.tei else "documents"
+    fields: dict[str, Any] = {
+        "query": request.query, "documents": request.items, "lane": request.lane, "metadata": request.metadata,
+        "idempotency_key": request.idempotency_key or idempotency_key, "tenant": tenant,
+    }
+
+    def rename(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+        return (items, *loc[1:]) if loc[:1] == ("documents",) else loc
+
+    try:
+        return RerankJobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise from_validation(exc, rename) from None
+
+
+def to_rerank_response(result: JobResult, model: str, documents: Sequence[str] | None = None,
+                       top_n: int | None = None) -> RerankResponse:
+    """A finished rerank job as llama-server's answer: results most relevant first, the first ``top_n``,
+    each with its document when ``documents`` are given (``return_documents``)."""
+    about = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
+    tokens = result.usage.prompt_tokens
+    return RerankResponse(model=result.model or model, slotq=about,
+                          usage=EmbeddingsUsage(prompt_tokens=tokens, total_tokens=tokens), results=[
+        RerankResult(index=i, relevance_score=result.scores[i],
+                     document=None if documents is None else RerankDocument(text=documents[i]))
+        for i in result.ranked(top_n)])
+
+
+def to_tei_ranks(result: JobResult, texts: Sequence[str] | None = None, top_n: int | None = None) -> list[TeiRank]:
+    """A finished rerank job as TEI's answer (llama-server's for a body with ``texts``): a bare list, most
+    relevant first, each with its text when ``texts`` are given (``return_text``)."""
+    return [TeiRank(index=i, score=result.scores[i], text=None if texts is None else texts[i])
+            for i in result.ranked(top_n)]

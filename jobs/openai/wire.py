@@ -240,9 +240,50 @@ class EmbeddingsRequest(BaseModel):
         return list(self.input)
 
 
+class RerankRequest(BaseModel):
+    """``/v1/rerank`` (also ``/v1/reranking``, ``/rerank``, ``/reranking``): llama-server's body, which is Jina's
+    (``query``, ``documents``, ``top_n``; Cohere's and Jina's ``return_documents`` too) or, with ``texts`` in place
+    of ``documents``, Hugging Face TEI's (``return_text``; the answer is then TEI's bare list). slotq's job
+    fields as on every route. ``model`` may be left out (llama-server serves one model): the gateway then
+    takes the one reranker its workers serve."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, min_length=1)
+    query: str
+    documents: list[str] | None = Field(None, description="the texts to score (Jina's and Cohere's name)")
+    texts: list[str] | None = Field(None, description="the texts to score (TEI's name: the answer is TEI's list)")
+    top_n: int | None = Field(None, ge=1, description="answer only the most relevant n; unset = every document")
+    return_documents: StrictBool = Field(False, description="each result carries its document ({'text': ...})")
+    return_text: StrictBool = Field(False, description="TEI: each result carries its text")
+    user: str | None = None
+    lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
+    idempotency_key: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_list(self) -> RerankRequest:
+        if (self.documents is None) == (self.texts is None):
+            raise ValueError("documents: give the texts to score as documents (or as texts, TEI's name), once")
+        return self
+
+    @property
+    def tei(self) -> bool:
+        """Whether the body is TEI's (``texts``): the answer is then TEI's bare list."""
+        return self.texts is not None
+
+    @property
+    def items(self) -> list[str]:
+        return self.documents if self.documents is not None else self.texts or []
+
+
 # ---------------------------------------------------------------------- responses
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(0, description="of completion_tokens, those the reply thought in (its think block)")
 
 
 class UsageOut(BaseModel):
@@ -250,6 +291,7 @@ class UsageOut(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class TopLogprobOut(BaseModel):
@@ -411,7 +453,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "slotq"
-    kind: JobKind = Field(description="generation (chat, completions) or embedding (/v1/embeddings)")
+    kind: JobKind = Field(description="generation (chat, completions), embedding (/v1/embeddings) or rerank "
+                                      "(/v1/rerank)")
     queue: str
     workers: int = Field(description="live workers that have it loaded")
     slots_total: int
@@ -438,8 +481,36 @@ class JobObject(BaseModel):
     queue: str
     created: int | None = None
     result: JobResult | None = None
-    response: ChatCompletion | TextCompletion | EmbeddingsResponse | None = None
+    response: ChatCompletion | TextCompletion | EmbeddingsResponse | RerankResponse | None = None
     cancelled: bool | None = Field(None, description="DELETE only: whether this call cancelled the job")
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int = Field(description="the document's place in the request")
+    relevance_score: float = Field(description="the model's raw score: higher is more relevant")
+    document: RerankDocument | None = Field(None, description="with return_documents")
+
+
+class RerankResponse(BaseModel):
+    """llama-server's (and Jina's) answer: results most relevant first, cut to ``top_n``."""
+
+    model: str
+    object: Literal["list"] = "list"
+    usage: EmbeddingsUsage
+    results: list[RerankResult]
+    slotq: SlotqInfo
+
+
+class TeiRank(BaseModel):
+    """One entry of TEI's answer (a body with ``texts``): a bare list, most relevant first."""
+
+    index: int
+    score: float
+    text: str | None = Field(None, description="with return_text")
 
 
 class EmbeddingData(BaseModel):

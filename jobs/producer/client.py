@@ -54,6 +54,7 @@ from slotq.jobs.protocol.schemas import (
     JobStatus,
     LaneInfo,
     QueueInfo,
+    RerankJobRequest,
     StreamEntry,
     WorkerInfo,
     tenant_job_id,
@@ -63,7 +64,7 @@ from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Usage
 from slotq.jobs.settings import ClientSettings
 
 __all__ = ["EmbeddingResult", "JobFailed", "JobHandle", "JobNotFound", "JobRejected", "JobTimeout", "QueueFull",
-           "QuotaExceeded", "SlotqClient", "StreamGone"]
+           "QuotaExceeded", "RerankResult", "SlotqClient", "StreamGone"]
 
 EmbeddingInputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 
@@ -113,6 +114,27 @@ class EmbeddingResult:
             error = result.error
             raise JobFailed(result.id, error.code if error else result.status.value, error.message if error else "")
         return cls(job_id=result.id, vectors=result.vectors(), usage=result.usage, dimensions=result.dimensions or 0)
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    """What :meth:`SlotqClient.rerank` returns: one relevance score per document, in document order."""
+
+    job_id: str
+    scores: list[float]
+    usage: Usage
+
+    @classmethod
+    def of(cls, result: JobResult) -> RerankResult:
+        """The scores of a finished rerank job; JobFailed when it failed or was cancelled."""
+        if result.status != JobStatus.SUCCEEDED:
+            error = result.error
+            raise JobFailed(result.id, error.code if error else result.status.value, error.message if error else "")
+        return cls(job_id=result.id, scores=result.scores, usage=result.usage)
+
+    def ranked(self, top_n: int | None = None) -> list[int]:
+        """Document indices, most relevant first (see :meth:`JobResult.ranked`)."""
+        return sorted(range(len(self.scores)), key=lambda i: -self.scores[i])[:top_n]
 
 
 def embedding_inputs(inputs: EmbeddingInputs) -> list[Any]:
@@ -210,6 +232,37 @@ class SlotqClient:
         JobFailed if it fails (e.g. an input over the model's limit without ``truncate=True``)."""
         handle = await self.enqueue_embedding(inputs, **fields)
         return EmbeddingResult.of(await handle.result(timeout=timeout))
+
+    async def enqueue_rerank(self, request: RerankJobRequest | str, documents: Sequence[str] = (),
+                             **fields: Any) -> JobHandle:
+        """Queue a rerank job: a request, or a query, its documents and RerankJobRequest fields (``lane``,
+        ``idempotency_key``, ...). The queue must be a reranker's (a worker on a GGUF with rank pooling).
+        Its result holds one score per document (``JobResult.scores``, ``JobResult.ranked()``). Raises as
+        :meth:`enqueue` does; JobRejected also for a document that, with the query, cannot fit the workers'
+        input limit, or a queue whose workers serve another kind of job."""
+        if not isinstance(request, RerankJobRequest):
+            request = RerankJobRequest(query=request, documents=list(documents), **fields)
+        elif fields or documents:
+            extra = {"documents": list(documents)} if documents else {}
+            request = RerankJobRequest.model_validate({**request.model_dump(exclude_unset=True), **fields, **extra})
+        self._check_lane(request)
+        await self._check_rerank_fits(request)
+        return await self._submit(request)
+
+    async def rerank(self, query: str, documents: Sequence[str], *, timeout: float | None = None,
+                     **fields: Any) -> RerankResult:
+        """Enqueue a rerank job and wait for its scores: ``await client.rerank("a query", ["doc", "doc"])``.
+        JobFailed if it fails (e.g. a document over the model's limit)."""
+        handle = await self.enqueue_rerank(query, documents, **fields)
+        return RerankResult.of(await handle.result(timeout=timeout))
+
+    async def enqueue_request(self, request: AnyJobRequest) -> JobHandle:
+        """Queue a job of any kind, with the checks of its kind's enqueue method."""
+        if isinstance(request, EmbeddingJobRequest):
+            return await self.enqueue_embedding(request)
+        if isinstance(request, RerankJobRequest):
+            return await self.enqueue_rerank(request)
+        return await self.enqueue(request)
 
     def _check_lane(self, request: AnyJobRequest) -> None:
         if request.lane not in self.settings.lanes:
@@ -442,6 +495,21 @@ class SlotqClient:
                     f"{self.settings.queue_name!r} can hold ({limit} characters at most, "
                     f"SLOTQ_MAX_PROMPT_CHARS_PER_TOKEN={self.settings.max_prompt_chars_per_token:g}); "
                     "ask to truncate it", field="inputs")
+
+    async def _check_rerank_fits(self, request: RerankJobRequest) -> None:
+        """Refuse a document that, with the query, cannot fit the largest input limit the queue's workers
+        advertise (its characters over that limit times ``max_prompt_chars_per_token``)."""
+        contexts = [w.ctx for w in await self._queue_workers(request) if w.ctx]
+        if not contexts:
+            return
+        limit = int(max(contexts) * self.settings.max_prompt_chars_per_token)
+        for i, document in enumerate(request.documents):
+            if len(request.query) + len(document) > limit:
+                raise JobRejected(
+                    f"document {i} and the query have {len(request.query) + len(document)} characters, more than "
+                    f"the {max(contexts)}-token input limit of queue {self.settings.queue_name!r} can hold ({limit} "
+                    f"characters at most, SLOTQ_MAX_PROMPT_CHARS_PER_TOKEN="
+                    f"{self.settings.max_prompt_chars_per_token:g})", field="documents")
 
     async def _check_fits(self, request: JobRequest) -> None:
         """Refuse what no live worker of this queue could ever run. The prompt's token count is

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
-from slotq.jobs.producer.client import EmbeddingInputs, EmbeddingResult, SlotqClient
+from slotq.jobs.producer.client import EmbeddingInputs, EmbeddingResult, RerankResult, SlotqClient
 from slotq.jobs.protocol.schemas import (
     EmbeddingJobRequest,
     JobRequest,
@@ -66,6 +66,11 @@ class SyncSlotqClient:
               **fields: Any) -> EmbeddingResult:
         """Embed and wait for the vectors (see :meth:`SlotqClient.embed`)."""
         return self._call(self._client.embed(inputs, timeout=timeout, **fields))
+
+    def rerank(self, query: str, documents: Sequence[str], *, timeout: float | None = None,
+               **fields: Any) -> RerankResult:
+        """Score documents against a query and wait for the scores (see :meth:`SlotqClient.rerank`)."""
+        return self._call(self._client.rerank(query, documents, timeout=timeout, **fields))
 
     def stream(self, job_id: str, last_id: str = "0-0") -> Iterator[StreamEntry]:
         return self._iterate(self._client.stream(job_id, last_id=last_id))

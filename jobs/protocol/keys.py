@@ -123,18 +123,21 @@ CATALOG = "slotq:catalog"
 
 
 CLUSTER_SLOTS = 16_384
-STREAM_BUCKETS = 16      # on a cluster: job streams spread over at most this many shards
+# On a cluster: job streams spread over at most this many shards. 48 falls evenly on 2, 3, 4, 6, 8, 12, 16,
+# 24 and 48 primaries (16 per primary at 3, 8 at 6).
+STREAM_BUCKETS = 48
 
 
 def _spread_tags(count: int) -> tuple[str, ...]:
-    """``count`` hash tags, the k-th hashing into the k-th of ``count`` equal ranges of the slots, so
-    on a cluster whose primaries hold equal contiguous ranges (as every tool splits them) the
-    buckets fall on the primaries as evenly as ``count`` allows (exactly when the primaries divide it)."""
-    width = CLUSTER_SLOTS // count
+    """``count`` hash tags, the k-th hashing into the middle half of the k-th of ``count`` equal ranges of
+    the slots, so on a cluster whose primaries hold equal contiguous ranges (as every tool splits them,
+    however it rounds their edges) the buckets fall on the primaries as evenly as ``count`` allows
+    (exactly when the primaries divide it)."""
+    width = CLUSTER_SLOTS / count
     tags = []
     for k in range(count):
-        tag = next(f"s{k}.{n}" for n in itertools.count() if key_slot(f"s{k}.{n}".encode()) // width == k)
-        tags.append(tag)
+        low, high = (k + 0.25) * width, (k + 0.75) * width
+        tags.append(next(f"b{k}.{n}" for n in itertools.count() if low <= key_slot(f"b{k}.{n}".encode()) < high))
     return tuple(tags)
 
 

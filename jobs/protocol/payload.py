@@ -17,6 +17,10 @@ not a generation job: an embedding job's ``inputs`` validate as an :class:`Embed
 older than 1.3 reads an embedding payload as a generation job with unknown fields and refuses it as
 ``invalid_payload`` (it has no prompt), never runs it.
 
+A rerank job (1.5) names the kind ``rerank`` and carries ``query`` and ``documents``
+(:class:`RerankJobRequest`). A worker older than 1.5 refuses its kind as ``invalid_payload`` by name,
+never runs it.
+
 A payload may name the ``model`` it is for (1.4; the gateway always does): a worker of another model
 refuses it as ``wrong_model`` (:mod:`slotq.jobs.worker.served_model`). A worker older than 1.4 ignores
 the field, so upgrade the workers before the producers that name models.
@@ -31,17 +35,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobKind, JobRequest
+from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobKind, JobRequest, RerankJobRequest
 from slotq.jobs.protocol.wire import ErrorInfo
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = (1, 4)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`,
-                              # `logprobs`, and `kind` (embedding jobs: `inputs`, `truncate`), 1.4 `model`
+SCHEMA_VERSION = (1, 5)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`,
+                              # `logprobs`, and `kind` (embedding jobs: `inputs`, `truncate`), 1.4 `model`,
+                              # 1.5 the kind `rerank` (`query`, `documents`)
 VERSION_FIELD = "schema_version"
 KIND_FIELD = "kind"
 _REQUEST_MODELS: dict[JobKind, type[AnyJobRequest]] = {JobKind.GENERATION: JobRequest,
-                                                       JobKind.EMBEDDING: EmbeddingJobRequest}
+                                                       JobKind.EMBEDDING: EmbeddingJobRequest,
+                                                       JobKind.RERANK: RerankJobRequest}
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 _logged_ignored: set[tuple[str, ...]] = set()
 

@@ -20,6 +20,7 @@ from slotq.jobs.protocol.wire import (
     FinishReason,
     FunctionCall,
     GenerationParams,
+    RerankParams,
     Timings,
     TokenLogprob,
     ToolCallDelta,
@@ -57,6 +58,7 @@ class JobKind(StrEnum):
 
     GENERATION = "generation"
     EMBEDDING = "embedding"
+    RERANK = "rerank"
 
 
 class JobFields(BaseModel):
@@ -134,7 +136,18 @@ class EmbeddingJobRequest(EmbeddingParams, JobFields):
                    for item in self.inputs)
 
 
-AnyJobRequest = JobRequest | EmbeddingJobRequest
+class RerankJobRequest(RerankParams, JobFields):
+    """A rerank job: one relevance score per document for its query, on a reranker's queue."""
+
+    kind: ClassVar[JobKind] = JobKind.RERANK
+
+    def quota_tokens(self) -> int:
+        """What the job reserves of its tenant's tokens per minute: the characters the model reads (the query
+        once per document) / QUOTA_CHARS_PER_TOKEN, as a generation job's prompt is counted."""
+        return -(-self.input_chars() // QUOTA_CHARS_PER_TOKEN)
+
+
+AnyJobRequest = JobRequest | EmbeddingJobRequest | RerankJobRequest
 
 
 def decode_vector(encoded: str) -> list[float]:
@@ -162,6 +175,8 @@ class ChoiceResult(BaseModel):
         default_factory=list, description="the calls the reply made (finish_reason tool_calls), in OpenAI's shape: "
                                           "send them back in the next turn's assistant message")
     finish_reason: FinishReason
+    stop_sequence: str | None = Field(
+        None, description="finish_reason stop: the stop string that ended the reply (None: the model ended its turn)")
     usage: Usage
     timings: Timings
     logprobs: list[TokenLogprob] | None = Field(
@@ -181,6 +196,7 @@ class JobResult(BaseModel):
     status: JobStatus
     text: str = Field("", description="text of choice 0")
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = Field(None, description="choice 0's: the stop string that ended its reply")
     usage: Usage = Field(default_factory=Usage, description="prompt counted once; completion summed over choices")
     timings: Timings | None = None
     choices: list[ChoiceResult] = Field(default_factory=list)
@@ -201,6 +217,15 @@ class JobResult(BaseModel):
         default_factory=list, description="embedding jobs: one vector per input, in input order, each little-endian "
                                           "float32 in base64 (OpenAI's encoding_format=base64); vectors() decodes them")
     dimensions: int | None = Field(None, description="embedding jobs: the length of each vector")
+    scores: list[float] = Field(
+        default_factory=list, description="rerank jobs: one relevance score per document, in document order (the "
+                                          "model's raw output: higher is more relevant); ranked() orders them")
+
+    def ranked(self, top_n: int | None = None) -> list[int]:
+        """A rerank job's document indices, most relevant first (ties keep document order), the first
+        ``top_n`` of them (all when None)."""
+        order = sorted(range(len(self.scores)), key=lambda i: -self.scores[i])
+        return order if top_n is None else order[:top_n]
 
     def vectors(self) -> list[list[float]]:
         """An embedding job's vectors as floats, one per input."""
@@ -243,7 +268,11 @@ class StreamEntry(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     n_tokens: int = 0
     logprobs: list[TokenLogprob] | None = Field(None, description="one per token id (when the job asked for them)")
+    prompt_tokens: int | None = Field(
+        None, description="chunk: a choice's first of an attempt: the prompt's tokens (as the done entry's usage)")
+    cached_prompt_tokens: int = Field(0, description="with prompt_tokens: those of them whose KV was reused")
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = Field(None, description="done: the stop string that ended the choice, if one did")
     usage: Usage | None = None
     timings: Timings | None = None
     error: ErrorInfo | None = None

@@ -35,6 +35,7 @@ TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"     # OpenAI's rule for a function'
 MAX_TOOLS = 128                                  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20                            # OpenAI's limit on top_logprobs
 MAX_EMBEDDING_INPUTS = 2048                      # per request, as OpenAI's embeddings API allows
+MAX_RERANK_DOCUMENTS = 1000                      # per request, as Cohere's rerank API allows
 
 
 # ---------------------------------------------------------------------- what streams and results report
@@ -51,6 +52,8 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = Field(0, description="prompt tokens whose KV was reused, not recomputed")
+    reasoning_tokens: int = Field(
+        0, description="of completion_tokens, those of the reply's think block (its tags included)")
 
 
 class Timings(BaseModel):
@@ -312,3 +315,18 @@ class EmbeddingParams(BaseModel):
             if isinstance(item, list) and min(item) < 0:
                 raise ValueError(f"input {i}: token id {min(item)} is negative")
         return inputs
+
+
+class RerankParams(BaseModel):
+    """What to rank: a rerank job's own request (a query and the documents scored against it), less the job
+    layer's fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(description="the text every document is scored against")
+    documents: list[str] = Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS,
+                                 description="texts to score; one relevance score each, in order")
+
+    def input_chars(self) -> int:
+        """Characters the model reads: the query once per document, and the documents."""
+        return len(self.query) * len(self.documents) + sum(len(d) for d in self.documents)

@@ -33,17 +33,24 @@ if TYPE_CHECKING:
         SlotqError,
         StreamGone,
     )
-    from slotq.jobs.producer.client import EmbeddingResult, JobHandle, SlotqClient
+    from slotq.jobs.producer.client import EmbeddingResult, JobHandle, RerankResult, SlotqClient
     from slotq.jobs.producer.sync_client import SyncSlotqClient
-    from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest, JobResult, JobStatus, StreamEntry
+    from slotq.jobs.protocol.schemas import (
+        EmbeddingJobRequest,
+        JobRequest,
+        JobResult,
+        JobStatus,
+        RerankJobRequest,
+        StreamEntry,
+    )
     from slotq.jobs.protocol.wire import ChatMessage, SamplingParams
     from slotq.jobs.settings import ClientSettings
 
 # name -> the module that defines it (imported when the name is first read)
 _EXPORTS: dict[str, str] = {
-    **dict.fromkeys(("SlotqClient", "JobHandle", "EmbeddingResult"), "slotq.jobs.producer.client"),
+    **dict.fromkeys(("SlotqClient", "JobHandle", "EmbeddingResult", "RerankResult"), "slotq.jobs.producer.client"),
     "SyncSlotqClient": "slotq.jobs.producer.sync_client",
-    **dict.fromkeys(("JobRequest", "EmbeddingJobRequest", "JobResult", "JobStatus", "StreamEntry"),
+    **dict.fromkeys(("JobRequest", "EmbeddingJobRequest", "RerankJobRequest", "JobResult", "JobStatus", "StreamEntry"),
                     "slotq.jobs.protocol.schemas"),
     **dict.fromkeys(("ChatMessage", "SamplingParams"), "slotq.jobs.protocol.wire"),
     "ClientSettings": "slotq.jobs.settings",
@@ -54,8 +61,8 @@ _EXPORTS: dict[str, str] = {
 __all__ = [  # what `from slotq import ...` offers; each is defined in _EXPORTS' module
     "ChatMessage", "ClientSettings", "EmbeddingJobRequest", "EmbeddingResult", "JobFailed", "JobHandle", "JobNotFound",
     "JobRejected", "JobRequest", "JobResult", "JobStatus", "JobTimeout", "QueueFull", "QuotaExceeded",
-    "RedisUnavailable", "SamplingParams", "SlotqClient", "SlotqError", "StreamEntry", "StreamGone",
-    "SyncSlotqClient",
+    "RedisUnavailable", "RerankJobRequest", "RerankResult", "SamplingParams", "SlotqClient", "SlotqError",
+    "StreamEntry", "StreamGone", "SyncSlotqClient",
 ]
 
 

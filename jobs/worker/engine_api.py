@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from slotq.engine import EngineConfig, EngineStats, Event, GenerationRequest
 from slotq.engine.outbox import StepReceiver
-from slotq.engine.request import EmbeddingRequest
+from slotq.engine.request import EmbeddingRequest, RerankRequest
 from slotq.engine.scheduler import SchedulerLimits
 
 if TYPE_CHECKING:
     from slotq.engine.embedding import Embeddings
+    from slotq.engine.rerank import Ranking
 
 
 class RunningRequest(Protocol):
@@ -99,4 +100,13 @@ class JobEmbedder(Protocol):
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
         """The request's vectors; raises ``EngineError`` (``InvalidRequest``, ``EngineDead``, ...)."""
+        ...
+
+
+class JobRanker(Protocol):
+    """What a rerank worker's engine adds to :class:`JobEngine` (``engine.rerank.RerankEngine``, whose
+    generation entry points refuse generation jobs by name)."""
+
+    async def rerank(self, request: RerankRequest) -> Ranking:
+        """The request's scores, in document order; raises ``EngineError`` (``InvalidRequest``, ``EngineDead``, ...)."""
         ...

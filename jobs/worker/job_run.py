@@ -33,10 +33,12 @@ from slotq.jobs.protocol.redis_queue import AttemptLedger, AttemptVerdict
 from slotq.jobs.protocol.schemas import (
     EmbeddingJobRequest,
     EntryKind,
+    JobKind,
     JobRequest,
     JobResult,
     JobStatus,
     MaxTokensCap,
+    RerankJobRequest,
     StreamEntry,
 )
 from slotq.jobs.protocol.serialization import POISON_MARKER
@@ -44,7 +46,7 @@ from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, Usage
 from slotq.jobs.worker import metrics, results
 from slotq.jobs.worker.attempts import ENGINE_DEAD, AttemptAccount, Failure
 from slotq.jobs.worker.elastic.admission import Verdict
-from slotq.jobs.worker.engine_api import JobEmbedder, JobEngine, RunningRequest
+from slotq.jobs.worker.engine_api import JobEmbedder, JobEngine, JobRanker, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
 from slotq.jobs.worker.results import Attribution
 from slotq.jobs.worker.resume import Delivered, Replies, read_delivered
@@ -57,6 +59,7 @@ from slotq.jobs.worker.wire_edge import (
     from_engine_finished,
     to_engine_embedding_request,
     to_engine_request,
+    to_engine_rerank_request,
     wire_logprobs,
     wire_tool_calls,
 )
@@ -75,18 +78,21 @@ class JobRun:
                  is_abort: Callable[[], bool], lease_lost: Callable[[], bool],
                  verdict: Callable[..., Verdict] | None = None, ledger: AttemptLedger | None = None,
                  lent_reserve: bool = False, faults: JobFaults = JobFaults(), gate: StartGate | None = None,
-                 embedder: JobEmbedder | None = None, served: ServedModel | None = None) -> None:
+                 embedder: JobEmbedder | None = None, ranker: JobRanker | None = None,
+                 served: ServedModel | None = None) -> None:
         """``ledger`` judges lost attempts (interrupted or failed); without one (arq's own queue, as
         the arq baseline runs) every attempt spends a try. ``lent_reserve``: the claim lent this
         attempt the worker's reserve (its tenant had nothing running), and so does its engine request.
         ``gate``: the worker's, where suspects start isolated (with a ledger; without one, a suspect
         starts like any job). Whoever runs the attempt calls ``gate.leave`` when it ends. ``embedder``:
         the engine again on an embedding worker, which runs embedding jobs (None on a generation
-        worker). ``served``: the model and kind this worker serves; a job of another is refused by name
+        worker); ``ranker`` likewise on a rerank worker. ``served``: the model and kind this worker serves; a job
+        of another is refused by name
         (:meth:`ServedModel.refusal`) before anything runs. None only where no worker's model is at stake
         (arq's own queue in the baseline benchmark, tests of one attempt)."""
         self.engine = engine
         self.embedder = embedder
+        self.ranker = ranker
         self.served = served
         self.writer = writer
         self.settings = settings
@@ -143,9 +149,9 @@ class JobRun:
         # Read even on attempt 1: a job handed back on shutdown runs again with the same try number.
         delivered = await read_delivered(self.writer, self.job_id)
         if delivered.final is not None and not delivered.trimmed and not (
-                isinstance(job, EmbeddingJobRequest) and delivered.final.kind == EntryKind.DONE):
-            # An earlier attempt finished; only its finish was lost. (An embedding job's vectors are not in
-            # its stream: they are computed again.)
+                job.kind != JobKind.GENERATION and delivered.final.kind == EntryKind.DONE):
+            # An earlier attempt finished; only its finish was lost. (An embedding job's vectors and a rerank
+            # job's scores are not in its stream: they are computed again.)
             return await self._result_from_stream(delivered)
         start = await self.account.start(delivered.token_count)
         dead_letter = self.account.dead_letter(start, delivered.token_count)
@@ -153,8 +159,8 @@ class JobRun:
             return await self._dead_letter(dead_letter.error, worker_deaths=dead_letter.worker_deaths)
         if start is not None and start.verdict == AttemptVerdict.START_ISOLATED:
             await self.account.start_isolated(delivered.token_count, start.worker_deaths)
-        if isinstance(job, EmbeddingJobRequest):
-            return await self._embed(job)
+        if not isinstance(job, JobRequest):
+            return await self._pooled(job)
         if job.deadline is not None and not delivered.tokens:
             first_token_s = self._first_token_s()
             if time.time() + first_token_s >= job.deadline:
@@ -210,15 +216,13 @@ class JobRun:
         lanes = self.settings.lanes
         return len(lanes) - 1 - lanes.index(lane) if lane in lanes else 0
 
-    # ------------------------------------------------------------------ embeddings
-    async def _embed(self, job: EmbeddingJobRequest) -> JobResult:
-        """An embedding job: all its vectors at once, into the result; the stream gets the final entry
-        (usage) that wakes those waiting. Nothing is delivered before the end, so a lost attempt made
-        no progress and a retry starts over."""
-        assert self.embedder is not None, "refused by ServedModel.refusal: an embedding job on a generation worker"
-        request = to_engine_embedding_request(job, request_id=self.job_id)
+    # ------------------------------------------------------------------ embeddings and rerank
+    async def _pooled(self, job: EmbeddingJobRequest | RerankJobRequest) -> JobResult:
+        """An embedding or rerank job: all its vectors or scores at once, into the result; the stream gets
+        the final entry (usage) that wakes those waiting. Nothing is delivered before the end, so a lost
+        attempt made no progress and a retry starts over."""
         try:
-            embedded = await self.embedder.embed(request)
+            prompt_tokens, answer = await self._pooled_answer(job)
         except EngineError as exc:
             return await self._on_engine_error(ErrorInfo(code=exc.code, message=exc.message, retryable=exc.retryable,
                                                          field=exc.field))
@@ -228,18 +232,28 @@ class JobRun:
                 raise
             if not self.is_abort():
                 raise                               # handed back: nothing was delivered, nothing to keep
-            return await self._end_embedding(FinishReason.CANCELLED, Usage(), status=JobStatus.CANCELLED)
-        usage = Usage(prompt_tokens=embedded.prompt_tokens)
-        result = await self._end_embedding(FinishReason.STOP, usage, status=JobStatus.SUCCEEDED)
-        result.embeddings = [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
-                             for row in embedded.vectors]
-        result.dimensions = embedded.vectors.shape[1]
-        return result
+            return await self._end_pooled(FinishReason.CANCELLED, Usage(), status=JobStatus.CANCELLED)
+        result = await self._end_pooled(FinishReason.STOP, Usage(prompt_tokens=prompt_tokens),
+                                        status=JobStatus.SUCCEEDED)
+        return result.model_copy(update=answer)
 
-    async def _end_embedding(self, reason: FinishReason, usage: Usage, *, status: JobStatus) -> JobResult:
+    async def _pooled_answer(self, job: EmbeddingJobRequest | RerankJobRequest) -> tuple[int, dict[str, Any]]:
+        """The engine's answer to a pooled job: its prompt tokens and the result fields that hold it."""
+        if isinstance(job, EmbeddingJobRequest):
+            assert self.embedder is not None, "refused by ServedModel.refusal: an embedding job on another worker"
+            embedded = await self.embedder.embed(to_engine_embedding_request(job, request_id=self.job_id))
+            return embedded.prompt_tokens, {
+                "embeddings": [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+                               for row in embedded.vectors],
+                "dimensions": embedded.vectors.shape[1]}
+        assert self.ranker is not None, "refused by ServedModel.refusal: a rerank job on another worker"
+        ranking = await self.ranker.rerank(to_engine_rerank_request(job, request_id=self.job_id))
+        return ranking.prompt_tokens, {"scores": [float(score) for score in ranking.scores]}
+
+    async def _end_pooled(self, reason: FinishReason, usage: Usage, *, status: JobStatus) -> JobResult:
         self.writer.add(self.job_id, self.entry(EntryKind.DONE, finish_reason=reason, usage=usage, final=True))
         await self._flush_final_shielded()
-        return results.embedded(self._about(), status=status, finish_reason=reason, usage=usage)
+        return results.pooled(self._about(), status=status, finish_reason=reason, usage=usage)
 
     # ------------------------------------------------------------------ streaming
     async def _follow(self, handle: RunningRequest, output: JobOutput, request: GenerationRequest,
@@ -459,7 +473,8 @@ class JobOutput:
         run.tokens_left = (run.tokens_left or 0) - arriving
         run.writer.add_chunk(run.job_id, attempt=run.attempt, choice=event.choice, text=event.text,
                              token_ids=event.token_ids, n_tokens=event.n_tokens, reasoning=event.reasoning,
-                             tool_calls=tool_calls, logprobs=logprobs)
+                             tool_calls=tool_calls, logprobs=logprobs, prompt_tokens=event.prompt_tokens,
+                             cached_prompt_tokens=event.cached_prompt_tokens)
         if run.gate is not None and run.generated == arriving:
             self.wakes.put_nowait(Wake.FIRST_TOKENS)
 
@@ -471,8 +486,8 @@ class JobOutput:
             return
         last = len(self.finished) == self.n_choices
         self.run.writer.add(self.run.job_id, self.run.entry(
-            EntryKind.DONE, choice=done.choice, finish_reason=done.finish_reason, usage=done.usage,
-            timings=done.timings, final=last))
+            EntryKind.DONE, choice=done.choice, finish_reason=done.finish_reason, stop_sequence=done.stop_sequence,
+            usage=done.usage, timings=done.timings, final=last))
         if last:
             self._end(Wake.ENDED)
 

@@ -17,6 +17,8 @@ from slotq.jobs.protocol.schemas import AnyJobRequest, JobKind
 from slotq.jobs.protocol.wire import ErrorInfo
 
 FINGERPRINT_SPAN = 1 << 20        # bytes read from each end of the file
+_HOW_TO_SERVE = {JobKind.EMBEDDING: " (slotq worker --embeddings)",
+                 JobKind.RERANK: " (slotq worker on a reranker GGUF, or --rerank)"}
 
 
 def gguf_fingerprint(path: Path) -> str:
@@ -55,7 +57,7 @@ class ServedModel:
                 f"{'an' if job.kind == JobKind.EMBEDDING else 'a'} {job.kind.value} job reached a worker of "
                 f"{self.kind.value} jobs ({worker}, model {self.name}, "
                 f"queue {queue}); {job.kind.value} jobs go to the queue of a model that serves them"
-                + (" (slotq worker --embeddings)" if job.kind == JobKind.EMBEDDING else "")))
+                + _HOW_TO_SERVE.get(job.kind, "")))
         if job.model is not None and job.model != self.name:
             return ErrorInfo(code="wrong_model", retryable=False, field="model", message=(
                 f"the job asks for model {job.model!r}, but queue {queue} is served by {self.name!r} (worker "

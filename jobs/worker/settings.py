@@ -78,6 +78,14 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         None, description="serve embedding jobs (the model pooled into vectors) instead of generating text; unset = "
                           "detected from the GGUF: an encoder such as BERT, or a pooling type in its header. A text "
                           "generator serves embeddings only when asked (--embeddings, mean pooling by default)")
+    engine_process: bool = Field(
+        False, description="run the llama.cpp engine in a process of its own (slotq.engine.process): the worker's "
+                           "event loop and the engine thread stop sharing one GIL. Off until a benchmark shows it "
+                           "never loses (docs/architecture.md, 'The engine process')")
+    rerank: bool | None = Field(
+        None, description="serve rerank jobs (documents scored against a query) on a reranker GGUF; unset = detected "
+                          "from the GGUF: rank pooling in its header. A model without it cannot rank (the worker "
+                          "refuses to start: model_cannot_rank)")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus metrics on this port (0 = off)")
     health_max_stall_s: float = Field(
         60.0, gt=0, description="/ready fails (and the worker claims nothing) while a generated stream entry has "
@@ -97,6 +105,13 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         if (self.models or self.models_dir) and (self.model or self.model_name):
             raise ValueError("SLOTQ_MODEL / SLOTQ_MODEL_NAME and SLOTQ_MODELS / SLOTQ_MODELS_DIR: give every model "
                              "in SLOTQ_MODELS (name=path) or SLOTQ_MODELS_DIR, not one of them apart")
+        return self
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> WorkerSettings:
+        if self.embeddings and self.rerank:
+            raise ValueError("embeddings and rerank (SLOTQ_EMBEDDINGS, SLOTQ_RERANK) are both set: a worker serves one "
+                             "kind of job; run a worker for each")
         return self
 
     @model_validator(mode="after")
@@ -152,9 +167,12 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         return f"{self.queue_name}:{model}" if self.several_models else self.queue_name
 
     def job_kind(self, model_path: Path) -> JobKind:
-        """The kind of job this worker serves: ``embeddings`` when set, else what the GGUF says."""
+        """The kind of job this worker serves: ``rerank`` or ``embeddings`` when set, else what the GGUF says."""
         from slotq.engine.embedding import is_embedding_model  # loads llama.cpp: only a worker asks
+        from slotq.engine.rerank import is_rank_model
 
+        if self.rerank or (self.rerank is None and not self.embeddings and is_rank_model(model_path)):
+            return JobKind.RERANK
         embeddings = self.embeddings if self.embeddings is not None else is_embedding_model(model_path)
         return JobKind.EMBEDDING if embeddings else JobKind.GENERATION
 

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from slotq.engine import Finished, GenerationRequest
 from slotq.engine import TokenLogprob as EngineTokenLogprob
 from slotq.engine.reply_parser import ToolCallDelta as EngineToolCallDelta
-from slotq.engine.request import EmbeddingRequest
-from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest
+from slotq.engine.request import EmbeddingRequest, RerankRequest
+from slotq.jobs.protocol.schemas import EmbeddingJobRequest, JobRequest, RerankJobRequest
 from slotq.jobs.protocol.wire import (
     EmbeddingParams,
     ErrorInfo,
     FinishReason,
     GenerationParams,
+    RerankParams,
     Timings,
     TokenLogprob,
     ToolCallDelta,
@@ -40,6 +41,7 @@ class Done:
     usage: Usage
     timings: Timings
     error: ErrorInfo | None = None
+    stop_sequence: str | None = None
 
 
 def to_engine_request(job: JobRequest, *, request_id: str, max_tokens: int, priority_class: int,
@@ -59,12 +61,18 @@ def to_engine_embedding_request(job: EmbeddingJobRequest, *, request_id: str) ->
     return EmbeddingRequest(id=request_id, **job.model_dump(include=set(EmbeddingParams.model_fields)))
 
 
+def to_engine_rerank_request(job: RerankJobRequest, *, request_id: str) -> RerankRequest:
+    """The engine request that runs a rerank job (its query and documents only)."""
+    return RerankRequest(id=request_id, **job.model_dump(include=set(RerankParams.model_fields)))
+
+
 def from_engine_finished(event: Finished) -> Done:
     """How a choice ended, in the wire's types (once per choice)."""
     return Done(choice=event.choice, finish_reason=FinishReason(event.finish_reason.value),
                 usage=Usage.model_validate(event.usage, from_attributes=True),
                 timings=Timings.model_validate(event.timings, from_attributes=True),
-                error=None if event.error is None else ErrorInfo.model_validate(event.error, from_attributes=True))
+                error=None if event.error is None else ErrorInfo.model_validate(event.error, from_attributes=True),
+                stop_sequence=event.stop_sequence)
 
 
 def wire_tool_calls(pieces: Sequence[EngineToolCallDelta]) -> list[ToolCallDelta]:

@@ -46,6 +46,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from slotq.engine import Engine, EngineStats
+from slotq.engine.process import EngineProcess
 from slotq.jobs.aio import wait_until_set
 from slotq.jobs.errors import QueueServedByAnotherModel
 from slotq.jobs.protocol import catalog, registry
@@ -62,7 +63,7 @@ from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.worker import health, metrics, model_switch
 from slotq.jobs.worker.elastic import metrics as elastic_metrics
 from slotq.jobs.worker.elastic.loop import ElasticLoop
-from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine
+from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine, JobRanker
 from slotq.jobs.worker.fault_injection import JobFaults, WorkerFaults
 from slotq.jobs.worker.job_run import JobRun
 from slotq.jobs.worker.runtime import QueueRuntime
@@ -116,15 +117,17 @@ def engine_heartbeat_fields(stats: EngineStats) -> dict[str, int | str]:
 class SlotqWorker:
     """Owns the engine, the stream writer, the heartbeat and the queue runtime."""
 
-    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory = Engine.start) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory | None = None) -> None:
         self.settings = settings
         self.redis_url = redis_url
-        self.engine_factory = engine_factory     # the fleet benchmark passes a simulated engine
+        # the fleet benchmark passes a simulated engine
+        self.engine_factory = engine_factory or (EngineProcess.start if settings.engine_process else Engine.start)
         self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.token = f"{self.id}:{uuid.uuid4().hex[:8]}"
         self.lease_ms = settings.lock_ttl_s * 1000
         self.engine: JobEngine | None = None
         self.embedder: JobEmbedder | None = None      # the engine again, on an embedding worker
+        self.ranker: JobRanker | None = None          # the engine again, on a rerank worker
         self.served: ServedModel | None = None          # known once the model file is found
         self.membership: QueueMembership | None = None   # this worker's entry in its queue's serving record
         self.offers: dict[str, ModelOffer] = {}         # the models it can load, the loaded one first (catalog)
@@ -294,6 +297,10 @@ class SlotqWorker:
             from slotq.engine.embedding import EmbeddingEngine
 
             self.engine = self.embedder = await EmbeddingEngine.start(config)
+        elif self.kind == JobKind.RERANK:
+            from slotq.engine.rerank import RerankEngine
+
+            self.engine = self.ranker = await RerankEngine.start(config)
         else:
             self.engine = await self.engine_factory(config)
         await self._join_queue()                # the load may have outlasted the entry; before any claim
@@ -682,7 +689,8 @@ class SlotqWorker:
                      lease_lost=lambda: runtime.has_lost_lease(job_id),
                      verdict=self.elastic.verdict if self.elastic else None,
                      ledger=AttemptLedger(self.queue, claim), lent_reserve=claim.lent_reserve,
-                     faults=self._job_faults, gate=self._start_gate, embedder=self.embedder, served=self.served)
+                     faults=self._job_faults, gate=self._start_gate, embedder=self.embedder, ranker=self.ranker,
+                     served=self.served)
         started = time.monotonic()
         log.info("job %s attempt %d started", job_id, attempt.number)
         self._faults.on_job_start(self._beat_now)

@@ -188,3 +188,82 @@ def _write_random_tensors(w: gguf.GGUFWriter, *, n_vocab: int, seed: int, scale:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+RANK_SEP = "[SEP]"      # the tiny reranker's separator token (a control token, after the letters)
+
+
+def write_tiny_reranker(path: Path, *, seed: int = 3, n_embd: int = 64, n_layer: int = 2, n_ctx_train: int = 512,
+                        rerank_template: str | None = None) -> Path:
+    """A random-weight BERT cross-encoder with rank pooling (``bert.pooling_type`` = 4, llama.cpp's
+    LLAMA_POOLING_TYPE_RANK): llama.cpp pools the first token, runs the classification head (``cls``: a
+    dense layer and tanh, ``cls.output``: one logit) and hands that one float per sequence out of
+    ``llama_get_embeddings_seq``, as it does for bge-reranker and jina-reranker GGUFs. About 0.5 MB.
+
+    Its vocabulary is :func:`write_tiny_llama`'s byte-level SPM one plus ``[SEP]``, and it asks llama.cpp to add
+    BOS, EOS and SEP (``add_bos_token``, ``add_eos_token``, ``add_sep_token``), so llama-server joins a query and a
+    document as ``<s> query </s> [SEP] document </s>``. ``rerank_template``: a ``tokenizer.chat_template.rerank``
+    (``{query}`` and ``{document}`` replaced) that takes the place of that joining, as Qwen3 rerankers carry."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + list(LETTERS) + [RANK_SEP]
+    types = [2, 3, 3] + [6] * 256 + [1] * 27 + [3]
+    scores = [0.0, 0.0, 0.0] + [-1000.0] * 256 + [float(-i) for i in range(27)] + [0.0]
+    n_vocab, n_ff, n_head = len(tokens), 4 * n_embd, 2
+
+    w = gguf.GGUFWriter(str(path), "bert")
+    w.add_name("tiny-random-reranker")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.RANK)
+    w.add_file_type(0)
+    w.add_vocab_size(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_token_type_count(2)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_sep_token_id(n_vocab - 1)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(True)
+    if rerank_template is not None:
+        w.add_chat_template([{"name": "rerank", "template": rerank_template}])
+
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32) / np.float32(np.sqrt(shape[-1]))
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(f"{name}.weight", np.ones(n, np.float32))
+        w.add_tensor(f"{name}.bias", np.zeros(n, np.float32))
+
+    w.add_tensor("token_embd.weight", rng.standard_normal((n_vocab, n_embd)).astype(np.float32))
+    w.add_tensor("token_types.weight", rand(2, n_embd))
+    w.add_tensor("position_embd.weight", rand(n_ctx_train, n_embd))
+    norm("token_embd_norm", n_embd)
+    for i in range(n_layer):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(f"blk.{i}.{part}.weight", rand(n_embd, n_embd))
+            w.add_tensor(f"blk.{i}.{part}.bias", np.zeros(n_embd, np.float32))
+        norm(f"blk.{i}.attn_output_norm", n_embd)
+        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
+        norm(f"blk.{i}.layer_output_norm", n_embd)
+    w.add_tensor("cls.weight", rand(n_embd, n_embd))
+    w.add_tensor("cls.bias", np.zeros(n_embd, np.float32))
+    w.add_tensor("cls.output.weight", rng.standard_normal((1, n_embd)).astype(np.float32))
+    w.add_tensor("cls.output.bias", np.zeros(1, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -26,13 +26,13 @@ TEXTS = ["the cat sat on the mat", "hello world", "queues and slots"]
 def test_payloads_name_their_kind() -> None:
     embedding = EmbeddingJobRequest(inputs=TEXTS, truncate=True, lane="bulk")
     payload = encode_payload(embedding)
-    assert payload["kind"] == "embedding" and payload["schema_version"] == "1.4"
+    assert payload["kind"] == "embedding" and payload["schema_version"] == "1.5"
     assert decode_payload(payload).request == embedding
     generation = encode_payload(JobRequest(prompt="hi"))
     assert "kind" not in generation                           # a generation payload reads as before
     assert isinstance(decode_payload(generation).request, JobRequest)
-    bad = decode_payload({**payload, "kind": "rerank"})
-    assert bad.error is not None and "kind must be one of generation, embedding" in bad.error.message
+    bad = decode_payload({**payload, "kind": "summary"})
+    assert bad.error is not None and "kind must be one of generation, embedding, rerank" in bad.error.message
 
 
 async def test_embed_through_the_queue(start_worker, client: SlotqClient, tiny_model_path: Path) -> None:

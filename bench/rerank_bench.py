@@ -1,0 +1,248 @@
+"""``slotq bench rerank``: rerank through Redis beside llama-server ``--rerank``: the same scores, and pairs/s.
+
+Two rerankers written by the suite's writer (tests/support/tiny_model.py's ``write_tiny_reranker``: a random
+BERT cross-encoder with rank pooling; no reranker ships with slotq and nothing is downloaded): the tiny one
+(64 wide, 2 layers), whose decode costs little, so its row shows what surrounds the decode (tokenizing, the
+queue, HTTP), and one of MiniLM-L6's shape (384 wide, 6 layers), whose decode is the cost.
+
+- ``slotq-redis``: ``slotq worker`` on the reranker (its kind detected from the GGUF); the client enqueues
+  each request through Redis (``client.rerank``) and waits for its scores;
+- ``llama-server``: ``--rerank`` (built from the llama.cpp that llama-cpp-python vendors,
+  :mod:`bench.llama_server`), ``POST /v1/rerank``.
+
+Both get the same cores, :data:`SEQUENCES` pairs per decode, a decode of :data:`BATCH` tokens and flash
+attention off: with it on, llama.cpp's CPU kernel rounds through F16 over the decode's whole KV, so in either
+system a pair's score moves by about 0.5% with the pairs beside it, and the agreement would measure the
+batching, not the scoring.
+
+Agreement: each system scores :data:`AGREE_QUERIES` queries against the same :data:`AGREE_DOCUMENTS`
+documents (one request per query); the largest absolute difference between their scores, and whether
+every query's order agrees. Throughput: C clients (1, 8), each sending requests of
+:data:`DOCUMENTS_PER_REQUEST` documents of 16 to 128 tokens back to back; pairs/s = documents scored / wall
+time, the mean of :data:`ROUNDS` rounds run in a rotated order (one request per client at 8 clients, 4 at 1:
+the larger model scores a few pairs a second on a shared 2-core machine). A system that cannot start is skipped with
+one line saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import llama_server
+from bench.overhead_bench import _rotated, _tiny_model_module
+from bench.peers_bench import _wait_http
+from bench.report import markdown_table, progress, write_results
+from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
+from slotq.jobs.settings import ClientSettings
+
+CONCURRENCY = [1, 8]
+SEQUENCES = 16                           # pairs per decode, both systems (slots / --parallel)
+BATCH = 512                              # tokens per decode, both systems
+PAIR_LIMIT = 512                         # per pair: the writers' training context
+THREADS = len(os.sched_getaffinity(0)) or 1
+ROUNDS = 2
+DOCUMENTS_PER_REQUEST = 8
+LENGTHS = [16, 32, 64, 128]              # tokens of the documents, in turn (one letter, one token)
+AGREE_QUERIES = 4
+AGREE_DOCUMENTS = 12
+SYSTEMS = ["slotq-redis", "llama-server"]
+PEER = "llama-server"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+MODELS = {"tiny (64 x 2, overhead)": {}, "MiniLM-L6 shape (384 x 6)": {"n_embd": 384, "n_layer": 6}}
+
+Rank = Callable[[str, list[str]], Awaitable[list[float]]]      # (query, documents) -> scores in document order
+
+
+def document(i: int, tokens: int) -> str:
+    """A distinct text of ``tokens`` tokens for the writers' vocabulary (single letters and bytes): it starts with
+    its index spelt in letters, so no two share a prefix."""
+    prefix = "".join(LETTERS[int(d)] for d in str(i)) + "z"
+    return (prefix + LETTERS[i % 26:] + LETTERS * (tokens // len(LETTERS) + 1))[:tokens]
+
+
+def query(i: int) -> str:
+    return f"what is {LETTERS[i % 26]}{LETTERS[(i * 7) % 26]} about"
+
+
+def _slotq_rank(client: SlotqClient) -> Rank:
+    async def rank(q: str, documents: list[str]) -> list[float]:
+        return (await client.rerank(q, documents, timeout=600)).scores
+    return rank
+
+
+def _http_rank(http: httpx.AsyncClient) -> Rank:
+    async def rank(q: str, documents: list[str]) -> list[float]:
+        response = await http.post("/v1/rerank", json={"query": q, "documents": documents})
+        if response.status_code != 200:
+            raise RuntimeError(f"{http.base_url}: HTTP {response.status_code}: {response.text[:300]}")
+        scores = [0.0] * len(documents)
+        for result in response.json()["results"]:
+            scores[result["index"]] = float(result["relevance_score"])
+        return scores
+    return rank
+
+
+async def closed_loop(rank: Rank, clients: int, total: int, first: int) -> float:
+    """``clients`` tasks sending requests back to back until ``total`` are done; pairs/s."""
+    queue = list(range(first, first + total))
+    scored = 0
+
+    async def client() -> None:
+        nonlocal scored
+        while queue:
+            i = queue.pop()
+            docs = [document(i * 100 + k, LENGTHS[k % len(LENGTHS)]) for k in range(DOCUMENTS_PER_REQUEST)]
+            scored += len(await rank(query(i), docs))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return scored / (time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------- the run
+async def run(quick: bool) -> tuple[dict[str, Any], str]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    skipped: dict[str, str] = {}
+    try:
+        server_binary: Path | None = llama_server.find_or_build()
+    except llama_server.Unavailable as exc:
+        server_binary = None
+        skipped[PEER] = str(exc)
+    results: list[dict[str, Any]] = []
+    agreement: list[dict[str, Any]] = []
+    writer = _tiny_model_module().write_tiny_reranker
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-rerank-") as tmp_name:
+        tmp = Path(tmp_name)
+        redis = EmbeddedRedis(tmp / "redis")
+        url = redis.start()
+        try:
+            for index, (name, shape) in enumerate(MODELS.items()):
+                model = Path(writer(tmp / f"reranker-{index}.gguf", n_ctx_train=PAIR_LIMIT, **shape))
+                rows, agreed = await _model(name, model, f"rerank-{index}", quick, tmp, url, server_binary)
+                results += rows
+                agreement += agreed
+        finally:
+            redis.stop()
+    for system, reason in skipped.items():
+        progress(f"skipped {system}: {reason}")
+    data = {"sequences_per_decode": SEQUENCES, "batch": BATCH, "threads": THREADS, "lengths": LENGTHS,
+            "documents_per_request": DOCUMENTS_PER_REQUEST, "flash_attention": "off", "results": results,
+            "agreement": agreement, "skipped": skipped}
+    text = _table(results, agreement, list(MODELS), skipped)
+    if not quick:
+        write_results("rerank", data, text, "slotq bench rerank")
+    return data, text
+
+
+async def _model(name: str, model: Path, queue: str, quick: bool, tmp: Path, url: str,
+                 server_binary: Path | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SEQUENCES),
+           "SLOTQ_BATCH": str(BATCH), "SLOTQ_CTX": str(PAIR_LIMIT), "SLOTQ_THREADS": str(THREADS),
+           "SLOTQ_FLASH_ATTENTION": "off", "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_QUEUE_NAME": queue}
+    worker = [sys.executable, "-m", "slotq.jobs.cli", "worker"]
+    children = {"slotq-redis": ChildProcess(f"slotq worker ({name})", worker, env=env,
+                                            log_path=tmp / f"worker-{queue}.log")}
+    port = free_port()
+    if server_binary is not None:
+        children[PEER] = ChildProcess(f"llama-server --rerank ({name})", [
+            str(server_binary), "-m", str(model), "--rerank", "--parallel", str(SEQUENCES), "-c",
+            str(SEQUENCES * PAIR_LIMIT), "-b", str(BATCH), "-ub", str(BATCH), "-t", str(THREADS), "-fa", "off",
+            "--host", "127.0.0.1", "--port", str(port)], log_path=tmp / f"llama-server-{queue}.log")
+    try:
+        return await run_watched(_measure(name, quick, url, queue, port if server_binary else None),
+                                 *children.values())
+    finally:
+        for child in children.values():
+            child.stop()
+
+
+async def _measure(name: str, quick: bool, url: str, queue: str,
+                   port: int | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=queue))
+    limits = httpx.Limits(max_connections=SEQUENCES + 8, max_keepalive_connections=SEQUENCES + 8)
+    http = (httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits)
+            if port is not None else None)
+    try:
+        paths: dict[str, Rank] = {"slotq-redis": _slotq_rank(client)}
+        while not any(w.ready for w in (await client.queue_info()).workers):
+            await asyncio.sleep(0.2)
+        if http is not None:
+            await _wait_http(http, "/health", lambda r: r.status_code == 200)
+            paths[PEER] = _http_rank(http)
+        for rank in paths.values():
+            await rank(query(0), [document(0, 16)])                   # warm-up, not measured
+        agreement = await _agreement(name, paths)
+        rows = []
+        for clients in [1] if quick else CONCURRENCY:
+            total = clients if clients > 1 else (2 if quick else 4)
+            rates: dict[str, list[float]] = {system: [] for system in paths}
+            for r in range(1 if quick else ROUNDS):
+                for system in _rotated(list(paths), r):
+                    progress(f"{name}, {clients} clients, round {r + 1}: {system}")
+                    rates[system].append(await closed_loop(paths[system], clients, total, 1 + (clients * 10 + r) * 100))
+            rows += [{"model": name, "system": system, "clients": clients, "requests": total,
+                      "pairs_per_s": round(sum(values) / len(values), 1), "rounds": [round(v, 1) for v in values]}
+                     for system, values in rates.items()]
+        return rows, agreement
+    finally:
+        if http is not None:
+            await http.aclose()
+        await client.close()
+
+
+async def _agreement(name: str, paths: dict[str, Rank]) -> list[dict[str, Any]]:
+    """The largest score difference between slotq and llama-server over the same requests, and whether every
+    request's order agrees (nothing when llama-server was skipped)."""
+    if PEER not in paths:
+        return []
+    docs = [document(5000 + k, LENGTHS[k % len(LENGTHS)]) for k in range(AGREE_DOCUMENTS)]
+    worst, largest, same_order = 0.0, 0.0, True
+    for i in range(AGREE_QUERIES):
+        ours, theirs = await paths["slotq-redis"](query(i), docs), await paths[PEER](query(i), docs)
+        worst = max(worst, *(abs(a - b) for a, b in zip(ours, theirs, strict=True)))
+        largest = max(largest, *(abs(b) for b in theirs))
+        same_order &= _order(ours) == _order(theirs)
+    progress(f"{name}: largest score difference {worst:.2e} (scores up to {largest:.3g}), same order: {same_order}")
+    return [{"model": name, "requests": AGREE_QUERIES, "documents": AGREE_DOCUMENTS, "max_abs_difference": worst,
+             "max_abs_score": largest, "same_order": same_order}]
+
+
+def _order(scores: list[float]) -> list[int]:
+    return sorted(range(len(scores)), key=lambda k: -scores[k])
+
+
+def _table(results: list[dict[str, Any]], agreement: list[dict[str, Any]], models: list[str],
+           skipped: dict[str, str]) -> str:
+    levels = sorted({r["clients"] for r in results})
+    rate = {(r["model"], r["system"], r["clients"]): r["pairs_per_s"] for r in results}
+    rows = []
+    for model in models:
+        for system in SYSTEMS:
+            if system in skipped:
+                continue
+            cells = [model, system]
+            for c in levels:
+                value, peer = rate.get((model, system, c)), rate.get((model, PEER, c))
+                ratio = f" ({value / peer:.2f} x)" if value and peer else ""
+                cells.append(f"{value:,.0f}{ratio}" if value is not None else "-")
+            rows.append(cells)
+    table = markdown_table(["model", "system", *(f"{c} clients pairs/s (/ {PEER})" for c in levels)], rows)
+    if agreement:
+        table += "\n\n" + markdown_table(
+            ["model", "requests x documents", "largest |score difference| vs llama-server", "largest |score|",
+             "same order"],
+            [[a["model"], f"{a['requests']} x {a['documents']}", f"{a['max_abs_difference']:.2e}",
+              f"{a['max_abs_score']:.3g}", "yes" if a["same_order"] else "no"] for a in agreement])
+    return table + "".join(f"\n\nskipped {system}: {reason}" for system, reason in skipped.items())
