@@ -1,6 +1,6 @@
-"""Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
-logprobs|embeddings|spec|step-costs``). Each measures its variants side by side in one run, prints a table with
-ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
+"""Benchmarks (``slotq bench api-shapes|engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
+logprobs|embeddings|rerank|spec|step-costs|on-demand``). Each measures its variants side by side in one run,
+prints a table with ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
 ``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
@@ -26,6 +26,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
     """Run benchmark ``which``; ``options`` are its own keyword arguments (``slotq bench spec``'s
     ``concurrency``, ``rounds``, ``draft_model``; ``slotq bench fleet``'s ``cluster``)."""
     from bench import (
+        api_shapes,
         bulk_bench,
         constraints_bench,
         embeddings_bench,
@@ -34,6 +35,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         gateway_batch_bench,
         gateway_bench,
         logprobs_bench,
+        on_demand_bench,
         overhead_bench,
         peers_bench,
         prefix_bench,
@@ -44,6 +46,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
     )
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
+        "api-shapes": api_shapes.run,
         "engine": engine_bench.run,
         "queue": queue_bench.run,
         "prefix": prefix_bench.run,
@@ -59,6 +62,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         "rerank": rerank_bench.run,
         "spec": spec_bench.run,
         "step-costs": step_costs_bench.run,
+        "on-demand": on_demand_bench.run,
     }
     try:
         data, table = asyncio.run(functools.partial(runners[which], **(options or {}))(quick))

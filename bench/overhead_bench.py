@@ -13,6 +13,9 @@ token, the mean of two rounds run in a rotated order. Systems, side by side in o
 - ``slotq-inprocess-unified``: the same with ``kv_layout=unified`` (the layout before wave 3);
 - ``slotq-redis``: a ``slotq worker`` with its defaults; the client enqueues through Redis and
   reads each job's stream;
+- ``slotq-redis-engine-process``: the same with ``SLOTQ_ENGINE_PROCESS=true`` (the engine in a process
+  of its own, on a queue of its own); the table gives it over ``slotq-redis`` too, the figure that
+  decides that setting's default;
 - ``llama-server``: llama.cpp's server, ``--parallel S -c S*CTX`` (a KV stream per slot, its
   default with an explicit ``--parallel``), built from the llama.cpp that llama-cpp-python vendors,
   streaming (SSE) as slotq streams through Redis;
@@ -55,7 +58,10 @@ TOKENS = 256
 CTX = 1024
 THREADS = len(os.sched_getaffinity(0)) or 1
 ROUNDS = 2          # each system measured in every round, in a rotated order; tokens/s = the mean
-SYSTEMS = ["slotq-inprocess", "slotq-inprocess-unified", "slotq-redis", "llama-server", "llama-server-kvu"]
+SYSTEMS = ["slotq-inprocess", "slotq-inprocess-unified", "slotq-redis", "slotq-redis-engine-process", "llama-server",
+           "llama-server-kvu"]
+WORKERS = {"slotq-redis": {}, "slotq-redis-engine-process": {"SLOTQ_ENGINE_PROCESS": "true"}}
+"""The ``slotq worker`` systems: what each sets beside the common environment (each on a queue of its own)."""
 
 OneStream = Callable[[int], Awaitable[int]]      # stream index -> generated tokens
 
@@ -199,11 +205,12 @@ async def _at(streams: int, tokens: int, tmp: Path, model: Path, url: str, serve
             process.close()
     children: dict[str, ChildProcess] = {}
     env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(streams),
-           "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS),
-           "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_ELASTIC": "false", "SLOTQ_QUEUE_NAME": f"overhead-{streams}"}
-    children["slotq-redis"] = ChildProcess(f"slotq worker at {streams} slots",
-                                           [sys.executable, "-m", "slotq.jobs.cli", "worker"],
-                                           env=env, log_path=tmp / f"worker-{streams}.log")
+           "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS), "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_ELASTIC": "false"}
+    for system, extra in WORKERS.items():
+        children[system] = ChildProcess(f"{system} at {streams} slots",
+                                        [sys.executable, "-m", "slotq.jobs.cli", "worker"],
+                                        env={**env, **extra, "SLOTQ_QUEUE_NAME": _queue(system, streams)},
+                                        log_path=tmp / f"{system}-{streams}.log")
     ports: dict[str, int] = {}
     if server_binary is not None:
         for system, extra in (("llama-server", []), ("llama-server-kvu", ["-kvu"])):
@@ -223,14 +230,17 @@ async def _at(streams: int, tokens: int, tmp: Path, model: Path, url: str, serve
 async def _measure_children(streams: int, tokens: int, first: int, url: str,
                             ports: dict[str, int]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=f"overhead-{streams}"))
+    clients = {system: await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=_queue(system, streams)))
+               for system in WORKERS}
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=0)
     https = {system: httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=1800, limits=limits)
              for system, port in ports.items()}
     try:
-        paths: dict[str, Callable[[int], OneStream]] = {"slotq-redis": lambda f: _redis_stream(client, tokens, f)}
-        while not (await client.queue_info()).workers:
-            await asyncio.sleep(0.2)
+        paths: dict[str, Callable[[int], OneStream]] = {}
+        for system, client in clients.items():
+            paths[system] = lambda f, client=client: _redis_stream(client, tokens, f)   # type: ignore[misc]
+            while not (await client.queue_info()).workers:
+                await asyncio.sleep(0.2)
         for system, http in https.items():
             await _wait_http(http, "/health", lambda r: r.status_code == 200)
             paths[system] = lambda f, http=http: _http_stream(http, tokens, f)   # type: ignore[misc]
@@ -245,8 +255,13 @@ async def _measure_children(streams: int, tokens: int, first: int, url: str,
     finally:
         for http in https.values():
             await http.aclose()
-        await client.close()
+        for client in clients.values():
+            await client.close()
     return rows
+
+
+def _queue(system: str, streams: int) -> str:
+    return f"overhead-{streams}" + ("-process" if system == "slotq-redis-engine-process" else "")
 
 
 def _rotated(systems: list[str], r: int) -> list[str]:
@@ -276,5 +291,8 @@ def _table(results: list[dict[str, Any]], streams_list: list[int], skipped: dict
             cells.append(f"{value:,.0f}{ratio}" if value is not None else "-")
         rows.append(cells)
     table = markdown_table(["system", *(f"{s} streams tok/s (/ llama-server's best)" for s in streams_list)], rows)
-    notes = "".join(f"\n\nskipped {system}: {reason}" for system, reason in skipped.items())
+    on_off = [f"{tps[('slotq-redis-engine-process', s)] / tps[('slotq-redis', s)]:.2f}x at {s} streams"
+              for s in streams_list if tps.get(("slotq-redis", s)) and tps.get(("slotq-redis-engine-process", s))]
+    notes = f"\n\nengine process / engine thread (SLOTQ_ENGINE_PROCESS on / off): {', '.join(on_off)}" if on_off else ""
+    notes += "".join(f"\n\nskipped {system}: {reason}" for system, reason in skipped.items())
     return table + notes

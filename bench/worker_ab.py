@@ -4,7 +4,9 @@ The job layer's cost per token is what a worker change moves, and on a shared ma
 minutes apart differ more than the change does. So this runs, in ONE run and in rotated rounds, the
 same engine in-process, a ``slotq worker`` of git revision ``REV`` (``git archive`` of it, laid out
 as the package-dir mapping of ``pyproject.toml`` lays out an install) and a ``slotq worker`` of this
-checkout, each through its own queue of one Redis, on two workloads:
+checkout, each through its own queue of one Redis, on two workloads (``--after-env NAME=VALUE`` sets
+a setting of this checkout's worker only: ``--before HEAD --after-env SLOTQ_ENGINE_PROCESS=true``
+measures that setting on / off):
 
 - ``overhead``: ``slotq bench overhead``'s, the suite's tiny model with S slots (``--streams``, 64)
   and S greedy streams of ``--tokens`` (128) started together: decode costs little, the job layer shows;
@@ -14,8 +16,8 @@ checkout, each through its own queue of one Redis, on two workloads:
 Each worker's figure is also given over the in-process engine's. Wall time on a shared machine is
 noisy, so each system's CPU time per 1,000 generated tokens is measured too (``/proc``): of its
 main thread, where the event loop runs (the job layer, Redis, the engine's deliveries), and of its
-whole process (the engine thread and llama.cpp's threads besides). Writes
-``bench/results/worker_ab.md`` and ``.json`` unless ``--quick``.
+whole process (the engine thread and llama.cpp's threads besides; a worker's engine process too). Writes
+``bench/results/worker_ab.md`` and ``.json`` (``--results NAME``: ``NAME.md``) unless ``--quick``.
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ JOB_TOKENS = 64      # the queue workload's jobs, as slotq bench queue's
 PACKAGES = {"slotq": "jobs/public", "slotq/engine": "engine", "slotq/jobs": "jobs"}   # pyproject's package-dir
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) of a process's main thread, and of the whole process."""
+def cpu_seconds(pid: int, *, with_children: bool = False) -> tuple[float, float]:
+    """CPU seconds (user + system) of a process's main thread, and of the whole process (with its
+    running child processes if asked: a worker's engine process, ``SLOTQ_ENGINE_PROCESS``)."""
     def ticks(stat: str) -> float:
         fields = Path(stat).read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return ticks(f"/proc/{pid}/task/{pid}/stat"), ticks(f"/proc/{pid}/stat")
+    children = [child for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()] if with_children else []
+    return ticks(f"/proc/{pid}/task/{pid}/stat"), ticks(f"/proc/{pid}/stat") + sum(
+        ticks(f"/proc/{child}/stat") for child in children)
 
 
 def _engine_streams_cpu(streams: int, tokens: int, first: int) -> tuple[float, float, float]:
@@ -93,14 +99,21 @@ async def rotated_rounds(systems: list[str], measure: Measure, rounds: int) -> d
     return figures
 
 
+AFTER_ENV: dict[str, str] = {}
+"""``--after-env``: settings of the "after" worker only (``SLOTQ_ENGINE_PROCESS=true`` with ``--before
+HEAD`` measures that setting on / off)."""
+
+
 def workers(before: Path, url: str, model: Path, tmp: Path, queue: str, **env: str) -> dict[str, ChildProcess]:
     """A worker of each revision, on queues of their own."""
     base = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_LOG_LEVEL": "WARNING",
             "SLOTQ_ELASTIC": "false", **env}
     here = os.environ.get("PYTHONPATH", "")
     paths = {"before": f"{before}{os.pathsep}{here}" if here else str(before), "after": here}
+    extra = {"before": {}, "after": AFTER_ENV}
     return {system: ChildProcess(f"the {system} worker", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
-                                 env={**base, "PYTHONPATH": paths[system], "SLOTQ_QUEUE_NAME": f"{queue}-{system}"},
+                                 env={**base, **extra[system], "PYTHONPATH": paths[system],
+                                      "SLOTQ_QUEUE_NAME": f"{queue}-{system}"},
                                  log_path=tmp / f"worker-{queue}-{system}.log")
             for system in ("before", "after")}
 
@@ -137,10 +150,10 @@ async def overhead(before: Path, url: str, tmp: Path, streams: int, tokens: int,
                     rate, main, process = engine.call(_engine_streams_cpu, streams, tokens, start)
                     return {"tokens_per_s": rate, **per_1k_tokens((main, process), streams * tokens)}
                 pid = children[system].proc.pid
-                cpu_before = cpu_seconds(pid)
+                cpu_before = cpu_seconds(pid, with_children=True)
                 stream = overhead_bench._redis_stream(by[system], tokens, start)
                 rate = await overhead_bench.all_streams(stream, streams)
-                cpu = tuple(b - a for a, b in zip(cpu_before, cpu_seconds(pid), strict=True))
+                cpu = tuple(b - a for a, b in zip(cpu_before, cpu_seconds(pid, with_children=True), strict=True))
                 return {"tokens_per_s": rate, **per_1k_tokens((cpu[0], cpu[1]), streams * tokens)}
             return await rotated_rounds(["inprocess", "before", "after"], measure, rounds)
         finally:
@@ -177,10 +190,11 @@ async def queue(before: Path, url: str, tmp: Path, clients_n: int, per_client: i
 
             async def measure(system: str, r: int) -> dict[str, float]:
                 nonlocal first
-                pid = children[system].proc.pid if system in children else os.getpid()
-                cpu_before = cpu_seconds(pid)
+                worker = system in children
+                pid = children[system].proc.pid if worker else os.getpid()
+                cpu_before = cpu_seconds(pid, with_children=worker)
                 tps, timed = await queue_bench._closed_loop(paths[system], clients_n, per_client, first)
-                cpu = tuple(b - a for a, b in zip(cpu_before, cpu_seconds(pid), strict=True))
+                cpu = tuple(b - a for a, b in zip(cpu_before, cpu_seconds(pid, with_children=worker), strict=True))
                 first += clients_n * per_client
                 return {"tokens_per_s": tps, "ttft_p50_ms": percentile([t.first_s or 0.0 for t in timed], 50) * 1000,
                         **per_1k_tokens((cpu[0], cpu[1]), sum(t.tokens for t in timed))}
@@ -230,8 +244,10 @@ def report(args: argparse.Namespace, data: dict[str, Any], tables: list[str]) ->
     text = "\n\n".join(tables)
     print(text, flush=True)
     if not args.quick:
-        command = f"python -m bench.worker_ab --before {args.before} --workloads {','.join(args.workloads)}"
-        write_results("worker_ab", data, text, command)
+        command = f"python -m bench.worker_ab --before {args.before} --workloads {','.join(args.workloads)}" + "".join(
+            f" --after-env {name}={value}" for name, value in AFTER_ENV.items()) + (
+            f" --results {args.results}" if args.results != "worker_ab" else "")
+        write_results(args.results, data, text, command)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -240,7 +256,7 @@ async def main(args: argparse.Namespace) -> None:
         before = checkout(args.before, tmp / "before")
         redis = EmbeddedRedis(tmp / "redis")
         url = redis.start()
-        data: dict[str, Any] = {"before": args.before, "rounds": args.rounds}
+        data: dict[str, Any] = {"before": args.before, "after_env": AFTER_ENV, "rounds": args.rounds}
         tables = []
         try:
             if "overhead" in args.workloads:
@@ -266,5 +282,10 @@ if __name__ == "__main__":
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--per-client", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--after-env", action="append", default=[], metavar="SLOTQ_NAME=VALUE",
+                        help="a setting of the after worker only (repeatable): with --before HEAD, a setting on / off")
+    parser.add_argument("--results", default="worker_ab", help="the name of the files written in bench/results")
     parser.add_argument("--quick", action="store_true", help="do not write bench/results")
-    asyncio.run(main(parser.parse_args()))
+    arguments = parser.parse_args()
+    AFTER_ENV.update(item.split("=", 1) for item in arguments.after_env)
+    asyncio.run(main(arguments))

@@ -24,6 +24,8 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = Field(0, description="prompt tokens whose KV was reused, not recomputed")
+    reasoning_tokens: int = Field(
+        0, description="of completion_tokens, those of the reply's think block (its tags included)")
 
 
 class Timings(BaseModel):
@@ -66,6 +68,9 @@ class TextDelta:
     A chat reply is split as it streams (:mod:`slotq.engine.reply_parser`): ``text`` is what the
     reply says, ``reasoning`` what it thought (think tags), ``tool_calls`` the next pieces of its calls.
     ``logprobs``: one per token id, in the same order, when the request asked for them.
+    ``prompt_tokens`` / ``cached_prompt_tokens``: on a choice's first delta only (0 on the others),
+    its prompt's tokens and those whose KV was reused, as its ``Finished`` usage will say: a consumer
+    that reports the prompt up front (Anthropic's ``message_start``) has it with the first token.
 
     A slotted dataclass, not a pydantic model: the engine thread makes one per token of every
     sequence, and nothing it holds needs validating (about 0.3 us to build instead of 3.3)."""
@@ -79,6 +84,8 @@ class TextDelta:
     token_ids: list[int]
     n_tokens: int                       # tokens generated so far for this choice, including these
     logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 class Finished(BaseModel):
@@ -88,6 +95,8 @@ class Finished(BaseModel):
     request_id: str
     choice: int = 0
     finish_reason: FinishReason
+    stop_sequence: str | None = Field(None, description="finish_reason stop: the stop string that ended it "
+                                                        "(None: the model's end of turn)")
     usage: Usage
     timings: Timings
     error: ErrorInfo | None = None

@@ -187,6 +187,7 @@ class ReplyParser:
         self._error: ToolCallError | None = None
         self._unfinished = False   # the error is only that the reply ended inside a call
         self._running = True
+        self._thinking = False     # inside the reply's think block (opened, not yet closed)
         self._steps = self._reply()
 
     def push(self, text: str) -> ReplyDelta:
@@ -212,6 +213,12 @@ class ReplyParser:
     def tool_calls(self) -> list[ToolCall]:
         """The complete calls so far."""
         return list(self._calls)
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the text pushed so far leaves the reply inside its think block: a runner counts
+        the tokens that are (and the one that closes it) as the reply's reasoning tokens."""
+        return self._thinking
 
     @property
     def error(self) -> ToolCallError | None:
@@ -261,7 +268,9 @@ class ReplyParser:
             if (yield from self._lead((THINK_OPEN,))) is None:
                 return
             self._pos += len(THINK_OPEN)
+        self._thinking = True
         yield from self._text((THINK_CLOSE,), self._emit_reasoning, trim=True)
+        self._thinking = False
         yield from self._drop_whitespace()
 
     def _calls_after_markers(self, marker: str, calls: Callable[[], _Parse[None]]) -> _Parse[None]:

@@ -52,6 +52,7 @@ from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDe
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
 from slotq.engine.logprobs import RowLogprobs, StepLogprobs, TokenBytes, as_event
+from slotq.engine.lora import BASE, AdapterSet
 from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.outbox import Outbox, Sink
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCallError
@@ -77,6 +78,7 @@ class PreparedRequest:
     sink: Sink
     make_chain: Callable[[int], SamplerChain]     # choice index -> a fresh sampler chain
     reply: ReplySetup | None = None               # how a chat reply is split (None: plain text)
+    adapters: AdapterSet = BASE                   # the LoRA adapters it runs under (resolved from request.lora)
     submitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -93,6 +95,7 @@ class _Choice:
     special_text: bool = False          # control tokens rendered as text (see ReplySetup.special_tokens_as_text)
     admitted_at: float | None = None
     first_token_at: float | None = None
+    reasoning_tokens: int = 0           # tokens generated up to the last one inside (or closing) the think block
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class _End:
     reason: FinishReason
     error: EngineError | None = None
     flush: bool = True
+    stop_sequence: str | None = None    # the stop string that ended it
 
 
 _Command: TypeAlias = PreparedRequest | SchedulerLimits | str
@@ -141,6 +145,11 @@ class Runner:
     def stats(self) -> EngineStats:
         """The latest step's stats (built here, on the reader's thread, from the step's snapshot)."""
         return self._snapshot.stats()
+
+    @property
+    def snapshot(self) -> StatsSnapshot:
+        """The latest step's snapshot, not yet built into stats."""
+        return self._snapshot
 
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a request; raises EngineDead / EngineStopped unless the engine is running."""
@@ -249,6 +258,7 @@ class Runner:
                 priority_class=req.priority_class,
                 priority=req.priority,
                 lent_reserve=req.lent_reserve,
+                adapters=prepared.adapters,
                 fork_of=leader,
                 fork_len=len(base),
                 payload=state,
@@ -294,7 +304,7 @@ class Runner:
                 armed = self._arm_at_call(state, piece)
             text = state.stops.push(state.utf8.push(piece)).emit
             if state.parser is not None and text:
-                state.parser.push(text)
+                self._push_reply(state, text, i + 1)
 
     @staticmethod
     def _arm_at_call(state: _Choice, piece: bytes) -> bool:
@@ -379,6 +389,8 @@ class Runner:
                 sample_at.append((seq, len(tokens) - 1 - len(item.draft), item.draft))
             else:
                 wants.append(False)
+        if self.model.set_adapters(out.adapters):      # another set's turn (scheduler rule 10)
+            self.counters.lora_switches += 1
         started = time.perf_counter()
         ret = self.model.decode(tokens, positions, seq_ids, wants)
         decode_seconds = time.perf_counter() - started
@@ -437,7 +449,7 @@ class Runner:
         if draft and self.scheduler.settle_drafts(seq):
             self.model.kv_remove(seq.slot, seq.n_computed)
         if end is not None:
-            self._finish(seq, end.reason, error=end.error, flush=end.flush)
+            self._finish(seq, end.reason, error=end.error, flush=end.flush, stop_sequence=end.stop_sequence)
 
     def _take(self, seq: Sequence, batch_index: int) -> tuple[int | None, _End | None]:
         """Sample one token from a row, append it and emit its text; returns it and, if it ends the
@@ -451,7 +463,8 @@ class Runner:
         seq.tokens.append(token)
         self.counters.generated += 1
         now = time.monotonic()
-        if state.first_token_at is None:
+        first = state.first_token_at is None
+        if first:
             state.first_token_at = now
         request = state.prepared.request
         if self._is_eog(token) and not request.ignore_eos:
@@ -468,16 +481,31 @@ class Runner:
             delta = TextDelta(request_id=seq.request_id, choice=seq.choice, text=match.emit, token_ids=[token],
                               n_tokens=seq.n_generated, logprobs=token_logprobs)
         else:
-            reply = state.parser.push(match.emit)
+            reply = self._push_reply(state, match.emit, seq.n_generated)
             delta = TextDelta(request_id=seq.request_id, choice=seq.choice, text=reply.content,
                               reasoning=reply.reasoning, tool_calls=reply.tool_calls, token_ids=[token],
                               n_tokens=seq.n_generated, logprobs=token_logprobs)
+        if first:
+            delta.prompt_tokens, delta.cached_prompt_tokens = seq.n_prompt, seq.n_reused
         self._emit(state.prepared, delta)
         if match.stopped or (state.parser is not None and state.parser.error is not None):
-            return token, _End(FinishReason.STOP, flush=False)      # a broken call fails it there (_reply_tail)
+            # a broken call fails it there (_reply_tail)
+            return token, _End(FinishReason.STOP, flush=False, stop_sequence=match.stop)
         if seq.n_generated >= request.max_tokens or len(seq.tokens) >= self.ctx_per_seq:
             return token, _End(FinishReason.LENGTH)
         return token, None
+
+    @staticmethod
+    def _push_reply(state: _Choice, text: str, n_generated: int) -> ReplyDelta:
+        """Parse a token's text as the reply's; the token is a reasoning token if the reply was in
+        its think block before it or is after it (``<think>`` and ``</think>`` count as reasoning).
+        ``n_generated``: the choice's tokens so far, this one included."""
+        assert state.parser is not None
+        inside = state.parser.thinking
+        reply = state.parser.push(text)
+        if inside or state.parser.thinking:
+            state.reasoning_tokens = n_generated
+        return reply
 
     @staticmethod
     def _reply_tail(state: _Choice, text: str, reason: FinishReason) -> list[ReplyDelta]:
@@ -547,7 +575,7 @@ class Runner:
             self._finish(item.seq, FinishReason.ERROR, error=error, reusable=False)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, error: EngineError | None = None,
-                flush: bool = True, reusable: bool = True) -> None:
+                flush: bool = True, reusable: bool = True, stop_sequence: str | None = None) -> None:
         if seq.state == SeqState.FINISHED:
             return
         state: _Choice = seq.payload
@@ -567,7 +595,7 @@ class Runner:
                 reason, error = FinishReason.ERROR, exc
             else:
                 if reason == FinishReason.STOP and state.parser is not None and state.parser.tool_calls:
-                    reason = FinishReason.TOOL_CALLS
+                    reason, stop_sequence = FinishReason.TOOL_CALLS, None
         state.chain.free()
         if self.drafter is not None:
             self.drafter.forget(seq)
@@ -583,9 +611,11 @@ class Runner:
             decode_tokens_per_s=((fresh - 1) / (now - state.first_token_at)
                                  if state.first_token_at and fresh > 1 and now > state.first_token_at else None),
         )
-        usage = Usage(prompt_tokens=seq.n_prompt, completion_tokens=n_new, cached_prompt_tokens=seq.n_reused)
+        usage = Usage(prompt_tokens=seq.n_prompt, completion_tokens=n_new, cached_prompt_tokens=seq.n_reused,
+                      reasoning_tokens=state.reasoning_tokens)
         self.counters.finished(reason)
         self._emit(state.prepared, Finished(request_id=seq.request_id, choice=seq.choice, finish_reason=reason,
+                                            stop_sequence=stop_sequence if reason == FinishReason.STOP else None,
                                             usage=usage, timings=timings, error=_error_info(error)))
 
     def _fail_unstarted(self, prepared: PreparedRequest, choice: int, error: EngineError) -> None:

@@ -34,15 +34,20 @@ class StopMatch:
     """Result of feeding text to a :class:`StopMatcher`."""
 
     emit: str                      # text safe to send now
-    stopped: bool = False          # a stop string was found; nothing after it is emitted
+    stop: str | None = None        # the stop string found (nothing after it is emitted), else None
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None
 
 
 @dataclass
 class StopMatcher:
     """Finds stop strings in streamed text and holds back partial matches.
 
-    The stop string itself is never emitted. Text that could be the start of a stop string is
-    held until it either completes the match or stops matching.
+    The stop string itself is never emitted, and the match names it (a client may ask which of its
+    stop strings ended the reply: Anthropic's ``stop_sequence``). Text that could be the start of a
+    stop string is held until it either completes the match or stops matching.
     """
 
     stops: list[str]
@@ -52,10 +57,11 @@ class StopMatcher:
         if not self.stops:
             return StopMatch(emit=text)
         buf = self._held + text
-        first = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if first >= 0:
+        found = [(at, i) for i, at in enumerate(buf.find(s) for s in self.stops) if at >= 0]
+        if found:               # the earliest in the text; of two there, the first in the list
+            at, i = min(found)
             self._held = ""
-            return StopMatch(emit=buf[:first], stopped=True)
+            return StopMatch(emit=buf[:at], stop=self.stops[i])
         keep = self._partial_suffix_len(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return StopMatch(emit=buf[: len(buf) - keep])

@@ -151,9 +151,11 @@ def to_count_job(request: CountTokensRequest, *, tenant: str | None = None, lane
     return _validated(fields)
 
 
-def stop_reason(reason: FinishReason | None) -> StopReason | None:
-    """Anthropic's name for a finish reason that ends a reply normally. A stop sequence reads
-    ``end_turn``: a worker does not report which of EOS and a stop string ended the reply."""
+def stop_reason(reason: FinishReason | None, stop_sequence: str | None = None) -> StopReason | None:
+    """Anthropic's name for a finish reason that ends a reply normally: ``stop_sequence`` when one of
+    the request's ``stop_sequences`` ended it (the worker reports which), ``end_turn`` when the model did."""
+    if reason == FinishReason.STOP and stop_sequence is not None:
+        return "stop_sequence"
     return _STOP_REASONS.get(reason) if reason is not None else None
 
 
@@ -182,10 +184,10 @@ def to_message(result: JobResult, model: str) -> Message:
     ``max_tokens``); the job's result (``GET /v1/jobs/{id}``) keeps its text. ``model`` is the name
     asked for; the Message names the model that served the job when its result says."""
     content: list[ThinkingOut | TextOut | ToolUseOut] = []
-    reason = result.finish_reason
+    reason, stop = result.finish_reason, result.stop_sequence
     if result.choices:
         choice = result.choices[0]
-        reason = choice.finish_reason
+        reason, stop = choice.finish_reason, choice.stop_sequence
         if choice.reasoning:
             content.append(ThinkingOut(thinking=choice.reasoning))
         if choice.text:
@@ -197,6 +199,7 @@ def to_message(result: JobResult, model: str) -> Message:
     elif result.text:
         content.append(TextOut(text=result.text))
     return Message(id=message_id(result.id), model=result.model or model, content=content,
-                   stop_reason=stop_reason(reason), usage=usage_out(result.usage),
+                   stop_reason=stop_reason(reason, stop), stop_sequence=stop if reason == FinishReason.STOP else None,
+                   usage=usage_out(result.usage),
                    slotq=SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts))
 

@@ -134,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "schema-valid calls streamed), the results sent back, then the answers")
     p.set_defaults(func=cmd_demo)
 
-    p = command("bench", "benchmarks: engine (batching modes), queue (Redis overhead), prefix (KV reuse), "
-                         "gateway (HTTP overhead), gateway-batch (chat TTFT while the gateway writes a 100 MB "
-                         "batch output), fleet (the claim path at 100 to 10,000 simulated slots), "
+    p = command("bench", "benchmarks: api-shapes (every API route's JSON and event shapes beside llama-server's "
+                         "and the official SDKs' types), engine (batching modes), queue (Redis overhead), prefix "
+                         "(KV reuse), gateway (HTTP overhead), gateway-batch (chat TTFT while the gateway writes a "
+                         "100 MB batch output), fleet (the claim path at 100 to 10,000 simulated slots), "
                          "bulk (bulk runs beside interactive jobs), peers (slotq beside llama-server and "
                          "llama-cpp-python's server), overhead (many streams on a tiny model: slotq beside "
                          "llama-server in both KV layouts), constraints (what one JSON schema costs its "
@@ -146,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "scores and pairs/s beside llama-server --rerank), spec (speculative "
                          "decoding: slotq with and without it beside llama-server's draft modes), step-costs "
                          "(the engine thread's per-step Python at 64 and 256 sequences, before and after batching "
-                         "it)", None)
-    p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "gateway-batch", "fleet", "bulk", "peers",
-                                     "overhead", "constraints", "logprobs", "embeddings", "rerank", "spec",
-                                     "step-costs"])
+                         "it), on-demand (a job for a model no worker has loaded: first token beside the model's "
+                         "load time)", None)
+    p.add_argument("which", choices=["api-shapes", "engine", "queue", "prefix", "gateway", "gateway-batch", "fleet",
+                                     "bulk", "peers", "overhead", "constraints", "logprobs", "embeddings", "rerank",
+                                     "spec", "step-costs", "on-demand"])
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="print one JSON object instead of a table; with PATH, write it there and print the table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")

@@ -76,13 +76,17 @@ def render(info: QueueInfo, *, shards: Sequence[ShardLoad] = (), at: float | Non
     for lane in info.lanes:
         lanes.add_row(lane.lane, str(lane.queued), _age(lane.oldest_queued_age_s), str(lane.deferred),
                       str(lane.running), str(lane.preempted))
-    workers = Table("worker", "model", "state", "busy / active / max slots", "KV used", "tokens/s",
-                    "per stream", "drafts kept", "memory", "degradation")
+    workers = Table("worker", "model", "load", "state", "busy / active / max slots", "KV used", "tokens/s",
+                    "per stream", "drafts kept", "memory", "degradation",
+                    caption="load: what loading its model cost (engine start + warm-up); a worker of several "
+                            "models loads one at a time (1 of N)")
     for w in info.workers:
         kv = f"{(w.kv_cells_used - w.kv_cells_cached) / w.kv_cells_total:.0%}" if w.kv_cells_total else "-"
         active = w.slots_active if w.slots_active is not None else w.slots_total
         workers.add_row(
-            w.id, w.model, _state(w), f"{w.slots_busy} / {active} / {w.slots_total}", kv, f"{w.tokens_per_s:.1f}",
+            w.id, w.model if w.models == 1 else f"{w.model} (1 of {w.models})",
+            f"{w.load_s:.2f} s" if w.load_s is not None else "-", _state(w),
+            f"{w.slots_busy} / {active} / {w.slots_total}", kv, f"{w.tokens_per_s:.1f}",
             f"{w.stream_tokens_per_s:.1f}" if w.stream_tokens_per_s else "-",
             _speculation(w),
             f"{w.memory_ratio:.0%}" if w.memory_ratio is not None else "-",

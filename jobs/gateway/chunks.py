@@ -179,7 +179,8 @@ class ChunkRenderer:
         first = self._usage.get(0) or next(iter(self._usage.values()), Usage())
         total = Usage(prompt_tokens=first.prompt_tokens,
                       completion_tokens=sum(u.completion_tokens for u in self._usage.values()),
-                      cached_prompt_tokens=sum(u.cached_prompt_tokens for u in self._usage.values()))
+                      cached_prompt_tokens=sum(u.cached_prompt_tokens for u in self._usage.values()),
+                      reasoning_tokens=sum(u.reasoning_tokens for u in self._usage.values()))
         return self._chunk([], usage=total)
 
     def _chunk(self, choices: list[ChatChunkChoice | TextChoice], *, id: str | None = None,

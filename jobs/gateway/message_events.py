@@ -3,8 +3,11 @@
 The sequence the ``anthropic`` SDK reads: ``message_start`` and a ``ping``; then per content block
 ``content_block_start``, its ``content_block_delta`` events (``thinking_delta``, ``text_delta``,
 ``input_json_delta``) and ``content_block_stop``; then ``message_delta`` (``stop_reason`` and usage)
-and ``message_stop``. Blocks come in the order the reply wrote them: its thinking, its text, each
-tool call (a ``tool_use`` block opened with the call's id and name, its arguments' JSON in pieces).
+and ``message_stop``. ``message_start`` goes out with the job's first entry, whose first chunk says
+the prompt's tokens (``input_tokens`` and ``cache_read_input_tokens``, as ``message_delta`` repeats
+them); until then the stream has only keep-alive comments. Blocks come in the order the reply wrote
+them: its thinking, its text, each tool call (a ``tool_use`` block opened with the call's id and
+name, its arguments' JSON in pieces).
 A job that fails, is cancelled or passes its deadline ends the stream with an ``error`` event in
 Anthropic's shape; a failed attempt that the job retries is a ``ping``, and the stream goes on.
 
@@ -21,11 +24,13 @@ from typing import Any, Literal
 
 from slotq.jobs.anthropic.errors import anthropic_body
 from slotq.jobs.anthropic.translate import message_id, stop_reason, usage_out, wire_param
+from slotq.jobs.anthropic.wire import Usage
 from slotq.jobs.gateway.chunks import first_entry_error, parse_stream_id, sse, unfinished_stream
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import merge_tool_call_deltas
 from slotq.jobs.protocol.wire import FinishReason
+from slotq.jobs.protocol.wire import Usage as JobUsage
 
 BlockKind = Literal["thinking", "text", "tool_use"]
 Event = tuple[str, dict[str, Any]]     # (event type, its data)
@@ -42,21 +47,41 @@ class MessageEventRenderer:
         self.model = model
         self.after = parse_stream_id(after) if after else None
         self.finished = False
+        self._started = self.after is not None           # message_start sent (a resumed stream had it)
         self._blocks = 0                                  # blocks started so far
         self._open: BlockKind | None = None               # the kind of the block open now
         self._call_blocks: dict[int, int] = {}            # a tool call's index -> its block's index
 
     def opening(self) -> list[str]:
-        if self.after is not None:
-            return []
+        """Nothing before the first entry: ``message_start`` waits for the prompt's count."""
+        return []
+
+    def _start(self, entry: StreamEntry) -> list[str]:
+        """``message_start`` (and a ``ping``) before the events of the stream's first chunk (or done
+        entry): its usage is the prompt's as that entry says it."""
+        self._started = True
+        usage = Usage(input_tokens=0, output_tokens=0)           # (a chunk from a worker that did not say)
+        if entry.prompt_tokens is not None:
+            usage = usage_out(JobUsage(prompt_tokens=entry.prompt_tokens,
+                                       cached_prompt_tokens=entry.cached_prompt_tokens))
+        elif entry.kind == EntryKind.DONE and entry.usage is not None:
+            usage = usage_out(entry.usage.model_copy(update={"completion_tokens": 0}))
         message: dict[str, Any] = {
             "id": message_id(self.job_id), "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+            "stop_reason": None, "stop_sequence": None,
+            "usage": usage.model_dump(exclude={"cache_creation_input_tokens"})}
         return self._render([("message_start", {"type": "message_start", "message": message}),
                              ("ping", {"type": "ping"})], None)
 
     def feed(self, entry: StreamEntry) -> list[str]:
-        """The events for one entry that the client has not seen yet (the state moves on either way)."""
+        """The events for one entry that the client has not seen yet (the state moves on either way),
+        after ``message_start`` when it is the stream's first."""
+        # An error says nothing of the prompt: a retried attempt's is a ping and the start waits on; a
+        # final one ends the stream with only its error event, as Anthropic's own errors before a message.
+        opening = self._start(entry) if not self._started and entry.kind in (EntryKind.CHUNK, EntryKind.DONE) else []
+        return [*opening, *self._feed(entry)]
+
+    def _feed(self, entry: StreamEntry) -> list[str]:
         new = self.after is None or parse_stream_id(entry.id) > self.after
         if entry.kind == EntryKind.CHUNK:
             events = self._pieces(entry)
@@ -66,8 +91,8 @@ class MessageEventRenderer:
             events = self._close()
             usage = usage_out(entry.usage) if entry.usage is not None else None
             events.append(("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": stop_reason(entry.finish_reason),
-                                                   "stop_sequence": None},
+                "type": "message_delta", "delta": {"stop_reason": stop_reason(entry.finish_reason, entry.stop_sequence),
+                                                   "stop_sequence": entry.stop_sequence},
                 "usage": usage.model_dump(exclude={"cache_creation_input_tokens"}) if usage else {"output_tokens": 0}}))
             events.append(("message_stop", {"type": "message_stop"}))
             self.finished = True

@@ -15,8 +15,9 @@ from fastapi import APIRouter, Depends, Request, Response
 from slotq.jobs.anthropic.translate import to_count_job, to_job_request, to_message, wire_param
 from slotq.jobs.anthropic.wire import CountTokensRequest, MessagesRequest, TokenCount
 from slotq.jobs.gateway.auth import CallerDep, authenticate
+from slotq.jobs.gateway.job_results import count_prompt, finished_result
 from slotq.jobs.gateway.message_events import MessageEventRenderer
-from slotq.jobs.gateway.routes_openai import count_prompt, finished_result, gateway_of, resumed_job
+from slotq.jobs.gateway.routes_openai import gateway_of, resumed_job
 from slotq.jobs.gateway.sse import ClientGone, open_stream
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])

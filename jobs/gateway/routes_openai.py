@@ -10,17 +10,17 @@ worker if one dies, and cancelled when its client leaves unless ``keep_on_discon
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel
 
+from slotq.jobs.gateway.adapters import SEPARATOR, adapter_routes, common_adapters
 from slotq.jobs.gateway.auth import Caller, CallerDep, authenticate
 from slotq.jobs.gateway.chunks import ChunkRenderer, parse_stream_id
+from slotq.jobs.gateway.job_results import finished_result
 from slotq.jobs.gateway.records import JobRecord
 from slotq.jobs.gateway.routing import ModelRoute
 from slotq.jobs.gateway.service import Gateway
-from slotq.jobs.gateway.sse import DEADLINE_GRACE_S, ClientGone, open_stream, until_disconnected
+from slotq.jobs.gateway.sse import ClientGone, open_stream
 from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.openai.translate import (
     WireRequest,
@@ -29,7 +29,6 @@ from slotq.jobs.openai.translate import (
     to_embeddings_response,
     to_job_request,
     to_response,
-    unfinished_error,
     wire_param,
 )
 from slotq.jobs.openai.wire import (
@@ -39,8 +38,8 @@ from slotq.jobs.openai.wire import (
     ModelCard,
     ModelList,
 )
-from slotq.jobs.producer.client import JobHandle, JobNotFound, JobTimeout, SlotqClient
-from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.schemas import JobStatus
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
@@ -50,25 +49,36 @@ def gateway_of(request: Request) -> Gateway:
     return gateway
 
 
-def model_card(route: ModelRoute) -> ModelCard:
-    return ModelCard(id=route.model, created=int(min(w.started_at for w in route.workers)), kind=route.kind,
+def model_card(route: ModelRoute, adapter: str | None = None) -> ModelCard:
+    """A model as ``/v1/models`` lists it, or (``adapter``) the card of one of its LoRA adapters,
+    ``base:adapter``. One no worker has loaded (``unloaded``, from the catalog) has no start time
+    (``created`` 0) and no slots."""
+    return ModelCard(id=route.model if adapter is None else f"{route.model}{SEPARATOR}{adapter}",
+                     created=int(min((w.started_at for w in route.workers), default=0)), kind=route.kind,
                      queue=route.queue, workers=len(route.workers), slots_total=route.slots_total,
-                     slots_busy=route.slots_busy)
+                     slots_busy=route.slots_busy, status=route.status, load_s=route.load_s,
+                     adapters=common_adapters(route.workers) if adapter is None else [],
+                     parent=route.model if adapter is not None else None)
 
 
 @router.get("/models")
 async def list_models(request: Request) -> ModelList:
     routes = await gateway_of(request).router.routes()
-    return ModelList(data=[model_card(route) for _model, route in sorted(routes.items())])
+    cards = [model_card(route) for _model, route in routes.items()]
+    cards += [model_card(route, adapter) for route, adapter in adapter_routes(routes).values()]
+    return ModelList(data=sorted(cards, key=lambda card: card.id))
 
 
 @router.get("/models/{model:path}")
 async def get_model(model: str, request: Request) -> ModelCard:
-    """One served model (404 for a model no live worker serves). ``:path``: names may hold a '/'."""
-    route = (await gateway_of(request).router.routes()).get(model)
+    """One served model or LoRA adapter (404 for a name no live worker serves). ``:path``: names may hold a '/'."""
+    routes = await gateway_of(request).router.routes()
+    route = routes.get(model)
+    if route is None and model in (adapters := adapter_routes(routes)):
+        return model_card(*adapters[model])
     if route is None:
-        raise ApiError(404, f"the model {model!r} does not exist or no live worker serves it", param="model",
-                       code="model_not_found")
+        raise ApiError(404, f"the model {model!r} does not exist or no live worker serves or can load it",
+                       param="model", code="model_not_found")
     return model_card(route)
 
 
@@ -90,31 +100,12 @@ async def embeddings(body: EmbeddingsRequest, request: Request, caller: CallerDe
     job = to_embedding_job(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
     handle, record = await gateway.submit(job, body.model, "embedding")
     try:
-        result = await whole_result(request, gateway, handle)
+        result = await finished_result(request, gateway, handle, deadline=None, owner_cancels=handle.created,
+                                       param=public_param)
     except ClientGone:
         return Response(status_code=499)
     return Response(to_embeddings_response(result, record.model, body.encoding_format).model_dump_json(),
                     media_type="application/json", headers={"X-Slotq-Job-Id": handle.id})
-
-
-async def whole_result(request: Request, gateway: Gateway, handle: JobHandle,
-                       param: Callable[[str | None], str | None] = public_param) -> JobResult:
-    """The result of a job answered all at once (embeddings, rerank), waited for while its client stays; an
-    ApiError for one that did not succeed (``param`` names a field as the request did). ClientGone when the
-    client leaves first: the job is then cancelled if this request created it."""
-    try:
-        result = await until_disconnected(request, handle.result())
-    except ClientGone:
-        if handle.created:
-            gateway.client_left(handle.client, handle.id)
-        raise
-    except JobNotFound:
-        raise ApiError.job_not_found(handle.id) from None
-    error = unfinished_error(result, param)
-    if error is not None:
-        error.headers |= {"X-Slotq-Job-Id": handle.id}
-        raise error
-    return result
 
 
 async def complete(request: Request, caller: Caller, body: WireRequest) -> Response:
@@ -141,45 +132,6 @@ async def complete(request: Request, caller: Caller, body: WireRequest) -> Respo
         return Response(status_code=499)
     return Response(to_response(kind, result, record.model, record.created).model_dump_json(),
                     media_type="application/json", headers=headers)
-
-
-async def finished_result(request: Request, gateway: Gateway, handle: JobHandle, *, deadline: float | None,
-                          owner_cancels: bool, param: Callable[[str | None], str | None]) -> JobResult:
-    """The result of a job that finished its reply, waited for until its deadline; an ApiError for
-    one that did not (failed, cancelled, past its deadline: ``param`` names a field as the request
-    did). ClientGone when the client leaves first, the job then cancelled if ``owner_cancels``."""
-    timeout = None if deadline is None else max(0.0, deadline - time.time()) + DEADLINE_GRACE_S
-    try:
-        result = await until_disconnected(request, handle.result(timeout=timeout))
-    except ClientGone:
-        if owner_cancels:
-            gateway.client_left(handle.client, handle.id)
-        raise
-    except JobTimeout:
-        gateway.cancel_soon(handle.client, handle.id)
-        raise ApiError.deadline(f"job {handle.id}: the deadline passed before it finished") from None
-    except JobNotFound:
-        raise ApiError.job_not_found(handle.id) from None
-    error = unfinished_error(result, param)
-    if error is not None:
-        error.headers |= {"X-Slotq-Job-Id": handle.id}
-        raise error
-    return result
-
-
-async def count_prompt(request: Request, gateway: Gateway, job: JobRequest, model: str,
-                       param: Callable[[str | None], str | None], answer: Callable[[int], BaseModel]) -> Response:
-    """The token-counting routes' one answer (``/v1/messages/count_tokens``,
-    ``/v1/responses/input_tokens``): ``job`` generates one token, so the count is the prompt as a
-    worker serving ``model`` renders and tokenizes it, charged to the tenant's quotas as the work it
-    is; ``answer`` wraps the count in the route's shape. 499 (the job cancelled) if the client leaves."""
-    handle, _record = await gateway.submit(job, model, "chat", param)
-    try:
-        result = await finished_result(request, gateway, handle, deadline=None, owner_cancels=True, param=param)
-    except ClientGone:
-        return Response(status_code=499)
-    return Response(answer(result.usage.prompt_tokens).model_dump_json(), media_type="application/json",
-                    headers={"X-Slotq-Job-Id": handle.id})
 
 
 async def resumed_job(request: Request, gateway: Gateway, caller: Caller,

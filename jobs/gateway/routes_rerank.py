@@ -14,7 +14,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic import TypeAdapter
 
 from slotq.jobs.gateway.auth import CallerDep, authenticate
-from slotq.jobs.gateway.routes_openai import gateway_of, whole_result
+from slotq.jobs.gateway.job_results import finished_result
+from slotq.jobs.gateway.routes_openai import gateway_of
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.sse import ClientGone
 from slotq.jobs.openai.errors import ApiError, public_param
@@ -35,9 +36,9 @@ async def rerank(body: RerankRequest, request: Request, caller: CallerDep) -> Re
     job = to_rerank_job(body, idempotency_key=request.headers.get("idempotency-key"), tenant=caller.tenant)
     handle, record = await gateway.submit(job, model, "rerank")
     try:
-        result = await whole_result(request, gateway, handle,
-                                    (lambda f: "texts" if f == "documents" else public_param(f)) if body.tei
-                                    else public_param)
+        result = await finished_result(
+            request, gateway, handle, deadline=None, owner_cancels=handle.created,
+            param=(lambda f: "texts" if f == "documents" else public_param(f)) if body.tei else public_param)
     except ClientGone:
         return Response(status_code=499)
     if body.tei:

@@ -16,10 +16,11 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from slotq.jobs.gateway.auth import CallerDep, authenticate
+from slotq.jobs.gateway.job_results import count_prompt, finished_result
 from slotq.jobs.gateway.response_events import ResponseEventRenderer
 from slotq.jobs.gateway.response_store import ResponseStore, Stored
 from slotq.jobs.gateway.response_watch import ResponseWatcher
-from slotq.jobs.gateway.routes_openai import count_prompt, finished_result, gateway_of
+from slotq.jobs.gateway.routes_openai import gateway_of
 from slotq.jobs.gateway.sse import ClientGone, open_stream
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.openai.translate import unfinished_error

@@ -15,7 +15,7 @@ gateway reports it as an error instead (409 ``job_cancelled`` / 504 ``deadline_e
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from pydantic import ValidationError
@@ -28,6 +28,7 @@ from slotq.jobs.openai.wire import (
     ChatCompletionRequest,
     ChatLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     EmbeddingData,
     EmbeddingsRequest,
     EmbeddingsResponse,
@@ -55,7 +56,7 @@ from slotq.jobs.protocol.schemas import (
     RerankJobRequest,
     decode_vector,
 )
-from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, Usage
+from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, ToolChoice, Usage
 
 Kind = Literal["chat", "text"]
 WireRequest = ChatCompletionRequest | CompletionRequest
@@ -101,7 +102,7 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         "lane": lane if request.lane is None else request.lane, "priority": request.priority,
         "deadline": request.deadline, "metadata": request.metadata,
         "idempotency_key": request.idempotency_key or idempotency_key, "tenant": tenant,
-        "logprobs": request.logprobs_k,
+        "logprobs": request.logprobs_k, "lora": request.lora,
     }
     if isinstance(request, ChatCompletionRequest):
         fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or "",
@@ -136,12 +137,14 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         raise from_validation(exc, rename) from None
 
 
-def format_shapes_reply(tools: Sequence[object] | None, tool_choice: object) -> bool:
+def format_shapes_reply(tools: Sequence[object] | None, tool_choice: ToolChoice | Mapping[str, Any] | None) -> bool:
     """Whether a request's response format (``response_format``, the Responses API's ``text.format``)
-    shapes its reply. Not when ``tool_choice`` forces a call (``required`` or a named function): the
-    reply is then a call, which its ``parameters`` constrain, with no text for a format to shape, as on
-    OpenAI. instructor's Responses mode sends its schema both ways. Under ``auto`` the reply may be
-    text, so the format applies, and with tools the job refuses the pair (a 400 naming ``tools``)."""
+    shapes its reply. ``tool_choice`` is a chat request's (an option, or a named function) or a
+    Responses request's (an option, or its ``{"type": "function", "name": ...}`` object). Not when it
+    forces a call (``required`` or a named function): the reply is then a call, which its
+    ``parameters`` constrain, with no text for a format to shape, as on OpenAI. instructor's Responses
+    mode sends its schema both ways. Under ``auto`` the reply may be text, so the format applies, and
+    with tools the job refuses the pair (a 400 naming ``tools``)."""
     return not tools or tool_choice is None or tool_choice in ("auto", "none")
 
 
@@ -169,7 +172,8 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 def usage_out(usage: Usage) -> UsageOut:
     return UsageOut(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                     total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens))
+                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+                    completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens))
 
 
 def unfinished_error(result: JobResult, param: Callable[[str | None], str | None] = public_param) -> ApiError | None:
@@ -234,8 +238,10 @@ def to_response(kind: ResponseKind, result: JobResult, model: str, created: int,
     """A finished job as OpenAI's ``chat.completion``, ``text_completion`` or embeddings ``list`` object
     (``encoding_format``: the embedding request's), or a rerank job as llama-server's answer (every document,
     without its text: the job keeps scores only). ``model`` is the name asked for; the response names
-    the model that served the job when its result says (``system_fingerprint``: its GGUF's fingerprint)."""
-    model = result.model or model
+    the model that served the job when its result says (``system_fingerprint``: its GGUF's fingerprint), or
+    ``base:adapter`` as asked when ``base`` served it (a LoRA adapter of that model)."""
+    if not (result.model and model.startswith(f"{result.model}:")):
+        model = result.model or model
     if kind == "embedding":
         return to_embeddings_response(result, model, encoding_format)
     if kind == "rerank":

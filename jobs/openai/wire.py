@@ -100,6 +100,9 @@ class _Generation(BaseModel):
     ignore_eos: StrictBool | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    lora: list[dict[str, Any]] | None = Field(
+        None, description='LoRA adapters: [{"id": 0 or "name", "scale": 0.5}] (scale: the adapter\'s configured one '
+                          "when left out); or name the model base:adapter")
     # slotq's own
     lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
     priority: int | None = None
@@ -282,11 +285,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(0, description="of completion_tokens, those the reply thought in (its think block)")
+
+
 class UsageOut(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class TopLogprobOut(BaseModel):
@@ -451,9 +459,17 @@ class ModelCard(BaseModel):
     kind: JobKind = Field(description="generation (chat, completions), embedding (/v1/embeddings) or rerank "
                                       "(/v1/rerank)")
     queue: str
-    workers: int
+    workers: int = Field(description="live workers that have it loaded")
     slots_total: int
     slots_busy: int
+    status: Literal["loaded", "loading", "unloaded"] = Field(
+        "loaded", description="unloaded: no worker has it loaded; a request waits in its queue until one switches "
+                              "to it (about load_s)")
+    load_s: float | None = Field(None, description="what loading it cost a worker (seconds); None: not measured yet")
+    adapters: list[str] = Field(default_factory=list,
+                                description="LoRA adapters every worker loaded, in id order: ask for one as model "
+                                            "base:adapter or in the lora field")
+    parent: str | None = Field(None, description="a LoRA adapter's card (id base:adapter): its base model")
 
 
 class ModelList(BaseModel):

@@ -18,6 +18,10 @@ keeps them in one slot):
 ``slotq:dlq:reasons``             HASH    reason (the error code) -> dead letters kept with it
 ``slotq:worker:<worker id>``      HASH    a live worker's heartbeat, with a TTL (:mod:`slotq.jobs.protocol.registry`)
 ``slotq:workers``                 ZSET    worker id -> time of its last heartbeat (ms)
+``slotq:catalog``                 HASH    ``<model><TAB><worker id>`` -> what that worker can load, as JSON: the models
+                                          a fleet can serve, loaded or not (:mod:`slotq.jobs.protocol.catalog`)
+``slotq:catalog:loading:<model>`` STRING  the worker switching to load the model, with a TTL: one idle worker, not
+                                          all, answers a model's demand (:mod:`slotq.jobs.protocol.catalog`)
 ================================  ======  ===========================================================
 
 A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest priority first):
@@ -115,21 +119,25 @@ LANE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 DEFAULT_TENANT = "default"       # the tenant of a job that names none (JobRequest.tenant's default)
 JOB_FUNCTION = "generate"        # the one arq function name
 WORKER_INDEX = "slotq:workers"
+CATALOG = "slotq:catalog"
 
 
 CLUSTER_SLOTS = 16_384
-STREAM_BUCKETS = 16      # on a cluster: job streams spread over at most this many shards
+# On a cluster: job streams spread over at most this many shards. 48 falls evenly on 2, 3, 4, 6, 8, 12, 16,
+# 24 and 48 primaries (16 per primary at 3, 8 at 6).
+STREAM_BUCKETS = 48
 
 
 def _spread_tags(count: int) -> tuple[str, ...]:
-    """``count`` hash tags, the k-th hashing into the k-th of ``count`` equal ranges of the slots, so
-    on a cluster whose primaries hold equal contiguous ranges (as every tool splits them) the
-    buckets fall on the primaries as evenly as ``count`` allows (exactly when the primaries divide it)."""
-    width = CLUSTER_SLOTS // count
+    """``count`` hash tags, the k-th hashing into the middle half of the k-th of ``count`` equal ranges of
+    the slots, so on a cluster whose primaries hold equal contiguous ranges (as every tool splits them,
+    however it rounds their edges) the buckets fall on the primaries as evenly as ``count`` allows
+    (exactly when the primaries divide it)."""
+    width = CLUSTER_SLOTS / count
     tags = []
     for k in range(count):
-        tag = next(f"s{k}.{n}" for n in itertools.count() if key_slot(f"s{k}.{n}".encode()) // width == k)
-        tags.append(tag)
+        low, high = (k + 0.25) * width, (k + 0.75) * width
+        tags.append(next(f"b{k}.{n}" for n in itertools.count() if low <= key_slot(f"b{k}.{n}".encode()) < high))
     return tuple(tags)
 
 
@@ -168,6 +176,11 @@ def job_fences_key(job_id: str, *, clustered: bool = False) -> str:
 
 def worker_key(worker_id: str) -> str:
     return f"slotq:worker:{worker_id}"
+
+
+def loading_key(model: str) -> str:
+    """Which worker is switching to ``model`` (:mod:`slotq.jobs.protocol.catalog`)."""
+    return f"slotq:catalog:loading:{model}"
 
 
 # arq's keys of a job, from its arq id (:meth:`QueueKeys.arq_id`; the job id on a single Redis)

@@ -181,6 +181,8 @@ class ChoiceResult(BaseModel):
         default_factory=list, description="the calls the reply made (finish_reason tool_calls), in OpenAI's shape: "
                                           "send them back in the next turn's assistant message")
     finish_reason: FinishReason
+    stop_sequence: str | None = Field(
+        None, description="finish_reason stop: the stop string that ended the reply (None: the model ended its turn)")
     usage: Usage
     timings: Timings
     logprobs: list[TokenLogprob] | None = Field(
@@ -200,6 +202,7 @@ class JobResult(BaseModel):
     status: JobStatus
     text: str = Field("", description="text of choice 0")
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = Field(None, description="choice 0's: the stop string that ended its reply")
     usage: Usage = Field(default_factory=Usage, description="prompt counted once; completion summed over choices")
     timings: Timings | None = None
     choices: list[ChoiceResult] = Field(default_factory=list)
@@ -269,7 +272,11 @@ class StreamEntry(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     n_tokens: int = 0
     logprobs: list[TokenLogprob] | None = Field(None, description="one per token id (when the job asked for them)")
+    prompt_tokens: int | None = Field(
+        None, description="chunk: a choice's first of an attempt: the prompt's tokens (as the done entry's usage)")
+    cached_prompt_tokens: int = Field(0, description="with prompt_tokens: those of them whose KV was reused")
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = Field(None, description="done: the stop string that ended the choice, if one did")
     usage: Usage | None = None
     timings: Timings | None = None
     error: ErrorInfo | None = None
@@ -306,6 +313,17 @@ class WorkerInfo(BaseModel):
     spec: str = Field("off", description="speculative decoding's draft source: off, ngram or draft")
     spec_draft_tokens: int = Field(0, description="draft tokens decoded for verification since the worker started")
     spec_accepted_tokens: int = Field(0, description="of those, the tokens verification kept")
+    load_s: float | None = Field(None, description="what loading its model cost (engine start + warm-up, seconds); "
+                                                   "None while it loads the first")
+    models: int = Field(1, description="models it can load (SLOTQ_MODELS / SLOTQ_MODELS_DIR); one loaded at a time")
+    adapters: list[str] = Field(default_factory=list,
+                                description="the LoRA adapters it loaded (SLOTQ_LORA), in index order")
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _names_from_hash(cls, value: Any) -> Any:
+        """The registry's hash holds the names comma-separated (a name has no comma: LORA_NAME_PATTERN)."""
+        return [name for name in value.split(",") if name] if isinstance(value, str) else value
 
     @computed_field  # type: ignore[prop-decorator]   # pydantic's documented use on a property
     @property

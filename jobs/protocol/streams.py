@@ -4,12 +4,13 @@ to it, and every read of it.
 
 Writers send entries through :class:`StreamAppender` (the ``STREAM_FLUSH`` script: many jobs'
 entries, each job fenced by its lease in the fences hash beside its stream, in one round trip; on a
-Redis Cluster one script per stream bucket, sent together). The worker's batching writer
-(:class:`~slotq.jobs.worker.stream_writer.StreamWriter`) decides when; this module only encodes.
-Readers use plain XREAD from their last id (no consumer groups; :mod:`slotq.jobs.producer.stream_reader`):
-any number of readers, each can drop and resume without gaps or repeats, and an HTTP gateway can
-use the entry id as the SSE event id. Reads return entries as Redis gives them (:data:`RawEntry`),
-so a reader that only needs an id or :func:`is_final` decodes nothing.
+Redis Cluster one script per node for the stream buckets it serves, ``NODE_STREAM_FLUSH``, sent
+together). The worker's batching writer (:class:`~slotq.jobs.worker.stream_writer.StreamWriter`)
+decides when; this module only encodes. Readers use plain XREAD from their last id (no consumer
+groups; :mod:`slotq.jobs.producer.stream_reader`): any number of readers, each can drop and resume
+without gaps or repeats, and an HTTP gateway can use the entry id as the SSE event id. Reads return
+entries as Redis gives them (:data:`RawEntry`), so a reader that only needs an id or
+:func:`is_final` decodes nothing.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from enum import IntEnum
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError, ResponseError, SlotNotCoveredError
 
 from slotq.jobs.protocol.connection import is_cluster, is_transient
 from slotq.jobs.protocol.keys import fences_key, stream_bucket, stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
-from slotq.jobs.protocol.scripts.stream_flush import RaiseFence, StreamFlush
+from slotq.jobs.protocol.scripts.stream_flush import NodeStreamFlush, RaiseFence, StreamFlush
 from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, TokenLogprob, ToolCallDelta, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -43,12 +45,14 @@ RETRY_S = 0.2                                   # between tries of a flush while
 # ---------------------------------------------------------------------- the codec
 def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[int], n_tokens: int,
                  reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = (),
-                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, str]:
+                 logprobs: Sequence[TokenLogprob] | None = None, prompt_tokens: int = 0,
+                 cached_prompt_tokens: int = 0) -> dict[str, str]:
     """A chunk's fields, built without a StreamEntry: the worker's writer merges tokens into
     chunks on its per-token path and encodes each chunk once, here. Reasoning (``r``) and tool call
     pieces (``tc``) are written only when there are some, so plain text costs nothing more, and an
     entry without them (from an older worker too) decodes as none; so are logprobs (``lp``), only
-    for a job that asked for them."""
+    for a job that asked for them; so are a choice's prompt tokens and those of them cached (``p``,
+    ``pc``), on its first chunk of an attempt (``prompt_tokens`` 0: not this chunk)."""
     fields = {"k": EntryKind.CHUNK.value, "a": str(attempt), "c": str(choice), "t": text,
               "ids": " ".join(map(str, token_ids)), "n": str(n_tokens)}
     if reasoning:
@@ -58,6 +62,8 @@ def encode_chunk(*, attempt: int, choice: int, text: str, token_ids: Sequence[in
                                   ensure_ascii=False, separators=(",", ":"))
     if logprobs is not None:
         fields["lp"] = encode_logprobs(logprobs)
+    if prompt_tokens:
+        fields["p"], fields["pc"] = str(prompt_tokens), str(cached_prompt_tokens)
     return fields
 
 
@@ -114,11 +120,14 @@ def encode_entry(entry: StreamEntry) -> dict[str, str]:
     if entry.kind == EntryKind.CHUNK:
         fields = encode_chunk(attempt=entry.attempt, choice=entry.choice, text=entry.text, token_ids=entry.token_ids,
                               n_tokens=entry.n_tokens, reasoning=entry.reasoning, tool_calls=entry.tool_calls,
-                              logprobs=entry.logprobs)
+                              logprobs=entry.logprobs, prompt_tokens=entry.prompt_tokens or 0,
+                              cached_prompt_tokens=entry.cached_prompt_tokens)
     else:
         fields = {"k": entry.kind.value, "a": str(entry.attempt), "c": str(entry.choice)}
     if entry.finish_reason is not None:
         fields["fr"] = entry.finish_reason.value
+    if entry.stop_sequence is not None:
+        fields["ss"] = entry.stop_sequence
     if entry.usage is not None:
         fields["u"] = entry.usage.model_dump_json()
     if entry.timings is not None:
@@ -152,7 +161,10 @@ def decode_entry(entry_id: bytes | str, raw: Mapping[Any, Any]) -> StreamEntry:
         token_ids=[int(x) for x in ids.split()] if ids else [],
         n_tokens=int(f.get("n", 0)),
         logprobs=decode_logprobs(f["lp"]) if "lp" in f else None,
+        prompt_tokens=int(f["p"]) if "p" in f else None,
+        cached_prompt_tokens=int(f.get("pc", 0)),
         finish_reason=FinishReason(f["fr"]) if "fr" in f else None,
+        stop_sequence=f.get("ss"),
         usage=Usage.model_validate_json(f["u"]) if "u" in f else None,
         timings=Timings.model_validate_json(f["tm"]) if "tm" in f else None,
         error=ErrorInfo.model_validate_json(f["e"]) if "e" in f else None,
@@ -188,6 +200,9 @@ class JobEntries:
     entries: Sequence[Mapping[str, str]]
 
 
+_Bucket = tuple[int | None, list[JobEntries]]     # a stream bucket (None on a single Redis), its jobs of a flush
+
+
 class StreamAppender:
     """Appends the entries of many jobs in one round trip (``STREAM_FLUSH``).
 
@@ -195,8 +210,9 @@ class StreamAppender:
     :mod:`slotq.jobs.protocol.scripts.stream_flush` for why). Each flush has an id; the script
     records the last one it applied under ``writer_id`` with its answer, and answers an id it has
     already applied from that record, so a flush re-sent after a lost reply is never appended
-    twice. On a Redis Cluster the jobs are sent as one script per stream bucket, all at once (the
-    record is then one per bucket). Redis errors are raised: retrying is the caller's choice.
+    twice. On a Redis Cluster the jobs are sent as one script per node, for the stream buckets it
+    serves, all at once (the record is then one per bucket). Redis errors are raised: retrying is the
+    caller's choice.
     """
 
     def __init__(self, redis: Redis, *, writer_id: str, maxlen: int, ttl_s: int, ttl_live_s: int | None = None) -> None:
@@ -208,28 +224,74 @@ class StreamAppender:
         self._scripts = ScriptRunner(redis)
 
     async def append(self, flush_id: str, jobs: Sequence[JobEntries]) -> list[bool]:
-        """Send one flush; per job, whether its entries were written (False: fenced off)."""
-        calls = []
-        clustered = is_cluster(self.redis)
-        for bucket, group in by_bucket(self.redis, jobs, lambda job: job.job_id):
-            entries: list[str | int] = []
-            for job in group:
-                for fields in job.entries:
-                    entries.append(2 * len(fields))
-                    for name, value in fields.items():
-                        entries += [name, value]
-            calls.append((group, StreamFlush(
-                flush_mark=write_mark_key(self.writer_id, bucket), fences=fences_key(bucket),
-                streams=[stream_key(job.job_id, clustered=clustered) for job in group], flush_id=flush_id,
-                maxlen=self.maxlen, live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s,
-                job_ids=[job.job_id for job in group], leases=[job.lease for job in group],
-                ttls=[int(job.ttl) for job in group], entry_counts=[len(job.entries) for job in group],
-                entries=entries)))
+        """Send one flush; per job, whether its entries were written (False: fenced off).
+
+        On a cluster the buckets one node serves (by the client's slot map) go in one call,
+        :class:`NodeStreamFlush` (a node with one bucket gets a plain ``STREAM_FLUSH``), the nodes' calls
+        at once. A node call its node refuses -- a bucket's slot moved or is migrating, so the script
+        stopped before writing anything -- is sent again as one call per bucket, which the cluster client
+        routes by the bucket's own slot (following MOVED and ASK); the next flush groups by the map the
+        client has refreshed by then. Every bucket keeps its own flush mark either way, so a flush re-sent
+        after a lost reply is answered from the marks however its buckets are grouped this time."""
+        nodes = self._by_node(by_bucket(self.redis, jobs, lambda job: job.job_id))
+        replies = await self._scripts.run_all([self._call(flush_id, node) for node in nodes], return_refusals=True)
+        answered: list[tuple[list[_Bucket], Any]] = []
+        refused: list[_Bucket] = []
+        for node, reply in zip(nodes, replies):
+            if not isinstance(reply, ResponseError):
+                answered.append((node, reply))
+            elif len(node) == 1:
+                raise reply                    # one bucket's own call: its error is the flush's
+            else:
+                log.info("stream flush %s: a node refused the call for buckets %s (%s); sent bucket by bucket",
+                         flush_id, [bucket for bucket, _ in node], reply)
+                refused += node
+        if refused:
+            answers = await self._scripts.run_all([self._call(flush_id, [bucket]) for bucket in refused])
+            answered += [([bucket], answer) for bucket, answer in zip(refused, answers)]
         written: dict[str, bool] = {}
-        for (group, _), answer in zip(calls, await self._scripts.run_all([call for _, call in calls])):
+        for node, answer in answered:
             text = answer.decode() if isinstance(answer, bytes) else answer
-            written.update((job.job_id, ok == "1") for job, ok in zip(group, text))
+            written.update((job.job_id, ok == "1") for job, ok in zip((j for _, g in node for j in g), text))
         return [written[job.job_id] for job in jobs]
+
+    def _by_node(self, buckets: list[_Bucket]) -> list[list[_Bucket]]:
+        """``buckets`` grouped by the node that serves their slot now, as the cluster client's slot map
+        says (one group per bucket on a single Redis, which has one bucket)."""
+        if not isinstance(self.redis, RedisCluster):
+            return [[bucket] for bucket in buckets]
+        nodes: dict[str, list[_Bucket]] = {}
+        for bucket in buckets:
+            try:
+                node = self.redis.get_node_from_key(fences_key(bucket[0]))
+            except SlotNotCoveredError:
+                node = None
+            # a slot no node serves, as far as the client knows: a call of its own, which the client routes
+            nodes.setdefault(node.name if node else f"bucket {bucket[0]}", []).append(bucket)
+        return list(nodes.values())
+
+    def _call(self, flush_id: str, buckets: list[_Bucket]) -> StreamFlush | NodeStreamFlush:
+        """The call that writes ``buckets`` (of one node): ``STREAM_FLUSH`` for one bucket,
+        ``NODE_STREAM_FLUSH`` for several."""
+        jobs = [job for _, group in buckets for job in group]
+        entries: list[str | int] = []
+        for job in jobs:
+            for fields in job.entries:
+                entries.append(2 * len(fields))
+                for name, value in fields.items():
+                    entries += [name, value]
+        clustered = is_cluster(self.redis)
+        per_job: dict[str, Any] = dict(
+            streams=[stream_key(job.job_id, clustered=clustered) for job in jobs], flush_id=flush_id,
+            maxlen=self.maxlen, live_ttl_s=self.ttl_live_s, final_ttl_s=self.ttl_s,
+            job_ids=[job.job_id for job in jobs], leases=[job.lease for job in jobs],
+            ttls=[int(job.ttl) for job in jobs], entry_counts=[len(job.entries) for job in jobs], entries=entries)
+        if len(buckets) == 1:
+            bucket = buckets[0][0]
+            return StreamFlush(flush_mark=write_mark_key(self.writer_id, bucket), fences=fences_key(bucket), **per_job)
+        marks = [write_mark_key(self.writer_id, bucket) for bucket, _ in buckets]
+        return NodeStreamFlush(route=marks[0], flush_marks=marks, bucket_fences=[fences_key(b) for b, _ in buckets],
+                               bucket_jobs=[len(group) for _, group in buckets], **per_job)
 
     async def raise_fences(self, leases: Mapping[str, str]) -> dict[str, bool]:
         """:func:`raise_fences` with this appender's runner, the fences living as long as a live stream."""

@@ -47,6 +47,7 @@ from slotq.jobs.responses.wire import (
     OutputItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
     ReasoningOut,
     ReasoningText,
     Response,
@@ -196,6 +197,7 @@ def usage_out(usage: Usage) -> ResponseUsage:
     return ResponseUsage(input_tokens=usage.prompt_tokens,
                          input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_prompt_tokens),
                          output_tokens=usage.completion_tokens,
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=usage.reasoning_tokens),
                          total_tokens=usage.prompt_tokens + usage.completion_tokens)
 
 

@@ -278,7 +278,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = Field(0, description="0: a worker does not count a reply's reasoning tokens apart")
+    reasoning_tokens: int = Field(0, description="of output_tokens, those the reply thought in (its think block)")
 
 
 class ResponseUsage(BaseModel):

@@ -473,7 +473,8 @@ class JobOutput:
         run.tokens_left = (run.tokens_left or 0) - arriving
         run.writer.add_chunk(run.job_id, attempt=run.attempt, choice=event.choice, text=event.text,
                              token_ids=event.token_ids, n_tokens=event.n_tokens, reasoning=event.reasoning,
-                             tool_calls=tool_calls, logprobs=logprobs)
+                             tool_calls=tool_calls, logprobs=logprobs, prompt_tokens=event.prompt_tokens,
+                             cached_prompt_tokens=event.cached_prompt_tokens)
         if run.gate is not None and run.generated == arriving:
             self.wakes.put_nowait(Wake.FIRST_TOKENS)
 
@@ -485,8 +486,8 @@ class JobOutput:
             return
         last = len(self.finished) == self.n_choices
         self.run.writer.add(self.run.job_id, self.run.entry(
-            EntryKind.DONE, choice=done.choice, finish_reason=done.finish_reason, usage=done.usage,
-            timings=done.timings, final=last))
+            EntryKind.DONE, choice=done.choice, finish_reason=done.finish_reason, stop_sequence=done.stop_sequence,
+            usage=done.usage, timings=done.timings, final=last))
         if last:
             self._end(Wake.ENDED)
 

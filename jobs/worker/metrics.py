@@ -70,6 +70,9 @@ QUEUE_PREEMPTED = Gauge("slotq_queue_preempted", "Jobs of this lane that yielded
                         "fleet, since the queue began", ["lane"])
 PICKUP = Histogram("slotq_queue_pickup_seconds", "Enqueue (or retry due) to claim by this worker", ["lane"],
                    buckets=LATENCY_BUCKETS)
+MODEL_LOAD = Histogram("slotq_model_load_seconds", "What loading a model cost this worker: engine start and warm-up "
+                       "decode, until it claims (a worker of several models, at each switch)", ["model"],
+                       buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
 JOBS = Counter("slotq_jobs", "Finished job attempts by status", ["status"])
 RETRIES = Counter("slotq_retries", "Attempts that failed and were scheduled for retry")
 ATTEMPTS_LOST = Counter(

@@ -3,7 +3,7 @@
 Every result names whose attempt ended the job (:class:`Attribution`: the worker and its model, the
 attempt number, the interruptions before it, the job's metadata and any ``max_tokens`` cap). A job of
 several choices gets one :class:`~slotq.jobs.protocol.schemas.ChoiceResult` each, and the result
-reads choice 0 for its text, finish reason and timings, counts the prompt once and adds up the
+reads choice 0 for its text, finish reason (and stop sequence) and timings, counts the prompt once and adds up the
 completions. A result rebuilt from a complete stream (an earlier attempt ended the job and only its
 finish was lost) is that attempt's, naming its worker.
 """
@@ -47,9 +47,11 @@ def summarize(choices: list[ChoiceResult], about: Attribution, *, status: JobSta
     return JobResult(
         status=status, text=text,
         finish_reason=first.finish_reason if first else fallback_reason,
+        stop_sequence=first.stop_sequence if first else None,
         usage=Usage(prompt_tokens=first.usage.prompt_tokens if first else 0,
                     completion_tokens=sum(c.usage.completion_tokens for c in choices),
-                    cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices)),
+                    cached_prompt_tokens=sum(c.usage.cached_prompt_tokens for c in choices),
+                    reasoning_tokens=sum(c.usage.reasoning_tokens for c in choices)),
         timings=first.timings if first else None,
         choices=choices, max_tokens_cap=about.max_tokens_cap, **about.fields(),
     )
@@ -57,7 +59,8 @@ def summarize(choices: list[ChoiceResult], about: Attribution, *, status: JobSta
 
 def succeeded(replies: Replies, finished: dict[int, Done], about: Attribution) -> JobResult:
     """The result of a generation whose choices all ended (``finished``, by choice)."""
-    return summarize([replies.choice(c, f.finish_reason, f.usage, f.timings) for c, f in sorted(finished.items())],
+    return summarize([replies.choice(c, f.finish_reason, f.usage, f.timings, f.stop_sequence)
+                      for c, f in sorted(finished.items())],
                      about, status=JobStatus.SUCCEEDED, text=replies.text(0))
 
 
@@ -83,7 +86,7 @@ def from_stream(delivered: Delivered, about: Attribution) -> JobResult:
                     model_fingerprint=final.model_fingerprint)
     if final.kind == EntryKind.ERROR:
         return failed(final.error, about, final.usage)
-    choices = [delivered.replies.choice(c, d.finish_reason, d.usage or Usage(), d.timings or Timings())
+    choices = [delivered.replies.choice(c, d.finish_reason, d.usage or Usage(), d.timings or Timings(), d.stop_sequence)
                for c, d in sorted(delivered.done.items()) if d.finish_reason is not None]
     status = JobStatus.CANCELLED if final.finish_reason == FinishReason.CANCELLED else JobStatus.SUCCEEDED
     return summarize(choices, about, status=status, text=delivered.replies.text(0),

@@ -54,11 +54,12 @@ class Replies:
         """The reasoning of ``choice`` so far ("" before any)."""
         return "".join(self.reasoning_pieces.get(choice, ()))
 
-    def choice(self, index: int, finish_reason: FinishReason, usage: Usage, timings: Timings) -> ChoiceResult:
+    def choice(self, index: int, finish_reason: FinishReason, usage: Usage, timings: Timings,
+               stop_sequence: str | None = None) -> ChoiceResult:
         return ChoiceResult(index=index, text=self.text(index), reasoning=self.reasoning(index),
                             tool_calls=assemble_tool_calls(self.tool_calls.get(index, ())),
-                            logprobs=self.logprobs.get(index), finish_reason=finish_reason, usage=usage,
-                            timings=timings)
+                            logprobs=self.logprobs.get(index), finish_reason=finish_reason,
+                            stop_sequence=stop_sequence, usage=usage, timings=timings)
 
 
 @dataclass

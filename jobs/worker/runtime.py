@@ -55,7 +55,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from slotq.jobs.aio import cancel_and_wait
@@ -102,10 +102,18 @@ class QueueRuntime:
         self.poll_delay_s = poll_delay_s
         self.on_job_started = on_job_started
         self.ledger = SlotLedger()              # which job holds which slot, and where its attempt stands
-        self._runner = ArqJobRunner(
-            function_name=function_name, job=job, on_exit=self._job_left, redis=queue.redis,
-            keys=queue.keys, job_timeout_s=job_timeout_s, keep_result_s=keep_result_s,
-            max_tries=max_tries, serializer=serializer, deserializer=deserializer)
+        self._lane_min_share = lane_min_share
+
+        def runner_for(queue: RedisQueue) -> ArqJobRunner:
+            return ArqJobRunner(
+                function_name=function_name, job=job, on_exit=self._job_left, redis=queue.redis,
+                keys=queue.keys, job_timeout_s=job_timeout_s, keep_result_s=keep_result_s,
+                max_tries=max_tries, serializer=serializer, deserializer=deserializer)
+
+        self._runner_for = runner_for
+        self._runner = runner_for(queue)
+        self._ended_before = (0, 0)             # jobs complete and failed by the runners of earlier queues
+        self._claims_in_flight = 0              # claim commands sent and not yet answered (retarget waits)
         self._may_claim = may_claim
         self._progress = progress
         self._on_preempted = on_preempted
@@ -153,12 +161,33 @@ class QueueRuntime:
     @property
     def jobs_complete(self) -> int:
         """Attempts that returned, since the start."""
-        return self._runner.jobs_complete
+        return self._ended_before[0] + self._runner.jobs_complete
 
     @property
     def jobs_failed(self) -> int:
         """Jobs ended failed or aborted here, since the start (also those failed before running)."""
-        return self._runner.jobs_failed
+        return self._ended_before[1] + self._runner.jobs_failed
+
+    @property
+    def claiming_now(self) -> bool:
+        """A claim command is on its way: jobs may arrive even though no new claim will start."""
+        return self._claims_in_flight > 0
+
+    async def retarget(self, queue: RedisQueue) -> None:
+        """Claim from ``queue`` from now on (a worker of several models switching to another). Only
+        while nothing is held here and no claim is on its way (the caller closed ``may_claim`` and
+        waited out :attr:`claiming_now`): the waits for the old queue's tokens end first, so none
+        is taken from it for the new one."""
+        if len(self.ledger) or not self.idle or self.claiming_now:
+            raise RuntimeError("retarget: jobs are still held or being claimed here")
+        for task in (self._wake_task, self._busy_task):
+            await cancel_and_wait(task)
+        self._wake_task = self._busy_task = None
+        self._ended_before = (self.jobs_complete, self.jobs_failed)
+        self.queue = queue
+        self.policy = PreemptionPolicy(queue.keys.lanes, self._lane_min_share)
+        self._runner = self._runner_for(queue)
+        self.nudge()
 
     def is_aborting(self, job_id: str) -> bool:
         """Whether ``job_id``'s attempt is being aborted (a producer cancelled it while it ran)."""
@@ -197,9 +226,18 @@ class QueueRuntime:
             await self._tick()
             await asyncio.sleep(self.poll_delay_s)
 
+    @contextlib.contextmanager
+    def _claim_on_its_way(self) -> Iterator[None]:
+        self._claims_in_flight += 1
+        try:
+            yield
+        finally:
+            self._claims_in_flight -= 1
+
     async def _claim(self, free: int) -> list[ClaimedJob]:
         try:
-            claimed = await self.queue.claim(free, self.token, self.lease_ms, owed=self.owed_slots())
+            with self._claim_on_its_way():
+                claimed = await self.queue.claim(free, self.token, self.lease_ms, owed=self.owed_slots())
         except Exception as exc:  # Redis down: the next tick tries again (commands already retried ~30 s)
             self._redis_failed("claim", exc)
             await asyncio.sleep(1)
@@ -331,7 +369,8 @@ class QueueRuntime:
         """Claim ``token.lane``'s next job into the reserve if its tenant has nothing running (the
         script checks)."""
         try:
-            job = await self.queue.lend_reserve(token.lane, self.token, self.lease_ms)
+            with self._claim_on_its_way():
+                job = await self.queue.lend_reserve(token.lane, self.token, self.lease_ms)
         except Exception as exc:  # Redis down: the token is lost; the job waits for a slot as any other
             self._redis_failed("claim", exc)
             return
@@ -350,7 +389,8 @@ class QueueRuntime:
         give it ``victim``'s slot."""
         victim_job = self.claimed[victim.job_id]
         try:
-            job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms, hand_back=not in_reserve)
+            with self._claim_on_its_way():
+                job = await self.queue.preempt(victim_job.lane, self.token, self.lease_ms, hand_back=not in_reserve)
         except Exception as exc:  # Redis down: the token is lost; the next claim anywhere takes the job
             self._redis_failed("claim", exc)
             return

@@ -8,9 +8,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from slotq.engine import EngineConfig, EngineKnobs, resolve_model_path
+from slotq.engine.model_files import ModelNotFound
 from slotq.jobs.protocol.schemas import JobKind
 from slotq.jobs.settings import ClientSettings
 from slotq.jobs.worker.elastic.knobs import ElasticKnobs
@@ -23,6 +24,23 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
     how jobs are run."""
 
     model: str | None = Field(None, description="path to a GGUF file; unset = the bundled SmolLM2-135M-Instruct")
+    models: str | None = Field(
+        None, description="several models this worker can serve, one loaded at a time: name=path,name=path; each "
+                          "model's jobs wait on the queue <SLOTQ_QUEUE_NAME>:<name> (docs/operations.md, \"Several "
+                          "models in one fleet\")")
+    models_dir: Path | None = Field(
+        None, description="a folder of GGUF files this worker can serve, one loaded at a time: every *.gguf, named "
+                          "by its file name without .gguf (with SLOTQ_MODELS: both)")
+    models_max: int = Field(
+        1, ge=1, le=64,
+        description="models a worker of several models keeps loaded: the one it serves and up to this many - 1 "
+                    "idle ones, kept in memory so that switching back skips the load, unloaded by least recent use "
+                    "(llama-server's --models-max); each holds its weights and KV cache")
+    model_idle_s: float = Field(
+        3.0, ge=0, le=3600,
+        description="a worker of several models switches to another model (one with jobs waiting and no worker) "
+                    "only once its own model's queue has had nothing waiting and nothing running here for this "
+                    "long: hysteresis, so a bursty load does not make it thrash")
     model_name: str | None = Field(
         None, description="the name clients ask for (the gateway's `model`); unset = the model file's name without "
                           "its quantization suffix, e.g. SmolLM2-135M-Instruct for SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -60,6 +78,10 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         None, description="serve embedding jobs (the model pooled into vectors) instead of generating text; unset = "
                           "detected from the GGUF: an encoder such as BERT, or a pooling type in its header. A text "
                           "generator serves embeddings only when asked (--embeddings, mean pooling by default)")
+    engine_process: bool = Field(
+        False, description="run the llama.cpp engine in a process of its own (slotq.engine.process): the worker's "
+                           "event loop and the engine thread stop sharing one GIL. Off until a benchmark shows it "
+                           "never loses (docs/architecture.md, 'The engine process')")
     rerank: bool | None = Field(
         None, description="serve rerank jobs (documents scored against a query) on a reranker GGUF; unset = detected "
                           "from the GGUF: rank pooling in its header. A model without it cannot rank (the worker "
@@ -70,6 +92,20 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
                                 "waited this long for Redis to take it, or the worker's claims and reaps have all "
                                 "failed for this long (Redis refusing them: a Lua error, OOM, WRONGTYPE)")
     worker_name: str | None = Field(None, description="shown by `slotq status`; default host:pid")
+
+    @field_validator("models")
+    @classmethod
+    def _valid_models(cls, value: str | None) -> str | None:
+        if value is not None:
+            _parse_models(value)         # raises ValueError naming the entry
+        return value
+
+    @model_validator(mode="after")
+    def _one_way_to_name_models(self) -> WorkerSettings:
+        if (self.models or self.models_dir) and (self.model or self.model_name):
+            raise ValueError("SLOTQ_MODEL / SLOTQ_MODEL_NAME and SLOTQ_MODELS / SLOTQ_MODELS_DIR: give every model "
+                             "in SLOTQ_MODELS (name=path) or SLOTQ_MODELS_DIR, not one of them apart")
+        return self
 
     @model_validator(mode="after")
     def _one_kind(self) -> WorkerSettings:
@@ -99,6 +135,37 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
             return self.model_name
         return _QUANT_SUFFIX.sub("", model_path.stem) or model_path.stem
 
+    @property
+    def several_models(self) -> bool:
+        """Given SLOTQ_MODELS or SLOTQ_MODELS_DIR: each model on a queue of its own, loaded on demand."""
+        return bool(self.models or self.models_dir)
+
+    def model_files(self) -> dict[str, Path]:
+        """Every model this worker can serve, name -> GGUF file, in the order given (SLOTQ_MODELS, then
+        SLOTQ_MODELS_DIR's files by name); one worker of one model: its model. Raises ModelNotFound
+        for a file or folder that is not there, ValueError for a name given twice."""
+        if not self.several_models:
+            path = resolve_model_path(self.model)
+            return {self.served_model_name(path): path}
+        listed = _parse_models(self.models) if self.models else {}
+        files = {name: resolve_model_path(path) for name, path in listed.items()}
+        if self.models_dir is not None:
+            if not self.models_dir.is_dir():
+                raise ModelNotFound(f"SLOTQ_MODELS_DIR: {self.models_dir} is not a folder")
+            for path in sorted(self.models_dir.glob("*.gguf")):
+                if path.stem in files and files[path.stem] != path:
+                    raise ValueError(f"SLOTQ_MODELS_DIR: model {path.stem!r} ({path}) is also named in SLOTQ_MODELS "
+                                     f"({files[path.stem]}); one name, one file")
+                files[path.stem] = path
+        if not files:
+            raise ModelNotFound(f"SLOTQ_MODELS_DIR: no *.gguf file in {self.models_dir}")
+        return files
+
+    def queue_of(self, model: str) -> str:
+        """The queue of ``model``'s jobs: SLOTQ_QUEUE_NAME for a worker of one model (the zero-config
+        default ``slotq:queue``), ``<SLOTQ_QUEUE_NAME>:<model>`` for each of several."""
+        return f"{self.queue_name}:{model}" if self.several_models else self.queue_name
+
     def job_kind(self, model_path: Path) -> JobKind:
         """The kind of job this worker serves: ``rerank`` or ``embeddings`` when set, else what the GGUF says."""
         from slotq.engine.embedding import is_embedding_model  # loads llama.cpp: only a worker asks
@@ -109,6 +176,24 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         embeddings = self.embeddings if self.embeddings is not None else is_embedding_model(model_path)
         return JobKind.EMBEDDING if embeddings else JobKind.GENERATION
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, model_path: Path | None = None) -> EngineConfig:
+        """The engine's configuration for ``model_path`` (default: SLOTQ_MODEL, else the bundled model)."""
         knobs = {name: getattr(self, name) for name in EngineKnobs.model_fields}
-        return EngineConfig(model_path=resolve_model_path(self.model), **knobs)
+        return EngineConfig(model_path=model_path or resolve_model_path(self.model), **knobs)
+
+
+def _parse_models(value: str) -> dict[str, str]:
+    """``name=path,name=path`` -> {name: path}; ValueError naming the entry that is not one."""
+    models: dict[str, str] = {}
+    for entry in (part.strip() for part in value.split(",")):
+        if not entry:
+            continue
+        name, sep, path = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not path:
+            raise ValueError(f"SLOTQ_MODELS: {entry!r} is not name=path (e.g. chat=/models/chat.gguf)")
+        if name in models:
+            raise ValueError(f"SLOTQ_MODELS: the name {name!r} is given twice")
+        models[name] = path
+    if not models:
+        raise ValueError("SLOTQ_MODELS: no model given (name=path,name=path)")
+    return models

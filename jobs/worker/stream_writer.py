@@ -45,11 +45,14 @@ class _Chunk:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None      # one per token id, for a job that asked for them
+    prompt_tokens: int = 0                          # an attempt's first chunk: the prompt's tokens (0: not said)
+    cached_prompt_tokens: int = 0                   # and those of them cached
 
     def fields(self) -> dict[str, str]:
         return encode_chunk(attempt=self.attempt, choice=self.choice, text="".join(self.texts),
                             token_ids=self.token_ids, n_tokens=self.n_tokens, reasoning="".join(self.reasoning),
-                            tool_calls=self.tool_calls, logprobs=self.logprobs)
+                            tool_calls=self.tool_calls, logprobs=self.logprobs, prompt_tokens=self.prompt_tokens,
+                            cached_prompt_tokens=self.cached_prompt_tokens)
 
 
 @dataclass
@@ -78,27 +81,29 @@ DETERMINISTIC_TRIES = 4
 class FlushPolicy:
     """When the pending entries are worth a flush.
 
-    A flush costs Redis a fixed handful of commands per script call (the call, the flush mark, a
-    reader's read) plus one XADD per entry; on a Redis Cluster it is one call per stream bucket it
-    touches. Sent per decode step, with one token per job, that is more commands than tokens. So a
-    flush waits until its tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS x calls
-    + entries`` -- or until its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
+    A flush costs Redis a fixed handful of commands per stream bucket it touches (the flush mark,
+    the fences, the call or, in a node's call, the bucket's check; a reader's read) plus one XADD per
+    entry; a single Redis has one bucket, a Redis Cluster up to
+    :data:`~slotq.jobs.protocol.keys.STREAM_BUCKETS` (each node's in one script call). Sent per
+    decode step, with one token per job, that is more commands than tokens. So a flush waits until
+    its tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS x buckets + entries`` --
+    or until its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
     flush every few tokens, many slow ones every step or two, and no text waits longer than
     ``max_delay_s``. A job's first entry, a final entry and errors go at once: time to first
     token and to the result are never delayed.
     """
 
     max_delay_s: float
-    FIXED_COMMANDS = 5      # per call: EVALSHA, GET + SET of the flush mark, the fences; one reader's XREAD
+    FIXED_COMMANDS = 5      # per bucket: GET + SET of the flush mark, the fences, EVALSHA or EXISTS; a reader's XREAD
 
     @classmethod
-    def pays(cls, *, tokens: int, entries: int, calls: int) -> bool:
-        """Whether ``tokens`` pay for a flush of ``entries`` in ``calls`` script calls."""
-        return tokens >= cls.FIXED_COMMANDS * calls + entries
+    def pays(cls, *, tokens: int, entries: int, buckets: int) -> bool:
+        """Whether ``tokens`` pay for a flush of ``entries`` in ``buckets`` stream buckets."""
+        return tokens >= cls.FIXED_COMMANDS * buckets + entries
 
-    def due_in(self, *, waited_s: float, tokens: int, entries: int, calls: int, urgent: bool) -> float:
+    def due_in(self, *, waited_s: float, tokens: int, entries: int, buckets: int, urgent: bool) -> float:
         """Seconds until the pending entries should be flushed (0 = now)."""
-        if urgent or self.pays(tokens=tokens, entries=entries, calls=calls):
+        if urgent or self.pays(tokens=tokens, entries=entries, buckets=buckets):
             return 0.0
         return max(0.0, self.max_delay_s - waited_s)
 
@@ -109,7 +114,7 @@ class StreamWriter:
     When a flush goes out is :class:`FlushPolicy`'s call (at the latest ``flush_ms`` after the
     oldest waiting entry; at once for a job's first entry, final entries and errors). The script
     checks each job's fence, appends its entries and touches a stream's expiry only on its first
-    and its final write (on a Redis Cluster, one script per slot, sent together).
+    and its final write (on a Redis Cluster, one script per node, sent together).
 
     If Redis is unreachable, entries stay buffered (bounded by slots x max_tokens) and are written,
     in order, once it is back; generation does not stop for a Redis blip. A flush that was sent is
@@ -137,7 +142,7 @@ class StreamWriter:
         self._flush_numbers = itertools.count()
         self._leases: dict[str, str] = {}              # job id -> the lease its new entries are written under
         self._pending: dict[str, _JobBatch] = {}       # not yet sent
-        # on a cluster: stream bucket -> pending jobs in it (a flush is one script call per bucket)
+        # on a cluster: stream bucket -> pending jobs in it (what a flush costs grows with the buckets)
         self._buckets: Counter[int] | None = Counter() if is_cluster(redis) else None
         self._inflight: _Flush | None = None           # sent, not yet acknowledged
         self._started: set[str] = set()                # jobs this writer has written to (expiry set)
@@ -195,9 +200,11 @@ class StreamWriter:
 
     def add_chunk(self, job_id: str, *, attempt: int, choice: int, text: str, token_ids: list[int],
                   n_tokens: int, reasoning: str = "", tool_calls: Sequence[ToolCallDelta] = (),
-                  logprobs: list[TokenLogprob] | None = None) -> None:
+                  logprobs: list[TokenLogprob] | None = None, prompt_tokens: int = 0,
+                  cached_prompt_tokens: int = 0) -> None:
         """Queue generated output; consecutive chunks of one choice and attempt merge into one entry
-        (their logprobs too, so each token id keeps its own)."""
+        (their logprobs too, so each token id keeps its own). ``prompt_tokens`` (0: none) and
+        ``cached_prompt_tokens`` come with a choice's first tokens (the entry's ``p`` and ``pc``)."""
         batch = self._batch(job_id)
         last = batch.entries[-1] if batch.entries else None
         if isinstance(last, _Chunk) and last.choice == choice and last.attempt == attempt:
@@ -216,6 +223,8 @@ class StreamWriter:
             if last.logprobs is None:
                 last.logprobs = []
             last.logprobs.extend(logprobs)
+        if prompt_tokens:
+            last.prompt_tokens, last.cached_prompt_tokens = prompt_tokens, cached_prompt_tokens
         self._tokens += len(token_ids)
         self._added()
 
@@ -224,7 +233,8 @@ class StreamWriter:
         if entry.kind == EntryKind.CHUNK:
             self.add_chunk(job_id, attempt=entry.attempt, choice=entry.choice, text=entry.text,
                            token_ids=entry.token_ids, n_tokens=entry.n_tokens, reasoning=entry.reasoning,
-                           tool_calls=entry.tool_calls, logprobs=entry.logprobs)
+                           tool_calls=entry.tool_calls, logprobs=entry.logprobs,
+                           prompt_tokens=entry.prompt_tokens or 0, cached_prompt_tokens=entry.cached_prompt_tokens)
             return
         batch = self._batch(job_id)
         batch.entries.append(entry)
@@ -235,8 +245,8 @@ class StreamWriter:
         self._urgent = True                    # a final entry or an error: the reader is waiting for it
         self._added()
 
-    def _calls(self) -> int:
-        """The script calls a flush of the pending entries takes."""
+    def _buckets_touched(self) -> int:
+        """The stream buckets a flush of the pending entries touches."""
         return len(self._buckets) if self._buckets is not None else 1
 
     def _batch(self, job_id: str) -> _JobBatch:
@@ -257,7 +267,8 @@ class StreamWriter:
         if self._since is None:
             self._since = time.monotonic()
             self._wake.set()
-        elif self._urgent or FlushPolicy.pays(tokens=self._tokens, entries=self._entries, calls=self._calls()):
+        elif self._urgent or FlushPolicy.pays(tokens=self._tokens, entries=self._entries,
+                                              buckets=self._buckets_touched()):
             self._wake.set()
 
     def drop(self, job_id: str) -> None:
@@ -388,7 +399,7 @@ class StreamWriter:
                 continue
             else:
                 delay = self.policy.due_in(waited_s=time.monotonic() - (self._since or time.monotonic()),
-                                           tokens=self._tokens, entries=self._entries, calls=self._calls(),
+                                           tokens=self._tokens, entries=self._entries, buckets=self._buckets_touched(),
                                            urgent=self._urgent or self._inflight is not None)
                 if delay > 0:
                     self._wake.clear()

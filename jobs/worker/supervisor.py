@@ -63,17 +63,19 @@ class Supervisor:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_delay_s)
 
-    async def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+    async def stop(self, wait_s: float = STOP_WAIT_S, *, only: tuple[str, ...] | None = None) -> None:
         """Cancel every loop and wait up to ``wait_s`` for them to end; cancel the ones still
         running again and wait as long once more; log any that would not stop and leave it.
 
         Never longer than ``2 * wait_s``: a loop that swallows its cancellation (Python 3.11's
         ``asyncio.wait_for`` can, CPython gh-86296) must not keep the worker from exiting. And
         ``asyncio.wait`` does not swallow a cancellation aimed at the caller: it propagates, with
-        every loop already cancelled.
+        every loop already cancelled. ``only``: stop those loops (the others go on), e.g. the ones
+        bound to a model that a worker unloads.
         """
-        names = {task: name for name, task in self._tasks.items()}
-        self._tasks.clear()
+        names = {task: name for name, task in self._tasks.items() if only is None or name in only}
+        for name in names.values():
+            del self._tasks[name]
         running = set(names)
         for _ in range(2):
             if not running:

@@ -41,6 +41,7 @@ class Done:
     usage: Usage
     timings: Timings
     error: ErrorInfo | None = None
+    stop_sequence: str | None = None
 
 
 def to_engine_request(job: JobRequest, *, request_id: str, max_tokens: int, priority_class: int,
@@ -70,7 +71,8 @@ def from_engine_finished(event: Finished) -> Done:
     return Done(choice=event.choice, finish_reason=FinishReason(event.finish_reason.value),
                 usage=Usage.model_validate(event.usage, from_attributes=True),
                 timings=Timings.model_validate(event.timings, from_attributes=True),
-                error=None if event.error is None else ErrorInfo.model_validate(event.error, from_attributes=True))
+                error=None if event.error is None else ErrorInfo.model_validate(event.error, from_attributes=True),
+                stop_sequence=event.stop_sequence)
 
 
 def wire_tool_calls(pieces: Sequence[EngineToolCallDelta]) -> list[ToolCallDelta]:

@@ -8,10 +8,12 @@
   reaper once their lease expires; a worker that stalled past its lease is fenced off.
 * The heartbeat, the cancel listener and the metrics loop run under a :class:`Supervisor`: an
   unexpected exception is logged, sent to Sentry, and the loop restarted.
-* It serves one model and kind on one queue: at start-up it joins the queue's serving record, which
-  refuses a worker of another model or kind while one serves the queue
+* It serves one model and kind on one queue at a time: loading a model, it joins the queue's
+  serving record, which refuses a worker of another model or kind while one serves the queue
   (:class:`~slotq.jobs.errors.QueueServedByAnotherModel`, before the model loads), and every job
-  is checked against its model before it runs (:mod:`slotq.jobs.worker.served_model`).
+  is checked against its model before it runs (:mod:`slotq.jobs.worker.served_model`). Given
+  several models (``SLOTQ_MODELS``, ``SLOTQ_MODELS_DIR``), each on a queue of its own, it offers
+  them all in the fleet's catalog (:mod:`slotq.jobs.protocol.catalog`) and loads the first.
 * Before it claims anything it runs one warm-up decode; only then is it ready (heartbeat field
   ``ready``, HTTP ``/ready`` next to ``/metrics``; ``/live`` for liveness, see :mod:`slotq.jobs.worker.health`).
 * Its active slots follow memory, KV use, decode speed and waiting work, and it degrades in steps
@@ -34,25 +36,31 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import sentry_sdk
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from slotq.engine import Engine, EngineStats
+from slotq.engine.process import EngineProcess
 from slotq.jobs.aio import wait_until_set
 from slotq.jobs.errors import QueueServedByAnotherModel
-from slotq.jobs.protocol import registry
+from slotq.jobs.protocol import catalog, registry
 from slotq.jobs.protocol.arq_adapter import Attempt
+from slotq.jobs.protocol.catalog import CatalogEntry
 from slotq.jobs.protocol.connection import connect
-from slotq.jobs.protocol.keys import JOB_FUNCTION
+from slotq.jobs.protocol.keys import JOB_FUNCTION, loading_key
 from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
 from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
 from slotq.jobs.protocol.registry import QueueMembership, QueueServer
+from slotq.jobs.protocol.replies import reply
 from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
-from slotq.jobs.worker import health, metrics
+from slotq.jobs.worker import health, metrics, model_switch
 from slotq.jobs.worker.elastic import metrics as elastic_metrics
 from slotq.jobs.worker.elastic.loop import ElasticLoop
 from slotq.jobs.worker.engine_api import EngineFactory, JobEmbedder, JobEngine, JobRanker
@@ -67,12 +75,33 @@ from slotq.jobs.worker.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
+_MODEL_LOOPS = ("cancel-listener", "engine-watch", "elastic")    # bound to the loaded model's engine and queue
+
 EXIT_ENGINE_DIED = 70               # EX_SOFTWARE: restart me
 EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worker from stopping in time
 # The worker's exit bound is drain_grace_s + EXIT_MARGIN_S: the margin holds the hand-back (up to
 # 15 s), flushing streams and stopping the loops (a few seconds), and Redis commands retrying
 # through a short outage. Deploy manifests allow a little more (deploy/README.md, "Graceful drain").
 EXIT_MARGIN_S = 30
+
+
+@dataclass(frozen=True)
+class ModelOffer:
+    """A model this worker can load: its file, and its entry in the fleet's catalog."""
+
+    path: Path
+    entry: CatalogEntry
+
+
+@dataclass(frozen=True)
+class SwitchTimes:
+    """Where a switch's time went: it began (``time.monotonic()``) with the claim gate closed,
+    unloaded the old model in ``unload_s`` and loaded (and warmed up) the new one in ``load_s``."""
+
+    started_at: float
+    unload_s: float
+    load_s: float
+    kept: bool = False      # the model was kept loaded (SLOTQ_MODELS_MAX): load_s is no load
 
 
 def engine_heartbeat_fields(stats: EngineStats) -> dict[str, int | str]:
@@ -88,10 +117,11 @@ def engine_heartbeat_fields(stats: EngineStats) -> dict[str, int | str]:
 class SlotqWorker:
     """Owns the engine, the stream writer, the heartbeat and the queue runtime."""
 
-    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory = Engine.start) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str, engine_factory: EngineFactory | None = None) -> None:
         self.settings = settings
         self.redis_url = redis_url
-        self.engine_factory = engine_factory     # the fleet benchmark passes a simulated engine
+        # the fleet benchmark passes a simulated engine
+        self.engine_factory = engine_factory or (EngineProcess.start if settings.engine_process else Engine.start)
         self.id = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.token = f"{self.id}:{uuid.uuid4().hex[:8]}"
         self.lease_ms = settings.lock_ttl_s * 1000
@@ -100,6 +130,14 @@ class SlotqWorker:
         self.ranker: JobRanker | None = None          # the engine again, on a rerank worker
         self.served: ServedModel | None = None          # known once the model file is found
         self.membership: QueueMembership | None = None   # this worker's entry in its queue's serving record
+        self.offers: dict[str, ModelOffer] = {}         # the models it can load, the loaded one first (catalog)
+        self._load_started = 0.0
+        self._switching = False                         # deciding to unload: claims nothing
+        self.last_switch: SwitchTimes | None = None     # where the last switch's time went
+        # idle models kept loaded (SLOTQ_MODELS_MAX), the least recently used first
+        self._kept: dict[str, tuple[JobEngine, JobEmbedder | None]] = {}
+        self._reused = False                            # the model now served came back from _kept: no load
+        self._first_name = ""                           # the model it loads at start-up (_first_model)
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -135,7 +173,8 @@ class SlotqWorker:
             log.info("Prometheus metrics on :%d/metrics, readiness on /ready, liveness on /live",
                      self.settings.metrics_port)
         redis = await connect(self.redis_url, patient=True, ca_file=self.settings.redis_ca_file)
-        self.queue = RedisQueue(redis, self.settings.queue_name, self.settings.lanes,
+        self._first_name = await self._first_model(redis)
+        self.queue = RedisQueue(redis, self.settings.queue_of(self._first_name), self.settings.lanes,
                                 clock_offset_s=self.settings.clock_offset_s)
         self.runtime = QueueRuntime(
             function_name=JOB_FUNCTION, job=self.run_job, queue=self.queue, token=self.token, lease_ms=self.lease_ms,
@@ -175,12 +214,14 @@ class SlotqWorker:
         fresh = time.monotonic() - self._heartbeat_ok_at < self.settings.lock_ttl_s * 2 / 3
         if self.runtime is None:
             state = "connecting_to_redis"
+        elif self._switching and self.ready.is_set():
+            state = "switching_model"           # claims nothing: about to unload (a worker of several models)
         elif self.engine is None:
             state = "loading_model"
         elif self.engine.failure is not None:
             state = "engine_failed"
-        elif not self.ready.is_set():
-            state = "warming_up"
+        elif not self.ready.is_set() or not self._heartbeat_ok_at:
+            state = "warming_up"        # or its first heartbeat (which advertises it) has not landed yet
         elif self._draining:
             state = "draining"
         elif not fresh:
@@ -204,17 +245,54 @@ class SlotqWorker:
 
     # ------------------------------------------------------------------ lifecycle
     async def _on_startup(self) -> None:
-        config = self.settings.engine_config()
-        self.served = ServedModel(name=self.settings.served_model_name(config.model_path),
-                                  kind=self.settings.job_kind(config.model_path),
-                                  fingerprint=await asyncio.to_thread(gguf_fingerprint, config.model_path))
         assert self.queue is not None and self.runtime is not None
+        self.offers = await asyncio.to_thread(self._model_offers)
+        self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
+                                   maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
+                                   ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
+                                   writer_id=self.token,
+                                   on_fenced=self.runtime.lose_lease)   # a refused write: that attempt stops
+        await self._load_model(self._first_name)
+        self.writer.start()
+        self.supervisor.start("heartbeat", self._heartbeat_loop)
+        if self.settings.metrics_port:
+            self.supervisor.start("metrics", self._metrics_loop)
+        await self._warm_up()
+        if len(self.offers) > 1:
+            self.supervisor.start("model-switch", self._model_switch_loop)
+
+    def _model_offers(self) -> dict[str, ModelOffer]:
+        """Every model this worker can load (:meth:`WorkerSettings.model_files`), with its queue, kind
+        and fingerprint: what it offers the fleet's catalog. Reads each file's header (a thread)."""
+        return {name: ModelOffer(path, CatalogEntry(model=name, queue=self.settings.queue_of(name),
+                                                    kind=self.settings.job_kind(path),
+                                                    fingerprint=gguf_fingerprint(path)))
+                for name, path in self.settings.model_files().items()}
+
+    async def _load_model(self, name: str) -> None:
+        """Serve ``name``: join its queue's serving record (refused by name before a long load when
+        another model holds the queue), start its engine, and the loops bound to the engine and the
+        queue. Claiming waits for :meth:`_warm_up`."""
+        assert self.queue is not None and self.runtime is not None
+        offer = self.offers[name]
+        config = self.settings.engine_config(offer.path)
+        self._load_started = time.monotonic()
+        self.served = ServedModel(name=name, kind=offer.entry.kind, fingerprint=offer.entry.fingerprint)
         self.membership = QueueMembership(self.queue.redis, self.queue.keys, QueueServer(
             worker=self.id, kind=self.served.kind, model=self.served.name))
         await self._join_queue()                # refused before a long model load
         log.info("loading %s as %r (fingerprint %s) for %s jobs (%d slots, ctx %d)", config.model_path.name,
                  self.served.name, self.served.fingerprint, self.kind.value, config.slots, config.ctx)
-        if self.kind == JobKind.EMBEDDING:
+        kept = self._kept.pop(name, None)
+        self._reused = kept is not None
+        while len(self._kept) > self.settings.models_max - 1:     # room for this one first
+            lru, (oldest, _) = next(iter(self._kept.items()))
+            del self._kept[lru]
+            log.info("unloading model %s (kept loaded, the least recently used)", lru)
+            await oldest.close()
+        if kept is not None:
+            self.engine, self.embedder = kept   # kept loaded (SLOTQ_MODELS_MAX): no load
+        elif self.kind == JobKind.EMBEDDING:
             from slotq.engine.embedding import EmbeddingEngine
 
             self.engine = self.embedder = await EmbeddingEngine.start(config)
@@ -226,30 +304,168 @@ class SlotqWorker:
             self.engine = await self.engine_factory(config)
         await self._join_queue()                # the load may have outlasted the entry; before any claim
         self.runtime.reserve = self.engine.reserve_slots
-        self.writer = StreamWriter(self.queue.redis, flush_ms=self.settings.stream_flush_ms,
-                                   maxlen=self.settings.stream_maxlen, ttl_s=self.settings.stream_ttl_s,
-                                   ttl_live_s=self.settings.job_timeout_s + self.settings.stream_ttl_s,
-                                   writer_id=self.token,
-                                   on_fenced=self.runtime.lose_lease)   # a refused write: that attempt stops
-        self.writer.start()
-        self.supervisor.start("heartbeat", self._heartbeat_loop)
         self.supervisor.start("cancel-listener", self._cancel_listener)
         self.supervisor.start("engine-watch", self._engine_watch)
-        if self.settings.metrics_port:
-            self.supervisor.start("metrics", self._metrics_loop)
         if self.kind == JobKind.GENERATION:     # its signals (KV use, decode speed) are a generator's
             self.elastic = ElasticLoop(self.settings, engine=self.engine, runtime=self.runtime, queue=self.queue,
                                        faults=self._faults, worker_id=self.id)
-        warm_s = await self.engine.warm_up()
+
+    async def _warm_up(self) -> float:
+        """One warm-up decode, then claim: the model's load ends here (``slotq_model_load_seconds``,
+        the heartbeat's ``load_s``, the catalog). Returns the seconds since :meth:`_load_model` began."""
+        assert self.engine is not None and self.runtime is not None and self.served is not None
+        warm_s = 0.0 if self._reused else await self.engine.warm_up()
         if self._faults.warmup_delay_s:
             await asyncio.sleep(self._faults.warmup_delay_s)
         if self.elastic is not None:
             self.supervisor.start("elastic", self.elastic.run)
+        took_s = time.monotonic() - self._load_started
+        if not self._reused:                    # a kept engine's return is no load: the figures stay the loads'
+            metrics.MODEL_LOAD.labels(model=self.served.name).observe(took_s)
+            offer = self.offers[self.served.name]
+            self.offers[self.served.name] = ModelOffer(offer.path, replace(offer.entry, load_s=round(took_s, 3)))
         self.ready.set()
         self._beat_now.set()
         self.runtime.nudge()
-        log.info("worker %s ready (warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s", self.id, warm_s,
-                 self.engine.info.model_name, config.slots, self.settings.queue_name, ",".join(self.settings.lanes))
+        log.info("worker %s ready (%s %.2f s, warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s",
+                 self.id, "kept loaded, back in" if self._reused else "load", took_s, warm_s,
+                 self.engine.info.model_name, self.settings.slots,
+                 self.runtime.queue.keys.queue, ",".join(self.settings.lanes))
+        return took_s
+
+    async def _unload_model(self) -> None:
+        """Stop serving the loaded model: claim nothing more, stop the loops bound to its engine and
+        queue, leave the queue's serving record (the queue is free for any worker at once), and close
+        the engine -- or, with ``SLOTQ_MODELS_MAX`` > 1, keep it loaded (its limits back to full;
+        :meth:`_load_model` closes the least recently used kept one when the next needs room). Only
+        with nothing running here (:meth:`_switch_to`)."""
+        assert self.runtime is not None
+        self.ready.clear()
+        await self.supervisor.stop(only=_MODEL_LOOPS)
+        self.elastic = None
+        self.runtime.slots = self.settings.slots        # the next model's elastic loop starts from the full count
+        if self.membership is not None:
+            membership, self.membership = self.membership, None
+            await membership.leave()
+        engine, embedder, self.engine, self.embedder = self.engine, self.embedder, None, None
+        if engine is None:
+            return
+        if self.settings.models_max > 1 and self.served is not None and engine.failure is None:
+            full = engine.full_limits
+            engine.set_limits(active_slots=full.active_slots, n_batch=full.n_batch, prefill_chunk=full.prefill_chunk)
+            self._kept[self.served.name] = (engine, embedder)   # the most recently used last
+        else:
+            await engine.close()
+
+    async def _switch_to(self, name: str) -> None:
+        """Serve ``name`` instead of the loaded model (:mod:`slotq.jobs.worker.model_switch` said so):
+        close the claim gate, and only if nothing came in meanwhile, unload, claim from ``name``'s
+        queue, load and warm up. A model that fails to load is dropped from this worker's offers and
+        the previous model loaded again; if that fails too, the worker stops (exit code 70) for its
+        supervisor to restart it."""
+        assert self.queue is not None and self.runtime is not None and self.served is not None
+        redis = self.queue.redis
+        if not await catalog.claim_load(redis, name, self.id):
+            return                                      # another worker is loading it
+        previous = self.served.name
+        try:
+            self._switching = True
+            while self.runtime.claiming_now:
+                await asyncio.sleep(0.01)
+            if self.runtime.running or not self.runtime.idle or self._draining:
+                return                                  # a claim raced the decision: stay (policy rule 1)
+            log.info("switching from model %s to %s (its jobs wait, no worker has it loaded)", previous, name)
+            started = time.monotonic()
+            await self._unload_model()
+            unloaded_s = time.monotonic() - started
+            self._switching = False                     # no engine: the gate stays closed until the next is warm
+            try:
+                loaded_s = await self._serve(name)
+                self.last_switch = SwitchTimes(started_at=started, unload_s=unloaded_s, load_s=loaded_s,
+                                               kept=self._reused)
+                log.info("switched from model %s to %s in %.2f s: unload %.2f s, %s %.2f s", previous, name,
+                         time.monotonic() - started, unloaded_s, "kept loaded" if self._reused else "load", loaded_s)
+            except Exception as exc:
+                log.exception("model %s failed to load (%s: %s); this worker no longer offers it and loads %s "
+                              "again", name, type(exc).__name__, exc, previous)
+                sentry_sdk.capture_exception(exc)
+                del self.offers[name]
+                await catalog.withdraw(redis, self.id, [name])
+                await self._unload_model()
+                try:
+                    await self._serve(previous)
+                except Exception:
+                    log.exception("model %s failed to load again; stopping (exit code %d)", previous,
+                                  EXIT_ENGINE_DIED)
+                    self.exit_code = EXIT_ENGINE_DIED
+                    self.request_stop("no model could be loaded", grace_s=0)
+        finally:
+            self._switching = False
+            await catalog.release_load(redis, name)
+
+    async def _serve(self, name: str) -> float:
+        """Claim from ``name``'s queue, load the model and warm it up (the switch's second half);
+        returns the seconds the load and warm-up took."""
+        assert self.queue is not None and self.runtime is not None
+        queue = self.offers[name].entry.queue
+        if queue != self.queue.keys.queue:
+            self.queue = RedisQueue(self.queue.redis, queue, self.settings.lanes,
+                                    clock_offset_s=self.settings.clock_offset_s)
+            await self.runtime.retarget(self.queue)
+        await self._load_model(name)
+        return await self._warm_up()
+
+    async def _model_switch_loop(self) -> None:
+        """A worker of several models: every :data:`model_switch.POLL_S`, note whether its model's
+        queue is quiet, and once it has been for ``SLOTQ_MODEL_IDLE_S``, read the other models'
+        queues and switch where :func:`model_switch.choose` says."""
+        assert self.runtime is not None
+        quiet_since = time.monotonic()
+        while True:
+            await asyncio.sleep(model_switch.POLL_S)
+            if self.queue is None or self.served is None or not self.ready.is_set() or self._draining:
+                quiet_since = time.monotonic()
+                continue
+            if self.runtime.running:            # busy: not quiet, and no Redis read needed to know it
+                quiet_since = time.monotonic()
+                continue
+            pending = sum(lane.waiting + lane.deferred for lane in await self.queue.counts())
+            if pending:
+                quiet_since = time.monotonic()
+            quiet_s = time.monotonic() - quiet_since
+            if not model_switch.may_leave(running_here=self.runtime.running, pending=pending, quiet_s=quiet_s,
+                                          idle_s=self.settings.model_idle_s):
+                continue
+            others = [name for name in self.offers if name != self.served.name]
+            target = model_switch.neediest(await self._demands(self.queue.redis, others))
+            if target is not None:
+                await self._switch_to(target)
+                quiet_since = time.monotonic()
+
+    async def _first_model(self, redis: Redis) -> str:
+        """The model to load first: of several, the one whose jobs have waited longest with no worker
+        (the switch policy's rules 4 and 5: a worker started by a scaler for a model's demand loads
+        that model), else the first given."""
+        names = list(self.settings.model_files())
+        if len(names) == 1:
+            return names[0]
+        return model_switch.neediest(await self._demands(redis, names)) or names[0]
+
+    async def _demands(self, redis: Redis, models: list[str]) -> list[model_switch.Demand]:
+        """What the queues of ``models`` hold, and whether another worker serves each (a ready one
+        has it loaded, or one is loading it)."""
+        workers = await registry.live_workers(redis)
+        demands = []
+        for name in models:
+            queue = self.settings.queue_of(name)
+            lanes = await RedisQueue(redis, queue, self.settings.lanes).counts()
+            ages = [lane.oldest_waiting_age_s for lane in lanes if lane.oldest_waiting_age_s is not None]
+            served = any(w.model == name and w.queue == queue and not w.draining and w.id != self.id
+                         for w in workers) or bool(await reply(redis.exists(loading_key(name))))
+            demands.append(model_switch.Demand(
+                model=name, waiting=sum(lane.waiting for lane in lanes), deferred=sum(lane.deferred for lane in lanes),
+                oldest_wait_s=max(ages) if ages else None, served=served))
+        return demands
 
     @property
     def kind(self) -> JobKind:
@@ -263,7 +479,7 @@ class SlotqWorker:
         other = await self.membership.join(ttl_s=self.settings.lock_ttl_s)
         if other is not None:
             raise QueueServedByAnotherModel(
-                queue=self.settings.queue_name, model=self.served.name, kind=self.served.kind.value,
+                queue=self.membership.keys.queue, model=self.served.name, kind=self.served.kind.value,
                 other_worker=other.worker, other_model=other.model, other_kind=other.kind.value)
 
     async def _on_shutdown(self) -> None:
@@ -274,12 +490,15 @@ class SlotqWorker:
             await self.writer.close()
         try:
             await registry.leave(self.queue.redis, self.id)
+            await catalog.withdraw(self.queue.redis, self.id, list(self.offers))
             if self.membership is not None:
                 await self.membership.leave()
         except RedisError:
             pass
         if self.engine:
             await self.engine.close()
+        for kept, _ in self._kept.values():
+            await kept.close()
         if self._http is not None:
             await asyncio.to_thread(self._http.shutdown)
             self._http.server_close()
@@ -359,8 +578,7 @@ class SlotqWorker:
 
     async def _heartbeat_once(self) -> None:
         """Renew the leases of running jobs and advertise this worker."""
-        assert self.runtime is not None and self.queue is not None and self.engine is not None
-        assert self.served is not None
+        assert self.runtime is not None and self.queue is not None and self.served is not None
         self._faults.on_heartbeat()
         runtime = self.runtime
         jobs = runtime.leases()
@@ -371,7 +589,8 @@ class SlotqWorker:
                 log.warning("job %s: its lease expired and the job was requeued; abandoning this attempt", job.id)
                 runtime.lose_lease(job.id, job.lease)
         try:
-            await self._join_queue()
+            if self.membership is not None:     # None while a worker of several models switches
+                await self._join_queue()
         except QueueServedByAnotherModel as exc:
             # Only after this worker went unheard past its entry's time (stalled, cut off from Redis) and
             # another model took the queue: the queue is theirs now. Its running jobs (leases just renewed)
@@ -380,18 +599,28 @@ class SlotqWorker:
                 log.error("%s; stopping", exc)
                 self.request_stop("the queue is served by another model")
             return
-        stats = self.engine.stats()
+        engine = self.engine                    # None while a worker of several models switches
+        load_s = self.offers[self.served.name].entry.load_s     # what loading its model cost here (None: not yet)
+        fields = (engine_heartbeat_fields(engine.stats()) if engine is not None else
+                  {"slots_total": self.settings.slots, "slots_busy": 0, "waiting": 0, "generated_tokens": 0})
+        generated = int(fields["generated_tokens"])
         now = time.time()
         rate = 0.0
         if self._tokens_seen is not None and now > self._tokens_seen[0]:
-            rate = (stats.generated_tokens - self._tokens_seen[1]) / (now - self._tokens_seen[0])
-        self._tokens_seen = (now, stats.generated_tokens)
+            # a new engine counts from 0 again: no negative rate after a switch
+            rate = max(0.0, (generated - self._tokens_seen[1]) / (now - self._tokens_seen[0]))
+        self._tokens_seen = (now, generated)
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
-            "id": self.id, "queue": self.settings.queue_name, "model": self.served.name, "kind": self.served.kind,
-            "ctx": self.engine.ctx_per_seq, **engine_heartbeat_fields(stats),
+            "id": self.id, "queue": self.queue.keys.queue, "model": self.served.name, "kind": self.served.kind,
+            "ctx": engine.ctx_per_seq if engine is not None else 0, **fields,
+            "adapters": [spec.name for spec in engine.config.lora_adapters] if engine is not None else [],
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
+            "models": len(self.offers), **({} if load_s is None else {"load_s": load_s}),
             **(self.elastic.heartbeat_fields() if self.elastic else {})}), interval_s=self.settings.lock_ttl_s / 3)
+        if not self._draining:
+            await catalog.publish(self.queue.redis, self.id, [offer.entry for offer in self.offers.values()],
+                                  ttl_s=self.settings.lock_ttl_s, now=now)
         was_stale = not self._may_claim()
         self._heartbeat_ok_at = time.monotonic()
         if was_stale:
@@ -403,10 +632,11 @@ class SlotqWorker:
         await self.queue.follow_aborts(self.token, self.runtime.abort_now)
 
     async def _metrics_loop(self) -> None:
-        assert self.engine is not None and self.queue is not None
+        assert self.queue is not None
         sampler = metrics.EngineSampler()
         while True:
-            sampler.update(self.engine.stats())
+            if self.engine is not None:         # None while a worker of several models switches
+                sampler.update(self.engine.stats())
             if self.writer is not None:
                 metrics.sample_stream_backlog(*self.writer.backlog())
             elastic_metrics.WORKER_READY.set(int(self._readiness()[0]))

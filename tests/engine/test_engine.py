@@ -199,7 +199,7 @@ async def test_stop_string_spanning_two_tokens(tiny_model_path: Path) -> None:
         prompt, stop, ref_text, ref_tokens = found
         cut = ref_text.find(stop)
         text, tokens, fin = await run_one(engine, greedy(prompt, 80, stop=[stop]))
-        assert fin[0].finish_reason == FinishReason.STOP
+        assert fin[0].finish_reason == FinishReason.STOP and fin[0].stop_sequence == stop
         assert text == ref_text[:cut]
         assert stop not in text
         assert tokens == ref_tokens[: len(tokens)]            # generation stopped right at the stop
@@ -213,6 +213,7 @@ async def test_stop_string_spanning_two_tokens(tiny_model_path: Path) -> None:
         if len(later) == 2 and later not in ref_text[: cut + 2]:
             text2, _, fin2 = await run_one(engine, greedy(prompt, 80, stop=[later, stop]))
             assert text2 == ref_text[:cut] and fin2[0].finish_reason == FinishReason.STOP
+            assert fin2[0].stop_sequence == stop                    # the Finished event names the one that matched
 
 
 async def test_partial_stop_match_at_the_end_is_released(tiny_model_path: Path) -> None:
@@ -369,6 +370,43 @@ async def test_prefix_cache_reuses_a_300_token_prefix_with_identical_output(tiny
     assert fin[0].usage.cached_prompt_tokens >= 290 and cold_fin[0].usage.cached_prompt_tokens == 0
     processed = after.prompt_tokens_processed - before.prompt_tokens_processed
     assert processed == n_second - fin[0].usage.cached_prompt_tokens <= n_second - 290
+
+
+async def test_the_first_delta_says_the_prompt_as_the_finish_will(tiny_model_path: Path) -> None:
+    """A choice's first delta carries its prompt's tokens and those of them cached (a consumer
+    reports the prompt up front: Anthropic's message_start); the later deltas carry none."""
+    prompt = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma"
+    async with running_engine(tiny_model_path, slots=2, ctx=512) as engine:
+        for request in (greedy(prompt, 6), greedy(prompt + " again", 6)):       # the second reuses a prefix
+            events = [ev async for ev in engine.submit(request)]
+            deltas = [ev for ev in events if isinstance(ev, TextDelta)]
+            [fin] = [ev for ev in events if isinstance(ev, Finished)]
+            assert (deltas[0].prompt_tokens, deltas[0].cached_prompt_tokens) == \
+                (fin.usage.prompt_tokens, fin.usage.cached_prompt_tokens)
+            assert deltas[0].prompt_tokens == len(engine.prompt_tokens(request))
+            assert all(d.prompt_tokens == d.cached_prompt_tokens == 0 for d in deltas[1:])
+        assert fin.usage.cached_prompt_tokens > 0
+
+
+async def test_reasoning_tokens_are_the_think_blocks(tiny_model_path: Path) -> None:
+    """A reply's reasoning tokens are those up to the one that closes its think block (tags
+    included); a grammar makes the tiny model write one."""
+    grammar = 'root ::= "<think>" [a-z] [a-z] [a-z] "</think>" "ok"'
+    request = GenerationRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
+                                sampling=SamplingParams(temperature=0, grammar=grammar))
+    async with running_engine(tiny_model_path, slots=1, ctx=512) as engine:
+        events = [ev async for ev in engine.submit(request)]
+        tokens = [t for ev in events if isinstance(ev, TextDelta) for t in ev.token_ids]
+        written = [engine.model.token_bytes(t) for t in tokens]
+        [fin] = [ev for ev in events if isinstance(ev, Finished)]
+        closed_at = next(n for n in range(1, len(written) + 1) if b"</think>" in b"".join(written[:n]))
+        assert len("".join(ev.reasoning for ev in events if isinstance(ev, TextDelta))) == 3
+        assert "".join(ev.text for ev in events if isinstance(ev, TextDelta)) == "ok"
+        assert fin.usage.reasoning_tokens == closed_at < fin.usage.completion_tokens
+        for delivered in (3, closed_at + 1):       # a resumed attempt counts the replayed tokens alike
+            resumed = request.model_copy(update={"resume_tokens": tokens[:delivered]})
+            [again] = [ev async for ev in engine.submit(resumed) if isinstance(ev, Finished)]
+            assert again.usage.reasoning_tokens == closed_at, delivered
 
 
 async def test_simultaneous_requests_share_a_prefix_still_being_prefilled(tiny_model_path: Path) -> None:

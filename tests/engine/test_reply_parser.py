@@ -193,6 +193,18 @@ def test_arguments_written_before_the_name_wait_for_it() -> None:
     ]
 
 
+@pytest.mark.parametrize(("pieces", "inside"), [
+    ([" ", "<th", "ink>", "plan", "</think>", "\n", "Answer"], [False, False, True, True, False, False, False]),
+    (["<think>a</think>b"], [False]),                                    # opened and closed in one push
+    (["plan", " more", "</think>", "done"], [True, True, False, False]),  # the prompt opened it
+    (["<think>", "cut short"], [True, True]),                            # never closed
+    (["Hi ", "<think>x"], [False, False]),                               # not at the start: text
+])
+def test_thinking_says_whether_the_reply_is_inside_its_think_block(pieces: list[str], inside: list[bool]) -> None:
+    parser = new_parser(None, starts_in_reasoning=pieces[0] == "plan")
+    assert [(parser.push(piece), parser.thinking)[1] for piece in pieces] == inside
+
+
 def test_reasoning_and_generic_response_stream() -> None:
     parser = new_parser(GENERIC)
     assert parser.push("<think>\nabc").reasoning == "abc"

@@ -135,7 +135,13 @@ def test_diverging_partial_keeps_a_new_partial() -> None:
 def test_multiple_stops_earliest_wins() -> None:
     m = StopMatcher(["world", "lo"])
     r = m.push("hello world")
-    assert r.stopped and r.emit == "hel"
+    assert r.stopped and r.emit == "hel" and r.stop == "lo"           # the match names the stop string
+
+
+def test_two_stops_at_one_place_name_the_first_listed() -> None:
+    assert StopMatcher(["ab", "abc"]).push("xabc").stop == "ab"
+    assert StopMatcher(["abc", "ab"]).push("xabc").stop == "abc"
+    assert StopMatcher(["abc"]).push("xab").stop is None
 
 
 def test_multiple_stops_partial_of_one_then_other_completes() -> None:
@@ -144,7 +150,7 @@ def test_multiple_stops_partial_of_one_then_other_completes() -> None:
     r = m.push("Us")                                         # "\n" diverges from "\n\n"; "Us" held
     assert (r.emit, r.stopped) == ("\n", False)
     r = m.push("er: next")
-    assert r.stopped and r.emit == ""
+    assert r.stopped and r.emit == "" and r.stop == "User:"
 
 
 def test_stop_char_by_char() -> None:

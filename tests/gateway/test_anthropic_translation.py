@@ -107,7 +107,7 @@ def entry(n: int, kind: EntryKind = EntryKind.CHUNK, **fields) -> StreamEntry:
 
 
 STREAM = [
-    entry(1, reasoning="Hm"),
+    entry(1, reasoning="Hm", prompt_tokens=9, cached_prompt_tokens=4),
     entry(2, reasoning=" ok", text="Sure."),
     entry(3, tool_calls=[ToolCallDelta(index=0, id="call_1", name="get_weather", arguments='{"ci')]),
     entry(4, tool_calls=[ToolCallDelta(index=0, arguments='ty": "Paris"}')]),
@@ -149,6 +149,22 @@ def test_blocks_open_deltas_and_close_in_the_order_written():
         == '{"city": "Paris"}'
     assert seen[-2][2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert seen[-2][2]["usage"] == {"input_tokens": 5, "output_tokens": 6, "cache_read_input_tokens": 4}
+    assert seen[0][2]["message"]["usage"] == {"input_tokens": 5, "output_tokens": 0, "cache_read_input_tokens": 4}
+
+
+def test_message_start_waits_for_the_first_entry_and_counts_its_prompt():
+    renderer = MessageEventRenderer("j1", "m")
+    assert renderer.opening() == []                          # nothing known yet: keep-alives until an entry
+    retried = parsed(renderer.feed(entry(1, EntryKind.ERROR, error=ErrorInfo(code="worker_lost", message="x",
+                                                                             retryable=True))))
+    assert [name for name, _id, _d in retried] == ["ping"]   # a retried attempt says nothing of the prompt
+    first = parsed(renderer.feed(entry(2, text="Hi", prompt_tokens=7)))
+    assert [name for name, _id, _d in first[:3]] == ["message_start", "ping", "content_block_start"]
+    assert first[0][2]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0, "cache_read_input_tokens": 0}
+    ended = parsed(MessageEventRenderer("j1", "m").feed(entry(1, EntryKind.DONE, finish_reason=FinishReason.STOP,
+                                                              final=True, usage=Usage(prompt_tokens=3,
+                                                                                      completion_tokens=0))))
+    assert ended[0][2]["message"]["usage"]["input_tokens"] == 3    # no chunk at all: the done entry's usage
 
 
 def test_only_the_last_event_of_an_entry_carries_its_id_and_resuming_sends_the_rest():

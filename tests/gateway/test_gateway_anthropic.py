@@ -97,6 +97,19 @@ def test_the_stream_is_anthropics_event_sequence(stack: Stack) -> None:
     delta = events[-2].json()
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == 6 and delta["usage"]["input_tokens"] > 0
+    start = events[0].json()["message"]["usage"]          # the prompt, known with the first tokens
+    assert start == {"input_tokens": delta["usage"]["input_tokens"], "output_tokens": 0,
+                     "cache_read_input_tokens": delta["usage"]["cache_read_input_tokens"]}
+
+
+def test_message_start_counts_the_prompt_through_the_sdk(client: anthropic.Anthropic) -> None:
+    conversation = {"system": f"Count {uuid.uuid4().hex}", "messages": ASK}      # cold: no cached prefix
+    counted = client.messages.count_tokens(model=MODEL, **conversation)
+    with client.messages.stream(model=MODEL, max_tokens=4, extra_body=GREEDY, **conversation) as stream:
+        [start] = [event for event in stream if event.type == "message_start"]
+        final = stream.get_final_message()
+    assert start.message.usage.input_tokens + (start.message.usage.cache_read_input_tokens or 0) == \
+        counted.input_tokens == final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 0
 
 
 def test_a_stream_resumes_after_last_event_id_exactly_once(stack: Stack) -> None:
@@ -111,6 +124,26 @@ def test_a_stream_resumes_after_last_event_id_exactly_once(stack: Stack) -> None
     upto = next(i for i, e in enumerate(whole) if e.id == last_id) + 1
     assert [e.data for e in whole[upto:]] == [e.data for e in resumed], (seen, resumed)
     assert resumed[-1].event == "message_stop"
+
+
+def test_a_stop_sequence_is_named_as_the_reason_and_the_sequence(stack: Stack, client: anthropic.Anthropic) -> None:
+    """A reply that one of ``stop_sequences`` ends says ``stop_reason: stop_sequence`` and which one,
+    streamed and not (the SDK reads ``message_delta``), and the job's own result names it too."""
+    plain = client.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ASK)
+    text = plain.content[0].text
+    assert plain.stop_reason == "max_tokens" and plain.stop_sequence is None
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    before = text[:text.find(stop)]                    # greedy: the same reply, cut where the stop first appears
+    asked = {"model": MODEL, "max_tokens": 24, "extra_body": GREEDY, "messages": ASK,
+             "stop_sequences": ["\u2603 never", stop]}
+    message = client.messages.create(**asked)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop), (text, message)
+    assert "".join(b.text for b in message.content if b.type == "text") == before
+    with client.messages.stream(**asked) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    job = httpx.get(f"{stack.url}/v1/jobs/{message.model_extra['slotq']['job_id']}", timeout=30).json()["result"]
+    assert job["finish_reason"] == "stop" and job["stop_sequence"] == job["choices"][0]["stop_sequence"] == stop
 
 
 # ---------------------------------------------------------------------- tools

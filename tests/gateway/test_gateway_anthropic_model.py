@@ -54,3 +54,22 @@ def test_the_anthropic_sdk_runs_a_tool_loop_streamed_and_not(stack: Stack) -> No
                                                   "content": f"Sunny and 21 degrees in {call.input['city']}."}]}])
     assert answer.stop_reason == "end_turn", answer
     assert [b.type for b in answer.content] == ["text"] and answer.content[0].text.strip()
+
+
+def test_a_stop_sequence_ends_a_real_reply_and_is_named(stack: Stack) -> None:
+    """The model counts; ``stop_sequences`` cut it at the first of them it writes, and the SDK reads
+    which (streamed: ``message_delta``, after a ``message_start`` that already counts the prompt)."""
+    client = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0, timeout=120)
+    ask = {"model": MODEL, "max_tokens": 64, "extra_body": GREEDY, "stop_sequences": ["7", "seven"],
+           "messages": [{"role": "user", "content": "Count from 1 to 10, as digits separated by commas."}]}
+    plain = client.messages.create(**(ask | {"stop_sequences": []}))
+    assert "7" in plain.content[0].text, plain                     # what it writes when nothing stops it
+    message = client.messages.create(**ask)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "7"), message
+    assert message.content[0].text == plain.content[0].text[:plain.content[0].text.index("7")]
+    with client.messages.stream(**ask) as stream:
+        [start] = [event for event in stream if event.type == "message_start"]
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "7")
+    assert start.message.usage.input_tokens + (start.message.usage.cache_read_input_tokens or 0) == \
+        final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 0

@@ -74,6 +74,7 @@ def test_a_response_to_a_string_and_to_items(client: openai.OpenAI) -> None:
     assert response.output_text and response.output_text == message.content[0].text
     assert response.usage is not None and response.usage.output_tokens == 12 and response.usage.input_tokens > 0
     assert response.usage.total_tokens == response.usage.input_tokens + 12
+    assert response.usage.output_tokens_details.reasoning_tokens == 0           # a reply that does not think
     assert response.instructions == "Be brief." and response.max_output_tokens == 12
     assert response.model_extra and response.model_extra["slotq"]["job_id"]
 
@@ -130,6 +131,12 @@ def test_reasoning_comes_back_as_a_reasoning_item(client: openai.OpenAI) -> None
     reasoning = [item for item in response.output if item.type == "reasoning"]
     assert len(reasoning) == 1 and reasoning[0].content and reasoning[0].content[0].text, response
     assert response.status == "incomplete" and response.reasoning is not None
+    # the prompt opened <think> and max_output_tokens cut the reply in it: every output token is reasoning
+    assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == 10
+    chat = client.chat.completions.create(model=THINKER, messages=[{"role": "user", "content": ASK}], max_tokens=10,
+                                          temperature=0)
+    assert chat.usage is not None and chat.usage.completion_tokens_details is not None
+    assert chat.usage.completion_tokens_details.reasoning_tokens == chat.usage.completion_tokens == 10
     # sent back with the conversation, a reasoning item is accepted (and left out of the prompt)
     again = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input=[
         {"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in response.output],
@@ -180,6 +187,7 @@ def test_a_streamed_reasoning_item(client: openai.OpenAI) -> None:
     final = events[-1].response
     [reasoning] = [item for item in final.output if item.type == "reasoning"]
     assert deltas and reasoning.content and reasoning.content[0].text == deltas
+    assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens == 10
 
 
 def test_a_stream_refused_at_once_is_an_http_error(client: openai.OpenAI) -> None:
@@ -399,6 +407,54 @@ def test_a_background_response_survives_its_worker_killed_mid_reply(stack: Stack
     assert resumed[-1]["response"]["output"] == final["output"]
     text = "".join(e["delta"] for e in uninterrupted if e["type"] == "response.output_text.delta")
     assert final["output"][0]["content"][0]["text"] == text
+
+
+@pytest.mark.fault
+def test_a_background_stream_survives_its_worker_and_its_gateway_killed_together(stack: Stack) -> None:
+    """The worker writing a background response and the gateway streaming it both killed (-9) at
+    once, mid-reply: another worker resumes the job, a gateway started afresh serves starting_after,
+    and the client then holds exactly the events an uninterrupted read gives, each once, with the
+    text an uninterrupted run of the same request writes (one-token micro-batches: a resumed attempt
+    prefills exactly what was decoded, so greedy decoding goes on token for token)."""
+    model, queue = "tiny-both", "slotq:queue:responses-both"
+    doomed_worker = stack.start_worker("both-doomed-worker", model, queue=queue, ctx=8192, ubatch=1)
+    doomed_gateway = stack.start_gateway("both-doomed-gateway")
+    doomed_gateway.wait_ready()
+    stack.wait_for_models({model}, url=doomed_gateway.url)
+    story = LONGER_STORY | {"properties": {"story": {"type": "string", "minLength": 4000}}}   # the kill comes mid-reply
+    body = {"model": model, "input": "Hello", "background": True, "max_output_tokens": 4500, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "story", "schema": story}}}
+    reference = httpx.post(f"{doomed_gateway.url}/v1/responses", timeout=60, json=body).json()
+    url = f"{doomed_gateway.url}/v1/responses/{reference['id']}"
+    whole = [json.loads(e.data) for e in stream_lines(url, stream="true")]      # uninterrupted, to its end
+    created = httpx.post(f"{doomed_gateway.url}/v1/responses", timeout=60, json=body).json()
+    url = f"{doomed_gateway.url}/v1/responses/{created['id']}"
+    seen = []
+    for event in stream_lines(url, stream="true"):
+        seen.append(json.loads(event.data))
+        if len(seen) == 5:                              # the first text delta
+            status_at_kill = httpx.get(url, timeout=30).json()["status"]
+            os.kill(doomed_worker.proc.pid, signal.SIGKILL)
+            os.kill(doomed_gateway.proc.pid, signal.SIGKILL)
+            break
+    assert status_at_kill == "in_progress" and seen[-1]["type"] == "response.output_text.delta"
+    stack.workers.pop(doomed_worker.name).stop()
+    doomed_gateway.stop()
+    stack.start_worker("both-heir-worker", model, queue=queue, ctx=8192, ubatch=1)
+    gateway = stack.start_gateway("both-restarted-gateway")
+    gateway.wait_ready()
+    url = f"{gateway.url}/v1/responses/{created['id']}"
+    resumed = [json.loads(e.data) for e in stream_lines(url, stream="true", starting_after=seen[-1]["sequence_number"])]
+    uninterrupted = [json.loads(e.data) for e in stream_lines(url, stream="true")]
+    assert seen + resumed == uninterrupted                                     # exactly once, nothing missing
+    assert [e["sequence_number"] for e in seen + resumed] == list(range(len(uninterrupted)))
+    final = uninterrupted[-1]["response"]
+    assert final["status"] in ("completed", "incomplete") and final["slotq"]["worker"] == "both-heir-worker"
+    text = "".join(e["delta"] for e in seen + resumed if e["type"] == "response.output_text.delta")
+    assert final["output"][0]["content"][0]["text"] == text
+    assert text == whole[-1]["response"]["output"][0]["content"][0]["text"]  # as the run never killed wrote it
+    assert (final["status"], final["usage"]["output_tokens"]) == \
+        (whole[-1]["response"]["status"], whole[-1]["response"]["usage"]["output_tokens"])
 
 
 # ---------------------------------------------------------------------- errors and keys

@@ -171,13 +171,14 @@ def test_n_choices_keep_their_indexes_and_usage_adds_up():
                entry(3, EntryKind.DONE, choice=1, finish_reason=FinishReason.STOP,
                      usage=Usage(prompt_tokens=4, completion_tokens=3)),
                entry(4, EntryKind.DONE, choice=0, finish_reason=FinishReason.LENGTH, final=True,
-                     usage=Usage(prompt_tokens=4, completion_tokens=5))]
+                     usage=Usage(prompt_tokens=4, completion_tokens=5, reasoning_tokens=2))]
     chunks = data(render(ChunkRenderer("chat", "j", "m", 1, n=2, include_usage=True), entries))
     assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]          # two opening role chunks
     assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks[2:6]] == [
         (0, None), (1, None), (1, "stop"), (0, "length")]
     assert chunks[6]["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
-                                  "prompt_tokens_details": {"cached_tokens": 0}}
+                                  "prompt_tokens_details": {"cached_tokens": 0},
+                                  "completion_tokens_details": {"reasoning_tokens": 2}}
 
 
 @pytest.mark.parametrize(("last", "status", "code"), [

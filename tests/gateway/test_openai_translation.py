@@ -24,9 +24,9 @@ from slotq.jobs.bulk.formats import LineError, error_record, output_record, pars
 from slotq.jobs.bulk.openai_batch import KEY_SET_BY_BULK, Endpoint
 from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.settings import GatewaySettings
-from slotq.jobs.openai.translate import to_response
+from slotq.jobs.openai.translate import format_shapes_reply, to_response
 from slotq.jobs.protocol.schemas import ChoiceResult, JobResult, JobStatus
-from slotq.jobs.protocol.wire import FinishReason, Usage
+from slotq.jobs.protocol.wire import FinishReason, NamedToolChoice, Usage
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TEXT = {"model": "m", "prompt": "once"}
@@ -208,7 +208,8 @@ def test_a_batch_lines_output_is_the_gateways_response_object(endpoint: Endpoint
     assert response == gateway and record["response"]["status_code"] == 200
     assert [c["finish_reason"] for c in response["choices"]] == ["stop", "length"]
     assert response["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                                 "prompt_tokens_details": {"cached_tokens": 1}}
+                                 "prompt_tokens_details": {"cached_tokens": 1},
+                                 "completion_tokens_details": {"reasoning_tokens": 0}}
     if endpoint == Endpoint.CHAT:
         assert response["choices"][0]["message"] == {"role": "assistant", "content": "out 0", "refusal": None}
 
@@ -254,3 +255,13 @@ def test_the_translation_and_bulk_load_no_part_of_the_gateway() -> None:
             "print(sorted(m for m in sys.modules if m.startswith('slotq.jobs.gateway')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split("\n")[:2] == ["[]", "[]"]
+
+
+@pytest.mark.parametrize(("tool_choice", "shapes"), [
+    (None, True), ("auto", True), ("none", True), ("required", False),
+    (NamedToolChoice(function={"name": "f"}), False),             # a chat request's named function
+    ({"type": "function", "name": "f"}, False),                   # a Responses request's
+])
+def test_a_response_format_shapes_the_reply_unless_a_call_is_forced(tool_choice: Any, shapes: bool) -> None:
+    assert format_shapes_reply([FN], tool_choice) is shapes
+    assert format_shapes_reply(None, tool_choice) and format_shapes_reply([], tool_choice)   # no tools: always

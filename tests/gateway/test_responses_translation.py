@@ -127,7 +127,7 @@ def test_off_values_of_unserved_fields_and_ignored_fields_pass():
 
 def result(text: str = "", *, reason: FinishReason = FinishReason.STOP, reasoning: str = "",
            calls: list[ToolCallSpec] | None = None) -> JobResult:
-    usage = Usage(prompt_tokens=10, completion_tokens=5, cached_prompt_tokens=4)
+    usage = Usage(prompt_tokens=10, completion_tokens=5, cached_prompt_tokens=4, reasoning_tokens=3 if reasoning else 0)
     choice = ChoiceResult(index=0, text=text, reasoning=reasoning, tool_calls=calls or [], finish_reason=reason,
                           usage=usage, timings=Timings())
     return JobResult(id="j1", status=JobStatus.SUCCEEDED, text=text, finish_reason=reason, usage=usage,
@@ -149,7 +149,7 @@ def test_a_result_is_a_response_with_items_usage_and_echoed_settings():
                                                     "name": "get_weather", "arguments": '{"city": "Paris"}',
                                                     "status": "completed"}
     assert response["usage"] == {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4},
-                                 "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0},
+                                 "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 3},
                                  "total_tokens": 15}
     assert response["instructions"] == "Be brief." and response["tools"][0]["name"] == "get_weather"
     assert response["temperature"] == 0 and response["metadata"] == {"k": "v"}

@@ -86,6 +86,10 @@ def test_a_body_that_hides_a_value_is_refused() -> None:
 def test_every_script_of_the_queue_builds() -> None:
     scripts = [cls for module in (admission, attempts, claims, stream_flush) for _, cls in inspect.getmembers(module)
                if isinstance(cls, type) and issubclass(cls, LuaScript) and cls.__module__ == module.__name__]
-    assert len(scripts) == 16
+    assert len(scripts) == 17
     for script in scripts:
-        assert lua_source(script).startswith("-- KEYS and ARGV as ")
+        source = lua_source(script)
+        if script.FLAGS:                 # a shebang line first: Redis reads flags from there only
+            shebang, source = source.split("\n", 1)
+            assert shebang == f"#!lua flags={','.join(script.FLAGS)}"
+        assert source.startswith("-- KEYS and ARGV as ")

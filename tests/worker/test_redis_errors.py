@@ -119,7 +119,10 @@ async def test_a_worker_whose_claims_and_reaps_redis_refuses_says_so_and_turns_u
     after SLOTQ_HEALTH_MAX_STALL_S of nothing but failures /ready fails with ``redis_stalled``; once
     the keys are fixed, the next reap that works makes the worker ready again."""
     worker = await start_worker(health_max_stall_s=1.0, poll_delay_s=0.2)
-    assert worker.health.ready()[0]
+    async with asyncio.timeout(30):         # ready once its first heartbeat lands (after the warm-up)
+        while not worker.health.ready()[0]:
+            assert worker.health.ready()[1]["state"] == "warming_up", worker.health.ready()[1]
+            await asyncio.sleep(0.05)
     assert worker.runtime is not None
     keys = worker.runtime.queue.keys
     claims, reaps = failures("claim", "deterministic"), failures("reap", "deterministic")

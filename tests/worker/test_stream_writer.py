@@ -19,20 +19,20 @@ POLICY = FlushPolicy(max_delay_s=0.1)
 def test_a_flush_waits_until_its_tokens_pay_for_its_commands() -> None:
     fixed = FlushPolicy.FIXED_COMMANDS
     # one job, one entry: worth it from fixed + 1 tokens on
-    assert POLICY.due_in(waited_s=0.0, tokens=fixed, entries=1, calls=1, urgent=False) == pytest.approx(0.1)
-    assert POLICY.due_in(waited_s=0.0, tokens=fixed + 1, entries=1, calls=1, urgent=False) == 0.0
+    assert POLICY.due_in(waited_s=0.0, tokens=fixed, entries=1, buckets=1, urgent=False) == pytest.approx(0.1)
+    assert POLICY.due_in(waited_s=0.0, tokens=fixed + 1, entries=1, buckets=1, urgent=False) == 0.0
     # eight jobs with one token each (one decode step) wait; two steps' worth go
-    assert POLICY.due_in(waited_s=0.03, tokens=8, entries=8, calls=1, urgent=False) == pytest.approx(0.07)
-    assert POLICY.due_in(waited_s=0.03, tokens=16, entries=8, calls=1, urgent=False) == 0.0
-    # on a cluster the same eight jobs in four stream buckets take four calls: they wait for more
-    assert POLICY.due_in(waited_s=0.03, tokens=16, entries=8, calls=4, urgent=False) == pytest.approx(0.07)
-    assert POLICY.due_in(waited_s=0.03, tokens=4 * fixed + 8, entries=8, calls=4, urgent=False) == 0.0
+    assert POLICY.due_in(waited_s=0.03, tokens=8, entries=8, buckets=1, urgent=False) == pytest.approx(0.07)
+    assert POLICY.due_in(waited_s=0.03, tokens=16, entries=8, buckets=1, urgent=False) == 0.0
+    # on a cluster the same eight jobs in four stream buckets cost four times the fixed commands: they wait for more
+    assert POLICY.due_in(waited_s=0.03, tokens=16, entries=8, buckets=4, urgent=False) == pytest.approx(0.07)
+    assert POLICY.due_in(waited_s=0.03, tokens=4 * fixed + 8, entries=8, buckets=4, urgent=False) == 0.0
 
 
 def test_nothing_waits_longer_than_the_max_delay_and_urgent_entries_go_at_once() -> None:
-    assert POLICY.due_in(waited_s=0.1, tokens=1, entries=1, calls=1, urgent=False) == 0.0
-    assert POLICY.due_in(waited_s=5.0, tokens=1, entries=1, calls=1, urgent=False) == 0.0
-    assert POLICY.due_in(waited_s=0.0, tokens=0, entries=1, calls=1, urgent=True) == 0.0
+    assert POLICY.due_in(waited_s=0.1, tokens=1, entries=1, buckets=1, urgent=False) == 0.0
+    assert POLICY.due_in(waited_s=5.0, tokens=1, entries=1, buckets=1, urgent=False) == 0.0
+    assert POLICY.due_in(waited_s=0.0, tokens=0, entries=1, buckets=1, urgent=True) == 0.0
 
 
 @pytest.fixture
@@ -49,7 +49,8 @@ async def entries(redis: Redis, job_id: str) -> list[StreamEntry]:
 async def test_consecutive_chunks_merge_into_one_entry_per_flush(redis) -> None:
     writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60)
     for n, text in enumerate(["Hel", "lo", ", ", "world"], start=1):
-        writer.add_chunk("j", attempt=1, choice=0, text=text, token_ids=[n], n_tokens=n)
+        writer.add_chunk("j", attempt=1, choice=0, text=text, token_ids=[n], n_tokens=n,
+                         **({"prompt_tokens": 12, "cached_prompt_tokens": 5} if n == 1 else {}))   # the first
     writer.add_chunk("j", attempt=1, choice=1, text="other", token_ids=[9], n_tokens=1)
     writer.add("j", StreamEntry(id="", kind=EntryKind.DONE, attempt=1, finish_reason=FinishReason.LENGTH, final=True))
     assert await writer.flush()
@@ -60,6 +61,7 @@ async def test_consecutive_chunks_merge_into_one_entry_per_flush(redis) -> None:
         (EntryKind.DONE, 0, "", [], 0),
     ]
     assert got[-1].final and writer.round_trips == 1
+    assert (got[0].prompt_tokens, got[0].cached_prompt_tokens) == (12, 5) and got[1].prompt_tokens is None
     assert 0 < await redis.ttl(stream_key("j")) <= 60
 
 

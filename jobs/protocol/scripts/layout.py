@@ -19,6 +19,11 @@ then every argument list. How a value crosses: ``int`` as its digits (a Lua numb
 ``int | None`` as digits or ``''`` (a number or nil), ``bool`` as ``'1'`` or ``''`` (a Lua
 boolean), ``str`` and ``bytes`` as they are (a Lua string).
 
+A script whose class sets ``FLAGS`` starts with Redis' shebang line (``#!lua flags=...``): a
+script that sets ``allow-cross-slot-keys`` declares the keys of one slot (which route the call)
+and may touch keys of other slots of the same node, passed as arguments
+(:class:`~slotq.jobs.protocol.scripts.stream_flush.NodeStreamFlush`).
+
 The layout is this release's alone: every client sends the body it was built with (EVALSHA of its
 own text), so a rolling upgrade never runs one release's arguments through another's script.
 """
@@ -37,7 +42,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.typing import EncodableT
 
 T = TypeVar("T")
@@ -61,10 +66,11 @@ class LuaScript(Generic[Reply]):
     """One call of a Lua script, ``Reply`` being what Redis answers (as redis-py returns it).
     Subclasses are frozen, keyword-only dataclasses (see the module) with the Lua that follows the
     preamble: ``HELPERS``, the shared functions it calls (:mod:`slotq.jobs.protocol.scripts.lua`),
-    then its own ``BODY``."""
+    then its own ``BODY``; ``FLAGS``, if any, go before all of it as its shebang line."""
 
     HELPERS: ClassVar[str] = ""
     BODY: ClassVar[str]
+    FLAGS: ClassVar[tuple[str, ...]] = ()      # Redis script flags, as a shebang line; none: no shebang
 
     def keys(self) -> list[str]:
         """KEYS, laid out as the module says."""
@@ -192,15 +198,17 @@ _FUNCTIONS = re.compile(r"\blocal\s+function\s+(\w+)")
 
 
 def lua_source(script: type[LuaScript[Any]]) -> str:
-    """The script's Lua: the generated preamble, its ``HELPERS``, its ``BODY``. Raises when the body
-    declares a local, or a helper a function, named like one of the script's values (it would hide it)."""
+    """The script's Lua: its shebang line (only with ``FLAGS``), the generated preamble, its ``HELPERS``,
+    its ``BODY``. Raises when the body declares a local, or a helper a function, named like one of the
+    script's values (it would hide it)."""
     table = _table(script)
     names = {f.name for f in (*table.keys, *table.key_lists, *table.args, *table.arg_lists)}
     declared = {name.strip() for match in _LOCALS.finditer(script.BODY) for name in match.group(1).split(",")}
     declared |= set(_FUNCTIONS.findall(script.HELPERS + script.BODY))
     if clash := sorted(names & declared):
         raise TypeError(f"{script.__name__}: its Lua declares {', '.join(clash)}, already a key or argument")
-    return _preamble(script) + script.HELPERS + script.BODY
+    shebang = f"#!lua flags={','.join(script.FLAGS)}\n" if script.FLAGS else ""
+    return shebang + _preamble(script) + script.HELPERS + script.BODY
 
 
 class ScriptRunner:
@@ -244,8 +252,10 @@ class ScriptRunner:
         reply, acknowledged = await pipe.execute()
         return reply, int(acknowledged)
 
-    async def run_all(self, calls: Sequence[LuaScript[Any]]) -> list[Any]:
+    async def run_all(self, calls: Sequence[LuaScript[Any]], *, return_refusals: bool = False) -> list[Any]:
         """Run ``calls`` in one round trip, in order, each atomic but not together; their replies.
+        With ``return_refusals``, a call Redis answered with an error (a ``ResponseError``: a script error,
+        a key this node does not serve) has that error in its place instead of raising it.
         They go out as one pipeline (on a cluster one cluster pipeline, which sends each node its calls in
         one batch, the nodes at once, so a node reads them with one system call, not one per call).
 
@@ -254,19 +264,29 @@ class ScriptRunner:
         method). A call answered NOSCRIPT (a server that never ran the script: restarted, or a replica just
         promoted) runs again on its own, which loads it; nothing else is sent twice."""
         if len(calls) == 1:
-            return [await self.run(calls[0])]
-        pipe = self._pipeline()
-        for call in calls:
-            self._send(pipe, call)
-        replies = await pipe.execute(raise_on_error=False)
+            replies: list[Any] = [await self._run_alone(calls[0], return_refusals)]
+        else:
+            pipe = self._pipeline()
+            for call in calls:
+                self._send(pipe, call)
+            replies = await pipe.execute(raise_on_error=False)
         out = []
         for call, reply in zip(calls, replies):
             if isinstance(reply, NoScriptError):
-                reply = await self.run(call)
-            elif isinstance(reply, Exception):
+                reply = await self._run_alone(call, return_refusals)
+            elif isinstance(reply, Exception) and not (return_refusals and isinstance(reply, ResponseError)):
                 raise reply
             out.append(reply)
         return out
+
+    async def _run_alone(self, call: LuaScript[Any], return_refusals: bool) -> Any:
+        """:meth:`run`, its ``ResponseError`` returned rather than raised with ``return_refusals``."""
+        try:
+            return await self.run(call)
+        except ResponseError as exc:
+            if not return_refusals:
+                raise
+            return exc
 
     def _pipeline(self) -> Pipeline | ClusterPipeline:
         """A pipeline without a transaction (a cluster's has none)."""

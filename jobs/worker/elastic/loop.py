@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
+from slotq.engine.process import EngineProcess
 from slotq.jobs.worker.elastic import metrics
 from slotq.jobs.worker.elastic.admission import Verdict, verdict
 from slotq.jobs.worker.elastic.controller import Change, Degradation, Observation, SlotController
 from slotq.jobs.worker.elastic.knobs import ElasticKnobs
-from slotq.jobs.worker.elastic.memory import process_rss_bytes, resolve_memory_limit
+from slotq.jobs.worker.elastic.memory import resolve_memory_limit, worker_rss_bytes
 from slotq.jobs.worker.fault_injection import WorkerFaults
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ class ElasticLoop:
     async def tick(self) -> list[Change]:
         self.faults.hold_memory_ballast()
         stats = self.engine.stats()
-        obs = Observation(now=time.monotonic(), memory_used_bytes=process_rss_bytes(),
+        engine_pid = self.engine.pid if isinstance(self.engine, EngineProcess) else None
+        obs = Observation(now=time.monotonic(), memory_used_bytes=worker_rss_bytes(engine_pid),
                           memory_limit_bytes=self.memory_limit.bytes, kv_ratio=stats.kv_active_ratio,
                           stream_tokens_per_s=self._stream_speed(stats), jobs_running=self.runtime.running,
                           jobs_waiting=await self._waiting())

@@ -1,7 +1,8 @@
 """How much memory this worker uses, and against what limit.
 
 Used: the process's resident set (``/proc/self/statm``), which includes the model's mmapped weights
-once touched, the KV cache and Python itself.
+once touched, the KV cache and Python itself; with the engine in a process of its own
+(``SLOTQ_ENGINE_PROCESS``), that process's resident set too, where the model and the KV cache live.
 
 Limit, the smallest that applies: ``SLOTQ_MEMORY_LIMIT_MB``; the memory cgroup's limit (a container's
 ``resources.limits.memory``, the kernel's OOM line): cgroup v2 ``memory.max``, or v1
@@ -27,6 +28,17 @@ class MemoryLimit:
 def process_rss_bytes(statm: Path = Path("/proc/self/statm")) -> int:
     resident_pages = int(statm.read_text().split()[1])
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker_rss_bytes(engine_pid: int | None) -> int:
+    """This process's resident set, plus its engine process's when it has one (gone: nothing)."""
+    used = process_rss_bytes()
+    if engine_pid is not None:
+        try:
+            used += process_rss_bytes(Path(f"/proc/{engine_pid}/statm"))
+        except OSError:
+            pass
+    return used
 
 
 def physical_memory_bytes() -> int:
