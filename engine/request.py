@@ -313,10 +313,6 @@ class RerankParams(BaseModel):
     documents: list[str] = Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS,
                                  description="texts to score; one relevance score each, in order")
 
-    def input_chars(self) -> int:
-        """Characters the model reads: the query once per document, and the documents."""
-        return len(self.query) * len(self.documents) + sum(len(d) for d in self.documents)
-
 
 class RerankRequest(RerankParams):
     id: str = Field(default_factory=lambda: uuid.uuid4().hex)

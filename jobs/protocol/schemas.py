@@ -150,6 +150,12 @@ class RerankJobRequest(RerankParams, JobFields):
 AnyJobRequest = JobRequest | EmbeddingJobRequest | RerankJobRequest
 
 
+def ranked(scores: list[float], top_n: int | None = None) -> list[int]:
+    """Indices of ``scores``, highest first (ties keep their order), the first ``top_n`` of them (all when None):
+    a rerank job's documents, most relevant first."""
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
+
+
 def decode_vector(encoded: str) -> list[float]:
     """The floats of one vector of :attr:`JobResult.embeddings` (little-endian float32 in base64)."""
     packed = array("f", base64.b64decode(encoded))
@@ -222,10 +228,8 @@ class JobResult(BaseModel):
                                           "model's raw output: higher is more relevant); ranked() orders them")
 
     def ranked(self, top_n: int | None = None) -> list[int]:
-        """A rerank job's document indices, most relevant first (ties keep document order), the first
-        ``top_n`` of them (all when None)."""
-        order = sorted(range(len(self.scores)), key=lambda i: -self.scores[i])
-        return order if top_n is None else order[:top_n]
+        """A rerank job's document indices, most relevant first (see :func:`ranked`)."""
+        return ranked(self.scores, top_n)
 
     def vectors(self) -> list[list[float]]:
         """An embedding job's vectors as floats, one per input."""
