@@ -2,7 +2,8 @@
 ``pip install 'slotq[bench]'``).
 
 Starts Valkey and a ``slotq worker``, warms it up, then records it with py-spy (native frames, every
-thread, idle samples included) while jobs run through Redis, and reads Valkey's ``INFO
+thread, idle samples included, its engine process too with ``SLOTQ_ENGINE_PROCESS=true`` in the
+environment) while jobs run through Redis, and reads Valkey's ``INFO
 commandstats`` over the same window. Two workloads:
 
 - default: the bundled model, 8 slots, 8 closed-loop clients running 64-token jobs;
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import collections
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +45,9 @@ CLIENTS, PER_CLIENT, MAX_TOKENS = 8, 6, 64
 TINY_ROUNDS = 5
 
 
+_PROCESSES = re.compile(r'((?:process \d+:"[^"]*";)*)')
+
+
 def summarize(raw_profile: Path, top: int = 8) -> str:
     """py-spy's raw (collapsed) stacks -> per thread: the busiest leaf frames, and the busiest
     innermost slotq frames (the job layer's and the engine's own functions, callees included)."""
@@ -50,8 +55,11 @@ def summarize(raw_profile: Path, top: int = 8) -> str:
     ours: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for line in raw_profile.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        thread = frames[0]
+        processes = _PROCESSES.match(stack)       # --subprocesses: the process and its parents first
+        assert processes is not None
+        pids = re.findall(r"process (\d+):", processes.group(1))
+        frames = stack[processes.end():].split(";")
+        thread = f"process {pids[-1]} ({len(pids) - 1} below the worker), {frames[0]}" if pids else frames[0]
         leaves[thread][frames[-1]] += int(count)
         inner = next((f for f in reversed(frames) if _is_slotq(f)), "(no slotq frame)")
         ours[thread][inner] += int(count)
@@ -132,7 +140,7 @@ async def _profile(url: str, worker: ChildProcess, spy_bin: str, out: Path, tiny
             await _closed_loop(one, CLIENTS, 1)                                   # warm-up
         await client.redis.execute_command("CONFIG", "RESETSTAT")
         spy = subprocess.Popen([spy_bin, "record", "--pid", str(worker.proc.pid), "--native", "--threads", "--idle",
-                                "--rate", "50", "--format", "raw", "-o", str(out)],
+                                "--subprocesses", "--rate", "50", "--format", "raw", "-o", str(out)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await asyncio.sleep(1.0)                # py-spy attaches (its first second is idle in every thread)
         tokens_per_s = await workload()

@@ -220,9 +220,7 @@ async def _commands(reader: asyncio.StreamReader, engine: Engine, relay: _StepRe
     preparing: dict[str, bool] = {}      # submits being validated -> cancelled meanwhile?
     tasks: set[asyncio.Task[None]] = set()
 
-    async def submit(body: bytes) -> None:
-        request = GenerationRequest.model_validate_json(body)
-        preparing[request.id] = False
+    async def submit(request: GenerationRequest) -> None:
         try:
             await engine.submit_async(request, relay.receiver(request.id))
         except EngineError as exc:
@@ -252,7 +250,9 @@ async def _commands(reader: asyncio.StreamReader, engine: Engine, relay: _StepRe
     while (message := await _read_frame(reader)) is not None:
         kind = message[0]
         if kind == "submit":
-            spawn(submit(message[1]))
+            request = GenerationRequest.model_validate_json(message[1])
+            preparing[request.id] = False       # before the next command: a cancel right behind it finds it
+            spawn(submit(request))
         elif kind == "cancel":
             if message[1] in preparing:
                 preparing[message[1]] = True

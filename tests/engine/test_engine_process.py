@@ -82,6 +82,13 @@ async def test_generates_what_the_engine_generates_in_process(tiny_model_path: P
                 handle.cancel()
             else:
                 assert event.finish_reason == FinishReason.CANCELLED
+
+        early = greedy("cancel early", 400)
+        submitting = asyncio.create_task(process.submit_async(early))
+        await asyncio.sleep(0)                  # the submit is on its way: the cancel follows it
+        process.cancel(early.id)
+        _, tokens, finished = await collect(await submitting)
+        assert finished[0].finish_reason == FinishReason.CANCELLED and len(tokens) < 400
     finally:
         await process.close()
     assert process.state == EngineState.CLOSED and process.failure is None
