@@ -65,14 +65,17 @@ def _field(model: str, worker: str) -> str:
 
 
 async def publish(redis: Redis, worker: str, entries: Sequence[CatalogEntry], *, ttl_s: float, now: float) -> None:
-    """Offer ``entries`` (the models ``worker`` can load) until ``now + ttl_s``, and delete the
-    entries of any worker gone silent :data:`FORGET_AFTER_S` ago."""
+    """Offer ``entries`` (the models ``worker`` can load) until ``now + ttl_s``; delete the
+    worker's entries of models it no longer offers (one that failed to load), and the entries of any
+    worker gone silent :data:`FORGET_AFTER_S` ago."""
     until = now + ttl_s
     mapping = {_field(e.model, worker): json.dumps({"queue": e.queue, "kind": e.kind.value,
                                                     "fingerprint": e.fingerprint, "load_s": e.load_s, "until": until})
                for e in entries}
     raw = await reply(redis.hgetall(CATALOG))
-    stale = [name for name, value in raw.items() if json.loads(value)["until"] < now - FORGET_AFTER_S]
+    stale = [name for name, value in raw.items()
+             if json.loads(value)["until"] < now - FORGET_AFTER_S
+             or (name.decode().rpartition("\t")[2] == worker and name.decode() not in mapping)]
     async with redis.pipeline(transaction=False) as pipe:
         if mapping:
             pipe.hset(CATALOG, mapping=mapping)
@@ -114,5 +117,6 @@ async def claim_load(redis: Redis, model: str, worker: str) -> bool:
 
 
 async def release_load(redis: Redis, model: str) -> None:
-    """The switch to ``model`` ended (loaded, or failed): its worker is counted by its heartbeat now."""
+    """The switch to ``model`` failed, or its worker's heartbeat now advertises the model (and other
+    workers count it from there): the mark goes."""
     await redis.delete(loading_key(model))

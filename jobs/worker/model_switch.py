@@ -16,9 +16,11 @@ Policy, in order of precedence:
    nothing running here -- for ``idle_s`` (``SLOTQ_MODEL_IDLE_S``), so the gaps of a bursty load
    do not make it unload a model it is about to need again.
 4. Go only where no one else will: to a model whose queue has jobs waiting (or deferred) and no
-   worker for them -- no ready worker has it loaded and no other worker is loading it. A model
-   that has a worker takes nothing from this one; of several idle workers, the one that marks the
-   model as loading first (:func:`slotq.jobs.protocol.catalog.claim_load`) goes.
+   worker for them -- no worker's heartbeat advertises it (loaded, or loading) and no other worker
+   is switching to it. A model that has a worker takes nothing from this one; of several idle
+   workers, the one that marks the model as loading first
+   (:func:`slotq.jobs.protocol.catalog.claim_load`) goes, and the mark stays until its heartbeat
+   advertises the model.
 5. Of those models, the one whose next job has waited longest (a model with only deferred jobs
    after any with a job waiting; ties by name, so every worker picks the same one and rule 4's
    mark sends one of them).

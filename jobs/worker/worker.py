@@ -138,6 +138,7 @@ class SlotqWorker:
         self._kept: dict[str, tuple[JobEngine, JobEmbedder | None, JobRanker | None]] = {}
         self._reused = False                            # the model now served came back from _kept: no load
         self._first_name = ""                           # the model it loads at start-up (_first_model)
+        self._loading_mark: str | None = None           # a switch's loading mark, until a beat advertises the model
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
         self.queue: RedisQueue | None = None
@@ -369,6 +370,9 @@ class SlotqWorker:
         if not await catalog.claim_load(redis, name, self.id):
             return                                      # another worker is loading it
         previous = self.served.name
+        if self._loading_mark is not None:     # the last switch's mark, its beat not landed yet
+            await catalog.release_load(redis, self._loading_mark)
+            self._loading_mark = None
         try:
             self._switching = True
             while self.runtime.claiming_now:
@@ -402,7 +406,11 @@ class SlotqWorker:
                     self.request_stop("no model could be loaded", grace_s=0)
         finally:
             self._switching = False
-            await catalog.release_load(redis, name)
+            if self.served is not None and self.served.name == name and self.ready.is_set():
+                self._loading_mark = name       # the heartbeat that advertises it releases the mark
+                self._beat_now.set()
+            else:
+                await catalog.release_load(redis, name)
 
     async def _serve(self, name: str) -> float:
         """Claim from ``name``'s queue, load the model and warm it up (the switch's second half);
@@ -611,8 +619,9 @@ class SlotqWorker:
             # a new engine counts from 0 again: no negative rate after a switch
             rate = max(0.0, (generated - self._tokens_seen[1]) / (now - self._tokens_seen[0]))
         self._tokens_seen = (now, generated)
+        advertised = self.served.name
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
-            "id": self.id, "queue": self.queue.keys.queue, "model": self.served.name, "kind": self.served.kind,
+            "id": self.id, "queue": self.queue.keys.queue, "model": advertised, "kind": self.served.kind,
             "ctx": engine.ctx_per_seq if engine is not None else 0, **fields,
             "adapters": [spec.name for spec in engine.config.lora_adapters] if engine is not None else [],
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
@@ -622,6 +631,10 @@ class SlotqWorker:
         if not self._draining:
             await catalog.publish(self.queue.redis, self.id, [offer.entry for offer in self.offers.values()],
                                   ttl_s=self.settings.lock_ttl_s, now=now)
+        if self._loading_mark is not None and self._loading_mark == advertised:
+            # this beat advertises the model switched to, ready: other workers count it now
+            await catalog.release_load(self.queue.redis, self._loading_mark)
+            self._loading_mark = None
         was_stale = not self._may_claim()
         self._heartbeat_ok_at = time.monotonic()
         if was_stale:

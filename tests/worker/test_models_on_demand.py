@@ -129,6 +129,8 @@ async def test_catalog_entries_expire_and_disagreements_resolve_alike(client: Sl
                           now=now)
     [model] = (await catalog.read(client.redis, now=now)).values()
     assert (model.queue, model.fingerprint, model.workers, model.load_s) == ("q:one", "f1", ("w1", "w2"), None)
+    await catalog.publish(client.redis, "w2", [], ttl_s=10, now=now)           # w2 no longer offers it
+    assert (await catalog.read(client.redis, now=now))["m"].workers == ("w1",)
     assert await catalog.read(client.redis, now=now + 11) == {}                   # past their time: gone
     await catalog.publish(client.redis, "w4", [], ttl_s=10, now=now + catalog.FORGET_AFTER_S + 11)
     assert await client.redis.hlen("slotq:catalog") == 0                          # forgotten by another's beat
@@ -202,3 +204,41 @@ async def test_a_worker_starts_with_the_model_whose_jobs_wait(start_worker, clie
     worker = await start_worker(model=None, models=f"first={tiny_model_path},second={second_model}")
     assert worker.served is not None and worker.served.name == "second" and worker.last_switch is None
     assert (await queue.result(waiting.id, timeout=60)).model == "second"
+
+
+async def test_a_model_that_fails_to_load_is_dropped_and_the_worker_goes_back(
+        start_worker, client: SlotqClient, tiny_model_path: Path, tmp_path: Path) -> None:
+    """A GGUF whose header reads but whose tensors are cut short: the switch to it fails, the worker stops
+    offering it (the gateway then answers 503 for it) and serves its first model again; the job that asked
+    for the broken model stays queued, not lost."""
+    broken = write_tiny_llama(tmp_path / "broken.gguf", seed=5)
+    with broken.open("r+b") as file:
+        file.truncate(broken.stat().st_size * 2 // 3)
+    worker = await start_worker(model=None, models=f"first={tiny_model_path},broken={broken}", model_idle_s=0.1)
+    stranded = await client.for_queue("slotq:queue:broken").enqueue(job_request(max_tokens=2, model="broken"))
+    async with asyncio.timeout(60):
+        while "broken" in worker.offers:
+            await asyncio.sleep(0.05)
+    first = client.for_queue("slotq:queue:first")
+    result = await (await first.enqueue(job_request(max_tokens=2, model="first"))).result(timeout=60)
+    assert result.status == JobStatus.SUCCEEDED and result.model == "first"
+    async with asyncio.timeout(30):           # withdrawn at once; a beat that raced the withdrawal, at the next
+        while set(await catalog.read(client.redis, now=time.time())) != {"first"}:
+            await asyncio.sleep(0.05)
+    assert await client.redis.hexists(client.for_queue("slotq:queue:broken").queue.keys.jobs, stranded.id)
+
+
+async def test_of_two_idle_workers_one_answers_a_models_demand(start_worker, client: SlotqClient,
+                                                               tiny_model_path: Path, second_model: Path) -> None:
+    """Two workers of the same two models, both idle on the first: jobs for the second bring exactly one of
+    them to it (the loading mark, then its heartbeat, tell the other it is served); the first keeps a worker."""
+    models = f"first={tiny_model_path},second={second_model}"
+    workers = [await start_worker(model=None, models=models, model_idle_s=0.1, worker_name=f"fleet-{i}")
+               for i in range(2)]
+    queue = client.for_queue("slotq:queue:second")
+    handles = [await queue.enqueue(job_request(f"job {i}", max_tokens=4, model="second")) for i in range(6)]
+    for handle in handles:
+        assert (await queue.result(handle.id, timeout=60)).model == "second"
+    await asyncio.sleep(1)                    # time enough for a second switch, were there one
+    assert sorted(w.served.name for w in workers if w.served is not None) == ["first", "second"]
+    assert sum(w.last_switch is not None for w in workers) == 1
