@@ -4,7 +4,8 @@ A line is either
 
 * a **slotq request**: a :class:`~slotq.jobs.protocol.schemas.JobRequest` as JSON (``prompt`` or ``messages``,
   ``max_tokens``, ``sampling``, ...), or an :class:`~slotq.jobs.protocol.schemas.EmbeddingJobRequest`
-  (``inputs``: texts or token arrays, ``truncate``) for an embedding model's queue, plus an optional
+  (``inputs``: texts or token arrays, ``truncate``) for an embedding model's queue, or a
+  :class:`~slotq.jobs.protocol.schemas.RerankJobRequest` (``query``, ``documents``) for a reranker's, plus an optional
   ``id`` (string or integer) that its output carries; without one, the output carries the line
   number; or
 * an **OpenAI Batch API line**: ``{"custom_id", "method": "POST", "url", "body"}``
@@ -13,9 +14,9 @@ A line is either
 Output follows each line's format: a slotq line gives ``{"id", "line", "job_id", "status", "text",
 "finish_reason", "usage", "timings", "worker", "attempts", "metadata"}`` (plus ``choices`` when
 ``n > 1``; an embedding line's ``embeddings``, one little-endian float32 vector in base64 per
-input, and ``dimensions``); an OpenAI line gives OpenAI's batch output object. Every error record
-carries ``line``; an OpenAI line that the endpoint would refuse (a bad body, or refused at enqueue) carries the
-gateway's HTTP answer in ``response``.
+input, and ``dimensions``; a rerank line's ``scores``, one per document in document order); an OpenAI
+line gives OpenAI's batch output object. Every error record carries ``line``; an OpenAI line that the
+endpoint would refuse (a bad body, or refused at enqueue) carries the gateway's HTTP answer in ``response``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from slotq.jobs.errors import JobRejected
 from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.openai.translate import finish_reason, wire_param
 from slotq.jobs.openai.wire import EmbeddingsRequest
-from slotq.jobs.protocol.schemas import AnyJobRequest, EmbeddingJobRequest, JobRequest, JobResult, JobStatus
+from slotq.jobs.protocol.schemas import (
+    AnyJobRequest,
+    EmbeddingJobRequest,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    RerankJobRequest,
+)
 from slotq.jobs.protocol.wire import ErrorInfo
 
 
@@ -126,7 +134,8 @@ def _slotq_line(obj: dict[str, Any], number: int, lane: str) -> BulkLine:
     if "idempotency_key" in obj:
         raise LineError("invalid_request", KEY_SET_BY_BULK, key=key)
     obj.setdefault("lane", lane)
-    model: type[AnyJobRequest] = EmbeddingJobRequest if "inputs" in obj else JobRequest
+    model: type[AnyJobRequest] = (EmbeddingJobRequest if "inputs" in obj
+                                  else RerankJobRequest if "documents" in obj else JobRequest)
     try:
         return BulkLine(number, LineFormat.SLOTQ, key, model.model_validate(obj), own_key=own_key)
     except ValidationError as exc:
@@ -180,7 +189,8 @@ def output_record(line: BulkLine, job_id: str, result: JobResult) -> dict[str, A
         assert line.endpoint is not None
         return openai_batch.output_record(line.key, job_id, line.endpoint, line.model, result, line.encoding_format)
     exclude = {"id", "error"} | ({"choices"} if len(result.choices) <= 1 else set()) | (
-        {"embeddings", "dimensions"} if isinstance(line.request, JobRequest) else set())
+        set() if isinstance(line.request, EmbeddingJobRequest) else {"embeddings", "dimensions"}) | (
+        set() if isinstance(line.request, RerankJobRequest) else {"scores"})
     return {"id": line.key, "line": line.number, "job_id": job_id, **result.model_dump(mode="json", exclude=exclude)}
 
 

@@ -115,7 +115,7 @@ class ModelRouter:
         return self._routes
 
     async def models_of(self, kind: JobKind) -> list[str]:
-        """The models live workers serve ``kind`` of job for, by name."""
+        """The models live workers serve, or offer to load, for ``kind`` of job, by name."""
         await self.routes()
         return sorted(self._by_kind.get(kind, {}))
 

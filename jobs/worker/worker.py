@@ -135,7 +135,7 @@ class SlotqWorker:
         self._switching = False                         # deciding to unload: claims nothing
         self.last_switch: SwitchTimes | None = None     # where the last switch's time went
         # idle models kept loaded (SLOTQ_MODELS_MAX), the least recently used first
-        self._kept: dict[str, tuple[JobEngine, JobEmbedder | None]] = {}
+        self._kept: dict[str, tuple[JobEngine, JobEmbedder | None, JobRanker | None]] = {}
         self._reused = False                            # the model now served came back from _kept: no load
         self._first_name = ""                           # the model it loads at start-up (_first_model)
         self._loading_mark: str | None = None           # a switch's loading mark, until a beat advertises the model
@@ -287,12 +287,12 @@ class SlotqWorker:
         kept = self._kept.pop(name, None)
         self._reused = kept is not None
         while len(self._kept) > self.settings.models_max - 1:     # room for this one first
-            lru, (oldest, _) = next(iter(self._kept.items()))
+            lru, (oldest, _, _) = next(iter(self._kept.items()))
             del self._kept[lru]
             log.info("unloading model %s (kept loaded, the least recently used)", lru)
             await oldest.close()
         if kept is not None:
-            self.engine, self.embedder = kept   # kept loaded (SLOTQ_MODELS_MAX): no load
+            self.engine, self.embedder, self.ranker = kept   # kept loaded (SLOTQ_MODELS_MAX): no load
         elif self.kind == JobKind.EMBEDDING:
             from slotq.engine.embedding import EmbeddingEngine
 
@@ -348,13 +348,14 @@ class SlotqWorker:
         if self.membership is not None:
             membership, self.membership = self.membership, None
             await membership.leave()
-        engine, embedder, self.engine, self.embedder = self.engine, self.embedder, None, None
+        engine, embedder, ranker = self.engine, self.embedder, self.ranker
+        self.engine = self.embedder = self.ranker = None
         if engine is None:
             return
         if self.settings.models_max > 1 and self.served is not None and engine.failure is None:
             full = engine.full_limits
             engine.set_limits(active_slots=full.active_slots, n_batch=full.n_batch, prefill_chunk=full.prefill_chunk)
-            self._kept[self.served.name] = (engine, embedder)   # the most recently used last
+            self._kept[self.served.name] = (engine, embedder, ranker)   # the most recently used last
         else:
             await engine.close()
 
@@ -505,7 +506,7 @@ class SlotqWorker:
             pass
         if self.engine:
             await self.engine.close()
-        for kept, _ in self._kept.values():
+        for kept, _, _ in self._kept.values():
             await kept.close()
         if self._http is not None:
             await asyncio.to_thread(self._http.shutdown)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.bulk.test_bulk import fleet, leftover_keys, read_jsonl, run_bulk_cli, write_jsonl
 from tests.support.jobs import clean_env, wait_for_workers
@@ -72,4 +73,31 @@ async def test_memory_stays_flat_as_the_file_grows(client, redis_url, tiny_model
     assert [s["succeeded"] for s in summaries] == [200, 2000]
     grown = summaries[1]["peak_rss_mb"] - summaries[0]["peak_rss_mb"]
     assert grown < 8, f"peak RSS grew by {grown:.1f} MB for 10x the lines"
+    assert await leftover_keys(client) == []
+
+
+async def test_rerank_lines(client, redis_url, tiny_reranker_path, tmp_path: Path) -> None:
+    """slotq lines of ``{"query", "documents"}`` on a reranker's queue: each output carries its scores in
+    document order, and nothing of the other kinds' results; a document over the limit fails its line alone."""
+    lines = [{"id": f"q-{i}", "query": "cat", "documents": ["the cat sat", "queues", f"doc {i}"]} for i in range(3)]
+    lines.append({"id": "too-long", "query": "cat", "documents": ["abc " * 200]})
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    procs = fleet(("rank-w1",), redis_url, tiny_reranker_path, tmp_path, ctx=256, batch=256)
+    try:
+        await wait_for_workers(client, {"rank-w1"}, procs=procs)
+        code, _out, err = await run_bulk_cli(str(inp), "-o", "out.jsonl", "--errors", "bad.jsonl", "--quiet",
+                                             env=clean_env(redis_url=redis_url), cwd=tmp_path)
+    finally:
+        for p in procs:
+            p.stop()
+    assert code == 1, err
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert set(records) == {"q-0", "q-1", "q-2"}
+    for record in records.values():
+        assert record["status"] == "succeeded" and len(record["scores"]) == 3 and record["usage"]["prompt_tokens"] > 0
+        assert "embeddings" not in record and "dimensions" not in record
+    # The same pairs, the same scores (to the rounding of flash attention over other pairs beside them).
+    assert records["q-0"]["scores"][:2] == pytest.approx(records["q-1"]["scores"][:2], rel=2e-2)
+    [error] = read_jsonl(tmp_path / "bad.jsonl")
+    assert error["id"] == "too-long" and error["error"]["field"] == "documents"
     assert await leftover_keys(client) == []

@@ -17,6 +17,7 @@ from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.payload import SCHEMA_VERSION, decode_payload, encode_payload
 from slotq.jobs.protocol.schemas import JobKind, JobStatus, RerankJobRequest
 from tests.support.jobs import settings_for
+from tests.support.tiny_model import write_tiny_reranker
 
 QUERY = "cat"
 DOCUMENTS = ["the cat sat on the mat", "queues hold jobs", "a", "hello world"]
@@ -84,3 +85,23 @@ async def test_what_cannot_rank_is_refused_by_name(start_worker, client: SlotqCl
         await start_worker(worker_name="not-a-ranker", rerank=True, queue_name="slotq:rerank")
     with pytest.raises(ValueError, match="embeddings and rerank .* are both set"):
         settings_for(redis_url, embeddings=True, rerank=True)
+
+
+async def test_a_worker_of_several_rerankers_scores_with_the_one_asked_for(
+        start_worker, client: SlotqClient, tiny_reranker_path: Path, tmp_path: Path) -> None:
+    """SLOTQ_MODELS of two rerankers, both kept loaded (SLOTQ_MODELS_MAX=2): a job for each, then the first
+    again from its kept engine, scores with that model's engine, never the one loaded last."""
+    other = write_tiny_reranker(tmp_path / "other-reranker.gguf", seed=9)
+    worker = await start_worker(model=None, models=f"r1={tiny_reranker_path},r2={other}", models_max=2,
+                                model_idle_s=0.1, slots=2, ctx=256, batch=256, worker_name="rankers", **EXACT)
+
+    async def scores(model: str) -> list[float]:
+        result = await client.for_queue(f"slotq:queue:{model}").rerank(QUERY, DOCUMENTS, timeout=60, model=model)
+        assert worker.served is not None and worker.served.name == model
+        return result.scores
+
+    first, second = await scores("r1"), await scores("r2")
+    assert not np.allclose(first, second, atol=1e-2)                 # two models, two sets of scores
+    again = await scores("r1")
+    assert worker.last_switch is not None and worker.last_switch.kept          # its kept engine, no load
+    assert again == pytest.approx(first, abs=1e-3)
