@@ -1,5 +1,5 @@
 """Benchmarks (``slotq bench engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
-logprobs|embeddings|spec|step-costs``). Each measures its variants side by side in one run, prints a table with
+logprobs|embeddings|spec|step-costs|lora``). Each measures its variants side by side in one run, prints a table with
 ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
 ``bench/results/<name>.md`` for the README.
 
@@ -34,6 +34,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         gateway_batch_bench,
         gateway_bench,
         logprobs_bench,
+        lora_bench,
         overhead_bench,
         peers_bench,
         prefix_bench,
@@ -57,6 +58,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         "embeddings": embeddings_bench.run,
         "spec": spec_bench.run,
         "step-costs": step_costs_bench.run,
+        "lora": lora_bench.run,
     }
     try:
         data, table = asyncio.run(functools.partial(runners[which], **(options or {}))(quick))

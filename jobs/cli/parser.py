@@ -145,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "of embedding requests through Redis beside llama-server --embeddings), spec (speculative "
                          "decoding: slotq with and without it beside llama-server's draft modes), step-costs "
                          "(the engine thread's per-step Python at 64 and 256 sequences, before and after batching "
-                         "it)", None)
+                         "it), lora (a load half on a LoRA adapter beside the same load without one, beside "
+                         "llama-server --lora)", None)
     p.add_argument("which", choices=["engine", "queue", "prefix", "gateway", "gateway-batch", "fleet", "bulk", "peers",
-                                     "overhead", "constraints", "logprobs", "embeddings", "spec", "step-costs"])
+                                     "overhead", "constraints", "logprobs", "embeddings", "spec", "step-costs",
+                                     "lora"])
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="print one JSON object instead of a table; with PATH, write it there and print the table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")
