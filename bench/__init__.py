@@ -1,5 +1,5 @@
 """Benchmarks (``slotq bench api-shapes|engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
-logprobs|embeddings|rerank|spec|step-costs|on-demand``). Each measures its variants side by side in one run,
+logprobs|embeddings|rerank|spec|step-costs|on-demand|lora``). Each measures its variants side by side in one run,
 prints a table with ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
 ``bench/results/<name>.md`` for the README.
 
@@ -35,6 +35,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         gateway_batch_bench,
         gateway_bench,
         logprobs_bench,
+        lora_bench,
         on_demand_bench,
         overhead_bench,
         peers_bench,
@@ -63,6 +64,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
         "spec": spec_bench.run,
         "step-costs": step_costs_bench.run,
         "on-demand": on_demand_bench.run,
+        "lora": lora_bench.run,
     }
     try:
         data, table = asyncio.run(functools.partial(runners[which], **(options or {}))(quick))

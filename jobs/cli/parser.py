@@ -148,10 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "decoding: slotq with and without it beside llama-server's draft modes), step-costs "
                          "(the engine thread's per-step Python at 64 and 256 sequences, before and after batching "
                          "it), on-demand (a job for a model no worker has loaded: first token beside the model's "
-                         "load time)", None)
+                         "load time), lora (a load half on a LoRA adapter beside the same load without one, beside "
+                         "llama-server --lora)", None)
     p.add_argument("which", choices=["api-shapes", "engine", "queue", "prefix", "gateway", "gateway-batch", "fleet",
                                      "bulk", "peers", "overhead", "constraints", "logprobs", "embeddings", "rerank",
-                                     "spec", "step-costs", "on-demand"])
+                                     "spec", "step-costs", "on-demand", "lora"])
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="print one JSON object instead of a table; with PATH, write it there and print the table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")

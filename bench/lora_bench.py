@@ -1,0 +1,188 @@
+"""``slotq bench lora``: what serving LoRA adapters per request costs, slotq beside llama-server.
+
+One LoRA adapter for the bundled SmolLM2-135M-Instruct, written for the run (rank 16 on every
+layer's ``attn_q`` and ``attn_v``, as a typical fine-tune; random weights: its text is not the point,
+its cost is). Both systems load it at start-up and apply it only to the requests that ask for it:
+
+- ``slotq-redis``: a ``slotq worker`` with ``SLOTQ_LORA`` (8 slots); the client enqueues through
+  Redis and reads the job's stream; the adapter by llama-server's ``lora`` field;
+- ``llama-server``: ``--lora FILE --lora-init-without-apply --parallel 8``, built from the llama.cpp
+  that llama-cpp-python vendors (:mod:`bench.llama_server`), ``POST /v1/completions`` with
+  ``"lora": [{"id": 0, "scale": 1}]``.
+
+Loads, each the same 8 closed-loop clients (``bench.peers_bench``'s prompts of three lengths, greedy,
+:data:`MAX_TOKENS` generated exactly): ``base`` (no request names the adapter), ``mixed`` (every
+other request does: the issue's target, mixed >= 0.8 x base on slotq), ``adapter`` (every request
+does). ``adapter / base`` is what computing the adapter costs; ``mixed`` against both is what
+running two adapter sets in turns costs (llama.cpp applies adapters per context, so each step runs
+one set: engine.scheduler rule 10), which both systems pay. Each system runs every load in every
+round, in a rotated order (the machine is shared); tokens/s is the mean of the rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import llama_server
+from bench.overhead_bench import _rotated, _tiny_model_module
+from bench.peers_bench import OneRequest, Sample, _wait_http, closed_loop, peer_prompt
+from bench.queue_bench import timed_job
+from bench.report import markdown_table, progress, write_results
+from slotq.engine import bundled_model_path
+from slotq.engine.config import CpuRepack
+from slotq.engine.cpu_features import decide_repack, this_cpu_flags
+from slotq.jobs.cli.watch import ChildProcess, run_watched
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.schemas import JobRequest
+from slotq.jobs.protocol.wire import LoraRef
+from slotq.jobs.redis_server import EmbeddedRedis, free_port
+from slotq.jobs.settings import ClientSettings
+
+CLIENTS = 8
+MAX_TOKENS = 64
+CTX = 1024
+ROUNDS = 2
+RANK = 16
+THREADS = len(os.sched_getaffinity(0)) or 1
+SYSTEMS = ["slotq-redis", "llama-server"]
+LOADS = {"base": 0, "mixed": 2, "adapter": 1}     # load -> every how manyth request names the adapter (0: none)
+TARGET = 0.8                                      # the issue's: mixed >= 0.8 x base
+
+
+def _uses_adapter(load: str, i: int) -> bool:
+    every = LOADS[load]
+    return every > 0 and i % every == 0
+
+
+def _slotq(client: SlotqClient, load: str) -> OneRequest:
+    async def one(i: int) -> Sample:
+        started = time.perf_counter()
+        lora = [LoraRef(id=0)] if _uses_adapter(load, i) else []
+        timed = await timed_job(client, JobRequest(prompt=peer_prompt(i), max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                   sampling={"temperature": 0}, lora=lora), started)
+        return Sample(timed.first_s if timed.first_s is not None else float("nan"), time.perf_counter() - started,
+                      timed.tokens)
+    return one
+
+
+def _llama_server(http: httpx.AsyncClient, load: str) -> OneRequest:
+    async def one(i: int) -> Sample:
+        started = time.perf_counter()
+        body: dict[str, Any] = {"model": "model", "prompt": peer_prompt(i), "max_tokens": MAX_TOKENS,
+                                "temperature": 0, "ignore_eos": True}
+        if _uses_adapter(load, i):
+            body["lora"] = [{"id": 0, "scale": 1.0}]
+        response = await http.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(f"llama-server: HTTP {response.status_code}: {response.text[:300]}")
+        tokens = json.loads(response.text)["usage"]["completion_tokens"]
+        return Sample(float("nan"), time.perf_counter() - started, tokens)
+    return one
+
+
+async def run(quick: bool) -> tuple[dict[str, Any], str]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    rounds = 1 if quick else ROUNDS
+    per_client = 1 if quick else 3
+    model = bundled_model_path()
+    repack = decide_repack(CpuRepack.AUTO, this_cpu_flags()).repack
+    skipped: dict[str, str] = {}
+    try:
+        server_binary: Path | None = llama_server.find_or_build()
+    except llama_server.Unavailable as exc:
+        server_binary = None
+        skipped["llama-server"] = str(exc)
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-lora-") as tmp_name:
+        tmp = Path(tmp_name)
+        adapter = _tiny_model_module().write_lora(tmp / "adapter.gguf", model, rank=RANK, alpha=float(RANK),
+                                                  scale=0.02, targets=("attn_q", "attn_v"))
+        redis = EmbeddedRedis(tmp / "redis")
+        url = redis.start()
+        env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(CLIENTS),
+               "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS), "SLOTQ_LOG_LEVEL": "WARNING",
+               "SLOTQ_ELASTIC": "false", "SLOTQ_CPU_REPACK": "on" if repack else "off",
+               "SLOTQ_QUEUE_NAME": "lora", "SLOTQ_MODEL_NAME": "lora", "SLOTQ_LORA": f"style={adapter}"}
+        children = [ChildProcess("slotq worker (SLOTQ_LORA)", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
+                                 env=env, log_path=tmp / "worker.log")]
+        port = free_port()
+        if server_binary is not None:
+            children.append(ChildProcess("llama-server --lora", [
+                str(server_binary), "-m", str(model), "--lora", str(adapter), "--lora-init-without-apply",
+                "--parallel", str(CLIENTS), "-c", str(CTX * CLIENTS), "-t", str(THREADS), "--host", "127.0.0.1",
+                "--port", str(port), *([] if repack else ["--no-repack"])], log_path=tmp / "llama-server.log"))
+        try:
+            rates = await run_watched(_measure(url, port if server_binary else None, rounds, per_client),
+                                      *children)
+        finally:
+            for child in children:
+                child.stop()
+            redis.stop()
+    results = [{"system": system, "load": load, "tokens_per_s": round(sum(values) / len(values), 1),
+                "rounds": [round(v, 1) for v in values]} for (system, load), values in rates.items()]
+    data = {"model": model.name, "clients": CLIENTS, "max_tokens": MAX_TOKENS, "threads": THREADS, "rank": RANK,
+            "results": results, "skipped": skipped}
+    text = _table(results, skipped)
+    if not quick:
+        write_results("lora", data, text, "slotq bench lora")
+    return data, text
+
+
+async def _measure(url: str, server_port: int | None, rounds: int,
+                   per_client: int) -> dict[tuple[str, str], list[float]]:
+    client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name="lora"))
+    # a new connection per request: llama-server closes a kept-alive one after a few (bench.peers_bench)
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{server_port}", timeout=600,
+                             limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
+    try:
+        while not any(w.ready for w in (await client.queue_info()).workers):
+            await asyncio.sleep(0.3)
+        paths = {("slotq-redis", load): _slotq(client, load) for load in LOADS}
+        if server_port is not None:
+            await _wait_http(http, "/health", lambda r: r.status_code == 200)
+            paths |= {("llama-server", load): _llama_server(http, load) for load in LOADS}
+        for n, one in enumerate(paths.values()):         # warm-up: one request each, not measured
+            await one(900_000 + n)
+        rates: dict[tuple[str, str], list[float]] = {key: [] for key in paths}
+        for r in range(rounds):
+            for key in _rotated(list(paths), r):
+                progress(f"round {r + 1}/{rounds}: {key[0]}, {key[1]} load")
+                first = (r * len(LOADS) + list(LOADS).index(key[1])) * 1000     # both systems alike; never twice
+                rate, _ = await closed_loop(paths[key], CLIENTS, per_client, first=first)
+                rates[key].append(rate)
+        return rates
+    finally:
+        await http.aclose()
+        await client.close()
+
+
+def _table(results: list[dict[str, Any]], skipped: dict[str, str]) -> str:
+    tps = {(r["system"], r["load"]): r["tokens_per_s"] for r in results}
+    rows = []
+    for system in SYSTEMS:
+        if system in skipped:
+            continue
+        base = tps.get((system, "base"))
+        cells = [system]
+        for load in LOADS:
+            value = tps.get((system, load))
+            ratio = f" ({value / base:.2f} x)" if value and base else ""
+            cells.append(f"{value:,.0f}{ratio}" if value is not None else "-")
+        peer = tps.get(("llama-server", "mixed"))
+        mixed = tps.get((system, "mixed"))
+        cells.append(f"{mixed / peer:.2f} x" if mixed and peer else "-")
+        rows.append(cells)
+    header = ["system", *(f"{load} tok/s (/ base)" for load in LOADS), "mixed / llama-server's mixed"]
+    table = markdown_table(header, rows)
+    note = (f"\n\n{CLIENTS} clients, {MAX_TOKENS} tokens each, one rank-{RANK} adapter on attn_q and attn_v; "
+            f"target: mixed >= {TARGET} x base.")
+    return table + note + "".join(f"\n\nskipped {system}: {reason}" for system, reason in skipped.items())
