@@ -375,8 +375,12 @@ def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
 def test_a_failed_response_names_an_sdk_error_code_and_slotqs_own(stack: Stack, client: openai.OpenAI) -> None:
     """A job that fails (a prompt past the worker's context, found only by its tokenizer) is a Response
     ``failed``: ``error.code`` one of the codes the SDK's type declares, slotq's own code in ``type``,
-    the field in ``param`` (a failed stream's ``response.failed``: tests/gateway/test_responses_translation.py)."""
-    created = client.responses.create(model=MODEL, input="a" * 5000, background=True, max_output_tokens=8)
+    the field in ``param`` (a failed stream's ``response.failed``: tests/gateway/test_responses_translation.py).
+    The queued Response the create answers at once is in the SDK's shape too."""
+    queued = httpx.post(f"{stack.url}/v1/responses", timeout=30, json={
+        "model": MODEL, "input": "a" * 5000, "background": True, "max_output_tokens": 8})
+    created = SdkResponse.model_validate(queued.json())
+    assert created.status == "queued", created
     failed = finished_response(client, created.id)
     assert failed.status == "failed" and failed.error is not None, failed
     error = failed.error
