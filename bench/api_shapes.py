@@ -447,8 +447,8 @@ def tables(rows: list[dict[str, Any]], skipped: dict[str, str]) -> str:
                                             for key in ("only_slotq", "only_peer")),
                " ".join(f"`{kind}`" for kind in row.get("sequence_diff", [])) or
                ("same" if row.get("sequence", {}).get("slotq") else "-")] for row in rows]
-    sdk = [[row["route"], row["case"], f"`{row['sdk_type']}`", _cell(row["sdk"].get("slotq", [])),
-            _cell(row["sdk"]["llama-server"]) if "llama-server" in row["sdk"] else "-"] for row in rows]
+    sdk = [[row["route"], row["case"], f"`{row['sdk_type']}`", *(_sdk_cell(row, name) for name in SERVERS)]
+           for row in rows]
     sequences = [[row["route"], row["case"], *(" ".join(f"`{kind}`" for kind in row["sequence"][name])
                                                for name in SERVERS)]
                  for row in rows if row.get("sequence", {}).get("slotq")]
@@ -468,8 +468,20 @@ def tables(rows: list[dict[str, Any]], skipped: dict[str, str]) -> str:
 
 
 def _status(row: dict[str, Any]) -> str:
+    """Why a row compares no keys: a server's error (each status, and the errors' first words), or
+    llama-server skipped (``-``)."""
+    if all(status == 200 for status in row["status"].values()):
+        return "-"
     return " / ".join(f"{name} HTTP {status}" for name, status in row["status"].items()) + \
         "".join(f"<br>{name}: {error[:120]}" for name, error in row["errors"].items())
+
+
+def _sdk_cell(row: dict[str, Any], server: str) -> str:
+    if server not in row["status"]:
+        return "-"
+    if row["status"][server] != 200:
+        return f"HTTP {row['status'][server]}: {row['errors'].get(server, '')[:120]}"
+    return _cell(row["sdk"][server])
 
 
 if __name__ == "__main__":
