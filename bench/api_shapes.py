@@ -3,7 +3,8 @@
 Both servers run the bundled model (slotq: embedded Redis, one ``slotq worker``, ``slotq gateway``;
 llama-server built from the llama.cpp that llama-cpp-python vendors, :mod:`bench.llama_server`) and get
 the same requests on every route both serve: ``/v1/chat/completions`` (plain, streamed, a forced tool
-call streamed and not, ``response_format``), ``/v1/responses`` (the same but ``text.format``),
+call streamed and not, ``response_format``, ``logprobs``), ``/v1/completions`` (plain, streamed),
+``/v1/responses`` (plain, streamed, a forced function call streamed and not, ``text.format``),
 ``/v1/messages`` (plain, streamed, a forced ``tool_use`` streamed and not),
 ``/v1/messages/count_tokens`` and ``/v1/responses/input_tokens``.
 
@@ -58,6 +59,7 @@ CITY = {"type": "object", "additionalProperties": False, "required": ["name", "c
         "properties": {"name": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}}}
 ASK = "What is the weather in Paris?"
 HELLO = "Say hello in five words."
+STORY = "Once upon a time, in a small village by the sea,"      # a raw prompt the model goes on with
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                                 "parameters": WEATHER}}]
 RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -101,12 +103,19 @@ def cases() -> list[Case]:
             "messages": [{"role": "user", "content": "Name a city and its country."}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY,
                                                                        "strict": True}}}, completion),
+        Case("/v1/chat/completions", "logprobs", chat | {"messages": hello, "logprobs": True, "top_logprobs": 2},
+             completion),
+        Case("/v1/completions", "plain", chat | {"prompt": STORY}, "openai.types.Completion"),
+        Case("/v1/completions", "stream", chat | usage | {"prompt": STORY, "stream": True}, "openai.types.Completion"),
         Case("/v1/responses", "plain", responses | {"input": HELLO}, response),
         Case("/v1/responses", "stream", responses | {"input": HELLO, "stream": True}, event),
         Case("/v1/responses", "function tools", responses | {"input": ASK, "tools": RESPONSES_TOOLS,
                                                              "tool_choice": "required"}, response),
         Case("/v1/responses", "function tools stream", responses | {
             "input": ASK, "tools": RESPONSES_TOOLS, "tool_choice": "required", "stream": True}, event),
+        Case("/v1/responses", "text.format", responses | {
+            "input": "Name a city and its country.",
+            "text": {"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}}}, response),
         Case("/v1/messages", "plain", messages | {"messages": hello}, message),
         Case("/v1/messages", "stream", messages | {"messages": hello, "stream": True}, raw),
         Case("/v1/messages", "tool_use", messages | {"messages": ask, "tools": MESSAGES_TOOLS,
@@ -214,15 +223,15 @@ def sse_events(text: str) -> list[Event]:
 
 
 def chat_chunk_kind(chunk: dict[str, Any]) -> str:
-    """What a chat chunk carries, the first of: ``role``, ``tool_calls``, ``content``, ``finish``, ``usage``
-    (``empty`` when it carries none)."""
+    """What a chat (or completions) chunk carries, the first of: ``role``, ``tool_calls``, ``content`` (a
+    completion's ``text`` too), ``finish``, ``usage`` (``empty`` when it carries none)."""
     choices = chunk.get("choices") or []
     delta = (choices[0].get("delta") or {}) if choices else {}
     if delta.get("role"):
         return "role"
     if delta.get("tool_calls"):
         return "tool_calls"
-    if delta.get("content") or delta.get("reasoning_content"):
+    if delta.get("content") or delta.get("reasoning_content") or (choices and choices[0].get("text")):
         return "content"
     if choices and choices[0].get("finish_reason"):
         return "finish"
@@ -438,8 +447,8 @@ def tables(rows: list[dict[str, Any]], skipped: dict[str, str]) -> str:
                                             for key in ("only_slotq", "only_peer")),
                " ".join(f"`{kind}`" for kind in row.get("sequence_diff", [])) or
                ("same" if row.get("sequence", {}).get("slotq") else "-")] for row in rows]
-    sdk = [[row["route"], row["case"], f"`{row['sdk_type']}`", _cell(row["sdk"].get("slotq", [])),
-            _cell(row["sdk"]["llama-server"]) if "llama-server" in row["sdk"] else "-"] for row in rows]
+    sdk = [[row["route"], row["case"], f"`{row['sdk_type']}`", *(_sdk_cell(row, name) for name in SERVERS)]
+           for row in rows]
     sequences = [[row["route"], row["case"], *(" ".join(f"`{kind}`" for kind in row["sequence"][name])
                                                for name in SERVERS)]
                  for row in rows if row.get("sequence", {}).get("slotq")]
@@ -459,8 +468,20 @@ def tables(rows: list[dict[str, Any]], skipped: dict[str, str]) -> str:
 
 
 def _status(row: dict[str, Any]) -> str:
+    """Why a row compares no keys: a server's error (each status, and the errors' first words), or
+    llama-server skipped (``-``)."""
+    if all(status == 200 for status in row["status"].values()):
+        return "-"
     return " / ".join(f"{name} HTTP {status}" for name, status in row["status"].items()) + \
         "".join(f"<br>{name}: {error[:120]}" for name, error in row["errors"].items())
+
+
+def _sdk_cell(row: dict[str, Any], server: str) -> str:
+    if server not in row["status"]:
+        return "-"
+    if row["status"][server] != 200:
+        return f"HTTP {row['status'][server]}: {row['errors'].get(server, '')[:120]}"
+    return _cell(row["sdk"][server])
 
 
 if __name__ == "__main__":

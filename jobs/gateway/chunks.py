@@ -81,6 +81,14 @@ def first_entry_error(entry: StreamEntry, job_id: str,
     return None
 
 
+def _carries_nothing(piece: ChatChunkChoice | TextChoice) -> bool:
+    """A chat chunk entry whose tokens all went to text held back (a tool call's wrapper, a stop
+    string's possible start) would be a chunk with an empty ``content`` and nothing else: it is not
+    sent (llama-server sends none either; a resumed stream skips it alike)."""
+    return (isinstance(piece, ChatChunkChoice) and piece.logprobs is None
+            and not (piece.delta.content or piece.delta.reasoning_content or piece.delta.tool_calls))
+
+
 class ChunkRenderer:
     def __init__(self, kind: Kind, job_id: str, model: str, created: int, *, n: int, include_usage: bool,
                  after: str | None = None, param: Callable[[str | None], str | None] = public_param) -> None:
@@ -112,7 +120,7 @@ class ChunkRenderer:
             self.model, self.fingerprint = entry.model, entry.model_fingerprint
         if entry.kind == EntryKind.CHUNK:
             piece = self._reply_piece(entry)          # built even when not sent: completions' text offsets move on
-            if new:
+            if new and not _carries_nothing(piece):
                 events.append(self._chunk([piece], id=entry.id))
         elif entry.kind == EntryKind.DONE:
             if entry.usage is not None:

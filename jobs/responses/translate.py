@@ -161,19 +161,25 @@ def to_job_request(request: ResponsesRequest, *, idempotency_key: str | None = N
 
 
 def listed_items(request: ResponsesRequest, job_id: str) -> list[dict[str, Any]]:
-    """The request's input as the items ``GET /v1/responses/{id}/input_items`` lists: each with its
-    ``type`` and an ``id`` (``item_<job id>_<index>`` where the request gave none), a message's
-    content as parts."""
+    """The request's input as the items ``GET /v1/responses/{id}/input_items`` lists, in the shapes the
+    openai SDK's item types require however the request spelled them: each with its ``type`` and an
+    ``id`` (``item_<job id>_<index>`` where the request gave none), a message's content as parts (an
+    ``output_text`` part with its ``annotations``), a reasoning item with its ``summary``."""
     raw_items = request.input if isinstance(request.input, list) else [{"role": "user", "content": request.input}]
     listed = []
     for i, raw in enumerate(raw_items):
         item = {"type": "message", **raw}
         item.setdefault("id", f"item_{job_id}_{i}")
-        if item["type"] == "message" and isinstance(item.get("content"), str):
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            item["content"] = [{"type": part, "text": item["content"]}]
+        if item["type"] == "message":
+            content = item.get("content")
+            parts: list[dict[str, Any]] = content if isinstance(content, list) else [
+                {"type": "output_text" if item.get("role") == "assistant" else "input_text", "text": content}]
+            item["content"] = [{"annotations": [], **part} if part.get("type") == "output_text" else part
+                               for part in parts]
         if item["type"] in ("message", "function_call", "function_call_output"):
             item.setdefault("status", "completed")
+        if item["type"] == "reasoning":
+            item.setdefault("summary", [])
         listed.append(item)
     return listed
 

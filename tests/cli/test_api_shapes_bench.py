@@ -5,6 +5,7 @@
 * A stream's event types collapse runs (``x+``) and their difference names what each side alone sends.
 * The SDK check picks the stream event type by its ``type`` tag, reports a required field left out
   by its path, and the keys the SDK does not declare (what the SDK keeps as extras).
+* A server's error is shown as its status, and a skipped llama-server says why.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from bench.api_shapes import (
     sdk_issues,
     sequence_diff,
     sse_events,
+    tables,
     typed,
 )
 
@@ -75,3 +77,16 @@ def test_the_sdk_check_names_missing_and_undeclared_fields() -> None:
     # of the event union's dozens of members, only the one tagged response.output_text.delta reports
     assert sdk_issues(ResponseStreamEvent, delta, "delta") == {("delta", "missing sequence_number")}
     assert sdk_issues(ResponseStreamEvent, {**delta, "sequence_number": 3}) == set()
+
+
+def test_the_tables_show_an_error_and_a_skipped_peer() -> None:
+    rows = [{"route": "/v1/responses", "case": "plain", "sdk_type": "openai.types.responses.Response",
+             "status": {"slotq": 400}, "errors": {"slotq": "bad"}, "sdk": {"slotq": []}},
+            {"route": "/v1/messages", "case": "plain", "sdk_type": "anthropic.types.Message",
+             "status": {"slotq": 200}, "errors": {}, "sdk": {"slotq": ["undeclared slotq"]}}]
+    text = tables(rows, {"llama-server": "not built"})
+    assert "| /v1/responses | plain | slotq HTTP 400<br>slotq: bad | slotq HTTP 400<br>slotq: bad | - |" in text
+    assert "| /v1/messages | plain | - | - | - |" in text
+    assert "| /v1/responses | plain | `openai.types.responses.Response` | HTTP 400: bad | - |" in text
+    assert "| /v1/messages | plain | `anthropic.types.Message` | `undeclared slotq` | - |" in text
+    assert text.endswith("Skipped llama-server: not built")

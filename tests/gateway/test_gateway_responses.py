@@ -25,7 +25,7 @@ import openai
 import pydantic
 import pytest
 from openai.types.responses import Response as SdkResponse
-from openai.types.responses import ResponseStreamEvent
+from openai.types.responses import ResponseItemList, ResponseStreamEvent
 
 from tests.support.gateway import Event, Stack, sse_events
 from tests.support.tiny_model import CHATML_TEMPLATE, TINY_SCALE, TINY_SEED, write_tiny_llama
@@ -301,6 +301,29 @@ def test_input_items_list_the_conversation_and_input_tokens_count_it(client: ope
     assert with_tools.input_tokens > client.responses.input_tokens.count(model=MODEL, input=ASK).input_tokens
 
 
+def test_input_items_validate_against_the_sdks_types(stack: Stack, client: openai.OpenAI) -> None:
+    """Every item ``input_items`` lists is in the SDK's shape, however the request spelled it: an
+    assistant message sent as a string lists as an ``output_text`` part with its ``annotations``, and
+    a reasoning item sent bare lists with its ``summary``, and a previous response's call and its
+    output list as the SDK's call items."""
+    first = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+                                    max_output_tokens=200, temperature=0)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=TOOLS, max_output_tokens=4,
+                                     temperature=0, input=[
+                                         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+                                         {"role": "assistant", "content": "It is sunny."},
+                                         {"role": "assistant", "content": [{"type": "output_text", "text": "Yes."}]},
+                                         {"type": "reasoning"},
+                                         {"role": "user", "content": "And tomorrow?"}])
+    listed = httpx.get(f"{stack.url}/v1/responses/{second.id}/input_items", params={"order": "asc"}, timeout=30)
+    assert listed.status_code == 200, listed.text
+    items = ResponseItemList.model_validate(listed.json()).data
+    assert [item.type for item in items] == ["message", "function_call", "function_call_output", "message", "message",
+                                             "reasoning", "message"], items
+    assert [part.annotations for item in items[3:5] for part in item.content] == [[], []]
+
+
 def test_a_stored_response_belongs_to_its_tenant(stack: Stack) -> None:
     url = f"{stack.gateways[1].url}/v1"
     acme = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
@@ -360,8 +383,12 @@ def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
 def test_a_failed_response_names_an_sdk_error_code_and_slotqs_own(stack: Stack, client: openai.OpenAI) -> None:
     """A job that fails (a prompt past the worker's context, found only by its tokenizer) is a Response
     ``failed``: ``error.code`` one of the codes the SDK's type declares, slotq's own code in ``type``,
-    the field in ``param`` (a failed stream's ``response.failed``: tests/gateway/test_responses_translation.py)."""
-    created = client.responses.create(model=MODEL, input="a" * 5000, background=True, max_output_tokens=8)
+    the field in ``param`` (a failed stream's ``response.failed``: tests/gateway/test_responses_translation.py).
+    The queued Response the create answers at once is in the SDK's shape too."""
+    queued = httpx.post(f"{stack.url}/v1/responses", timeout=30, json={
+        "model": MODEL, "input": "a" * 5000, "background": True, "max_output_tokens": 8})
+    created = SdkResponse.model_validate(queued.json())
+    assert created.status == "queued", created
     failed = finished_response(client, created.id)
     assert failed.status == "failed" and failed.error is not None, failed
     error = failed.error

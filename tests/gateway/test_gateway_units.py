@@ -27,7 +27,7 @@ from slotq.jobs.gateway.surfaces import redact_target
 from slotq.jobs.openai.translate import to_job_request, to_response
 from slotq.jobs.openai.wire import ChatCompletionRequest, CompletionRequest
 from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, JobResult, JobStatus, StreamEntry, WorkerInfo
-from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, TokenLogprob, TopLogprob, Usage
+from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, TokenLogprob, ToolCallDelta, TopLogprob, Usage
 from slotq.jobs.settings import ClientSettings
 from tests.support import REPO_ROOT
 
@@ -106,6 +106,26 @@ def test_chat_chunks_with_role_usage_and_done():
     assert all(c["id"] == "chatcmpl-j1" and c["object"] == "chat.completion.chunk" for c in chunks[:-1])
     # the SSE id of each entry's event is its stream id; opening, usage and [DONE] carry none
     assert [e.startswith("id: ") for e in events] == [False, True, True, True, False, False]
+
+
+def test_a_chat_chunk_that_carries_nothing_is_not_sent():
+    """Tokens whose text is held back (a tool call's wrapper) make entries with no text: a chat
+    stream sends no empty-content chunk for them (bench api-shapes saw runs of them between a
+    forced call's pieces); a completions stream keeps its chunks (their text offsets)."""
+    call = [ToolCallDelta(index=0, id="call_1", name="get_weather", arguments='{"city": ')]
+    stream = [entry(1, text="", token_ids=[7, 8]), entry(2, token_ids=[9], tool_calls=call),
+              entry(3, text="", token_ids=[10]),
+              entry(4, token_ids=[11], tool_calls=[ToolCallDelta(index=0, arguments='"Paris"}')]),
+              entry(5, EntryKind.DONE, finish_reason=FinishReason.TOOL_CALLS, final=True, usage=Usage())]
+    events = render(ChunkRenderer("chat", "j1", "m", 7, n=1, include_usage=False), stream)
+    chunks = data(events)
+    assert [c if c == "[DONE]" else list(c["choices"][0]["delta"]) for c in chunks] == [
+        ["role", "content"], ["tool_calls"], ["tool_calls"], [], "[DONE]"]
+    assert [e.splitlines()[0] for e in events if e.startswith("id: ")] == ["id: 100-2", "id: 100-4", "id: 100-5"]
+    resumed = render(ChunkRenderer("chat", "j1", "m", 7, n=1, include_usage=False, after="100-2"), stream)
+    assert resumed == events[2:]
+    text = data(render(ChunkRenderer("text", "j1", "m", 7, n=1, include_usage=False), stream))
+    assert [c["choices"][0]["text"] for c in text[:4]] == ["", "", "", ""]
 
 
 def token(id: int, piece: bytes, logprob: float, *alternatives: tuple[int, bytes, float]) -> TokenLogprob:
