@@ -27,7 +27,8 @@ benchmark with its exit code and log tail.
 (:class:`~slotq.jobs.redis_cluster.LocalValkeyCluster`), side by side. On a machine with fewer
 cores than shards, the shards share the cores, so a cluster's capacity is read from CPU
 accounting rather than from wall-clock saturation: each primary's ``INFO cpu``, and the load at
-which the hottest primary would fill its own core.
+which the hottest primary would fill its own core; each primary's ``INFO commandstats`` beside it
+says what that core is spent on.
 """
 
 from __future__ import annotations
@@ -362,9 +363,15 @@ def _row(rate: float, jobs: dict[str, Enqueued], records: list[RecordReader], st
 
 def _shards(start: fleet_counters.Counters, end: fleet_counters.Counters, layout: Layout | None) -> dict[str, Any]:
     """How the window's Valkey CPU split over the primaries, the hottest one's, and the queue's."""
-    by_node = fleet_counters.window(start, end).valkey_cores_by_node
+    w = fleet_counters.window(start, end)
+    by_node = w.valkey_cores_by_node
     queue_node = layout.queue_node if layout else next(iter(by_node))
     return {
+        # INFO commandstats of each primary: calls per second of the window, busiest first (scripts' commands
+        # under their own names, as well as the EVALSHA that ran them)
+        "commands_per_s_by_primary": {
+            node: dict(sorted(((name, round(calls / w.seconds, 1)) for name, calls in commands.items()),
+                              key=lambda kv: -kv[1])) for node, commands in w.commands_by_node.items()},
         "valkey_cores_by_primary": {node: round(cores, 4) for node, cores in by_node.items()},
         "hottest_primary_cores": round(max(by_node.values()), 4),
         "queue_primary": queue_node,
@@ -523,7 +530,7 @@ async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = Non
     data = {"streaming_by_backend": rows, "settings": STREAMING[0].model_dump(),
             "stream_flush_ms": [s.stream_flush_ms for s in STREAMING], "plan": plan.model_dump(),
             "targets": _cluster_targets(rows)}
-    table = _cluster_table(rows)
+    table = f"{_cluster_table(rows)}\n\n{_commandstats_table(rows)}"
     if not quick:
         write_results("fleet-cluster", data, table, f"slotq bench fleet --cluster {','.join(map(str, primaries))}")
     return data, table
@@ -587,6 +594,27 @@ def _cluster_table(rows: list[dict[str, Any]]) -> str:
             f"that primary would fill its own core (one Valkey: busy slots per Valkey core). CPU share: each "
             f"primary's part of the Valkey CPU, the queue's primary (q: every claim-path key, job records and results) "
             f"first; in brackets, how many of the {len(STREAM_TAGS)} stream buckets it holds.")
+
+
+def _commandstats_table(rows: list[dict[str, Any]]) -> str:
+    """Each primary's ``INFO commandstats`` over the window, beside its CPU: what each shard spends its core on."""
+    def commands(per_s: dict[str, float]) -> str:
+        return ", ".join(f"{name} {calls:,.0f}" for name, calls in list(per_s.items())[:6])
+
+    lines = []
+    for r in rows:
+        by_node: dict[str, dict[str, float]] = r["commands_per_s_by_primary"]
+        buckets: dict[str, int] | None = r["stream_buckets_by_primary"]
+        cores: dict[str, float] = r["valkey_cores_by_primary"]
+        for node in sorted(by_node, key=lambda n: (n != r["queue_primary"], -cores[n])):
+            role = ("queue's, " if node == r["queue_primary"] and buckets else "") + (
+                f"{buckets[node]} buckets" if buckets else "everything")
+            lines.append([f"{r['stream_flush_ms']:g}", _backend_label(r["primaries"]).removeprefix("a "), role,
+                          f"{cores[node]:.3f}", f"{sum(by_node[node].values()):,.0f}", commands(by_node[node])])
+    table = markdown_table(["stream flush ms", "Valkey", "primary", "cores", "commands/s", "busiest commands/s"],
+                           lines)
+    return (f"{table}\n\nINFO commandstats of each primary over the same windows, calls per second: a script's "
+            f"commands count under their own names as well as in its EVALSHA, so commands/s counts both.")
 
 
 def _over_limit_table(rows: list[dict[str, Any]]) -> str:

@@ -26,6 +26,7 @@ NOT_COUNTED = {"info"}           # the benchmark's own reads of these counters
 class Counters:
     wall: float
     commands: dict[str, int]     # command name -> calls, summed over the primaries
+    commands_by_node: dict[str, dict[str, int]]   # "host:port" of each primary -> command name -> calls
     valkey_cpu_s: dict[str, float]   # "host:port" of each primary (the one server's) -> its CPU seconds
     python_cpu_s: float          # the benchmark's Python processes (driver and fleet hosts)
     machine_busy_s: float        # every process on the machine, summed over cores
@@ -35,6 +36,7 @@ class Counters:
 class Window:
     seconds: float
     commands: dict[str, int]
+    commands_by_node: dict[str, dict[str, int]]
     valkey_cores_by_node: dict[str, float]
     python_cores: float
     machine_busy_cores: float
@@ -52,12 +54,13 @@ class Window:
 async def read(redis: Redis, python_pids: list[int]) -> Counters:
     """The counters now; on a cluster, each primary's (replicas serve no command of the benchmark)."""
     stats, cpu = await _info_by_node(redis, "commandstats"), await _info_by_node(redis, "cpu")
+    by_node = {node: {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in node_stats.items()}
+               for node, node_stats in stats.items()}
     commands: dict[str, int] = {}
-    for node_stats in stats.values():
-        for name, v in node_stats.items():
-            command = name.removeprefix("cmdstat_")
-            commands[command] = commands.get(command, 0) + int(v["calls"])
-    return Counters(wall=time.monotonic(), commands=commands,
+    for node_commands in by_node.values():
+        for command, calls in node_commands.items():
+            commands[command] = commands.get(command, 0) + calls
+    return Counters(wall=time.monotonic(), commands=commands, commands_by_node=by_node,
                     valkey_cpu_s={node: float(c["used_cpu_sys"]) + float(c["used_cpu_user"])
                                   for node, c in cpu.items()},
                     python_cpu_s=sum(_process_cpu_s(pid) for pid in python_pids), machine_busy_s=_machine_busy_s())
@@ -76,13 +79,19 @@ async def _info_by_node(redis: Redis, section: str) -> dict[str, dict[str, Any]]
 
 def window(start: Counters, end: Counters) -> Window:
     seconds = end.wall - start.wall
-    commands = {name: calls - start.commands.get(name, 0) for name, calls in end.commands.items()
-                if name not in NOT_COUNTED and calls > start.commands.get(name, 0)}
-    return Window(seconds=seconds, commands=commands,
+    return Window(seconds=seconds, commands=_delta(start.commands, end.commands),
+                  commands_by_node={node: _delta(start.commands_by_node.get(node, {}), calls)
+                                    for node, calls in end.commands_by_node.items()},
                   valkey_cores_by_node={node: (cpu_s - start.valkey_cpu_s.get(node, 0.0)) / seconds
                                         for node, cpu_s in end.valkey_cpu_s.items()},
                   python_cores=(end.python_cpu_s - start.python_cpu_s) / seconds,
                   machine_busy_cores=(end.machine_busy_s - start.machine_busy_s) / seconds)
+
+
+def _delta(start: dict[str, int], end: dict[str, int]) -> dict[str, int]:
+    """Calls per command between two readings (the benchmark's own INFO left out)."""
+    return {name: calls - start.get(name, 0) for name, calls in end.items()
+            if name not in NOT_COUNTED and calls > start.get(name, 0)}
 
 
 class LagProbe:

@@ -211,8 +211,8 @@ class StreamAppender:
     records the last one it applied under ``writer_id`` with its answer, and answers an id it has
     already applied from that record, so a flush re-sent after a lost reply is never appended
     twice. On a Redis Cluster the jobs are sent as one script per node, for the stream buckets it
-    serves, all at once (the record is then one per bucket). Redis errors are raised: retrying is the
-    caller's choice.
+    serves, all at once (the record is then one per call, in the slot of its first bucket). Redis
+    errors are raised: retrying is the caller's choice.
     """
 
     def __init__(self, redis: Redis, *, writer_id: str, maxlen: int, ttl_s: int, ttl_live_s: int | None = None) -> None:
@@ -255,8 +255,8 @@ class StreamAppender:
                 refused += node
         if refused:
             alone = {bucket for bucket, _ in refused}
-            self._sent = (flush_id, [group for group in self._sent[1] if not alone & set(group)]
-                          + [[bucket] for bucket, _ in refused]) if self._sent else None
+            kept = [group for group in (self._sent[1] if self._sent else []) if not alone & set(group)]
+            self._sent = (flush_id, kept + [[bucket] for bucket, _ in refused])    # if sent again: one by one
             answers = await self._scripts.run_all([self._call(flush_id, [bucket]) for bucket in refused])
             answered += [([bucket], answer) for bucket, answer in zip(refused, answers)]
         written: dict[str, bool] = {}
