@@ -328,8 +328,8 @@ class SlotqWorker:
         self.ready.set()
         self._beat_now.set()
         self.runtime.nudge()
-        log.info("worker %s ready (%s %.2f s, warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s",
-                 self.id, "kept loaded, back in" if self._reused else "load", took_s, warm_s,
+        log.info("worker %s ready (warm-up decode %.2f s, %s %.2f s): model %s, %d slots, queue %s, lanes %s",
+                 self.id, warm_s, "kept loaded, back in" if self._reused else "load", took_s,
                  self.engine.info.model_name, self.settings.slots,
                  self.runtime.queue.keys.queue, ",".join(self.settings.lanes))
         return took_s
