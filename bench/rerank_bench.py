@@ -17,10 +17,15 @@ batching, not the scoring.
 
 Agreement: each system scores :data:`AGREE_QUERIES` queries against the same :data:`AGREE_DOCUMENTS`
 documents (one request per query); the largest absolute difference between their scores, and whether
-every query's order agrees. Throughput: C clients (1, 8), each sending requests of
+every query's order agrees. Then the same with one document per request: one pair per decode in both
+systems, so the same shapes of computation, and what is left of a difference is not the batching.
+
+Throughput: C clients (1, 8), each sending requests of
 :data:`DOCUMENTS_PER_REQUEST` documents of 16 to 128 tokens back to back; pairs/s = documents scored / wall
 time, the mean of :data:`ROUNDS` rounds run in a rotated order (one request per client at 8 clients, 4 at 1:
-the larger model scores a few pairs a second on a shared 2-core machine). A system that cannot start is skipped with
+the larger model scores a few pairs a second on a shared 2-core machine). Beside it, the serving processes'
+CPU time per pair (user + system: the worker and its Valkey; llama-server), which a machine shared with
+other work disturbs far less than wall time. A system that cannot start is skipped with
 one line saying why.
 """
 
@@ -39,6 +44,7 @@ from typing import Any
 import httpx
 
 from bench import llama_server
+from bench.fleet_counters import _process_cpu_s
 from bench.overhead_bench import _rotated, _tiny_model_module
 from bench.peers_bench import _wait_http
 from bench.report import markdown_table, progress, write_results
@@ -51,8 +57,11 @@ CONCURRENCY = [1, 8]
 SEQUENCES = 16                           # pairs per decode, both systems (slots / --parallel)
 BATCH = 512                              # tokens per decode, both systems
 PAIR_LIMIT = 512                         # per pair: the writers' training context
-THREADS = len(os.sched_getaffinity(0)) or 1
-ROUNDS = 2
+THREADS = 1                              # each system: on a machine shared with other work, llama.cpp's threads
+                                         # spin at every barrier while one of them waits for a core, which burns
+                                         # CPU time and wall time alike (34 ms of CPU a pair on the tiny model
+                                         # with 2 threads at load average 13)
+ROUNDS = 3
 DOCUMENTS_PER_REQUEST = 8
 LENGTHS = [16, 32, 64, 128]              # tokens of the documents, in turn (one letter, one token)
 AGREE_QUERIES = 4
@@ -104,7 +113,8 @@ async def closed_loop(rank: Rank, clients: int, total: int, first: int) -> float
         while queue:
             i = queue.pop()
             docs = [document(i * 100 + k, LENGTHS[k % len(LENGTHS)]) for k in range(DOCUMENTS_PER_REQUEST)]
-            scored += len(await rank(query(i), docs))
+            scores = await rank(query(i), docs)
+            scored += len(scores)       # after the await: `scored += len(await ...)` would add to a stale total
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -130,7 +140,8 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         try:
             for index, (name, shape) in enumerate(MODELS.items()):
                 model = Path(writer(tmp / f"reranker-{index}.gguf", n_ctx_train=PAIR_LIMIT, **shape))
-                rows, agreed = await _model(name, model, f"rerank-{index}", quick, tmp, url, server_binary)
+                assert redis.pid is not None
+                rows, agreed = await _model(name, model, f"rerank-{index}", quick, tmp, url, redis.pid, server_binary)
                 results += rows
                 agreement += agreed
         finally:
@@ -146,7 +157,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
     return data, text
 
 
-async def _model(name: str, model: Path, queue: str, quick: bool, tmp: Path, url: str,
+async def _model(name: str, model: Path, queue: str, quick: bool, tmp: Path, url: str, redis_pid: int,
                  server_binary: Path | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(SEQUENCES),
            "SLOTQ_BATCH": str(BATCH), "SLOTQ_CTX": str(PAIR_LIMIT), "SLOTQ_THREADS": str(THREADS),
@@ -161,15 +172,18 @@ async def _model(name: str, model: Path, queue: str, quick: bool, tmp: Path, url
             str(SEQUENCES * PAIR_LIMIT), "-b", str(BATCH), "-ub", str(BATCH), "-t", str(THREADS), "-fa", "off",
             "--host", "127.0.0.1", "--port", str(port)], log_path=tmp / f"llama-server-{queue}.log")
     try:
-        return await run_watched(_measure(name, quick, url, queue, port if server_binary else None),
+        pids = {"slotq-redis": [children["slotq-redis"].proc.pid, redis_pid]}
+        if server_binary is not None:
+            pids[PEER] = [children[PEER].proc.pid]
+        return await run_watched(_measure(name, quick, url, queue, port if server_binary else None, pids),
                                  *children.values())
     finally:
         for child in children.values():
             child.stop()
 
 
-async def _measure(name: str, quick: bool, url: str, queue: str,
-                   port: int | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+async def _measure(name: str, quick: bool, url: str, queue: str, port: int | None,
+                   pids: dict[str, list[int]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name=queue))
     limits = httpx.Limits(max_connections=SEQUENCES + 8, max_keepalive_connections=SEQUENCES + 8)
     http = (httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits)
@@ -188,12 +202,17 @@ async def _measure(name: str, quick: bool, url: str, queue: str,
         for clients in [1] if quick else CONCURRENCY:
             total = clients if clients > 1 else (2 if quick else 4)
             rates: dict[str, list[float]] = {system: [] for system in paths}
+            cpu: dict[str, list[float]] = {system: [] for system in paths}
             for r in range(1 if quick else ROUNDS):
                 for system in _rotated(list(paths), r):
                     progress(f"{name}, {clients} clients, round {r + 1}: {system}")
+                    before = sum(_process_cpu_s(pid) for pid in pids[system])
                     rates[system].append(await closed_loop(paths[system], clients, total, 1 + (clients * 10 + r) * 100))
+                    spent = sum(_process_cpu_s(pid) for pid in pids[system]) - before
+                    cpu[system].append(spent * 1000 / (total * DOCUMENTS_PER_REQUEST))
             rows += [{"model": name, "system": system, "clients": clients, "requests": total,
-                      "pairs_per_s": round(sum(values) / len(values), 1), "rounds": [round(v, 1) for v in values]}
+                      "pairs_per_s": round(sum(values) / len(values), 1), "rounds": [round(v, 1) for v in values],
+                      "cpu_ms_per_pair": round(sum(cpu[system]) / len(cpu[system]), 2)}
                      for system, values in rates.items()]
         return rows, agreement
     finally:
@@ -208,15 +227,21 @@ async def _agreement(name: str, paths: dict[str, Rank]) -> list[dict[str, Any]]:
     if PEER not in paths:
         return []
     docs = [document(5000 + k, LENGTHS[k % len(LENGTHS)]) for k in range(AGREE_DOCUMENTS)]
-    worst, largest, same_order = 0.0, 0.0, True
-    for i in range(AGREE_QUERIES):
-        ours, theirs = await paths["slotq-redis"](query(i), docs), await paths[PEER](query(i), docs)
-        worst = max(worst, *(abs(a - b) for a, b in zip(ours, theirs, strict=True)))
-        largest = max(largest, *(abs(b) for b in theirs))
-        same_order &= _order(ours) == _order(theirs)
-    progress(f"{name}: largest score difference {worst:.2e} (scores up to {largest:.3g}), same order: {same_order}")
-    return [{"model": name, "requests": AGREE_QUERIES, "documents": AGREE_DOCUMENTS, "max_abs_difference": worst,
-             "max_abs_score": largest, "same_order": same_order}]
+    rows = []
+    for requests, per_request in ((AGREE_QUERIES, AGREE_DOCUMENTS), (AGREE_QUERIES, 1)):
+        worst, largest, same_order = 0.0, 0.0, True
+        for i in range(requests):
+            # One document per request: one pair per decode in both systems, so the same batch shape.
+            asked = docs if per_request > 1 else docs[i:i + 1]
+            ours, theirs = await paths["slotq-redis"](query(i), asked), await paths[PEER](query(i), asked)
+            worst = max(worst, *(abs(a - b) for a, b in zip(ours, theirs, strict=True)))
+            largest = max(largest, *(abs(b) for b in theirs))
+            same_order &= _order(ours) == _order(theirs)
+        progress(f"{name}, {requests} x {per_request}: largest score difference {worst:.2e} (scores up to "
+                 f"{largest:.3g}), same order: {same_order}")
+        rows.append({"model": name, "requests": requests, "documents": per_request, "max_abs_difference": worst,
+                     "max_abs_score": largest, "same_order": same_order})
+    return rows
 
 
 def _order(scores: list[float]) -> list[int]:
@@ -227,6 +252,7 @@ def _table(results: list[dict[str, Any]], agreement: list[dict[str, Any]], model
            skipped: dict[str, str]) -> str:
     levels = sorted({r["clients"] for r in results})
     rate = {(r["model"], r["system"], r["clients"]): r["pairs_per_s"] for r in results}
+    cpu = {(r["model"], r["system"], r["clients"]): r["cpu_ms_per_pair"] for r in results}
     rows = []
     for model in models:
         for system in SYSTEMS:
@@ -236,9 +262,14 @@ def _table(results: list[dict[str, Any]], agreement: list[dict[str, Any]], model
             for c in levels:
                 value, peer = rate.get((model, system, c)), rate.get((model, PEER, c))
                 ratio = f" ({value / peer:.2f} x)" if value and peer else ""
-                cells.append(f"{value:,.0f}{ratio}" if value is not None else "-")
+                cells.append(f"{value:,.1f}{ratio}" if value is not None else "-")
+            for c in levels:
+                value, peer = cpu.get((model, system, c)), cpu.get((model, PEER, c))
+                ratio = f" ({value / peer:.2f} x)" if value and peer else ""
+                cells.append(f"{value:.2f}{ratio}" if value is not None else "-")
             rows.append(cells)
-    table = markdown_table(["model", "system", *(f"{c} clients pairs/s (/ {PEER})" for c in levels)], rows)
+    table = markdown_table(["model", "system", *(f"{c} clients pairs/s (/ {PEER})" for c in levels),
+                            *(f"{c} clients CPU ms/pair (/ {PEER})" for c in levels)], rows)
     if agreement:
         table += "\n\n" + markdown_table(
             ["model", "requests x documents", "largest |score difference| vs llama-server", "largest |score|",

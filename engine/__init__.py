@@ -35,7 +35,7 @@ if TYPE_CHECKING:
         Usage,
     )
     from slotq.engine.model_files import bundled_model_path, resolve_model_path
-    from slotq.engine.request import ChatMessage, GenerationParams, GenerationRequest, SamplingParams
+    from slotq.engine.request import ChatMessage, GenerationParams, GenerationRequest, LoraRef, SamplingParams
     from slotq.engine.scheduler import BatchingMode
     from slotq.engine.state import EngineState
     from slotq.engine.stats import EngineStats
@@ -48,7 +48,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "events": ("ErrorInfo", "Event", "Finished", "FinishReason", "TextDelta", "Timings", "TokenLogprob", "TopLogprob",
                "Usage"),
     "model_files": ("bundled_model_path", "resolve_model_path"),
-    "request": ("ChatMessage", "GenerationParams", "GenerationRequest", "SamplingParams"),
+    "request": ("ChatMessage", "GenerationParams", "GenerationRequest", "LoraRef", "SamplingParams"),
     "scheduler": ("BatchingMode",),
     "state": ("EngineState",),
     "stats": ("EngineStats",),
@@ -70,8 +70,9 @@ __all__ = [
     "BatchingMode", "ChatMessage", "CpuRepack", "Engine", "EngineConfig", "EngineDead", "EngineError", "EngineKnobs",
     "EngineState", "EngineStats",
     "EngineStopped", "ErrorInfo", "Event", "FinishReason", "Finished", "FlashAttention", "GenerationParams",
-    "GenerationRequest", "GrammarError", "InvalidRequest", "KVCacheType", "KVExhausted", "KVLayout", "PromptTooLong",
-    "RequestFailed", "RequestHandle", "SamplingParams", "TextDelta", "Timings", "TokenLogprob", "TopLogprob", "Usage",
+    "GenerationRequest", "GrammarError", "InvalidRequest", "KVCacheType", "KVExhausted", "KVLayout", "LoraRef",
+    "PromptTooLong", "RequestFailed", "RequestHandle", "SamplingParams", "TextDelta", "Timings", "TokenLogprob",
+    "TopLogprob", "Usage",
     "bundled_model_path",
     "resolve_model_path",
 ]

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from slotq.engine.grammar_knobs import GrammarKnobs
+from slotq.engine.lora import LoraAdapterSpec, parse_lora_setting
 from slotq.engine.scheduler import BatchingMode
 
 MAX_KV_SEQUENCES = 256
@@ -152,6 +153,19 @@ class EngineKnobs(GrammarKnobs):
     draft_model: Path | None = Field(
         None, description="GGUF of a small model with the served model's vocabulary that drafts for every sequence "
                           "in one batch of its own (spec=auto or draft)")
+    lora: str = Field(
+        "", description="LoRA adapters loaded at start-up, name=path[:scale] comma-separated (scale: what a request "
+                        "naming the adapter without one gets, default 1.0); an adapter applies only to the requests "
+                        "that ask for it (the lora field, or the model name base:name)")
+    lora_turn_steps: int = Field(
+        8, ge=1, le=10_000,
+        description="decode steps one adapter set's sequences run before the next set's take their turn (llama.cpp "
+                    "applies adapters per context, so one step runs one set; engine.scheduler rule 10)")
+
+    @property
+    def lora_adapters(self) -> tuple[LoraAdapterSpec, ...]:
+        """``lora`` parsed (checked when the settings are read)."""
+        return parse_lora_setting(self.lora)
 
     @model_validator(mode="after")
     def _sizes(self) -> EngineKnobs:
@@ -166,6 +180,10 @@ class EngineKnobs(GrammarKnobs):
                              f"({self.spec_k_max}, SLOTQ_SPEC_K_MAX)")
         if self.spec == SpecMode.DRAFT and self.draft_model is None:
             raise ValueError("spec=draft needs draft_model (SLOTQ_DRAFT_MODEL): the GGUF that drafts")
+        try:
+            parse_lora_setting(self.lora)
+        except ValueError as exc:
+            raise ValueError(f"lora (SLOTQ_LORA): {exc}") from None
         return self
 
 
@@ -182,6 +200,9 @@ class EngineConfig(EngineKnobs):
             raise ValueError(f"model_path: no such file: {self.model_path}")
         if self.draft_model is not None and not self.draft_model.is_file():
             raise ValueError(f"draft_model: no such file: {self.draft_model}")
+        for spec in self.lora_adapters:
+            if not spec.path.is_file():
+                raise ValueError(f"lora: adapter {spec.name!r}: no such file: {spec.path}")
         return self
 
     @property

@@ -28,6 +28,7 @@ from slotq.engine.errors import EngineError, InvalidRequest, PromptTooLong
 from slotq.engine.events import Event, Finished
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
+from slotq.engine.lora import resolve_adapters
 from slotq.engine.outbox import Sink, StepReceiver
 from slotq.engine.reply_parser import ToolCallFormat, detect_tool_format
 from slotq.engine.request import GenerationRequest, SamplingParams
@@ -102,7 +103,9 @@ class Engine:
         self.tool_format = detect_tool_format(self.model.chat_template())    # how this model's calls are written
         self._eog_tokens = [t for t in range(self.info.n_vocab) if self.model.is_eog(t)]
         self._constraints = ConstraintCompiler(self.model.vocab, self.info.n_vocab, self._eog_tokens, config)
+        self.lora_adapters = config.lora_adapters
         try:
+            self.model.load_adapters(self.lora_adapters)
             self.drafter, make_planner = self._speculation(config)
         except BaseException:
             self.model.close()
@@ -121,6 +124,7 @@ class Engine:
             prefix_cache=config.prefix_cache,
             kv_overcommit=config.kv_overcommit,
             kv_stream_cells=self.info.n_ctx_seq if self.info.kv_layout == KVLayout.SPLIT else None,
+            lora_turn_steps=config.lora_turn_steps,
         ))
         self._limits = SchedulerLimits.full(self.scheduler.config)
         self._lifecycle = Lifecycle()
@@ -226,6 +230,7 @@ class Engine:
         if bad:
             raise InvalidRequest(f"resume_tokens: token id {bad[0]} is outside the vocabulary "
                                  f"(0..{self.info.n_vocab - 1})", field="resume_tokens")
+        adapters = resolve_adapters([(ref.id, ref.scale) for ref in request.lora], self.lora_adapters)
         plan = plan_tools(request, self.tool_format)
         constraint = plan.constraint if plan is not None else constraint_for(request.sampling)
         lazy = plan is not None and plan.lazy
@@ -250,7 +255,7 @@ class Engine:
         # Build one chain now so logit-bias errors surface at submit time, then free it.
         make_chain(0).free()
         return PreparedRequest(request, tokens, handle.sink, make_chain,
-                               reply=reply_setup(request, request.id, prompt, plan, lazy_call))
+                               reply=reply_setup(request, request.id, prompt, plan, lazy_call), adapters=adapters)
 
     def _context_limit_reason(self) -> str:
         if self.ctx_per_seq < self.config.ctx:

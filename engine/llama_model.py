@@ -22,6 +22,7 @@ import numpy as np
 from slotq.engine.config import CpuRepack, EngineConfig, FlashAttention, KVCacheType, KVLayout
 from slotq.engine.cpu_features import RepackDecision, decide_repack, this_cpu_flags
 from slotq.engine.llama_devices import resolve_gpu_layers
+from slotq.engine.lora import BASE, AdapterSet, LoraAdapterSpec
 
 if TYPE_CHECKING:
     from slotq.engine.sampling import SamplerChain
@@ -187,7 +188,20 @@ class LlamaModel:
         self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.info.n_batch,))
         self._nseq[:] = 1
         self._seq_ptrs = [self._batch.seq_id[i] for i in range(self.info.n_batch)]
+        self._adapters: list[ctypes._Pointer[ctypes.c_void_p]] = []
+        self._applied: AdapterSet = BASE
         self._closed = False
+
+    def load_adapters(self, specs: Sequence[LoraAdapterSpec]) -> None:
+        """Load LoRA adapters (index = place in ``specs``); none applies until :meth:`set_adapters`.
+        llama.cpp frees them with the model."""
+        for spec in specs:
+            adapter = llama_cpp.llama_adapter_lora_init(self._model, str(spec.path).encode())
+            if not adapter:
+                raise RuntimeError(f"llama.cpp could not load LoRA adapter {spec.name!r} from {spec.path} (not a "
+                                   f"LoRA GGUF, or made for another model: SLOTQ_LLAMA_VERBOSE=1 says why)")
+            # the bindings' stubs say c_void_p; ctypes gives the POINTER(c_void_p) that llama_set_adapters_lora takes
+            self._adapters.append(ctypes.cast(adapter, llama_cpp.llama_adapter_lora_p_ctypes))
 
     # ------------------------------------------------------------ vocabulary (any thread)
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -322,6 +336,19 @@ class LlamaModel:
     def sample(self, chain: SamplerChain, batch_index: int) -> int:
         """Sample (and accept) a token from the logits row of ``batch_index`` of the last decode."""
         return chain.sample(self._ctx, batch_index)
+
+    def set_adapters(self, adapters: AdapterSet) -> bool:
+        """Apply ``adapters`` to the context for the decodes from now on (engine thread only);
+        returns whether that changed them. A change makes llama.cpp reserve its compute graph again
+        at the next decode, which is what a switch between adapter sets costs."""
+        if adapters == self._applied:
+            return False
+        n = len(adapters)
+        handles = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*(self._adapters[i] for i, _ in adapters))
+        scales = (ctypes.c_float * n)(*(scale for _, scale in adapters))
+        llama_cpp.llama_set_adapters_lora(self._ctx, handles if n else None, n, scales if n else None)
+        self._applied = adapters
+        return True
 
     def kv_remove(self, seq_id: int, start: int = -1) -> None:
         """Drop ``seq_id``'s cells from position ``start`` on (-1: all of them)."""

@@ -20,7 +20,7 @@ module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 BLOCK_TOKENS = 16       # tokens per hashed block: a lookup walks a 2k-token prompt in 128 hashes
@@ -88,6 +88,7 @@ class PrefixIndex:
         self._block = block_tokens
         self._held: dict[int, BlockHashes] = {}     # idle slot -> the tokens its KV holds, least recently used first
         self._returning: set[int] = set()           # idle slots whose sequence was cancelled (it may come back)
+        self._namespaces: dict[int, Hashable] = {}  # idle slot -> what else its KV depends on (LoRA adapters)
         self._running: dict[int, BlockHashes] = {}  # running slot -> its tokens' hashes, kept from lookup to lookup
         self._query: BlockHashes | None = None      # the last lookup's: its sequence is likely admitted next
 
@@ -106,10 +107,13 @@ class PrefixIndex:
         """Whether ``slot`` is the idle cache of a cancelled sequence, which may come back for its cells."""
         return slot in self._returning
 
-    def keep(self, slot: int, tokens: list[int], *, returning: bool = False) -> None:
+    def keep(self, slot: int, tokens: list[int], *, returning: bool = False, namespace: Hashable = ()) -> None:
         """A sequence left ``slot`` and its KV, which holds ``tokens``, stays as an idle cache, the most
-        recently used. ``returning``: the sequence was cancelled and may come back for it."""
+        recently used. ``returning``: the sequence was cancelled and may come back for it.
+        ``namespace``: what else its cells depend on (the LoRA adapters they were computed under):
+        a lookup in another namespace never matches it."""
         self.forget(slot)
+        self._namespaces[slot] = namespace
         chain = self._held[slot] = BlockHashes(tokens, self._block)
         running = self._running.get(slot)
         if running is not None and running.tokens[:len(tokens)] == tokens:     # the sequence that ran there
@@ -123,19 +127,22 @@ class PrefixIndex:
         that was none is left as it is."""
         self._held.pop(slot, None)
         self._returning.discard(slot)
+        self._namespaces.pop(slot, None)
 
     def longest_match(self, tokens: list[int], *, at_most: int, running: Iterable[tuple[int, list[int], int]],
-                      min_running_tokens: int = 0) -> PrefixMatch | None:
+                      min_running_tokens: int = 0, namespace: Hashable = ()) -> PrefixMatch | None:
         """The slot whose KV holds the longest prefix of ``tokens``, counting at most ``at_most`` of
         them; None when no slot holds even the first. ``running``: each running slot with its
         sequence's tokens and how many of them its KV holds (``n_computed``), in admission order;
         a running slot's match counts only when it is at least ``min_running_tokens`` long
-        (copying its cells costs something).
+        (copying its cells costs something). Only idle caches kept under ``namespace`` match (a
+        running slot of another namespace is given with 0 cells held).
 
         Among equal matches an idle cache wins over a running slot (taking it over copies nothing),
         and then the least recently used cache, or the running slot given first."""
         holders = self._running_holders(running)
-        holders += [_Holder(slot, True, chain.tokens, len(chain.tokens), chain) for slot, chain in self._held.items()]
+        holders += [_Holder(slot, True, chain.tokens, len(chain.tokens), chain) for slot, chain in self._held.items()
+                    if self._namespaces[slot] == namespace]
         return self._best(tokens, at_most, holders, min_running_tokens)
 
     def longest_running_match(self, tokens: list[int], *, at_most: int,

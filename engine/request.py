@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -35,6 +35,9 @@ class ToolCallSpec(BaseModel):
     function: FunctionCall
 
 MAX_TOP_LOGPROBS = 20        # OpenAI's limit on top_logprobs
+LORA_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"   # an adapter's name (SLOTQ_LORA); a model may be named base:name
+MAX_LORA_SCALE = 100.0       # llama.cpp has no bound; a typo of 1e6 is no adapter any more
+MAX_LORA_ADAPTERS = 16       # per request
 
 
 class ChatMessage(BaseModel):
@@ -143,6 +146,18 @@ class SamplingParams(BaseModel):
         return self
 
 
+class LoraRef(BaseModel):
+    """One adapter a request runs under, as llama-server's ``lora`` entries name it (``id``: the
+    adapter's index in the worker's list), or by its name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[int, Field(ge=0, le=1_000)] | Annotated[str, Field(pattern=LORA_NAME_PATTERN)] = Field(
+        description="the adapter's index in SLOTQ_LORA (llama-server's id) or its name")
+    scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False,
+                                description="None: the scale SLOTQ_LORA gives the adapter (1.0 unless set); 0 = off")
+
+
 class GenerationParams(BaseModel):
     """What to generate: a prompt (raw text) or chat messages, and how. Shared by the engine's
     request and the job layer's request so both validate identically."""
@@ -173,6 +188,10 @@ class GenerationParams(BaseModel):
         None, ge=0, le=MAX_TOP_LOGPROBS,
         description="None: off; k: each generated token's log probability and the k most likely tokens at its "
                     "position, from the model's raw distribution (before temperature, penalties, bias, constraints)")
+    lora: list[LoraRef] = Field(
+        default_factory=list, max_length=MAX_LORA_ADAPTERS,
+        description="LoRA adapters to run under, each by id or name with a scale; adapters not named are off "
+                    "(llama-server's lora field)")
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> GenerationParams:
@@ -293,10 +312,6 @@ class RerankParams(BaseModel):
     query: str = Field(description="the text every document is scored against")
     documents: list[str] = Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS,
                                  description="texts to score; one relevance score each, in order")
-
-    def input_chars(self) -> int:
-        """Characters the model reads: the query once per document, and the documents."""
-        return len(self.query) * len(self.documents) + sum(len(d) for d in self.documents)
 
 
 class RerankRequest(RerankParams):

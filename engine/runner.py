@@ -52,6 +52,7 @@ from slotq.engine.events import ErrorInfo, Event, Finished, FinishReason, TextDe
 from slotq.engine.fault_injection import EngineFaults
 from slotq.engine.llama_model import LlamaModel
 from slotq.engine.logprobs import RowLogprobs, StepLogprobs, TokenBytes, as_event
+from slotq.engine.lora import BASE, AdapterSet
 from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.outbox import Outbox, Sink
 from slotq.engine.reply_parser import ReplyDelta, ReplyParser, ToolCallError
@@ -77,6 +78,7 @@ class PreparedRequest:
     sink: Sink
     make_chain: Callable[[int], SamplerChain]     # choice index -> a fresh sampler chain
     reply: ReplySetup | None = None               # how a chat reply is split (None: plain text)
+    adapters: AdapterSet = BASE                   # the LoRA adapters it runs under (resolved from request.lora)
     submitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -256,6 +258,7 @@ class Runner:
                 priority_class=req.priority_class,
                 priority=req.priority,
                 lent_reserve=req.lent_reserve,
+                adapters=prepared.adapters,
                 fork_of=leader,
                 fork_len=len(base),
                 payload=state,
@@ -386,6 +389,8 @@ class Runner:
                 sample_at.append((seq, len(tokens) - 1 - len(item.draft), item.draft))
             else:
                 wants.append(False)
+        if self.model.set_adapters(out.adapters):      # another set's turn (scheduler rule 10)
+            self.counters.lora_switches += 1
         started = time.perf_counter()
         ret = self.model.decode(tokens, positions, seq_ids, wants)
         decode_seconds = time.perf_counter() - started

@@ -83,6 +83,20 @@ Policy, in order of precedence:
    sequence never drafts past its ``max_new_tokens``. After the decode the runner verifies the
    drafts and :meth:`Scheduler.settle_drafts` forgets the cells of the rejected ones. A KV-full
    decode that carried drafts is retried without any until a sequence finishes.
+10. LoRA adapter groups (above rules 1, 3 and 9, which apply within the group): llama.cpp applies
+   adapters to the whole context, so a step computes only sequences of one adapter set (the
+   base model is the empty set; ``Sequence.adapters``), and :attr:`SchedulerOutput.adapters` says
+   which. The sets with work (a token to decode or a prompt to prefill) take turns round-robin,
+   in the order they first had work: a set keeps the turn for ``lora_turn_steps`` steps while it
+   has work, then passes it to the next set with work, so every set runs within
+   ``(sets - 1) x lora_turn_steps`` steps: none starves, whatever its priority class (a lane's
+   precedence holds within a set, rules 1 and 3; across sets only admission, rule 2, sees it). A
+   lone set keeps the turn for as long as it is alone and pays nothing. A turn is several steps
+   because a switch is not free: llama.cpp reserves its compute graph again at the next decode
+   (docs/architecture.md, "LoRA adapters"). Admission (2) and slots (8) ignore
+   sets: a sequence of another set holds its slot and waits for its set's turn. The prefix cache
+   (4, 7) is per set: a sequence reuses or waits for only KV computed under its own set, since
+   the adapters change every layer's cells.
 """
 
 from __future__ import annotations
@@ -92,6 +106,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from slotq.engine.kv_ledger import KVLedger
+from slotq.engine.lora import BASE, AdapterSet
 from slotq.engine.prefix_index import PrefixIndex
 from slotq.engine.request_queue import RequestQueue
 from slotq.engine.sequence import SeqState, Sequence
@@ -127,6 +142,7 @@ class SchedulerConfig:
                                     # moves the whole stream; docs/architecture.md, "KV layout", has the figures)
     cache_slots: int = 0            # KV sequences beyond n_slots that keep idle caches (rule 7)
     reserve_slots: int = 0          # of those, how many a higher priority class may decode in (rule 6)
+    lora_turn_steps: int = 8        # steps one adapter set runs before the next set's turn (rule 10)
 
 
 @dataclass(frozen=True)
@@ -200,6 +216,7 @@ class SchedulerOutput:
     evicted_caches: list[int] = field(default_factory=list)     # freed seq ids whose KV must be cleared first
     items: list[BatchItem] = field(default_factory=list)
     forks: list[Fork] = field(default_factory=list)     # filled by commit(): KV copies to perform
+    adapters: AdapterSet = BASE                         # the LoRA adapters every item runs under (rule 10)
 
     @property
     def n_tokens(self) -> int:
@@ -226,6 +243,8 @@ class Scheduler:
         self._pending_evictions: list[int] = []         # idle caches dropped, not yet cleared in KV
         self._hold_admissions = False                   # after a preemption, until a sequence finishes
         self._hold_drafts = False                       # after a KV-full decode with drafts, likewise
+        self._turns: list[AdapterSet] = []              # adapter sets with work, the one whose turn it is first
+        self._turn_steps = 0                            # steps the first of them has run in its turn (rule 10)
         self.preemptions = 0
         self.prompt_tokens_reused = 0
         self.prompt_tokens_computed = 0
@@ -254,12 +273,14 @@ class Scheduler:
         out.evicted_caches, self._pending_evictions = self._pending_evictions, []
         budget = self.limits.n_batch
         chunk_cap = max(1, int(self.limits.prefill_chunk * self._prefill_scale))
-        prefilling = [s for s in self.running if s.fork_of is None and not s.is_decoding and s.n_pending > 0]
+        out.adapters = group = self._take_turn()
+        prefilling = [s for s in self.running
+                      if s.adapters == group and s.fork_of is None and not s.is_decoding and s.n_pending > 0]
         top_rank = max((_prefill_rank(s) for s in prefilling), default=(0, False))
         lent_prompt_ends = any(s.lent_reserve and _prefill_rank(s) == top_rank and s.n_pending <= min(chunk_cap, budget)
                                for s in prefilling)    # rule 1's exception
         for seq in sorted(self.running, key=_slot):
-            if seq.fork_of is None and seq.is_decoding and not lent_prompt_ends:
+            if seq.fork_of is None and seq.is_decoding and not lent_prompt_ends and seq.adapters == group:
                 out.items.append(BatchItem(seq, seq.n_computed, 1, sample=True))
                 budget -= 1
         for seq in sorted(prefilling, key=lambda s: s.queue_order):
@@ -273,6 +294,23 @@ class Scheduler:
         if draft_offers and self.drafts is not None and not self._hold_drafts:
             self._plan_drafts(out, draft_offers, budget)
         return out
+
+    def _take_turn(self) -> AdapterSet:
+        """Rule 10: the adapter set this step runs, counted as one step of its turn."""
+        ready: list[AdapterSet] = []
+        for seq in self.running:
+            if seq.fork_of is None and seq.n_pending > 0 and seq.adapters not in ready:
+                ready.append(seq.adapters)
+        current = self._turns[0] if self._turns else None
+        turns = [group for group in self._turns if group in ready]
+        turns += [group for group in ready if group not in turns]
+        if len(turns) > 1 and turns[0] == current and self._turn_steps >= self.config.lora_turn_steps:
+            turns.append(turns.pop(0))              # its turn is used up: the next set's
+        if not turns or turns[0] != current:
+            self._turn_steps = 0
+        self._turns = turns
+        self._turn_steps += 1
+        return turns[0] if turns else BASE
 
     def _plan_drafts(self, out: SchedulerOutput, offers: Mapping[Sequence, Proposal], budget: int) -> None:
         """Rule 9: the planner's rooms, each capped by what the sequence may still generate."""
@@ -443,7 +481,8 @@ class Scheduler:
             return
         others = {other.seq_id: other for other in self.running if other is not seq and other.seq_id is not None}
         match = self._prefixes.longest_running_match(seq.tokens, at_most=len(seq.tokens) - 1, running=(
-            (slot, other.tokens, len(other.tokens)) for slot, other in others.items()))
+            (slot, other.tokens, len(other.tokens) if other.adapters == seq.adapters else 0)    # rule 10
+            for slot, other in others.items()))
         if match is None:
             return
         best = others[match.slot]
@@ -457,9 +496,10 @@ class Scheduler:
             return None, 0
         # A running slot's prefix is copied; with a stream per slot that copies its whole stream.
         copy_floor = self.config.min_copy_tokens if self.config.kv_stream_cells is not None else 0
-        running = ((s.seq_id, s.tokens, s.n_computed) for s in self.running if s.seq_id is not None)
+        running = ((s.seq_id, s.tokens, s.n_computed if s.adapters == seq.adapters else 0)    # rule 10
+                   for s in self.running if s.seq_id is not None)
         match = self._prefixes.longest_match(seq.tokens, at_most=len(seq.tokens) - 1, running=running,
-                                             min_running_tokens=copy_floor)
+                                             min_running_tokens=copy_floor, namespace=seq.adapters)
         if match is None or match.n_tokens < self.config.min_reuse_tokens:
             return None, 0
         if self.config.cache_slots and match.idle and match.n_tokens < self.config.min_copy_tokens:
@@ -497,7 +537,7 @@ class Scheduler:
         if slot is None:
             return
         if keep_cache and seq.n_computed > 0:
-            self._prefixes.keep(slot, seq.tokens[: seq.n_computed], returning=returning)
+            self._prefixes.keep(slot, seq.tokens[: seq.n_computed], returning=returning, namespace=seq.adapters)
             self.ledger.park(slot)
         else:
             self.ledger.remove(slot)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from slotq.engine.lora import AdapterSet
+
 _arrival_counter = itertools.count()
 
 
@@ -33,6 +35,7 @@ class Sequence:
     priority_class: int = 0          # compared before priority (the job layer's lane rank)
     priority: int = 0
     lent_reserve: bool = False       # may decode in the reserve though no lower class runs (scheduler rule 6)
+    adapters: AdapterSet = ()        # the LoRA adapters it runs under (scheduler rule 10); () = the base model
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     state: SeqState = SeqState.WAITING
     seq_id: int | None = None

@@ -40,6 +40,7 @@ class EngineCounters:
     spec: str = "off"                 # where drafts come from: off, ngram or draft (config.SpecMode)
     spec_draft_tokens: int = 0        # draft tokens decoded for verification
     spec_accepted_tokens: int = 0     # of those, the ones verification kept
+    lora_switches: int = 0            # decodes run under another LoRA adapter set than the one before
     _finished: dict[str, int] = field(default_factory=dict)    # finish_reasons as of the last finish (never mutated)
 
     def decoded(self, n_tokens: int, n_seqs: int, seconds: float) -> None:
@@ -89,6 +90,7 @@ class EngineCounters:
             spec=self.spec,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            lora_switches=self.lora_switches,
         ))
 
 
@@ -148,6 +150,8 @@ class EngineStats(BaseModel):
     spec: str = Field("off", description="speculative decoding's draft source: off, ngram or draft")
     spec_draft_tokens: int = Field(0, description="draft tokens decoded for verification")
     spec_accepted_tokens: int = Field(0, description="draft tokens verification kept (each one a step saved)")
+    lora_switches: int = Field(0, description="decodes run under another LoRA adapter set than the one before "
+                                             "(each makes llama.cpp reserve its graph again; scheduler rule 10)")
 
     @property
     def spec_acceptance(self) -> float | None:

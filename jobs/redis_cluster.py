@@ -25,6 +25,12 @@ Each node runs with:
 * an append-only file (``appendonly yes``) and its own directory, ``<data_dir>/node-<port>``, holding
   its ``nodes.conf``.
 
+A test can put a front before each node (a TCP proxy that cuts the network) and have the nodes give its
+port instead of their own (:meth:`~LocalValkeyCluster.announce_ports`, ``cluster-announce-port``): the slot
+map, ``MOVED`` and ``ASK`` then name the fronts, so a client reaches every node through them, also a
+replica it finds promoted. The nodes' bus (``cluster-port``) stays direct: cutting the fronts cuts the
+clients off, not the nodes from each other, so no failover follows a cut.
+
 Each :meth:`~LocalValkeyCluster.start` forms a new cluster on new ports (and so new directories); a
 cluster is not restarted from an earlier one's files.
 
@@ -165,6 +171,7 @@ class LocalValkeyCluster:
         self._primaries = primaries
         self._replicas_per_primary = replicas_per_primary
         self._nodes: list[_Node] = []
+        self._announced: dict[int, int] = {}         # a node's port -> the port it gives clients instead
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -177,6 +184,10 @@ class LocalValkeyCluster:
         """Every node started, in the order primaries then replicas, with its role as it reports it now."""
         return [NodeStatus(port=node.port, pid=node.proc.pid if node.proc else 0, role=self._role(node),
                            shard=node.shard) for node in self._nodes]
+
+    def node_port(self, port: int) -> int:
+        """The node behind ``port``: the port a node announces (:meth:`announce_ports`) or its own."""
+        return next((own for own, announced in self._announced.items() if announced == port), port)
 
     def _role(self, node: _Node) -> NodeRole:
         if not node.alive():
@@ -224,6 +235,33 @@ class LocalValkeyCluster:
                 node.call("CLUSTER", "REPLICATE", primaries[node.shard].node_id)
         self._wait(deadline, "cluster_state:ok and one slot map on every node", self._settled)
 
+    def announce_ports(self, ports: dict[int, int], timeout: float = 30) -> None:
+        """Each node whose port is a key of ``ports`` gives clients the port it maps to instead of its own
+        (``CONFIG SET cluster-announce-port``): in the slot map, in ``MOVED``/``ASK`` and in ``CLUSTER
+        NODES``. Returns once every running node's slot map names the announced ports only. What listens
+        there and forwards to the node (a proxy) is the caller's; :attr:`url` keeps naming the nodes
+        themselves, :meth:`kill_primary` takes either port (:meth:`node_port`)."""
+        unknown = set(ports) - {node.port for node in self._nodes}
+        if unknown:
+            raise ValueError(f"no node of this cluster on port(s) {sorted(unknown)}")
+        for node in self._nodes:
+            if node.port in ports:
+                node.call("CONFIG", "SET", "cluster-announce-port", ports[node.port])
+        self._announced.update(ports)
+        announced = {self._announced.get(node.port, node.port) for node in self._nodes}
+
+        def every_map_names_them() -> bool:
+            try:
+                # a CLUSTER SLOTS entry: first slot, last slot, then [host, port, id, ...] of each node serving it
+                return all({int(served[1]) for entry in node.call("CLUSTER", "SLOTS") for served in entry[2:]}
+                           <= announced for node in self._running())
+            except (redis.RedisError, OSError):
+                return False
+
+        deadline = time.monotonic() + timeout
+        self._wait(deadline, "slot map naming the announced ports", every_map_names_them)
+        self._wait(deadline, "cluster_state:ok and one slot map on every node", self._settled)
+
     def stop(self) -> None:
         """Stop every node still running (SIGTERM: each flushes its append-only file), then forget them."""
         for node in self._nodes:
@@ -231,6 +269,7 @@ class LocalValkeyCluster:
         for node in self._nodes:
             node.wait()
         self._nodes = []
+        self._announced = {}
 
     def __enter__(self) -> LocalValkeyCluster:
         self.start()
@@ -243,12 +282,12 @@ class LocalValkeyCluster:
     # ------------------------------------------------------------------ faults
     def kill_primary(self, shard_or_port: int) -> int:
         """SIGKILL the node that is primary now of shard ``shard_or_port`` (an index below ``primaries``),
-        or the node on that port (which must be a primary); the port killed. Its replica, if any, takes
-        its slots over once the others find it failed (:meth:`wait_for_failover`)."""
+        or the node on that port or announcing it (which must be a primary); the node's own port. Its
+        replica, if any, takes its slots over once the others find it failed (:meth:`wait_for_failover`)."""
         if shard_or_port < self._primaries:
             found = [node for node in self._nodes if node.shard == shard_or_port and self._role(node) == "primary"]
         else:
-            found = [node for node in self._nodes if node.port == shard_or_port]
+            found = [node for node in self._nodes if node.port == self.node_port(shard_or_port)]
         if not found or self._role(found[0]) != "primary":
             raise ValueError(f"no running primary for shard or port {shard_or_port}")
         found[0].signal(signal.SIGKILL)
@@ -318,11 +357,11 @@ class LocalValkeyCluster:
             return False
         return True
 
-    @staticmethod
-    def _slot_map(node: _Node) -> SlotMap:
+    def _slot_map(self, node: _Node) -> SlotMap:
+        """``node``'s slot map, each node named by its own port (not the one it announces)."""
         entries = node.call("CLUSTER", "SLOTS")
-        return sorted((int(entry[0]), int(entry[1]), int(entry[2][1]), tuple(sorted(int(r[1]) for r in entry[3:])))
-                      for entry in entries)
+        return sorted((int(entry[0]), int(entry[1]), self.node_port(int(entry[2][1])),
+                       tuple(sorted(self.node_port(int(r[1])) for r in entry[3:]))) for entry in entries)
 
     def _states(self) -> str:
         """Each node's port, role and cluster_state, for a message."""

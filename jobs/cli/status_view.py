@@ -59,16 +59,24 @@ def _mebibytes(n: int) -> str:
 
 def _shards(shards: Sequence[ShardLoad]) -> Table:
     """One row per primary; the queue's shard, which carries its whole claim path, is marked."""
-    table = Table("primary", "replicas", "slots", "keys", "memory", "ops/s", "CPU", "clients", "queue",
-                  title="cluster shards", caption="CPU: one core's share since the last refresh (--watch)")
+    buckets = sum(len(shard.stream_slots) for shard in shards)
+    table = Table("primary", "replicas", "slots", "keys", "memory", "ops/s (share)", "CPU", "clients",
+                  "stream buckets", "slotq keys (share)", "queue", title="cluster shards",
+                  caption="CPU: one core's share since the last refresh (--watch). slotq keys: in the queue's slot "
+                          "and the stream buckets' slots")
     table.columns[0].no_wrap = True
     for shard in shards:
         table.add_row(
             shard.node, str(shard.replicas), ", ".join(f"{first}-{last}" for first, last in shard.slots),
-            str(shard.keys), _mebibytes(shard.used_memory_bytes), str(shard.ops_per_s),
-            f"{shard.cpu_share:.0%}" if shard.cpu_share is not None else "-", str(shard.clients),
+            str(shard.keys), _mebibytes(shard.used_memory_bytes), f"{shard.ops_per_s} ({_share(shard.ops_share)})",
+            _share(shard.cpu_share), str(shard.clients), f"{len(shard.stream_slots)}/{buckets}",
+            f"{shard.slotq_keys} ({_share(shard.slotq_keys_share)})",
             Text(f"◀ slot {shard.queue_slot}", style="bold") if shard.queue_slot is not None else "")
     return table
+
+
+def _share(share: float | None) -> str:
+    return f"{share:.0%}" if share is not None else "-"
 
 
 def render(info: QueueInfo, *, shards: Sequence[ShardLoad] = (), at: float | None = None) -> RenderableType:

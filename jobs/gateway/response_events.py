@@ -29,7 +29,7 @@ from slotq.jobs.gateway.chunks import first_entry_error, sse, unfinished_stream
 from slotq.jobs.openai.errors import ApiError
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.wire import FinishReason, ToolCallDelta, Usage
-from slotq.jobs.responses.translate import finished, wire_param
+from slotq.jobs.responses.translate import finished, response_error, wire_param
 from slotq.jobs.responses.wire import (
     FunctionCallOut,
     OutputItem,
@@ -38,7 +38,6 @@ from slotq.jobs.responses.wire import (
     ReasoningOut,
     ReasoningText,
     Response,
-    ResponseError,
 )
 
 
@@ -88,7 +87,7 @@ class ResponseEventRenderer:
         events = self._close(incomplete=True)
         response = self.shell.model_copy(update={
             "status": "failed", "output": self._items,
-            "error": ResponseError(code=error.code or error.type, message=error.message)})
+            "error": response_error(error)})
         events.append(self._event("response.failed", response=self._dump(response)))
         return self._render(events)
 

@@ -13,6 +13,7 @@ import time
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from slotq.jobs.gateway.adapters import SEPARATOR, adapter_routes, common_adapters
 from slotq.jobs.gateway.auth import Caller, CallerDep, authenticate
 from slotq.jobs.gateway.chunks import ChunkRenderer, parse_stream_id
 from slotq.jobs.gateway.job_results import finished_result
@@ -48,24 +49,33 @@ def gateway_of(request: Request) -> Gateway:
     return gateway
 
 
-def model_card(route: ModelRoute) -> ModelCard:
-    """A model as ``/v1/models`` lists it; one no worker has loaded (``unloaded``, from the catalog)
-    has no start time (``created`` 0) and no slots."""
-    return ModelCard(id=route.model, created=int(min((w.started_at for w in route.workers), default=0)),
-                     kind=route.kind, queue=route.queue, workers=len(route.workers), slots_total=route.slots_total,
-                     slots_busy=route.slots_busy, status=route.status, load_s=route.load_s)
+def model_card(route: ModelRoute, adapter: str | None = None) -> ModelCard:
+    """A model as ``/v1/models`` lists it, or (``adapter``) the card of one of its LoRA adapters,
+    ``base:adapter``. One no worker has loaded (``unloaded``, from the catalog) has no start time
+    (``created`` 0) and no slots."""
+    return ModelCard(id=route.model if adapter is None else f"{route.model}{SEPARATOR}{adapter}",
+                     created=int(min((w.started_at for w in route.workers), default=0)), kind=route.kind,
+                     queue=route.queue, workers=len(route.workers), slots_total=route.slots_total,
+                     slots_busy=route.slots_busy, status=route.status, load_s=route.load_s,
+                     adapters=common_adapters(route.workers) if adapter is None else [],
+                     parent=route.model if adapter is not None else None)
 
 
 @router.get("/models")
 async def list_models(request: Request) -> ModelList:
     routes = await gateway_of(request).router.routes()
-    return ModelList(data=[model_card(route) for _model, route in sorted(routes.items())])
+    cards = [model_card(route) for _model, route in routes.items()]
+    cards += [model_card(route, adapter) for route, adapter in adapter_routes(routes).values()]
+    return ModelList(data=sorted(cards, key=lambda card: card.id))
 
 
 @router.get("/models/{model:path}")
 async def get_model(model: str, request: Request) -> ModelCard:
-    """One served model (404 for a model no live worker serves). ``:path``: names may hold a '/'."""
-    route = (await gateway_of(request).router.routes()).get(model)
+    """One served model or LoRA adapter (404 for a name no live worker serves). ``:path``: names may hold a '/'."""
+    routes = await gateway_of(request).router.routes()
+    route = routes.get(model)
+    if route is None and model in (adapters := adapter_routes(routes)):
+        return model_card(*adapters[model])
     if route is None:
         raise ApiError(404, f"the model {model!r} does not exist or no live worker serves or can load it",
                        param="model", code="model_not_found")

@@ -29,12 +29,13 @@ from slotq.jobs.protocol.schemas import JobStatus
 from slotq.jobs.responses.translate import (
     counting_request,
     listed_items,
+    response_error,
     response_shell,
     to_job_request,
     to_response,
     wire_param,
 )
-from slotq.jobs.responses.wire import InputTokens, ItemList, ResponseError, ResponsesRequest
+from slotq.jobs.responses.wire import InputTokens, ItemList, ResponsesRequest
 from slotq.jobs.responses.wire import Response as ResponseObject
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
@@ -115,8 +116,9 @@ def stored_response(stored: Stored) -> ResponseObject:
     if error is None:
         return to_response(result, request, model, created)
     shell = response_shell(request, stored.job_id, model, created)
-    shell.status = "cancelled" if result.status == JobStatus.CANCELLED else "failed"
-    shell.error = ResponseError(code=error.code or error.type, message=error.message)
+    cancelled = result.status == JobStatus.CANCELLED
+    shell.status = "cancelled" if cancelled else "failed"
+    shell.error = None if cancelled else response_error(error)     # a cancel is no failure: the status says it
     return shell
 
 

@@ -20,13 +20,20 @@ from collections.abc import Callable
 from typing import Literal
 
 from slotq.jobs.gateway import metrics
+from slotq.jobs.gateway.adapters import check_lora, split_model, with_adapter
 from slotq.jobs.gateway.records import JobRecord, JobRecords
 from slotq.jobs.gateway.routing import ModelRouter
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.producer.client import JobHandle, JobRejected, QueueFull, QuotaExceeded, SlotqClient
 from slotq.jobs.protocol.payload import encode_payload
-from slotq.jobs.protocol.schemas import AnyJobRequest, JobKind, tenant_job_id, tenant_of_job
+from slotq.jobs.protocol.schemas import (
+    AnyJobRequest,
+    JobKind,
+    JobRequest,
+    tenant_job_id,
+    tenant_of_job,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +77,11 @@ class Gateway:
             raise ApiError.invalid(f"metadata: {metadata_bytes} bytes as JSON, over the limit of "
                                    f"{self.settings.gateway_max_metadata_bytes} (SLOTQ_GATEWAY_MAX_METADATA_BYTES)",
                                    "metadata", code="metadata_too_large")
-        route = await self.router.route(model, job.kind)
-        job = job.model_copy(update={"model": model})     # its worker checks it: never run by another model
+        base, adapter = model, None
+        if isinstance(job, JobRequest):
+            base, adapter = split_model(model, await self.router.routes())     # base:adapter names an adapter
+        route = await self.router.route(base, job.kind)
+        job = job.model_copy(update={"model": base})     # its worker checks it: never run by another model
         served = {w.kind for w in route.workers} or {route.kind}
         if job.kind not in served:
             if job.kind == JobKind.RERANK:
@@ -81,6 +91,9 @@ class Gateway:
             path = "/v1/embeddings" if job.kind == JobKind.EMBEDDING else "/v1/chat/completions or /v1/completions"
             raise ApiError.invalid(f"model {model!r} serves {' and '.join(sorted(served))} jobs, not {job.kind.value} "
                                    f"jobs: {path} needs a model that serves them", "model", code="wrong_model_kind")
+        if isinstance(job, JobRequest):
+            job = with_adapter(job, adapter) if adapter is not None else job
+            check_lora(job, route, adapter)
         client = self.queue(route.queue)
         try:
             handle = await client.enqueue_request(job)

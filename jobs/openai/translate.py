@@ -102,7 +102,7 @@ def to_job_request(request: WireRequest, *, idempotency_key: str | None = None, 
         "lane": lane if request.lane is None else request.lane, "priority": request.priority,
         "deadline": request.deadline, "metadata": request.metadata,
         "idempotency_key": request.idempotency_key or idempotency_key, "tenant": tenant,
-        "logprobs": request.logprobs_k,
+        "logprobs": request.logprobs_k, "lora": request.lora,
     }
     if isinstance(request, ChatCompletionRequest):
         fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or "",
@@ -238,8 +238,10 @@ def to_response(kind: ResponseKind, result: JobResult, model: str, created: int,
     """A finished job as OpenAI's ``chat.completion``, ``text_completion`` or embeddings ``list`` object
     (``encoding_format``: the embedding request's), or a rerank job as llama-server's answer (every document,
     without its text: the job keeps scores only). ``model`` is the name asked for; the response names
-    the model that served the job when its result says (``system_fingerprint``: its GGUF's fingerprint)."""
-    model = result.model or model
+    the model that served the job when its result says (``system_fingerprint``: its GGUF's fingerprint), or
+    ``base:adapter`` as asked when ``base`` served it (a LoRA adapter of that model)."""
+    if not (result.model and model.startswith(f"{result.model}:")):
+        model = result.model or model
     if kind == "embedding":
         return to_embeddings_response(result, model, encoding_format)
     if kind == "rerank":

@@ -100,6 +100,9 @@ class _Generation(BaseModel):
     ignore_eos: StrictBool | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    lora: list[dict[str, Any]] | None = Field(
+        None, description='LoRA adapters: [{"id": 0 or "name", "scale": 0.5}] (scale: the adapter\'s configured one '
+                          "when left out); or name the model base:adapter")
     # slotq's own
     lane: str | None = Field(None, description="priority lane of the queue (SLOTQ_LANES), e.g. 'bulk'")
     priority: int | None = None
@@ -463,6 +466,10 @@ class ModelCard(BaseModel):
         "loaded", description="unloaded: no worker has it loaded; a request waits in its queue until one switches "
                               "to it (about load_s)")
     load_s: float | None = Field(None, description="what loading it cost a worker (seconds); None: not measured yet")
+    adapters: list[str] = Field(default_factory=list,
+                                description="LoRA adapters every worker loaded, in id order: ask for one as model "
+                                            "base:adapter or in the lora field")
+    parent: str | None = Field(None, description="a LoRA adapter's card (id base:adapter): its base model")
 
 
 class ModelList(BaseModel):

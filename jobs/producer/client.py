@@ -57,6 +57,7 @@ from slotq.jobs.protocol.schemas import (
     RerankJobRequest,
     StreamEntry,
     WorkerInfo,
+    ranked,
     tenant_job_id,
 )
 from slotq.jobs.protocol.serialization import deserialize, serialize
@@ -133,8 +134,8 @@ class RerankResult:
         return cls(job_id=result.id, scores=result.scores, usage=result.usage)
 
     def ranked(self, top_n: int | None = None) -> list[int]:
-        """Document indices, most relevant first (see :meth:`JobResult.ranked`)."""
-        return sorted(range(len(self.scores)), key=lambda i: -self.scores[i])[:top_n]
+        """Document indices, most relevant first (see :func:`~slotq.jobs.protocol.schemas.ranked`)."""
+        return ranked(self.scores, top_n)
 
 
 def embedding_inputs(inputs: EmbeddingInputs) -> list[Any]:

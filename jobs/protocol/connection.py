@@ -465,9 +465,9 @@ async def node_client(redis: Redis, key: str, *, fresh_map: bool = False) -> Red
     (``fresh_map``)."""
     cluster = cast(_Cluster, redis)
     if fresh_map:
-        await cluster.nodes_manager.initialize()
+        await cluster.read_slot_map()
     else:
-        await cluster.initialize()
+        await _connection_errors_retried(cluster.initialize())
     node = cluster.get_node_from_key(key)
     if node is None:        # the slot's primary failed and no replica has taken over yet
         raise RedisConnectionError(f"no primary of the cluster serves the slot of {key} now")
@@ -544,6 +544,26 @@ class _Cluster(RedisCluster):
                 if node.name not in startup:
                     startup[node.name] = ClusterNode(node.host, node.port, **self.connection_kwargs)
         return await super().initialize()
+
+    def get_default_node(self) -> ClusterNode:
+        """redis-py's default node, or a connection error while there is none: a command that failed on a
+        node drops the slot map, default node included, until the next read. A cluster pipeline whose batch
+        to one node failed meanwhile (its connections are closed with the map) looks the default node up
+        to replace it, and met None there: an AttributeError that no retry caught failed a worker's stream
+        flush, and with it its job, after a network cut. As a connection error the pipeline is retried."""
+        node = super().get_default_node()
+        if node is None:
+            raise RedisConnectionError("the cluster's slot map was dropped after a connection error")
+        return node
+
+    async def read_slot_map(self) -> None:
+        """Read the slot map again now (a node of it failed: a stream reader looks up the node that serves
+        its bucket now), as the next command would after a connection error: from the URL's nodes too, and
+        under the client's lock, so callers at once share one read. Reads side by side broke each other: a
+        read walks the startup nodes, waiting on each, and one that ends rewrites them, which failed the
+        others with "dictionary changed size during iteration". No node answering is a connection error."""
+        self._initialize = True
+        await _connection_errors_retried(self.initialize())
 
 
 class _ClusterPipeline(ClusterPipeline):

@@ -24,6 +24,9 @@ never runs it.
 A payload may name the ``model`` it is for (1.4; the gateway always does): a worker of another model
 refuses it as ``wrong_model`` (:mod:`slotq.jobs.worker.served_model`). A worker older than 1.4 ignores
 the field, so upgrade the workers before the producers that name models.
+
+A generation payload may name LoRA adapters (``lora``, 1.6). A worker older than 1.6 would ignore
+them and answer with the base model, so upgrade the workers before the producers that send them.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ from slotq.jobs.protocol.wire import ErrorInfo
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = (1, 5)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`,
+SCHEMA_VERSION = (1, 6)       # 1.1 added `lane`, 1.2 `tenant`, 1.3 `tools` and the like, `reasoning_format`,
                               # `logprobs`, and `kind` (embedding jobs: `inputs`, `truncate`), 1.4 `model`,
-                              # 1.5 the kind `rerank` (`query`, `documents`)
+                              # 1.5 the kind `rerank` (`query`, `documents`), 1.6 `lora`
 VERSION_FIELD = "schema_version"
 KIND_FIELD = "kind"
 _REQUEST_MODELS: dict[JobKind, type[AnyJobRequest]] = {JobKind.GENERATION: JobRequest,

@@ -35,7 +35,8 @@ async def beat(redis: Redis, worker: WorkerInfo, *, interval_s: float) -> None:
     beats of ``interval_s`` from now, and note the beat (``worker.updated_at``) in the index."""
     key = worker_key(worker.id)
     declared = worker.model_dump(exclude_unset=True, exclude=set(WorkerInfo.model_computed_fields))
-    fields = {name: int(value) if isinstance(value, bool) else value for name, value in declared.items()}
+    fields = {name: int(value) if isinstance(value, bool) else ",".join(value) if isinstance(value, list) else value
+              for name, value in declared.items()}      # a hash holds strings: a list of names, comma-separated
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hset(key, mapping=fields)
         pipe.expire(key, max(3, int(interval_s * 3)))

@@ -150,6 +150,12 @@ class RerankJobRequest(RerankParams, JobFields):
 AnyJobRequest = JobRequest | EmbeddingJobRequest | RerankJobRequest
 
 
+def ranked(scores: list[float], top_n: int | None = None) -> list[int]:
+    """Indices of ``scores``, highest first (ties keep their order), the first ``top_n`` of them (all when None):
+    a rerank job's documents, most relevant first."""
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
+
+
 def decode_vector(encoded: str) -> list[float]:
     """The floats of one vector of :attr:`JobResult.embeddings` (little-endian float32 in base64)."""
     packed = array("f", base64.b64decode(encoded))
@@ -222,10 +228,8 @@ class JobResult(BaseModel):
                                           "model's raw output: higher is more relevant); ranked() orders them")
 
     def ranked(self, top_n: int | None = None) -> list[int]:
-        """A rerank job's document indices, most relevant first (ties keep document order), the first
-        ``top_n`` of them (all when None)."""
-        order = sorted(range(len(self.scores)), key=lambda i: -self.scores[i])
-        return order if top_n is None else order[:top_n]
+        """A rerank job's document indices, most relevant first (see :func:`ranked`)."""
+        return ranked(self.scores, top_n)
 
     def vectors(self) -> list[list[float]]:
         """An embedding job's vectors as floats, one per input."""
@@ -312,6 +316,14 @@ class WorkerInfo(BaseModel):
     load_s: float | None = Field(None, description="what loading its model cost (engine start + warm-up, seconds); "
                                                    "None while it loads the first")
     models: int = Field(1, description="models it can load (SLOTQ_MODELS / SLOTQ_MODELS_DIR); one loaded at a time")
+    adapters: list[str] = Field(default_factory=list,
+                                description="the LoRA adapters it loaded (SLOTQ_LORA), in index order")
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _names_from_hash(cls, value: Any) -> Any:
+        """The registry's hash holds the names comma-separated (a name has no comma: LORA_NAME_PATTERN)."""
+        return [name for name in value.split(",") if name] if isinstance(value, str) else value
 
     @computed_field  # type: ignore[prop-decorator]   # pydantic's documented use on a property
     @property

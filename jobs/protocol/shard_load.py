@@ -3,8 +3,10 @@
 On a cluster, streaming spreads over every shard (each job's stream hashes by its id) while a queue's
 claim path and job records stay on the one shard that serves the queue's hash slot (docs/cluster.md).
 So what an operator needs to see is each primary's share: keys, memory, commands per second, CPU,
-clients, and which shard holds the queue. One INFO and one DBSIZE per primary, sent to the primaries
-side by side; nothing scans keys.
+clients, which shard holds the queue, and which of the stream buckets' slots each holds, with the
+keys in the slots slotq uses (the queue's and the buckets') and each shard's share of them and of
+the commands. One INFO and one DBSIZE per primary and one ``CLUSTER COUNTKEYSINSLOT`` per slot slotq
+uses (49), sent side by side; nothing scans keys.
 
 The slot ranges and the queue's shard come from the slot map the client routes by (redis-py's, read
 anew when a failover moved slots), so the shard marked as the queue's is the one its commands go to.
@@ -18,6 +20,11 @@ from typing import Any, cast
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+
+from slotq.jobs.protocol.keys import STREAM_TAGS
+
+STREAM_SLOTS = tuple(key_slot(f"{{{tag}}}".encode()) for tag in STREAM_TAGS)     # one per stream bucket
 
 
 class ShardLoad(BaseModel):
@@ -33,6 +40,16 @@ class ShardLoad(BaseModel):
         description="the share of one core the server used since the previous read (1.0: a whole core); "
                     "None on the first read of this node")
     clients: int = Field(description="connected clients")
+    ops_share: float | None = Field(
+        description="its share of the commands per second of all the primaries (None while none runs any)")
+    stream_slots: list[int] = Field(
+        description="the hash slots of the stream buckets it serves (every queue's job streams, their fences "
+                    "and the writers' flush marks; docs/cluster.md)")
+    slotq_keys: int = Field(
+        description="keys in the slots slotq uses on it: the queue's slot (on the queue's shard) and its stream "
+                    "buckets' slots (CLUSTER COUNTKEYSINSLOT)")
+    slotq_keys_share: float | None = Field(
+        description="its share of the keys in the slots slotq uses, over all primaries (None while there are none)")
     queue_slot: int | None = Field(
         description="the hash slot of the queue's keys, on the shard that serves it (its claim path and job "
                     "records); None on the other shards")
@@ -55,12 +72,27 @@ class ShardLoadReader:
         primaries, ranges = _slot_ranges(self._cluster.nodes_manager.slots_cache)
         queue_node = self._cluster.get_node_from_key(self._queue_key)
         queue_slot = self._cluster.keyslot(self._queue_key)
-        figures = await asyncio.gather(*(self._figures(node) for node in primaries))
+        stream_slots: dict[str, list[int]] = {node.name: [] for node in primaries}
+        for slot in sorted(STREAM_SLOTS):
+            if serving := self._cluster.nodes_manager.slots_cache.get(slot):       # none: a slot no node serves
+                stream_slots[serving[0].name].append(slot)
+        figures, counts = await asyncio.gather(
+            asyncio.gather(*(self._figures(node) for node in primaries)),
+            asyncio.gather(*(self._cluster.cluster_countkeysinslot(slot) for slot in (*STREAM_SLOTS, queue_slot))))
+        keys_in = dict(zip((*STREAM_SLOTS, queue_slot), map(int, counts), strict=True))
+        slotq_keys = {node.name: sum(keys_in[slot] for slot in stream_slots[node.name]) for node in primaries}
+        if queue_node is not None and queue_slot not in STREAM_SLOTS:
+            slotq_keys[queue_node.name] = slotq_keys.get(queue_node.name, 0) + keys_in[queue_slot]
+        all_ops = sum(int(info["instantaneous_ops_per_sec"]) for info, _ in figures)
+        all_keys = sum(slotq_keys.values())
         return [ShardLoad(node=node.name, slots=ranges[node.name], replicas=int(info.get("connected_slaves", 0)),
                           keys=keys, used_memory_bytes=int(info["used_memory"]),
                           ops_per_s=int(info["instantaneous_ops_per_sec"]), cpu_share=self._cpu_share(node.name, info),
                           clients=int(info["connected_clients"]),
-                          queue_slot=queue_slot if queue_node is not None and node.name == queue_node.name else None)
+                          queue_slot=queue_slot if queue_node is not None and node.name == queue_node.name else None,
+                          ops_share=int(info["instantaneous_ops_per_sec"]) / all_ops if all_ops else None,
+                          stream_slots=stream_slots[node.name], slotq_keys=slotq_keys.get(node.name, 0),
+                          slotq_keys_share=slotq_keys.get(node.name, 0) / all_keys if all_keys else None)
                 for node, (info, keys) in zip(primaries, figures, strict=True)]
 
     async def _figures(self, node: ClusterNode) -> tuple[dict[str, Any], int]:

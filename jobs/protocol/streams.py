@@ -222,18 +222,23 @@ class StreamAppender:
         self.ttl_s = ttl_s
         self.ttl_live_s = ttl_live_s or ttl_s
         self._scripts = ScriptRunner(redis)
+        # the last flush sent: its id and its calls, each a list of stream buckets (one call on a single Redis)
+        self._sent: tuple[str, list[list[int | None]]] | None = None
 
     async def append(self, flush_id: str, jobs: Sequence[JobEntries]) -> list[bool]:
         """Send one flush; per job, whether its entries were written (False: fenced off).
 
         On a cluster the buckets one node serves (by the client's slot map) go in one call,
         :class:`NodeStreamFlush` (a node with one bucket gets a plain ``STREAM_FLUSH``), the nodes' calls
-        at once. A node call its node refuses -- a bucket's slot moved or is migrating, so the script
-        stopped before writing anything -- is sent again as one call per bucket, which the cluster client
-        routes by the bucket's own slot (following MOVED and ASK); the next flush groups by the map the
-        client has refreshed by then. Every bucket keeps its own flush mark either way, so a flush re-sent
-        after a lost reply is answered from the marks however its buckets are grouped this time."""
-        nodes = self._by_node(by_bucket(self.redis, jobs, lambda job: job.job_id))
+        at once. A flush sent again (the same id: its reply was lost) goes in the same calls as the last
+        time, so each call's flush mark answers it. A node call its node refuses -- a bucket's slot moved
+        or is migrating, so the script stopped before writing anything -- may still have been applied by
+        an earlier send of the same flush: its mark says so, and is read first (the cluster client finds
+        the mark's slot wherever it is now). If it was not, its buckets go one by one, one
+        ``STREAM_FLUSH`` each, which the client routes by each bucket's own slot, following MOVED and
+        ASK, and the flush keeps that grouping if it is sent again; the next flush groups by the map the
+        client has learnt by then."""
+        nodes = self._groups(flush_id, by_bucket(self.redis, jobs, lambda job: job.job_id))
         replies = await self._scripts.run_all([self._call(flush_id, node) for node in nodes], return_refusals=True)
         answered: list[tuple[list[_Bucket], Any]] = []
         refused: list[_Bucket] = []
@@ -242,11 +247,16 @@ class StreamAppender:
                 answered.append((node, reply))
             elif len(node) == 1:
                 raise reply                    # one bucket's own call: its error is the flush's
+            elif (recorded := await self._recorded(flush_id, node)) is not None:
+                answered.append((node, recorded))
             else:
                 log.info("stream flush %s: a node refused the call for buckets %s (%s); sent bucket by bucket",
                          flush_id, [bucket for bucket, _ in node], reply)
                 refused += node
         if refused:
+            alone = {bucket for bucket, _ in refused}
+            self._sent = (flush_id, [group for group in self._sent[1] if not alone & set(group)]
+                          + [[bucket] for bucket, _ in refused]) if self._sent else None
             answers = await self._scripts.run_all([self._call(flush_id, [bucket]) for bucket in refused])
             answered += [([bucket], answer) for bucket, answer in zip(refused, answers)]
         written: dict[str, bool] = {}
@@ -254,6 +264,25 @@ class StreamAppender:
             text = answer.decode() if isinstance(answer, bytes) else answer
             written.update((job.job_id, ok == "1") for job, ok in zip((j for _, g in node for j in g), text))
         return [written[job.job_id] for job in jobs]
+
+    def _groups(self, flush_id: str, buckets: list[_Bucket]) -> list[list[_Bucket]]:
+        """The calls of a flush: as the last time for a flush sent again (its marks are where it wrote them),
+        else by node (:meth:`_by_node`)."""
+        by_number = dict(buckets)
+        if self._sent is not None and self._sent[0] == flush_id and \
+                {bucket for group in self._sent[1] for bucket in group} == set(by_number):
+            layout = self._sent[1]
+        else:
+            layout = [[bucket for bucket, _ in node] for node in self._by_node(buckets)]
+        self._sent = (flush_id, layout)
+        return [[(bucket, by_number[bucket]) for bucket in group] for group in layout]
+
+    async def _recorded(self, flush_id: str, node: list[_Bucket]) -> str | None:
+        """The answer a node call of ``flush_id`` left in its flush mark, if an earlier send applied it."""
+        mark = await self.redis.get(write_mark_key(self.writer_id, node[0][0]))
+        text = mark.decode() if isinstance(mark, bytes) else mark
+        prefix = f"{flush_id}|"
+        return text[len(prefix):] if text is not None and text.startswith(prefix) else None
 
     def _by_node(self, buckets: list[_Bucket]) -> list[list[_Bucket]]:
         """``buckets`` grouped by the node that serves their slot now, as the cluster client's slot map
@@ -289,8 +318,8 @@ class StreamAppender:
         if len(buckets) == 1:
             bucket = buckets[0][0]
             return StreamFlush(flush_mark=write_mark_key(self.writer_id, bucket), fences=fences_key(bucket), **per_job)
-        marks = [write_mark_key(self.writer_id, bucket) for bucket, _ in buckets]
-        return NodeStreamFlush(route=marks[0], flush_marks=marks, bucket_fences=[fences_key(b) for b, _ in buckets],
+        return NodeStreamFlush(flush_mark=write_mark_key(self.writer_id, buckets[0][0]),
+                               bucket_fences=[fences_key(b) for b, _ in buckets],
                                bucket_jobs=[len(group) for _, group in buckets], **per_job)
 
     async def raise_fences(self, leases: Mapping[str, str]) -> dict[str, bool]:

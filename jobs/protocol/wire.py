@@ -27,7 +27,7 @@ import json
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -36,6 +36,9 @@ MAX_TOOLS = 128                                  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20                            # OpenAI's limit on top_logprobs
 MAX_EMBEDDING_INPUTS = 2048                      # per request, as OpenAI's embeddings API allows
 MAX_RERANK_DOCUMENTS = 1000                      # per request, as Cohere's rerank API allows
+LORA_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"   # an adapter's name (SLOTQ_LORA); a model may be named base:name
+MAX_LORA_SCALE = 100.0                           # a request's adapter scale, either sign
+MAX_LORA_ADAPTERS = 16                           # per request
 
 
 # ---------------------------------------------------------------------- what streams and results report
@@ -220,6 +223,18 @@ class SamplingParams(BaseModel):
         return self
 
 
+class LoraRef(BaseModel):
+    """One adapter a job runs under, as llama-server's ``lora`` entries name it (``id``: the
+    adapter's index in the worker's list), or by its name (1.6)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[int, Field(ge=0, le=1_000)] | Annotated[str, Field(pattern=LORA_NAME_PATTERN)] = Field(
+        description="the adapter's index in SLOTQ_LORA (llama-server's id) or its name")
+    scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False,
+                                description="None: the scale SLOTQ_LORA gives the adapter (1.0 unless set); 0 = off")
+
+
 class GenerationParams(BaseModel):
     """What to generate: a prompt (raw text) or chat messages, and how: a generation job's own
     request, less the job layer's fields (:class:`~slotq.jobs.protocol.schemas.JobRequest`)."""
@@ -250,6 +265,10 @@ class GenerationParams(BaseModel):
         None, ge=0, le=MAX_TOP_LOGPROBS,
         description="None: off; k: each generated token's log probability and the k most likely tokens at its "
                     "position, from the model's raw distribution (before temperature, penalties, bias, constraints)")
+    lora: list[LoraRef] = Field(
+        default_factory=list, max_length=MAX_LORA_ADAPTERS,
+        description="LoRA adapters to run under, each by id or name with a scale; adapters not named are off "
+                    "(llama-server's lora field)")
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> GenerationParams:

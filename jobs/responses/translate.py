@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -51,6 +51,7 @@ from slotq.jobs.responses.wire import (
     ReasoningOut,
     ReasoningText,
     Response,
+    ResponseError,
     ResponsesRequest,
     ResponseUsage,
 )
@@ -274,3 +275,12 @@ def echoed(request: ResponsesRequest) -> dict[str, Any]:
             "reasoning": request.reasoning.model_dump(exclude_none=True) if request.reasoning else None,
             "metadata": request.metadata or {}, "store": request.store, "background": request.background,
             "previous_response_id": request.previous_response_id}
+
+
+def response_error(error: ApiError) -> ResponseError:
+    """A job's failure as a Response's ``error``: ``code`` one the openai SDK's type declares (the
+    request's fault, 400: ``invalid_prompt``; a quota, 429: ``rate_limit_exceeded``; any other:
+    ``server_error``), slotq's own code in ``type``, the field at fault in ``param``."""
+    code: Literal["invalid_prompt", "rate_limit_exceeded", "server_error"] = (
+        "invalid_prompt" if error.status == 400 else "rate_limit_exceeded" if error.status == 429 else "server_error")
+    return ResponseError(code=code, message=error.message, type=error.code or error.type, param=error.param)

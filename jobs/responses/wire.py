@@ -274,6 +274,9 @@ class ResponsesRequest(BaseModel):
 
 # ---------------------------------------------------------------------- the Response object
 class InputTokensDetails(BaseModel):
+    cache_write_tokens: int = Field(0, description="0, as Anthropic's cache_creation_input_tokens: slotq bills no "
+                                                   "cache writes (its prefix cache keeps a prompt's KV by itself); "
+                                                   "the openai SDK's usage type requires the field")
     cached_tokens: int = Field(description="prompt tokens whose KV slotq reused (its prefix cache)")
 
 
@@ -341,8 +344,14 @@ class IncompleteDetails(BaseModel):
 
 
 class ResponseError(BaseModel):
-    code: str
+    """Why a response failed, in the openai SDK's shape: ``code`` is one of the codes its type declares
+    (a client may match on them), slotq's own code goes in ``type`` (``prompt_too_long``,
+    ``deadline_exceeded``, ``tries_exhausted``, ...) and the field at fault in ``param``."""
+
+    code: Literal["invalid_prompt", "rate_limit_exceeded", "server_error"]
     message: str
+    type: str | None = None
+    param: str | None = None
 
 
 class Response(BaseModel):

@@ -81,9 +81,9 @@ DETERMINISTIC_TRIES = 4
 class FlushPolicy:
     """When the pending entries are worth a flush.
 
-    A flush costs Redis a fixed handful of commands per stream bucket it touches (the flush mark,
-    the fences, the call or, in a node's call, the bucket's check; a reader's read) plus one XADD per
-    entry; a single Redis has one bucket, a Redis Cluster up to
+    A flush costs Redis a fixed handful of commands per stream bucket it touches (a bucket's own call:
+    the call, the flush mark's read and write, the fences; a reader's read; a node's call for several
+    buckets costs less, docs/cluster.md) plus one XADD per entry; a single Redis has one bucket, a Redis Cluster up to
     :data:`~slotq.jobs.protocol.keys.STREAM_BUCKETS` (each node's in one script call). Sent per
     decode step, with one token per job, that is more commands than tokens. So a flush waits until
     its tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS x buckets + entries`` --
@@ -94,7 +94,7 @@ class FlushPolicy:
     """
 
     max_delay_s: float
-    FIXED_COMMANDS = 5      # per bucket: GET + SET of the flush mark, the fences, EVALSHA or EXISTS; a reader's XREAD
+    FIXED_COMMANDS = 5      # per bucket, as its own call costs: EVALSHA, the mark's GET + SET, HMGET; a reader's XREAD
 
     @classmethod
     def pays(cls, *, tokens: int, entries: int, buckets: int) -> bool:

@@ -630,6 +630,7 @@ class SlotqWorker:
         await registry.beat(self.queue.redis, WorkerInfo.model_validate({
             "id": self.id, "queue": self.queue.keys.queue, "model": advertised, "kind": self.served.kind,
             "ctx": engine.ctx_per_seq if engine is not None else 0, **fields,
+            "adapters": [spec.name for spec in engine.config.lora_adapters] if engine is not None else [],
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
             "models": len(self.offers), **({} if load_s is None else {"load_s": load_s}),

@@ -17,11 +17,14 @@ from typing import Any
 import pytest
 import redis as sync_redis
 from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
 from rich.console import Console
 
 from slotq.jobs.cli.status_view import Status, render, watch
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol.shard_load import ShardLoadReader
+from slotq.jobs.protocol.keys import STREAM_BUCKETS
+from slotq.jobs.protocol.shard_load import STREAM_SLOTS, ShardLoadReader
+from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender
 from slotq.jobs.redis_cluster import LocalValkeyCluster
 from tests.support.engine import engine_stats
 from tests.support.jobs import SLOTQ_BIN, advertise, clean_env, job_request
@@ -106,7 +109,8 @@ async def _status(*args: str, redis_url: str) -> str:
 async def test_status_on_a_cluster_shows_each_shards_load_and_marks_the_queues(cluster: LocalValkeyCluster) -> None:
     """Through the documented CLI on a real cluster (``SLOTQ_REDIS_URL=redis+cluster://...``): a row per
     primary, named by its port, with its replica and its keys; the shard of the queue's hash slot, the
-    one its claim path loads, is marked, and only it.
+    one its claim path loads, is marked, and only it; each holds 16 of the 48 stream buckets' slots,
+    and the keys in the slots slotq uses (counted here by scanning every key) and its share of them.
 
     The job is claimed, not left waiting: the ages of the jobs waiting are read with a pipelined TIME,
     which a cluster client refuses (``RedisQueue.counts``, to be made cluster-correct with that module)."""
@@ -116,22 +120,27 @@ async def test_status_on_a_cluster_shows_each_shards_load_and_marks_the_queues(c
         assert len(await client.queue.claim(1, "shard-view", 60_000)) == 1
         await advertise(client.redis, "shard-view", engine_stats())
         queue_key = client.queue.keys.jobs
+        appender = StreamAppender(client.redis, writer_id="w", maxlen=100, ttl_s=60)     # streams in many buckets
+        await appender.append("w:0", [JobEntries(f"streamed-{n}", "", TTL.LIVE, [{"k": "c"}]) for n in range(40)])
     finally:
         await client.close()
     assert queue_key == "{slotq:queue}:jobs"
     primaries = [node.port for node in cluster.nodes() if node.role == "primary"]
     with RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port) for port in primaries]) as plain:
         queue_port, queue_slot = plain.get_node_from_key(queue_key).port, plain.keyslot(queue_key)
-    keys = {}
+    keys, slotq_keys = {}, {}
+    slotq_slots = {*STREAM_SLOTS, queue_slot}
     for port in primaries:
         with sync_redis.Redis(port=port) as node:
             keys[port] = node.dbsize()
+            slotq_keys[port] = sum(key_slot(key) in slotq_slots for key in node.scan_iter(count=1000))
 
     rows = {int(match[1]): line for line in (await _status(redis_url=cluster.url)).splitlines()
             if (match := re.search(r"127\.0\.0\.1:(\d+)", line))}
     assert set(rows) == set(primaries), rows
     for port, line in rows.items():
         assert ("◀ slot" in line) == (port == queue_port), line
+        assert f"16/{STREAM_BUCKETS}" in line, line
     assert f"◀ slot {queue_slot}" in rows[queue_port]
 
     shown = json.loads(await _status("--json", redis_url=cluster.url))
@@ -142,6 +151,14 @@ async def test_status_on_a_cluster_shows_each_shards_load_and_marks_the_queues(c
     assert {port: shard["replicas"] for port, shard in shards.items()} == dict.fromkeys(primaries, 1)
     assert {port: shard["queue_slot"] for port, shard in shards.items() if shard["queue_slot"] is not None} == \
         {queue_port: queue_slot}
+    assert {port: len(shard["stream_slots"]) for port, shard in shards.items()} == dict.fromkeys(primaries, 16)
+    assert sorted(slot for shard in shards.values() for slot in shard["stream_slots"]) == sorted(STREAM_SLOTS)
+    for shard in shards.values():
+        assert all(any(first <= slot <= last for first, last in shard["slots"]) for slot in shard["stream_slots"])
+    assert {port: shard["slotq_keys"] for port, shard in shards.items()} == slotq_keys
+    assert sum(shard["slotq_keys_share"] for shard in shards.values()) == pytest.approx(1)
+    ops_shares = [shard["ops_share"] for shard in shards.values()]
+    assert ops_shares == [None] * 3 or sum(ops_shares) == pytest.approx(1), ops_shares
     ranges = sorted((first, last) for shard in shards.values() for first, last in shard["slots"])
     assert [first for first, _ in ranges] == [0] + [last + 1 for _, last in ranges[:-1]] and ranges[-1][1] == 16383
 

@@ -5,3 +5,4 @@ Fixtures from tests/conftest.py (the tiny model, a session Valkey, clients, in-p
 apply here too."""
 
 from tests.support.faults import fault_backend, fclient, fsync_redis  # noqa: F401  (fixtures of this folder)
+from tests.support.proxied_cluster import proxied_cluster  # noqa: F401

@@ -1,18 +1,24 @@
 """The chaos run, bounded: every fault slotq promises to survive, against one stream of jobs, with
 consumers that follow each job exactly as the README shows (``async for e in handle.stream()``).
 
-Real processes throughout: three ``slotq worker`` subprocesses (tiny model, 4 slots, 3 s lease)
-reach a Valkey server (AOF, every write fsynced) through a TCP proxy; the producer and its
-followers talk to Valkey directly. While 150 jobs (ignore_eos, 40-250 tokens, 16 outstanding at
+It runs on two backends. ``single``: three ``slotq worker`` subprocesses (tiny model, 4 slots, 3 s
+lease) reach a Valkey server (AOF, every write fsynced) through a TCP proxy; the producer and its
+followers talk to Valkey directly. ``cluster``: the same workers on a Valkey Cluster of 3 primaries
+with a replica each (tests/support/proxied_cluster.py), every node behind a TCP proxy whose port it
+announces, so the workers, and the producer and its followers too (they read the same slot map),
+reach every node through a proxy. While 150 jobs (ignore_eos, 40-250 tokens, 16 outstanding at
 any time) run, a seeded schedule applies, in random order, one fault each time another eleventh of
 the jobs has been enqueued (so each finds jobs running):
 
 * eight kill -9 of a serving worker, each replaced at once, as a supervisor would;
 * one SIGSTOP longer than the lease, then SIGCONT (the frozen worker's jobs move on; its late
   writes must be refused);
-* one kill -9 of Valkey and a restart on the same data directory (it replays its AOF);
-* one network cut between the workers and Valkey: nothing passes for 1.5 s, then every connection
-  drops.
+* ``single``: one kill -9 of Valkey and a restart on the same data directory (it replays its AOF);
+  ``cluster``: one kill -9 of the primary that holds the queue's slot, and its replica promoted
+  (both once every worker is held still for a moment, as in the other Valkey kills of the fault
+  tests: a write in flight at a crash is tested on its own, and replication is asynchronous);
+* one network cut between the workers and Valkey (on a cluster: between every client and every
+  node, at once): nothing passes for 1.5 s, then every connection drops.
 
 Asserted: no job lost or failed; every follower ended with its job's final entry, and what it was
 given is exactly what the stream holds (nothing duplicated, nothing missing); stream text ==
@@ -26,14 +32,19 @@ import asyncio
 import random
 import signal
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus, StreamEntry
+from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.worker.worker import EXIT_MARGIN_S
 from tests.support.faults import LOCK_TTL_S, Fleet, LatencyProxy, check_job, report, worker_env
-from tests.support.jobs import job_request, raw_entries
+from tests.support.jobs import job_request, raw_entries, settings_for
+from tests.support.proxied_cluster import ProxiedCluster
 
 pytestmark = pytest.mark.fault
 
@@ -49,19 +60,60 @@ DRAIN_GRACE_S = 5
 EXIT_BOUND_S = DRAIN_GRACE_S + EXIT_MARGIN_S
 
 
-async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(fclient: SlotqClient, fsync_redis,
-                                                                           tiny_model_path, tmp_path) -> None:
-    client = fclient
-    rng = random.Random(SEED)
-    proxy = LatencyProxy(fsync_redis.port)
+@dataclass
+class ChaosValkey:
+    """Where a backend's Valkey is for the run, and how its own two faults are applied."""
+
+    backend: str
+    producer_url: str                             # the producer and its followers
+    worker_url: str                               # through the proxies that :attr:`cut` cuts
+    outage: str                                   # the Valkey fault's name in the schedule
+    fail: Callable[[Fleet, SlotqClient, random.Random], Awaitable[None]]
+    cut: Callable[[float], Awaitable[int]]        # a network cut held that long; the connections dropped
+
+
+@pytest.fixture(params=["single", "cluster"])
+async def chaos_valkey(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ChaosValkey]:
+    if request.param == "cluster":
+        cluster = ProxiedCluster(tmp_path / "cluster")
+        try:
+            await cluster.start()
+
+            async def fail_over(fleet: Fleet, client: SlotqClient, rng: random.Random) -> None:
+                await cluster.fail_over_quietly(fleet, cluster.queue_primary(client))
+
+            yield ChaosValkey("cluster", cluster.url, cluster.url, "primary_failover", fail_over, cluster.cut)
+        finally:
+            await cluster.close()
+        return
+    server: EmbeddedRedis = request.getfixturevalue("fsync_redis")
+    proxy = LatencyProxy(server.port or 0)
     await proxy.start()
+
+    async def restart(fleet: Fleet, client: SlotqClient, rng: random.Random) -> None:
+        await fleet.kill_redis_quietly(server)
+        await asyncio.sleep(rng.uniform(0.3, 1.0))
+        await asyncio.to_thread(server.restart)
+
+    try:
+        yield ChaosValkey("single", server.url, proxy.url, "redis_restart", restart, proxy.cut)
+    finally:
+        await proxy.close()
+
+
+async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(chaos_valkey: ChaosValkey,
+                                                                           tiny_model_path: Path,
+                                                                           tmp_path: Path) -> None:
+    valkey = chaos_valkey
+    client = await SlotqClient.connect(valkey.producer_url, settings_for(valkey.producer_url))
+    rng = random.Random(SEED)
     # max_worker_deaths 5 (max_tries' default): random kills may catch a job before its first token
     # twice in a row, which would dead-letter it as killed_its_worker; that quarantine is not under test
-    fleet = Fleet(client, worker_env(proxy.url, tiny_model_path, slots=4, ctx=1024, drain_grace_s=DRAIN_GRACE_S,
+    fleet = Fleet(client, worker_env(valkey.worker_url, tiny_model_path, slots=4, ctx=1024, drain_grace_s=DRAIN_GRACE_S,
                                      max_worker_deaths=5), tmp_path)
     names = [fleet.spawn().name for _ in range(WORKERS)]
     requests = [job_request(f"chaos {i}", max_tokens=rng.randint(MIN_TOKENS, MAX_TOKENS)) for i in range(JOBS)]
-    faults = ["kill"] * KILLS + ["sigstop", "redis_restart", "network_cut"]
+    faults = ["kill"] * KILLS + ["sigstop", valkey.outage, "network_cut"]
     rng.shuffle(faults)
     applied: list[tuple[str, int]] = []           # (fault, jobs outstanding when it hit)
     outstanding: set[str] = set()
@@ -122,12 +174,10 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(fclien
                     fleet.pause(victim)
                     await asyncio.sleep(STOP_S)
                     fleet.resume(victim)
-                elif fault == "redis_restart":
-                    await fleet.kill_redis_quietly(fsync_redis)
-                    await asyncio.sleep(rng.uniform(0.3, 1.0))
-                    await asyncio.to_thread(fsync_redis.restart)
+                elif fault == valkey.outage:
+                    await valkey.fail(fleet, client, rng)
                 else:
-                    await proxy.cut(CUT_HOLD_S)
+                    assert await valkey.cut(CUT_HOLD_S) > 0
                 applied.append((fault, running))
                 fault_done[milestone].set()
 
@@ -153,6 +203,9 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(fclien
         assert info.queued == info.running == info.deferred == 0, info
         assert info.dead_letters == 0
         retried = sum(r.attempts > 1 for _, r in outcomes)
+        # the exit bound is a serving worker's: one SIGTERMed while it still starts (the last kill's
+        # replacement, when the run ends soon after) dies of the signal before its handlers are set
+        await fleet.wait_ready(*fleet.alive())
     finally:
         async def timed_stop(name: str) -> None:
             proc = fleet.procs[name]
@@ -163,8 +216,8 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(fclien
 
         await asyncio.gather(*(timed_stop(name) for name in fleet.procs))     # SIGTERM all at once
         fleet.procs.clear()
-        await proxy.close()
+        await client.close()
     slow = {n: e for n, e in exits.items() if e[0] != 0 or e[1] > EXIT_BOUND_S}
     assert not slow, (slow, fleet.logs())
-    report(f"CHAOS jobs={JOBS} faults={[f for f, _ in applied]} retried={retried} lost=0 duplicated=0 "
-           f"ended_early=0 wall_s={wall:.1f} slowest_exit_s={max(e[1] for e in exits.values()):.1f}")
+    report(f"CHAOS backend={valkey.backend} jobs={JOBS} faults={[f for f, _ in applied]} retried={retried} lost=0 "
+           f"duplicated=0 ended_early=0 wall_s={wall:.1f} slowest_exit_s={max(e[1] for e in exits.values()):.1f}")

@@ -42,5 +42,8 @@ def test_a_request_for_an_unloaded_model_is_served_by_a_switch(tmp_path: Path, t
         assert reply.choices[0].message.content
         back = sdk.chat.completions.create(model="first", messages=messages, max_tokens=4)    # type: ignore[arg-type]
         assert back.model == "first" and back.system_fingerprint == gguf_fingerprint(tiny_model_path)
-        loaded = sdk.models.retrieve("first").model_extra or {}
+        deadline = time.monotonic() + 30        # the gateway's routes follow heartbeats (a beat, a cache's ttl)
+        while (loaded := sdk.models.retrieve("first").model_extra or {})["status"] != "loaded" \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert loaded["status"] == "loaded" and loaded["load_s"] > 0

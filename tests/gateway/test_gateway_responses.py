@@ -14,13 +14,18 @@ import json
 import os
 import signal
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
+from openai.types.responses import Response as SdkResponse
+from openai.types.responses import ResponseStreamEvent
 
 from tests.support.gateway import Event, Stack, sse_events
 from tests.support.tiny_model import CHATML_TEMPLATE, TINY_SCALE, TINY_SEED, write_tiny_llama
@@ -190,6 +195,35 @@ def test_a_streamed_reasoning_item(client: openai.OpenAI) -> None:
     assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens == 10
 
 
+def _sdk_event_types() -> dict[str, type[pydantic.BaseModel]]:
+    """The SDK's stream event types by their ``type`` tag (the SDK tags the union with a marker of its
+    own, which pydantic does not read)."""
+    union = typing.get_args(ResponseStreamEvent)[0]
+    return {typing.get_args(member.model_fields["type"].annotation)[0]: member for member in typing.get_args(union)}
+
+
+@pytest.mark.parametrize(("model", "body"), [
+    (MODEL, {"input": "Hello", "max_output_tokens": 12}),
+    (MODEL, {"input": ASK, "tools": TOOLS, "tool_choice": "required", "max_output_tokens": 200}),
+    (THINKER, {"input": ASK, "max_output_tokens": 10}),
+], ids=["text", "function-call", "reasoning"])
+def test_the_response_and_every_event_validate_against_the_sdks_types(stack: Stack, model: str,
+                                                                       body: dict[str, Any]) -> None:
+    """The SDK builds its objects without validating them: a field its types require that the gateway
+    leaves out (``usage.input_tokens_details.cache_write_tokens`` did) reads None where the client's
+    type checker promised an int, so the wire is validated here against the SDK's own pydantic types."""
+    body = {"model": model, "temperature": 0, **body}
+    whole = httpx.post(f"{stack.url}/v1/responses", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    SdkResponse.model_validate(whole.json())
+    event_types = _sdk_event_types()
+    with httpx.stream("POST", f"{stack.url}/v1/responses", json=body | {"stream": True}, timeout=60) as streamed:
+        events = [e.json() for e in sse_events(streamed.iter_lines()) if isinstance(e, Event)]
+    assert events and events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1:]
+    for event in events:
+        event_types[event["type"]].model_validate(event)
+
+
 def test_a_stream_refused_at_once_is_an_http_error(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.responses.create(model=MODEL, input=ASK, max_output_tokens=10**7, stream=True)
@@ -313,7 +347,7 @@ def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
                                       text={"format": {"type": "json_schema", "name": "story",
                                                        "schema": LONGER_STORY}})
     cancelled = client.responses.cancel(created.id)
-    assert cancelled.status == "cancelled" and cancelled.error is not None, cancelled
+    assert cancelled.status == "cancelled" and cancelled.error is None, cancelled     # a cancel is no failure
     assert client.responses.retrieve(created.id).status == "cancelled"
     foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError):
@@ -321,6 +355,18 @@ def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as unstored:
         client.responses.create(model=MODEL, input="Hi", background=True, store=False)
     assert unstored.value.param == "background"
+
+
+def test_a_failed_response_names_an_sdk_error_code_and_slotqs_own(stack: Stack, client: openai.OpenAI) -> None:
+    """A job that fails (a prompt past the worker's context, found only by its tokenizer) is a Response
+    ``failed``: ``error.code`` one of the codes the SDK's type declares, slotq's own code in ``type``,
+    the field in ``param`` (a failed stream's ``response.failed``: tests/gateway/test_responses_translation.py)."""
+    created = client.responses.create(model=MODEL, input="a" * 5000, background=True, max_output_tokens=8)
+    failed = finished_response(client, created.id)
+    assert failed.status == "failed" and failed.error is not None, failed
+    error = failed.error
+    assert (error.code, error.type, error.param) == ("invalid_prompt", "prompt_too_long", "input"), error
+    SdkResponse.model_validate(httpx.get(f"{stack.url}/v1/responses/{created.id}", timeout=30).json())
 
 
 def test_an_idempotency_key_gives_the_same_background_response(client: openai.OpenAI) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.types.responses import ResponseFailedEvent
 from pydantic import ValidationError
 
 from slotq.jobs.gateway.response_events import ResponseEventRenderer
@@ -148,7 +149,8 @@ def test_a_result_is_a_response_with_items_usage_and_echoed_settings():
     assert response["output"][2] | {"id": None} == {"type": "function_call", "id": None, "call_id": "call_a",
                                                     "name": "get_weather", "arguments": '{"city": "Paris"}',
                                                     "status": "completed"}
-    assert response["usage"] == {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4},
+    assert response["usage"] == {"input_tokens": 10,
+                                 "input_tokens_details": {"cache_write_tokens": 0, "cached_tokens": 4},
                                  "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 3},
                                  "total_tokens": 15}
     assert response["instructions"] == "Be brief." and response["tools"][0]["name"] == "get_weather"
@@ -238,7 +240,11 @@ def test_a_cut_reply_is_incomplete_and_a_failed_job_is_response_failed():
         entry(1, text="Once"),
         entry(2, EntryKind.ERROR, final=True, error=ErrorInfo(code="engine_error", message="boom", retryable=False))])
     assert failed[-1]["type"] == "response.failed" and failed[-1]["response"]["status"] == "failed"
-    assert failed[-1]["response"]["error"]["code"] == "engine_error"
+    # the SDK's ResponseError declares its codes: ours, a worker's fault, is a server_error of type engine_error
+    assert failed[-1]["response"]["error"] == {"code": "server_error", "message": "job j1 failed: boom",
+                                               "type": "engine_error", "param": None}
+    ResponseFailedEvent.model_validate(failed[-1])
     cancelled = rendered(ResponseEventRenderer(shell()), [
         entry(1, EntryKind.DONE, finish_reason=FinishReason.CANCELLED, final=True)])
-    assert cancelled[-1]["response"]["error"]["code"] == "job_cancelled"
+    assert cancelled[-1]["response"]["error"]["type"] == "job_cancelled"
+    ResponseFailedEvent.model_validate(cancelled[-1])

@@ -8,6 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from slotq.jobs.protocol.connection import connect
+from tests.support.proxied_cluster import proxied_cluster  # noqa: F401  (a fixture of this folder)
 
 
 @pytest.fixture

@@ -6,20 +6,30 @@ through :func:`subscriber`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import RedisClusterException, RedisError
 
 from slotq.jobs.errors import RedisUnavailable
-from slotq.jobs.protocol.connection import connect, is_cluster, parse_cluster_url, redacted, redis_settings, subscriber
+from slotq.jobs.protocol.connection import (
+    connect,
+    is_cluster,
+    node_client,
+    parse_cluster_url,
+    redacted,
+    redis_settings,
+    subscriber,
+)
 from slotq.jobs.redis_cluster import HASH_SLOTS, LocalValkeyCluster, distinct_free_ports
+from tests.support.proxied_cluster import ProxiedCluster
 from tests.support.redis_ha import TlsProxy, make_ca_and_server_cert
 
 SHARDS = 3
@@ -228,5 +238,64 @@ async def test_a_worker_waits_out_a_primarys_failover(cluster_with_replicas: Loc
             assert await pipe.execute() == [1, 2, 1]
         await asyncio.to_thread(cluster_with_replicas.wait_for_failover)
         assert [node.role for node in cluster_with_replicas.nodes()].count("primary") == SHARDS
+    finally:
+        await redis.aclose()
+
+
+async def test_readers_of_several_streams_look_up_their_new_primary_at_once(
+        cluster_with_replicas: LocalValkeyCluster) -> None:
+    """After a primary's failover, the stream readers of its slots each read the slot map again
+    (``node_client(fresh_map=True)``), at once, while a command meets the dead node. Each read walks
+    the client's startup nodes, the dead one first. They used to read it side by side, outside the
+    client's lock: the first to finish removed the dead node from the startup nodes while the others
+    were still walking them, and redis-py 5 raised "dictionary changed size during iteration" out of
+    their followers (the chaos run on a cluster, test_chaos.py, ended streams that way). Now they
+    share one read under the lock, and every lookup finds the promoted replica."""
+    redis: Redis = await connect(cluster_with_replicas.url, patient=False, connect_timeout_s=10)
+    try:
+        keys = key_per_shard(cluster_with_replicas, "lookup")
+        await redis.set(keys[0], "kept")                             # the map, with shard 0's primary first
+        killed = cluster_with_replicas.kill_primary(0)
+        await asyncio.to_thread(cluster_with_replicas.wait_for_failover)
+        clients = await asyncio.gather(*(node_client(redis, keys[0], fresh_map=True) for _ in range(8)),
+                                       redis.get(keys[0]))
+        assert clients[-1] == b"kept"
+        for client in clients[:-1]:
+            assert client.connection_pool.connection_kwargs["port"] != killed
+            assert await client.get(keys[0]) == b"kept"
+            await client.aclose()
+    finally:
+        await redis.aclose()
+
+
+async def test_a_pipeline_whose_node_fails_while_another_command_fails_is_retried(
+        proxied_cluster: ProxiedCluster) -> None:
+    """A command that fails on one node makes redis-py drop the client's slot map (and with it the
+    default node) and close every connection, also those a pipeline waits on. That pipeline's batch
+    to another node then fails too, and redis-py's pipeline, looking up the default node to replace it,
+    raised AttributeError ('NoneType' object has no attribute 'name'), which no retry catches: in the
+    chaos run on a cluster a worker's stream flush failed its job that way after a network cut. Now
+    it is a connection error, and the pipeline is sent again once the map is read anew."""
+    redis: Redis = await connect(proxied_cluster.url, patient=False, connect_timeout_s=10)
+    cluster = cast(RedisCluster, redis)
+    first, second, third = proxied_cluster.proxies[:3]
+
+    def key_on(proxy: Any) -> str:
+        return next(key for tag in range(200)
+                    if int(cluster.get_node_from_key(key := f"dropped:{{t{tag}}}").port) == proxy.port)
+
+    try:
+        await redis.ping()
+        held = [asyncio.create_task(first.cut(1.0)), asyncio.create_task(third.cut(0.3))]
+        pipe = redis.pipeline(transaction=False)
+        pipe.set(key_on(first), "a")
+        pipe.set(key_on(second), "b")
+        flushed = asyncio.create_task(pipe.execute(raise_on_error=False))    # its first node holds it
+        await asyncio.sleep(0.05)
+        with contextlib.suppress(RedisError):
+            await RedisCluster.execute_command(cluster, "GET", key_on(third))    # fails at 0.3 s: map dropped
+        assert await flushed == [True, True]
+        await asyncio.gather(*held)
+        assert await redis.get(key_on(first)) == b"a"
     finally:
         await redis.aclose()

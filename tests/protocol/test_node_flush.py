@@ -140,17 +140,22 @@ async def test_a_node_call_is_fenced_per_job_as_a_bucket_call_is(redis: Redis) -
 async def test_a_moved_bucket_makes_its_node_refuse_whole_and_the_buckets_go_one_by_one(
         cluster: LocalValkeyCluster, redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
     """The client's slot map still gives bucket b to node A after b's slot moved to B: A's node call,
-    which carries b, is refused before anything is written (no entry of A's other buckets twice), and the
-    per-bucket calls reach b on B through MOVED. The next flush groups by the map the client has learnt."""
+    which carries b, is refused before anything is written. The same flush sent again (its reply lost
+    before the move) is answered from the call's flush mark, not written twice; a new one goes bucket by
+    bucket (no entry of A's other buckets twice), reaching b on B through MOVED. The next flush groups by
+    the map the client has learnt."""
     ids = one_job_per_bucket()
     appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
-    assert await appender.append("w:0", [JobEntries(j, "", TTL.LIVE, [chunk("a")]) for j in ids]) == [True] * len(ids)
+    first = [JobEntries(j, "", TTL.LIVE, [chunk("a")]) for j in ids]
+    assert await appender.append("w:0", first) == [True] * len(ids)
     moved = next(b for b in range(1, STREAM_BUCKETS) if node_of(redis, b) == node_of(redis, 0))
     target = next(node.port for node in cluster.nodes() if node.port != node_of(redis, moved))
     slot = key_slot(STREAM_TAGS[moved].encode())
     owner = move_slot(cluster, slot, target)
     try:
         assert node_of(redis, moved) != target, "the client has not learnt of the move yet"
+        assert await appender.append("w:0", first) == [True] * len(ids)          # re-sent: answered, not written
+        assert "sent bucket by bucket" not in caplog.text
         with caplog.at_level(logging.INFO, logger="slotq.jobs.protocol.streams"):
             assert await appender.append("w:1", [JobEntries(j, "", TTL.KEEP, [chunk("b")]) for j in ids]) == \
                 [True] * len(ids)
@@ -160,6 +165,24 @@ async def test_a_moved_bucket_makes_its_node_refuse_whole_and_the_buckets_go_one
             [True] * len(ids)
         for job_id in ids:
             assert [e.text for e in await read_all(redis, job_id)] == ["a", "b", "c"]
+    finally:
+        move_slot(cluster, slot, owner)
+
+
+async def test_a_flush_resent_after_its_first_buckets_slot_moved_is_answered_from_the_mark(
+        cluster: LocalValkeyCluster, redis: Redis) -> None:
+    """The node call's flush mark lives in its first bucket's slot and moves with it: the call sent again
+    follows MOVED to the slot's new node, which answers from the mark before touching anything else."""
+    ids = one_job_per_bucket()
+    appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
+    flush = [JobEntries(j, "", TTL.LIVE, [chunk("a")]) for j in ids]
+    assert await appender.append("w:0", flush) == [True] * len(ids)
+    slot = key_slot(STREAM_TAGS[0].encode())
+    owner = move_slot(cluster, slot, next(node.port for node in cluster.nodes() if node.port != node_of(redis, 0)))
+    try:
+        assert await appender.append("w:0", flush) == [True] * len(ids)
+        for job_id in ids:
+            assert [e.text for e in await read_all(redis, job_id)] == ["a"]
     finally:
         move_slot(cluster, slot, owner)
 
@@ -202,7 +225,7 @@ def test_the_buckets_fall_evenly_on_equal_slot_ranges(primaries: int) -> None:
 
 
 def test_the_node_script_declares_one_key_and_carries_the_flag() -> None:
-    call = NodeStreamFlush(route="m1", flush_marks=["m1", "m2"], bucket_fences=["f1", "f2"], bucket_jobs=[1, 1],
+    call = NodeStreamFlush(flush_mark="m1", bucket_fences=["f1", "f2"], bucket_jobs=[1, 1],
                            streams=["s1", "s2"], flush_id="x", maxlen=10, live_ttl_s=1, final_ttl_s=2,
                            job_ids=["a", "b"], leases=["", ""], ttls=[0, 0], entry_counts=[0, 0], entries=[])
     assert call.keys() == ["m1"]

@@ -15,6 +15,7 @@ import ssl as ssl_module
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,12 +151,19 @@ class Fleet:
         """SIGKILL Redis while every worker is held (SIGSTOP) for a moment, so no write is in flight:
         a write whose reply the crash swallows is tested on its own, deterministically, with
         :class:`FaultyProxy` (test_faults_redis.py); here the outage itself is under test."""
+        async with self.held():
+            server.kill()
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Every running worker held still (SIGSTOP) for the block, which starts once Redis has had
+        0.1 s to answer whatever they had already sent."""
         held = self.alive()
         for name in held:
             self.pause(name)
         try:
-            await asyncio.sleep(0.1)            # Redis answers whatever was already sent
-            server.kill()
+            await asyncio.sleep(0.1)
+            yield
         finally:
             for name in held:
                 self.resume(name)

@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotq.engine.lora import AdapterSet
 from slotq.engine.memory_ops import apply_admissions, apply_forks
 from slotq.engine.scheduler import KVFullAction, Scheduler, SchedulerConfig, SchedulerOutput
 from slotq.engine.sequence import SeqState, Sequence
@@ -21,12 +22,13 @@ _ids = itertools.count()
 
 
 def make_seq(tokens: list[int] | int, max_new: int = 8, *, priority: int = 0, priority_class: int = 0,
-             lent_reserve: bool = False, request_id: str | None = None, fork_of: Sequence | None = None) -> Sequence:
+             lent_reserve: bool = False, request_id: str | None = None, fork_of: Sequence | None = None,
+             adapters: AdapterSet = ()) -> Sequence:
     if isinstance(tokens, int):
         tokens = [100_000 * (1 + next(_ids)) + i for i in range(tokens)]   # distinct per sequence
     return Sequence(request_id=request_id or f"r{next(_ids)}", tokens=list(tokens), n_prompt=len(tokens),
                     max_new_tokens=max_new, priority=priority, priority_class=priority_class,
-                    lent_reserve=lent_reserve, fork_of=fork_of)
+                    lent_reserve=lent_reserve, fork_of=fork_of, adapters=adapters)
 
 
 def config(**kw: Any) -> SchedulerConfig:

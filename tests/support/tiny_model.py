@@ -7,6 +7,8 @@ argmax has clear margins and does not flip between batch shapes.
 :func:`write_draft_model` writes a random llama of the same recipe that carries another GGUF's
 vocabulary (the bundled model's by default): a draft model (SLOTQ_DRAFT_MODEL) for tests and
 ``slotq bench spec`` (bench/overhead_bench.py's ``write_draft_model`` loads this file by path).
+
+:func:`write_lora` writes a LoRA adapter GGUF for a llama GGUF (this recipe's or the bundled model): SLOTQ_LORA.
 """
 
 from __future__ import annotations
@@ -120,6 +122,35 @@ def write_draft_model(path: Path, *, vocabulary_of: Path | None = None, seed: in
     w.add_vocab_size(n_vocab)
     _write_random_tensors(w, n_vocab=n_vocab, seed=seed, scale=scale, n_embd=n_embd, n_layer=n_layer, quant=None,
                           tied_output=True, loud_rows_from=n_source)
+    return path
+
+
+LORA_TARGETS = ("attn_q", "attn_v", "ffn_up", "ffn_down")      # the matrices the test adapters change
+
+
+def write_lora(path: Path, base_model: Path, *, seed: int = 7, rank: int = 4, alpha: float = 4.0, scale: float = 1.0,
+               targets: tuple[str, ...] = LORA_TARGETS) -> Path:
+    """A LoRA adapter GGUF for the llama ``base_model`` (the tiny model, or the bundled one for
+    ``slotq bench lora``), as llama.cpp's ``convert_lora_to_gguf.py`` writes one: ``general.type``
+    adapter, ``adapter.type`` lora, ``adapter.lora.alpha``, and for each adapted weight ``W`` of
+    ``targets`` in every layer (numpy shape out x in) a pair ``<W>.lora_a`` (rank x in) and
+    ``<W>.lora_b`` (out x rank), so ``W' = W + scale x alpha / rank x B A``. Seeded random pairs
+    at ``scale`` (the default changes the tiny model's greedy tokens within a few steps)."""
+    rng = np.random.default_rng(seed)
+    suffixes = tuple(f".{target}.weight" for target in targets)
+    shapes = {t.name: (int(t.shape[1]), int(t.shape[0]))                # GGUF lists ne (in, out): numpy's reversed
+              for t in gguf.GGUFReader(str(base_model)).tensors if t.name.endswith(suffixes)}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for name, (rows, cols) in shapes.items():
+        w.add_tensor(f"{name}.lora_a", (rng.standard_normal((rank, cols)) * scale).astype(np.float32))
+        w.add_tensor(f"{name}.lora_b", (rng.standard_normal((rows, rank)) * scale).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path
 
 

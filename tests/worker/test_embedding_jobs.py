@@ -15,7 +15,7 @@ from slotq.engine.request import EmbeddingRequest
 from slotq.jobs.errors import JobFailed, JobRejected
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.producer.sync_client import SyncSlotqClient
-from slotq.jobs.protocol.payload import decode_payload, encode_payload
+from slotq.jobs.protocol.payload import SCHEMA_VERSION, decode_payload, encode_payload
 from slotq.jobs.protocol.schemas import EmbeddingJobRequest, EntryKind, JobKind, JobRequest, JobStatus
 from tests.support.jobs import collect_stream, job_request, settings_for
 from tests.support.tiny_model import write_tiny_llama
@@ -26,7 +26,7 @@ TEXTS = ["the cat sat on the mat", "hello world", "queues and slots"]
 def test_payloads_name_their_kind() -> None:
     embedding = EmbeddingJobRequest(inputs=TEXTS, truncate=True, lane="bulk")
     payload = encode_payload(embedding)
-    assert payload["kind"] == "embedding" and payload["schema_version"] == "1.5"
+    assert payload["kind"] == "embedding" and payload["schema_version"] == "{}.{}".format(*SCHEMA_VERSION)
     assert decode_payload(payload).request == embedding
     generation = encode_payload(JobRequest(prompt="hi"))
     assert "kind" not in generation                           # a generation payload reads as before

@@ -14,7 +14,7 @@ from slotq.engine.request import RerankRequest
 from slotq.engine.rerank import RerankEngine
 from slotq.jobs.errors import JobFailed, JobRejected
 from slotq.jobs.producer.client import SlotqClient
-from slotq.jobs.protocol.payload import decode_payload, encode_payload
+from slotq.jobs.protocol.payload import SCHEMA_VERSION, decode_payload, encode_payload
 from slotq.jobs.protocol.schemas import JobKind, JobStatus, RerankJobRequest
 from tests.support.jobs import settings_for
 
@@ -26,7 +26,8 @@ EXACT = {"flash_attention": "off"}      # a pair then scores the same in any bat
 def test_payloads_name_the_rerank_kind() -> None:
     job = RerankJobRequest(query=QUERY, documents=DOCUMENTS, lane="bulk")
     payload = encode_payload(job)
-    assert payload["kind"] == "rerank" and payload["schema_version"] == "1.5"
+    assert payload["kind"] == "rerank" and payload["schema_version"] == "{}.{}".format(*SCHEMA_VERSION)
+    assert SCHEMA_VERSION >= (1, 5)                                 # the version that added the kind
     assert decode_payload(payload).request == job
     empty = decode_payload({**payload, "documents": []})
     assert empty.error is not None and "documents" in empty.error.message

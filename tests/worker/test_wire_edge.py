@@ -59,11 +59,13 @@ PAIRS: list[tuple[type[Any], type[Any]]] = [
     (wire.FunctionName, engine_request.FunctionName),
     (wire.NamedToolChoice, engine_request.NamedToolChoice),
     (wire.SamplingParams, engine_request.SamplingParams),
+    (wire.LoraRef, engine_request.LoraRef),
     (wire.GenerationParams, engine_request.GenerationParams),
     (wire.EmbeddingParams, engine_request.EmbeddingParams),
     (wire.RerankParams, engine_request.RerankParams),
 ]
-CONSTANTS = ["TOOL_NAME_PATTERN", "MAX_TOOLS", "MAX_TOP_LOGPROBS", "MAX_EMBEDDING_INPUTS", "MAX_RERANK_DOCUMENTS"]
+CONSTANTS = ["TOOL_NAME_PATTERN", "MAX_TOOLS", "MAX_TOP_LOGPROBS", "MAX_EMBEDDING_INPUTS", "MAX_RERANK_DOCUMENTS",
+             "LORA_NAME_PATTERN", "MAX_LORA_SCALE", "MAX_LORA_ADAPTERS"]
 
 
 # ---------------------------------------------------------------------- the two statements agree

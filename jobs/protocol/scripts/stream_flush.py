@@ -63,22 +63,13 @@ return table.concat(out)
 """
 
 
-FLUSH_BUCKET = """
--- Appends the entries of jobs ``first``..``last`` of a flush, all of one stream bucket (their streams, the
--- fences hash ``fence_hash`` and the writer's flush mark ``mark`` share one slot), each job fenced by its
--- lease. ``flush``: id, maxlen, live_ttl_s, final_ttl_s; ``jobs``: streams, ids, leases, ttls,
--- entry_counts, entries (flat, job after job: n, then n field names and values), ``at`` where job
--- ``first``'s entries start there. Returns the bucket's answer ('1'/'0' per job) and where the next
--- job's entries start. A flush id the mark holds already is answered from it, nothing written.
-local function flush_bucket(mark, fence_hash, flush, jobs, first, last, at)
-  local prefix = flush.id .. '|'
-  local recorded = redis.call('GET', mark)
-  if recorded and string.sub(recorded, 1, #prefix) == prefix then
-    for job = first, last do
-      for _ = 1, jobs.entry_counts[job] do at = at + tonumber(jobs.entries[at]) + 1 end
-    end
-    return string.sub(recorded, #prefix + 1), at
-  end
+WRITE_BUCKET = """
+-- Appends the entries of jobs ``first``..``last`` of a flush, all of one stream bucket (their streams and
+-- the fences hash ``fence_hash`` share one slot), each job fenced by its lease. ``flush``: maxlen,
+-- live_ttl_s; ``jobs``: streams, ids, leases, ttls, entry_counts, entries (flat, job after job: n, then n
+-- field names and values), ``at`` where job ``first``'s entries start there. Returns the bucket's answer
+-- ('1'/'0' per job) and where the next job's entries start.
+local function write_bucket(fence_hash, flush, jobs, first, last, at)
   local held = redis.call('HMGET', fence_hash, unpack(jobs.ids, first, last))
   local out, fenced = {}, false
   for job = first, last do
@@ -101,17 +92,20 @@ local function flush_bucket(mark, fence_hash, flush, jobs, first, last, at)
     out[#out + 1] = ok and '1' or '0'
   end
   if fenced then redis.call('EXPIRE', fence_hash, flush.live_ttl_s) end
-  local answer = table.concat(out)
-  redis.call('SET', mark, prefix .. answer, 'EX', flush.final_ttl_s)
-  return answer, at
+  return table.concat(out), at
 end
 """
 
-# The values every flush script hands FLUSH_BUCKET, as two tables (its preamble named them alike).
-_FLUSH_TABLES = """
-local flush = {id = flush_id, maxlen = maxlen, live_ttl_s = live_ttl_s, final_ttl_s = final_ttl_s}
+# What every flush script starts with: the values WRITE_BUCKET takes, as two tables (the preamble named them
+# alike in both scripts), and the answer of a flush id the writer's mark holds already (re-sent after a lost
+# reply: answered from the mark, nothing written).
+_FLUSH_START = """
+local flush = {maxlen = maxlen, live_ttl_s = live_ttl_s, final_ttl_s = final_ttl_s}
 local jobs = {streams = streams, ids = job_ids, leases = leases, ttls = ttls, entry_counts = entry_counts,
               entries = entries}
+local prefix = flush_id .. '|'
+local recorded = redis.call('GET', flush_mark)
+if recorded and string.sub(recorded, 1, #prefix) == prefix then return string.sub(recorded, #prefix + 1) end
 """
 
 
@@ -141,34 +135,40 @@ class StreamFlush(LuaScript[bytes | str]):
     entry_counts: ArgList[int]
     entries: ArgList[str | int]    # per entry, job after job: n (2 x its fields), then field, value, ...
 
-    HELPERS = FLUSH_BUCKET
-    BODY = _FLUSH_TABLES + """
-return (flush_bucket(flush_mark, fences, flush, jobs, 1, #job_ids, 1))
+    HELPERS = WRITE_BUCKET
+    BODY = _FLUSH_START + """
+local answer = write_bucket(fences, flush, jobs, 1, #job_ids, 1)
+redis.call('SET', flush_mark, prefix .. answer, 'EX', final_ttl_s)
+return answer
 """
 
 
 @dataclass(frozen=True, kw_only=True)
 class NodeStreamFlush(LuaScript[bytes | str]):
     """NODE_STREAM_FLUSH: STREAM_FLUSH for several stream buckets of one cluster node in one call, each
-    bucket written as STREAM_FLUSH writes it (its own flush mark, so a bucket re-sent alone after a lost
-    reply is answered from it, and the other way round).
+    bucket's jobs fenced in its own fences hash as STREAM_FLUSH fences them.
 
     A script declares the keys of one slot only (a cluster refuses the call otherwise, CROSSSLOT): the
-    one declared key, ``route`` (the first bucket's flush mark), sends the call to its node; the other
-    buckets' keys, in other slots the same node serves, go as arguments, which the flag
-    ``allow-cross-slot-keys`` lets the script touch. Touching a key the node does not serve (its slot
+    one declared key, ``flush_mark`` (the writer's flush mark in the first bucket's slot), sends the call
+    to its node; the other buckets' keys, in other slots the same node serves, go as arguments, which the
+    flag ``allow-cross-slot-keys`` lets the script touch. Touching a key the node does not serve (its slot
     moved, or is migrating) fails the command that touches it, and a script is not undone: so the script
     first touches every key it may write (one EXISTS per bucket, which fails on any key of a slot not
-    served here, or migrating), then writes. A call refused is refused whole, nothing written; the
-    caller then sends its buckets one by one (:class:`~slotq.jobs.protocol.streams.StreamAppender`).
+    served here, or migrating), then writes. A call refused is refused whole, nothing written.
+
+    The one flush mark records the whole call's answer: a call re-sent after a lost reply is answered
+    from it. The caller re-sends a flush with the buckets grouped as they were, and when a node refuses
+    the call, reads the mark before sending its buckets one by one
+    (:class:`~slotq.jobs.protocol.streams.StreamAppender`), so a call that was applied is never applied
+    again bucket by bucket. A flush thus costs one GET and one SET per node, and one EXISTS and one HMGET
+    per bucket, besides its XADDs.
 
     Returns the buckets' answers, one after the other: one '1'/'0' per job, in the order of ``job_ids``."""
 
     FLAGS = ("allow-cross-slot-keys",)
 
-    route: Key                     # = flush_marks[1]: the one declared key, whose slot routes the call
-    flush_marks: ArgList[str]      # per bucket: keys in other slots of the node (undeclared), as STREAM_FLUSH's
-    bucket_fences: ArgList[str]    # per bucket
+    flush_mark: Key                # the writer's, in the first bucket's slot: the one declared key
+    bucket_fences: ArgList[str]    # per bucket: keys in other slots of the node (undeclared)
     bucket_jobs: ArgList[int]      # per bucket: how many of the jobs below are its own, bucket after bucket
     streams: ArgList[str]          # per job
     flush_id: Arg[str]
@@ -181,21 +181,23 @@ class NodeStreamFlush(LuaScript[bytes | str]):
     entry_counts: ArgList[int]
     entries: ArgList[str | int]
 
-    HELPERS = FLUSH_BUCKET
-    BODY = _FLUSH_TABLES + """
+    HELPERS = WRITE_BUCKET
+    BODY = _FLUSH_START + """
 local first = 1
-for b = 1, #flush_marks do
-  local check = {'EXISTS', flush_marks[b], bucket_fences[b]}
+for b = 1, #bucket_fences do
+  local check = {'EXISTS', bucket_fences[b]}
   for job = first, first + bucket_jobs[b] - 1 do check[#check + 1] = streams[job] end
   redis.call(unpack(check))
   first = first + bucket_jobs[b]
 end
 local answers, at = {}, 1
 first = 1
-for b = 1, #flush_marks do
+for b = 1, #bucket_fences do
   local last = first + bucket_jobs[b] - 1
-  answers[b], at = flush_bucket(flush_marks[b], bucket_fences[b], flush, jobs, first, last, at)
+  answers[b], at = write_bucket(bucket_fences[b], flush, jobs, first, last, at)
   first = last + 1
 end
-return table.concat(answers)
+local answer = table.concat(answers)
+redis.call('SET', flush_mark, prefix .. answer, 'EX', final_ttl_s)
+return answer
 """
