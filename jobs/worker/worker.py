@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -328,8 +329,8 @@ class SlotqWorker:
         self.ready.set()
         self._beat_now.set()
         self.runtime.nudge()
-        log.info("worker %s ready (%s %.2f s, warm-up decode %.2f s): model %s, %d slots, queue %s, lanes %s",
-                 self.id, "kept loaded, back in" if self._reused else "load", took_s, warm_s,
+        log.info("worker %s ready (warm-up decode %.2f s, %s %.2f s): model %s, %d slots, queue %s, lanes %s",
+                 self.id, warm_s, "kept loaded, back in" if self._reused else "load", took_s,
                  self.engine.info.model_name, self.settings.slots,
                  self.runtime.queue.keys.queue, ",".join(self.settings.lanes))
         return took_s
@@ -347,15 +348,17 @@ class SlotqWorker:
         self.runtime.slots = self.settings.slots        # the next model's elastic loop starts from the full count
         if self.membership is not None:
             membership, self.membership = self.membership, None
-            await membership.leave()
+            with contextlib.suppress(RedisError):      # unreachable: the entry ends three beats after its last
+                await membership.leave()
         engine, embedder, ranker = self.engine, self.embedder, self.ranker
         self.engine = self.embedder = self.ranker = None
         if engine is None:
             return
-        if self.settings.models_max > 1 and self.served is not None and engine.failure is None:
+        name = self.served.name if self.served is not None else None
+        if self.settings.models_max > 1 and name in self.offers and engine.failure is None:   # not a failed load
             full = engine.full_limits
             engine.set_limits(active_slots=full.active_slots, n_batch=full.n_batch, prefill_chunk=full.prefill_chunk)
-            self._kept[self.served.name] = (engine, embedder, ranker)   # the most recently used last
+            self._kept[name] = (engine, embedder, ranker)       # the most recently used last
         else:
             await engine.close()
 
@@ -391,11 +394,16 @@ class SlotqWorker:
                 log.info("switched from model %s to %s in %.2f s: unload %.2f s, %s %.2f s", previous, name,
                          time.monotonic() - started, unloaded_s, "kept loaded" if self._reused else "load", loaded_s)
             except Exception as exc:
-                log.exception("model %s failed to load (%s: %s); this worker no longer offers it and loads %s "
-                              "again", name, type(exc).__name__, exc, previous)
                 sentry_sdk.capture_exception(exc)
-                del self.offers[name]
-                await catalog.withdraw(redis, self.id, [name])
+                if isinstance(exc, RedisError):          # not the model's fault: it stays offered
+                    log.error("switching to model %s failed (%s: %s); loading %s again", name,
+                              type(exc).__name__, exc, previous)
+                else:
+                    log.exception("model %s failed to load (%s: %s); this worker no longer offers it and loads "
+                                  "%s again", name, type(exc).__name__, exc, previous)
+                    del self.offers[name]
+                    with contextlib.suppress(RedisError):
+                        await catalog.withdraw(redis, self.id, [name])
                 await self._unload_model()
                 try:
                     await self._serve(previous)
@@ -632,7 +640,7 @@ class SlotqWorker:
             await catalog.publish(self.queue.redis, self.id, [offer.entry for offer in self.offers.values()],
                                   ttl_s=self.settings.lock_ttl_s, now=now)
         if self._loading_mark is not None and self._loading_mark == advertised:
-            # this beat advertises the model switched to, ready: other workers count it now
+            # this beat advertises the model switched to: other workers count it from now on
             await catalog.release_load(self.queue.redis, self._loading_mark)
             self._loading_mark = None
         was_stale = not self._may_claim()

@@ -140,13 +140,15 @@ async def test_catalog_entries_expire_and_disagreements_resolve_alike(client: Sl
 
 
 # ---------------------------------------------------------------------- switching, through Redis
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
 async def test_one_worker_serves_two_models_by_switching(start_worker, client: SlotqClient, tiny_model_path: Path,
-                                                         second_model: Path) -> None:
+                                                         second_model: Path, engine_process: bool) -> None:
     """One worker, two models, jobs for both queued together and then more for the first: every job
     completes, on its own model (the result's name and fingerprint), none lost, none dead-lettered; the
-    worker switched to the second model once the first's queue was quiet, and back."""
+    worker switched to the second model once the first's queue was quiet, and back. The same with each
+    engine in a process of its own (SLOTQ_ENGINE_PROCESS): a switch stops one and starts another."""
     worker = await start_worker(model=None, models=f"first={tiny_model_path},second={second_model}",
-                                model_idle_s=0.2, slots=2, worker_name="switcher")
+                                model_idle_s=0.2, slots=2, worker_name="switcher", engine_process=engine_process)
     queues = {name: client.for_queue(f"slotq:queue:{name}") for name in ("first", "second")}
     fingerprints = {"first": gguf_fingerprint(tiny_model_path), "second": gguf_fingerprint(second_model)}
     wanted: dict[str, str] = {}
