@@ -125,8 +125,8 @@ async def test_rules_and_dashboard_use_only_metrics_a_real_worker_serves(
                 status, body = _get(f"http://127.0.0.1:{port}/ready")
                 if status == 200:
                     break
-                assert status == 503 and json.loads(body)["state"] in ("loading_model", "warming_up",
-                                                                      "redis_unreachable"), body
+                assert status == 503 and json.loads(body)["state"] in ("connecting_to_redis", "loading_model",
+                                                                      "warming_up"), body
             except (urllib.error.URLError, ConnectionError):
                 pass
             assert worker.proc.poll() is None and time.monotonic() < deadline, worker.log_tail()
