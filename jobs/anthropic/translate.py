@@ -40,6 +40,7 @@ from slotq.jobs.anthropic.wire import (
     Usage,
 )
 from slotq.jobs.openai.errors import ApiError, from_validation, public_param
+from slotq.jobs.openai.translate import answered_model
 from slotq.jobs.openai.wire import SlotqInfo
 from slotq.jobs.protocol.schemas import JobRequest, JobResult
 from slotq.jobs.protocol.wire import FinishReason
@@ -182,7 +183,7 @@ def to_message(result: JobResult, model: str) -> Message:
     """A finished job as Anthropic's Message: its thinking, its text, then its calls. A call cut
     short by ``max_tokens`` has no complete input and is left out (``stop_reason`` is
     ``max_tokens``); the job's result (``GET /v1/jobs/{id}``) keeps its text. ``model`` is the name
-    asked for; the Message names the model that served the job when its result says."""
+    asked for; the Message names the model that served the job (:func:`answered_model`)."""
     content: list[ThinkingOut | TextOut | ToolUseOut] = []
     reason, stop = result.finish_reason, result.stop_sequence
     if result.choices:
@@ -198,7 +199,7 @@ def to_message(result: JobResult, model: str) -> Message:
                 content.append(ToolUseOut(id=call.id, name=call.function.name, input=arguments))
     elif result.text:
         content.append(TextOut(text=result.text))
-    return Message(id=message_id(result.id), model=result.model or model, content=content,
+    return Message(id=message_id(result.id), model=answered_model(model, result.model), content=content,
                    stop_reason=stop_reason(reason, stop), stop_sequence=stop if reason == FinishReason.STOP else None,
                    usage=usage_out(result.usage),
                    slotq=SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts))

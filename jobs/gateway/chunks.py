@@ -22,6 +22,7 @@ from slotq.jobs.openai.errors import ApiError, public_param
 from slotq.jobs.openai.translate import (
     Kind,
     TextOffsets,
+    answered_model,
     chat_logprobs,
     completion_id,
     finish_reason,
@@ -95,7 +96,7 @@ class ChunkRenderer:
         self.kind = kind
         self.param = param          # a job field's name as the request spelled it, for errors
         self.job_id = job_id
-        self.model = model                        # asked for; the served one's once an entry names it
+        self.model = model                        # asked for; then as answered_model names it once an entry says
         self.fingerprint: str | None = None        # the served model's GGUF fingerprint (system_fingerprint)
         self.created = created
         self.n = n
@@ -117,7 +118,7 @@ class ChunkRenderer:
         new = self.after is None or position > self.after
         events: list[str] = []
         if entry.model is not None:               # done and error entries name the model that served the job
-            self.model, self.fingerprint = entry.model, entry.model_fingerprint
+            self.model, self.fingerprint = answered_model(self.model, entry.model), entry.model_fingerprint
         if entry.kind == EntryKind.CHUNK:
             piece = self._reply_piece(entry)          # built even when not sent: completions' text offsets move on
             if new and not _carries_nothing(piece):

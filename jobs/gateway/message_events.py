@@ -4,10 +4,12 @@ The sequence the ``anthropic`` SDK reads: ``message_start`` and a ``ping``; then
 ``content_block_start``, its ``content_block_delta`` events (``thinking_delta``, ``text_delta``,
 ``input_json_delta``) and ``content_block_stop``; then ``message_delta`` (``stop_reason`` and usage)
 and ``message_stop``. ``message_start`` goes out with the job's first entry, whose first chunk says
-the prompt's tokens (``input_tokens`` and ``cache_read_input_tokens``, as ``message_delta`` repeats
-them); until then the stream has only keep-alive comments. Blocks come in the order the reply wrote
-them: its thinking, its text, each tool call (a ``tool_use`` block opened with the call's id and
-name, its arguments' JSON in pieces).
+the prompt's tokens; until then the stream has only keep-alive comments. Both usages carry all four
+of Anthropic's counts (``input_tokens``, ``cache_creation_input_tokens``, always 0, ``cache_read_input_tokens``,
+``output_tokens``), as Anthropic sends them and as the SDK's ``MessageDeltaUsage`` declares them
+(cumulative): the SDK's accumulated Message then has the usage a non-streamed one has.
+Blocks come in the order the reply wrote them: its thinking, its text, each tool call (a
+``tool_use`` block opened with the call's id and name, its arguments' JSON in pieces).
 A job that fails, is cancelled or passes its deadline ends the stream with an ``error`` event in
 Anthropic's shape; a failed attempt that the job retries is a ``ping``, and the stream goes on.
 
@@ -69,7 +71,7 @@ class MessageEventRenderer:
         message: dict[str, Any] = {
             "id": message_id(self.job_id), "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": usage.model_dump(exclude={"cache_creation_input_tokens"})}
+            "usage": usage.model_dump()}
         return self._render([("message_start", {"type": "message_start", "message": message}),
                              ("ping", {"type": "ping"})], None)
 
@@ -93,7 +95,7 @@ class MessageEventRenderer:
             events.append(("message_delta", {
                 "type": "message_delta", "delta": {"stop_reason": stop_reason(entry.finish_reason, entry.stop_sequence),
                                                    "stop_sequence": entry.stop_sequence},
-                "usage": usage.model_dump(exclude={"cache_creation_input_tokens"}) if usage else {"output_tokens": 0}}))
+                "usage": usage.model_dump() if usage else {"output_tokens": 0}}))
             events.append(("message_stop", {"type": "message_stop"}))
             self.finished = True
         elif entry.kind == EntryKind.ERROR:

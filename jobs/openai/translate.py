@@ -229,6 +229,16 @@ def text_logprobs(logprobs: list[TokenLogprob], offsets: TextOffsets) -> TextLog
                         text_offset=[offsets.next(lp.token_bytes) for lp in logprobs])
 
 
+def answered_model(asked: str, served: str | None) -> str:
+    """The model an answer names, in every API alike (chat, Responses, Messages, streamed or not):
+    the model that served the job when its result or final entry says, but ``base:adapter`` as asked
+    when ``base`` served it (:mod:`slotq.jobs.gateway.adapters`), so a client that named a LoRA
+    adapter sees the name it asked for."""
+    if served is None or asked.startswith(f"{served}:"):
+        return asked
+    return served
+
+
 def completion_id(kind: Kind, job_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
 
@@ -240,8 +250,7 @@ def to_response(kind: ResponseKind, result: JobResult, model: str, created: int,
     without its text: the job keeps scores only). ``model`` is the name asked for; the response names
     the model that served the job when its result says (``system_fingerprint``: its GGUF's fingerprint), or
     ``base:adapter`` as asked when ``base`` served it (a LoRA adapter of that model)."""
-    if not (result.model and model.startswith(f"{result.model}:")):
-        model = result.model or model
+    model = answered_model(model, result.model)
     if kind == "embedding":
         return to_embeddings_response(result, model, encoding_format)
     if kind == "rerank":

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from slotq.jobs.openai.errors import ApiError, from_validation, public_param
-from slotq.jobs.openai.translate import format_shapes_reply
+from slotq.jobs.openai.translate import answered_model, format_shapes_reply
 from slotq.jobs.openai.wire import SlotqInfo
 from slotq.jobs.protocol.schemas import JobRequest, JobResult
 from slotq.jobs.protocol.wire import FinishReason, ToolCallSpec, Usage
@@ -262,9 +262,9 @@ def output_items_of(result: JobResult) -> list[OutputItem]:
 
 def to_response(result: JobResult, request: ResponsesRequest, model: str, created: int) -> Response:
     """A finished job as OpenAI's Response, the request's settings echoed; ``model`` is the name asked
-    for, and the Response names the model that served the job when its result says."""
+    for, and the Response names the model that served the job (:func:`answered_model`)."""
     reason = result.choices[0].finish_reason if result.choices else result.finish_reason
-    shell = response_shell(request, result.id, result.model or model, created)
+    shell = response_shell(request, result.id, answered_model(model, result.model), created)
     shell.slotq = SlotqInfo(job_id=result.id, worker=result.worker, attempts=result.attempts)
     total_s = int(result.timings.total_ms / 1000) if result.timings else 0
     return finished(shell, output_items_of(result), reason, result.usage, created + total_s)

@@ -148,8 +148,10 @@ def test_blocks_open_deltas_and_close_in_the_order_written():
     assert "".join(d["delta"]["partial_json"] for n, _i, d in seen if d.get("delta", {}).get("partial_json")) \
         == '{"city": "Paris"}'
     assert seen[-2][2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert seen[-2][2]["usage"] == {"input_tokens": 5, "output_tokens": 6, "cache_read_input_tokens": 4}
-    assert seen[0][2]["message"]["usage"] == {"input_tokens": 5, "output_tokens": 0, "cache_read_input_tokens": 4}
+    assert seen[-2][2]["usage"] == {"input_tokens": 5, "output_tokens": 6, "cache_creation_input_tokens": 0,
+                                   "cache_read_input_tokens": 4}
+    assert seen[0][2]["message"]["usage"] == {"input_tokens": 5, "output_tokens": 0,
+                                                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4}
 
 
 def test_message_start_waits_for_the_first_entry_and_counts_its_prompt():
@@ -160,7 +162,8 @@ def test_message_start_waits_for_the_first_entry_and_counts_its_prompt():
     assert [name for name, _id, _d in retried] == ["ping"]   # a retried attempt says nothing of the prompt
     first = parsed(renderer.feed(entry(2, text="Hi", prompt_tokens=7)))
     assert [name for name, _id, _d in first[:3]] == ["message_start", "ping", "content_block_start"]
-    assert first[0][2]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0, "cache_read_input_tokens": 0}
+    assert first[0][2]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0,
+                                                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
     ended = parsed(MessageEventRenderer("j1", "m").feed(entry(1, EntryKind.DONE, finish_reason=FinishReason.STOP,
                                                               final=True, usage=Usage(prompt_tokens=3,
                                                                                       completion_tokens=0))))

@@ -82,6 +82,9 @@ def test_a_message_streamed_and_not_through_the_sdk(client: anthropic.Anthropic)
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
         message.usage.input_tokens + message.usage.cache_read_input_tokens
+    # the Message the SDK builds from the stream has every usage field a non-streamed one has
+    assert final.usage.model_dump(exclude_none=True).keys() == message.usage.model_dump(exclude_none=True).keys()
+    assert final.usage.cache_creation_input_tokens == message.usage.cache_creation_input_tokens == 0
 
 
 def test_the_stream_is_anthropics_event_sequence(stack: Stack) -> None:
@@ -98,8 +101,10 @@ def test_the_stream_is_anthropics_event_sequence(stack: Stack) -> None:
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == 6 and delta["usage"]["input_tokens"] > 0
     start = events[0].json()["message"]["usage"]          # the prompt, known with the first tokens
-    assert start == {"input_tokens": delta["usage"]["input_tokens"], "output_tokens": 0,
-                     "cache_read_input_tokens": delta["usage"]["cache_read_input_tokens"]}
+    # both carry Anthropic's four counts (message_delta's cumulative, as the SDK's MessageDeltaUsage reads them)
+    assert start == delta["usage"] | {"output_tokens": 0}
+    assert set(start) == {"input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"}
+    assert start["cache_creation_input_tokens"] == 0
 
 
 def test_message_start_counts_the_prompt_through_the_sdk(client: anthropic.Anthropic) -> None:

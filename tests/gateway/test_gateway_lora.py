@@ -5,10 +5,12 @@ loaded or a bad scale is refused by field before anything is enqueued. Pure part
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from openai import OpenAI
@@ -61,6 +63,33 @@ def test_an_adapter_named_by_model_or_lora_field_changes_the_output_and_scale_ze
     assert _text(client, lora=[{"id": "style"}]) == styled
     assert _text(client, lora=[{"id": "style", "scale": 0}]) == base
     assert _text(client, f"{MODEL}:style", lora=[{"id": "style", "scale": 0}]) == base   # the field's scale holds
+
+
+@pytest.mark.parametrize("model", [f"{MODEL}:style", MODEL])
+def test_every_api_names_the_model_as_asked_streamed_and_not(stack: Stack, client: OpenAI, model: str) -> None:
+    """Chat, Responses (a background one too, as retrieved) and Messages, streamed or not, name
+    ``base:adapter`` when the request did, though the job's worker reports its base model."""
+    say = {"max_tokens": 4, "temperature": 0}
+    ask = [{"role": "user", "content": "hello"}]
+    assert client.chat.completions.create(model=model, messages=ask, **say).model == model
+    chunks = client.chat.completions.create(model=model, messages=ask, stream=True,
+                                            stream_options={"include_usage": True}, **say)
+    assert {chunk.model for chunk in chunks} == {model}         # the finish and usage chunks too
+
+    assert client.responses.create(model=model, input="hello", max_output_tokens=4).model == model
+    with client.responses.stream(model=model, input="hello", max_output_tokens=4) as stream:
+        assert {e.response.model for e in stream if hasattr(e, "response")} == {model}
+    background = client.responses.create(model=model, input="hello", max_output_tokens=4, background=True)
+    for _ in range(600):
+        if (retrieved := client.responses.retrieve(background.id)).status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.1)
+    assert retrieved.status in ("completed", "incomplete") and retrieved.model == background.model == model
+
+    claude = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0, timeout=60)
+    assert claude.messages.create(model=model, messages=ask, max_tokens=4).model == model   # type: ignore[arg-type]
+    with claude.messages.stream(model=model, messages=ask, max_tokens=4) as streamed:          # type: ignore[arg-type]
+        assert streamed.get_final_message().model == model
 
 
 @pytest.mark.parametrize(("model", "extra", "status", "param"), [
