@@ -24,9 +24,11 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import redis
 from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseItemList, ResponseStreamEvent
 
+from slotq.jobs.gateway.response_store import stored_response_key
 from tests.support.gateway import Event, Stack, sse_events
 from tests.support.tiny_model import CHATML_TEMPLATE, TINY_SCALE, TINY_SEED, write_tiny_llama
 
@@ -337,6 +339,38 @@ def test_a_stored_response_belongs_to_its_tenant(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError):
         globex.responses.delete(created.id)
     assert acme.responses.retrieve(created.id).id == created.id
+
+
+def test_a_conversation_is_capped_and_a_stored_response_expires(stack: Stack) -> None:
+    """``SLOTQ_GATEWAY_RESPONSE_MAX_ITEMS`` caps a ``previous_response_id`` chain (a 400 naming it); a
+    stored response lives ``min(SLOTQ_GATEWAY_RESPONSE_TTL_S, SLOTQ_KEEP_RESULT_S)``, then retrieving or
+    continuing it is a 404 naming it, as for one never stored."""
+    capped = stack.start_gateway("responses-capped", gateway_response_max_items=4)
+    brief = stack.start_gateway("responses-brief", keep_result_s=3)
+    capped.wait_ready()
+    brief.wait_ready()
+    client = openai.OpenAI(base_url=f"{capped.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    say: dict[str, Any] = {"model": MODEL, "max_output_tokens": 2, "temperature": 0}
+    first = client.responses.create(input="Hello", **say)                                  # 2 items: in, out
+    second = client.responses.create(previous_response_id=first.id, input="Again", **say)    # 4 items
+    with pytest.raises(openai.BadRequestError) as over:
+        client.responses.create(previous_response_id=second.id, input="More", **say)       # 5: one too many
+    assert over.value.param == "previous_response_id" and "SLOTQ_GATEWAY_RESPONSE_MAX_ITEMS" in over.value.message
+    assert [item.type for item in client.responses.input_items.list(second.id, order="asc")] == ["message"] * 3
+
+    client = openai.OpenAI(base_url=f"{brief.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    kept = client.responses.create(input="Hello", **say)
+    assert kept.model_extra is not None
+    with redis.Redis.from_url(stack.redis.url) as db:
+        assert 0 < db.ttl(stored_response_key(kept.model_extra["slotq"]["job_id"])) <= 3
+    deadline = time.monotonic() + 30
+    with pytest.raises(openai.NotFoundError):
+        while time.monotonic() < deadline:
+            client.responses.retrieve(kept.id)
+            time.sleep(0.2)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.create(previous_response_id=kept.id, input="Again", **say)
+    assert gone.value.param == "previous_response_id"
 
 
 # ---------------------------------------------------------------------- background responses

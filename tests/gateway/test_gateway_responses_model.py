@@ -1,7 +1,8 @@
 """The ``openai`` SDK's Responses API against the gateway on the bundled model (issue 45): a
 two-turn tool loop as agents run it, the call streamed and not. The first turn is forced
 (``tool_choice: required``); the function's output goes back with ``previous_response_id`` alone,
-and the model, free again (``auto``), answers in text."""
+and the model, free again (``auto``), answers in text. Then a background response, its stream left
+mid-reply and resumed with ``starting_after``, all through the SDK's own calls."""
 
 from __future__ import annotations
 
@@ -55,3 +56,28 @@ def test_the_openai_sdk_runs_a_responses_tool_loop_streamed_and_not(stack: Stack
                                           "output": f"Sunny and 21 degrees in {arguments['city']}."}])
     assert answer.status == "completed", answer
     assert [item.type for item in answer.output] == ["message"] and answer.output_text.strip()
+
+
+def test_the_openai_sdk_resumes_a_background_response_from_starting_after(stack: Stack) -> None:
+    """A background response's stream read through the SDK until its first text delta and left; the
+    SDK's ``retrieve(stream=True, starting_after=N)`` then gives the rest, each event once, and the two
+    together are what a read from the start gives, ending in the Response the SDK retrieves."""
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    created = client.responses.create(model=MODEL, input="Write a short poem about the sea.", background=True,
+                                      max_output_tokens=64, temperature=0)
+    assert created.status == "queued" and created.background is True
+    seen = []
+    with client.responses.retrieve(created.id, stream=True) as stream:
+        for event in stream:
+            seen.append(event.model_dump())
+            if event.type == "response.output_text.delta":
+                break                                    # the client leaves mid-reply: the job goes on
+    resumed = [event.model_dump() for event in
+               client.responses.retrieve(created.id, stream=True, starting_after=seen[-1]["sequence_number"])]
+    whole = [event.model_dump() for event in client.responses.retrieve(created.id, stream=True)]
+    assert seen + resumed == whole
+    assert [event["sequence_number"] for event in whole] == list(range(len(whole)))
+    done = client.responses.retrieve(created.id)
+    assert done.status in ("completed", "incomplete") and whole[-1]["type"] == f"response.{done.status}"
+    text = "".join(event["delta"] for event in whole if event["type"] == "response.output_text.delta")
+    assert text.strip() and done.output_text == text
