@@ -399,6 +399,21 @@ def test_a_tool_call_cut_by_max_tokens_finishes_with_length(stack):
     assert job(stack.url, reply.slotq["job_id"])["status"] == "succeeded"
 
 
+@pytest.mark.parametrize("fields", [{"n": 4}, {"parallel_tool_calls": True}])
+def test_cut_calls_of_several_choices_or_parallel_calls_finish_with_length(stack, fields):
+    """The probe's other cut calls: several choices each forced to call (n up to the worker's slots;
+    the probe's n=8 ran on 8), or calls in parallel, all cut by max_tokens, are a 200 whose choices
+    finish with ``length``, never a 5xx the SDKs retry."""
+    reply = sdk(stack.url).chat.completions.create(
+        model="tiny-a", messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}], tools=TOOLS,
+        tool_choice="required", max_tokens=58, temperature=0, **fields)
+    assert len(reply.choices) == fields.get("n", 1)
+    for choice in reply.choices:
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
+    assert job(stack.url, reply.slotq["job_id"])["status"] == "succeeded"
+
+
 def test_tool_calls_resume_with_last_event_id_exactly_once(stack):
     key = f"tools-{uuid.uuid4().hex}"
     body = {"model": "tiny-a", "messages": PROMPT, "stream": True, "max_tokens": 200, "idempotency_key": key,
