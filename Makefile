@@ -102,4 +102,8 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench logprobs
 	$(VENV)/bin/slotq bench step-costs
 	$(VENV)/bin/slotq bench embeddings
+	$(VENV)/bin/slotq bench rerank
 	$(VENV)/bin/slotq bench spec
+	$(VENV)/bin/slotq bench on-demand
+	$(VENV)/bin/slotq bench lora
+	$(VENV)/bin/slotq bench api-shapes

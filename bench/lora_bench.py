@@ -17,6 +17,14 @@ does). ``adapter / base`` is what computing the adapter costs; ``mixed`` against
 running two adapter sets in turns costs (llama.cpp applies adapters per context, so each step runs
 one set: engine.scheduler rule 10), which both systems pay. Each system runs every load in every
 round, in a rotated order (the machine is shared); tokens/s is the mean of the rounds.
+
+Where the time goes, from each system's Prometheus counters read before and after every load (summed
+over the rounds): decode steps and tokens per step (both systems), wall time per step, and for slotq
+the switches between adapter sets (``slotq_lora_switches_total``), steps per turn, and the decode time
+of a step right after a switch against the other steps' (llama.cpp reserves its graph again after a
+switch): that difference times the switches is what switching cost. ``mixed / base`` then splits
+exactly into (base steps / mixed steps) x (base time per step / mixed time per step): the load ran
+more, smaller steps, and each step cost less or more.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from bench.overhead_bench import _rotated, _tiny_model_module
 from bench.peers_bench import OneRequest, Sample, _wait_http, closed_loop, peer_prompt
 from bench.queue_bench import timed_job
 from bench.report import markdown_table, progress, write_results
+from bench.spec_bench import scrape
 from slotq.engine import bundled_model_path
 from slotq.engine.config import CpuRepack
 from slotq.engine.cpu_features import decide_repack, this_cpu_flags
@@ -57,6 +66,13 @@ THREADS = len(os.sched_getaffinity(0)) or 1
 SYSTEMS = ["slotq-redis", "llama-server"]
 LOADS = {"base": 0, "mixed": 2, "adapter": 1}     # load -> every how manyth request names the adapter (0: none)
 TARGET = 0.8                                      # the issue's: mixed >= 0.8 x base
+COUNTERS = {                                      # what each system's /metrics says of a load (summed over labels)
+    "slotq-redis": {"tokens": "slotq_tokens_predicted_total", "steps": "slotq_n_decode_total",
+                    "decode_s": "slotq_decode_seconds_total", "switches": "slotq_lora_switches_total",
+                    "switch_s": "slotq_lora_switch_decode_seconds_total"},
+    "llama-server": {"tokens": "llamacpp:tokens_predicted_total", "steps": "llamacpp:n_decode_total"},
+}
+COUNTER_WAIT_S = 10.0    # a worker samples its engine once a second: how long a reading waits to cover a load
 
 
 def _uses_adapter(load: str, i: int) -> bool:
@@ -106,12 +122,14 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
         tmp = Path(tmp_name)
         adapter = _tiny_model_module().write_lora(tmp / "adapter.gguf", model, rank=RANK, alpha=float(RANK),
                                                   scale=0.02, targets=("attn_q", "attn_v"))
+        metrics_port = free_port()
         redis = EmbeddedRedis(tmp / "redis")
         url = redis.start()
         env = {**os.environ, "SLOTQ_REDIS_URL": url, "SLOTQ_MODEL": str(model), "SLOTQ_SLOTS": str(CLIENTS),
                "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS), "SLOTQ_LOG_LEVEL": "WARNING",
                "SLOTQ_ELASTIC": "false", "SLOTQ_CPU_REPACK": "on" if repack else "off",
-               "SLOTQ_QUEUE_NAME": "lora", "SLOTQ_MODEL_NAME": "lora", "SLOTQ_LORA": f"style={adapter}"}
+               "SLOTQ_QUEUE_NAME": "lora", "SLOTQ_MODEL_NAME": "lora", "SLOTQ_LORA": f"style={adapter}",
+               "SLOTQ_METRICS_PORT": str(metrics_port)}
         children = [ChildProcess("slotq worker (SLOTQ_LORA)", [sys.executable, "-m", "slotq.jobs.cli", "worker"],
                                  env=env, log_path=tmp / "worker.log")]
         port = free_port()
@@ -119,30 +137,48 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
             children.append(ChildProcess("llama-server --lora", [
                 str(server_binary), "-m", str(model), "--lora", str(adapter), "--lora-init-without-apply",
                 "--parallel", str(CLIENTS), "-c", str(CTX * CLIENTS), "-t", str(THREADS), "--host", "127.0.0.1",
-                "--port", str(port), *([] if repack else ["--no-repack"])], log_path=tmp / "llama-server.log"))
+                "--port", str(port), "--metrics", *([] if repack else ["--no-repack"])],
+                log_path=tmp / "llama-server.log"))
         try:
-            rates = await run_watched(_measure(url, port if server_binary else None, rounds, per_client),
-                                      *children)
+            rates, counts = await run_watched(
+                _measure(url, metrics_port, port if server_binary else None, rounds, per_client), *children)
         finally:
             for child in children:
                 child.stop()
             redis.stop()
     results = [{"system": system, "load": load, "tokens_per_s": round(sum(values) / len(values), 1),
                 "rounds": [round(v, 1) for v in values]} for (system, load), values in rates.items()]
+    costs = [{"system": system, "load": load, **_costs(values)} for (system, load), values in counts.items()]
     data = {"model": model.name, "clients": CLIENTS, "max_tokens": MAX_TOKENS, "threads": THREADS, "rank": RANK,
-            "results": results, "skipped": skipped}
-    text = _table(results, skipped)
+            "results": results, "where_the_time_goes": costs, "skipped": skipped}
+    text = _table(results, skipped) + "\n\n" + _costs_table(costs)
     if not quick:
         write_results("lora", data, text, "slotq bench lora")
     return data, text
 
 
-async def _measure(url: str, server_port: int | None, rounds: int,
-                   per_client: int) -> dict[tuple[str, str], list[float]]:
+async def _measure(url: str, metrics_port: int, server_port: int | None, rounds: int, per_client: int
+                   ) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], dict[str, float]]]:
+    """Each load's tokens/s per round, and each load's counters (:data:`COUNTERS`) summed over the rounds,
+    with its wall time (``wall_s``)."""
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name="lora"))
     # a new connection per request: llama-server closes a kept-alive one after a few (bench.peers_bench)
     http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{server_port}", timeout=600,
                              limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
+    metrics = httpx.AsyncClient(timeout=30)
+    urls = {"slotq-redis": f"http://127.0.0.1:{metrics_port}/metrics",
+            "llama-server": f"http://127.0.0.1:{server_port}/metrics"}
+
+    async def read(system: str, tokens_at_least: float = 0.0) -> dict[str, float]:
+        """The system's counters, once its token counter reaches ``tokens_at_least`` (or after COUNTER_WAIT_S)."""
+        give_up = time.monotonic() + COUNTER_WAIT_S
+        while True:
+            values = scrape((await metrics.get(urls[system])).text)
+            counted = {key: values.get(name, 0.0) for key, name in COUNTERS[system].items()}
+            if counted["tokens"] >= tokens_at_least or time.monotonic() > give_up:
+                return counted
+            await asyncio.sleep(0.2)
+
     try:
         while not any(w.ready for w in (await client.queue_info()).workers):
             await asyncio.sleep(0.3)
@@ -153,16 +189,75 @@ async def _measure(url: str, server_port: int | None, rounds: int,
         for n, one in enumerate(paths.values()):         # warm-up: one request each, not measured
             await one(900_000 + n)
         rates: dict[tuple[str, str], list[float]] = {key: [] for key in paths}
+        counts: dict[tuple[str, str], dict[str, float]] = {}
         for r in range(rounds):
             for key in _rotated(list(paths), r):
                 progress(f"round {r + 1}/{rounds}: {key[0]}, {key[1]} load")
                 first = (r * len(LOADS) + list(LOADS).index(key[1])) * 1000     # both systems alike; never twice
-                rate, _ = await closed_loop(paths[key], CLIENTS, per_client, first=first)
+                before = await read(key[0])
+                started = time.perf_counter()
+                rate, samples = await closed_loop(paths[key], CLIENTS, per_client, first=first)
+                wall = time.perf_counter() - started
+                after = await read(key[0], before["tokens"] + sum(s.tokens for s in samples))
                 rates[key].append(rate)
-        return rates
+                total = counts.setdefault(key, {"wall_s": 0.0})
+                total["wall_s"] += wall
+                for name in after:
+                    total[name] = total.get(name, 0.0) + after[name] - before[name]
+        return rates, counts
     finally:
+        await metrics.aclose()
         await http.aclose()
         await client.close()
+
+
+def _costs(c: dict[str, float]) -> dict[str, float | None]:
+    """One load's counters as figures: steps, tokens a step, wall ms a step; for slotq the decode share of
+    the wall time, switches, steps per turn, a switch step's decode ms against the others', and the extra
+    time the switches cost as a share of the wall time."""
+    steps = c["steps"]
+    out: dict[str, float | None] = {
+        "steps": steps, "tokens": c["tokens"], "wall_s": round(c["wall_s"], 3),
+        "tokens_per_step": round(c["tokens"] / steps, 2) if steps else None,
+        "wall_ms_per_step": round(c["wall_s"] * 1000 / steps, 2) if steps else None}
+    if "switches" in c and steps:
+        switches = c["switches"]
+        other_ms = (c["decode_s"] - c["switch_s"]) * 1000 / (steps - switches) if steps > switches else None
+        switch_ms = c["switch_s"] * 1000 / switches if switches else None
+        extra_s = switches * (switch_ms - other_ms) / 1000 if switch_ms is not None and other_ms is not None else 0.0
+        out |= {"decode_share": round(c["decode_s"] / c["wall_s"], 3), "switches": switches,
+                "steps_per_turn": round(steps / switches, 1) if switches else None,
+                "switch_step_decode_ms": round(switch_ms, 2) if switch_ms is not None else None,
+                "other_step_decode_ms": round(other_ms, 2) if other_ms is not None else None,
+                "switch_extra_share": round(extra_s / c["wall_s"], 4)}
+    return out
+
+
+def _costs_table(costs: list[dict[str, Any]]) -> str:
+    """Where the time goes, per system and load, and ``mixed / base`` split into fewer tokens a step and
+    the cost of a step."""
+    def cell(value: Any, form: str = "{:,.2f}") -> str:
+        return "-" if value is None else form.format(value)
+
+    by = {(c["system"], c["load"]): c for c in costs}
+    rows = [[c["system"], c["load"], cell(c["steps"], "{:,.0f}"), cell(c["tokens_per_step"]),
+             cell(c["wall_ms_per_step"]), cell(c.get("decode_share"), "{:.0%}"), cell(c.get("switches"), "{:,.0f}"),
+             cell(c.get("steps_per_turn"), "{:.1f}"), cell(c.get("switch_step_decode_ms")),
+             cell(c.get("other_step_decode_ms")), cell(c.get("switch_extra_share"), "{:.1%}")] for c in costs]
+    table = markdown_table(["system", "load", "decode steps", "tokens / step", "wall ms / step", "decode share",
+                            "adapter switches", "steps / turn", "switch step decode ms", "other steps decode ms",
+                            "switches' extra time"], rows)
+    notes = []
+    for system in SYSTEMS:
+        base, mixed = by.get((system, "base")), by.get((system, "mixed"))
+        if not base or not mixed or not base["steps"] or not mixed["steps"]:
+            continue
+        fewer = base["steps"] / mixed["steps"] * mixed["tokens"] / base["tokens"]     # same tokens: base / mixed steps
+        cheaper = base["wall_ms_per_step"] / mixed["wall_ms_per_step"]
+        notes.append(f"{system}: mixed / base tokens/s {fewer * cheaper:.2f} = {fewer:.2f} (tokens per step: "
+                     f"{mixed['tokens_per_step']:.2f} against {base['tokens_per_step']:.2f}) x {cheaper:.2f} (wall "
+                     f"time per step: {mixed['wall_ms_per_step']:.2f} ms against {base['wall_ms_per_step']:.2f})")
+    return table + "".join(f"\n\n{note}" for note in notes)
 
 
 def _table(results: list[dict[str, Any]], skipped: dict[str, str]) -> str:

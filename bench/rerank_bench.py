@@ -17,8 +17,10 @@ batching, not the scoring.
 
 Agreement: each system scores :data:`AGREE_QUERIES` queries against the same :data:`AGREE_DOCUMENTS`
 documents (one request per query); the largest absolute difference between their scores, and whether
-every query's order agrees. Then the same with one document per request: one pair per decode in both
-systems, so the same shapes of computation, and what is left of a difference is not the batching.
+every query's order agrees. Then the same pairs with one document per request: one pair per decode in
+both systems, so the same shapes of computation, and what is left of a difference is not the batching.
+Last, each system's batched scores against its own scores of the same pairs alone: what the batch shape
+(the order of a sum) moves on its own, in slotq and in llama-server alike.
 
 Throughput: C clients (1, 8), each sending requests of
 :data:`DOCUMENTS_PER_REQUEST` documents of 16 to 128 tokens back to back; pairs/s = documents scored / wall
@@ -223,24 +225,37 @@ async def _measure(name: str, quick: bool, url: str, queue: str, port: int | Non
 
 async def _agreement(name: str, paths: dict[str, Rank]) -> list[dict[str, Any]]:
     """The largest score difference between slotq and llama-server over the same requests, and whether every
-    request's order agrees (nothing when llama-server was skipped)."""
+    request's order agrees (nothing when llama-server was skipped): each query with all the documents in one
+    request, then with each document in a request of its own (one pair per decode in both systems, so the
+    same batch shape). And each system's own batched scores against its own scores of the same pairs alone:
+    how far the batch shape alone (the summation order) moves a score in either system."""
     if PEER not in paths:
         return []
     docs = [document(5000 + k, LENGTHS[k % len(LENGTHS)]) for k in range(AGREE_DOCUMENTS)]
+    scores: dict[tuple[str, str], list[list[float]]] = {}        # (system, batched|alone) -> per query
+    for system in ("slotq-redis", PEER):
+        for i in range(AGREE_QUERIES):
+            scores.setdefault((system, "batched"), []).append(await paths[system](query(i), docs))
+            scores.setdefault((system, "alone"), []).append([(await paths[system](query(i), [d]))[0] for d in docs])
+
+    def worst(a: list[list[float]], b: list[list[float]]) -> float:
+        return max(abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+
     rows = []
-    for requests, per_request in ((AGREE_QUERIES, AGREE_DOCUMENTS), (AGREE_QUERIES, 1)):
-        worst, largest, same_order = 0.0, 0.0, True
-        for i in range(requests):
-            # One document per request: one pair per decode in both systems, so the same batch shape.
-            asked = docs if per_request > 1 else docs[i:i + 1]
-            ours, theirs = await paths["slotq-redis"](query(i), asked), await paths[PEER](query(i), asked)
-            worst = max(worst, *(abs(a - b) for a, b in zip(ours, theirs, strict=True)))
-            largest = max(largest, *(abs(b) for b in theirs))
-            same_order &= _order(ours) == _order(theirs)
-        progress(f"{name}, {requests} x {per_request}: largest score difference {worst:.2e} (scores up to "
-                 f"{largest:.3g}), same order: {same_order}")
-        rows.append({"model": name, "requests": requests, "documents": per_request, "max_abs_difference": worst,
-                     "max_abs_score": largest, "same_order": same_order})
+    for shape, per_request in (("batched", AGREE_DOCUMENTS), ("alone", 1)):
+        ours, theirs = scores[("slotq-redis", shape)], scores[(PEER, shape)]
+        difference = worst(ours, theirs)
+        largest = max(abs(x) for xs in theirs for x in xs)
+        same_order = all(_order(a) == _order(b) for a, b in zip(ours, theirs, strict=True))
+        progress(f"{name}, {AGREE_QUERIES} x {AGREE_DOCUMENTS} pairs, {per_request} a request: largest score "
+                 f"difference {difference:.2e} (scores up to {largest:.3g}), same order: {same_order}")
+        rows.append({"model": name, "requests": AGREE_QUERIES * AGREE_DOCUMENTS // per_request,
+                     "documents": per_request, "max_abs_difference": difference, "max_abs_score": largest,
+                     "same_order": same_order})
+    own = {system: worst(scores[(system, "batched")], scores[(system, "alone")]) for system in ("slotq-redis", PEER)}
+    progress(f"{name}: batched against alone, the same system: slotq {own['slotq-redis']:.2e}, "
+             f"llama-server {own[PEER]:.2e}")
+    rows[0]["own_batched_vs_alone"] = own
     return rows
 
 
@@ -271,9 +286,12 @@ def _table(results: list[dict[str, Any]], agreement: list[dict[str, Any]], model
     table = markdown_table(["model", "system", *(f"{c} clients pairs/s (/ {PEER})" for c in levels),
                             *(f"{c} clients CPU ms/pair (/ {PEER})" for c in levels)], rows)
     if agreement:
+        own = {a["model"]: a["own_batched_vs_alone"] for a in agreement if "own_batched_vs_alone" in a}
         table += "\n\n" + markdown_table(
             ["model", "requests x documents", "largest |score difference| vs llama-server", "largest |score|",
-             "same order"],
+             "same order", "slotq's own batched vs alone", "llama-server's own batched vs alone"],
             [[a["model"], f"{a['requests']} x {a['documents']}", f"{a['max_abs_difference']:.2e}",
-              f"{a['max_abs_score']:.3g}", "yes" if a["same_order"] else "no"] for a in agreement])
+              f"{a['max_abs_score']:.3g}", "yes" if a["same_order"] else "no",
+              *((f"{own[a['model']]['slotq-redis']:.2e}", f"{own[a['model']][PEER]:.2e}")
+                if "own_batched_vs_alone" in a else ("", ""))] for a in agreement])
     return table + "".join(f"\n\nskipped {system}: {reason}" for system, reason in skipped.items())

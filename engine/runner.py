@@ -389,12 +389,14 @@ class Runner:
                 sample_at.append((seq, len(tokens) - 1 - len(item.draft), item.draft))
             else:
                 wants.append(False)
-        if self.model.set_adapters(out.adapters):      # another set's turn (scheduler rule 10)
-            self.counters.lora_switches += 1
+        switched = self.model.set_adapters(out.adapters)      # another set's turn (scheduler rule 10)
         started = time.perf_counter()
         ret = self.model.decode(tokens, positions, seq_ids, wants)
         decode_seconds = time.perf_counter() - started
         self.counters.decoded(len(tokens), n_seqs=len(out.items), seconds=decode_seconds)
+        if switched:
+            self.counters.lora_switches += 1
+            self.counters.lora_switch_seconds += decode_seconds
         if ret == 1:
             self._on_kv_full(out)
             return

@@ -41,6 +41,7 @@ class EngineCounters:
     spec_draft_tokens: int = 0        # draft tokens decoded for verification
     spec_accepted_tokens: int = 0     # of those, the ones verification kept
     lora_switches: int = 0            # decodes run under another LoRA adapter set than the one before
+    lora_switch_seconds: float = 0.0  # their llama_decode time (the graph reserved again included)
     _finished: dict[str, int] = field(default_factory=dict)    # finish_reasons as of the last finish (never mutated)
 
     def decoded(self, n_tokens: int, n_seqs: int, seconds: float) -> None:
@@ -91,6 +92,7 @@ class EngineCounters:
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             lora_switches=self.lora_switches,
+            lora_switch_seconds=self.lora_switch_seconds,
         ))
 
 
@@ -152,6 +154,9 @@ class EngineStats(BaseModel):
     spec_accepted_tokens: int = Field(0, description="draft tokens verification kept (each one a step saved)")
     lora_switches: int = Field(0, description="decodes run under another LoRA adapter set than the one before "
                                              "(each makes llama.cpp reserve its graph again; scheduler rule 10)")
+    lora_switch_seconds: float = Field(
+        0.0, description="llama_decode time of those decodes (of decode_seconds): against decode_seconds / "
+                         "decode_steps, what a switch costs")
 
     @property
     def spec_acceptance(self) -> float | None:

@@ -1,5 +1,6 @@
-"""``slotq status``: the fleet as rich tables, once or refreshed in place (``--watch``); on a Redis
-Cluster, each shard's load too."""
+"""``slotq status``: the fleet as rich tables, once or refreshed in place (``--watch``): the queue, its
+workers, and the models the fleet can load (loaded or not) with their waiting jobs; on a Redis Cluster,
+each shard's load too."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slotq.jobs.aio import wait_until_set
-from slotq.jobs.protocol.schemas import QueueInfo, WorkerInfo
+from slotq.jobs.protocol.schemas import ModelInfo, QueueInfo, WorkerInfo
 from slotq.jobs.protocol.shard_load import ShardLoad
 
 _DEGRADATION_STYLE = {"none": "green", "small_batch": "yellow", "cap_tokens": "dark_orange", "refuse": "red"}
@@ -22,11 +23,12 @@ _DEGRADATION_STYLE = {"none": "green", "small_batch": "yellow", "cap_tokens": "d
 
 @dataclass(frozen=True)
 class Status:
-    """What one look shows: the queue and its workers, and on a cluster the load of each shard (none on
-    a single Redis)."""
+    """What one look shows: the queue and its workers, on a cluster the load of each shard (none on
+    a single Redis), and the models of the fleet's catalog."""
 
     queue: QueueInfo
     shards: Sequence[ShardLoad] = ()
+    models: Sequence[ModelInfo] = ()
 
 
 def _age(seconds: float | None) -> str:
@@ -75,11 +77,26 @@ def _shards(shards: Sequence[ShardLoad]) -> Table:
     return table
 
 
+def _models(models: Sequence[ModelInfo]) -> Table:
+    """One row per model the fleet can load: where its jobs wait, how many, and who has it loaded."""
+    table = Table("model", "kind", "queue", "state", "loaded on", "can load", "queued", "oldest wait", "running",
+                  "load", title="models",
+                  caption="unloaded: no worker has it loaded; its jobs wait in its queue until a worker that can load "
+                          "it (SLOTQ_MODELS) switches to it. load: what loading it cost a worker")
+    for m in models:
+        state = Text(m.status, style={"loaded": "green", "loading": "cyan"}.get(m.status, "yellow"))
+        table.add_row(m.model, m.kind.value, m.queue, state, ", ".join(m.loaded_on) or "-", ", ".join(m.can_load),
+                      str(m.queued), _age(m.oldest_queued_age_s), str(m.running),
+                      f"{m.load_s:.2f} s" if m.load_s is not None else "-")
+    return table
+
+
 def _share(share: float | None) -> str:
     return f"{share:.0%}" if share is not None else "-"
 
 
-def render(info: QueueInfo, *, shards: Sequence[ShardLoad] = (), at: float | None = None) -> RenderableType:
+def render(info: QueueInfo, *, shards: Sequence[ShardLoad] = (), models: Sequence[ModelInfo] = (),
+           at: float | None = None) -> RenderableType:
     lanes = Table("lane", "queued", "oldest wait", "deferred", "running", "preempted", title=f"queue {info.queue}")
     for lane in info.lanes:
         lanes.add_row(lane.lane, str(lane.queued), _age(lane.oldest_queued_age_s), str(lane.deferred),
@@ -107,7 +124,8 @@ def render(info: QueueInfo, *, shards: Sequence[ShardLoad] = (), at: float | Non
                f"spent), {info.failed_attempts} failed (a try each)")
     if at is not None:
         summary += f"; updated {time.strftime('%H:%M:%S', time.localtime(at))}"
-    return Group(lanes, workers, Text(summary), *([_shards(shards)] if shards else []))
+    return Group(lanes, workers, Text(summary), *([_models(models)] if models else []),
+                 *([_shards(shards)] if shards else []))
 
 
 async def watch(read: Callable[[], Awaitable[Status]], *, interval_s: float, console: Console | None = None,
@@ -121,7 +139,7 @@ async def watch(read: Callable[[], Awaitable[Status]], *, interval_s: float, con
     stop = stop or asyncio.Event()
     async def draw() -> RenderableType:
         status = await read()
-        return render(status.queue, shards=status.shards, at=time.time())
+        return render(status.queue, shards=status.shards, models=status.models, at=time.time())
 
     with Live(await draw(), console=console, auto_refresh=False, redirect_stderr=False) as live:
         done = 1

@@ -32,7 +32,7 @@ from slotq.jobs.errors import (
     StreamGone,
 )
 from slotq.jobs.producer.stream_reader import ClusterStreamReader, StreamReader, stream_reader
-from slotq.jobs.protocol import dead_letters, registry, streams
+from slotq.jobs.protocol import catalog, dead_letters, registry, streams
 from slotq.jobs.protocol.arq_formats import ResultRecord
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION
@@ -53,6 +53,7 @@ from slotq.jobs.protocol.schemas import (
     JobResult,
     JobStatus,
     LaneInfo,
+    ModelInfo,
     QueueInfo,
     RerankJobRequest,
     StreamEntry,
@@ -568,6 +569,28 @@ class SlotqClient:
             interrupted_attempts=outcomes.interrupted,
             failed_attempts=outcomes.failed,
         )
+
+    async def models(self) -> list[ModelInfo]:
+        """Every model the fleet can serve, by name: each live worker's catalog entries (the models it
+        can load, loaded or not), with the jobs waiting in each model's queue (O(lanes) per model) and
+        which live workers have it loaded. A model no worker has loaded but whose jobs wait is the
+        demand a worker of several models switches to (:mod:`slotq.jobs.worker.model_switch`)."""
+        offers = await catalog.read(self.redis, now=time.time())
+        workers = await self.workers()
+        models = []
+        for name, offer in offers.items():
+            lanes = await RedisQueue(self.redis, offer.queue, self.settings.lanes).counts()
+            loaded = [w for w in workers if w.model == name and w.queue == offer.queue]
+            ages = [lane.oldest_waiting_age_s for lane in lanes if lane.oldest_waiting_age_s is not None]
+            loads = [s for s in (offer.load_s, *(w.load_s for w in loaded)) if s is not None]
+            models.append(ModelInfo(
+                model=name, queue=offer.queue, kind=offer.kind, fingerprint=offer.fingerprint,
+                status="loaded" if any(w.ready for w in loaded) else "loading" if loaded else "unloaded",
+                loaded_on=[w.id for w in loaded], can_load=list(offer.workers),
+                queued=sum(lane.waiting for lane in lanes), deferred=sum(lane.deferred for lane in lanes),
+                running=sum(lane.running for lane in lanes), oldest_queued_age_s=max(ages) if ages else None,
+                load_s=min(loads) if loads else None))
+        return models
 
 
 _QUOTA_REFUSALS = frozenset({Enqueued.TENANT_WAITING, Enqueued.TENANT_IN_FLIGHT, Enqueued.TENANT_TOKENS})

@@ -8,7 +8,7 @@ import sys
 from array import array
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
@@ -383,3 +383,25 @@ class QueueInfo(BaseModel):
     @computed_field
     def slots_busy(self) -> int:
         return sum(w.slots_busy for w in self.workers)
+
+
+class ModelInfo(BaseModel):
+    """A model the fleet can serve, loaded or not (the catalog: :mod:`slotq.jobs.protocol.catalog`), and
+    the jobs waiting for it in its queue: what ``slotq status`` lists under "models". An ``unloaded``
+    model's jobs wait there, durably, until a worker that can load it switches to it."""
+
+    model: str
+    queue: str = Field(description="the queue its jobs wait in")
+    kind: JobKind
+    fingerprint: str = Field(description="its GGUF's fingerprint")
+    status: Literal["loaded", "loading", "unloaded"] = Field(
+        description="loaded: a ready worker claims its jobs; loading: a worker has it but is not ready (warming up "
+                    "or draining); unloaded: no worker has it loaded")
+    loaded_on: list[str] = Field(description="live workers that have it loaded")
+    can_load: list[str] = Field(description="live workers that can load it (their catalog entries)")
+    queued: int = Field(description="jobs waiting in its queue, every lane")
+    deferred: int = Field(description="jobs waiting out a retry backoff")
+    running: int
+    oldest_queued_age_s: float | None
+    load_s: float | None = Field(description="what loading it cost a worker, the shortest measured (None: never "
+                                             "loaded yet)")

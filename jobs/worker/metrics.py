@@ -30,6 +30,12 @@ PROMPT_TOKENS_CACHED = Counter("slotq_prompt_tokens_cached", "Prompt tokens serv
 TOKENS_PREDICTED = Counter("slotq_tokens_predicted", "Generated tokens")
 N_DECODE = Counter("slotq_n_decode", "llama_decode calls")
 PREEMPTIONS = Counter("slotq_preemptions", "Sequences preempted for lack of KV space")
+DECODE_SECONDS = Counter("slotq_decode_seconds", "Wall time of the llama_decode calls (slotq_n_decode_total of them)")
+LORA_SWITCHES = Counter("slotq_lora_switches", "Decodes run under another LoRA adapter set than the one before: the "
+                        "adapter sets with work take turns of SLOTQ_LORA_TURN_STEPS steps (scheduler rule 10)")
+LORA_SWITCH_SECONDS = Counter(
+    "slotq_lora_switch_decode_seconds", "llama_decode time of those decodes (llama.cpp reserves its graph again after "
+    "a switch): against slotq_decode_seconds_total / slotq_n_decode_total, what a switch costs")
 REQUESTS_PROCESSING = Gauge("slotq_requests_processing", "Sequences holding a slot")
 REQUESTS_DEFERRED = Gauge("slotq_requests_deferred", "Sequences waiting for a slot inside the engine")
 BUSY_SLOTS_PER_DECODE = Gauge("slotq_n_busy_slots_per_decode", "Average sequences per llama_decode")
@@ -121,6 +127,9 @@ _COUNTED = (
     (TOKENS_PREDICTED, "generated_tokens"),
     (N_DECODE, "decode_steps"),
     (PREEMPTIONS, "preemptions"),
+    (DECODE_SECONDS, "decode_seconds"),
+    (LORA_SWITCHES, "lora_switches"),
+    (LORA_SWITCH_SECONDS, "lora_switch_seconds"),
     (SPEC_DRAFT_TOKENS, "spec_draft_tokens"),
     (SPEC_ACCEPTED_TOKENS, "spec_accepted_tokens"),
 )

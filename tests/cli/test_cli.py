@@ -268,3 +268,19 @@ async def test_enqueue_help_explains_the_new_flags(redis_url: str, tmp_path: Pat
     text = " ".join(out.split())
     for expected in ("--detach", "leaves the job running", "Ctrl-C or SIGTERM cancels the job", "--ignore-eos"):
         assert expected in text, expected
+
+
+def test_make_bench_runs_every_benchmark_slotq_bench_offers() -> None:
+    """``make bench`` (the Makefile's ``bench`` target) runs each of ``slotq bench``'s choices at least once;
+    one added to the command but not to the target was left out of every full run (rerank, lora, ...)."""
+    import argparse
+
+    from slotq.jobs.cli.parser import build_parser
+    from tests.support import REPO_ROOT
+
+    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    [which] = [a for a in commands.choices["bench"]._actions if a.dest == "which"]
+    target = re.search(r"^bench:.*\n((?:\t.*\n)+)", (REPO_ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert target is not None
+    run = set(re.findall(r"slotq bench ([\w-]+)", target.group(1)))
+    assert set(which.choices or ()) == run

@@ -47,6 +47,20 @@ def test_every_slotq_variable_in_the_manifests_is_a_setting() -> None:
     assert used <= known, sorted(used - known)
 
 
+def test_a_systemd_instance_may_serve_a_model_of_its_own() -> None:
+    """The worker unit reads an optional per-instance file after the shared one (systemd: a later file's
+    value wins), so ``slotq-worker@2`` can serve a second model on its own queue (deploy/README.md);
+    what deploy/README.md puts in that file are real settings."""
+    unit = (REPO_ROOT / "deploy" / "systemd" / "slotq-worker@.service").read_text()
+    files = re.findall(r"^EnvironmentFile=(.*)$", unit, re.MULTILINE)
+    assert files == ["/etc/slotq/slotq.env", "-/etc/slotq/slotq-worker%i.env"]
+    example = re.search(r"printf '(.*?)'", (REPO_ROOT / "deploy" / "README.md").read_text())
+    assert example is not None
+    names = {line.split("=")[0] for line in example.group(1).split("\\n") if line}
+    assert names == {"SLOTQ_MODEL", "SLOTQ_MODEL_NAME", "SLOTQ_QUEUE_NAME"}
+    assert {name.removeprefix("SLOTQ_").lower() for name in names} <= set(WorkerSettings.model_fields)
+
+
 def _config() -> dict[str, str]:
     return _documents()[("ConfigMap", "slotq-config")]["data"]
 

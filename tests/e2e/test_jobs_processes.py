@@ -128,6 +128,8 @@ async def test_cli_enqueue_json_and_status(client, worker, redis_url, tmp_path):
     assert status["workers"][0]["slots_total"] == 4
     assert status["slots_total"] == 4
     assert status["queued"] == 0 and status["dead_letters"] == 0
+    assert [(m["queue"], m["status"], m["loaded_on"], m["queued"]) for m in status["models"]] == [
+        ("slotq:queue", "loaded", [worker.id], 0)]                # the fleet's catalog: this worker's one model
 
 
 async def test_cli_enqueue_rejects_bad_request(client, redis_url, tmp_path):

@@ -55,6 +55,7 @@ async def test_sets_batched_together_each_get_their_solo_tokens(tiny_model_path:
         stats = engine.stats()
     assert [tokens for _, tokens, _ in results] == [base, styled, base, styled]
     assert stats.lora_switches >= 16 // 2      # both sets progressed turn by turn, not one after the other
+    assert 0 < stats.lora_switch_seconds < stats.decode_seconds         # the switches' decodes, timed apart
 
 
 async def test_unknown_adapters_and_bad_scales_are_refused_by_field(tiny_model_path: Path,

@@ -108,6 +108,7 @@ def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayP
     lines: list[Any] = [batch_line(i) for i in range(1, 11)]
     lines.insert(2, "this line is not JSON")                          # line 3
     lines.insert(6, batch_line(99, temperature=9))                    # line 7: out of range
+    lines.append(batch_line(98, model="another-model"))               # line 13: one batch, one model (OpenAI's)
     file_id = upload(client, tmp_path, lines)
     uploaded = client.files.retrieve(file_id)
     assert uploaded.purpose == "batch" and uploaded.bytes == (tmp_path / "batch-input.jsonl").stat().st_size
@@ -119,7 +120,7 @@ def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayP
     done = wait_batch(client, batch.id, lambda b: b.status in ("completed", "failed", "cancelled", "expired"))
     assert done.status == "completed", done
     assert done.model == MODEL and done.completed_at and done.in_progress_at and done.finalizing_at
-    assert done.request_counts.model_dump() == {"total": 12, "completed": 10, "failed": 2}
+    assert done.request_counts.model_dump() == {"total": 13, "completed": 10, "failed": 3}
     assert any(b.id == batch.id for b in client.batches.list())
 
     output = jsonl(client.files.content(done.output_file_id).text)
@@ -135,7 +136,9 @@ def test_sdk_uploads_creates_polls_and_downloads(stack: Stack, gateway: GatewayP
         assert body["object"] == "chat.completion" and body["model"] == MODEL
         assert body["choices"][0]["message"]["role"] == "assistant" and body["usage"]["completion_tokens"] >= 1
     errors = {e["line"]: e for e in jsonl(client.files.content(done.error_file_id).text)}
-    assert set(errors) == {3, 7}
+    assert set(errors) == {3, 7, 13}
+    assert errors[13]["custom_id"] == "req-98" and "this batch runs model" in json.dumps(errors[13])
+    assert "'another-model'" in json.dumps(errors[13]) and "one batch, one model" in json.dumps(errors[13])
     assert errors[3]["custom_id"] is None and errors[3]["error"]["code"] == "invalid_json"
     assert errors[7]["custom_id"] == "req-99" and errors[7]["response"]["status_code"] == 400   # the HTTP answer
     assert errors[7]["response"]["body"]["error"]["param"] == "temperature"

@@ -47,3 +47,14 @@ def test_engine_sampler_exports_speculative_decoding() -> None:
     assert value("slotq_spec_draft_tokens_total") - drafted == 100
     assert value("slotq_spec_accepted_tokens_total") - accepted == 60
     assert value("slotq_spec_acceptance_ratio") == 0.6
+
+
+def test_engine_sampler_exports_decode_time_and_lora_switches() -> None:
+    """What `slotq bench lora` reads to say where a mixed load's time goes: decode time, and the switches
+    between adapter sets with their own decode time."""
+    sampler = metrics.EngineSampler()
+    names = ("slotq_decode_seconds_total", "slotq_lora_switches_total", "slotq_lora_switch_decode_seconds_total")
+    before = [value(name) for name in names]
+    sampler.update(engine_stats(decode_seconds=1.0, lora_switches=3, lora_switch_seconds=0.25))
+    sampler.update(engine_stats(decode_seconds=2.5, lora_switches=7, lora_switch_seconds=0.75))
+    assert [value(name) - b for name, b in zip(names, before, strict=True)] == [2.5, 7, 0.75]

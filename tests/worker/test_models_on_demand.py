@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from rich.console import Console
 
 from slotq.engine.model_files import ModelNotFound
+from slotq.jobs.cli.status_view import render
 from slotq.jobs.gateway.routes_openai import model_card
 from slotq.jobs.gateway.routing import ModelRouter, routes_from
 from slotq.jobs.openai.errors import ApiError
@@ -137,6 +139,33 @@ async def test_catalog_entries_expire_and_disagreements_resolve_alike(client: Sl
     assert await catalog.claim_load(client.redis, "m", "w1") and not await catalog.claim_load(client.redis, "m", "w2")
     await catalog.release_load(client.redis, "m")
     assert await catalog.claim_load(client.redis, "m", "w2")
+
+
+async def test_status_lists_every_model_the_fleet_can_load_with_its_waiting_jobs(
+        start_worker, client: SlotqClient, tiny_model_path: Path, second_model: Path) -> None:
+    """`slotq status` lists the catalog: the loaded model with its worker, and the one no worker has loaded
+    with the jobs waiting for it (this worker's hysteresis keeps it on the first while those wait)."""
+    await start_worker(model=None, models=f"first={tiny_model_path},second={second_model}", model_idle_s=600,
+                       worker_name="lister")
+    second = client.for_queue("slotq:queue:second")
+    for i in range(3):
+        await second.enqueue(job_request(f"job {i}", max_tokens=2, model="second"))
+    async with asyncio.timeout(30):           # the beat after the warm-up carries what the load cost
+        while (models := {m.model: m for m in await client.models()}).keys() != {"first", "second"} \
+                or models["first"].load_s is None:
+            await asyncio.sleep(0.05)
+    first, waiting = models["first"], models["second"]
+    assert (first.status, first.loaded_on, first.can_load, first.queue, first.queued) == (
+        "loaded", ["lister"], ["lister"], "slotq:queue:first", 0)
+    assert (waiting.status, waiting.loaded_on, waiting.can_load, waiting.queue, waiting.queued, waiting.load_s) == (
+        "unloaded", [], ["lister"], "slotq:queue:second", 3, None)
+    assert waiting.fingerprint == gguf_fingerprint(second_model) and waiting.oldest_queued_age_s is not None
+    console = Console(record=True, width=220)
+    console.print(render(await client.for_queue("slotq:queue:first").queue_info(), models=list(models.values())))
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in console.export_text().splitlines()]
+    rows = {row[0]: row[1:7] for row in cells if len(row) == 10}          # the models table's rows
+    assert rows == {"first": ["generation", "slotq:queue:first", "loaded", "lister", "lister", "0"],
+                    "second": ["generation", "slotq:queue:second", "unloaded", "-", "lister", "3"]}
 
 
 # ---------------------------------------------------------------------- switching, through Redis

@@ -1,5 +1,6 @@
-"""``slotq status``: the queue and its workers, once (a table or ``--json``) or live (``--watch``); on a
-Redis Cluster also each shard's load (``shards`` in the JSON)."""
+"""``slotq status``: the queue and its workers, and every model the fleet can load with the jobs waiting
+for it (``models`` in the JSON), once (a table or ``--json``) or live (``--watch``); on a Redis Cluster
+also each shard's load (``shards`` in the JSON)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ def _reader(client: SlotqClient) -> Callable[[], Awaitable[Status]]:
 
     async def read() -> Status:
         if shards is None:
-            return Status(await client.queue_info())
-        info, loads = await asyncio.gather(client.queue_info(), shards.read())
-        return Status(info, loads)
+            info, models = await asyncio.gather(client.queue_info(), client.models())
+            return Status(info, models=models)
+        info, models, loads = await asyncio.gather(client.queue_info(), client.models(), shards.read())
+        return Status(info, loads, models)
     return read
 
 
@@ -48,7 +50,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         status = await read()
     if args.json:
         shards = {"shards": [s.model_dump(mode="json") for s in status.shards]} if status.shards else {}
-        print_json(status.queue.model_dump(mode="json") | shards)
+        models = {"models": [m.model_dump(mode="json") for m in status.models]}
+        print_json(status.queue.model_dump(mode="json") | models | shards)
         return 0
-    Console().print(render(status.queue, shards=status.shards))
+    Console().print(render(status.queue, shards=status.shards, models=status.models))
     return 0
