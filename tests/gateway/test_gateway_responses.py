@@ -491,9 +491,10 @@ def test_a_background_response_survives_its_worker_killed_mid_reply(stack: Stack
     model, queue = "tiny-fault", "slotq:queue:responses-fault"
     doomed = stack.start_worker("responses-doomed-worker", model, queue=queue, ctx=4096)
     stack.wait_for_models({model})
+    story = LONGER_STORY | {"properties": {"story": {"type": "string", "minLength": 3000}}}   # the kill comes mid-reply
     created = httpx.post(f"{stack.url}/v1/responses", timeout=60, json={
-        "model": model, "input": "Hello", "background": True, "max_output_tokens": 1500, "temperature": 0,
-        "text": {"format": {"type": "json_schema", "name": "story", "schema": LONGER_STORY}}}).json()
+        "model": model, "input": "Hello", "background": True, "max_output_tokens": 3500, "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "story", "schema": story}}}).json()
     url = f"{stack.url}/v1/responses/{created['id']}"
     seen = []
     for event in stream_lines(url, stream="true"):
