@@ -34,6 +34,7 @@ says what that core is spent on.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import random
@@ -47,6 +48,7 @@ from typing import Any, cast
 from pydantic import BaseModel
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from bench import fleet_counters
 from bench.arq_baseline import BaselineClient
@@ -162,56 +164,99 @@ class Followers:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a step's keys live, by primary (``host:port``): the one holding the queue's slot, so every
-    claim-path key (claims, enqueues, job records, results), and how many of the job streams'
-    buckets each holds. One Valkey holds everything."""
+    """Where a step's keys live, by primary (``host:port``): the one holding each queue's slot, so every
+    claim-path key of that queue (claims, enqueues, job records, results), and how many of the job
+    streams' buckets each holds. One Valkey holds everything."""
 
-    queue_node: str
+    queue_nodes: dict[str, str]          # queue -> its primary
     stream_buckets: dict[str, int]
 
 
 # ---------------------------------------------------------------------- one step
 async def measure_step(design: Design, slots: int, rate: float, plan: Plan, settings: FleetSettings,
-                       workdir: Path, primaries: int = 0) -> dict[str, Any]:
+                       workdir: Path, primaries: int = 0, models: int = 1) -> dict[str, Any]:
     """A fresh Valkey and fleet, ``rate`` enqueues/s for warm-up + window + tail: one result row.
     ``primaries``: 0 for one Valkey (the embedded server), else a local Valkey Cluster of that many
-    primaries (no replicas), each with the same persistence (append-only, fsync every second)."""
+    primaries (no replicas), each with the same persistence (append-only, fsync every second).
+    ``models``: the same load spread over that many models' queues (:func:`model_queues`), each
+    worker serving one of them, the enqueues going to each in turn; 1: the one default queue."""
     workdir.mkdir(parents=True)
     server = LocalValkeyCluster(workdir / "valkey", primaries=primaries) if primaries else EmbeddedRedis(
         workdir / "valkey")
     url = server.start()
-    workers = max(1, slots // SLOTS_PER_WORKER)
+    # at least a worker per model, as many of each; the slots shared out evenly
+    per_model = max(1, -(-(slots // SLOTS_PER_WORKER) // models))
+    workers = per_model * models
     hosts: list[ChildProcess] = []
     readers: list[RecordReader] = []
     try:
+        queues = [QUEUE] if models == 1 else await model_queues(url, models)
         for h in range(min(HOSTS, workers)):
             share = workers // HOSTS + (1 if h < workers % HOSTS else 0)
-            config = HostConfig(design=design, redis_url=url, queue_name=QUEUE, workers=share,
-                                slots=min(SLOTS_PER_WORKER, slots),
+            # worker j of the fleet serves queue j % models; this process runs workers h, h + HOSTS, ...
+            served = [queues[j % models] for j in range(h, workers, HOSTS)]
+            config = HostConfig(design=design, redis_url=url, queues=served, workers=share,
+                                slots=min(SLOTS_PER_WORKER, slots // workers),
                                 name_prefix=f"sim{h}", sim=settings.sim, stream_flush_ms=settings.stream_flush_ms,
                                 record_path=workdir / f"host{h}.records")
             hosts.append(ChildProcess(f"fleet process {h} ({share} {design} workers)",
                                       [sys.executable, "-m", "bench.fleet_host", config.model_dump_json()],
                                       log_path=workdir / f"host{h}.log"))
             readers.append(RecordReader(config.record_path))
-        row = await run_watched(_drive(design, url, workers, rate, plan, settings, hosts, readers), *hosts)
+        row = await run_watched(_drive(design, url, workers, rate, plan, settings, hosts, readers, queues), *hosts)
     finally:
         for host in hosts:
             host.stop()
         server.stop()
-    return {"design": design, "slots": slots, "workers": workers, "primaries": primaries, **row}
+    return {"design": design, "slots": slots, "workers": workers, "primaries": primaries, "models": models, **row}
+
+
+async def model_queues(url: str, models: int) -> list[str]:
+    """The queues of ``models`` models, ``slotq:queue:<model>``, named so that on a cluster each lands on
+    its own primary while there are primaries enough (model k on the k-th primary in slot order, then
+    round again), as docs/cluster.md tells an operator to pick them: model k is ``model-k``, or
+    ``model-k.n`` with the first ``n`` whose queue's hash slot that primary serves. On one Valkey
+    ``model-k``."""
+    names = [f"{QUEUE}:model-{k}" for k in range(models)]
+    redis = await connect(url, patient=False)
+    try:
+        if not is_cluster(redis):
+            return names
+        cluster = cast(RedisCluster, redis)
+        await cluster.initialize()
+        primaries = sorted(cluster.get_primaries(), key=lambda node: min(
+            slot for slot, serving in cluster.nodes_manager.slots_cache.items() if serving[0].name == node.name))
+
+        def primary_of(queue: str) -> str:
+            return str(cluster.nodes_manager.slots_cache[key_slot(_queue_prefix(queue).encode())][0].name)
+
+        def landing_on(k: int) -> str:
+            target = primaries[k % len(primaries)].name
+            candidates = itertools.chain([names[k]], (f"{names[k]}.{n}" for n in itertools.count(1)))
+            return next(queue for queue in candidates if primary_of(queue) == target)
+        return [landing_on(k) for k in range(models)]
+    finally:
+        await redis.aclose()
+
+
+def _queue_prefix(queue: str) -> str:
+    """What every key of ``queue`` begins with on a cluster: its hash tag decides its slot."""
+    return QueueKeys(queue, tuple(ClientSettings().lanes), clustered=True).prefix
 
 
 async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan, settings: FleetSettings,
-                 hosts: list[ChildProcess], records: list[RecordReader]) -> dict[str, Any]:
-    client_settings = ClientSettings(redis_url=url, queue_name=QUEUE, max_queue_length=1_000_000)
+                 hosts: list[ChildProcess], records: list[RecordReader], queues: list[str]) -> dict[str, Any]:
     client_cls = BaselineClient if design == "baseline" else SlotqClient
-    producers = [await client_cls.connect(url, client_settings) for _ in range(PRODUCERS)]
+    # at least PRODUCERS connections, as many per queue, each enqueueing to one queue: the i-th job goes to
+    # producer i % len(producers), so to the queues in turn
+    producers = [await client_cls.connect(url, ClientSettings(redis_url=url, queue_name=queues[i % len(queues)],
+                                                              max_queue_length=1_000_000))
+                 for i in range(len(queues) * -(-PRODUCERS // len(queues)))]
     stream_redis = await connect(url, patient=False)
     # every followed stream on one XREAD (one per stream bucket on a cluster), as SlotqClient does
     reader = stream_reader(stream_redis)
     stats_redis = await connect(url, patient=False)
-    layout = await _layout(stats_redis, client_settings)
+    layout = await _layout(stats_redis, queues)
     pids = [h.proc.pid for h in hosts] + [os.getpid()]
     jobs: dict[str, Enqueued] = {}
     followers = Followers()
@@ -257,7 +302,7 @@ async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan
         await stats_redis.aclose()
 
 
-async def _layout(redis: Redis, settings: ClientSettings) -> Layout | None:
+async def _layout(redis: Redis, queues: list[str]) -> Layout | None:
     """The cluster's :class:`Layout` as its slot map says; None on one Valkey."""
     if not is_cluster(redis):
         return None
@@ -272,8 +317,7 @@ async def _layout(redis: Redis, settings: ClientSettings) -> Layout | None:
     buckets = {str(node.name): 0 for node in cluster.get_primaries()}
     for tag in STREAM_TAGS:
         buckets[primary_of(f"{{{tag}}}")] += 1
-    queue_prefix = QueueKeys(settings.queue_name, tuple(settings.lanes), clustered=True).prefix
-    return Layout(queue_node=primary_of(queue_prefix), stream_buckets=buckets)
+    return Layout(queue_nodes={queue: primary_of(_queue_prefix(queue)) for queue in queues}, stream_buckets=buckets)
 
 
 async def _wait_ready(client: SlotqClient, records: list[RecordReader], workers: int, timeout_s: float = 180) -> None:
@@ -362,10 +406,12 @@ def _row(rate: float, jobs: dict[str, Enqueued], records: list[RecordReader], st
 
 
 def _shards(start: fleet_counters.Counters, end: fleet_counters.Counters, layout: Layout | None) -> dict[str, Any]:
-    """How the window's Valkey CPU split over the primaries, the hottest one's, and the queue's."""
+    """How the window's Valkey CPU split over the primaries, the hottest one's, and the queues': where each
+    queue landed, and the hottest primary holding one."""
     w = fleet_counters.window(start, end)
     by_node = w.valkey_cores_by_node
-    queue_node = layout.queue_node if layout else next(iter(by_node))
+    queue_nodes = layout.queue_nodes if layout else {}
+    queue_node = max(set(queue_nodes.values()), key=lambda node: by_node[node]) if queue_nodes else next(iter(by_node))
     return {
         # INFO commandstats of each primary: calls per second of the window, busiest first (scripts' commands
         # under their own names, as well as the EVALSHA that ran them)
@@ -375,6 +421,7 @@ def _shards(start: fleet_counters.Counters, end: fleet_counters.Counters, layout
         "valkey_cores_by_primary": {node: round(cores, 4) for node, cores in by_node.items()},
         "hottest_primary_cores": round(max(by_node.values()), 4),
         "queue_primary": queue_node,
+        "queue_primary_by_queue": queue_nodes or None,                              # one Valkey: none
         "queue_primary_cores": round(by_node[queue_node], 4),
         "stream_buckets_by_primary": layout.stream_buckets if layout else None,     # one Valkey: no buckets
     }
@@ -464,10 +511,13 @@ def ran_out(row: dict[str, Any]) -> str | None:
 
 # ---------------------------------------------------------------------- the run
 async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | None = None,
-              cluster: list[int] | None = None) -> tuple[dict[str, Any], str]:
-    """The whole benchmark; with ``cluster`` (numbers of primaries), only :func:`run_cluster`'s steps."""
+              cluster: list[int] | None = None, models: int | None = None) -> tuple[dict[str, Any], str]:
+    """The whole benchmark; with ``cluster`` (numbers of primaries), only :func:`run_cluster`'s steps, their
+    load spread over ``models`` models' queues."""
     if cluster:
-        return await run_cluster(quick, cluster, plan)
+        return await run_cluster(quick, cluster, plan, models or 1)
+    if models is not None:
+        raise SystemExit("slotq bench fleet: --models applies with --cluster only")
     settings = settings or FleetSettings()
     plan = plan or (QUICK if quick else FULL)
     steps: list[dict[str, Any]] = []
@@ -505,10 +555,12 @@ async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | N
     return data, table
 
 
-async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = None) -> tuple[dict[str, Any], str]:
-    """``slotq bench fleet --cluster N,...``: the streaming steps on one Valkey and on a local Valkey
-    Cluster of each number of ``primaries``, side by side; per flush setting, the backends run one
-    after the other, so a change in the machine's load between them stays small."""
+async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = None,
+                      models: int = 1) -> tuple[dict[str, Any], str]:
+    """``slotq bench fleet --cluster N,... [--models M]``: the streaming steps on one Valkey and on a local
+    Valkey Cluster of each number of ``primaries``, side by side; per flush setting, the backends run one
+    after the other, so a change in the machine's load between them stays small. ``models``: the same
+    load spread over that many models' queues on every backend (:func:`model_queues`)."""
     plan = plan or (QUICK if quick else FULL)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="slotq-fleet-cluster-") as tmp:
@@ -518,7 +570,8 @@ async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = Non
                          f"enqueues/s, {stream_settings.sim.step_s * 1000:g} ms steps, "
                          f"{stream_settings.stream_flush_ms:g} ms flush")
                 row = await measure_step("slotq", STREAMING_SLOTS, STREAMING_RATE, plan, stream_settings,
-                                         Path(tmp) / f"streaming-{stream_settings.stream_flush_ms:g}-{n}", primaries=n)
+                                         Path(tmp) / f"streaming-{stream_settings.stream_flush_ms:g}-{n}", primaries=n,
+                                         models=models)
                 row = {**row, "stream_flush_ms": stream_settings.stream_flush_ms, **_capacity(row)}
                 progress(f"  pickup p50 {row['pickup_p50_ms']} ms, p99 {row['pickup_p99_ms']} ms, Valkey "
                          f"{row['valkey_cpu_cores']} cores, hottest primary {row['hottest_primary_cores']}, "
@@ -531,8 +584,12 @@ async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = Non
             "stream_flush_ms": [s.stream_flush_ms for s in STREAMING], "plan": plan.model_dump(),
             "targets": _cluster_targets(rows)}
     table = f"{_cluster_table(rows)}\n\n{_commandstats_table(rows)}"
+    command = f"slotq bench fleet --cluster {','.join(map(str, primaries))}"
+    if models > 1:
+        table += f"\n\n{_queues_table(rows)}"
+        command += f" --models {models}"
     if not quick:
-        write_results("fleet-cluster", data, table, f"slotq bench fleet --cluster {','.join(map(str, primaries))}")
+        write_results("fleet-cluster" if models == 1 else f"fleet-cluster-{models}-models", data, table, command)
     return data, table
 
 
@@ -563,19 +620,34 @@ def _cluster_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _queues_on(r: dict[str, Any], node: str) -> int:
+    """How many of a step's queues have their hash slot on ``node`` (0 on one Valkey, where slots do not apply)."""
+    return sum(primary == node for primary in (r["queue_primary_by_queue"] or {}).values())
+
+
+def _by_queues_then_cores(r: dict[str, Any]) -> list[str]:
+    """A step's primaries, those holding the most queues first, then the busiest."""
+    cores: dict[str, float] = r["valkey_cores_by_primary"]
+    return sorted(cores, key=lambda node: (-_queues_on(r, node), -cores[node]))
+
+
+def _queue_mark(queues: int) -> str:
+    return "" if not queues else "q" if queues == 1 else f"{queues}q"
+
+
 def _cluster_table(rows: list[dict[str, Any]]) -> str:
     def cores_split(r: dict[str, Any]) -> str:
-        """Each primary's share of the Valkey CPU, the queue's primary first (marked q); with its stream buckets."""
+        """Each primary's share of the Valkey CPU, the queues' primaries first (marked q, 2q: the queues whose
+        hash slot it serves); with its stream buckets."""
         by_node: dict[str, float] = r["valkey_cores_by_primary"]
         buckets: dict[str, int] | None = r["stream_buckets_by_primary"]
-        order = sorted(by_node, key=lambda node: (node != r["queue_primary"], -by_node[node]))
-        return " / ".join(f"{by_node[node] / r['valkey_cpu_cores']:.0%}"
-                          + ("q" if node == r["queue_primary"] and buckets else "")
-                          + (f" ({buckets[node]})" if buckets else "") for node in order)
+        return " / ".join(f"{by_node[node] / r['valkey_cpu_cores']:.0%}" + _queue_mark(_queues_on(r, node))
+                          + (f" ({buckets[node]})" if buckets else "") for node in _by_queues_then_cores(r))
 
     table = markdown_table(
         ["stream flush ms", "Valkey", "running", "pickup p50 / p99 ms", "commands / token",
-         "Valkey cores: all / hottest primary", "CPU share per primary (stream buckets)", "queue's primary: cores",
+         "Valkey cores: all / hottest primary", "CPU share per primary (stream buckets)",
+         "hottest queue's primary: cores",
          "capacity: busy slots", "vs one Valkey"],
         [[f"{r['stream_flush_ms']:g}", _backend_label(r["primaries"]).removeprefix("a "), f"{r['running_jobs']}",
           f"{r['pickup_p50_ms']:g} / {r['pickup_p99_ms']:g}"
@@ -584,16 +656,21 @@ def _cluster_table(rows: list[dict[str, Any]]) -> str:
           cores_split(r), f"{r['queue_primary_cores']:.3f}", f"{r['capacity_busy_slots']:,}",
           f"{r['capacity_vs_one_valkey']:.2f}x"] for r in rows])
     sim = STREAMING[0].sim
+    models = rows[0]["models"] if rows else 1
+    spread = ("" if models == 1 else
+              f" spread over {models} models' queues (each worker serving one, the enqueues going to each in turn; "
+              f"{rows[0]['workers']} workers of {STREAMING_SLOTS // rows[0]['workers']} slots),")
     return (f"{table}\n\nStreaming at a GPU's pace on one Valkey and on local Valkey Clusters (no replicas), side by "
-            f"side: {STREAMING_SLOTS} slots, {STREAMING_RATE:g} enqueues/s of {STREAMING[0].job_tokens}-token jobs, "
-            f"the simulated engine stepping every {sim.step_s * 1000:g} ms with one token per sequence "
-            f"({sim.tokens_per_s:g} tokens/s), {SLOTS_PER_WORKER} slots per worker in {HOSTS} processes, one job in "
-            f"{READ_EVERY} followed by a stream reader; a fresh server or cluster (append-only, fsync every second) "
-            f"per step. The shards share this machine's cores, so capacity comes from CPU accounting, not from "
+            f"side: {STREAMING_SLOTS} slots, {STREAMING_RATE:g} enqueues/s of {STREAMING[0].job_tokens}-token jobs,"
+            f"{spread} the simulated engine stepping every {sim.step_s * 1000:g} ms with one token per sequence "
+            f"({sim.tokens_per_s:g} tokens/s), at most {SLOTS_PER_WORKER} slots per worker in {HOSTS} processes, "
+            f"one job in {READ_EVERY} followed by a stream reader; a fresh server or cluster (append-only, fsync every "
+            f"second) per step. The shards share this machine's cores, so capacity comes from CPU accounting, not from "
             f"saturating them: capacity = running jobs / the hottest primary's Valkey cores, the busy slots at which "
             f"that primary would fill its own core (one Valkey: busy slots per Valkey core). CPU share: each "
-            f"primary's part of the Valkey CPU, the queue's primary (q: every claim-path key, job records and results) "
-            f"first; in brackets, how many of the {len(STREAM_TAGS)} stream buckets it holds.")
+            f"primary's part of the Valkey CPU, the primaries of the queues' hash slots first (q, or 2q for two "
+            f"queues: every claim-path key of the queue, its job records and results); in brackets, how many of the "
+            f"{len(STREAM_TAGS)} stream buckets it holds.")
 
 
 def _commandstats_table(rows: list[dict[str, Any]]) -> str:
@@ -606,15 +683,34 @@ def _commandstats_table(rows: list[dict[str, Any]]) -> str:
         by_node: dict[str, dict[str, float]] = r["commands_per_s_by_primary"]
         buckets: dict[str, int] | None = r["stream_buckets_by_primary"]
         cores: dict[str, float] = r["valkey_cores_by_primary"]
-        for node in sorted(by_node, key=lambda n: (n != r["queue_primary"], -cores[n])):
-            role = ("queue's, " if node == r["queue_primary"] and buckets else "") + (
-                f"{buckets[node]} buckets" if buckets else "everything")
+        for node in _by_queues_then_cores(r):
+            queues = _queue_mark(_queues_on(r, node)) if buckets else ""
+            role = (f"{queues}, " if queues else "") + (f"{buckets[node]} buckets" if buckets else "everything")
             lines.append([f"{r['stream_flush_ms']:g}", _backend_label(r["primaries"]).removeprefix("a "), role,
                           f"{cores[node]:.3f}", f"{sum(by_node[node].values()):,.0f}", commands(by_node[node])])
     table = markdown_table(["stream flush ms", "Valkey", "primary", "cores", "commands/s", "busiest commands/s"],
                            lines)
     return (f"{table}\n\nINFO commandstats of each primary over the same windows, calls per second: a script's "
             f"commands count under their own names as well as in its EVALSHA, so commands/s counts both.")
+
+
+def _queues_table(rows: list[dict[str, Any]]) -> str:
+    """Where each model's queue landed on each cluster: its hash slot's primary, and that primary's CPU."""
+    lines = []
+    for r in rows:
+        by_queue: dict[str, str] | None = r["queue_primary_by_queue"]
+        if not by_queue:
+            continue
+        order = _by_queues_then_cores(r)
+        for queue, node in by_queue.items():
+            lines.append([f"{r['stream_flush_ms']:g}", _backend_label(r["primaries"]).removeprefix("a "), queue,
+                          f"{key_slot(_queue_prefix(queue).encode())}", f"{order.index(node) + 1} ({node})",
+                          f"{r['valkey_cores_by_primary'][node]:.3f}"])
+    table = markdown_table(["stream flush ms", "Valkey", "queue", "hash slot", "primary (as above)", "its cores"],
+                           lines)
+    return (f"{table}\n\nEach model's queue and the primary that serves its hash slot, numbered in the order of the "
+            f"CPU shares above. The names are picked to land one queue per primary (``model-k``, else ``model-k.n`` "
+            f"with the first n that lands on the k-th primary; docs/cluster.md).")
 
 
 def _over_limit_table(rows: list[dict[str, Any]]) -> str:

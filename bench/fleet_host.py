@@ -66,7 +66,7 @@ STOP_WITHIN_S = 5.0
 class HostConfig(BaseModel):
     design: Design
     redis_url: str
-    queue_name: str
+    queues: list[str]            # worker i serves queues[i % len(queues)], as the model named after its queue
     workers: int
     slots: int
     name_prefix: str
@@ -197,8 +197,10 @@ class _BaselineMember:
 
 
 def _member(config: HostConfig, index: int, recorder: Recorder) -> _Member:
-    settings = WorkerSettings(redis_url=config.redis_url, queue_name=config.queue_name, slots=config.slots, ctx=4096,
-                              worker_name=f"{config.name_prefix}-{index}", stream_flush_ms=config.stream_flush_ms)
+    queue = config.queues[index % len(config.queues)]
+    settings = WorkerSettings(redis_url=config.redis_url, queue_name=queue, model_name=queue.rpartition(":")[2],
+                              slots=config.slots, ctx=4096, worker_name=f"{config.name_prefix}-{index}",
+                              stream_flush_ms=config.stream_flush_ms)
     kind = _SlotqMember if config.design == "slotq" else _BaselineMember
     return kind(settings, SimulatedEngine.factory(config.sim), recorder)
 

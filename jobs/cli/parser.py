@@ -168,5 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "100 ms flush) on one Valkey and on a local Valkey Cluster of each N primaries, side by "
                         "side; capacity = busy slots per core of the hottest primary, and its ratio to one "
                         "Valkey's (writes bench/results/fleet-cluster.md)")
+    p.add_argument("--models", type=int, choices=range(1, 49), metavar="1..48",
+                   help="fleet --cluster only: the same load spread over this many models' queues, each landing "
+                        "on its own primary while there are primaries enough (writes "
+                        "bench/results/fleet-cluster-M-models.md)")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -15,6 +15,7 @@ anew when a failover moved slots), so the shard marked as the queue's is the one
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, cast
 
 from pydantic import BaseModel, Field
@@ -22,7 +23,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
-from slotq.jobs.protocol.keys import STREAM_TAGS
+from slotq.jobs.protocol import catalog
+from slotq.jobs.protocol.keys import STREAM_TAGS, QueueKeys
 
 STREAM_SLOTS = tuple(key_slot(f"{{{tag}}}".encode()) for tag in STREAM_TAGS)     # one per stream bucket
 
@@ -53,6 +55,10 @@ class ShardLoad(BaseModel):
     queue_slot: int | None = Field(
         description="the hash slot of the queue's keys, on the shard that serves it (its claim path and job "
                     "records); None on the other shards")
+    queues: list[str] = Field(
+        default_factory=list,
+        description="the queues of the fleet's models (the catalog's live entries) whose hash slot it serves: "
+                    "where each model's claim path lands (docs/cluster.md, 'Several models')")
 
 
 class ShardLoadReader:
@@ -62,6 +68,7 @@ class ShardLoadReader:
     def __init__(self, redis: Redis, queue_key: str) -> None:
         """``redis``: a cluster client (:func:`slotq.jobs.protocol.connection.is_cluster`); ``queue_key``:
         any key of the queue (they share one slot)."""
+        self._redis = redis
         self._cluster = cast(RedisCluster, redis)
         self._queue_key = queue_key
         self._cpu_seen: dict[str, tuple[float, int]] = {}       # node -> (CPU seconds, server time in us)
@@ -76,9 +83,16 @@ class ShardLoadReader:
         for slot in sorted(STREAM_SLOTS):
             if serving := self._cluster.nodes_manager.slots_cache.get(slot):       # none: a slot no node serves
                 stream_slots[serving[0].name].append(slot)
-        figures, counts = await asyncio.gather(
+        figures, counts, models = await asyncio.gather(
             asyncio.gather(*(self._figures(node) for node in primaries)),
-            asyncio.gather(*(self._cluster.cluster_countkeysinslot(slot) for slot in (*STREAM_SLOTS, queue_slot))))
+            asyncio.gather(*(self._cluster.cluster_countkeysinslot(slot) for slot in (*STREAM_SLOTS, queue_slot))),
+            catalog.read(self._redis, now=time.time()))
+        queues: dict[str, list[str]] = {node.name: [] for node in primaries}
+        for queue in sorted({model.queue for model in models.values()}):
+            # any key of the queue: its lanes do not change its slot
+            holder = self._cluster.get_node_from_key(QueueKeys(queue, ("any",), clustered=True).jobs)
+            if holder is not None and holder.name in queues:
+                queues[holder.name].append(queue)
         keys_in = dict(zip((*STREAM_SLOTS, queue_slot), map(int, counts), strict=True))
         slotq_keys = {node.name: sum(keys_in[slot] for slot in stream_slots[node.name]) for node in primaries}
         if queue_node is not None and queue_slot not in STREAM_SLOTS:
@@ -92,6 +106,7 @@ class ShardLoadReader:
                           queue_slot=queue_slot if queue_node is not None and node.name == queue_node.name else None,
                           ops_share=int(info["instantaneous_ops_per_sec"]) / all_ops if all_ops else None,
                           stream_slots=stream_slots[node.name], slotq_keys=slotq_keys.get(node.name, 0),
+                          queues=queues[node.name],
                           slotq_keys_share=slotq_keys.get(node.name, 0) / all_keys if all_keys else None)
                 for node, (info, keys) in zip(primaries, figures, strict=True)]
 

@@ -84,6 +84,8 @@ EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worke
 # 15 s), flushing streams and stopping the loops (a few seconds), and Redis commands retrying
 # through a short outage. Deploy manifests allow a little more (deploy/README.md, "Graceful drain").
 EXIT_MARGIN_S = 30
+# A stopping worker's farewell writes (registry, catalog, the queue's serving record) get this long in all
+FAREWELL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -506,12 +508,17 @@ class SlotqWorker:
         if self.writer:
             await self.writer.close()
         try:
-            await registry.leave(self.queue.redis, self.id)
-            await catalog.withdraw(self.queue.redis, self.id, list(self.offers))
-            if self.membership is not None:
-                await self.membership.leave()
-        except RedisError:
-            pass
+            # a courtesy (the heartbeat's TTL removes the same records), so bounded: after a cluster failover
+            # a farewell's reply never came on a node connection, and the stop waited for it until the exit
+            # bound (docs/cluster.md, "Operating it")
+            async with asyncio.timeout(FAREWELL_S):
+                await registry.leave(self.queue.redis, self.id)
+                await catalog.withdraw(self.queue.redis, self.id, list(self.offers))
+                if self.membership is not None:
+                    await self.membership.leave()
+        except (RedisError, TimeoutError) as exc:
+            log.warning("leaving the worker registry, catalog and queue failed (%s: %s); they expire with the "
+                        "heartbeat", type(exc).__name__, exc)
         if self.engine:
             await self.engine.close()
         for kept, _, _ in self._kept.values():

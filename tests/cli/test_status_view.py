@@ -22,7 +22,10 @@ from rich.console import Console
 
 from slotq.jobs.cli.status_view import Status, render, watch
 from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol import catalog
+from slotq.jobs.protocol.catalog import CatalogEntry
 from slotq.jobs.protocol.keys import STREAM_BUCKETS
+from slotq.jobs.protocol.schemas import JobKind
 from slotq.jobs.protocol.shard_load import STREAM_SLOTS, ShardLoadReader
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender
 from slotq.jobs.redis_cluster import LocalValkeyCluster
@@ -173,3 +176,24 @@ async def test_each_read_of_the_shards_after_the_first_gives_their_cpu_share(clu
     finally:
         await client.close()
     assert all(share is not None and share >= 0 for share in shares), shares
+
+
+async def test_each_models_queue_is_shown_on_the_shard_of_its_slot(cluster: LocalValkeyCluster) -> None:
+    """A fleet of several models (their queues in the model catalog): each shard lists the queues whose
+    hash slot it serves, the ones whose claim paths it carries (docs/cluster.md, "Several models")."""
+    queues = [f"slotq:queue:model-{k}" for k in range(3)]
+    client = await SlotqClient.connect(cluster.url)
+    try:
+        await catalog.publish(client.redis, "w1", [
+            CatalogEntry(model=queue.rpartition(":")[2], queue=queue, kind=JobKind.GENERATION, fingerprint="f")
+            for queue in queues], ttl_s=60, now=time.time())
+        shards = await ShardLoadReader(client.redis, client.queue.keys.jobs).read()
+    finally:
+        await client.close()
+    primaries = [node.port for node in cluster.nodes() if node.role == "primary"]
+    with RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port) for port in primaries]) as plain:
+        expected = {f"127.0.0.1:{plain.get_node_from_key(f'{{{queue}}}:jobs').port}": queue for queue in queues}
+    shown = {queue: shard.node for shard in shards for queue in shard.queues}
+    assert sorted(shown) == queues
+    assert all(shown[queue] == node for node, queue in expected.items())
+    assert len(set(shown.values())) < 3         # model-1 and model-2 share a primary: what docs/cluster.md warns of

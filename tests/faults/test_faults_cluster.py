@@ -6,12 +6,17 @@ test_chaos.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from slotq.jobs.producer.client import JobHandle, SlotqClient
+from slotq.jobs.protocol.keys import worker_key
 from slotq.jobs.protocol.schemas import JobResult, StreamEntry
+from slotq.jobs.redis_cluster import LocalValkeyCluster
+from slotq.jobs.worker.worker import EXIT_STOP_OVERDUE
 from tests.support.faults import Fleet, check_job, worker_env
 from tests.support.jobs import job_request, raw_entries, settings_for
 from tests.support.proxied_cluster import ProxiedCluster
@@ -81,3 +86,33 @@ async def test_the_queues_primary_killed_mid_stream_fails_over_and_nothing_is_lo
             task.cancel()
         fleet.stop_all()
         await client.close()
+
+
+async def test_a_stopping_worker_does_not_wait_for_a_primary_that_never_answers(
+        tiny_model_path: Path, tmp_path: Path) -> None:
+    """An idle worker SIGTERMed while the primary that holds its registry record is frozen (SIGSTOP: the
+    connection stays open and no reply comes, as from a node that died without closing it) exits at
+    once with code 0: its farewell writes (registry, catalog, the queue's serving record) are bounded,
+    and their records expire with the heartbeat. Found after failovers, where such a farewell's reply
+    never came and the worker ran to its exit bound and exited with code 70."""
+    with LocalValkeyCluster(tmp_path / "cluster", primaries=3, fsync="always") as cluster:
+        client = await SlotqClient.connect(cluster.url, settings_for(cluster.url))
+        fleet = Fleet(client, worker_env(cluster.url, tiny_model_path, slots=2, drain_grace_s=1), tmp_path)
+        frozen: int | None = None
+        try:
+            worker = fleet.spawn()
+            await fleet.wait_ready(worker.name)
+            port = int(client.redis.get_node_from_key(worker_key(worker.name)).port)  # type: ignore[attr-defined]
+            frozen = next(node.pid for node in cluster.nodes() if node.port == port)
+            os.kill(frozen, signal.SIGSTOP)
+            worker.proc.send_signal(signal.SIGTERM)
+            # the exit bound is drain_grace_s + EXIT_MARGIN_S = 31 s: waiting longer tells a clean stop from it
+            code = await asyncio.to_thread(worker.proc.wait, 45)
+            assert code != EXIT_STOP_OVERDUE, fleet.logs()
+            assert code == 0, fleet.logs()
+            assert "they expire with the heartbeat" in worker.log.read_text()
+        finally:
+            if frozen is not None:
+                os.kill(frozen, signal.SIGCONT)
+            fleet.stop_all()
+            await client.close()

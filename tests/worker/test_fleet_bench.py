@@ -69,3 +69,20 @@ async def test_the_step_on_a_cluster_splits_its_valkey_cpu_over_the_primaries(tm
 def test_the_cluster_option_is_the_fleet_benchmarks_only() -> None:
     with pytest.raises(SystemExit, match="--cluster apply to `slotq bench fleet` only"):
         main(["bench", "queue", "--cluster", "3"])
+
+
+async def test_the_load_spread_over_models_puts_each_queue_on_its_own_primary(tmp_path: Path) -> None:
+    """``--models 2`` on 2 primaries: two models' queues, a worker each, named so that their hash slots lie on
+    different primaries; every job of both is claimed, and each primary serves one queue's claim path."""
+    row = await measure_step("slotq", SLOTS, RATE, PLAN, SETTINGS, tmp_path / "models", primaries=2, models=2)
+    _assert_every_job_claimed_and_streams_followed(row)
+    assert _fleet_errors(tmp_path / "models") == []
+    by_queue = row["queue_primary_by_queue"]
+    assert len(by_queue) == 2 and all(queue.startswith("slotq:queue:model-") for queue in by_queue)
+    assert set(by_queue.values()) == set(row["valkey_cores_by_primary"])        # one queue on each primary
+    assert row["queue_primary"] in by_queue.values()
+
+
+def test_the_models_option_needs_the_cluster_option() -> None:
+    with pytest.raises(SystemExit, match="--models applies with --cluster only"):
+        main(["bench", "fleet", "--models", "3"])
