@@ -33,7 +33,7 @@ from agents import (
 )
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI, BadRequestError, OpenAI, pydantic_function_tool
 from pydantic import BaseModel, Field
 from pydantic_ai import Agent as PydanticAgent
 from pydantic_ai import RunContext
@@ -122,6 +122,50 @@ def chat_text(server: Server) -> None:
     reply = server.openai().chat.completions.create(model=server.model, messages=ASK, max_tokens=16, temperature=0)
     message = reply.choices[0].message
     assert message.content and message.tool_calls is None, f"content {message.content!r}, calls {message.tool_calls}"
+
+
+class Forecast(BaseModel):
+    """A forecast for a city: a nested model, which pydantic writes as a ``$ref`` into ``$defs``."""
+
+    city: City
+    days: int = Field(ge=1, le=14)
+
+
+def chat_nested_pydantic_tool(server: Server) -> None:
+    """``openai.pydantic_function_tool`` of a nested model (parameters with ``$ref`` into ``$defs``, as the
+    SDK, instructor and pydantic-ai send them), parsed back by the SDK's ``parse``."""
+    reply = server.openai().chat.completions.parse(
+        model=server.model, messages=[{"role": "user", "content": "The weather in Paris, France for the next 3 days."}],
+        tools=[pydantic_function_tool(Forecast)], tool_choice="required", max_tokens=96, temperature=0)
+    calls = choice_of(reply).message.tool_calls or []
+    assert len(calls) == 1 and calls[0].type == "function", calls
+    assert isinstance(calls[0].function.parsed_arguments, Forecast), calls[0].function
+
+
+def chat_no_invented_keys(server: Server) -> None:
+    """Parameters as pydantic writes them, without ``additionalProperties``: the call has the schema's keys
+    and no others (a model left free to add keys pads the call until ``max_tokens`` cuts it)."""
+    tools = [{"type": "function", "function": {"name": "record_city", "description": "Record a city and its country",
+                                               "parameters": City.model_json_schema()}}]
+    reply = server.openai().chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": EXTRACT}], tools=tools, tool_choice="required",
+        max_tokens=64, temperature=0)
+    [call] = choice_of(reply).message.tool_calls or [None]
+    assert call is not None and call.type == "function", call
+    keys = sorted(json.loads(call.function.arguments))
+    assert keys == ["country", "name"], f"keys {keys}"
+
+
+def chat_call_cut_by_max_tokens(server: Server) -> None:
+    """A forced call cut by ``max_tokens``: 200 with ``finish_reason: length`` as OpenAI answers (or a 4xx
+    naming ``max_tokens``), not a 5xx, which the SDKs retry."""
+    try:
+        reply = server.openai().chat.completions.create(model=server.model, messages=ASK, tools=CHAT_TOOLS,
+                                                        tool_choice="required", max_tokens=4, temperature=0)
+    except BadRequestError as exc:
+        assert "max_tokens" in str(exc), exc
+        return
+    assert reply.choices[0].finish_reason == "length", f"finish_reason {reply.choices[0].finish_reason!r}"
 
 
 # ------------------------------------------------------------------------------------- openai SDK: Responses
@@ -334,6 +378,9 @@ CHECKS: list[tuple[str, str, Callable[[Server], Any]]] = [
     ("openai", "chat: forced tool call", lambda s: chat_tool_call(s, stream=False)),
     ("openai", "chat: forced tool call, streamed", lambda s: chat_tool_call(s, stream=True)),
     ("openai", "chat: text, no tools", chat_text),
+    ("openai", "chat: nested pydantic_function_tool ($ref into $defs), parse", chat_nested_pydantic_tool),
+    ("openai", "chat: parameters without additionalProperties: no invented keys", chat_no_invented_keys),
+    ("openai", "chat: a forced call cut by max_tokens: 200 length, no 5xx", chat_call_cut_by_max_tokens),
     ("openai", "responses: forced function call", lambda s: responses_tool_call(s, stream=False)),
     ("openai", "responses: forced function call, streamed", lambda s: responses_tool_call(s, stream=True)),
     ("openai", "responses: tool loop (previous_response_id)", responses_tool_loop),

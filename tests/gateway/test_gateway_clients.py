@@ -3,8 +3,9 @@
 and on its default model provider (the Responses API), and the libraries apps put on top of the SDK:
 instructor (tools, JSON schema and Responses modes), pydantic-ai (a tool, then a structured output),
 langchain-openai (``bind_tools``, ``with_structured_output`` both ways, ``OpenAIEmbeddings``) and litellm
-(a completion with tools, an embedding). The calls live in :mod:`bench.client_checks`, which
-``slotq bench clients`` also runs against llama-server.
+(a completion with tools, an embedding); and the SDK's own probes of issue 45 (a nested pydantic tool,
+parameters without ``additionalProperties``, a call cut by ``max_tokens``). The calls live in
+:mod:`bench.client_checks`, which ``slotq bench clients`` also runs against llama-server.
 
 The bundled SmolLM2's template knows no tools, so the gateway's worker uses the generic format: a forced
 call (``tool_choice: required`` or a named function, which these libraries send for structured output)
@@ -47,6 +48,14 @@ def test_the_openai_sdk_gets_a_tool_call_streamed_and_not(server: checks.Server)
     arguments = checks.chat_tool_call(server, stream=False)
     assert checks.chat_tool_call(server, stream=True) == arguments
     checks.chat_text(server)
+
+
+def test_the_probes_of_issue_45_come_out_clean_through_the_sdk(server: checks.Server) -> None:
+    """A nested pydantic tool (``$ref`` into ``$defs``), parameters without ``additionalProperties`` and a
+    forced call cut by ``max_tokens``: what an attacker's and a client's probe found broken."""
+    checks.chat_nested_pydantic_tool(server)
+    checks.chat_no_invented_keys(server)
+    checks.chat_call_cut_by_max_tokens(server)
 
 
 async def test_an_agent_runs_a_two_turn_tool_loop_on_chat_completions(server: checks.Server) -> None:
