@@ -107,3 +107,4 @@ bench: $(STAMP)
 	$(VENV)/bin/slotq bench on-demand
 	$(VENV)/bin/slotq bench lora
 	$(VENV)/bin/slotq bench api-shapes
+	$(VENV)/bin/slotq bench clients

@@ -1,7 +1,7 @@
-"""Benchmarks (``slotq bench api-shapes|engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|constraints|
-logprobs|embeddings|rerank|spec|step-costs|on-demand|lora``). Each measures its variants side by side in one run,
-prints a table with ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes the table to
-``bench/results/<name>.md`` for the README.
+"""Benchmarks (``slotq bench api-shapes|clients|engine|queue|prefix|gateway|gateway-batch|fleet|bulk|peers|overhead|
+constraints|logprobs|embeddings|rerank|spec|step-costs|on-demand|lora``). Each measures its variants side by side in
+one run, prints a table with ratios (or one JSON object with ``--json``; ``--json PATH`` writes it there) and writes
+the table to ``bench/results/<name>.md`` for the README.
 
 A benchmark that depends on a child (the queue and bulk benchmarks'
 ``slotq worker``, the fleet benchmark's fleet processes) runs under
@@ -28,6 +28,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
     from bench import (
         api_shapes,
         bulk_bench,
+        clients_bench,
         constraints_bench,
         embeddings_bench,
         engine_bench,
@@ -48,6 +49,7 @@ def run_benchmark(which: str, *, as_json: bool = False, quick: bool = False, jso
 
     runners: dict[str, Callable[[bool], Awaitable[tuple[dict[str, Any], str]]]] = {
         "api-shapes": api_shapes.run,
+        "clients": clients_bench.run,
         "engine": engine_bench.run,
         "queue": queue_bench.run,
         "prefix": prefix_bench.run,

@@ -358,7 +358,9 @@ async def exchange(http: httpx.AsyncClient, case: Case, declared: Any) -> Answer
 
 
 # ----------------------------------------------------------------------------- the run
-def _children(tmp: Path, redis_url: str, model: Path, binary: Path | None) -> tuple[list[ChildProcess], dict[str, str]]:
+def _children(tmp: Path, redis_url: str, model: Path, binary: Path | None,
+              peer_args: tuple[str, ...] = ()) -> tuple[list[ChildProcess], dict[str, str]]:
+    """slotq's worker and gateway, and llama-server (with ``peer_args``) when ``binary`` is given; their URLs."""
     env = {**os.environ, "SLOTQ_REDIS_URL": redis_url, "SLOTQ_MODEL": str(model), "SLOTQ_MODEL_NAME": MODEL,
            "SLOTQ_SLOTS": str(SLOTS), "SLOTQ_CTX": str(CTX), "SLOTQ_THREADS": str(THREADS),
            "SLOTQ_LOG_LEVEL": "WARNING"}
@@ -370,7 +372,7 @@ def _children(tmp: Path, redis_url: str, model: Path, binary: Path | None) -> tu
         peer_port = free_port()
         children.append(ChildProcess("llama-server", [
             str(binary), "-m", str(model), "--parallel", str(SLOTS), "-c", str(CTX * SLOTS), "-t", str(THREADS),
-            "--jinja", "--no-webui", "--host", "127.0.0.1", "--port", str(peer_port)],
+            "--jinja", "--no-webui", "--host", "127.0.0.1", "--port", str(peer_port), *peer_args],
             log_path=tmp / "llama-server.log"))
         urls["llama-server"] = f"http://127.0.0.1:{peer_port}"
     return children, urls

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = command("bench", "benchmarks: api-shapes (every API route's JSON and event shapes beside llama-server's "
-                         "and the official SDKs' types), engine (batching modes), queue (Redis overhead), prefix "
+                         "and the official SDKs' types), clients (the real client libraries' calls, pass/fail "
+                         "against slotq and llama-server), engine (batching modes), queue (Redis overhead), prefix "
                          "(KV reuse), gateway (HTTP overhead), gateway-batch (chat TTFT while the gateway writes a "
                          "100 MB batch output), fleet (the claim path at 100 to 10,000 simulated slots), "
                          "bulk (bulk runs beside interactive jobs), peers (slotq beside llama-server and "
@@ -150,9 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "it), on-demand (a job for a model no worker has loaded: first token beside the model's "
                          "load time), lora (a load half on a LoRA adapter beside the same load without one, beside "
                          "llama-server --lora)", None)
-    p.add_argument("which", choices=["api-shapes", "engine", "queue", "prefix", "gateway", "gateway-batch", "fleet",
-                                     "bulk", "peers", "overhead", "constraints", "logprobs", "embeddings", "rerank",
-                                     "spec", "step-costs", "on-demand", "lora"])
+    p.add_argument("which", choices=["api-shapes", "clients", "engine", "queue", "prefix", "gateway", "gateway-batch",
+                                     "fleet", "bulk", "peers", "overhead", "constraints", "logprobs", "embeddings",
+                                     "rerank", "spec", "step-costs", "on-demand", "lora"])
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="print one JSON object instead of a table; with PATH, write it there and print the table")
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run, not for the README)")

@@ -1,30 +1,24 @@
 """The ``openai`` SDK's Responses API against the gateway on the bundled model (issue 45): a
-two-turn tool loop as agents run it, the call streamed and not. The first turn is forced
+two-turn tool loop as agents run it, the call streamed and not (:mod:`bench.client_checks`, which
+``slotq bench clients`` also runs against llama-server). The first turn is forced
 (``tool_choice: required``); the function's output goes back with ``previous_response_id`` alone,
 and the model, free again (``auto``), answers in text. Then a background response, its stream left
 mid-reply and resumed with ``starting_after``, all through the SDK's own calls."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import jsonschema
 import openai
 import pytest
 
+from bench import client_checks as checks
 from tests.support.gateway import Stack
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
 MODEL = "smol"
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
-           "properties": {"city": {"type": "string", "maxLength": 40}}}
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
-          "parameters": WEATHER}]
-ASK = "What is the weather in Paris?"
-INSTRUCTIONS = "Answer questions about the weather."
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +31,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path) -> It
 
 
 def test_the_openai_sdk_runs_a_responses_tool_loop_streamed_and_not(stack: Stack) -> None:
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    first = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=TOOLS,
-                                    tool_choice="required", max_output_tokens=64, temperature=0)
-    [call] = [item for item in first.output if item.type == "function_call"]
-    assert first.status == "completed" and call.name == "get_weather", first
-    arguments = json.loads(call.arguments)
-    jsonschema.validate(arguments, WEATHER)
-
-    with client.responses.stream(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=TOOLS,
-                                 tool_choice="required", max_output_tokens=64, temperature=0) as stream:
-        streamed = stream.get_final_response()
-    assert [item.arguments for item in streamed.output if item.type == "function_call"] == [call.arguments]
-
-    answer = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, previous_response_id=first.id,
-                                     tools=TOOLS, max_output_tokens=96, temperature=0, input=[
-                                         {"type": "function_call_output", "call_id": call.call_id,
-                                          "output": f"Sunny and 21 degrees in {arguments['city']}."}])
-    assert answer.status == "completed", answer
-    assert [item.type for item in answer.output] == ["message"] and answer.output_text.strip()
+    server = checks.Server(stack.url, MODEL, MODEL)
+    first = checks.responses_tool_call(server, stream=False)
+    streamed = checks.responses_tool_call(server, stream=True)
+    assert [item.arguments for item in streamed.output if item.type == "function_call"] == \
+        [item.arguments for item in first.output if item.type == "function_call"]
+    checks.responses_tool_loop(server)
 
 
 def test_the_openai_sdk_resumes_a_background_response_from_starting_after(stack: Stack) -> None:
