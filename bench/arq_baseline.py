@@ -253,6 +253,6 @@ class BaselineWorker:
                      enqueued_at=enqueue_time.timestamp() if enqueue_time else None,
                      is_abort=lambda: job_id in self.arq.aborting_tasks,
                      lease_lost=lambda: job_id in self.arq.lease_lost)
-        result = await run.run()
+        result = await run.run(await self.writer.open(job_id))
         self.arq.aborting_tasks.discard(job_id)
         return result.model_dump(mode="json")

@@ -20,7 +20,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -32,7 +32,7 @@ from slotq.jobs.protocol.connection import is_cluster, is_transient
 from slotq.jobs.protocol.keys import fences_key, stream_bucket, stream_key, write_mark_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
-from slotq.jobs.protocol.scripts.stream_flush import NodeStreamFlush, RaiseFence, StreamFlush
+from slotq.jobs.protocol.scripts.stream_flush import NodeStreamFlush, OpenStreams, StreamFlush
 from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, TokenLogprob, ToolCallDelta, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ _Bucket = tuple[int | None, list[JobEntries]]     # a stream bucket (None on a s
 class StreamAppender:
     """Appends the entries of many jobs in one round trip (``STREAM_FLUSH``).
 
-    A job with a lease is written only while its fence holds that lease (:func:`raise_fences`, and
+    A job with a lease is written only while its fence holds that lease (:func:`open_streams`, and
     :mod:`slotq.jobs.protocol.scripts.stream_flush` for why). Each flush has an id; the script
     records the last one it applied under ``writer_id`` with its answer, and answers an id it has
     already applied from that record, so a flush re-sent after a lost reply is never appended
@@ -322,9 +322,9 @@ class StreamAppender:
                                bucket_fences=[fences_key(b) for b, _ in buckets],
                                bucket_jobs=[len(group) for _, group in buckets], **per_job)
 
-    async def raise_fences(self, leases: Mapping[str, str]) -> dict[str, bool]:
-        """:func:`raise_fences` with this appender's runner, the fences living as long as a live stream."""
-        return await raise_fences(self.redis, leases, ttl_s=self.ttl_live_s, scripts=self._scripts)
+    async def open_streams(self, leases: Mapping[str, str]) -> dict[str, StreamOpening]:
+        """:func:`open_streams` with this appender's runner, the fences living as long as a live stream."""
+        return await open_streams(self.redis, leases, ttl_s=self.ttl_live_s, scripts=self._scripts)
 
 
 def by_bucket(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> list[tuple[int | None, list[T]]]:
@@ -339,21 +339,41 @@ def by_bucket(redis: Redis, items: Sequence[T], job_id: Callable[[T], str]) -> l
     return list(groups.items())
 
 
-async def raise_fences(redis: Redis, leases: Mapping[str, str], *, ttl_s: int,
-                       scripts: ScriptRunner | None = None) -> dict[str, bool]:
-    """Raise the fence of each job (job id -> its new claim's lease) before its attempt reads its
-    stream; per job, False when a newer claim holds the fence already (this claim lost the job).
-    ``scripts``: the caller's runner, whose scripts are loaded already."""
+@dataclass(frozen=True)
+class StreamOpening:
+    """What a claim found when it raised its job's fence (:func:`open_streams`): whether the fence
+    rose (False: a newer claim holds it, so this claim lost the job and read nothing), the stream's
+    entries, and whether MAXLEN trimming dropped any of its entries (a stream that holds none: False)."""
+
+    raised: bool
+    entries: list[StreamEntry] = field(default_factory=list)
+    trimmed: bool = False
+
+
+async def open_streams(redis: Redis, leases: Mapping[str, str], *, ttl_s: int,
+                       scripts: ScriptRunner | None = None) -> dict[str, StreamOpening]:
+    """Raise the fence of each job (job id -> its new claim's lease) and read its stream, for its
+    attempt to resume from, in one step (``OPEN_STREAMS``: no write of an older claim can land between
+    the two); one script per stream bucket, all in one round trip. ``scripts``: the caller's runner,
+    whose scripts are loaded already."""
     scripts = scripts or ScriptRunner(redis)
+    clustered = is_cluster(redis)
     groups = by_bucket(redis, list(leases), lambda job_id: job_id)
-    answers = await scripts.run_all([RaiseFence(fences=fences_key(bucket), job_ids=group,
-                                                leases=[leases[job_id] for job_id in group], ttl_s=ttl_s)
+    answers = await scripts.run_all([OpenStreams(fences=fences_key(bucket),
+                                                 streams=[stream_key(job_id, clustered=clustered) for job_id in group],
+                                                 job_ids=group, leases=[leases[job_id] for job_id in group],
+                                                 ttl_s=ttl_s)
                                      for bucket, group in groups])
-    raised: dict[str, bool] = {}
+    opened: dict[str, StreamOpening] = {}
     for (_, group), answer in zip(groups, answers):
-        text = answer.decode() if isinstance(answer, bytes) else answer
-        raised.update((job_id, ok == "1") for job_id, ok in zip(group, text))
-    return raised
+        for job_id, (raised, *found) in zip(group, answer):
+            if not raised:
+                opened[job_id] = StreamOpening(raised=False)
+                continue
+            trimmed, entries = found
+            opened[job_id] = StreamOpening(raised=True, trimmed=bool(trimmed), entries=[
+                decode_entry(entry_id, dict(zip(flat[::2], flat[1::2]))) for entry_id, flat in entries])
+    return opened
 
 
 async def end_stream(redis: Redis, job_id: str, entry: StreamEntry, *, maxlen: int, ttl_s: int) -> None:

@@ -42,6 +42,7 @@ from slotq.jobs.protocol.schemas import (
     StreamEntry,
 )
 from slotq.jobs.protocol.serialization import POISON_MARKER
+from slotq.jobs.protocol.streams import StreamOpening
 from slotq.jobs.protocol.wire import ErrorInfo, FinishReason, Timings, Usage
 from slotq.jobs.worker import metrics, results
 from slotq.jobs.worker.attempts import ENGINE_DEAD, AttemptAccount, Failure
@@ -49,7 +50,7 @@ from slotq.jobs.worker.elastic.admission import Verdict
 from slotq.jobs.worker.engine_api import JobEmbedder, JobEngine, JobRanker, RunningRequest
 from slotq.jobs.worker.fault_injection import JobFaults
 from slotq.jobs.worker.results import Attribution
-from slotq.jobs.worker.resume import Delivered, Replies, read_delivered
+from slotq.jobs.worker.resume import Delivered, Replies, delivered_from
 from slotq.jobs.worker.served_model import ServedModel
 from slotq.jobs.worker.settings import WorkerSettings
 from slotq.jobs.worker.start_gate import StartGate
@@ -130,7 +131,10 @@ class JobRun:
         return Progress(tokens_left=self.tokens_left or 0, generated=self.generated, started_at=self.started_at)
 
     # ------------------------------------------------------------------ entry point
-    async def run(self) -> JobResult:
+    async def run(self, opening: StreamOpening) -> JobResult:
+        """Run the attempt from what its stream held when it opened (:meth:`StreamWriter.open
+        <slotq.jobs.worker.stream_writer.StreamWriter.open>`, read even on attempt 1: a job handed back
+        on shutdown runs again with the same try number)."""
         if isinstance(self.payload, dict) and POISON_MARKER in self.payload:
             return await self._dead_letter(ErrorInfo(code="poison_payload", retryable=False,
                                                      message=f"unreadable job payload: {self.payload[POISON_MARKER]}"))
@@ -146,8 +150,7 @@ class JobRun:
             return await self._dead_letter(refusal)
         if self.lease_lost():          # claimed again before this attempt got going
             raise asyncio.CancelledError(f"job {self.job_id}: lease lost before the start")
-        # Read even on attempt 1: a job handed back on shutdown runs again with the same try number.
-        delivered = await read_delivered(self.writer, self.job_id)
+        delivered = delivered_from(opening)
         if delivered.final is not None and not delivered.trimmed and not (
                 job.kind != JobKind.GENERATION and delivered.final.kind == EntryKind.DONE):
             # An earlier attempt finished; only its finish was lost. (An embedding job's vectors and a rerank

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slotq.jobs.protocol import streams
 from slotq.jobs.protocol.schemas import ChoiceResult, EntryKind, StreamEntry, assemble_tool_calls
+from slotq.jobs.protocol.streams import StreamOpening
 from slotq.jobs.protocol.wire import FinishReason, Timings, TokenLogprob, ToolCallDelta, Usage
-from slotq.jobs.worker.stream_writer import StreamWriter
 
 
 @dataclass
@@ -78,13 +77,13 @@ class Delivered:
         return sum(len(tokens) for tokens in self.tokens.values())
 
 
-async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
-    """What the stream of ``job_id`` holds for the attempt about to run (since its last ``RESTART``).
-    A stream that holds entries but no ``RESTART`` is asked whether it was trimmed (one XINFO STREAM
-    more: a job's first attempt, with an empty stream, pays nothing)."""
+def delivered_from(opening: StreamOpening) -> Delivered:
+    """What the stream an attempt opened (:meth:`StreamWriter.open
+    <slotq.jobs.worker.stream_writer.StreamWriter.open>`) holds for it: its entries since the last
+    ``RESTART``. Trimmed only where no ``RESTART`` is left: one that is still there keeps every entry
+    after it, since trimming drops the oldest first."""
     delivered = Delivered()
-    entries = await streams.read_all(writer.redis, job_id)
-    for entry in entries:
+    for entry in opening.entries:
         if entry.kind == EntryKind.RESTART:
             delivered = Delivered()
         elif entry.kind == EntryKind.CHUNK:
@@ -94,7 +93,5 @@ async def read_delivered(writer: StreamWriter, job_id: str) -> Delivered:
             delivered.done[entry.choice] = entry
         if entry.final:
             delivered.final = entry
-    if entries and all(entry.kind != EntryKind.RESTART for entry in entries):
-        start = await streams.stream_start(writer.redis, job_id)
-        delivered.trimmed = start is not None and start.trimmed
+    delivered.trimmed = opening.trimmed and all(entry.kind != EntryKind.RESTART for entry in opening.entries)
     return delivered

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from slotq.jobs.protocol.connection import is_cluster, is_transient
 from slotq.jobs.protocol.keys import stream_bucket
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
-from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
+from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, StreamOpening, encode_chunk, encode_entry
 from slotq.jobs.protocol.wire import TokenLogprob, ToolCallDelta
 from slotq.jobs.worker import metrics
 
@@ -122,7 +122,7 @@ class StreamWriter:
     already applied from its record: a write whose reply was lost is never appended twice.
 
     A job bound to a lease (:meth:`bind`) has its entries written only while its fence holds that
-    lease (:func:`~slotq.jobs.protocol.streams.raise_fences`): each entry keeps its lease until it
+    lease (:func:`~slotq.jobs.protocol.streams.open_streams`): each entry keeps its lease until it
     is written, so entries an attempt left buffered are refused once the job is claimed again, even
     by this worker. A refused job's pending entries are dropped and ``on_fenced(job_id, lease)`` is
     told. Entries of a job never bound are not fenced. So is a flush Redis refuses for good (a
@@ -153,6 +153,9 @@ class StreamWriter:
         self._wake = asyncio.Event()                   # the flush loop re-checks the policy
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        # asked for this turn (:meth:`open`): job id -> its lease then, and what its opening answers
+        self._opening: dict[str, tuple[str, asyncio.Future[StreamOpening]]] = {}
+        self._open_task: asyncio.Task[None] | None = None
         self.round_trips = 0
         self.entries_written = 0
 
@@ -179,11 +182,36 @@ class StreamWriter:
         if batch is not None and batch.lease != lease:
             self.drop(job_id)
 
-    async def raise_fence(self, job_id: str) -> bool:
-        """Raise the fence of ``job_id`` to the lease it is bound to, before its attempt reads the
-        stream to resume (:func:`~slotq.jobs.protocol.streams.raise_fences`). False: a newer claim
-        of the job holds the fence, so this attempt has lost it."""
-        return (await self._appender.raise_fences({job_id: self._leases[job_id]}))[job_id]
+    async def open(self, job_id: str) -> StreamOpening:
+        """Raise the fence of ``job_id`` to the lease it is bound to and read its stream, for its
+        attempt to resume from (:func:`~slotq.jobs.protocol.streams.open_streams`); not raised: a newer
+        claim of the job holds the fence, so this attempt has lost it. A job never bound is only read.
+
+        The jobs that open in the same turn of the event loop -- a claim's jobs, whose arq preludes
+        end together -- share one call: one round trip for all of them, not one each."""
+        asked = self._opening.get(job_id)
+        if asked is None:
+            asked = self._opening[job_id] = (self._leases.get(job_id, ""), asyncio.get_running_loop().create_future())
+            if self._open_task is None:
+                self._open_task = asyncio.create_task(self._open_together(), name="slotq-stream-open")
+        return await asyncio.shield(asked[1])
+
+    async def _open_together(self) -> None:
+        """Open every stream asked for in this turn of the event loop (:meth:`open`), in one call."""
+        await asyncio.sleep(0)                          # the rest of this turn's openers join
+        asking, self._opening, self._open_task = self._opening, {}, None
+        try:
+            opened = await self._appender.open_streams({job_id: lease for job_id, (lease, _) in asking.items()})
+        except asyncio.CancelledError:
+            for _, future in asking.values():
+                future.cancel()
+            raise
+        except Exception as exc:
+            for _, future in asking.values():
+                future.set_exception(exc)
+            return
+        for job_id, (_, future) in asking.items():
+            future.set_result(opened[job_id])
 
     def unbind(self, job_id: str) -> None:
         """The attempt is over (entries it already added keep their lease until written). The job is

@@ -713,7 +713,8 @@ class SlotqWorker:
         self._faults.on_job_start(self._beat_now)
         self.writer.bind(job_id, claim.lease)
         try:        # from the bind on: a fence that fails to rise unbinds too
-            if not await self.writer.raise_fence(job_id):
+            opening = await self.writer.open(job_id)
+            if not opening.raised:
                 runtime.lose_lease(job_id, claim.lease)     # a newer claim holds the job's stream: this attempt stops
             self._runs[job_id] = run
             if runtime.full:
@@ -722,7 +723,7 @@ class SlotqWorker:
                 # wait again with one, rather than up to SLOTQ_POLL_DELAY_S later. No Redis command:
                 # a full worker does not claim.
                 runtime.nudge()
-            result = await run.run()
+            result = await run.run(opening)
         except asyncio.CancelledError:
             log.info("job %s %s", job_id, "abandoned (lease lost)" if runtime.has_lost_lease(job_id) else "handed back")
             raise

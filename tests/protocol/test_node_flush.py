@@ -22,8 +22,9 @@ from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import STREAM_BUCKETS, STREAM_TAGS, fences_key, stream_bucket
 from slotq.jobs.protocol.scripts.layout import ScriptRunner, lua_source
 from slotq.jobs.protocol.scripts.stream_flush import NodeStreamFlush
-from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, raise_fences, read_all
+from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, read_all
 from slotq.jobs.redis_cluster import LocalValkeyCluster
+from tests.support.jobs import fences_raised
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +127,9 @@ async def test_a_flush_is_one_script_per_node_and_a_resend_is_not_written_twice(
 async def test_a_node_call_is_fenced_per_job_as_a_bucket_call_is(redis: Redis) -> None:
     ids = one_job_per_bucket()
     old = {job_id: f"w1#{10 + n}" for n, job_id in enumerate(ids)}
-    assert await raise_fences(redis, old, ttl_s=60) == dict.fromkeys(ids, True)
+    assert await fences_raised(redis, old) == dict.fromkeys(ids, True)
     newer = ids[::3]                                   # a newer claim of every third job: the old one lost it
-    assert await raise_fences(redis, {job_id: f"w2#{100 + n}" for n, job_id in enumerate(newer)}, ttl_s=60) == \
+    assert await fences_raised(redis, {job_id: f"w2#{100 + n}" for n, job_id in enumerate(newer)}) == \
         dict.fromkeys(newer, True)
     appender = StreamAppender(redis, writer_id="w1", maxlen=1000, ttl_s=60)
     written = await appender.append("w1:0", [JobEntries(job_id, old[job_id], TTL.LIVE, [chunk("a")]) for job_id in ids])

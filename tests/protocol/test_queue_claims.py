@@ -27,9 +27,9 @@ from slotq.jobs.protocol.redis_queue import (
     WaitReplicas,
 )
 from slotq.jobs.protocol.serialization import serialize
-from slotq.jobs.protocol.streams import raise_fences, read_all
+from slotq.jobs.protocol.streams import read_all
 from slotq.jobs.protocol.wire import FinishReason
-from tests.support.jobs import ON_EVERY_BACKEND
+from tests.support.jobs import ON_EVERY_BACKEND, fences_raised
 
 LEASE_MS = 60_000
 
@@ -295,7 +295,7 @@ async def test_a_job_cancelled_while_queued_after_an_earlier_claim_leaves_no_fen
     queue, redis = client.queue, client.redis
     await put(queue, "j")
     [claim] = await queue.claim(1, "w1", LEASE_MS)
-    assert await raise_fences(redis, {"j": claim.lease}, ttl_s=60) == {"j": True}
+    assert await fences_raised(redis, {"j": claim.lease}) == {"j": True}
     assert await queue.hand_back(claim)
     assert await client.cancel("j")
     assert await redis.hget(job_fences_key("j", clustered=queue.keys.clustered), "j") is None

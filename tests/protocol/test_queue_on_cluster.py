@@ -16,7 +16,8 @@ from slotq.jobs.protocol.arq_formats import ABORT_JOBS_SET, result_record
 from slotq.jobs.protocol.keys import job_fences_key, stream_key
 from slotq.jobs.protocol.redis_queue import Enqueued, RedisQueue
 from slotq.jobs.protocol.serialization import deserialize, serialize
-from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, raise_fences, read_all
+from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, read_all
+from tests.support.jobs import fences_raised
 
 LANES = ("interactive", "bulk")
 
@@ -42,7 +43,7 @@ async def test_a_job_goes_the_whole_way_with_its_stream_on_its_own_shard(redis: 
                                serializer=serialize) == Enqueued.EXISTS
     claimed = await queue.claim(len(ids), "w1", 30_000)
     assert sorted(job.id for job in claimed) == sorted(ids)
-    assert await raise_fences(redis, {job.id: job.lease for job in claimed}, ttl_s=60) == dict.fromkeys(ids, True)
+    assert await fences_raised(redis, {job.id: job.lease for job in claimed}) == dict.fromkeys(ids, True)
 
     appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
     flush = [JobEntries(job.id, job.lease, TTL.LIVE, [chunk(job.id)]) for job in claimed]
@@ -69,12 +70,12 @@ async def test_a_newer_claim_fences_off_the_older_attempt_across_slots(redis: Re
     queue = RedisQueue(redis, "slotq:queue", LANES)
     await queue.enqueue("j", "generate", {}, lane="interactive", max_waiting=None, serializer=serialize)
     [old] = await queue.claim(1, "w1", 30_000)
-    assert await raise_fences(redis, {"j": old.lease}, ttl_s=60) == {"j": True}
+    assert await fences_raised(redis, {"j": old.lease}) == {"j": True}
     assert await queue.hand_back(old)
     [new] = await queue.claim(1, "w2", 30_000)
     assert int(new.lease.split("#")[1]) > int(old.lease.split("#")[1])
-    assert await raise_fences(redis, {"j": new.lease}, ttl_s=60) == {"j": True}
-    assert await raise_fences(redis, {"j": old.lease}, ttl_s=60) == {"j": False}     # late: it lost the job
+    assert await fences_raised(redis, {"j": new.lease}) == {"j": True}
+    assert await fences_raised(redis, {"j": old.lease}) == {"j": False}     # late: it lost the job
     appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
     assert await appender.append("w1:1", [JobEntries("j", old.lease, TTL.KEEP, [chunk("old")])]) == [False]
     assert await appender.append("w2:0", [JobEntries("j", new.lease, TTL.LIVE, [chunk("new")])]) == [True]

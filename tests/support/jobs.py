@@ -176,6 +176,11 @@ async def collect_stream(client: SlotqClient, job_id: str, last_id: str = "0-0",
         return [e async for e in client.stream(job_id, last_id=last_id)]
 
 
+async def fences_raised(redis: Redis, leases: dict[str, str]) -> dict[str, bool]:
+    """Raise each job's fence as a claim's attempt does (job id -> lease); per job, whether it rose."""
+    return {job_id: opening.raised for job_id, opening in (await streams.open_streams(redis, leases, ttl_s=60)).items()}
+
+
 async def raw_entries(client: SlotqClient, job_id: str) -> list[StreamEntry]:
     """What the job's stream holds right now (XRANGE, no waiting)."""
     return await streams.read_all(client.redis, job_id)

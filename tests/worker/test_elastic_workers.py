@@ -30,6 +30,7 @@ from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.arq_adapter import RetryJob
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import EntryKind, JobStatus
+from slotq.jobs.protocol.streams import StreamOpening
 from slotq.jobs.protocol.wire import ErrorInfo
 from slotq.jobs.worker.elastic.admission import WORKER_OVERLOADED, Verdict
 from slotq.jobs.worker.job_run import JobRun
@@ -255,7 +256,7 @@ async def test_a_refused_job_goes_back_unstarted_with_a_retryable_error(
                      enqueued_at=None, payload=encode_payload(job_request(max_tokens=4)),
                      is_abort=lambda: False, lease_lost=lambda: False, verdict=lambda **_: refusal)
         with pytest.raises(RetryJob):
-            await run.run()
+            await run.run(StreamOpening(raised=True))
     finally:
         await writer.close()
         await engine.close()

@@ -87,7 +87,7 @@ async def test_a_flush_redis_refuses_for_good_is_given_up_and_its_attempt_stoppe
     writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, writer_id="w",
                           on_fenced=lambda job, lease: stopped.append((job, lease)))
     writer.bind("j", "w#1")
-    assert await writer.raise_fence("j")
+    assert (await writer.open("j")).raised
     await redis.set(stream_key("j"), "not a stream")
     before = failures("flush", "deterministic")
     writer.add_chunk("j", attempt=1, choice=0, text="a", token_ids=[1, 2], n_tokens=2)

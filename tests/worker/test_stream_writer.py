@@ -3,15 +3,18 @@ writes, and fencing per job inside one flush. Real Valkey; no worker, no model, 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from redis.asyncio import Redis
 
 from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
-from slotq.jobs.protocol.streams import decode_entry, encode_chunk, raise_fences
+from slotq.jobs.protocol.streams import decode_entry, encode_chunk
 from slotq.jobs.protocol.wire import FinishReason, TokenLogprob, TopLogprob
 from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.worker.stream_writer import FlushPolicy, StreamWriter
+from tests.support.jobs import fences_raised
 
 POLICY = FlushPolicy(max_delay_s=0.1)
 
@@ -91,7 +94,7 @@ async def test_merged_chunks_keep_one_logprob_per_token_and_older_entries_decode
 
 
 async def test_one_flush_writes_the_jobs_it_owns_and_reports_the_one_it_lost(redis) -> None:
-    assert await raise_fences(redis, {"mine": "w#1", "also-mine": "w#2", "lost": "other#3"}, ttl_s=60) == {
+    assert await fences_raised(redis, {"mine": "w#1", "also-mine": "w#2", "lost": "other#3"}) == {
         "mine": True, "also-mine": True, "lost": True}
     lost: list[tuple[str, str]] = []
     writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60,
@@ -127,7 +130,7 @@ async def test_entries_buffered_by_an_attempt_are_refused_once_the_same_worker_c
                           on_fenced=lambda job, lease: lost.append((job, lease)))
     try:
         writer.bind("j", "w#1")
-        assert await writer.raise_fence("j")
+        assert (await writer.open("j")).raised
         writer.add_chunk("j", attempt=1, choice=0, text="a", token_ids=[1], n_tokens=1)
         assert await writer.flush()
         writer.add_chunk("j", attempt=1, choice=0, text="b", token_ids=[2], n_tokens=2)
@@ -136,7 +139,7 @@ async def test_entries_buffered_by_an_attempt_are_refused_once_the_same_worker_c
         server.restart()
         writer.unbind("j")                              # reaped and claimed again by this worker
         writer.bind("j", "w#2")
-        assert await writer.raise_fence("j")
+        assert (await writer.open("j")).raised
         writer.add_chunk("j", attempt=2, choice=0, text="b", token_ids=[2], n_tokens=2)   # resumed after "a"
         assert await writer.flush()                     # the old flight: refused
         assert await writer.flush()                     # the new attempt's entry
@@ -154,7 +157,7 @@ async def test_an_attempt_that_ended_without_a_final_entry_leaves_nothing_behind
     again (its stream may have aged through a retry's backoff)."""
     writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, ttl_live_s=3600, writer_id="w")
     writer.bind("j", "w#1")
-    assert await writer.raise_fence("j")
+    assert (await writer.open("j")).raised
     writer.add_chunk("j", attempt=1, choice=0, text="a", token_ids=[1], n_tokens=1)
     writer.add("j", StreamEntry(id="", kind=EntryKind.ERROR, attempt=1))          # retried: not final
     assert await writer.write_all("j")
@@ -162,7 +165,7 @@ async def test_an_attempt_that_ended_without_a_final_entry_leaves_nothing_behind
     assert writer.tracked_jobs() == 0
     await redis.expire(stream_key("j"), 100)                                      # aged through the backoff
     writer.bind("j", "w#2")
-    assert await writer.raise_fence("j")
+    assert (await writer.open("j")).raised
     writer.add_chunk("j", attempt=2, choice=0, text="b", token_ids=[2], n_tokens=2)
     assert await writer.write_all("j")
     assert await redis.ttl(stream_key("j")) > 3000
@@ -173,9 +176,9 @@ async def test_an_attempt_that_ended_without_a_final_entry_leaves_nothing_behind
 async def test_a_fence_only_rises_and_an_older_claim_cannot_take_it_back(redis) -> None:
     """The claim numbers order the claims of a job: one that comes late with an older number (its
     worker stalled between the claim and the raise) loses the job, and its writes are refused."""
-    assert await raise_fences(redis, {"j": "new#20"}, ttl_s=60) == {"j": True}
-    assert await raise_fences(redis, {"j": "old#9"}, ttl_s=60) == {"j": False}       # 9 < 20, as numbers
-    assert await raise_fences(redis, {"j": "again#20"}, ttl_s=60) == {"j": True}     # the same claim number
+    assert await fences_raised(redis, {"j": "new#20"}) == {"j": True}
+    assert await fences_raised(redis, {"j": "old#9"}) == {"j": False}       # 9 < 20, as numbers
+    assert await fences_raised(redis, {"j": "again#20"}) == {"j": True}     # the same claim number
     writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60)
     writer.bind("j", "old#9")
     writer.add_chunk("j", attempt=1, choice=0, text="late", token_ids=[1], n_tokens=1)
@@ -187,7 +190,7 @@ async def test_a_fence_only_rises_and_an_older_claim_cannot_take_it_back(redis) 
 async def test_a_jobs_final_entry_takes_its_fence_away(redis) -> None:
     """The fences are one hash (one per stream bucket on a cluster), so a finished job's fence is
     removed with its final entry rather than left to expire."""
-    assert await raise_fences(redis, {"done": "w#5", "running": "w#6"}, ttl_s=60) == {"done": True, "running": True}
+    assert await fences_raised(redis, {"done": "w#5", "running": "w#6"}) == {"done": True, "running": True}
     writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60)
     writer.bind("done", "w#5")
     writer.bind("running", "w#6")
@@ -196,3 +199,32 @@ async def test_a_jobs_final_entry_takes_its_fence_away(redis) -> None:
     assert await writer.flush()
     assert await redis.hkeys("slotq:fences") == [b"running"]
     assert [e.kind for e in await entries(redis, "done")] == [EntryKind.DONE]
+
+
+async def test_attempts_that_open_together_share_one_call_that_raises_their_fences_and_reads_their_streams(
+        redis) -> None:
+    """A claim's jobs open their streams in the same turn of the event loop: one OPEN_STREAMS for all
+    of them raises each fence and reads each stream (no XRANGE, XINFO or second script of their own),
+    and says which stream MAXLEN trimmed, the one thing a resume cannot go on from."""
+    writer = StreamWriter(redis, flush_ms=100, maxlen=1000, ttl_s=60, writer_id="w")
+    for n in range(5):                       # job n's stream holds n chunks (written unfenced)
+        for token in range(n):
+            writer.add_chunk(f"j{n}", attempt=1, choice=0, text=str(token), token_ids=[token], n_tokens=token + 1)
+            assert await writer.write_all(f"j{n}")
+    await redis.xtrim(stream_key("j4"), maxlen=3, approximate=False)         # as SLOTQ_STREAM_MAXLEN would
+    assert await fences_raised(redis, {"j3": "other#9"}) == {"j3": True}     # a newer claim took j3
+    await redis.config_resetstat()
+    for n in range(5):
+        writer.bind(f"j{n}", "w#2")
+    opened = dict(zip(["j0", "j1", "j2", "j3", "j4"], await asyncio.gather(*(writer.open(f"j{n}") for n in range(5)))))
+    stats = await redis.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 1                            # what the one script ran:
+    assert stats["cmdstat_xrange"]["calls"] == 4                             # the 4 streams whose fence rose,
+    assert stats["cmdstat_xinfo|stream"]["calls"] == 3                       # of them those with entries
+    assert [opened[j].raised for j in opened] == [True, True, True, False, True]
+    assert [[e.text for e in opened[j].entries] for j in ["j0", "j1", "j2"]] == [[], ["0"], ["0", "1"]]
+    assert opened["j3"].entries == []                                         # lost: nothing read
+    assert [e.text for e in opened["j4"].entries] == ["1", "2", "3"]
+    assert [opened[j].trimmed for j in ["j0", "j1", "j2", "j4"]] == [False, False, False, True]
+    assert await redis.hget("slotq:fences", "j2") == b"w#2"
+    assert await redis.hget("slotq:fences", "j3") == b"other#9"

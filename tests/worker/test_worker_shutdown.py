@@ -35,6 +35,7 @@ from slotq.engine.outbox import StepReceiver
 from slotq.jobs.protocol.keys import stream_key
 from slotq.jobs.protocol.payload import encode_payload
 from slotq.jobs.protocol.schemas import JobStatus
+from slotq.jobs.protocol.streams import StreamOpening
 from slotq.jobs.redis_server import EmbeddedRedis
 from slotq.jobs.worker import job_run
 from slotq.jobs.worker.fault_injection import BEAT_BEFORE_STOP, RENEW_AFTER_FINISH
@@ -173,7 +174,7 @@ async def test_a_final_write_during_a_redis_outage_ends_with_its_bound_after_shu
                      job_id="aborted", attempt=1, enqueued_at=None, payload=encode_payload(job_request(max_tokens=200)),
                      is_abort=lambda: aborted, lease_lost=lambda: False)
         before = asyncio.all_tasks()
-        attempt = asyncio.create_task(run.run())
+        attempt = asyncio.create_task(run.run(StreamOpening(raised=True)))
         async with asyncio.timeout(60):
             while not await redis.xlen(stream_key("aborted")):
                 await asyncio.sleep(0.01)

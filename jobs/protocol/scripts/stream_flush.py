@@ -1,5 +1,5 @@
 """What writes job streams, each job fenced by its fence in its stream's slot: a claim's fence
-raised before its attempt reads the stream (RAISE_FENCE), and one flush of a writer's entries
+raised as its attempt reads the stream (OPEN_STREAMS), and one flush of a writer's entries
 (STREAM_FLUSH), both for a group of jobs whose keys share one slot (every job on a single Redis, a
 stream bucket on a cluster; :class:`slotq.jobs.protocol.streams.StreamAppender` groups them), and
 NODE_STREAM_FLUSH, STREAM_FLUSH for the buckets of one cluster node in one call.
@@ -21,6 +21,7 @@ holds, per job, the lease of the newest claim that raised its fence:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from slotq.jobs.protocol.scripts.layout import Arg, ArgList, Key, KeyList, LuaScript
 
@@ -36,14 +37,20 @@ end
 
 
 @dataclass(frozen=True, kw_only=True)
-class RaiseFence(LuaScript[bytes | str]):
-    """RAISE_FENCE: each job's fence now holds its new claim, unless a newer claim raised it already.
+class OpenStreams(LuaScript[list[list[Any]]]):
+    """OPEN_STREAMS: each job's fence now holds its new claim, unless a newer claim raised it already,
+    and the stream of each job whose fence rose is read in the same step: the attempt resumes from
+    what it holds. One call instead of a fence, an XRANGE and an XINFO per job, each a round trip
+    that every claimed job waited for, in turn, before the engine saw it.
 
-    Returns one '1' (raised: the claim may write) or '0' (a newer claim holds the fence) per job."""
+    Returns per job ``{0}`` (a newer claim holds the fence: nothing read) or ``{1, trimmed, entries}``:
+    ``entries`` as XRANGE gives them, ``trimmed`` 1 when MAXLEN trimming dropped entries of a stream
+    that still holds some (XINFO STREAM's ``entries-added`` above its ``length``)."""
 
     fences: Key                    # the bucket's (every job's, on a single Redis)
-    job_ids: ArgList[str]
-    leases: ArgList[str]           # per job: ``<worker token>#<claim number>``
+    streams: KeyList[str]          # each job's stream, in the fences' slot
+    job_ids: ArgList[str]          # the same jobs, in the same order
+    leases: ArgList[str]           # per job: ``<worker token>#<claim number>``, '' = not fenced: only read
     ttl_s: Arg[int]                # the fences outlive the last claim or flush by this much
 
     HELPERS = NEWER
@@ -51,15 +58,24 @@ class RaiseFence(LuaScript[bytes | str]):
 local out = {}
 local held = redis.call('HMGET', fences, unpack(job_ids))
 for job = 1, #job_ids do
-  if newer(held[job], leases[job]) then
-    out[job] = '0'
+  if leases[job] ~= '' and newer(held[job], leases[job]) then
+    out[job] = {0}
   else
-    redis.call('HSET', fences, job_ids[job], leases[job])
-    out[job] = '1'
+    if leases[job] ~= '' then redis.call('HSET', fences, job_ids[job], leases[job]) end
+    local entries = redis.call('XRANGE', streams[job], '-', '+')
+    local trimmed = 0
+    if #entries > 0 then
+      local info, length, added = redis.call('XINFO', 'STREAM', streams[job]), 0, 0
+      for i = 1, #info, 2 do
+        if info[i] == 'length' then length = info[i + 1] elseif info[i] == 'entries-added' then added = info[i + 1] end
+      end
+      if added > length then trimmed = 1 end
+    end
+    out[job] = {1, trimmed, entries}
   end
 end
 redis.call('EXPIRE', fences, ttl_s)
-return table.concat(out)
+return out
 """
 
 
