@@ -72,8 +72,9 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         25, ge=0, description="on SIGTERM, let running jobs finish this long (Heroku allows 30 s)")
     stream_flush_ms: float = Field(
         100.0, gt=0, le=1000, description="generated text waits at most this long before it is written to the job's "
-                                          "stream; earlier once a write carries more tokens than it costs Redis "
-                                          "commands (a job's first entry and final entries go at once)")
+                                          "stream; earlier once a write's entries carry more tokens than they cost "
+                                          "(jobs/worker/stream_writer.py, FlushPolicy: about 8 a chunk entry); a "
+                                          "job's first entry and final entries go at once")
     embeddings: bool | None = Field(
         None, description="serve embedding jobs (the model pooled into vectors) instead of generating text; unset = "
                           "detected from the GGUF: an encoder such as BERT, or a pooling type in its header. A text "

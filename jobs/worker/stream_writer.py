@@ -83,23 +83,31 @@ class FlushPolicy:
 
     A flush costs Redis a fixed handful of commands per stream bucket it touches (a bucket's own call:
     the call, the flush mark's read and write, the fences; a reader's read; a node's call for several
-    buckets costs less, docs/cluster.md) plus one XADD per entry; a single Redis has one bucket, a Redis Cluster up to
-    :data:`~slotq.jobs.protocol.keys.STREAM_BUCKETS` (each node's in one script call). Sent per
-    decode step, with one token per job, that is more commands than tokens. So a flush waits until
-    its tokens at least pay for its commands -- ``tokens >= FIXED_COMMANDS x buckets + entries`` --
-    or until its oldest entry has waited ``max_delay_s``. Few fast streams (one job at 100 tokens/s) thus
-    flush every few tokens, many slow ones every step or two, and no text waits longer than
-    ``max_delay_s``. A job's first entry, a final entry and errors go at once: time to first
-    token and to the result are never delayed.
+    buckets costs less, docs/cluster.md); a single Redis has one bucket, a Redis Cluster up to
+    :data:`~slotq.jobs.protocol.keys.STREAM_BUCKETS` (each node's in one script call). Each entry
+    costs more than its XADD: the worker packs its fields into the script's arguments, and every
+    follower reads, decodes and forwards it (an SSE event, a chunk of the OpenAI SDK). So a flush waits
+    until its tokens pay for all of it -- ``tokens >= FIXED_COMMANDS x buckets + ENTRY_COST x entries``
+    -- or until its oldest entry has waited ``max_delay_s``. Many streams thus flush every few steps
+    with several tokens an entry, one or a few every ``max_delay_s`` at most, and no text waits longer
+    than that. A job's first entry, a final entry and errors go at once: time to first token and to
+    the result are never delayed.
     """
 
     max_delay_s: float
     FIXED_COMMANDS = 5      # per bucket, as its own call costs: EVALSHA, the mark's GET + SET, HMGET; a reader's XREAD
+    # An entry's cost, in tokens: measured with ``python -m bench.worker_ab --before <rev> --workloads overhead``
+    # (64 streams x 256 tokens, the tiny model, a quiet 2-core machine, 2026-12-06), the worker's main thread
+    # spent 29-31 ms a 1,000 tokens at 1 (an entry a step or two), 20 at 4, 17 at 8 and 14 at 16, and the
+    # Redis path gave 0.56x the engine in-process at 1, 0.70x at 4, 0.79x at 8, 0.81x at 16: most of the
+    # gain by 8, where 64 streams flush about every 8 decode steps (50 ms here) and one stream at the
+    # 100 ms bound.
+    ENTRY_COST = 8
 
     @classmethod
     def pays(cls, *, tokens: int, entries: int, buckets: int) -> bool:
         """Whether ``tokens`` pay for a flush of ``entries`` in ``buckets`` stream buckets."""
-        return tokens >= cls.FIXED_COMMANDS * buckets + entries
+        return tokens >= cls.FIXED_COMMANDS * buckets + cls.ENTRY_COST * entries
 
     def due_in(self, *, waited_s: float, tokens: int, entries: int, buckets: int, urgent: bool) -> float:
         """Seconds until the pending entries should be flushed (0 = now)."""

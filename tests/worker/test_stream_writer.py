@@ -19,17 +19,19 @@ from tests.support.jobs import fences_raised
 POLICY = FlushPolicy(max_delay_s=0.1)
 
 
-def test_a_flush_waits_until_its_tokens_pay_for_its_commands() -> None:
-    fixed = FlushPolicy.FIXED_COMMANDS
-    # one job, one entry: worth it from fixed + 1 tokens on
-    assert POLICY.due_in(waited_s=0.0, tokens=fixed, entries=1, buckets=1, urgent=False) == pytest.approx(0.1)
-    assert POLICY.due_in(waited_s=0.0, tokens=fixed + 1, entries=1, buckets=1, urgent=False) == 0.0
-    # eight jobs with one token each (one decode step) wait; two steps' worth go
+def test_a_flush_waits_until_its_tokens_pay_for_its_commands_and_entries() -> None:
+    fixed, entry = FlushPolicy.FIXED_COMMANDS, FlushPolicy.ENTRY_COST
+    # one job, one entry: worth it from fixed + entry tokens on
+    assert POLICY.due_in(waited_s=0.0, tokens=fixed + entry - 1, entries=1, buckets=1, urgent=False) == \
+        pytest.approx(0.1)
+    assert POLICY.due_in(waited_s=0.0, tokens=fixed + entry, entries=1, buckets=1, urgent=False) == 0.0
+    # eight jobs with one token each (one decode step) wait; once they carry the entries' cost, they go
     assert POLICY.due_in(waited_s=0.03, tokens=8, entries=8, buckets=1, urgent=False) == pytest.approx(0.07)
-    assert POLICY.due_in(waited_s=0.03, tokens=16, entries=8, buckets=1, urgent=False) == 0.0
+    assert POLICY.due_in(waited_s=0.03, tokens=8 * entry + fixed, entries=8, buckets=1, urgent=False) == 0.0
     # on a cluster the same eight jobs in four stream buckets cost four times the fixed commands: they wait for more
-    assert POLICY.due_in(waited_s=0.03, tokens=16, entries=8, buckets=4, urgent=False) == pytest.approx(0.07)
-    assert POLICY.due_in(waited_s=0.03, tokens=4 * fixed + 8, entries=8, buckets=4, urgent=False) == 0.0
+    assert POLICY.due_in(waited_s=0.03, tokens=8 * entry + fixed, entries=8, buckets=4, urgent=False) == \
+        pytest.approx(0.07)
+    assert POLICY.due_in(waited_s=0.03, tokens=8 * entry + 4 * fixed, entries=8, buckets=4, urgent=False) == 0.0
 
 
 def test_nothing_waits_longer_than_the_max_delay_and_urgent_entries_go_at_once() -> None:
