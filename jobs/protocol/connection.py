@@ -440,7 +440,11 @@ class _ReadBound(Connection):
 
     async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
         within = self._packed_within_s          # before a connect packs commands of its own
-        self.socket_timeout = self._base_s      # the write's bound
+        # No bound on the write: with one, redis-py writes in a task of its own (asyncio.wait_for), and a
+        # connection that a read of the slot map closed meanwhile failed with an AttributeError ('NoneType'
+        # has no 'writelines'), which no retry catches (the proxied failover test, tests/faults). A reply
+        # overdue is caught by its read's bound all the same.
+        self.socket_timeout = None
         await super().send_packed_command(command, check_health)
         self._replies_within_s = within
 
