@@ -30,6 +30,12 @@ A cluster client keeps the same patience as a single Redis, by retrying each com
 (:class:`_Cluster`): redis-py's cluster client retries a failed command at once, a fixed number of times,
 and each connect knocks at one address with the whole backoff policy -- after a failover, at the dead
 primary's, for the whole ~30 s of a worker's policy.
+
+A cluster node's reply must come within :data:`READ_TIMEOUT_S`, past the time a blocking command waits on
+purpose (:class:`_ReadBound`): a primary that stops answering without closing its connections (frozen,
+or behind a network black hole) fails the command as a timeout, which the retry above outlasts on a slot
+map read anew, so the command goes on at the replica promoted in its place. Single Redis and Sentinel
+connections have no such bound yet: a command waits on them until TCP gives up.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,7 +54,7 @@ from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, PipelineCommand, RedisCluster
-from redis.asyncio.connection import AbstractConnection, ConnectionPool, SSLConnection
+from redis.asyncio.connection import AbstractConnection, Connection, ConnectionPool, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -67,6 +73,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
 
 from slotq.jobs.errors import RedisUnavailable
 
@@ -76,6 +83,7 @@ SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}     # sche
 SENTINEL_PORT = 26379
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}       # scheme -> TLS
 REDIS_PORT = 6379
+READ_TIMEOUT_S = 10.0   # a cluster node's reply, past a blocking command's own wait (_ReadBound)
 T = TypeVar("T")
 
 
@@ -291,15 +299,17 @@ async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca
         ) from exc
 
 
-async def _pool(settings: RedisSettings) -> Redis:
-    """A client of ``settings``' server that answered PING (:func:`_first_answer`)."""
+async def _pool(settings: RedisSettings, *, read_timeout_s: float | None = None) -> Redis:
+    """A client of ``settings``' server that answered PING (:func:`_first_answer`); ``read_timeout_s``:
+    its ``socket_timeout`` (none: a reply is awaited as long as TCP keeps the connection)."""
     host = settings.host
     assert isinstance(host, str), "sentinels and cluster nodes are asked through _sentinel_pool and _cluster_client"
     return await _first_answer(settings, lambda: Redis(
         host=host, port=settings.port, unix_socket_path=settings.unix_socket_path, db=settings.database,
         username=settings.username, password=settings.password, socket_connect_timeout=settings.conn_timeout,
-        ssl=settings.ssl, ssl_cert_reqs=settings.ssl_cert_reqs, ssl_ca_certs=settings.ssl_ca_certs,
-        retry=settings.retry, retry_on_error=settings.retry_on_error, encoding="utf8"))
+        socket_timeout=read_timeout_s, ssl=settings.ssl, ssl_cert_reqs=settings.ssl_cert_reqs,
+        ssl_ca_certs=settings.ssl_ca_certs, retry=settings.retry, retry_on_error=settings.retry_on_error,
+        encoding="utf8"))
 
 
 async def _first_answer(settings: RedisSettings, make: Callable[[], Redis],
@@ -355,14 +365,98 @@ class _QuickReadyCheck(ConnectionPool):
             await super().ensure_connection(connection)
 
 
-async def _with_quick_ready_check(redis: Redis) -> Redis:
+async def _with_quick_ready_check(redis: Redis, connection_class: type[AbstractConnection] | None = None) -> Redis:
     """``redis`` with its pool (as built from the settings) replaced by a :class:`_QuickReadyCheck`
-    of the same connections and limits."""
+    of the same connections (of ``connection_class`` if given) and limits."""
     built = redis.connection_pool
-    redis.connection_pool = _QuickReadyCheck(connection_class=built.connection_class,
+    redis.connection_pool = _QuickReadyCheck(connection_class=connection_class or built.connection_class,
                                              max_connections=built.max_connections, **built.connection_kwargs)
     await built.disconnect()
     return redis
+
+
+# Where a blocking command says how long it may wait before it replies: its last argument in seconds or in
+# milliseconds, its first in seconds, or its BLOCK option (XREAD) in milliseconds. 0 waits for ever.
+_BLOCKS_LAST_S = {"BLPOP", "BRPOP", "BRPOPLPUSH", "BLMOVE", "BZPOPMIN", "BZPOPMAX"}
+_BLOCKS_LAST_MS = {"WAIT", "WAITAOF"}
+_BLOCKS_FIRST_S = {"BLMPOP", "BZMPOP"}
+_BLOCKS_OPTION_MS = {"XREAD", "XREADGROUP"}
+
+
+def _word(arg: EncodableT) -> str:
+    return (arg.decode(errors="replace") if isinstance(arg, bytes) else str(arg)).upper()
+
+
+def _block_s(args: tuple[EncodableT, ...]) -> float | None:
+    """How long the command ``args`` may hold its reply back on purpose, in seconds: 0 for a command
+    that does not block, None for one that blocks for ever."""
+    name = _word(args[0]).split(" ")[0]
+    if name in _BLOCKS_LAST_S | _BLOCKS_LAST_MS | _BLOCKS_FIRST_S:
+        seconds = float(args[1] if name in _BLOCKS_FIRST_S else args[-1])
+        return (seconds / 1000 if name in _BLOCKS_LAST_MS else seconds) or None
+    if name in _BLOCKS_OPTION_MS:
+        options = iter(args[1:])
+        for option in map(_word, options):      # the options come before STREAMS, the keys and ids after it
+            if option == "STREAMS":
+                break
+            if option == "GROUP":               # XREADGROUP GROUP <group> <consumer>: names, not options
+                next(options, None), next(options, None)
+            elif option == "BLOCK":
+                return float(next(options)) / 1000 or None
+    return 0.0
+
+
+class _ReadBound(Connection):
+    """A cluster node's connection on which a reply must come within ``socket_timeout``
+    (:data:`READ_TIMEOUT_S`) past the time the commands it waits on block on purpose (``BLPOP``'s
+    timeout, ``XREAD``'s ``BLOCK``, ``WAIT``'s; none for one that blocks for ever). Later, redis-py's read
+    fails with a timeout and closes the connection.
+
+    redis-py applies ``socket_timeout`` to every read as it is, so a blocking read longer than it
+    failed; here each command (or pipeline) sets the bound of its replies when it is packed, which
+    holds once it is sent. (A cluster node packs a command before it connects, and the connect sends
+    commands of its own, with their own bounds.) A subscription's messages (reads with
+    ``push_request``) come when something is published, however long after: they wait without a bound."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._base_s = self._packed_within_s = self._replies_within_s = self.socket_timeout
+
+    def pack_command(self, *args: EncodableT) -> list[bytes]:
+        self._expect([args])
+        return super().pack_command(*args)
+
+    def pack_commands(self, commands: Iterable[Iterable[EncodableT]]) -> list[bytes]:
+        batch = [tuple(command) for command in commands]
+        packed = super().pack_commands(batch)        # which packs each command with pack_command
+        self._expect(batch)
+        return packed
+
+    def _expect(self, commands: list[tuple[EncodableT, ...]]) -> None:
+        """The bound of the replies to ``commands`` (run one after the other: their block times add up)."""
+        blocks = [_block_s(args) for args in commands]
+        self._packed_within_s = None if self._base_s is None or None in blocks \
+            else self._base_s + sum(cast(list[float], blocks))
+
+    async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
+        within = self._packed_within_s          # before a connect packs commands of its own
+        # No bound on the write: with one, redis-py writes in a task of its own (asyncio.wait_for), and a
+        # connection that a read of the slot map closed meanwhile failed with an AttributeError ('NoneType'
+        # has no 'writelines'), which no retry catches (the proxied failover test, tests/faults). A reply
+        # overdue is caught by its read's bound all the same.
+        self.socket_timeout = None
+        await super().send_packed_command(command, check_health)
+        self._replies_within_s = within
+
+    async def read_response(self, disable_decoding: bool = False, timeout: float | None = None, *,
+                            disconnect_on_error: bool = True, push_request: bool | None = False) -> Any:
+        self.socket_timeout = None if push_request else self._replies_within_s
+        return await super().read_response(disable_decoding, timeout, disconnect_on_error=disconnect_on_error,
+                                           push_request=push_request)
+
+
+class _ReadBoundSSL(_ReadBound, SSLConnection):
+    pass
 
 
 class _SentinelConnection(SentinelManagedConnection):
@@ -434,20 +528,28 @@ def is_cluster(redis: Redis) -> bool:
 async def subscriber(redis: Redis, key: str | None = None) -> AsyncIterator[Redis]:
     """A client whose ``pubsub()`` works, for the block: ``redis`` itself for a single Redis; for a cluster
     (whose async client has no ``pubsub()``), a plain client of one of its primaries (that of ``key``'s
-    slot if given), with the cluster's credentials, TLS and patience, closed at the end of the block.
+    slot if given), with the cluster's credentials and TLS, closed at the end of the block.
 
     One node is enough: a classic ``PUBLISH`` in a cluster reaches the subscribers on every node (the
     cluster bus carries it), whichever node it was sent to, through the cluster client or from a script.
-    If that node dies, the subscription's connection fails; subscribe again through a new block, which
-    picks a primary of the slot map then."""
+    If that node dies, the subscription's connection fails within its :func:`node_client`'s brief
+    retries; subscribe again through a new block. A block whose node does not answer tries again with
+    the cluster's retry policy, each retry on a slot map read anew, so after a failover it waits for the
+    promoted replica rather than knocking at the dead primary's address (which the map it had may still
+    name) for the whole policy. Only a retry reads the map: a read replaces the client's nodes, which
+    cuts the commands in flight on it."""
     if not is_cluster(redis):
         yield redis
         return
     cluster = cast(_Cluster, redis)
-    await cluster.initialize()
-    # a primary: the key's, else the default one (redis-py picks the first of the slot map's)
-    node = (None if key is None else cluster.get_node_from_key(key)) or cluster.get_default_node()
-    client = await _node_client(cluster, node)
+    tries = 0
+
+    async def subscribing_client() -> Redis:
+        nonlocal tries
+        tries += 1
+        return await node_client(redis, key, fresh_map=tries > 1)
+
+    client = await cluster.command_retry.call_with_retry(subscribing_client, _no_cleanup)
     try:
         yield client
     finally:
@@ -457,30 +559,28 @@ async def subscriber(redis: Redis, key: str | None = None) -> AsyncIterator[Redi
 NODE_RETRY_S = 2.0      # how long a node_client retries its one node before its caller looks the slot up again
 
 
-async def node_client(redis: Redis, key: str, *, fresh_map: bool = False) -> Redis:
-    """A plain client of the primary that serves ``key``'s slot, with the cluster's credentials and
-    TLS; the caller closes it. For what a cluster client cannot do on one connection (a blocking
-    read that CLIENT UNBLOCK ends). It retries its node for only :data:`NODE_RETRY_S`: waiting out a
-    failover is its caller's part, with a new client of the slot's node after reading the map again
-    (``fresh_map``)."""
+async def node_client(redis: Redis, key: str | None, *, fresh_map: bool = False) -> Redis:
+    """A plain client of the primary that serves ``key``'s slot (None: redis-py's default node, the
+    first primary of the slot map), with the cluster's credentials, TLS and bound on replies
+    (:class:`_ReadBound`); the caller closes it. For what a cluster client cannot do on one connection (a
+    blocking read that CLIENT UNBLOCK ends, a subscription). It retries its node for only
+    :data:`NODE_RETRY_S`, and a reply overdue not at all (each try would wait out the bound again):
+    waiting out a failover is its caller's part, with a new client of the slot's node after reading the
+    map again (``fresh_map``)."""
     cluster = cast(_Cluster, redis)
     if fresh_map:
         await cluster.read_slot_map()
     else:
         await _connection_errors_retried(cluster.initialize())
-    node = cluster.get_node_from_key(key)
+    node = cluster.get_default_node() if key is None else cluster.get_node_from_key(key)
     if node is None:        # the slot's primary failed and no replica has taken over yet
         raise RedisConnectionError(f"no primary of the cluster serves the slot of {key} now")
     brief = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=_retries_within(NODE_RETRY_S, cap=0.5))
-    return await _node_client(cluster, node, retry=brief)
-
-
-async def _node_client(cluster: _Cluster, node: ClusterNode, *, retry: Retry | None = None) -> Redis:
-    """A plain client of ``node`` with the cluster's settings (``retry``: its own policy instead)."""
-    settings = replace(cluster.settings, host=node.host, port=int(node.port))
-    if retry is not None:
-        settings = replace(settings, retry=retry, conn_retries=0)
-    return await _with_quick_ready_check(await _pool(settings))
+    settings = replace(cluster.settings, host=node.host, port=int(node.port), retry=brief, conn_retries=0,
+                       retry_on_error=[error for error in cluster.settings.retry_on_error or ()
+                                       if error is not RedisTimeoutError])
+    return await _with_quick_ready_check(await _pool(settings, read_timeout_s=READ_TIMEOUT_S),
+                                         _ReadBoundSSL if settings.ssl else _ReadBound)
 
 
 async def _connection_errors_retried(call: Awaitable[T]) -> T:
@@ -508,7 +608,11 @@ class _Cluster(RedisCluster):
 
     Each read of the slot map starts from the URL's nodes too: redis-py drops a node from its startup
     nodes when a command to it fails, and a client whose commands failed on every node at once (the
-    whole cluster restarting) had none left to ask, for good."""
+    whole cluster restarting) had none left to ask, for good.
+
+    Its nodes' connections bound each reply (:class:`_ReadBound`, :data:`READ_TIMEOUT_S`), the slot map's
+    reads included: a primary that stops answering without closing its connections fails the command
+    as a timeout, after which redis-py drops the map too, and the retry reaches the promoted replica."""
 
     def __init__(self, settings: RedisSettings) -> None:
         assert isinstance(settings.host, list), "a cluster URL's settings name its nodes"
@@ -519,9 +623,14 @@ class _Cluster(RedisCluster):
         # cluster_error_retry_attempts=1: redis-py's own immediate retries stay out of the way of the backoff
         # below; 0 is no option, as its pipelines run range(cluster_error_retry_attempts) tries (none at 0)
         super().__init__(startup_nodes=self._url_nodes, username=settings.username, password=settings.password,
-                         socket_connect_timeout=settings.conn_timeout, retry=Retry(NoBackoff(), 0),
-                         retry_on_error=settings.retry_on_error, cluster_error_retry_attempts=1, encoding="utf8",
-                         **tls)
+                         socket_connect_timeout=settings.conn_timeout, socket_timeout=READ_TIMEOUT_S,
+                         retry=Retry(NoBackoff(), 0), retry_on_error=settings.retry_on_error,
+                         cluster_error_retry_attempts=1, encoding="utf8", **tls)
+        # redis-py takes no connection class for its nodes: every node made from here on (a startup node, one
+        # of the slot map) gets those of connection_kwargs; the startup nodes made above are made again
+        self.connection_kwargs["connection_class"] = _ReadBoundSSL if settings.ssl else _ReadBound
+        self.nodes_manager.startup_nodes = {node.name: ClusterNode(node.host, node.port, **self.connection_kwargs)
+                                            for node in self._url_nodes}
         self.settings = settings
         self.command_retry = settings.retry
         self.command_retry.update_supported_errors(

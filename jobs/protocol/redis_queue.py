@@ -284,9 +284,11 @@ class RedisQueue:
         supervisor starts it again (:meth:`slotq.jobs.worker.worker.SlotqWorker._cancel_listener`).
 
         On a cluster the subscription is a plain client of the node that holds the queue's keys
-        (:func:`~slotq.jobs.protocol.connection.subscriber`): CANCEL publishes there, and should that
-        node die, the worker's claims and renewals fail on it too, which refreshes the cluster
-        client's slot map, so the next subscription finds the primary that took its place. A
+        (:func:`~slotq.jobs.protocol.connection.subscriber`): CANCEL publishes there. Should that node
+        die, the subscription fails within seconds (its client retries its node briefly), and the next
+        one, finding that node gone, reads the slot map anew on each retry until it names the primary
+        that took its place. A node frozen under the subscription (SIGSTOP, a
+        network black hole) is not noticed: a subscription waits for messages without a bound. A
         cancel published while no subscription listens is still noted in ``arq:abort``, which the
         worker checks once per ``poll_delay_s``."""
         async with subscriber(self.redis, self.keys.jobs) as client, client.pubsub() as pubsub:

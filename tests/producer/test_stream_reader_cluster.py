@@ -1,16 +1,22 @@
 """The shared stream reader on a real Valkey Cluster: one blocking XREAD per stream bucket (one
 slot each), however many streams are followed, and a follower that outlives the failover of the
-primary serving its stream, resuming after the last entry it gave, with nothing repeated."""
+primary serving its stream (killed, or frozen), resuming after the last entry it gave, with nothing
+repeated."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from pathlib import Path
 from typing import cast
 
+import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from slotq.jobs.producer.stream_reader import ClusterStreamReader, stream_reader
+from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import STREAM_BUCKETS, stream_bucket, stream_key
 from slotq.jobs.protocol.schemas import EntryKind, StreamEntry
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender, encode_chunk, encode_entry
@@ -81,3 +87,46 @@ async def test_a_follower_carries_on_after_its_streams_primary_fails_over(replic
     finally:
         following.cancel()
         await reader.close()
+
+
+@pytest.mark.fault          # about 20 s: a cluster of its own, and a read bound (10 s) waited out twice
+async def test_a_follower_carries_on_after_its_streams_primary_freezes(tmp_path: Path) -> None:
+    """A primary frozen (SIGSTOP: its connections stay open, no reply comes) under a follower's blocking
+    XREAD: the read times out past its block time plus the read bound, the reader looks the bucket's
+    node up again and follows the stream on the promoted replica, which the writer's patient client
+    reached the same way. Without the bound both waited for ever."""
+    with LocalValkeyCluster(tmp_path / "frozen", primaries=3, replicas_per_primary=1) as cluster:
+        redis = await connect(cluster.url, patient=True)
+        job_id = "through-the-freeze"
+        reader = stream_reader(redis)
+        appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
+        seen: list[str] = []
+        frozen: int | None = None
+
+        async def follow() -> None:
+            async for entry in reader.follow(job_id):
+                if entry.kind == EntryKind.CHUNK:
+                    seen.append(entry.text)
+
+        following = asyncio.create_task(follow())
+        try:
+            for n in range(3):
+                await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(str(n))])])
+            async with asyncio.timeout(10):
+                while len(seen) < 3:
+                    await asyncio.sleep(0.02)
+            port = int(cast(RedisCluster, redis).get_node_from_key(stream_key(job_id, clustered=True)).port)
+            frozen = next(node.pid for node in cluster.nodes() if node.port == port)
+            os.kill(frozen, signal.SIGSTOP)
+            async with asyncio.timeout(120):         # a hang guard: without the bound, the writes wait for ever
+                for n in range(3, 6):
+                    await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(str(n))])])
+                await appender.append("w:end", [JobEntries(job_id, "", TTL.FINAL, [final()])])
+                await following
+            assert seen == [str(n) for n in range(6)]
+        finally:
+            if frozen is not None:
+                os.kill(frozen, signal.SIGCONT)
+            following.cancel()
+            await reader.close()
+            await redis.aclose()

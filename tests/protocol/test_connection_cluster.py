@@ -1,12 +1,14 @@
 """slotq's cluster connections (``redis+cluster://``, jobs/protocol/connection.py) on a real local Valkey
 Cluster (jobs/redis_cluster.py): the URL form, commands and pipelines on every shard, a producer's bound
-on a cluster that is not there, a worker's patience through a primary's failover, and subscriptions
-through :func:`subscriber`."""
+on a cluster that is not there, a worker's patience through a primary's failover (killed or frozen), the
+bound on a node's replies that blocking reads outlast, and subscriptions through :func:`subscriber`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,11 @@ import redis as sync_redis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.jobs.errors import RedisUnavailable
 from slotq.jobs.protocol.connection import (
+    READ_TIMEOUT_S,
     connect,
     is_cluster,
     node_client,
@@ -28,7 +32,7 @@ from slotq.jobs.protocol.connection import (
     redis_settings,
     subscriber,
 )
-from slotq.jobs.redis_cluster import HASH_SLOTS, LocalValkeyCluster, distinct_free_ports
+from slotq.jobs.redis_cluster import HASH_SLOTS, LocalValkeyCluster, NodeStatus, distinct_free_ports
 from tests.support.proxied_cluster import ProxiedCluster
 from tests.support.redis_ha import TlsProxy, make_ca_and_server_cert
 
@@ -206,6 +210,44 @@ async def test_a_subscriber_hears_what_is_published_through_the_cluster(cluster:
         await redis.aclose()
 
 
+async def test_waits_longer_than_the_read_bound_are_not_cut(cluster: LocalValkeyCluster) -> None:
+    """A node's replies must come within READ_TIMEOUT_S, past what a command waits on purpose: a BLPOP
+    (the worker's wait for work), an XREAD BLOCK on a node's client (a producer's stream reader), a
+    pipeline's WAIT (an enqueue's wait for replicas, here none) and a subscription's next message, each
+    longer than the bound, all end as their server ends them, not as a read timeout."""
+    redis = await connect(cluster.url, patient=False)
+    wait_s = READ_TIMEOUT_S + 1
+    key = key_per_shard(cluster, "long")[0]
+    reader = await node_client(redis, key)
+    try:
+        await redis.delete(key, f"{key}:stream")
+
+        async def waited() -> list[Any]:
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.set(f"{key}:k", "v")
+                pipe.wait(1, int(wait_s * 1000), target_nodes=cast(RedisCluster, redis).get_node_from_key(key))
+                return cast(list[Any], await pipe.execute())
+
+        async def heard() -> Any:
+            async with subscriber(redis, key) as sub, sub.pubsub() as pubsub:
+                await pubsub.subscribe("slotq:test:quiet")
+                await asyncio.sleep(wait_s)
+                await redis.execute_command("PUBLISH", "slotq:test:quiet", "late")
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        return message["data"]
+
+        started = time.monotonic()
+        popped, read, pipelined, message = await asyncio.gather(
+            redis.blpop([key], timeout=wait_s), reader.xread({f"{key}:stream": "$"}, block=int(wait_s * 1000)),
+            waited(), heard())
+        assert (popped, read, pipelined, message) == (None, [], [True, 0], b"late")
+        assert time.monotonic() - started >= wait_s           # they did wait past the bound
+    finally:
+        await reader.aclose()
+        await redis.aclose()
+
+
 async def test_a_single_redis_is_its_own_subscriber(redis_url: str) -> None:
     redis = await connect(redis_url, patient=False)
     try:
@@ -239,6 +281,57 @@ async def test_a_worker_waits_out_a_primarys_failover(cluster_with_replicas: Loc
         await asyncio.to_thread(cluster_with_replicas.wait_for_failover)
         assert [node.role for node in cluster_with_replicas.nodes()].count("primary") == SHARDS
     finally:
+        await redis.aclose()
+
+
+async def test_a_frozen_primary_is_a_timeout_and_its_replica_takes_over(
+        cluster_with_replicas: LocalValkeyCluster) -> None:
+    """A primary that stops answering without closing its connections (SIGSTOP; a network black hole
+    does the same) no longer holds a command until TCP gives up: its reply is overdue after
+    READ_TIMEOUT_S, and then a worker's command is retried on a slot map read anew and reaches the
+    replica promoted in its place; a node's client (a stream reader's) fails with the timeout at once
+    for its caller to look the slot up again; and a new subscription finds the promoted replica,
+    not the frozen primary that the map still named."""
+    redis: Redis = await connect(cluster_with_replicas.url, patient=True)
+    keys = key_per_shard(cluster_with_replicas, "frozen")
+    reader = await node_client(redis, keys[1])
+    frozen: NodeStatus | None = None
+    try:
+        for key in keys:
+            await redis.set(key, 0)
+        port = int(reader.connection_pool.connection_kwargs["port"])
+        assert await reader.xread({f"{keys[1]}:stream": "0"}) == []          # its connection is open
+        frozen = next(node for node in cluster_with_replicas.nodes() if node.port == port)
+        os.kill(frozen.pid, signal.SIGSTOP)
+
+        async def subscribed() -> tuple[int, Any]:
+            async with subscriber(redis, keys[1]) as sub, sub.pubsub() as pubsub:
+                await pubsub.subscribe("slotq:test:frozen")
+                await redis.execute_command("PUBLISH", "slotq:test:frozen", "heard")
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        return int(sub.connection_pool.connection_kwargs["port"]), message["data"]
+            raise AssertionError("the subscription ended")
+
+        async def timed_out() -> float:
+            started = time.monotonic()
+            with pytest.raises(RedisTimeoutError):
+                await reader.xread({f"{keys[1]}:stream": "0"}, block=100)
+            return time.monotonic() - started
+
+        started = time.monotonic()
+        async with asyncio.timeout(90):          # a hang guard: without the bound, each of them waits for ever
+            incremented, reader_s, (subscribed_port, heard) = await asyncio.gather(
+                redis.incr(keys[1]), timed_out(), subscribed())
+        assert incremented == 1
+        assert subscribed_port != port and heard == b"heard"
+        assert reader_s >= READ_TIMEOUT_S
+        print(f"frozen primary: the node's client timed out after {reader_s:.1f} s, the command went on at the "
+              f"promoted replica after {time.monotonic() - started:.1f} s")
+    finally:
+        if frozen is not None:
+            os.kill(frozen.pid, signal.SIGCONT)
+        await reader.aclose()
         await redis.aclose()
 
 
