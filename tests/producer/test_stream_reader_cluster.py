@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import cast
 
@@ -55,12 +56,14 @@ async def test_forty_followers_share_one_read_per_bucket(replicated_redis: Redis
         await reader.close()
 
 
-async def test_a_follower_carries_on_after_its_streams_primary_fails_over(replicated_cluster: LocalValkeyCluster,
-                                                                          replicated_redis: Redis) -> None:
-    job_id = "through-the-failover"
-    reader = stream_reader(replicated_redis)
+async def follow_through(redis: Redis, job_id: str, upset: Callable[[int], Awaitable[None]], *,
+                         within_s: float) -> None:
+    """A follower of ``job_id``'s stream gets every entry while ``upset(port)`` strikes the primary
+    serving it (at that port) between the third and the fourth: the writes after it and the
+    follower's end, within ``within_s`` (a hang guard), give all six entries once each."""
+    reader = stream_reader(redis)
     assert isinstance(reader, ClusterStreamReader)
-    appender = StreamAppender(replicated_redis, writer_id="w", maxlen=1000, ttl_s=60)
+    appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
     seen: list[str] = []
 
     async def follow() -> None:
@@ -75,18 +78,25 @@ async def test_a_follower_carries_on_after_its_streams_primary_fails_over(replic
         async with asyncio.timeout(10):
             while len(seen) < 3:
                 await asyncio.sleep(0.02)
-        node = cast(RedisCluster, replicated_redis).get_node_from_key(stream_key(job_id, clustered=True))
-        await asyncio.to_thread(replicated_cluster.kill_primary, int(node.port))
-        await asyncio.to_thread(replicated_cluster.wait_for_failover, 30)
-        for n in range(3, 6):      # the writer's patient client reaches the promoted replica
-            await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(str(n))])])
-        await appender.append("w:end", [JobEntries(job_id, "", TTL.FINAL, [final()])])
-        async with asyncio.timeout(60):
+        await upset(int(cast(RedisCluster, redis).get_node_from_key(stream_key(job_id, clustered=True)).port))
+        async with asyncio.timeout(within_s):
+            for n in range(3, 6):      # the writer's patient client reaches the promoted replica
+                await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(str(n))])])
+            await appender.append("w:end", [JobEntries(job_id, "", TTL.FINAL, [final()])])
             await following
         assert seen == [str(n) for n in range(6)]
     finally:
         following.cancel()
         await reader.close()
+
+
+async def test_a_follower_carries_on_after_its_streams_primary_fails_over(replicated_cluster: LocalValkeyCluster,
+                                                                          replicated_redis: Redis) -> None:
+    async def kill(port: int) -> None:
+        await asyncio.to_thread(replicated_cluster.kill_primary, port)
+        await asyncio.to_thread(replicated_cluster.wait_for_failover, 30)
+
+    await follow_through(replicated_redis, "through-the-failover", kill, within_s=60)
 
 
 @pytest.mark.fault          # about 20 s: a cluster of its own, and a read bound (10 s) waited out twice
@@ -97,36 +107,15 @@ async def test_a_follower_carries_on_after_its_streams_primary_freezes(tmp_path:
     reached the same way. Without the bound both waited for ever."""
     with LocalValkeyCluster(tmp_path / "frozen", primaries=3, replicas_per_primary=1) as cluster:
         redis = await connect(cluster.url, patient=True)
-        job_id = "through-the-freeze"
-        reader = stream_reader(redis)
-        appender = StreamAppender(redis, writer_id="w", maxlen=1000, ttl_s=60)
-        seen: list[str] = []
-        frozen: int | None = None
+        frozen: list[int] = []
 
-        async def follow() -> None:
-            async for entry in reader.follow(job_id):
-                if entry.kind == EntryKind.CHUNK:
-                    seen.append(entry.text)
+        async def freeze(port: int) -> None:
+            frozen.append(next(node.pid for node in cluster.nodes() if node.port == port))
+            os.kill(frozen[0], signal.SIGSTOP)
 
-        following = asyncio.create_task(follow())
-        try:
-            for n in range(3):
-                await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(str(n))])])
-            async with asyncio.timeout(10):
-                while len(seen) < 3:
-                    await asyncio.sleep(0.02)
-            port = int(cast(RedisCluster, redis).get_node_from_key(stream_key(job_id, clustered=True)).port)
-            frozen = next(node.pid for node in cluster.nodes() if node.port == port)
-            os.kill(frozen, signal.SIGSTOP)
-            async with asyncio.timeout(120):         # a hang guard: without the bound, the writes wait for ever
-                for n in range(3, 6):
-                    await appender.append(f"w:{n}", [JobEntries(job_id, "", TTL.LIVE, [chunk(str(n))])])
-                await appender.append("w:end", [JobEntries(job_id, "", TTL.FINAL, [final()])])
-                await following
-            assert seen == [str(n) for n in range(6)]
+        try:                            # within_s: a hang guard, as without the bound the writes wait for ever
+            await follow_through(redis, "through-the-freeze", freeze, within_s=120)
         finally:
-            if frozen is not None:
-                os.kill(frozen, signal.SIGCONT)
-            following.cancel()
-            await reader.close()
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
             await redis.aclose()
