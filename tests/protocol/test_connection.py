@@ -1,6 +1,6 @@
 """slotq's Redis connections (jobs/protocol/connection.py) on a real Valkey: a pooled connection is
 checked for unread data without a socket read per command, and still never hands a stale reply
-to the next command."""
+to the next command; commands are packed with hiredis into the bytes redis-py's own packer makes."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+from redis.exceptions import DataError
 
-from slotq.jobs.protocol.connection import connect
+from slotq.jobs.protocol.connection import _HiredisPacking, _ReadBound, _SentinelConnection, connect
 
 
 @pytest.fixture
@@ -78,3 +82,27 @@ async def test_a_connection_the_server_closed_is_replaced(client: Redis, redis_u
         assert await client.client_id() != client_id
     finally:
         await other.aclose()
+
+
+_ARGUMENT = st.one_of(st.text(), st.binary(), st.integers(), st.floats(allow_nan=False))
+
+
+@given(name=st.sampled_from(["SET", "EVALSHA", "CONFIG GET", b"CLIENT LIST"]), args=st.lists(_ARGUMENT, max_size=12))
+def test_commands_are_packed_into_the_same_bytes_as_redis_pys_packer(name: str | bytes, args: list[Any]) -> None:
+    ours = _HiredisPacking().pack_command(name, *args)
+    assert b"".join(ours) == b"".join(Connection().pack_command(name, *args))
+
+
+@pytest.mark.parametrize("value", [None, True, bytearray(b"x")])
+def test_a_value_no_packer_takes_raises_redis_pys_data_error(value: object) -> None:
+    with pytest.raises(DataError, match="bytes, str, int or float"):
+        _HiredisPacking().pack_command("SET", "key", value)      # type: ignore[arg-type]
+
+
+async def test_every_kind_of_connection_packs_with_hiredis(client: Redis, redis_url: str) -> None:
+    """A single Redis's pool packs with hiredis (a script call with an entry's worth of arguments
+    round-trips through the real server), and so do Sentinel and cluster connections."""
+    assert issubclass(client.connection_pool.connection_class, _HiredisPacking)
+    echoed = await client.eval("return ARGV", 0, "text é", b"\x00\xff", 7, 1.5)
+    assert echoed == ["text é".encode(), b"\x00\xff", b"7", b"1.5"]
+    assert issubclass(_SentinelConnection, _HiredisPacking) and issubclass(_ReadBound, _HiredisPacking)
