@@ -233,8 +233,8 @@ async def test_a_frozen_sentinel_is_passed_over_for_the_next(sentinel_cluster: S
             await redis.aclose()
 
 async def test_a_unix_socket_url_is_bounded_on_its_socket(tmp_path: Path) -> None:
-    """unix:// keeps redis-py's Unix socket connection, with the bound on replies put in front of it, so
-    a blocking read longer than the bound is not cut there either."""
+    """unix:// keeps redis-py's Unix socket connection, with the bound on replies put in front of it: a
+    blocking read's reply is bounded past its block time there too."""
     socket = tmp_path / "valkey.sock"
     server = subprocess.Popen([str(valkey_binary()), "--port", "0", "--unixsocket", str(socket), "--save", "",
                                "--appendonly", "no"], cwd=tmp_path, stdout=subprocess.DEVNULL)
@@ -244,10 +244,8 @@ async def test_a_unix_socket_url_is_bounded_on_its_socket(tmp_path: Path) -> Non
                 await asyncio.sleep(0.05)
         redis = await connect(f"unix://{socket}", patient=False)
         try:
-            wait_s = READ_TIMEOUT_S + 1
-            started = time.monotonic()
+            wait_s = 0.5
             assert await redis.blpop(["unix:list"], timeout=wait_s) is None
-            assert time.monotonic() - started >= wait_s
             connection = redis.connection_pool._available_connections[0]
             assert isinstance(connection, UnixDomainSocketConnection) and connection.path == str(socket)
             assert connection.socket_timeout == wait_s + READ_TIMEOUT_S     # the BLPOP's reply was bounded so

@@ -335,6 +335,7 @@ async def test_a_claim_whose_reply_was_lost_is_answered_again_not_run_again(queu
         await busy.aclose()
 
 
+@pytest.mark.fault
 async def test_a_claim_whose_reply_never_comes_is_sent_again_after_the_read_bound(queue, redis_server):
     """The same on a worker's own connection (connect(), single Redis): the claim runs, and its connection
     then passes nothing more either way (a network black hole right after the request). Its reply is
