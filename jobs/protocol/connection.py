@@ -31,11 +31,13 @@ A cluster client keeps the same patience as a single Redis, by retrying each com
 and each connect knocks at one address with the whole backoff policy -- after a failover, at the dead
 primary's, for the whole ~30 s of a worker's policy.
 
-A cluster node's reply must come within :data:`READ_TIMEOUT_S`, past the time a blocking command waits on
-purpose (:class:`_ReadBound`): a primary that stops answering without closing its connections (frozen,
-or behind a network black hole) fails the command as a timeout, which the retry above outlasts on a slot
-map read anew, so the command goes on at the replica promoted in its place. Single Redis and Sentinel
-connections have no such bound yet: a command waits on them until TCP gives up.
+Every reply must come within :data:`READ_TIMEOUT_S`, past the time a blocking command waits on purpose
+(:class:`_ReadBound`, on single Redis, Sentinel and cluster node connections alike; a subscription's
+messages wait without a bound): a server that stops answering without closing its connections (frozen,
+or behind a network black hole) fails the command as a timeout, which the retry above sends again on a
+new connection. Under Sentinel that connection asks the sentinels, under a cluster it follows a slot map
+read anew, so after a failover the command goes on at the promoted replica; a single Redis is tried again
+at its address.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}     # sche
 SENTINEL_PORT = 26379
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}       # scheme -> TLS
 REDIS_PORT = 6379
-READ_TIMEOUT_S = 10.0   # a cluster node's reply, past a blocking command's own wait (_ReadBound)
+READ_TIMEOUT_S = 10.0   # a reply, past a blocking command's own wait (_ReadBound)
 T = TypeVar("T")
 
 
@@ -291,7 +293,7 @@ async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca
             return await _sentinel_pool(settings, sentinel.sentinel_password)
         if cluster is not None:
             return await _cluster_client(settings)
-        return await _with_quick_ready_check(await _pool(settings), packed=True)
+        return await _pool(settings)
 
     try:
         if patient:
@@ -307,17 +309,18 @@ async def connect(url: str, *, patient: bool, connect_timeout_s: float = 5.0, ca
         ) from exc
 
 
-async def _pool(settings: RedisSettings, *, read_timeout_s: float | None = None) -> Redis:
-    """A client of ``settings``' server that answered PING (:func:`_first_answer`); ``read_timeout_s``:
-    its ``socket_timeout`` (none: a reply is awaited as long as TCP keeps the connection)."""
+async def _pool(settings: RedisSettings) -> Redis:
+    """A client of ``settings``' server that answered PING (:func:`_first_answer`), whose connections
+    bound each reply (:class:`_ReadBound`) and are checked quickly (:func:`_with_quick_ready_check`)."""
     host = settings.host
     assert isinstance(host, str), "sentinels and cluster nodes are asked through _sentinel_pool and _cluster_client"
-    return await _first_answer(settings, lambda: Redis(
+    redis = await _first_answer(settings, lambda: Redis(
         host=host, port=settings.port, unix_socket_path=settings.unix_socket_path, db=settings.database,
         username=settings.username, password=settings.password, socket_connect_timeout=settings.conn_timeout,
-        socket_timeout=read_timeout_s, ssl=settings.ssl, ssl_cert_reqs=settings.ssl_cert_reqs,
+        socket_timeout=READ_TIMEOUT_S, ssl=settings.ssl, ssl_cert_reqs=settings.ssl_cert_reqs,
         ssl_ca_certs=settings.ssl_ca_certs, retry=settings.retry, retry_on_error=settings.retry_on_error,
         encoding="utf8"))
+    return await _with_quick_ready_check(redis, _READ_BOUND[redis.connection_pool.connection_class])
 
 
 async def _first_answer(settings: RedisSettings, make: Callable[[], Redis],
@@ -373,15 +376,10 @@ class _QuickReadyCheck(ConnectionPool):
             await super().ensure_connection(connection)
 
 
-async def _with_quick_ready_check(redis: Redis, connection_class: type[AbstractConnection] | None = None, *,
-                                  packed: bool = False) -> Redis:
+async def _with_quick_ready_check(redis: Redis, connection_class: type[AbstractConnection]) -> Redis:
     """``redis`` with its pool (as built from the settings) replaced by a :class:`_QuickReadyCheck`
-    of the same connections (of ``connection_class`` if given; ``packed``: their :data:`_PACKED` kind)
-    and limits."""
+    of the same limits and connection settings, its connections of ``connection_class``."""
     built = redis.connection_pool
-    connection_class = connection_class or built.connection_class
-    if packed:
-        connection_class = _PACKED[connection_class]
     redis.connection_pool = _QuickReadyCheck(connection_class=connection_class,
                                              max_connections=built.max_connections, **built.connection_kwargs)
     await built.disconnect()
@@ -419,8 +417,9 @@ def _block_s(args: tuple[EncodableT, ...]) -> float | None:
     return 0.0
 
 
-class _HiredisPacking(Connection):
-    """Packs commands into the Redis protocol with hiredis's packer, written in C.
+class _HiredisPacking(AbstractConnection):
+    """Packs commands into the Redis protocol with hiredis's packer, written in C (a mixin, as
+    :class:`_ReadBound`, which every slotq connection is, builds on).
 
     redis-py's asyncio connections pack every argument in Python (its sync ones use hiredis when it
     is there). A stream flush is one script call with a few arguments per entry, hundreds of entries
@@ -438,28 +437,16 @@ class _HiredisPacking(Connection):
             raise DataError(f"{exc} (a command's arguments must be bytes, str, int or float)") from None
 
 
-class _PackedUnix(_HiredisPacking, UnixDomainSocketConnection):
-    pass
-
-
-class _PackedSSL(_HiredisPacking, SSLConnection):
-    pass
-
-
-# A single Redis's connection kind (as redis-py builds it from the URL) -> the same packed with hiredis.
-_PACKED: dict[type[AbstractConnection], type[AbstractConnection]] = {
-    Connection: _HiredisPacking, SSLConnection: _PackedSSL, UnixDomainSocketConnection: _PackedUnix}
-
-
 class _ReadBound(_HiredisPacking):
-    """A cluster node's connection on which a reply must come within ``socket_timeout``
-    (:data:`READ_TIMEOUT_S`) past the time the commands it waits on block on purpose (``BLPOP``'s
-    timeout, ``XREAD``'s ``BLOCK``, ``WAIT``'s; none for one that blocks for ever). Later, redis-py's read
-    fails with a timeout and closes the connection.
+    """A connection on which a reply must come within ``socket_timeout`` (:data:`READ_TIMEOUT_S`) past the
+    time the commands it waits on block on purpose (``BLPOP``'s timeout, ``XREAD``'s ``BLOCK``, ``WAIT``'s;
+    none for one that blocks for ever). Later, redis-py's read fails with a timeout and closes the
+    connection. A mixin, put first before a concrete connection class: TCP, TLS, a Unix socket
+    (:data:`_READ_BOUND`), Sentinel's (:class:`_SentinelConnection`) and a cluster node's.
 
     redis-py applies ``socket_timeout`` to every read as it is, so a blocking read longer than it
     failed; here each command (or pipeline) sets the bound of its replies when it is packed, which
-    holds once it is sent. (A cluster node packs a command before it connects, and the connect sends
+    holds once it is sent. (A command is packed before its connection connects, and the connect sends
     commands of its own, with their own bounds.) A subscription's messages (reads with
     ``push_request``) come when something is published, however long after: they wait without a bound."""
 
@@ -493,25 +480,40 @@ class _ReadBound(_HiredisPacking):
         await super().send_packed_command(command, check_health)
         self._replies_within_s = within
 
+    # disconnect_on_error: a flag, which redis-py's SentinelManagedConnection annotates Optional[float]
     async def read_response(self, disable_decoding: bool = False, timeout: float | None = None, *,
-                            disconnect_on_error: bool = True, push_request: bool | None = False) -> Any:
+                            disconnect_on_error: bool | float | None = True, push_request: bool | None = False) -> Any:
         self.socket_timeout = None if push_request else self._replies_within_s
-        return await super().read_response(disable_decoding, timeout, disconnect_on_error=disconnect_on_error,
+        return await super().read_response(disable_decoding, timeout, disconnect_on_error=bool(disconnect_on_error),
                                            push_request=push_request)
+
+
+class _ReadBoundTCP(_ReadBound, Connection):
+    pass
 
 
 class _ReadBoundSSL(_ReadBound, SSLConnection):
     pass
 
 
-class _SentinelConnection(_HiredisPacking, SentinelManagedConnection):
-    """Connects once per try to the primary the sentinels name now.
+class _ReadBoundUnix(_ReadBound, UnixDomainSocketConnection):
+    pass
+
+
+# The bounded class for each connection class redis-py picks from a URL's settings (redis://, rediss://, unix://)
+_READ_BOUND: dict[type[AbstractConnection], type[_ReadBound]] = {
+    Connection: _ReadBoundTCP, SSLConnection: _ReadBoundSSL, UnixDomainSocketConnection: _ReadBoundUnix}
+
+
+class _SentinelConnection(_ReadBound, SentinelManagedConnection):
+    """Connects once per try to the primary the sentinels name now, and bounds its replies (:class:`_ReadBound`).
 
     redis-py nests the connection's retry policy: the command retries, its connect retries, and the
     connect to a given address retries again, all with the same policy. After a failover that kept
     a worker knocking at the dead primary's address for the whole policy (~30 s) before it asked
     the sentinels again. Here each connect is one try; the command's retry asks the sentinels anew
-    each time, so a command resumes as soon as a replica is promoted."""
+    each time, so a command resumes as soon as a replica is promoted, also after its reply timed out
+    on a primary that froze."""
 
     _ONCE = Retry(NoBackoff(), 0)
 
@@ -548,16 +550,20 @@ class _SentinelPool(_QuickReadyCheck, SentinelConnectionPool):
 
 
 async def _sentinel_pool(settings: RedisSettings, sentinel_password: str | None) -> Redis:
-    """:func:`_pool` for Sentinel: the retry policy, timeouts and CA file reach the primary's
-    connections (arq's own Sentinel path, used before, left them out), and sentinels get their own
-    password. The first PING is retried the same way (:func:`_first_answer`)."""
+    """:func:`_pool` for Sentinel: the retry policy, timeouts, the bound on replies and CA file reach the
+    primary's connections (arq's own Sentinel path, used before, left them out), and sentinels get their own
+    password. A sentinel's replies are bounded too (plainly: it has no blocking commands), so one that froze
+    is passed over for the next rather than asked for ever. The first PING is retried the same way
+    (:func:`_first_answer`)."""
     tls = {"ssl": True, "ssl_ca_certs": settings.ssl_ca_certs, "ssl_cert_reqs": settings.ssl_cert_reqs} \
         if settings.ssl else {}
     sentinel = Sentinel(
         settings.host,
-        sentinel_kwargs={"socket_connect_timeout": settings.conn_timeout, "password": sentinel_password, **tls},
-        socket_connect_timeout=settings.conn_timeout, retry=settings.retry, retry_on_error=settings.retry_on_error,
-        db=settings.database, username=settings.username, password=settings.password, **tls)
+        sentinel_kwargs={"socket_connect_timeout": settings.conn_timeout, "socket_timeout": READ_TIMEOUT_S,
+                         "password": sentinel_password, **tls},
+        socket_connect_timeout=settings.conn_timeout, socket_timeout=READ_TIMEOUT_S, retry=settings.retry,
+        retry_on_error=settings.retry_on_error, db=settings.database, username=settings.username,
+        password=settings.password, **tls)
     return await _first_answer(settings, lambda: sentinel.master_for(
         settings.sentinel_master, redis_class=Redis, connection_pool_class=_SentinelPool,
         connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection))
@@ -624,8 +630,7 @@ async def node_client(redis: Redis, key: str | None, *, fresh_map: bool = False)
     settings = replace(cluster.settings, host=node.host, port=int(node.port), retry=brief, conn_retries=0,
                        retry_on_error=[error for error in cluster.settings.retry_on_error or ()
                                        if error is not RedisTimeoutError])
-    return await _with_quick_ready_check(await _pool(settings, read_timeout_s=READ_TIMEOUT_S),
-                                         _ReadBoundSSL if settings.ssl else _ReadBound)
+    return await _pool(settings)
 
 
 async def _connection_errors_retried(call: Awaitable[T]) -> T:
@@ -673,7 +678,7 @@ class _Cluster(RedisCluster):
                          cluster_error_retry_attempts=1, encoding="utf8", **tls)
         # redis-py takes no connection class for its nodes: every node made from here on (a startup node, one
         # of the slot map) gets those of connection_kwargs; the startup nodes made above are made again
-        self.connection_kwargs["connection_class"] = _ReadBoundSSL if settings.ssl else _ReadBound
+        self.connection_kwargs["connection_class"] = _ReadBoundSSL if settings.ssl else _ReadBoundTCP
         self.nodes_manager.startup_nodes = {node.name: ClusterNode(node.host, node.port, **self.connection_kwargs)
                                             for node in self._url_nodes}
         self.settings = settings

@@ -1,11 +1,18 @@
 """slotq's Redis connections (jobs/protocol/connection.py) on a real Valkey: a pooled connection is
 checked for unread data without a socket read per command, and still never hands a stale reply
-to the next command; commands are packed with hiredis into the bytes redis-py's own packer makes."""
+to the next command; commands are packed with hiredis into the bytes redis-py's own packer makes;
+on a single Redis and under Sentinel, a reply is bounded past what a command waits on purpose (a
+frozen server is a timeout, not a hang), and a subscription is not. (The same on a cluster:
+test_connection_cluster.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,10 +20,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio import Redis
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import DataError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from slotq.jobs.protocol.connection import _HiredisPacking, _ReadBound, _SentinelConnection, connect
+from slotq.jobs.protocol.connection import (
+    READ_TIMEOUT_S,
+    _HiredisPacking,
+    _ReadBound,
+    _ReadBoundTCP,
+    _SentinelConnection,
+    connect,
+)
+from slotq.jobs.redis_server import EmbeddedRedis, valkey_binary
+from tests.support.processes import frozen
+from tests.support.redis_ha import SentinelCluster
 
 
 @pytest.fixture
@@ -89,14 +107,14 @@ _ARGUMENT = st.one_of(st.text(), st.binary(), st.integers(), st.floats(allow_nan
 
 @given(name=st.sampled_from(["SET", "EVALSHA", "CONFIG GET", b"CLIENT LIST"]), args=st.lists(_ARGUMENT, max_size=12))
 def test_commands_are_packed_into_the_same_bytes_as_redis_pys_packer(name: str | bytes, args: list[Any]) -> None:
-    ours = _HiredisPacking().pack_command(name, *args)
+    ours = _ReadBoundTCP().pack_command(name, *args)
     assert b"".join(ours) == b"".join(Connection().pack_command(name, *args))
 
 
 @pytest.mark.parametrize("value", [None, True, bytearray(b"x")])
 def test_a_value_no_packer_takes_raises_redis_pys_data_error(value: object) -> None:
     with pytest.raises(DataError, match="bytes, str, int or float"):
-        _HiredisPacking().pack_command("SET", "key", value)      # type: ignore[arg-type]
+        _ReadBoundTCP().pack_command("SET", "key", value)      # type: ignore[arg-type]
 
 
 async def test_every_kind_of_connection_packs_with_hiredis(client: Redis, redis_url: str) -> None:
@@ -106,3 +124,168 @@ async def test_every_kind_of_connection_packs_with_hiredis(client: Redis, redis_
     echoed = await client.eval("return ARGV", 0, "text é", b"\x00\xff", 7, 1.5)
     assert echoed == ["text é".encode(), b"\x00\xff", b"7", b"1.5"]
     assert issubclass(_SentinelConnection, _HiredisPacking) and issubclass(_ReadBound, _HiredisPacking)
+
+
+@dataclass
+class Served:
+    """A server of the test's own, to freeze: its URL and the pid of the primary it reaches."""
+
+    url: str
+    primary_pid: int
+
+
+@pytest.fixture(params=["single", "sentinel"])
+def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
+    """A single Valkey (redis://), or a primary, its replica and three sentinels (redis+sentinel://)."""
+    if request.param == "sentinel":
+        sentinels: SentinelCluster = request.getfixturevalue("sentinel_cluster")
+        yield Served(sentinels.url, sentinels.procs["primary"].pid)
+        return
+    server = EmbeddedRedis(tmp_path / "single", port=0, fsync="no")
+    server.start()
+    try:
+        assert server.pid is not None
+        yield Served(server.url, server.pid)
+    finally:
+        server.stop()
+
+
+async def test_waits_longer_than_the_read_bound_are_not_cut(served: Served) -> None:
+    """A reply must come within READ_TIMEOUT_S past what its command waits on purpose: a BLPOP (a worker's
+    wait for work), an XREAD BLOCK (a stream reader's), a pipeline's WAIT (an enqueue's wait for replicas;
+    here for more than there are) and a subscription's next message, each longer than the bound, all end
+    as their server ends them, not as a read timeout."""
+    redis = await connect(served.url, patient=False)
+    wait_s = READ_TIMEOUT_S + 1
+    try:
+        async def waited() -> list[Any]:
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.set("long:k", "v")
+                pipe.wait(5, int(wait_s * 1000))
+                return await pipe.execute()
+
+        async def heard() -> Any:
+            async with redis.pubsub() as pubsub:
+                await pubsub.subscribe("slotq:test:quiet")
+                await asyncio.sleep(wait_s)
+                await redis.publish("slotq:test:quiet", "late")
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        return message["data"]
+
+        started = time.monotonic()
+        popped, read, (was_set, replicas), message = await asyncio.gather(
+            redis.blpop(["long:list"], timeout=wait_s), redis.xread({"long:stream": "$"}, block=int(wait_s * 1000)),
+            waited(), heard())
+        assert (popped, read, was_set, message) == (None, [], True, b"late")
+        assert replicas < 5
+        assert time.monotonic() - started >= wait_s           # they did wait past the bound
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.fault
+async def test_a_frozen_single_redis_is_a_timeout_not_a_hang(tmp_path: Path) -> None:
+    """A Redis that stops answering without closing its connections (SIGSTOP; a VM pause or a network
+    black hole does the same) no longer holds a command until TCP gives up. On an open connection the
+    reply is overdue after READ_TIMEOUT_S, the connection is closed, and the worker's retry sends the
+    command again on a new one, which the server answers once it runs again. A command that needs a new
+    connection fails with the timeout of the connection's first reply (redis-py opens a pooled connection
+    outside the command's retry). A subscription on the same server waits through the freeze on its
+    connection and hears what is published after it."""
+    server = EmbeddedRedis(tmp_path / "single", port=0, fsync="no")
+    server.start()
+    redis = await connect(server.url, patient=True)
+    try:
+        assert server.pid is not None
+        async with redis.pubsub() as pubsub:
+            await pubsub.subscribe("slotq:test:frozen")
+            assert (await pubsub.get_message(timeout=5) or {}).get("type") == "subscribe"
+            listener = pubsub.connection
+            before = await redis.client_id()                  # the pool's one open connection, free again
+
+            async def timed_out() -> float:
+                started = time.monotonic()
+                with pytest.raises(RedisTimeoutError):
+                    await redis.get("frozen:k")               # the open connection is taken: a new one
+                return time.monotonic() - started
+
+            started = time.monotonic()
+            with frozen(server.pid):
+                asked = asyncio.create_task(redis.client_id())
+                await asyncio.sleep(0.1)                      # it holds the open connection
+                async with asyncio.timeout(30):               # a hang guard
+                    fresh_s = await timed_out()
+                await asyncio.sleep(READ_TIMEOUT_S + 1 - (time.monotonic() - started))   # the first read timed out
+            async with asyncio.timeout(30):
+                after = await asked
+            assert after != before                            # answered on a new connection, not the first
+            assert time.monotonic() - started >= READ_TIMEOUT_S and fresh_s >= READ_TIMEOUT_S
+            await redis.publish("slotq:test:frozen", "heard")
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+            assert message is not None and message["data"] == b"heard"
+            assert pubsub.connection is listener               # the same subscription, never cut
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+@pytest.mark.fault
+async def test_under_sentinel_a_frozen_primarys_command_goes_on_at_the_promoted_replica(
+        sentinel_cluster: SentinelCluster) -> None:
+    """A primary frozen under a worker's command (SIGSTOP): the sentinels promote its replica, the reply
+    on the frozen primary is overdue after READ_TIMEOUT_S, and the retry, asking the sentinels again,
+    sends the command to the promoted replica. Without the bound it waited on the frozen primary for ever."""
+    redis = await connect(sentinel_cluster.url, patient=True)
+    try:
+        await redis.set("frozen:n", 0)
+        assert await redis.wait(1, 5000) == 1                  # the replica holds it
+        started = time.monotonic()
+        with frozen(sentinel_cluster.procs["primary"].pid):
+            async with asyncio.timeout(90):                   # a hang guard
+                incremented = await redis.incr("frozen:n")
+            went_on_s = time.monotonic() - started
+            assert sentinel_cluster.primary_address()[1] == sentinel_cluster.replica_port
+        assert incremented == 1
+        assert went_on_s >= READ_TIMEOUT_S
+        print(f"sentinel, frozen primary: the command went on at the promoted replica after {went_on_s:.1f} s")
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.fault
+async def test_a_frozen_sentinel_is_passed_over_for_the_next(sentinel_cluster: SentinelCluster) -> None:
+    """The first sentinel of the URL frozen (SIGSTOP): a new connection's question for the primary gets
+    no answer from it, and after READ_TIMEOUT_S it asks the next sentinel instead of waiting for ever."""
+    with frozen(sentinel_cluster.procs["sentinel0"].pid):
+        started = time.monotonic()
+        async with asyncio.timeout(60):                       # a hang guard
+            redis = await connect(sentinel_cluster.url, patient=True)
+        try:
+            assert await redis.set("sentinel:k", "v")
+            assert time.monotonic() - started >= READ_TIMEOUT_S     # it did ask the frozen one first
+        finally:
+            await redis.aclose()
+
+async def test_a_unix_socket_url_is_bounded_on_its_socket(tmp_path: Path) -> None:
+    """unix:// keeps redis-py's Unix socket connection, with the bound on replies put in front of it: a
+    blocking read's reply is bounded past its block time there too."""
+    socket = tmp_path / "valkey.sock"
+    server = subprocess.Popen([str(valkey_binary()), "--port", "0", "--unixsocket", str(socket), "--save", "",
+                               "--appendonly", "no"], cwd=tmp_path, stdout=subprocess.DEVNULL)
+    try:
+        async with asyncio.timeout(30):
+            while not socket.exists():
+                await asyncio.sleep(0.05)
+        redis = await connect(f"unix://{socket}", patient=False)
+        try:
+            wait_s = 0.5
+            assert await redis.blpop(["unix:list"], timeout=wait_s) is None
+            connection = redis.connection_pool._available_connections[0]
+            assert isinstance(connection, UnixDomainSocketConnection) and connection.path == str(socket)
+            assert connection.socket_timeout == wait_s + READ_TIMEOUT_S     # the BLPOP's reply was bounded so
+        finally:
+            await redis.aclose()
+    finally:
+        server.terminate()
+        server.wait(10)

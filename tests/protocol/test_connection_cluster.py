@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +30,8 @@ from slotq.jobs.protocol.connection import (
     redis_settings,
     subscriber,
 )
-from slotq.jobs.redis_cluster import HASH_SLOTS, LocalValkeyCluster, NodeStatus, distinct_free_ports
+from slotq.jobs.redis_cluster import HASH_SLOTS, LocalValkeyCluster, distinct_free_ports
+from tests.support.processes import frozen
 from tests.support.proxied_cluster import ProxiedCluster
 from tests.support.redis_ha import TlsProxy, make_ca_and_server_cert
 
@@ -295,14 +294,11 @@ async def test_a_frozen_primary_is_a_timeout_and_its_replica_takes_over(
     redis: Redis = await connect(cluster_with_replicas.url, patient=True)
     keys = key_per_shard(cluster_with_replicas, "frozen")
     reader = await node_client(redis, keys[1])
-    frozen: NodeStatus | None = None
     try:
         for key in keys:
             await redis.set(key, 0)
         port = int(reader.connection_pool.connection_kwargs["port"])
         assert await reader.xread({f"{keys[1]}:stream": "0"}) == []          # its connection is open
-        frozen = next(node for node in cluster_with_replicas.nodes() if node.port == port)
-        os.kill(frozen.pid, signal.SIGSTOP)
 
         async def subscribed() -> tuple[int, Any]:
             async with subscriber(redis, keys[1]) as sub, sub.pubsub() as pubsub:
@@ -320,17 +316,16 @@ async def test_a_frozen_primary_is_a_timeout_and_its_replica_takes_over(
             return time.monotonic() - started
 
         started = time.monotonic()
-        async with asyncio.timeout(90):          # a hang guard: without the bound, each of them waits for ever
-            incremented, reader_s, (subscribed_port, heard) = await asyncio.gather(
-                redis.incr(keys[1]), timed_out(), subscribed())
+        with frozen(next(node.pid for node in cluster_with_replicas.nodes() if node.port == port)):
+            async with asyncio.timeout(90):      # a hang guard: without the bound, each of them waits for ever
+                incremented, reader_s, (subscribed_port, heard) = await asyncio.gather(
+                    redis.incr(keys[1]), timed_out(), subscribed())
         assert incremented == 1
         assert subscribed_port != port and heard == b"heard"
         assert reader_s >= READ_TIMEOUT_S
         print(f"frozen primary: the node's client timed out after {reader_s:.1f} s, the command went on at the "
               f"promoted replica after {time.monotonic() - started:.1f} s")
     finally:
-        if frozen is not None:
-            os.kill(frozen.pid, signal.SIGCONT)
         await reader.aclose()
         await redis.aclose()
 

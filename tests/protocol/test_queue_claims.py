@@ -14,6 +14,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from slotq.jobs.protocol.connection import READ_TIMEOUT_S, connect
 from slotq.jobs.protocol.keys import ABORTS, QueueKeys, job_fences_key, job_record_key, retry_counter_key
 from slotq.jobs.protocol.redis_queue import (
     NO_QUOTAS,
@@ -29,6 +30,7 @@ from slotq.jobs.protocol.redis_queue import (
 from slotq.jobs.protocol.serialization import serialize
 from slotq.jobs.protocol.streams import read_all
 from slotq.jobs.protocol.wire import FinishReason
+from tests.support.faults import FaultyProxy
 from tests.support.jobs import ON_EVERY_BACKEND, fences_raised
 
 LEASE_MS = 60_000
@@ -331,6 +333,36 @@ async def test_a_claim_whose_reply_was_lost_is_answered_again_not_run_again(queu
     finally:
         await impatient.aclose()
         await busy.aclose()
+
+
+@pytest.mark.fault
+async def test_a_claim_whose_reply_never_comes_is_sent_again_after_the_read_bound(queue, redis_server):
+    """The same on a worker's own connection (connect(), single Redis): the claim runs, and its connection
+    then passes nothing more either way (a network black hole right after the request). Its reply is
+    overdue after READ_TIMEOUT_S, and the claim is sent again on a new connection, where its claim mark
+    answers it with the first copy's job. Without the bound it waited for ever; a retry without the mark
+    would have taken the second job too."""
+    assert await queue.claim(1, "warm-up", LEASE_MS) == []           # the script is loaded: no NOSCRIPT below
+    await put(queue, "first")
+    await asyncio.sleep(0.002)
+    await put(queue, "second")
+    proxy = FaultyProxy(redis_server.port)
+    await proxy.start()
+    worker = await connect(proxy.url, patient=True)
+    try:
+        proxy.arm(b"blackholed-worker", "freeze")
+        started = time.monotonic()
+        async with asyncio.timeout(60):                              # a hang guard
+            claimed = await RedisQueue(worker, "test:q", ["interactive", "bulk"]).claim(1, "blackholed-worker",
+                                                                                        LEASE_MS)
+        assert proxy.fired.is_set()                                  # the first copy ran, its reply was lost
+        assert time.monotonic() - started >= READ_TIMEOUT_S
+        assert [job.id for job in claimed] == ["first"]
+        assert await queue.redis.hgetall(queue.keys.owners) == {b"first": claimed[0].lease.encode()}
+        assert await queue.in_queue(["second"]) == [True]
+    finally:
+        await worker.aclose()
+        await proxy.close()
 
 
 @pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)

@@ -86,16 +86,6 @@ def failing_primary(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
         yield FailingPrimary(cluster.url, lambda: cluster.kill_primary(queue_port), cluster.wait_for_failover)
 
 
-@pytest.fixture
-def sentinel_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
-    cluster = SentinelCluster(tmp_path / "ha")
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 async def test_a_command_waits_while_no_sentinel_names_a_primary(sentinel_cluster: SentinelCluster) -> None:
     """A pooled connection found dead while the sentinels name no primary (as just after a
     failover) is reconnected inside the command's retry, not failed at once."""

@@ -1,10 +1,13 @@
-"""Watching processes from a test: whether one still runs, and waiting for a condition."""
+"""Watching processes from a test: whether one still runs, freezing one, and waiting for a condition."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -15,6 +18,18 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """The process ``pid`` stopped (SIGSTOP) for the block, continued (SIGCONT) after it however it ends: a
+    server frozen so keeps its connections open and its kernel acknowledges what is sent, but nothing
+    answers (as under a VM pause or a network black hole that drops packets)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
