@@ -8,15 +8,23 @@ its cost is). Both systems load it at start-up and apply it only to the requests
   Redis and reads the job's stream; the adapter by llama-server's ``lora`` field;
 - ``llama-server``: ``--lora FILE --lora-init-without-apply --parallel 8``, built from the llama.cpp
   that llama-cpp-python vendors (:mod:`bench.llama_server`), ``POST /v1/completions`` with
-  ``"lora": [{"id": 0, "scale": 1}]``.
+  ``"lora": [{"id": 0, "scale": 1}]``, and a base request with ``"lora": [{"id": 0, "scale": 0}]``:
+  ``--lora-init-without-apply`` leaves the adapter's global scale at 1 (``GET /lora-adapters`` says
+  so), and a request without ``lora`` (or with ``"lora": []``) runs at the global scales, so it gets
+  the adapter (llama.cpp #28674). Before the run, each of :data:`CLIENTS` prompts goes to llama-server
+  alone (a batch of one: the same tokens every time) with and without the adapter, and the benchmark
+  says for how many the adapter changed the text: 0 means both bodies got the same model and its
+  loads compare nothing.
 
 Loads, each the same 8 closed-loop clients (``bench.peers_bench``'s prompts of three lengths, greedy,
 :data:`MAX_TOKENS` generated exactly): ``base`` (no request names the adapter), ``mixed`` (every
 other request does: the issue's target, mixed >= 0.8 x base on slotq), ``adapter`` (every request
 does). ``adapter / base`` is what computing the adapter costs; ``mixed`` against both is what
-running two adapter sets in turns costs (llama.cpp applies adapters per context, so each step runs
-one set: engine.scheduler rule 10), which both systems pay. Each system runs every load in every
-round, in a rotated order (the machine is shared); tokens/s is the mean of the rounds.
+running two adapter sets costs: llama.cpp applies adapters per context, so each decode step of
+either system runs one set (slotq's sets take turns, engine.scheduler rule 10; llama-server's
+``server_slot::can_batch_with`` batches only slots whose sets are equal, and the set of its
+lowest-numbered generating slot goes first). Each system runs every load in every round, in a
+rotated order (the machine is shared); tokens/s is the mean of the rounds.
 
 Where the time goes, from each system's Prometheus counters read before and after every load (summed
 over the rounds): decode steps and tokens per step (both systems), wall time per step, and for slotq
@@ -94,16 +102,35 @@ def _slotq(client: SlotqClient, load: str) -> OneRequest:
 def _llama_server(http: httpx.AsyncClient, load: str) -> OneRequest:
     async def one(i: int) -> Sample:
         started = time.perf_counter()
-        body: dict[str, Any] = {"model": "model", "prompt": peer_prompt(i), "max_tokens": MAX_TOKENS,
-                                "temperature": 0, "ignore_eos": True}
-        if _uses_adapter(load, i):
-            body["lora"] = [{"id": 0, "scale": 1.0}]
-        response = await http.post("/v1/completions", json=body)
-        if response.status_code != 200:
-            raise RuntimeError(f"llama-server: HTTP {response.status_code}: {response.text[:300]}")
-        tokens = json.loads(response.text)["usage"]["completion_tokens"]
-        return Sample(float("nan"), time.perf_counter() - started, tokens)
+        reply = await _llama_server_completion(http, i, _uses_adapter(load, i))
+        return Sample(float("nan"), time.perf_counter() - started, reply["usage"]["completion_tokens"])
     return one
+
+
+async def _llama_server_completion(http: httpx.AsyncClient, i: int, adapter: bool, cache_prompt: bool = True
+                                   ) -> dict[str, Any]:
+    """Prompt ``i`` greedy, with the adapter at scale 1 or explicitly at 0 (the module docstring says why
+    omitting ``lora`` is not the base model); llama-server's reply."""
+    body = {"model": "model", "prompt": peer_prompt(i), "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "lora": [{"id": 0, "scale": 1.0 if adapter else 0.0}], "cache_prompt": cache_prompt}
+    response = await http.post("/v1/completions", json=body)
+    if response.status_code != 200:
+        raise RuntimeError(f"llama-server: HTTP {response.status_code}: {response.text[:300]}")
+    reply: dict[str, Any] = json.loads(response.text)
+    return reply
+
+
+async def _adapter_changes(http: httpx.AsyncClient) -> int:
+    """Of :data:`CLIENTS` prompts, each sent to llama-server alone with and without the adapter, how many
+    came back with other text: 0 means the base and the adapter bodies got the same model. Without llama-server's
+    prompt cache: the second request would decode only the prompt's last token, which alone changes the text at
+    near ties even under the same model."""
+    changed = 0
+    for k in range(CLIENTS):
+        texts = [(await _llama_server_completion(http, 800_000 + k, adapter, cache_prompt=False))["choices"][0]["text"]
+                 for adapter in (False, True)]
+        changed += texts[0] != texts[1]
+    return changed
 
 
 async def run(quick: bool) -> tuple[dict[str, Any], str]:
@@ -140,7 +167,7 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
                 "--port", str(port), "--metrics", *([] if repack else ["--no-repack"])],
                 log_path=tmp / "llama-server.log"))
         try:
-            rates, counts = await run_watched(
+            rates, counts, changed = await run_watched(
                 _measure(url, metrics_port, port if server_binary else None, rounds, per_client), *children)
         finally:
             for child in children:
@@ -150,17 +177,21 @@ async def run(quick: bool) -> tuple[dict[str, Any], str]:
                 "rounds": [round(v, 1) for v in values]} for (system, load), values in rates.items()]
     costs = [{"system": system, "load": load, **_costs(values)} for (system, load), values in counts.items()]
     data = {"model": model.name, "clients": CLIENTS, "max_tokens": MAX_TOKENS, "threads": THREADS, "rank": RANK,
-            "results": results, "where_the_time_goes": costs, "skipped": skipped}
+            "results": results, "where_the_time_goes": costs, "skipped": skipped,
+            "llama_server_adapter_changes": changed}
     text = _table(results, skipped) + "\n\n" + _costs_table(costs)
+    if changed is not None:
+        text += (f"\n\nllama-server alone, with and without the adapter: {changed} of {CLIENTS} prompts' text "
+                 f"changed{' (0: both got the same model, its loads compare nothing)' if not changed else ''}")
     if not quick:
         write_results("lora", data, text, "slotq bench lora")
     return data, text
 
 
 async def _measure(url: str, metrics_port: int, server_port: int | None, rounds: int, per_client: int
-                   ) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], dict[str, float]]]:
-    """Each load's tokens/s per round, and each load's counters (:data:`COUNTERS`) summed over the rounds,
-    with its wall time (``wall_s``)."""
+                   ) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], dict[str, float]], int | None]:
+    """Each load's tokens/s per round, each load's counters (:data:`COUNTERS`) summed over the rounds,
+    with its wall time (``wall_s``), and :func:`_adapter_changes` (None without llama-server)."""
     client = await SlotqClient.connect(url, ClientSettings(redis_url=url, queue_name="lora"))
     # a new connection per request: llama-server closes a kept-alive one after a few (bench.peers_bench)
     http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{server_port}", timeout=600,
@@ -183,9 +214,11 @@ async def _measure(url: str, metrics_port: int, server_port: int | None, rounds:
         while not any(w.ready for w in (await client.queue_info()).workers):
             await asyncio.sleep(0.3)
         paths = {("slotq-redis", load): _slotq(client, load) for load in LOADS}
+        changed = None
         if server_port is not None:
             await _wait_http(http, "/health", lambda r: r.status_code == 200)
             paths |= {("llama-server", load): _llama_server(http, load) for load in LOADS}
+            changed = await _adapter_changes(http)
         for n, one in enumerate(paths.values()):         # warm-up: one request each, not measured
             await one(900_000 + n)
         rates: dict[tuple[str, str], list[float]] = {key: [] for key in paths}
@@ -204,7 +237,7 @@ async def _measure(url: str, metrics_port: int, server_port: int | None, rounds:
                 total["wall_s"] += wall
                 for name in after:
                     total[name] = total.get(name, 0.0) + after[name] - before[name]
-        return rates, counts
+        return rates, counts, changed
     finally:
         await metrics.aclose()
         await http.aclose()
