@@ -7,8 +7,6 @@ slots and a transaction, so each call passing is a check of the layout."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from pathlib import Path
 from typing import cast
 
@@ -30,6 +28,7 @@ from slotq.jobs.protocol.wire import ErrorInfo
 from slotq.jobs.redis_cluster import LocalValkeyCluster
 from slotq.jobs.settings import ClientSettings
 from tests.support.jobs import job_request
+from tests.support.processes import frozen
 
 LANES = ("interactive", "bulk")
 
@@ -87,14 +86,11 @@ async def test_an_enqueue_waits_for_its_replica_on_the_queues_node(replicated_cl
         port = queue_port(replicated_redis, queue)
         shard = next(node.shard for node in replicated_cluster.nodes() if node.port == port)
         [replica] = [node for node in replicated_cluster.nodes() if node.shard == shard and node.role == "replica"]
-        os.kill(replica.pid, signal.SIGSTOP)
-        try:
+        with frozen(replica.pid):
             assert await primary.wait(1, 100) == 1
             with pytest.raises(ReplicasBehind) as behind:
                 await enqueue(queue, "c", wait_replicas=WaitReplicas(1, 300))
             assert behind.value.acknowledged == 0
-        finally:
-            os.kill(replica.pid, signal.SIGCONT)
     assert await enqueue(queue, "d", wait_replicas=WaitReplicas(1, 10_000)) == Enqueued.CREATED
     assert await queue.in_queue(["a", "b", "c", "d"]) == [True] * 4
 
