@@ -157,10 +157,11 @@ class EngineKnobs(GrammarKnobs):
         "", description="LoRA adapters loaded at start-up, name=path[:scale] comma-separated (scale: what a request "
                         "naming the adapter without one gets, default 1.0); an adapter applies only to the requests "
                         "that ask for it (the lora field, or the model name base:name)")
-    lora_turn_steps: int = Field(
-        8, ge=1, le=10_000,
-        description="decode steps one adapter set's sequences run before the next set's take their turn (llama.cpp "
-                    "applies adapters per context, so one step runs one set; engine.scheduler rule 10)")
+    lora_turn_max_steps: int = Field(
+        128, ge=1, le=10_000,
+        description="most decode steps one adapter set keeps the turn while another set has work (llama.cpp applies "
+                    "adapters per context, so one step runs one set; a set keeps the turn while it has work, so the "
+                    "others' requests pile up into a fuller batch; engine.scheduler rule 10)")
 
     @property
     def lora_adapters(self) -> tuple[LoraAdapterSpec, ...]:

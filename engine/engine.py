@@ -124,7 +124,7 @@ class Engine:
             prefix_cache=config.prefix_cache,
             kv_overcommit=config.kv_overcommit,
             kv_stream_cells=self.info.n_ctx_seq if self.info.kv_layout == KVLayout.SPLIT else None,
-            lora_turn_steps=config.lora_turn_steps,
+            lora_turn_max_steps=config.lora_turn_max_steps,
         ))
         self._limits = SchedulerLimits.full(self.scheduler.config)
         self._lifecycle = Lifecycle()

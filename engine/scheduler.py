@@ -86,17 +86,27 @@ Policy, in order of precedence:
 10. LoRA adapter groups (above rules 1, 3 and 9, which apply within the group): llama.cpp applies
    adapters to the whole context, so a step computes only sequences of one adapter set (the
    base model is the empty set; ``Sequence.adapters``), and :attr:`SchedulerOutput.adapters` says
-   which. The sets with work (a token to decode or a prompt to prefill) take turns round-robin,
-   in the order they first had work: a set keeps the turn for ``lora_turn_steps`` steps while it
-   has work, then passes it to the next set with work, so every set runs within
-   ``(sets - 1) x lora_turn_steps`` steps: none starves, whatever its priority class (a lane's
-   precedence holds within a set, rules 1 and 3; across sets only admission, rule 2, sees it). A
-   lone set keeps the turn for as long as it is alone and pays nothing. A turn is several steps
-   because a switch is not free: llama.cpp reserves its compute graph again at the next decode
-   (docs/architecture.md, "LoRA adapters"). Admission (2) and slots (8) ignore
-   sets: a sequence of another set holds its slot and waits for its set's turn. The prefix cache
-   (4, 7) is per set: a sequence reuses or waits for only KV computed under its own set, since
-   the adapters change every layer's cells.
+   which. Which set runs, in order of precedence: (a) the set whose turn it is keeps it while it
+   has work (a token to decode or a prompt to prefill), until it has run ``lora_turn_max_steps``
+   steps while another set had work; the steps it runs alone do not count, so a set that was alone
+   is not cut off the moment another set's request arrives; (b) then, or when it has no work left,
+   the turn passes to the next set with work, round-robin in the order they first had work. So a
+   set with work runs within ``(sets - 1) x lora_turn_max_steps`` steps: none starves, whatever its
+   priority class (a lane's precedence holds within a set, rules 1 and 3; across sets only
+   admission, rule 2, sees it). A lone set keeps the turn for as long as it is alone and pays
+   nothing. Nothing else ends a turn: not how many sequences the other sets have ready (no
+   hysteresis to tune). Why a turn lasts while its set generates: while it runs, the other sets'
+   new requests pile up, so their turn starts with a fuller batch, and where clients alternate
+   between sets (every finished request's next one is of the other set) the sets fall into step,
+   each turn running nearly every slot (llama-server does the same, without a bound). Passing the
+   turn to a set that has more ready sequences was simulated and lost: running a set moves its
+   clients to the other set, so comparing counts keeps the sets split about evenly, each step half
+   full (docs/architecture.md, "LoRA adapters", has the figures). The cap is large (default 128)
+   because a turn cut before its set's requests finish splits the sets the same way. A switch
+   also costs: llama.cpp reserves its compute graph again at the next decode. Admission (2) and
+   slots (8) ignore sets: a sequence of another set holds its slot and waits for its set's turn.
+   The prefix cache (4, 7) is per set: a sequence reuses or waits for only KV computed under its
+   own set, since the adapters change every layer's cells.
 """
 
 from __future__ import annotations
@@ -142,7 +152,7 @@ class SchedulerConfig:
                                     # moves the whole stream; docs/architecture.md, "KV layout", has the figures)
     cache_slots: int = 0            # KV sequences beyond n_slots that keep idle caches (rule 7)
     reserve_slots: int = 0          # of those, how many a higher priority class may decode in (rule 6)
-    lora_turn_steps: int = 8        # steps one adapter set runs before the next set's turn (rule 10)
+    lora_turn_max_steps: int = 128  # steps a set keeps the turn while another set has work (rule 10)
 
 
 @dataclass(frozen=True)
@@ -244,7 +254,7 @@ class Scheduler:
         self._hold_admissions = False                   # after a preemption, until a sequence finishes
         self._hold_drafts = False                       # after a KV-full decode with drafts, likewise
         self._turns: list[AdapterSet] = []              # adapter sets with work, the one whose turn it is first
-        self._turn_steps = 0                            # steps the first of them has run in its turn (rule 10)
+        self._turn_steps = 0                            # steps the first has run in its turn while another waited
         self.preemptions = 0
         self.prompt_tokens_reused = 0
         self.prompt_tokens_computed = 0
@@ -304,12 +314,13 @@ class Scheduler:
         current = self._turns[0] if self._turns else None
         turns = [group for group in self._turns if group in ready]
         turns += [group for group in ready if group not in turns]
-        if len(turns) > 1 and turns[0] == current and self._turn_steps >= self.config.lora_turn_steps:
+        if len(turns) > 1 and turns[0] == current and self._turn_steps >= self.config.lora_turn_max_steps:
             turns.append(turns.pop(0))              # its turn is used up: the next set's
         if not turns or turns[0] != current:
             self._turn_steps = 0
         self._turns = turns
-        self._turn_steps += 1
+        if len(turns) > 1:
+            self._turn_steps += 1                   # only the steps another set waits through count (rule 10 a)
         return turns[0] if turns else BASE
 
     def _plan_drafts(self, out: SchedulerOutput, offers: Mapping[Sequence, Proposal], budget: int) -> None:

@@ -31,8 +31,9 @@ TOKENS_PREDICTED = Counter("slotq_tokens_predicted", "Generated tokens")
 N_DECODE = Counter("slotq_n_decode", "llama_decode calls")
 PREEMPTIONS = Counter("slotq_preemptions", "Sequences preempted for lack of KV space")
 DECODE_SECONDS = Counter("slotq_decode_seconds", "Wall time of the llama_decode calls (slotq_n_decode_total of them)")
-LORA_SWITCHES = Counter("slotq_lora_switches", "Decodes run under another LoRA adapter set than the one before: the "
-                        "adapter sets with work take turns of SLOTQ_LORA_TURN_STEPS steps (scheduler rule 10)")
+LORA_SWITCHES = Counter("slotq_lora_switches", "Decodes run under another LoRA adapter set than the one before: a set "
+                        "keeps the turn while it has work, at most SLOTQ_LORA_TURN_MAX_STEPS steps while another set "
+                        "has work (scheduler rule 10)")
 LORA_SWITCH_SECONDS = Counter(
     "slotq_lora_switch_decode_seconds", "llama_decode time of those decodes (llama.cpp reserves its graph again after "
     "a switch): against slotq_decode_seconds_total / slotq_n_decode_total, what a switch costs")

@@ -44,10 +44,10 @@ async def test_an_adapter_changes_the_output_and_scale_zero_gives_the_base_model
 
 
 async def test_sets_batched_together_each_get_their_solo_tokens(tiny_model_path: Path, adapter_path: Path) -> None:
-    """Four requests, two per set, on one engine with turns of 2 steps: each gets the tokens it gets
+    """Four requests, two per set, on one engine with turns of at most 2 steps: each gets the tokens it gets
     alone, so the step ran each sequence under its own adapters and no set reused the other's cells."""
     async with running_engine(tiny_model_path, slots=4, lora=f"style={adapter_path}",
-                              lora_turn_steps=2) as engine:
+                              lora_turn_max_steps=2) as engine:
         _, base, _ = await run_one(engine, _lora())
         _, styled, _ = await run_one(engine, _lora(LoraRef(id="style")))
         results = await asyncio.gather(*(run_one(engine, _lora(*([LoraRef(id="style")] if i % 2 else [])))
