@@ -5,8 +5,10 @@ process (and the CLI that starts one) loads the engine's configuration."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -17,6 +19,11 @@ from slotq.jobs.settings import ClientSettings
 from slotq.jobs.worker.elastic.knobs import ElasticKnobs
 
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[Ff](?:16|32)|BF16|bf16)$")
+
+# Settings renamed because their meaning changed, old name -> new. Unknown SLOTQ_* variables are ignored
+# (producers and workers share one environment), so without this a deployment that still sets an old
+# name would silently run the new default.
+RENAMED_SETTINGS = {"lora_turn_steps": "lora_turn_max_steps"}   # a fixed turn became a cap on a turn (rule 10)
 
 
 class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
@@ -100,6 +107,19 @@ class WorkerSettings(ClientSettings, EngineKnobs, ElasticKnobs):
         if value is not None:
             _parse_models(value)         # raises ValueError naming the entry
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed_settings(cls, data: Any) -> Any:
+        """A renamed setting given under its old name (keyword, ``./.env`` or the environment) is an
+        error that names the new one, not a silently ignored variable."""
+        given = {str(key).lower() for key in data} if isinstance(data, dict) else set()
+        given |= {name[len("SLOTQ_"):].lower() for name in os.environ if name.upper().startswith("SLOTQ_")}
+        for old, new in RENAMED_SETTINGS.items():
+            if old in given:
+                raise ValueError(f"SLOTQ_{old.upper()} was renamed SLOTQ_{new.upper()} (see its entry in README.md's "
+                                 f"configuration table): set that instead")
+        return data
 
     @model_validator(mode="after")
     def _one_way_to_name_models(self) -> WorkerSettings:

@@ -53,6 +53,20 @@ def test_batch_below_slots_is_refused_not_silently_raised():
         WorkerSettings(slots=16, batch=8)
 
 
+def test_a_renamed_setting_under_its_old_name_is_an_error_naming_the_new_one(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    renamed = "SLOTQ_LORA_TURN_STEPS was renamed SLOTQ_LORA_TURN_MAX_STEPS"
+    monkeypatch.setenv("SLOTQ_LORA_TURN_STEPS", "8")
+    with pytest.raises(ValueError, match=renamed):
+        WorkerSettings()
+    monkeypatch.delenv("SLOTQ_LORA_TURN_STEPS")
+    (tmp_path / ".env").write_text("SLOTQ_LORA_TURN_STEPS=8\n")
+    with pytest.raises(ValueError, match=renamed):
+        _parsed(["worker"], WorkerSettings)
+    (tmp_path / ".env").write_text("SLOTQ_LORA_TURN_MAX_STEPS=8\n")
+    assert _parsed(["worker"], WorkerSettings).lora_turn_max_steps == 8
+
+
 def test_flags_override_the_environment_only_when_given(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLOTQ_SLOTS", "3")
