@@ -37,7 +37,10 @@ messages wait without a bound): a server that stops answering without closing it
 or behind a network black hole) fails the command as a timeout, which the retry above sends again on a
 new connection. Under Sentinel that connection asks the sentinels, under a cluster it follows a slot map
 read anew, so after a failover the command goes on at the promoted replica; a single Redis is tried again
-at its address.
+at its address. A new connection's handshake is bounded by the connect timeout instead
+(:meth:`_ReadBound.on_connect`), so each retry at a server still frozen fails after that, not after the
+read bound again; on a cluster such a failure, like any from a node, makes redis-py drop its slot map and
+close every node connection, cutting the commands in flight on other nodes (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -447,12 +450,26 @@ class _ReadBound(_HiredisPacking):
     redis-py applies ``socket_timeout`` to every read as it is, so a blocking read longer than it
     failed; here each command (or pipeline) sets the bound of its replies when it is packed, which
     holds once it is sent. (A command is packed before its connection connects, and the connect sends
-    commands of its own, with their own bounds.) A subscription's messages (reads with
-    ``push_request``) come when something is published, however long after: they wait without a bound."""
+    commands of its own, with their own bounds: :meth:`on_connect`.) A subscription's messages (reads
+    with ``push_request``) come when something is published, however long after: they wait without a bound."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._base_s = self._packed_within_s = self._replies_within_s = self.socket_timeout
+
+    async def on_connect(self) -> None:
+        """redis-py's handshake on a new connection (``AUTH`` or ``HELLO``, ``CLIENT SETINFO``, ``SELECT``),
+        each reply within the connect timeout (``socket_connect_timeout``, the settings' ``conn_timeout``)
+        rather than :data:`READ_TIMEOUT_S`: a handshake never blocks on purpose, and a server that answers
+        nothing is not worth waiting on twice. Each retry of a command opens a new connection, and against
+        a frozen Redis every handshake waited out the read bound again (a producer's command failed after
+        85 s, a worker's after 245 s). Commands already sent keep the read bound: their reply may be the
+        slow part of a busy server's work, a handshake's is not."""
+        base, self._base_s = self._base_s, self.socket_connect_timeout
+        try:
+            await super().on_connect()
+        finally:
+            self._base_s = base
 
     def pack_command(self, *args: EncodableT) -> list[bytes]:
         self._expect([args])

@@ -2,8 +2,9 @@
 checked for unread data without a socket read per command, and still never hands a stale reply
 to the next command; commands are packed with hiredis into the bytes redis-py's own packer makes;
 on a single Redis and under Sentinel, a reply is bounded past what a command waits on purpose (a
-frozen server is a timeout, not a hang), and a subscription is not. (The same on a cluster:
-test_connection_cluster.py.)"""
+frozen server is a timeout, not a hang), a new connection's handshake by the connect timeout (a
+producer's command on a frozen Redis fails within a stated bound), and a subscription is not. (The
+same on a cluster: test_connection_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ from slotq.jobs.protocol.connection import (
     _HiredisPacking,
     _ReadBound,
     _ReadBoundTCP,
+    _retries_within,
     _SentinelConnection,
     connect,
+    redis_settings,
 )
 from slotq.jobs.redis_server import EmbeddedRedis, valkey_binary
 from tests.support.processes import frozen
@@ -134,13 +137,9 @@ class Served:
     primary_pid: int
 
 
-@pytest.fixture(params=["single", "sentinel"])
-def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
-    """A single Valkey (redis://), or a primary, its replica and three sentinels (redis+sentinel://)."""
-    if request.param == "sentinel":
-        sentinels: SentinelCluster = request.getfixturevalue("sentinel_cluster")
-        yield Served(sentinels.url, sentinels.procs["primary"].pid)
-        return
+@pytest.fixture
+def single_redis(tmp_path: Path) -> Iterator[Served]:
+    """A single Valkey of the test's own (redis://)."""
     server = EmbeddedRedis(tmp_path / "single", port=0, fsync="no")
     server.start()
     try:
@@ -148,6 +147,16 @@ def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
         yield Served(server.url, server.pid)
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["single", "sentinel"])
+def served(request: pytest.FixtureRequest) -> Served:
+    """A single Valkey (redis://), or a primary, its replica and three sentinels (redis+sentinel://)."""
+    if request.param == "sentinel":
+        sentinels: SentinelCluster = request.getfixturevalue("sentinel_cluster")
+        return Served(sentinels.url, sentinels.procs["primary"].pid)
+    single: Served = request.getfixturevalue("single_redis")
+    return single
 
 
 async def test_waits_longer_than_the_read_bound_are_not_cut(served: Served) -> None:
@@ -185,19 +194,16 @@ async def test_waits_longer_than_the_read_bound_are_not_cut(served: Served) -> N
 
 
 @pytest.mark.fault
-async def test_a_frozen_single_redis_is_a_timeout_not_a_hang(tmp_path: Path) -> None:
+async def test_a_frozen_single_redis_is_a_timeout_not_a_hang(single_redis: Served) -> None:
     """A Redis that stops answering without closing its connections (SIGSTOP; a VM pause or a network
     black hole does the same) no longer holds a command until TCP gives up. On an open connection the
     reply is overdue after READ_TIMEOUT_S, the connection is closed, and the worker's retry sends the
     command again on a new one, which the server answers once it runs again. A command that needs a new
-    connection fails with the timeout of the connection's first reply (redis-py opens a pooled connection
-    outside the command's retry). A subscription on the same server waits through the freeze on its
-    connection and hears what is published after it."""
-    server = EmbeddedRedis(tmp_path / "single", port=0, fsync="no")
-    server.start()
-    redis = await connect(server.url, patient=True)
+    connection fails with the timeout of the connection's handshake, after the connect timeout rather
+    than READ_TIMEOUT_S (redis-py opens a pooled connection outside the command's retry). A subscription
+    on the same server waits through the freeze on its connection and hears what is published after it."""
+    redis = await connect(single_redis.url, patient=True)
     try:
-        assert server.pid is not None
         async with redis.pubsub() as pubsub:
             await pubsub.subscribe("slotq:test:frozen")
             assert (await pubsub.get_message(timeout=5) or {}).get("type") == "subscribe"
@@ -211,7 +217,7 @@ async def test_a_frozen_single_redis_is_a_timeout_not_a_hang(tmp_path: Path) -> 
                 return time.monotonic() - started
 
             started = time.monotonic()
-            with frozen(server.pid):
+            with frozen(single_redis.primary_pid):
                 asked = asyncio.create_task(redis.client_id())
                 await asyncio.sleep(0.1)                      # it holds the open connection
                 async with asyncio.timeout(30):               # a hang guard
@@ -220,14 +226,57 @@ async def test_a_frozen_single_redis_is_a_timeout_not_a_hang(tmp_path: Path) -> 
             async with asyncio.timeout(30):
                 after = await asked
             assert after != before                            # answered on a new connection, not the first
-            assert time.monotonic() - started >= READ_TIMEOUT_S and fresh_s >= READ_TIMEOUT_S
+            assert time.monotonic() - started >= READ_TIMEOUT_S
+            assert redis_settings(single_redis.url).conn_timeout <= fresh_s < READ_TIMEOUT_S     # the handshake's bound
             await redis.publish("slotq:test:frozen", "heard")
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
             assert message is not None and message["data"] == b"heard"
             assert pubsub.connection is listener               # the same subscription, never cut
     finally:
         await redis.aclose()
-        server.stop()
+
+
+@pytest.mark.fault
+async def test_a_producers_command_on_a_frozen_single_redis_fails_within_its_bound(single_redis: Served) -> None:
+    """A producer's command on an open connection to a Redis frozen for good (SIGSTOP): its reply is overdue
+    after READ_TIMEOUT_S, and each retry's new connection waits for its handshake only the connect timeout,
+    so the timeout reaches the caller within READ_TIMEOUT_S + the retries' handshakes + their backoff (at
+    most 0.8 x connect_timeout_s): 14.8 s at a connect timeout of 1 s. While each handshake waited out the
+    read bound again, it took 10 s more per retry (51.8 s measured)."""
+    connect_timeout_s = 1.0
+    settings = redis_settings(single_redis.url, patient=False, connect_timeout_s=connect_timeout_s)
+    backoff_s = 0.8 * connect_timeout_s
+    bound_s = READ_TIMEOUT_S + _retries_within(backoff_s) * settings.conn_timeout + backoff_s
+    redis = await connect(single_redis.url, patient=False, connect_timeout_s=connect_timeout_s)
+    try:
+        await redis.set("frozen:k", "v")                      # the pool's connection is open
+        with frozen(single_redis.primary_pid):
+            started = time.monotonic()
+            async with asyncio.timeout(120):                  # a hang guard
+                with pytest.raises(RedisTimeoutError):
+                    await redis.get("frozen:k")
+            failed_s = time.monotonic() - started
+        print(f"producer, frozen single Redis: the command failed after {failed_s:.1f} s (bound {bound_s:.1f} s)")
+        assert READ_TIMEOUT_S <= failed_s < bound_s + 5      # the margin: a loaded machine's slow event loop
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.fault
+async def test_a_single_redis_that_wakes_within_a_producers_retries_answers_them(single_redis: Served) -> None:
+    """The same Redis frozen under a producer's command, and woken after the first reply was overdue, while
+    the retries open new connections: the command is answered there rather than failed by its bounds."""
+    redis = await connect(single_redis.url, patient=False)   # retries ~40 s past the first reply's bound
+    try:
+        await redis.set("frozen:k", "v")
+        with frozen(single_redis.primary_pid):
+            asked = asyncio.create_task(redis.get("frozen:k"))
+            await asyncio.sleep(READ_TIMEOUT_S + 1)           # the reply on the open connection timed out
+            assert not asked.done()
+        async with asyncio.timeout(30):                       # a hang guard
+            assert await asked == b"v"
+    finally:
+        await redis.aclose()
 
 
 @pytest.mark.fault

@@ -31,6 +31,7 @@ from slotq.jobs.protocol.connection import (
     subscriber,
 )
 from slotq.jobs.redis_cluster import HASH_SLOTS, LocalValkeyCluster, distinct_free_ports
+from slotq.jobs.redis_server import EmbeddedRedis
 from tests.support.processes import frozen
 from tests.support.proxied_cluster import ProxiedCluster
 from tests.support.redis_ha import TlsProxy, make_ca_and_server_cert
@@ -328,6 +329,32 @@ async def test_a_frozen_primary_is_a_timeout_and_its_replica_takes_over(
     finally:
         await reader.aclose()
         await redis.aclose()
+
+
+async def test_a_frozen_node_of_the_url_is_passed_over_after_the_connect_timeout(cluster: LocalValkeyCluster,
+                                                                                  tmp_path: Path) -> None:
+    """The URL's first node frozen (SIGSTOP; a node paused, or behind a black hole; here a standalone
+    Valkey stands in for it): the slot map's read asks it first, on a new connection whose handshake gets
+    no answer, and passes it over for the next node after the connect timeout rather than after
+    READ_TIMEOUT_S. A read of the map holds the client's lock, so every command waited on it."""
+    stand_in = EmbeddedRedis(tmp_path / "frozen", port=0, fsync="no")
+    stand_in.start()
+    try:
+        assert stand_in.pid is not None
+        url = cluster.url.replace("redis+cluster://", f"redis+cluster://127.0.0.1:{stand_in.port},")
+        with frozen(stand_in.pid):
+            started = time.monotonic()
+            async with asyncio.timeout(60):                  # a hang guard
+                redis = await connect(url, patient=True)
+            connected_s = time.monotonic() - started
+            try:
+                assert await redis.set("frozen-node:k", "v")
+            finally:
+                await redis.aclose()
+        print(f"a frozen node first in the URL: connected after {connected_s:.1f} s")
+        assert redis_settings(url).conn_timeout <= connected_s < READ_TIMEOUT_S
+    finally:
+        stand_in.stop()
 
 
 async def test_readers_of_several_streams_look_up_their_new_primary_at_once(
