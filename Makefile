@@ -18,7 +18,8 @@ CHROMIUM ?= /usr/bin/chromium
 # one, so CI tests the oldest and the newest supported. 3.12 lies between them; a run of its own cost CI
 # 8.5 minutes, and no failure in its history here was specific to 3.12: `make test-pythons PYTHONS="3.12 3.13"` adds it.
 PYTHONS ?= 3.13
-FAST     = not real_model and not fault and not browser and not install
+# slow: tests that mostly wait (timeouts, failovers, clusters forming); `make test` runs them once, on .venv's Python
+FAST     = not real_model and not fault and not browser and not install and not slow
 
 .PHONY: demo lint test test-fast test-pythons test-deps bench install
 
@@ -71,12 +72,13 @@ lint: $(STAMP)
 ## test: install, lint, then run the whole test suite (starts its own Redis servers on free ports); with CI=true
 ## (.ci/run) also its fast part on each of PYTHONS (test-pythons)
 test: $(STAMP) test-deps lint
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra --durations=20
 ifeq ($(CI),true)
 	$(MAKE) --no-print-directory test-pythons
 endif
 
-## test-fast: skip the tests on the real bundled model, the fault-injection, browser and fresh-venv install tests
+## test-fast: skip the tests on the real bundled model, the fault-injection, browser and fresh-venv install tests,
+## and the slow ones that mostly wait
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "$(FAST)"
 

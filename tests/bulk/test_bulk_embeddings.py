@@ -52,6 +52,7 @@ async def test_embedding_lines_in_both_formats(client, redis_url, tiny_model_pat
     assert await leftover_keys(client) == []
 
 
+@pytest.mark.slow
 async def test_memory_stays_flat_as_the_file_grows(client, redis_url, tiny_model_path, tmp_path: Path) -> None:
     """The runner's peak RSS for 10x the lines grows by less than a few MB: lines stream through a
     window, and Redis keeps nothing of the finished ones."""

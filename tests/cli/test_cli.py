@@ -110,6 +110,7 @@ async def test_interrupting_enqueue_cancels_the_job_it_created(mode: str, sig: s
     assert not any(marker in err for marker in QUIET_STDERR_MARKERS), err
 
 
+@pytest.mark.slow
 async def test_interrupting_enqueue_with_detach_leaves_the_job_running(client: SlotqClient, start_worker: StartWorker,
                                                                        redis_url: str, tmp_path: Path) -> None:
     await start_worker(**LONG_JOB_WORKER)

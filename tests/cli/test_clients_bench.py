@@ -10,6 +10,7 @@ from bench import client_checks, clients_bench
 from slotq.jobs.redis_server import free_port
 
 
+@pytest.mark.slow
 def test_every_check_fails_with_its_first_line_against_no_server(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")     # else litellm's import fetches a price list
     rows = clients_bench.run_checks(client_checks.Server(f"http://127.0.0.1:{free_port()}", "m", "m-embed"))

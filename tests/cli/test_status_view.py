@@ -109,6 +109,7 @@ async def _status(*args: str, redis_url: str) -> str:
     return out.decode()
 
 
+@pytest.mark.slow
 async def test_status_on_a_cluster_shows_each_shards_load_and_marks_the_queues(cluster: LocalValkeyCluster) -> None:
     """Through the documented CLI on a real cluster (``SLOTQ_REDIS_URL=redis+cluster://...``): a row per
     primary, named by its port, with its replica and its keys; the shard of the queue's hash slot, the
@@ -166,6 +167,7 @@ async def test_status_on_a_cluster_shows_each_shards_load_and_marks_the_queues(c
     assert [first for first, _ in ranges] == [0] + [last + 1 for _, last in ranges[:-1]] and ranges[-1][1] == 16383
 
 
+@pytest.mark.slow
 async def test_each_read_of_the_shards_after_the_first_gives_their_cpu_share(cluster: LocalValkeyCluster) -> None:
     """``slotq status --watch`` keeps one reader: a shard's CPU is what it used since the look before."""
     client = await SlotqClient.connect(cluster.url)
@@ -178,6 +180,7 @@ async def test_each_read_of_the_shards_after_the_first_gives_their_cpu_share(clu
     assert all(share is not None and share >= 0 for share in shares), shares
 
 
+@pytest.mark.slow
 async def test_each_models_queue_is_shown_on_the_shard_of_its_slot(cluster: LocalValkeyCluster) -> None:
     """A fleet of several models (their queues in the model catalog): each shard lists the queues whose
     hash slot it serves, the ones whose claim paths it carries (docs/cluster.md, "Several models")."""

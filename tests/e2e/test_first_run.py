@@ -137,6 +137,7 @@ async def test_result_of_an_unknown_job_is_one_line_and_exit_1(redis_url, tmp_pa
         await client.close()
 
 
+@pytest.mark.slow
 async def test_unreachable_redis_fails_fast_with_the_reason(tmp_path):
     url = "redis://user:hunter2@127.0.0.1:1/0"       # nothing listens on port 1
     started = time.monotonic()

@@ -205,6 +205,7 @@ def test_bad_requests_name_the_parameter(gateway: GatewayProcess, tmp_path: Path
 
 
 # ---------------------------------------------------------------------- a gateway killed mid-batch
+@pytest.mark.slow
 def test_killed_gateway_batch_resumes_without_regenerating(stack: Stack, tmp_path: Path) -> None:
     n = 200
     first = start_gateway(stack, "gateway-killed", window=2)

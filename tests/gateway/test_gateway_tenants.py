@@ -355,6 +355,7 @@ def test_gateway_metrics_are_the_gateways_own_and_no_cdn_docs(stack):
 
 
 # ---------------------------------------------------------------------- Redis out of reach
+@pytest.mark.slow
 def test_redis_unreachable_is_a_503_in_openais_shape(tmp_path, tiny_model_path):
     """...that never names Redis' host or port (the log does), and /ready and /health say 503."""
     with Stack.started(tmp_path, tiny_model_path) as s:

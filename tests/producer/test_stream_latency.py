@@ -34,6 +34,7 @@ async def follow_all(client: SlotqClient, job_ids: list[str]) -> list[list[Strea
         return await asyncio.gather(*(follow(j) for j in job_ids))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("one_way_ms", "jobs"), [(10, 60), (100, 40)])
 async def test_followers_behind_latency_always_reach_the_final_entry(
         redis_url: str, start_worker, one_way_ms: int, jobs: int) -> None:

@@ -36,6 +36,7 @@ async def collect(reader: ClusterStreamReader, job_id: str) -> list[str]:
     return [entry.text for entry in [e async for e in reader.follow(job_id)] if entry.kind == EntryKind.CHUNK]
 
 
+@pytest.mark.slow
 async def test_forty_followers_share_one_read_per_bucket(replicated_redis: Redis) -> None:
     reader = stream_reader(replicated_redis)
     assert isinstance(reader, ClusterStreamReader)
@@ -90,6 +91,7 @@ async def follow_through(redis: Redis, job_id: str, upset: Callable[[int], Await
         await reader.close()
 
 
+@pytest.mark.slow
 async def test_a_follower_carries_on_after_its_streams_primary_fails_over(replicated_cluster: LocalValkeyCluster,
                                                                           replicated_redis: Redis) -> None:
     async def kill(port: int) -> None:

@@ -38,6 +38,7 @@ async def enqueue(queue: RedisQueue, job_id: str, wait_replicas: WaitReplicas | 
                                wait_replicas=wait_replicas)
 
 
+@pytest.mark.slow
 async def test_a_cancel_reaches_the_worker_running_the_job(replicated_redis: Redis) -> None:
     queue = RedisQueue(replicated_redis, "slotq:queue", LANES)
     assert await enqueue(queue, "long") == Enqueued.CREATED
@@ -157,6 +158,7 @@ async def test_dead_letters_are_recorded_listed_requeued_and_removed(replicated_
     assert await dead_letters.by_reason(replicated_redis) == {"killed_its_worker": 1}
 
 
+@pytest.mark.slow
 async def test_the_cancel_listener_follows_its_node_through_a_failover(tmp_path: Path) -> None:
     """The subscription's node (the queue's primary) is killed: the listener fails, and started again as the
     worker's supervisor starts it, it subscribes on the promoted replica and hears the next cancel."""

@@ -159,6 +159,7 @@ def served(request: pytest.FixtureRequest) -> Served:
     return single
 
 
+@pytest.mark.slow
 async def test_waits_longer_than_the_read_bound_are_not_cut(served: Served) -> None:
     """A reply must come within READ_TIMEOUT_S past what its command waits on purpose: a BLPOP (a worker's
     wait for work), an XREAD BLOCK (a stream reader's), a pipeline's WAIT (an enqueue's wait for replicas;

@@ -210,6 +210,7 @@ async def test_a_subscriber_hears_what_is_published_through_the_cluster(cluster:
         await redis.aclose()
 
 
+@pytest.mark.slow
 async def test_waits_longer_than_the_read_bound_are_not_cut(cluster: LocalValkeyCluster) -> None:
     """A node's replies must come within READ_TIMEOUT_S, past what a command waits on purpose: a BLPOP
     (the worker's wait for work), an XREAD BLOCK on a node's client (a producer's stream reader), a
@@ -264,6 +265,7 @@ def cluster_with_replicas(tmp_path: Path) -> Iterator[LocalValkeyCluster]:
         yield local
 
 
+@pytest.mark.slow
 async def test_a_worker_waits_out_a_primarys_failover(cluster_with_replicas: LocalValkeyCluster) -> None:
     """A patient client's writes to the killed primary's slots pause until the replica is promoted, then
     go on, commands and pipelines alike; none fails."""
@@ -284,6 +286,7 @@ async def test_a_worker_waits_out_a_primarys_failover(cluster_with_replicas: Loc
         await redis.aclose()
 
 
+@pytest.mark.slow
 async def test_a_frozen_primary_is_a_timeout_and_its_replica_takes_over(
         cluster_with_replicas: LocalValkeyCluster) -> None:
     """A primary that stops answering without closing its connections (SIGSTOP; a network black hole
@@ -357,6 +360,7 @@ async def test_a_frozen_node_of_the_url_is_passed_over_after_the_connect_timeout
         stand_in.stop()
 
 
+@pytest.mark.slow
 async def test_readers_of_several_streams_look_up_their_new_primary_at_once(
         cluster_with_replicas: LocalValkeyCluster) -> None:
     """After a primary's failover, the stream readers of its slots each read the slot map again
@@ -383,6 +387,7 @@ async def test_readers_of_several_streams_look_up_their_new_primary_at_once(
         await redis.aclose()
 
 
+@pytest.mark.slow
 async def test_a_pipeline_whose_node_fails_while_another_command_fails_is_retried(
         proxied_cluster: ProxiedCluster) -> None:
     """A command that fails on one node makes redis-py drop the client's slot map (and with it the

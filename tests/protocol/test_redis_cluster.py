@@ -66,6 +66,7 @@ def test_a_three_primary_cluster_forms_and_spreads_hash_tags(three_primaries: Lo
     assert [keys_on(node.port) for node in nodes] == [{per_shard[0]}, {per_shard[1]}, {per_shard[2]}]
 
 
+@pytest.mark.slow
 def test_a_killed_primary_is_replaced_by_its_replica(tmp_path: Path) -> None:
     with LocalValkeyCluster(tmp_path / "cluster", primaries=3, replicas_per_primary=1) as cluster, \
             cluster_client(cluster) as client:
@@ -92,6 +93,7 @@ def test_a_killed_primary_is_replaced_by_its_replica(tmp_path: Path) -> None:
         assert [client.get(key) for key in per_shard.values()] == ["after"] * 3
 
 
+@pytest.mark.slow
 def test_stop_leaves_no_process(tmp_path: Path) -> None:
     cluster = LocalValkeyCluster(tmp_path / "cluster", primaries=3, replicas_per_primary=1)
     cluster.start()

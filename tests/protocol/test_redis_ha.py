@@ -86,6 +86,7 @@ def failing_primary(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
         yield FailingPrimary(cluster.url, lambda: cluster.kill_primary(queue_port), cluster.wait_for_failover)
 
 
+@pytest.mark.slow
 async def test_a_command_waits_while_no_sentinel_names_a_primary(sentinel_cluster: SentinelCluster) -> None:
     """A pooled connection found dead while the sentinels name no primary (as just after a
     failover) is reconnected inside the command's retry, not failed at once."""

@@ -127,6 +127,7 @@ async def until(check: Callable[[], Any], what: str, worker: Worker, timeout: fl
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow
 async def test_memory_pressure_sheds_slots_queue_drains_then_slots_grow_back(
         spawn: Callable[..., Worker], client: SlotqClient) -> None:
     w = spawn("el1", slots=4, min_slots=1, memory_high=0.8, memory_low=0.7, memory_refuse=0.99,
@@ -163,6 +164,7 @@ async def test_memory_pressure_sheds_slots_queue_drains_then_slots_grow_back(
     assert "active slots 4 -> 3: memory at" in log and "active slots 3 -> 4: " in log
 
 
+@pytest.mark.slow
 async def test_degradation_steps_on_under_sustained_pressure_and_off_afterwards(
         spawn: Callable[..., Worker], client: SlotqClient) -> None:
     w = spawn("el2", slots=2, min_slots=1, batch=512, prefill_chunk=256, memory_high=0.8, memory_low=0.7,

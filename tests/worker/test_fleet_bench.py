@@ -45,6 +45,7 @@ def _fleet_errors(workdir: Path) -> list[str]:
             if " ERROR " in line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("design", ["slotq", "baseline"])
 async def test_a_small_fleet_step_claims_every_job_and_follows_one_stream_in_ten(design: Design,
                                                                                  tmp_path: Path) -> None:
@@ -54,6 +55,7 @@ async def test_a_small_fleet_step_claims_every_job_and_follows_one_stream_in_ten
     assert row["hottest_primary_cores"] == row["queue_primary_cores"]
 
 
+@pytest.mark.slow
 async def test_the_step_on_a_cluster_splits_its_valkey_cpu_over_the_primaries(tmp_path: Path) -> None:
     row = await measure_step("slotq", SLOTS, RATE, PLAN, SETTINGS, tmp_path / "cluster", primaries=2)
     _assert_every_job_claimed_and_streams_followed(row)
@@ -71,6 +73,7 @@ def test_the_cluster_option_is_the_fleet_benchmarks_only() -> None:
         main(["bench", "queue", "--cluster", "3"])
 
 
+@pytest.mark.slow
 async def test_the_load_spread_over_models_puts_each_queue_on_its_own_primary(tmp_path: Path) -> None:
     """``--models 2`` on 2 primaries: two models' queues, a worker each, named so that their hash slots lie on
     different primaries; every job of both is claimed, and each primary serves one queue's claim path."""

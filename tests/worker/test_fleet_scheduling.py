@@ -58,6 +58,7 @@ async def assert_whole(client: SlotqClient, results: dict[str, JobResult], hande
             assert result.attempts == 1 and result.interruptions == 0, result      # no try spent, no interruption
 
 
+@pytest.mark.slow
 async def test_interactive_jobs_preempt_bulk_jobs_on_every_worker(client, redis_url, tiny_model_path, tmp_path: Path):
     env = clean_env(redis_url=redis_url, model=tiny_model_path, slots=2, threads=1, ctx=6144, poll_delay_s=0.2,
                     cache_slots=0)      # no reserve: every interactive job takes a bulk job's slot
@@ -98,6 +99,7 @@ async def full_worker(client: SlotqClient, name: str, redis_url: str, model: Pat
         proc.stop()
 
 
+@pytest.mark.slow
 async def test_a_full_worker_runs_an_interactive_job_in_its_reserve_and_hands_back_for_the_next(
         client, redis_url, tiny_model_path, tmp_path: Path):
     """With a cache slot (the default) the engine has a spare KV stream: an interactive job on a
