@@ -49,6 +49,7 @@ import asyncio
 import logging
 import math
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -69,7 +70,7 @@ from redis.asyncio.connection import (
 )
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import AbstractBackoff, ExponentialBackoff, NoBackoff
 from redis.exceptions import (
     AskError,
     BusyLoadingError,
@@ -97,6 +98,7 @@ SENTINEL_PORT = 26379
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}       # scheme -> TLS
 REDIS_PORT = 6379
 READ_TIMEOUT_S = 10.0   # a reply, past a blocking command's own wait (_ReadBound)
+WORKER_RETRY_S = 30.0   # a worker's command is retried this long after its first failure (RetryWithin)
 T = TypeVar("T")
 
 
@@ -217,8 +219,9 @@ def redis_settings(url: str, *, patient: bool = True, connect_timeout_s: float =
     """Settings from a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL (password and TLS
     included; ``ca_file`` verifies a TLS server's certificate).
 
-    ``patient`` (workers): each command retries about 30 s (0.1 s doubling to 2 s), and the first
-    connection is retried for 30 s. Otherwise (producers) both stay within ``connect_timeout_s``.
+    ``patient`` (workers): each command is retried for 30 s from its first failure (0.1 s doubling to
+    2 s), and the first connection is retried for 30 s. Otherwise (producers) both stay within
+    ``connect_timeout_s``.
     """
     sentinel = parse_sentinel_url(url)
     cluster = parse_cluster_url(url)
@@ -237,25 +240,49 @@ def redis_settings(url: str, *, patient: bool = True, connect_timeout_s: float =
     if patient:
         settings.conn_retries = 30
         settings.conn_retry_delay = 1
-        settings.retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=20)
+        settings.retry = RetryWithin(ExponentialBackoff(cap=2.0, base=0.1), within_s=WORKER_RETRY_S)
     else:
         settings.conn_timeout = max(1, math.ceil(min(connect_timeout_s, 5)))
         settings.conn_retries = 0
-        # Retries back off within 80% of the bound, so the last error (e.g. "Connection refused") is
-        # what the caller sees rather than a bare timeout.
-        settings.retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=_retries_within(0.8 * connect_timeout_s))
+        # Retries end within 80% of the bound, so the last error (e.g. "Connection refused") is what the
+        # caller sees rather than a bare timeout.
+        settings.retry = RetryWithin(ExponentialBackoff(cap=1.0, base=0.05), within_s=0.8 * connect_timeout_s)
     return settings
 
 
-def _retries_within(seconds: float, base: float = 0.05, cap: float = 1.0) -> int:
-    """How many retries of the producer's backoff fit in ``seconds``."""
-    total, n = 0.0, 0
-    while n < 50:
-        total += min(cap, base * 2 ** n)
-        if total > seconds:
-            break
-        n += 1
-    return n
+class RetryWithin(Retry):
+    """A command's retries with backoff, for as long as ``within_s`` from its first failure, where
+    redis-py's ``Retry`` counts tries. A count does not bound time: each try against a server that
+    accepts connections but never answers (frozen, or behind a black hole) waits out its
+    connection's handshake bound, so a producer's 8 tries at a 5 s connect timeout took 49.7 s, where
+    its backoff alone was meant to span 4. Here a retry starts only while its backoff ends within
+    ``within_s`` of the first failure, so a command fails at most one try's bound past that: the first
+    try's read bound, ``within_s``, then the last try's handshake bound (docs/operations.md, "A Redis
+    that stops answering")."""
+
+    __slots__ = ("within_s",)
+
+    def __init__(self, backoff: AbstractBackoff, *, within_s: float) -> None:
+        super().__init__(backoff, retries=-1)
+        self.within_s = within_s
+
+    async def call_with_retry(self, do: Callable[[], Awaitable[T]], fail: Callable[[RedisError], Any]) -> T:
+        self._backoff.reset()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        failures = 0
+        first_failure = 0.0
+        while True:
+            try:
+                return await do()
+            except self._supported_errors as error:
+                failures += 1
+                await fail(error)
+                now = time.monotonic()
+                first_failure = first_failure or now
+                backoff = self._backoff.compute(failures)
+                if now + backoff - first_failure > self.within_s:
+                    raise error
+                if backoff > 0:
+                    await asyncio.sleep(backoff)
 
 
 # What a retry can outlast: the server away or not answering, a server that is loading its data, a
@@ -643,7 +670,7 @@ async def node_client(redis: Redis, key: str | None, *, fresh_map: bool = False)
     node = cluster.get_default_node() if key is None else cluster.get_node_from_key(key)
     if node is None:        # the slot's primary failed and no replica has taken over yet
         raise RedisConnectionError(f"no primary of the cluster serves the slot of {key} now")
-    brief = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=_retries_within(NODE_RETRY_S, cap=0.5))
+    brief = RetryWithin(ExponentialBackoff(cap=0.5, base=0.05), within_s=NODE_RETRY_S)
     settings = replace(cluster.settings, host=node.host, port=int(node.port), retry=brief, conn_retries=0,
                        retry_on_error=[error for error in cluster.settings.retry_on_error or ()
                                        if error is not RedisTimeoutError])

@@ -22,15 +22,17 @@ from hypothesis import strategies as st
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from slotq.jobs.protocol.connection import (
     READ_TIMEOUT_S,
+    RetryWithin,
     _HiredisPacking,
     _ReadBound,
     _ReadBoundTCP,
-    _retries_within,
     _SentinelConnection,
     connect,
     redis_settings,
@@ -240,14 +242,14 @@ async def test_a_frozen_single_redis_is_a_timeout_not_a_hang(single_redis: Serve
 @pytest.mark.fault
 async def test_a_producers_command_on_a_frozen_single_redis_fails_within_its_bound(single_redis: Served) -> None:
     """A producer's command on an open connection to a Redis frozen for good (SIGSTOP): its reply is overdue
-    after READ_TIMEOUT_S, and each retry's new connection waits for its handshake only the connect timeout,
-    so the timeout reaches the caller within READ_TIMEOUT_S + the retries' handshakes + their backoff (at
-    most 0.8 x connect_timeout_s): 14.8 s at a connect timeout of 1 s. While each handshake waited out the
-    read bound again, it took 10 s more per retry (51.8 s measured)."""
-    connect_timeout_s = 1.0
+    after READ_TIMEOUT_S, its retries start only within 0.8 x connect_timeout_s of that first failure, and
+    each retry's new connection waits for its handshake only the connect timeout, so the timeout reaches
+    the caller within READ_TIMEOUT_S + 0.8 x connect_timeout_s + one handshake's bound (RetryWithin). While
+    the retries were counted (8 at 5 s) it took 49.7 s at the default 5 s; while each handshake also waited
+    out the read bound, 84.9 s."""
+    connect_timeout_s = 5.0
     settings = redis_settings(single_redis.url, patient=False, connect_timeout_s=connect_timeout_s)
-    backoff_s = 0.8 * connect_timeout_s
-    bound_s = READ_TIMEOUT_S + _retries_within(backoff_s) * settings.conn_timeout + backoff_s
+    bound_s = READ_TIMEOUT_S + 0.8 * connect_timeout_s + settings.conn_timeout
     redis = await connect(single_redis.url, patient=False, connect_timeout_s=connect_timeout_s)
     try:
         await redis.set("frozen:k", "v")                      # the pool's connection is open
@@ -339,3 +341,37 @@ async def test_a_unix_socket_url_is_bounded_on_its_socket(tmp_path: Path) -> Non
     finally:
         server.terminate()
         server.wait(10)
+
+
+async def test_retries_end_within_their_time_from_the_first_failure_not_after_a_count() -> None:
+    """RetryWithin, the policy alone: a command whose every try takes 0.2 s to fail is tried again only
+    while the backoff ends within ``within_s`` of its first failure, so it fails about one try past that
+    however long each try takes, where a count of retries would multiply the try's time."""
+    tries = 0
+
+    async def fails_slowly() -> None:
+        nonlocal tries
+        tries += 1
+        await asyncio.sleep(0.2)
+        raise RedisConnectionError("refused")
+
+    async def no_cleanup(error: Exception) -> None:
+        pass
+
+    policy = RetryWithin(ExponentialBackoff(cap=1.0, base=0.05), within_s=0.6)   # backoffs 0.1, 0.2, 0.4 s
+    started = time.monotonic()
+    with pytest.raises(RedisConnectionError):
+        await policy.call_with_retry(fails_slowly, no_cleanup)
+    took_s = time.monotonic() - started
+    assert tries == 3                    # retries end 0.1 and 0.5 s past the first failure; a third, 1.1 > 0.6
+    assert 0.9 <= took_s < 0.2 + 0.6 + 0.2 + 0.5   # first try, the window, the last try, a busy machine's margin
+
+    answers = iter([RedisConnectionError("refused"), RedisConnectionError("refused"), None])
+
+    async def answers_third() -> str:
+        error = next(answers)
+        if error is not None:
+            raise error
+        return "PONG"
+
+    assert await policy.call_with_retry(answers_third, no_cleanup) == "PONG"   # a fresh window per command
