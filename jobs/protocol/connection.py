@@ -596,9 +596,10 @@ class _SentinelPool(_QuickReadyCheck, SentinelConnectionPool):
 async def _sentinel_pool(settings: RedisSettings, sentinel_password: str | None) -> Redis:
     """:func:`_pool` for Sentinel: the retry policy, timeouts, the bound on replies and CA file reach the
     primary's connections (arq's own Sentinel path, used before, left them out), and sentinels get their own
-    password. A sentinel's replies are bounded too (plainly: it has no blocking commands), so one that froze
-    is passed over for the next rather than asked for ever. The first PING is retried the same way
-    (:func:`_first_answer`)."""
+    password. A sentinel's connections are bounded as the primary's are (:class:`_ReadBound`), so one that
+    froze is passed over for the next rather than asked for ever: after its handshake's bound, the connect
+    timeout, where a plain reply bound made each new connection wait out the 10 s read bound. The first PING
+    is retried the same way (:func:`_first_answer`)."""
     tls = {"ssl": True, "ssl_ca_certs": settings.ssl_ca_certs, "ssl_cert_reqs": settings.ssl_cert_reqs} \
         if settings.ssl else {}
     sentinel = Sentinel(
@@ -608,6 +609,8 @@ async def _sentinel_pool(settings: RedisSettings, sentinel_password: str | None)
         socket_connect_timeout=settings.conn_timeout, socket_timeout=READ_TIMEOUT_S, retry=settings.retry,
         retry_on_error=settings.retry_on_error, db=settings.database, username=settings.username,
         password=settings.password, **tls)
+    for client in sentinel.sentinels:        # redis-py takes no connection class for the sentinels' clients
+        client.connection_pool.connection_class = _READ_BOUND[client.connection_pool.connection_class]
     return await _first_answer(settings, lambda: sentinel.master_for(
         settings.sentinel_master, redis_class=Redis, connection_pool_class=_SentinelPool,
         connection_class=_SentinelSSLConnection if settings.ssl else _SentinelConnection))
