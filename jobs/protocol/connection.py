@@ -691,6 +691,17 @@ async def _connection_errors_retried(call: Awaitable[T]) -> T:
         raise
 
 
+class _StartupNodes(dict[str, ClusterNode]):
+    """A cluster client's startup nodes, whose values are read as a snapshot. redis-py's read of the slot
+    map walks them, waiting on each node, while a command that fails on a node (another task) pops that
+    node from the same dict, and :meth:`_Cluster.initialize` puts the URL's back: the walk then failed
+    with "dictionary changed size during iteration", a RuntimeError no retry catches, which ended a
+    stream follower in the chaos run on a cluster."""
+
+    def values(self) -> list[ClusterNode]:  # type: ignore[override]  # a list: the walk's own copy
+        return list(super().values())
+
+
 class _Cluster(RedisCluster):
     """A cluster client whose commands and pipelines retry with the settings' backoff, each try on the
     slot map as the cluster gives it then.
@@ -726,8 +737,8 @@ class _Cluster(RedisCluster):
         # redis-py takes no connection class for its nodes: every node made from here on (a startup node, one
         # of the slot map) gets those of connection_kwargs; the startup nodes made above are made again
         self.connection_kwargs["connection_class"] = _ReadBoundSSL if settings.ssl else _ReadBoundTCP
-        self.nodes_manager.startup_nodes = {node.name: ClusterNode(node.host, node.port, **self.connection_kwargs)
-                                            for node in self._url_nodes}
+        self.nodes_manager.startup_nodes = _StartupNodes(
+            (node.name, ClusterNode(node.host, node.port, **self.connection_kwargs)) for node in self._url_nodes)
         self.settings = settings
         self.command_retry = settings.retry
         self.command_retry.update_supported_errors(
