@@ -60,6 +60,21 @@ class QueueServedByAnotherModel(SlotqError):
         self.other_model = other_model
 
 
+class QueuePartitionsDiffer(SlotqError):
+    """This process splits a queue into another number of partitions (``SLOTQ_QUEUE_PARTITIONS``) than the
+    live workers serving it: its jobs would sit in partitions those workers never claim, or it would claim
+    from partitions that no producer fills. Set the same count everywhere (drain the queue to change it)."""
+
+    def __init__(self, *, queue: str, partitions: int, other_partitions: int, other: str) -> None:
+        super().__init__(
+            f"queue {queue!r} is split into {other_partitions} partitions by {other}, but this process uses "
+            f"SLOTQ_QUEUE_PARTITIONS={partitions}; set SLOTQ_QUEUE_PARTITIONS={other_partitions} here (or stop "
+            f"those workers and drain the queue before changing the count)")
+        self.queue = queue
+        self.partitions = partitions
+        self.other_partitions = other_partitions
+
+
 class JobNotFound(SlotqError, LookupError):
     """No such job: never enqueued, or its result expired."""
 

@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 
 from slotq.engine.grammar_knobs import GrammarKnobs
-from slotq.jobs.protocol.keys import QueueKeys
+from slotq.jobs.protocol.keys import MAX_QUEUE_PARTITIONS, QueueKeys
 
 DOTENV = ".env"
 
@@ -48,6 +48,14 @@ class ClientSettings(BaseSettings, GrammarKnobs):
         5.0, gt=0, le=300, description="a producer gives up reaching Redis after this long, with a clear error")
     queue_name: str = Field("slotq:queue", min_length=1, max_length=200,
                             description="the queue of one model; workers of another model use another name")
+    queue_partitions: int = Field(
+        1, ge=1, le=MAX_QUEUE_PARTITIONS,
+        description="split each queue into this many sub-queues (partitions), whose hash slots spread one per "
+                    "primary over a Redis Cluster of as many primaries, so one queue's claim path is not bound by "
+                    "one primary; a job's partition follows from its id. Producers, gateway and workers of a queue "
+                    "must agree (a worker or producer whose count differs from the serving workers' refuses). "
+                    "Given up across partitions: strict order, fair share and tenant quotas (each partition "
+                    "counts its own), preemption (per partition). 1 = one queue, the layout of every release")
     data_dir: Path = Field(Path.home() / ".local/share/slotq",
                            description="data of the embedded Redis (append-only file)")
     embedded_redis_port: int = Field(6399, ge=0, le=65535,

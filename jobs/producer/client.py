@@ -27,6 +27,7 @@ from slotq.jobs.errors import (
     JobRejected,
     JobTimeout,
     QueueFull,
+    QueuePartitionsDiffer,
     QuotaExceeded,
     RedisUnavailable,
     StreamGone,
@@ -36,11 +37,11 @@ from slotq.jobs.protocol import catalog, dead_letters, registry, streams
 from slotq.jobs.protocol.arq_formats import ResultRecord
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION
+from slotq.jobs.protocol.partitioned_queue import open_queue
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
 from slotq.jobs.protocol.redis_queue import (
     TOKENS_WINDOW_MS,
     Enqueued,
-    RedisQueue,
     ReplicasBehind,
     TenantQuotas,
     WaitReplicas,
@@ -156,7 +157,8 @@ class SlotqClient:
                  reader: StreamReader | ClusterStreamReader | None = None) -> None:
         self.redis = redis
         self.settings = settings
-        self.queue = RedisQueue(redis, settings.queue_name, settings.lanes, clock_offset_s=settings.clock_offset_s)
+        self.queue = open_queue(redis, settings.queue_name, settings.lanes, partitions=settings.queue_partitions,
+                                clock_offset_s=settings.clock_offset_s)
         self.reader = reader or stream_reader(redis)   # one XREAD for all streams followed (per bucket on a cluster)
         self._owns_connection = owns_connection
         self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
@@ -471,6 +473,7 @@ class SlotqClient:
         the one the request names. With none, an empty list. (A worker refuses such a job too, by
         name: this only spares the round trip while the workers are known.)"""
         workers = [w for w in await self._cached_workers() if w.queue == self.settings.queue_name]
+        self._check_partitions(workers)
         kind = request.kind
         if workers and all(w.kind != kind for w in workers):
             raise JobRejected(
@@ -482,6 +485,14 @@ class SlotqClient:
                 f"model {request.model!r} is not served on queue {self.settings.queue_name!r} (its workers serve "
                 f"{workers[0].model!r}); use the queue of {request.model!r} (SLOTQ_QUEUE_NAME)", field="model")
         return [w for w in workers if w.kind == kind]
+
+    def _check_partitions(self, workers: list[WorkerInfo]) -> None:
+        """Refuse to enqueue into a queue whose live workers split it into another number of partitions
+        than this producer (``SLOTQ_QUEUE_PARTITIONS``): its jobs could land in partitions they never claim."""
+        differing = [w for w in workers if w.partitions != self.settings.queue_partitions]
+        if differing:
+            raise QueuePartitionsDiffer(queue=self.settings.queue_name, partitions=self.settings.queue_partitions,
+                                        other_partitions=differing[0].partitions, other=f"worker {differing[0].id}")
 
     async def _check_embedding_fits(self, request: EmbeddingJobRequest) -> None:
         """Refuse a text that cannot fit the largest input limit the queue's workers advertise (its
@@ -579,7 +590,8 @@ class SlotqClient:
         workers = await self.workers()
         models = []
         for name, offer in offers.items():
-            lanes = await RedisQueue(self.redis, offer.queue, self.settings.lanes).counts()
+            lanes = await open_queue(self.redis, offer.queue, self.settings.lanes,
+                                     partitions=self.settings.queue_partitions).counts()
             loaded = [w for w in workers if w.model == name and w.queue == offer.queue]
             ages = [lane.oldest_waiting_age_s for lane in lanes if lane.oldest_waiting_age_s is not None]
             loads = [s for s in (offer.load_s, *(w.load_s for w in loaded)) if s is not None]

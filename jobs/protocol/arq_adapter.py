@@ -45,7 +45,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from slotq.jobs.protocol.arq_formats import Deserializer, Serializer
-from slotq.jobs.protocol.keys import QueueKeys
+from slotq.jobs.protocol.keys import PartitionedKeys, QueueKeys
 
 __all__ = [
     # what a job function raises: retry after a delay, or hand the job back
@@ -136,11 +136,12 @@ class ArqJobRunner:
     records carry); ``on_exit(job_id, exit)`` is awaited once per attempt that reached arq's
     outcome, with how it left, and does the finishing write. arq sends its own commands on
     ``redis``: reading the job record, counting the attempt, checking aborts. ``keys``: the
-    queue's, whose arq ids arq sees (see the module)."""
+    queue's, whose arq ids arq sees (see the module); a partitioned queue's give each job its
+    partition's arq id."""
 
-    def __init__(self, *, function_name: str, job: JobFunction, on_exit: OnExit, redis: Redis, keys: QueueKeys,
-                 job_timeout_s: float, keep_result_s: float, max_tries: int, serializer: Serializer,
-                 deserializer: Deserializer) -> None:
+    def __init__(self, *, function_name: str, job: JobFunction, on_exit: OnExit, redis: Redis,
+                 keys: QueueKeys | PartitionedKeys, job_timeout_s: float, keep_result_s: float, max_tries: int,
+                 serializer: Serializer, deserializer: Deserializer) -> None:
         self._job = job
         self._keys = keys
 

@@ -106,6 +106,7 @@ KEDA scales on), HGET of a tenant's counts. This module is the only place that k
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import zlib
@@ -142,6 +143,43 @@ def _spread_tags(count: int) -> tuple[str, ...]:
 
 
 STREAM_TAGS = _spread_tags(STREAM_BUCKETS)
+
+
+MAX_QUEUE_PARTITIONS = 64
+
+
+def partition_of(job_id: str, partitions: int) -> int:
+    """The partition of a queue of ``partitions`` that holds ``job_id`` (``SLOTQ_QUEUE_PARTITIONS``): a pure
+    function of the id, so every process that knows the count finds a job's partition from its id alone."""
+    return zlib.crc32(job_id.encode()) % partitions if partitions > 1 else 0
+
+
+@functools.lru_cache(maxsize=256)
+def partition_names(queue: str, partitions: int) -> tuple[str, ...]:
+    """The names of the ``partitions`` sub-queues of ``queue`` (``SLOTQ_QUEUE_PARTITIONS``), each a whole
+    queue of :class:`QueueKeys`'s layout. Partition 0 is ``queue`` itself, so one partition is exactly the
+    unpartitioned queue; partition ``i >= 1`` is ``<queue>#<n>``, ``n`` the smallest integer whose hash slot
+    (on a cluster the name is the keys' hash tag) lies ``i`` P-ths of the slot space after ``queue``'s own
+    slot. On a cluster whose primaries hold equal contiguous slot ranges (every tool splits them so) the P
+    partitions then sit at the same place in P consecutive primaries' ranges: one per primary when there are
+    P of them, whatever slot ``queue``'s name happens to hash to. Relative to ``queue``'s slot rather than
+    absolute parts because partition 0's slot is fixed by the name: absolute parts would put it beside
+    another partition half the time. The exact slot costs about 16,384 hashes per partition (a few ms),
+    once per process.
+
+    A name that already holds a hash tag (``{...}``) pins every key of its queue to that tag's slot, so it
+    cannot be partitioned: ValueError."""
+    if not 1 <= partitions <= MAX_QUEUE_PARTITIONS:
+        raise ValueError(f"partitions must be 1..{MAX_QUEUE_PARTITIONS}: {partitions}")
+    if partitions > 1 and re.search(r"\{[^}]+\}", queue):
+        raise ValueError(f"queue {queue!r} holds a hash tag, which fixes its slot: a partitioned queue's name "
+                         "must not (SLOTQ_QUEUE_PARTITIONS)")
+    home = key_slot(queue.encode())
+    names = [queue]
+    for i in range(1, partitions):
+        target = (home + round(i * CLUSTER_SLOTS / partitions)) % CLUSTER_SLOTS
+        names.append(next(f"{queue}#{n}" for n in itertools.count() if key_slot(f"{queue}#{n}".encode()) == target))
+    return tuple(names)
 
 
 def stream_bucket(job_id: str) -> int:
@@ -358,3 +396,31 @@ class LaneKeys:
     deferred: str
     running: str
     preempt: str
+
+
+@dataclass(frozen=True)
+class PartitionedKeys:
+    """The keys of a queue split into partitions (:func:`partition_names`), as a job's arq runner sees them:
+    each job's arq id is its own partition's (:func:`partition_of`), so arq's keys of a job share that
+    partition's slot on a cluster. With one partition it answers exactly as that partition's :class:`QueueKeys`."""
+
+    partitions: tuple[QueueKeys, ...]
+
+    @property
+    def queue(self) -> str:
+        """The queue's name (partition 0's)."""
+        return self.partitions[0].queue
+
+    def of_job(self, job_id: str) -> QueueKeys:
+        """The keys of the partition that holds ``job_id``."""
+        return self.partitions[partition_of(job_id, len(self.partitions))]
+
+    def arq_id(self, job_id: str) -> str:
+        return self.of_job(job_id).arq_id(job_id)
+
+    def job_id(self, arq_id: str) -> str:
+        """The job id of an arq id of any partition (its partition's prefix removed)."""
+        for keys in self.partitions:
+            if keys.clustered and arq_id.startswith(f"{keys.prefix}:"):
+                return keys.job_id(arq_id)
+        return arq_id

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -49,6 +49,9 @@ from slotq.jobs.protocol.scripts.admission import Cancel, DropAbort, Enqueue, Fo
 from slotq.jobs.protocol.scripts.attempts import Finish, HandBack, Reap, Renew, RetryLater, StartAttempt
 from slotq.jobs.protocol.scripts.claims import Claim, ClaimReply, LendReserve, Preempt
 from slotq.jobs.protocol.scripts.layout import ScriptRunner
+
+if TYPE_CHECKING:
+    from slotq.jobs.protocol.partitioned_queue import PartitionedQueue
 
 WAKE_CAP = 10_000              # wake (and per-lane preemption) tokens kept at most (one per waiting job below that)
 PROMOTE_LIMIT = 100            # due retries moved to waiting per lane per claim or reap
@@ -128,10 +131,12 @@ class ClaimedJob:
 class BusyToken:
     """A token a full worker took: a job of ``lane`` waits that it may give a lower lane's slot
     (a preemption token, ``fair`` False) or run in its reserve for a tenant with nothing running
-    (a fair-share token, ``fair`` True)."""
+    (a fair-share token, ``fair`` True). ``partition``: the partition of a partitioned queue it came from
+    (:class:`~slotq.jobs.protocol.partitioned_queue.PartitionedQueue`), where it is returned."""
 
     lane: str
     fair: bool
+    partition: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,7 +183,7 @@ class AttemptLedger:
     """Where the attempts of one claimed job are judged, for its job function: the queue, and the
     claim whose lease fences the writes."""
 
-    queue: RedisQueue
+    queue: RedisQueue | PartitionedQueue
     claim: ClaimedJob
 
     async def start(self, attempt: int, delivered_tokens: int, *, max_worker_deaths: int | None = None,
@@ -213,6 +218,11 @@ class RedisQueue:
         self._clock_offset_ms = clock_offset_s * 1000
         self._scripts = ScriptRunner(redis)
         self._claim_ids = (f"{uuid.uuid4().hex}:{n}" for n in itertools.count())
+
+    @property
+    def arq_keys(self) -> QueueKeys:
+        """The keys a job's arq runner builds its arq ids from (the queue's)."""
+        return self.keys
 
     def _arq_keys(self, job_id: str) -> tuple[str, str, str]:
         """The job's record, attempt counter and result keys (arq's, in the queue's slot on a cluster)."""

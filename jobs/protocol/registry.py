@@ -70,6 +70,7 @@ class QueueServer:
     worker: str
     kind: JobKind
     model: str
+    partitions: int = 1     # SLOTQ_QUEUE_PARTITIONS: how it splits the queue
 
 
 class QueueMembership:
@@ -84,14 +85,14 @@ class QueueMembership:
 
     async def join(self, *, ttl_s: float) -> QueueServer | None:
         """Join (or stay in) the queue for ``ttl_s`` more; None when done, else the live worker of
-        another model or kind that holds the queue (and this worker is not in it)."""
+        another model, kind or partition count that holds the queue (and this worker is not in it)."""
         other = await self._scripts.run(JoinQueue(
             serving=self.keys.serving, worker=self.server.worker, kind=self.server.kind.value,
-            model=self.server.model, ttl_ms=int(ttl_s * 1000)))
+            model=self.server.model, ttl_ms=int(ttl_s * 1000), partitions=self.server.partitions))
         if not other:
             return None
-        worker, kind, model = (part.decode() for part in other)
-        return QueueServer(worker=worker, kind=JobKind(kind), model=model)
+        worker, kind, model, partitions = (part.decode() for part in other)
+        return QueueServer(worker=worker, kind=JobKind(kind), model=model, partitions=int(partitions))
 
     async def leave(self) -> None:
         """A worker stopping: the queue is free for another model at once once its last worker left."""

@@ -294,6 +294,7 @@ class WorkerInfo(BaseModel):
     model: str = Field(description="the model name it serves (what the gateway's `model` matches)")
     kind: JobKind = Field(JobKind.GENERATION, description="the kind of job its model serves")
     ctx: int = Field(0, description="per-sequence context: prompt + max_tokens must fit")
+    partitions: int = Field(1, description="the partitions it splits its queue into (SLOTQ_QUEUE_PARTITIONS)")
     slots_total: int
     slots_busy: int
     waiting: int

@@ -1,6 +1,7 @@
 """The worker's claim loop: when it takes jobs, how it waits, and how a job leaves.
 
-:class:`QueueRuntime` claims jobs from :class:`~slotq.jobs.protocol.redis_queue.RedisQueue` into
+:class:`QueueRuntime` claims jobs from :class:`~slotq.jobs.protocol.redis_queue.RedisQueue` (or its
+partitions' :class:`~slotq.jobs.protocol.partitioned_queue.PartitionedQueue`, the same interface) into
 at most ``slots`` slots and runs each claimed attempt through arq
 (:class:`~slotq.jobs.protocol.arq_adapter.ArqJobRunner`, which it holds: the job record, the
 attempt counter, ``job_timeout``, aborts, the outcome and the result record). It replaces what arq
@@ -61,8 +62,9 @@ from typing import Any
 from slotq.jobs.aio import cancel_and_wait
 from slotq.jobs.protocol.arq_adapter import ArqJobRunner, Deserializer, ExitKind, JobExit, JobFunction, Serializer
 from slotq.jobs.protocol.connection import is_transient
+from slotq.jobs.protocol.partitioned_queue import Queue
 from slotq.jobs.protocol.preemption import NOT_STARTED, Candidate, Progress
-from slotq.jobs.protocol.redis_queue import BusyToken, ClaimedJob, RedisQueue
+from slotq.jobs.protocol.redis_queue import BusyToken, ClaimedJob
 from slotq.jobs.worker import metrics
 from slotq.jobs.worker.preemption_policy import Answer, PreemptionPolicy
 from slotq.jobs.worker.slot_ledger import SlotLedger
@@ -83,7 +85,7 @@ class QueueRuntime:
     once every attempt has left. ``lane_min_share``: the share of the slots each lane below the top
     keeps while it has work (``SLOTQ_LANE_MIN_SHARE``; 0 = strict lanes)."""
 
-    def __init__(self, *, function_name: str, job: JobFunction, queue: RedisQueue, token: str, lease_ms: int,
+    def __init__(self, *, function_name: str, job: JobFunction, queue: Queue, token: str, lease_ms: int,
                  slots: int, job_timeout_s: float, keep_result_s: float, max_tries: int, poll_delay_s: float,
                  serializer: Serializer, deserializer: Deserializer, lane_min_share: float = 0.0,
                  may_claim: Callable[[], bool] = lambda: True,
@@ -104,10 +106,10 @@ class QueueRuntime:
         self.ledger = SlotLedger()              # which job holds which slot, and where its attempt stands
         self._lane_min_share = lane_min_share
 
-        def runner_for(queue: RedisQueue) -> ArqJobRunner:
+        def runner_for(queue: Queue) -> ArqJobRunner:
             return ArqJobRunner(
                 function_name=function_name, job=job, on_exit=self._job_left, redis=queue.redis,
-                keys=queue.keys, job_timeout_s=job_timeout_s, keep_result_s=keep_result_s,
+                keys=queue.arq_keys, job_timeout_s=job_timeout_s, keep_result_s=keep_result_s,
                 max_tries=max_tries, serializer=serializer, deserializer=deserializer)
 
         self._runner_for = runner_for
@@ -173,7 +175,7 @@ class QueueRuntime:
         """A claim command is on its way: jobs may arrive even though no new claim will start."""
         return self._claims_in_flight > 0
 
-    async def retarget(self, queue: RedisQueue) -> None:
+    async def retarget(self, queue: Queue) -> None:
         """Claim from ``queue`` from now on (a worker of several models switching to another). Only
         while nothing is held here and no claim is on its way (the caller closed ``may_claim`` and
         waited out :attr:`claiming_now`): the waits for the old queue's tokens end first, so none

@@ -49,14 +49,15 @@ from redis.exceptions import RedisError
 from slotq.engine import Engine, EngineStats
 from slotq.engine.process import EngineProcess
 from slotq.jobs.aio import wait_until_set
-from slotq.jobs.errors import QueueServedByAnotherModel
+from slotq.jobs.errors import QueuePartitionsDiffer, QueueServedByAnotherModel
 from slotq.jobs.protocol import catalog, registry
 from slotq.jobs.protocol.arq_adapter import Attempt
 from slotq.jobs.protocol.catalog import CatalogEntry
 from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION, loading_key
+from slotq.jobs.protocol.partitioned_queue import Queue, open_queue
 from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
-from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, RedisQueue
+from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob
 from slotq.jobs.protocol.registry import QueueMembership, QueueServer
 from slotq.jobs.protocol.replies import reply
 from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
@@ -144,7 +145,7 @@ class SlotqWorker:
         self._loading_mark: str | None = None           # a switch's loading mark, until a beat advertises the model
         self.writer: StreamWriter | None = None
         self.runtime: QueueRuntime | None = None
-        self.queue: RedisQueue | None = None
+        self.queue: Queue | None = None
         self.started_at = time.time()
         self.exit_code = 0
         self.ready = asyncio.Event()         # set once warmed up: jobs may be claimed
@@ -178,8 +179,7 @@ class SlotqWorker:
                      self.settings.metrics_port)
         redis = await connect(self.redis_url, patient=True, ca_file=self.settings.redis_ca_file)
         self._first_name = await self._first_model(redis)
-        self.queue = RedisQueue(redis, self.settings.queue_of(self._first_name), self.settings.lanes,
-                                clock_offset_s=self.settings.clock_offset_s)
+        self.queue = self._open_queue(redis, self.settings.queue_of(self._first_name))
         self.runtime = QueueRuntime(
             function_name=JOB_FUNCTION, job=self.run_job, queue=self.queue, token=self.token, lease_ms=self.lease_ms,
             slots=self.settings.slots, job_timeout_s=self.settings.job_timeout_s,
@@ -206,6 +206,12 @@ class SlotqWorker:
             await self.runtime.close()
         log.info("worker %s stopped", self.id)
         return self.exit_code
+
+    def _open_queue(self, redis: Redis, name: str) -> Queue:
+        """The queue ``name`` in this worker's partitions (``SLOTQ_QUEUE_PARTITIONS``: every model's queue is
+        split the same way)."""
+        return open_queue(redis, name, self.settings.lanes, partitions=self.settings.queue_partitions,
+                          clock_offset_s=self.settings.clock_offset_s)
 
     def _may_claim(self) -> bool:
         """Claim only once warmed up, while the heartbeat renews leases, the engine runs and the
@@ -283,7 +289,7 @@ class SlotqWorker:
         self._load_started = time.monotonic()
         self.served = ServedModel(name=name, kind=offer.entry.kind, fingerprint=offer.entry.fingerprint)
         self.membership = QueueMembership(self.queue.redis, self.queue.keys, QueueServer(
-            worker=self.id, kind=self.served.kind, model=self.served.name))
+            worker=self.id, kind=self.served.kind, model=self.served.name, partitions=self.settings.queue_partitions))
         await self._join_queue()                # refused before a long model load
         log.info("loading %s as %r (fingerprint %s) for %s jobs (%d slots, ctx %d)", config.model_path.name,
                  self.served.name, self.served.fingerprint, self.kind.value, config.slots, config.ctx)
@@ -428,8 +434,7 @@ class SlotqWorker:
         assert self.queue is not None and self.runtime is not None
         queue = self.offers[name].entry.queue
         if queue != self.queue.keys.queue:
-            self.queue = RedisQueue(self.queue.redis, queue, self.settings.lanes,
-                                    clock_offset_s=self.settings.clock_offset_s)
+            self.queue = self._open_queue(self.queue.redis, queue)
             await self.runtime.retarget(self.queue)
         await self._load_model(name)
         return await self._warm_up()
@@ -477,7 +482,7 @@ class SlotqWorker:
         demands = []
         for name in models:
             queue = self.settings.queue_of(name)
-            lanes = await RedisQueue(redis, queue, self.settings.lanes).counts()
+            lanes = await self._open_queue(redis, queue).counts()
             ages = [lane.oldest_waiting_age_s for lane in lanes if lane.oldest_waiting_age_s is not None]
             served = any(w.model == name and w.queue == queue and not w.draining and w.id != self.id
                          for w in workers) or bool(await reply(redis.exists(loading_key(name))))
@@ -493,9 +498,13 @@ class SlotqWorker:
 
     async def _join_queue(self) -> None:
         """Hold this worker's entry in the queue's serving record for three beats; raise
-        :class:`QueueServedByAnotherModel` when a live worker of another model or kind holds the queue."""
+        :class:`QueueServedByAnotherModel` when a live worker of another model or kind holds the queue,
+        :class:`QueuePartitionsDiffer` when one of this model splits it into another number of partitions."""
         assert self.membership is not None and self.served is not None
         other = await self.membership.join(ttl_s=self.settings.lock_ttl_s)
+        if other is not None and (other.kind, other.model) == (self.served.kind, self.served.name):
+            raise QueuePartitionsDiffer(queue=self.membership.keys.queue, partitions=self.settings.queue_partitions,
+                                        other_partitions=other.partitions, other=f"worker {other.worker}")
         if other is not None:
             raise QueueServedByAnotherModel(
                 queue=self.membership.keys.queue, model=self.served.name, kind=self.served.kind.value,
@@ -615,7 +624,7 @@ class SlotqWorker:
         try:
             if self.membership is not None:     # None while a worker of several models switches
                 await self._join_queue()
-        except QueueServedByAnotherModel as exc:
+        except (QueueServedByAnotherModel, QueuePartitionsDiffer) as exc:
             # Only after this worker went unheard past its entry's time (stalled, cut off from Redis) and
             # another model took the queue: the queue is theirs now. Its running jobs (leases just renewed)
             # may finish; it no longer advertises itself, so no route leads here.
@@ -641,7 +650,8 @@ class SlotqWorker:
             "adapters": [spec.name for spec in engine.config.lora_adapters] if engine is not None else [],
             "tokens_per_s": round(rate, 1), "started_at": self.started_at, "updated_at": now,
             "draining": self._draining, "ready": self.ready.is_set() and not self._draining,
-            "models": len(self.offers), **({} if load_s is None else {"load_s": load_s}),
+            "models": len(self.offers), "partitions": self.settings.queue_partitions,
+            **({} if load_s is None else {"load_s": load_s}),
             **(self.elastic.heartbeat_fields() if self.elastic else {})}), interval_s=self.settings.lock_ttl_s / 3)
         if not self._draining:
             await catalog.publish(self.queue.redis, self.id, [offer.entry for offer in self.offers.values()],

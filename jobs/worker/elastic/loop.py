@@ -26,7 +26,7 @@ from slotq.jobs.worker.fault_injection import WorkerFaults
 
 if TYPE_CHECKING:
     from slotq.engine import EngineStats
-    from slotq.jobs.protocol.redis_queue import RedisQueue
+    from slotq.jobs.protocol.partitioned_queue import Queue
     from slotq.jobs.worker.engine_api import JobEngine
     from slotq.jobs.worker.runtime import QueueRuntime
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class ElasticLoop:
-    def __init__(self, knobs: ElasticKnobs, *, engine: JobEngine, runtime: QueueRuntime, queue: RedisQueue,
+    def __init__(self, knobs: ElasticKnobs, *, engine: JobEngine, runtime: QueueRuntime, queue: Queue,
                  faults: WorkerFaults, worker_id: str) -> None:
         self.knobs = knobs
         self.engine = engine

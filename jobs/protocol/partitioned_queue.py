@@ -1,0 +1,317 @@
+"""One queue split into partitions (``SLOTQ_QUEUE_PARTITIONS``), so that its claim path spreads over a
+cluster's primaries: :class:`PartitionedQueue` has :class:`~slotq.jobs.protocol.redis_queue.RedisQueue`'s
+interface over P whole queues of today's layout, one per partition (:func:`~slotq.jobs.protocol.keys.
+partition_names`: partition 0 is the queue's own name, the others land one P-th of the slot space apart).
+The worker and the producer keep seeing one queue object; :func:`open_queue` gives the plain
+:class:`RedisQueue` for one partition, so P = 1 is exactly the unpartitioned queue.
+
+How each call is routed:
+
+* **by job id** (enqueue, result, cancel, place, in_queue, forget, start_attempt, renew, finish, retry,
+  hand back): a job lives in one partition, :func:`~slotq.jobs.protocol.keys.partition_of` its id, so any
+  process that knows P finds it from the id alone, and every script stays atomic in one slot;
+* **claim** goes over the partitions in rotation from a random start until ``max_jobs`` are claimed (one
+  script per partition visited: a claim that finds little costs up to P round trips); ``preempt`` and
+  ``lend_reserve`` take the first job any partition gives, in the same order;
+* **counts, tenants, attempt outcomes** are sums of P reads; **reap** reaps every partition;
+* **waiting for a token** (a wake token while idle, a busy token while full): a blocking pop cannot span
+  slots on a cluster, so each partition has its own BLPOP, all run at once, and the first token wins
+  (:meth:`PartitionedQueue._first_token`). The other pops are cancelled; a token one of them took before
+  its cancel is pushed back to its partition. A token can only be lost when a pop's reply is on its way at
+  the instant of its cancel (its connection is closed): harmless, as tokens are hints, capped at
+  ``WAKE_CAP``, and every claim visits every partition -- the job it stood for is claimed by the next claim
+  of any worker, at the latest at the next poll (``SLOTQ_POLL_DELAY_S``), as when a worker stops mid-pop
+  today. Each cancelled pop closes its connection, so a wake costs P - 1 reconnections.
+* **cancels of running jobs** are published on the job's partition's channel: a worker follows all P.
+
+What is given up, against one queue (docs/cluster.md, "One queue's load is spread by partitions"): order
+across partitions (a lane's jobs are claimed in order within a partition only), fair share and tenant
+quotas across partitions (each partition counts its own: a tenant's quota holds per partition, so a
+tenant may hold up to P times it; the queue's ``max_waiting`` is split evenly, ``ceil(max / P)`` per
+partition), preemption and the owed reserve per partition (a busy token names its partition, and the
+preemption claims from any partition), and counts that are P reads, not one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeAlias, TypeVar
+
+from redis.asyncio import Redis
+
+from slotq.jobs.protocol.arq_formats import Deserializer, ResultRecord, Serializer
+from slotq.jobs.protocol.keys import DEFAULT_TENANT, PartitionedKeys, QueueKeys, partition_names, partition_of
+from slotq.jobs.protocol.redis_queue import (
+    NO_QUOTAS,
+    AttemptOutcomes,
+    AttemptStart,
+    BusyToken,
+    ClaimedJob,
+    Enqueued,
+    LaneCounts,
+    RedisQueue,
+    TenantCounts,
+    TenantQuotas,
+    WaitReplicas,
+)
+
+_T = TypeVar("_T")
+
+
+class PartitionedQueue:
+    """The queue ``name`` with ``lanes`` split into ``partitions`` (2..64) queues on ``redis`` (see the
+    module). ``keys`` are partition 0's: the queue's name, its lanes and its serving record."""
+
+    def __init__(self, redis: Redis, name: str, lanes: Sequence[str], *, partitions: int,
+                 clock_offset_s: float = 0.0) -> None:
+        self.redis = redis
+        self.partitions = tuple(RedisQueue(redis, part, lanes, clock_offset_s=clock_offset_s)
+                                for part in partition_names(name, partitions))
+        self.keys: QueueKeys = self.partitions[0].keys
+        self.arq_keys = PartitionedKeys(tuple(part.keys for part in self.partitions))
+        self._woken_from = 0            # the partition of the last wake token taken (return_wake_token's)
+
+    def of_job(self, job_id: str) -> RedisQueue:
+        """The partition that holds ``job_id``."""
+        return self.partitions[partition_of(job_id, len(self.partitions))]
+
+    def _rotation(self) -> list[RedisQueue]:
+        """Every partition once, from a random one on: claims spread over the partitions."""
+        start = random.randrange(len(self.partitions))
+        return [*self.partitions[start:], *self.partitions[:start]]
+
+    def _by_partition(self, job_ids: Sequence[str]) -> dict[int, list[str]]:
+        grouped: dict[int, list[str]] = defaultdict(list)
+        for job_id in job_ids:
+            grouped[partition_of(job_id, len(self.partitions))].append(job_id)
+        return grouped
+
+    def lane_of(self, index: int) -> str:
+        return self.keys.lanes[index]
+
+    def wall_ms(self) -> int:
+        return self.partitions[0].wall_ms()
+
+    # ------------------------------------------------------------------ producers
+    async def enqueue(self, job_id: str, function: str, payload: dict[str, Any], *, lane: str,
+                      tenant: str = DEFAULT_TENANT, max_waiting: int | None, serializer: Serializer,
+                      quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0,
+                      wait_replicas: WaitReplicas | None = None) -> Enqueued:
+        """:meth:`RedisQueue.enqueue` into the job's partition; ``max_waiting`` is split evenly over the
+        partitions (``ceil(max_waiting / P)`` each), the tenant's ``quotas`` hold per partition."""
+        per_partition = None if max_waiting is None else math.ceil(max_waiting / len(self.partitions))
+        return await self.of_job(job_id).enqueue(
+            job_id, function, payload, lane=lane, tenant=tenant, max_waiting=per_partition, serializer=serializer,
+            quotas=quotas, tokens=tokens, wait_replicas=wait_replicas)
+
+    async def tenant_counts(self, tenant: str) -> TenantCounts:
+        counts = await asyncio.gather(*(part.tenant_counts(tenant) for part in self.partitions))
+        return TenantCounts(waiting=sum(c.waiting for c in counts), running=sum(c.running for c in counts))
+
+    async def follow_aborts(self, token: str, on_abort: Callable[[], Awaitable[None]]) -> None:
+        """Follow the cancels of every partition (:meth:`RedisQueue.follow_aborts`, one subscription each);
+        raises as soon as one of them does, the others stopped."""
+        tasks = [asyncio.ensure_future(part.follow_aborts(token, on_abort)) for part in self.partitions]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def tenants_waiting(self) -> dict[str, int]:
+        total: dict[str, int] = defaultdict(int)
+        for waiting in await asyncio.gather(*(part.tenants_waiting() for part in self.partitions)):
+            for tenant, count in waiting.items():
+                total[tenant] += count
+        return dict(total)
+
+    async def cancel(self, job_id: str) -> int:
+        return await self.of_job(job_id).cancel(job_id)
+
+    async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int,
+                           serializer: Serializer) -> None:
+        await self.of_job(job_id).store_result(job_id, function, result, ttl_ms=ttl_ms, serializer=serializer)
+
+    async def result_record(self, job_id: str, deserializer: Deserializer) -> ResultRecord | None:
+        return await self.of_job(job_id).result_record(job_id, deserializer)
+
+    async def result_records(self, job_ids: Sequence[str], deserializer: Deserializer) -> dict[str, ResultRecord]:
+        found: dict[str, ResultRecord] = {}
+        for records in await asyncio.gather(*(self.partitions[i].result_records(ids, deserializer)
+                                              for i, ids in self._by_partition(job_ids).items())):
+            found |= records
+        return found
+
+    async def forget(self, job_ids: Sequence[str]) -> int:
+        return sum(await asyncio.gather(*(self.partitions[i].forget(ids)
+                                          for i, ids in self._by_partition(job_ids).items())))
+
+    async def clear_job(self, job_id: str) -> None:
+        await self.of_job(job_id).clear_job(job_id)
+
+    async def in_queue(self, job_ids: Sequence[str]) -> list[bool]:
+        grouped = self._by_partition(job_ids)
+        answers = await asyncio.gather(*(self.partitions[i].in_queue(ids) for i, ids in grouped.items()))
+        found = {job_id: queued for ids, answer in zip(grouped.values(), answers)
+                 for job_id, queued in zip(ids, answer)}
+        return [found[job_id] for job_id in job_ids]
+
+    async def attempt_outcomes(self) -> AttemptOutcomes:
+        outcomes = await asyncio.gather(*(part.attempt_outcomes() for part in self.partitions))
+        return AttemptOutcomes(interrupted=sum(o.interrupted for o in outcomes), failed=sum(o.failed for o in outcomes))
+
+    async def place(self, job_id: str) -> tuple[str | None, bool]:
+        return await self.of_job(job_id).place(job_id)
+
+    async def counts(self) -> list[LaneCounts]:
+        """Each lane's counts summed over the partitions; the oldest waiting age is the oldest of any."""
+        per_partition = await asyncio.gather(*(part.counts() for part in self.partitions))
+        summed = []
+        for lane_counts in zip(*per_partition):
+            ages = [c.oldest_waiting_age_s for c in lane_counts if c.oldest_waiting_age_s is not None]
+            summed.append(LaneCounts(
+                lane_counts[0].lane, sum(c.waiting for c in lane_counts), sum(c.deferred for c in lane_counts),
+                sum(c.running for c in lane_counts), max(ages) if ages else None,
+                sum(c.preempted for c in lane_counts)))
+        return summed
+
+    # ------------------------------------------------------------------ workers
+    async def claim(self, max_jobs: int, token: str, lease_ms: int, *,
+                    owed: Mapping[str, int] | None = None) -> list[ClaimedJob]:
+        """Up to ``max_jobs`` jobs from the partitions in rotation from a random one (each partition's
+        claim as :meth:`RedisQueue.claim`), the slots owed a lane counted down as they are filled."""
+        owed_left = dict(owed or {})
+        claimed: list[ClaimedJob] = []
+        for part in self._rotation():
+            jobs = await part.claim(max_jobs - len(claimed), token, lease_ms, owed=owed_left)
+            claimed += jobs
+            for job in jobs:
+                if owed_left.get(job.lane):
+                    owed_left[job.lane] -= 1
+            if len(claimed) >= max_jobs:
+                break
+        return claimed
+
+    async def preempt(self, victim_lane: str, token: str, lease_ms: int, *,
+                      hand_back: bool = True) -> ClaimedJob | None:
+        """:meth:`RedisQueue.preempt` on the partitions in rotation: the first job found."""
+        for part in self._rotation():
+            if (job := await part.preempt(victim_lane, token, lease_ms, hand_back=hand_back)) is not None:
+                return job
+        return None
+
+    async def lend_reserve(self, lane: str, token: str, lease_ms: int) -> ClaimedJob | None:
+        """:meth:`RedisQueue.lend_reserve` on the partitions in rotation: the first job found."""
+        for part in self._rotation():
+            if (job := await part.lend_reserve(lane, token, lease_ms)) is not None:
+                return job
+        return None
+
+    async def _first_token(self, wait: Callable[[RedisQueue], Awaitable[_T]],
+                           give_back: Callable[[int, _T], Awaitable[None]]) -> tuple[int, _T] | None:
+        """Run ``wait`` on every partition at once (a blocking pop each: one pop cannot span slots) until one
+        takes a token (a truthy result); the others are cancelled, and a token one of them took meanwhile is
+        given back to its partition. (partition, token), or None when every wait timed out. An error of a
+        wait is raised once no other took a token."""
+        tasks = [asyncio.ensure_future(wait(part)) for part in self.partitions]
+        winner: int | None = None
+        try:
+            pending: set[asyncio.Future[_T]] = set(tasks)
+            while pending and winner is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                winner = next((i for i, task in enumerate(tasks)
+                               if task in done and task.exception() is None and task.result()), None)
+                failed = next((task.exception() for task in done if task.exception() is not None), None)
+                if winner is None and failed is not None:
+                    raise failed
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for i, task in enumerate(tasks):
+                if i != winner and not task.cancelled() and task.exception() is None and task.result():
+                    with contextlib.suppress(Exception):
+                        await give_back(i, task.result())
+        return None if winner is None else (winner, tasks[winner].result())
+
+    async def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until a wake token of any partition arrives (:meth:`_first_token`) or the timeout."""
+        async def give_back(partition: int, _taken: bool) -> None:
+            await self.partitions[partition].return_wake_token()
+
+        taken = await self._first_token(lambda part: part.wait_for_work(timeout_s), give_back)
+        if taken is None:
+            return False
+        self._woken_from = taken[0]
+        return True
+
+    async def return_wake_token(self) -> None:
+        """Pass on the last wake token taken, to the partition it came from."""
+        await self.partitions[self._woken_from].return_wake_token()
+
+    async def wait_for_busy_token(self, timeout_s: float, *, below_lane: str | None,
+                                  fair_lane: str | None) -> BusyToken | None:
+        """:meth:`RedisQueue.wait_for_busy_token` on every partition at once: the first token, which names
+        its partition (preemption and the fair share's reserve work per partition)."""
+        if below_lane is None and fair_lane is None:
+            return None
+
+        async def give_back(partition: int, token: BusyToken | None) -> None:
+            assert token is not None
+            await self.partitions[partition].return_busy_token(token)
+
+        taken = await self._first_token(
+            lambda part: part.wait_for_busy_token(timeout_s, below_lane=below_lane, fair_lane=fair_lane), give_back)
+        if taken is None or taken[1] is None:
+            return None
+        return replace(taken[1], partition=taken[0])
+
+    async def return_busy_token(self, token: BusyToken) -> None:
+        await self.partitions[token.partition].return_busy_token(token)
+
+    async def renew(self, jobs: Sequence[ClaimedJob], lease_ms: int) -> list[bool]:
+        grouped: dict[int, list[ClaimedJob]] = defaultdict(list)
+        for job in jobs:
+            grouped[partition_of(job.id, len(self.partitions))].append(job)
+        answers = await asyncio.gather(*(self.partitions[i].renew(held, lease_ms) for i, held in grouped.items()))
+        owned = {id(job): ok for held, oks in zip(grouped.values(), answers) for job, ok in zip(held, oks)}
+        return [owned[id(job)] for job in jobs]
+
+    async def start_attempt(self, job: ClaimedJob, attempt: int, delivered_tokens: int, *,
+                            max_worker_deaths: int | None = None, isolated: bool = False) -> AttemptStart:
+        return await self.of_job(job.id).start_attempt(job, attempt, delivered_tokens,
+                                                       max_worker_deaths=max_worker_deaths, isolated=isolated)
+
+    async def interruptions(self, job_id: str) -> int:
+        return await self.of_job(job_id).interruptions(job_id)
+
+    async def finish(self, job: ClaimedJob, result: bytes | None, result_ttl_ms: int) -> bool:
+        return await self.of_job(job.id).finish(job, result, result_ttl_ms)
+
+    async def retry_later(self, job: ClaimedJob, backoff_ms: int) -> bool:
+        return await self.of_job(job.id).retry_later(job, backoff_ms)
+
+    async def hand_back(self, job: ClaimedJob) -> bool:
+        return await self.of_job(job.id).hand_back(job)
+
+    async def reap(self) -> int:
+        return sum(await asyncio.gather(*(part.reap() for part in self.partitions)))
+
+
+Queue: TypeAlias = RedisQueue | PartitionedQueue
+
+
+def open_queue(redis: Redis, name: str, lanes: Sequence[str], *, partitions: int = 1,
+               clock_offset_s: float = 0.0) -> Queue:
+    """The queue ``name`` as producers and workers use it: a :class:`RedisQueue` for one partition (exactly
+    the unpartitioned queue), a :class:`PartitionedQueue` for more (``SLOTQ_QUEUE_PARTITIONS``)."""
+    if partitions == 1:
+        return RedisQueue(redis, name, lanes, clock_offset_s=clock_offset_s)
+    return PartitionedQueue(redis, name, lanes, partitions=partitions, clock_offset_s=clock_offset_s)

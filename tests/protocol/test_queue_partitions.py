@@ -1,0 +1,193 @@
+"""A queue split into partitions (``SLOTQ_QUEUE_PARTITIONS``, :mod:`slotq.jobs.protocol.partitioned_queue`):
+the names spread over the slot space, one partition is exactly the unpartitioned queue, and the facade
+routes by job id, claims over every partition, wakes on any, and sums the counts -- on one Valkey and on the
+session's 3-primary cluster, where every script passing is the check that it stayed in one slot."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import time
+from typing import cast
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from slotq.jobs.protocol.keys import CLUSTER_SLOTS, PartitionedKeys, QueueKeys, partition_names, partition_of
+from slotq.jobs.protocol.partitioned_queue import PartitionedQueue, open_queue
+from slotq.jobs.protocol.redis_queue import Enqueued, RedisQueue
+from slotq.jobs.protocol.serialization import deserialize, serialize
+from tests.support.jobs import ON_EVERY_BACKEND
+
+LANES = ("interactive", "bulk")
+
+
+@pytest.fixture(params=ON_EVERY_BACKEND)
+def redis_backend(request: pytest.FixtureRequest) -> str:
+    return cast(str, request.param)
+
+
+def ids_in_every_partition(partitions: int, per_partition: int = 1, prefix: str = "job") -> list[str]:
+    """Job ids, ``per_partition`` of them in each of ``partitions`` partitions."""
+    wanted = dict.fromkeys(range(partitions), per_partition)
+    ids = []
+    for n in itertools.count():
+        job_id = f"{prefix}-{n}"
+        if wanted[partition_of(job_id, partitions)]:
+            wanted[partition_of(job_id, partitions)] -= 1
+            ids.append(job_id)
+        if not any(wanted.values()):
+            return ids
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------- names and routing (no Redis)
+@pytest.mark.parametrize("queue", ["slotq:queue", "slotq:queue:llama-8b", "model-0"])
+@pytest.mark.parametrize("partitions", [2, 3, 4, 6, 8])
+def test_partition_names_fall_one_in_each_equal_part_of_the_slots(queue: str, partitions: int) -> None:
+    names = partition_names(queue, partitions)
+    assert names[0] == queue and len(set(names)) == partitions
+    assert all(name.startswith(f"{queue}#") for name in names[1:])
+    home = key_slot(queue.encode())
+    width = CLUSTER_SLOTS / partitions
+    for i, name in enumerate(names):
+        # each lies i P-ths after the queue's own slot: the same place in the i-th next primary's range
+        assert key_slot(name.encode()) == (home + round(i * width)) % CLUSTER_SLOTS
+    # a cluster of P primaries holding equal contiguous ranges: one partition on each
+    edges = [round(k * width) for k in range(1, partitions)]
+    assert {bisect.bisect(edges, key_slot(name.encode())) for name in names} == set(range(partitions))
+    assert partition_names(queue, partitions) == names          # deterministic
+
+
+def test_one_partition_is_the_queue_of_every_release() -> None:
+    assert partition_names("slotq:queue", 1) == ("slotq:queue",)
+    redis = Redis()             # never connected: only the keys are read
+    queue = open_queue(redis, "slotq:queue", LANES)
+    assert type(queue) is RedisQueue and queue.keys == QueueKeys("slotq:queue", LANES)
+    assert queue.arq_keys is queue.keys
+    assert all(partition_of(f"job-{n}", 1) == 0 for n in range(100))
+    with pytest.raises(ValueError, match="hash tag"):
+        partition_names("{slotq}:queue", 2)
+    with pytest.raises(ValueError, match="1..64"):
+        partition_names("slotq:queue", 65)
+
+
+def test_a_job_id_always_maps_to_one_partition_and_ids_spread() -> None:
+    ids = [f"job-{n}" for n in range(3000)]
+    assert [partition_of(job_id, 3) for job_id in ids] == [partition_of(job_id, 3) for job_id in ids]
+    spread = [sum(partition_of(job_id, 3) == i for job_id in ids) for i in range(3)]
+    assert all(900 < count < 1100 for count in spread), spread
+    keys = PartitionedKeys(tuple(QueueKeys(name, LANES, clustered=True) for name in partition_names("q", 3)))
+    for job_id in ids[:50]:
+        arq_id = keys.arq_id(job_id)
+        assert arq_id == keys.of_job(job_id).arq_id(job_id) and keys.job_id(arq_id) == job_id
+        assert arq_id.startswith(f"{{{partition_names('q', 3)[partition_of(job_id, 3)]}}}:")
+
+
+# ---------------------------------------------------------------------- the facade on Redis
+async def enqueue(queue: RedisQueue | PartitionedQueue, job_id: str, lane: str = "interactive") -> Enqueued:
+    return await queue.enqueue(job_id, "generate", {"id": job_id}, lane=lane, max_waiting=None, serializer=serialize)
+
+
+async def test_jobs_land_in_their_partitions_and_one_claim_takes_them_from_all(redis: Redis,
+                                                                                redis_backend: str) -> None:
+    queue = open_queue(redis, "slotq:queue", LANES, partitions=3)
+    assert isinstance(queue, PartitionedQueue)
+    ids = ids_in_every_partition(3, per_partition=4)
+    for job_id in ids:
+        assert await enqueue(queue, job_id) == Enqueued.CREATED
+    assert await enqueue(queue, ids[0]) == Enqueued.EXISTS
+    for i, part in enumerate(queue.partitions):
+        assert sorted(await redis.hkeys(part.keys.jobs)) == sorted(
+            job_id.encode() for job_id in ids if partition_of(job_id, 3) == i)
+    if redis_backend == "cluster":
+        nodes = {cast(RedisCluster, redis).get_node_from_key(part.keys.jobs).name for part in queue.partitions}
+        assert len(nodes) == 3, "the three partitions' claim paths are on the three primaries"
+
+    # counts are sums of the partitions' counts
+    [interactive, bulk] = await queue.counts()
+    assert (interactive.waiting, interactive.running, bulk.waiting) == (12, 0, 0)
+    assert [(await part.counts())[0].waiting for part in queue.partitions] == [4, 4, 4]
+    assert interactive.oldest_waiting_age_s is not None
+    assert await queue.tenants_waiting() == {"default": 12}
+    assert (await queue.tenant_counts("default")).waiting == 12
+    assert await queue.in_queue([*ids, "nope"]) == [True] * 12 + [False]
+
+    claimed = await queue.claim(7, "w1", 30_000)
+    assert len(claimed) == 7
+    claimed += await queue.claim(10, "w1", 30_000)
+    assert sorted(job.id for job in claimed) == sorted(ids)          # every job once, from every partition
+    assert await queue.claim(5, "w1", 30_000) == []
+    assert (await queue.counts())[0].running == 12
+    assert await queue.renew(claimed, 30_000) == [True] * 12
+    for job in claimed[:6]:
+        assert await queue.finish(job, b"done", 60_000)
+    for job in claimed[6:9]:
+        assert await queue.hand_back(job)
+    assert await queue.cancel(claimed[9].id) == -1                    # running: abort requested
+    assert await queue.place(claimed[10].id) == ("interactive", True)
+    assert await queue.place(claimed[0].id) == (None, False)
+    [interactive, _] = await queue.counts()
+    assert (interactive.waiting, interactive.running) == (3, 3)
+    assert await queue.forget([job.id for job in claimed[:6]]) == 6
+
+
+async def test_cancel_and_results_are_found_by_job_id(redis: Redis) -> None:
+    queue = open_queue(redis, "slotq:queue", LANES, partitions=4)
+    ids = ids_in_every_partition(4)
+    for job_id in ids:
+        await enqueue(queue, job_id)
+    assert [await queue.cancel(job_id) for job_id in ids] == [1] * 4
+    assert await queue.cancel(ids[0]) == 0
+    for job_id in ids:
+        await queue.store_result(job_id, "generate", {"text": job_id}, ttl_ms=60_000, serializer=serialize)
+    records = await queue.result_records([*ids, "nope"], deserialize)
+    assert sorted(records) == sorted(ids)
+    record = await queue.result_record(ids[2], deserialize)
+    assert record is not None and record.output == {"text": ids[2]}
+
+
+async def test_an_idle_wait_wakes_on_any_partition_and_loses_no_token(redis: Redis) -> None:
+    queue = open_queue(redis, "slotq:queue", LANES, partitions=3)
+    assert isinstance(queue, PartitionedQueue)
+    for job_id in ids_in_every_partition(3):
+        waiting = asyncio.create_task(queue.wait_for_work(10))
+        await asyncio.sleep(0.2)                     # blocked on every partition's wake list
+        started = time.monotonic()
+        await enqueue(queue, job_id)
+        assert await waiting and time.monotonic() - started < 2
+        assert queue._woken_from == partition_of(job_id, 3)
+        [claimed] = await queue.claim(1, "w1", 30_000)
+        assert claimed.id == job_id
+    # two tokens at once in two partitions: one wait takes one, the other is given back, not lost
+    both = ids_in_every_partition(3, prefix="pair")[:2]
+    for job_id in both:
+        await enqueue(queue, job_id)
+    assert await queue.wait_for_work(1) and await queue.wait_for_work(1)
+    assert not await queue.wait_for_work(0.2)
+
+
+async def test_preemption_works_within_a_partition(redis: Redis) -> None:
+    """A higher lane's job preempts a lower lane's running job of its own partition only (given up: one of
+    another partition leaves no preemption token); the token names its partition."""
+    queue = open_queue(redis, "slotq:queue", LANES, partitions=3)
+    assert isinstance(queue, PartitionedQueue)
+    low = "low-0"
+    await enqueue(queue, low, lane="bulk")
+    [victim] = await queue.claim(1, "w1", 30_000)
+    elsewhere, same = (next(job_id for job_id in (f"high-{n}" for n in itertools.count()) if wanted(job_id))
+                       for wanted in (lambda j: partition_of(j, 3) != partition_of(low, 3),
+                                      lambda j: partition_of(j, 3) == partition_of(low, 3)))
+    await enqueue(queue, elsewhere)
+    assert await queue.wait_for_busy_token(0.3, below_lane="bulk", fair_lane=None) is None
+    waiting = asyncio.create_task(queue.wait_for_busy_token(10, below_lane="bulk", fair_lane=None))
+    await asyncio.sleep(0.2)
+    await enqueue(queue, same)
+    token = await waiting
+    assert token is not None and (token.lane, token.fair, token.partition) == ("interactive", False,
+                                                                                partition_of(low, 3))
+    taken = await queue.preempt(victim.lane, "w1", 30_000)
+    assert taken is not None and taken.id in (same, elsewhere)     # any partition's waiting job above
