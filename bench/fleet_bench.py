@@ -60,7 +60,7 @@ from slotq.jobs.cli.watch import ChildProcess, run_watched
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.producer.stream_reader import ClusterStreamReader, StreamReader, stream_reader
 from slotq.jobs.protocol.connection import connect, is_cluster
-from slotq.jobs.protocol.keys import STREAM_TAGS, QueueKeys
+from slotq.jobs.protocol.keys import STREAM_TAGS, QueueKeys, partition_names
 from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.redis_cluster import LocalValkeyCluster
 from slotq.jobs.redis_server import EmbeddedRedis
@@ -174,12 +174,14 @@ class Layout:
 
 # ---------------------------------------------------------------------- one step
 async def measure_step(design: Design, slots: int, rate: float, plan: Plan, settings: FleetSettings,
-                       workdir: Path, primaries: int = 0, models: int = 1) -> dict[str, Any]:
+                       workdir: Path, primaries: int = 0, models: int = 1, partitions: int = 1) -> dict[str, Any]:
     """A fresh Valkey and fleet, ``rate`` enqueues/s for warm-up + window + tail: one result row.
     ``primaries``: 0 for one Valkey (the embedded server), else a local Valkey Cluster of that many
     primaries (no replicas), each with the same persistence (append-only, fsync every second).
     ``models``: the same load spread over that many models' queues (:func:`model_queues`), each
-    worker serving one of them, the enqueues going to each in turn; 1: the one default queue."""
+    worker serving one of them, the enqueues going to each in turn; 1: the one default queue.
+    ``partitions``: each queue split into that many partitions (``SLOTQ_QUEUE_PARTITIONS``, slotq only),
+    every worker claiming from all of them."""
     workdir.mkdir(parents=True)
     server = LocalValkeyCluster(workdir / "valkey", primaries=primaries) if primaries else EmbeddedRedis(
         workdir / "valkey")
@@ -195,7 +197,7 @@ async def measure_step(design: Design, slots: int, rate: float, plan: Plan, sett
             share = workers // HOSTS + (1 if h < workers % HOSTS else 0)
             # worker j of the fleet serves queue j % models; this process runs workers h, h + HOSTS, ...
             served = [queues[j % models] for j in range(h, workers, HOSTS)]
-            config = HostConfig(design=design, redis_url=url, queues=served, workers=share,
+            config = HostConfig(design=design, redis_url=url, queues=served, partitions=partitions, workers=share,
                                 slots=min(SLOTS_PER_WORKER, slots // workers),
                                 name_prefix=f"sim{h}", sim=settings.sim, stream_flush_ms=settings.stream_flush_ms,
                                 record_path=workdir / f"host{h}.records")
@@ -203,12 +205,14 @@ async def measure_step(design: Design, slots: int, rate: float, plan: Plan, sett
                                       [sys.executable, "-m", "bench.fleet_host", config.model_dump_json()],
                                       log_path=workdir / f"host{h}.log"))
             readers.append(RecordReader(config.record_path))
-        row = await run_watched(_drive(design, url, workers, rate, plan, settings, hosts, readers, queues), *hosts)
+        row = await run_watched(_drive(design, url, workers, rate, plan, settings, hosts, readers, queues,
+                                       partitions), *hosts)
     finally:
         for host in hosts:
             host.stop()
         server.stop()
-    return {"design": design, "slots": slots, "workers": workers, "primaries": primaries, "models": models, **row}
+    return {"design": design, "slots": slots, "workers": workers, "primaries": primaries, "models": models,
+            "partitions": partitions, **row}
 
 
 async def model_queues(url: str, models: int) -> list[str]:
@@ -245,18 +249,19 @@ def _queue_prefix(queue: str) -> str:
 
 
 async def _drive(design: Design, url: str, workers: int, rate: float, plan: Plan, settings: FleetSettings,
-                 hosts: list[ChildProcess], records: list[RecordReader], queues: list[str]) -> dict[str, Any]:
+                 hosts: list[ChildProcess], records: list[RecordReader], queues: list[str],
+                 partitions: int = 1) -> dict[str, Any]:
     client_cls = BaselineClient if design == "baseline" else SlotqClient
     # at least PRODUCERS connections, as many per queue, each enqueueing to one queue: the i-th job goes to
-    # producer i % len(producers), so to the queues in turn
+    # producer i % len(producers), so to the queues in turn (and by its id to a partition of it)
     producers = [await client_cls.connect(url, ClientSettings(redis_url=url, queue_name=queues[i % len(queues)],
-                                                              max_queue_length=1_000_000))
+                                                              queue_partitions=partitions, max_queue_length=1_000_000))
                  for i in range(len(queues) * -(-PRODUCERS // len(queues)))]
     stream_redis = await connect(url, patient=False)
     # every followed stream on one XREAD (one per stream bucket on a cluster), as SlotqClient does
     reader = stream_reader(stream_redis)
     stats_redis = await connect(url, patient=False)
-    layout = await _layout(stats_redis, queues)
+    layout = await _layout(stats_redis, [part for queue in queues for part in partition_names(queue, partitions)])
     pids = [h.proc.pid for h in hosts] + [os.getpid()]
     jobs: dict[str, Enqueued] = {}
     followers = Followers()
@@ -511,13 +516,15 @@ def ran_out(row: dict[str, Any]) -> str | None:
 
 # ---------------------------------------------------------------------- the run
 async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | None = None,
-              cluster: list[int] | None = None, models: int | None = None) -> tuple[dict[str, Any], str]:
+              cluster: list[int] | None = None, models: int | None = None,
+              partitions: int | None = None) -> tuple[dict[str, Any], str]:
     """The whole benchmark; with ``cluster`` (numbers of primaries), only :func:`run_cluster`'s steps, their
-    load spread over ``models`` models' queues."""
+    load spread over ``models`` models' queues, each split into ``partitions``."""
     if cluster:
-        return await run_cluster(quick, cluster, plan, models or 1)
-    if models is not None:
-        raise SystemExit("slotq bench fleet: --models applies with --cluster only")
+        return await run_cluster(quick, cluster, plan, models or 1, partitions or 1)
+    for name, given in (("models", models), ("partitions", partitions)):
+        if given is not None:
+            raise SystemExit(f"slotq bench fleet: --{name} applies with --cluster only")
     settings = settings or FleetSettings()
     plan = plan or (QUICK if quick else FULL)
     steps: list[dict[str, Any]] = []
@@ -556,11 +563,13 @@ async def run(quick: bool, settings: FleetSettings | None = None, plan: Plan | N
 
 
 async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = None,
-                      models: int = 1) -> tuple[dict[str, Any], str]:
-    """``slotq bench fleet --cluster N,... [--models M]``: the streaming steps on one Valkey and on a local
-    Valkey Cluster of each number of ``primaries``, side by side; per flush setting, the backends run one
-    after the other, so a change in the machine's load between them stays small. ``models``: the same
-    load spread over that many models' queues on every backend (:func:`model_queues`)."""
+                      models: int = 1, partitions: int = 1) -> tuple[dict[str, Any], str]:
+    """``slotq bench fleet --cluster N,... [--models M] [--partitions P]``: the streaming steps on one Valkey
+    and on a local Valkey Cluster of each number of ``primaries``, side by side; per flush setting, the
+    backends run one after the other, so a change in the machine's load between them stays small.
+    ``models``: the same load spread over that many models' queues on every backend (:func:`model_queues`);
+    ``partitions``: each queue split into that many partitions on every backend (``SLOTQ_QUEUE_PARTITIONS``;
+    one Valkey too, so the baseline pays the partitions' extra commands as well)."""
     plan = plan or (QUICK if quick else FULL)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="slotq-fleet-cluster-") as tmp:
@@ -571,7 +580,7 @@ async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = Non
                          f"{stream_settings.stream_flush_ms:g} ms flush")
                 row = await measure_step("slotq", STREAMING_SLOTS, STREAMING_RATE, plan, stream_settings,
                                          Path(tmp) / f"streaming-{stream_settings.stream_flush_ms:g}-{n}", primaries=n,
-                                         models=models)
+                                         models=models, partitions=partitions)
                 row = {**row, "stream_flush_ms": stream_settings.stream_flush_ms, **_capacity(row)}
                 progress(f"  pickup p50 {row['pickup_p50_ms']} ms, p99 {row['pickup_p99_ms']} ms, Valkey "
                          f"{row['valkey_cpu_cores']} cores, hottest primary {row['hottest_primary_cores']}, "
@@ -585,11 +594,13 @@ async def run_cluster(quick: bool, primaries: list[int], plan: Plan | None = Non
             "targets": _cluster_targets(rows)}
     table = f"{_cluster_table(rows)}\n\n{_commandstats_table(rows)}"
     command = f"slotq bench fleet --cluster {','.join(map(str, primaries))}"
-    if models > 1:
+    spread = {"models": models, "partitions": partitions}
+    if models > 1 or partitions > 1:
         table += f"\n\n{_queues_table(rows)}"
-        command += f" --models {models}"
+    command += "".join(f" --{name} {count}" for name, count in spread.items() if count > 1)
+    name = "-".join(["fleet-cluster", *(f"{count}-{name}" for name, count in spread.items() if count > 1)])
     if not quick:
-        write_results("fleet-cluster" if models == 1 else f"fleet-cluster-{models}-models", data, table, command)
+        write_results(name, data, table, command)
     return data, table
 
 
@@ -657,9 +668,13 @@ def _cluster_table(rows: list[dict[str, Any]]) -> str:
           f"{r['capacity_vs_one_valkey']:.2f}x"] for r in rows])
     sim = STREAMING[0].sim
     models = rows[0]["models"] if rows else 1
+    partitions = rows[0].get("partitions", 1) if rows else 1
     spread = ("" if models == 1 else
               f" spread over {models} models' queues (each worker serving one, the enqueues going to each in turn; "
               f"{rows[0]['workers']} workers of {STREAMING_SLOTS // rows[0]['workers']} slots),")
+    if partitions > 1:
+        spread += (f" {'each' if models > 1 else 'the'} queue split into {partitions} partitions "
+                   f"(SLOTQ_QUEUE_PARTITIONS: a job's partition by its id, every worker claiming from all),")
     return (f"{table}\n\nStreaming at a GPU's pace on one Valkey and on local Valkey Clusters (no replicas), side by "
             f"side: {STREAMING_SLOTS} slots, {STREAMING_RATE:g} enqueues/s of {STREAMING[0].job_tokens}-token jobs,"
             f"{spread} the simulated engine stepping every {sim.step_s * 1000:g} ms with one token per sequence "
@@ -695,7 +710,8 @@ def _commandstats_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _queues_table(rows: list[dict[str, Any]]) -> str:
-    """Where each model's queue landed on each cluster: its hash slot's primary, and that primary's CPU."""
+    """Where each queue (each model's, each partition) landed on each cluster: its hash slot's primary, and that
+    primary's CPU."""
     lines = []
     for r in rows:
         by_queue: dict[str, str] | None = r["queue_primary_by_queue"]
@@ -708,9 +724,11 @@ def _queues_table(rows: list[dict[str, Any]]) -> str:
                           f"{r['valkey_cores_by_primary'][node]:.3f}"])
     table = markdown_table(["stream flush ms", "Valkey", "queue", "hash slot", "primary (as above)", "its cores"],
                            lines)
-    return (f"{table}\n\nEach model's queue and the primary that serves its hash slot, numbered in the order of the "
-            f"CPU shares above. The names are picked to land one queue per primary (``model-k``, else ``model-k.n`` "
-            f"with the first n that lands on the k-th primary; docs/cluster.md).")
+    return (f"{table}\n\nEach queue (each model's, and each partition of a partitioned queue: ``<queue>#<n>``) and "
+            f"the primary that serves its hash slot, numbered in the order of the CPU shares above. Models' queue "
+            f"names are picked to land one queue per primary (``model-k``, else ``model-k.n`` with the first n that "
+            f"lands on the k-th primary); a queue's partitions are named to land one P-th of the slots apart "
+            f"(docs/cluster.md).")
 
 
 def _over_limit_table(rows: list[dict[str, Any]]) -> str:

@@ -67,6 +67,7 @@ class HostConfig(BaseModel):
     design: Design
     redis_url: str
     queues: list[str]            # worker i serves queues[i % len(queues)], as the model named after its queue
+    partitions: int = 1          # each queue split into this many partitions (SLOTQ_QUEUE_PARTITIONS)
     workers: int
     slots: int
     name_prefix: str
@@ -200,7 +201,7 @@ def _member(config: HostConfig, index: int, recorder: Recorder) -> _Member:
     queue = config.queues[index % len(config.queues)]
     settings = WorkerSettings(redis_url=config.redis_url, queue_name=queue, model_name=queue.rpartition(":")[2],
                               slots=config.slots, ctx=4096, worker_name=f"{config.name_prefix}-{index}",
-                              stream_flush_ms=config.stream_flush_ms)
+                              stream_flush_ms=config.stream_flush_ms, queue_partitions=config.partitions)
     kind = _SlotqMember if config.design == "slotq" else _BaselineMember
     return kind(settings, SimulatedEngine.factory(config.sim), recorder)
 

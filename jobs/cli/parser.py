@@ -23,6 +23,7 @@ from slotq.jobs.cli.commands.gateway import cmd_gateway
 from slotq.jobs.cli.commands.jobs import cmd_cancel, cmd_enqueue, cmd_result
 from slotq.jobs.cli.commands.status import cmd_status
 from slotq.jobs.cli.commands.worker import cmd_worker
+from slotq.jobs.protocol.keys import MAX_QUEUE_PARTITIONS
 from slotq.jobs.settings import ClientSettings, add_settings_flags
 from slotq.jobs.worker.settings import WorkerSettings
 
@@ -173,5 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fleet --cluster only: the same load spread over this many models' queues, each landing "
                         "on its own primary while there are primaries enough (writes "
                         "bench/results/fleet-cluster-M-models.md)")
+    p.add_argument("--partitions", type=int, choices=range(1, MAX_QUEUE_PARTITIONS + 1),
+                   metavar=f"1..{MAX_QUEUE_PARTITIONS}",
+                   help="fleet --cluster only: each queue split into this many partitions (SLOTQ_QUEUE_PARTITIONS), "
+                        "their hash slots one per primary when there are as many; the one-Valkey baseline too "
+                        "(writes bench/results/fleet-cluster-P-partitions.md)")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -19,7 +19,7 @@ from bench.fleet_bench import READ_EVERY, FleetSettings, Plan, measure_step
 from bench.fleet_host import Design
 from bench.sim_engine import SimulationParams
 from slotq.jobs.cli.main import main
-from slotq.jobs.protocol.keys import STREAM_TAGS
+from slotq.jobs.protocol.keys import STREAM_TAGS, partition_names
 
 SLOTS = 100                  # two workers of 50, one per fleet process
 RATE = 20.0                  # enqueues/s
@@ -89,3 +89,24 @@ async def test_the_load_spread_over_models_puts_each_queue_on_its_own_primary(tm
 def test_the_models_option_needs_the_cluster_option() -> None:
     with pytest.raises(SystemExit, match="--models applies with --cluster only"):
         main(["bench", "fleet", "--models", "3"])
+
+
+@pytest.mark.slow
+async def test_one_queue_split_into_partitions_puts_a_partition_on_each_primary(tmp_path: Path) -> None:
+    """``--partitions 2`` on 2 primaries: one queue, its two partitions' hash slots on the two primaries, both
+    workers claiming from both; every job is claimed and each primary serves one partition's claim path."""
+    row = await measure_step("slotq", SLOTS, RATE, PLAN, SETTINGS, tmp_path / "partitions", primaries=2,
+                             partitions=2)
+    _assert_every_job_claimed_and_streams_followed(row)
+    assert _fleet_errors(tmp_path / "partitions") == []
+    assert row["partitions"] == 2
+    by_queue = row["queue_primary_by_queue"]
+    assert list(by_queue) == list(partition_names("slotq:queue", 2))
+    assert set(by_queue.values()) == set(row["valkey_cores_by_primary"])        # one partition on each primary
+
+
+def test_the_partitions_option_needs_the_cluster_option() -> None:
+    with pytest.raises(SystemExit, match="--partitions applies with --cluster only"):
+        main(["bench", "fleet", "--partitions", "3"])
+    with pytest.raises(SystemExit, match="--partitions apply to `slotq bench fleet` only"):
+        main(["bench", "queue", "--partitions", "3"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -18,6 +19,7 @@ from slotq.jobs.protocol.partitioned_queue import PartitionedQueue
 from slotq.jobs.protocol.schemas import JobStatus
 from tests.protocol.test_queue_partitions import ids_in_every_partition
 from tests.support.jobs import ON_EVERY_BACKEND, collect_stream, job_request, settings_for
+from tests.support.tiny_model import write_tiny_llama
 
 PARTITIONS = 3
 
@@ -99,3 +101,21 @@ async def test_workers_and_producers_of_another_partition_count_refuse(partition
         assert sum(c.waiting for c in await one_partition.queue.counts()) == 0      # nothing enqueued
     handle = await partitioned_client.enqueue(job_request(max_tokens=2))
     assert (await handle.result(timeout=30)).status == JobStatus.SUCCEEDED
+
+
+@pytest.mark.parametrize("redis_backend", ["single"])
+async def test_a_worker_of_two_models_serves_both_partitioned_queues(partitioned_client: SlotqClient, start_worker,
+                                                                     tiny_model_path: Path, tmp_path: Path) -> None:
+    """Each model's queue is split the same way; the worker switches between them and claims from every
+    partition of each."""
+    second = write_tiny_llama(tmp_path / "second.gguf", seed=11)
+    await start_worker(model=None, models=f"first={tiny_model_path},second={second}", model_idle_s=0.2, slots=2,
+                       queue_partitions=PARTITIONS)
+    queues = {name: partitioned_client.for_queue(f"slotq:queue:{name}") for name in ("first", "second")}
+    wanted = {}
+    for model, queue in queues.items():
+        for job_id in ids_in_every_partition(PARTITIONS, prefix=model):
+            wanted[(await queue.enqueue(job_request(max_tokens=2, idempotency_key=job_id, model=model))).id] = model
+    for job_id, model in wanted.items():
+        result = await queues[model].result(job_id, timeout=60)
+        assert (result.status, result.model) == (JobStatus.SUCCEEDED, model)

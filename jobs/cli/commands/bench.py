@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # the options of one benchmark only, passed to its run() as keyword arguments
-BENCH_OPTIONS = {"spec": ("concurrency", "rounds", "draft_model"), "fleet": ("cluster", "models")}
+BENCH_OPTIONS = {"spec": ("concurrency", "rounds", "draft_model"), "fleet": ("cluster", "models", "partitions")}
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
