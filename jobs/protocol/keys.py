@@ -44,8 +44,9 @@ A queue ``Q`` (one per model, ``SLOTQ_QUEUE_NAME``) with lanes ``L`` (highest pr
 ``Q:attempt_outcomes``            HASH    ``interrupted`` / ``failed`` -> attempts judged so, since the queue began
 ``Q:wake``                        LIST    one token per waiting job (capped): an idle worker BLPOPs one
 ``Q:claim_seq``                   STRING  the number of the queue's newest claim (see :attr:`QueueKeys.claim_seq`)
-``Q:serving``                     HASH    worker id -> ``<until ms><TAB><kind><TAB><model>``: the workers serving the
-                                          queue, all of one model and kind (:mod:`slotq.jobs.protocol.scripts.serving`)
+``Q:serving``                     HASH    worker id -> ``<until ms><TAB><kind><TAB><model>[<TAB><partitions>]``: the
+                                          workers serving the queue, all of one model, kind and partition count
+                                          (:mod:`slotq.jobs.protocol.scripts.serving`)
 ``Q:claim_mark:<token>``          STRING  a worker's last claim id and its reply, replayed to the claim re-sent after a
                                           lost reply (:mod:`slotq.jobs.protocol.scripts.claims`); lives one lease
 ``Q:abort:<token>``               PUBSUB  cancel requests for the jobs of one worker
@@ -77,6 +78,15 @@ share one hash slot, and each job's stream and fence share another, the job's ow
 
 docs/cluster.md writes the protocol down: which steps span two slots, in what order, and why no
 job is lost or token written twice when a process dies between them.
+
+**Partitions** (``SLOTQ_QUEUE_PARTITIONS``, :mod:`slotq.jobs.protocol.partitioned_queue`): a queue ``Q`` of P > 1
+partitions is P queues of the layout above, ``Q`` itself and ``Q#<n>`` for partitions 1..P-1
+(:func:`partition_names`: each ``n`` picked so that the partitions' hash slots lie P-ths of the slot space
+apart, one per primary of an evenly split cluster of P). A job lives in partition
+``crc32(job id) mod P`` (:func:`partition_of`) with every key of it -- its entries in the partition's
+sets and hashes, and its arq keys under the partition's arq id (``arq:job:{Q#<n>}:<id>`` on a cluster,
+:class:`PartitionedKeys`). ``Q:serving`` (partition 0's) names each worker's P after its model when
+above 1. With P = 1 nothing here changes.
 
 A job's *place* in its lane is its fair-share tag (:mod:`slotq.jobs.protocol.scripts`, ``ENQUEUE``):
 ``place of its tenant's newest job + 1`` while the tenant has jobs waiting in the lane, else

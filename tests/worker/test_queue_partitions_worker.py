@@ -86,7 +86,6 @@ async def test_an_idle_worker_is_woken_by_a_job_in_any_partition(partitioned_cli
         await asyncio.sleep(0.5)                  # idle again, blocked on every partition's wake list
 
 
-@pytest.mark.parametrize("redis_backend", ["single"])
 async def test_workers_and_producers_of_another_partition_count_refuse(partitioned_client: SlotqClient,
                                                                        start_worker, redis_url: str) -> None:
     await start_worker(queue_partitions=PARTITIONS)
