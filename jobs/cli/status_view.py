@@ -65,8 +65,8 @@ def _shards(shards: Sequence[ShardLoad]) -> Table:
     table = Table("primary", "replicas", "slots", "keys", "memory", "ops/s (share)", "CPU", "clients",
                   "stream buckets", "slotq keys (share)", "queue", title="cluster shards",
                   caption="CPU: one core's share since the last refresh (--watch). slotq keys: in the queue's slot "
-                          "and the stream buckets' slots. queue: ◀ this queue's slot; the models' queues whose slot "
-                          "it serves")
+                          "and the stream buckets' slots. queue: ◀ this queue's slot (◀ partition: of a queue split "
+                          "into partitions, those whose slot it serves); the models' queues whose slot it serves")
     table.columns[0].no_wrap = True
     for shard in shards:
         table.add_row(
@@ -75,6 +75,8 @@ def _shards(shards: Sequence[ShardLoad]) -> Table:
             _share(shard.cpu_share), str(shard.clients), f"{len(shard.stream_slots)}/{buckets}",
             f"{shard.slotq_keys} ({_share(shard.slotq_keys_share)})",
             Text.assemble(*([(f"◀ slot {shard.queue_slot} ", "bold")] if shard.queue_slot is not None else []),
+                          *([(f"◀ partition {', '.join(map(str, shard.partitions))} ", "bold")]
+                            if shard.partitions else []),
                           ", ".join(shard.queues)))
     return table
 

@@ -15,13 +15,9 @@ How each call is routed:
   ``lend_reserve`` take the first job any partition gives, in the same order;
 * **counts, tenants, attempt outcomes** are sums of P reads; **reap** reaps every partition;
 * **waiting for a token** (a wake token while idle, a busy token while full): a blocking pop cannot span
-  slots on a cluster, so each partition has its own BLPOP, all run at once, and the first token wins
-  (:meth:`PartitionedQueue._first_token`). The other pops are cancelled; a token one of them took before
-  its cancel is pushed back to its partition. A token can only be lost when a pop's reply is on its way at
-  the instant of its cancel (its connection is closed): harmless, as tokens are hints, capped at
-  ``WAKE_CAP``, and every claim visits every partition -- the job it stood for is claimed by the next claim
-  of any worker, at the latest at the next poll (``SLOTQ_POLL_DELAY_S``), as when a worker stops mid-pop
-  today. Each cancelled pop closes its connection, so a wake costs P - 1 reconnections.
+  slots on a cluster, so each partition has its own BLPOP, all pending at once, and the first token wins;
+  the other pops stay pending for the next wait, and a token taken while nobody waits is given back to
+  its partition (:class:`PartitionWaits`: no token is lost but when a wait is cancelled).
 * **cancels of running jobs** are published on the job's partition's channel: a worker follows all P.
 
 What is given up, against one queue (docs/cluster.md, "One queue's load is spread by partitions"): order
@@ -36,12 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import random
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
 from redis.asyncio import Redis
 
@@ -64,6 +61,98 @@ from slotq.jobs.protocol.redis_queue import (
 _T = TypeVar("_T")
 
 
+class PartitionWaits(Generic[_T]):
+    """Blocking pops of tokens on every partition at once, for one kind of token (wake, or busy), kept across
+    waits so that none is cancelled while it may be taking a token.
+
+    A BLPOP cannot span slots on a cluster, so a wait runs one pop per partition (``wait(partition,
+    seconds)``, a truthy result when it took a token) and returns the first token. The other pops are *not*
+    cancelled: they stay pending, the next wait (with the same ``lists``: the token lists they pop, e.g. a
+    busy wait's lanes) takes them over instead of starting new ones, and a token one of them takes while no
+    wait runs, or that a second pop took in the same instant as the first, is given back to its partition
+    (``give_back``) at once, so no token is lost and a cancelled pop costs no reconnection. A pop still
+    pending when its worker stops waiting (a worker that fills up) ends at its own timeout (the worker's
+    poll). Only when a wait is cancelled (the worker stops, or switches queues) are its pops cancelled: a
+    token whose reply is on its way then is lost, as when a worker stops mid-pop on one queue -- harmless,
+    since tokens are hints that each claim tops up to the jobs waiting in its partition."""
+
+    def __init__(self, partitions: Sequence[RedisQueue], give_back: Callable[[int, _T], Awaitable[None]]) -> None:
+        self._partitions = partitions
+        self._give_back = give_back
+        self._pending: dict[int, tuple[Hashable, asyncio.Task[_T]]] = {}     # partition -> (lists, its pop)
+        self._waiting = False
+        self._giving_back: set[asyncio.Task[None]] = set()
+
+    async def first(self, wait: Callable[[RedisQueue, float], Awaitable[_T]], lists: Hashable,
+                    timeout_s: float) -> tuple[int, _T] | None:
+        """(partition, token) of the first token any partition's pop takes within ``timeout_s``, or None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self._waiting = True
+        try:
+            while (left := deadline - loop.time()) > 0:
+                for i, part in enumerate(self._partitions):
+                    if i in self._pending and self._pending[i][0] != lists:
+                        self._stop(i)                         # pops other lists: not this wait's
+                    if i not in self._pending:
+                        task = asyncio.ensure_future(wait(part, left))
+                        task.add_done_callback(functools.partial(self._ended_between_waits, i))
+                        self._pending[i] = (lists, task)
+                await asyncio.wait([task for _, task in self._pending.values()], timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                taken: tuple[int, _T] | None = None
+                failed: BaseException | None = None
+                for i, (_, task) in list(self._pending.items()):
+                    if not task.done():
+                        continue
+                    del self._pending[i]
+                    if task.cancelled():
+                        continue
+                    if (error := task.exception()) is not None:
+                        failed = error
+                    elif task.result() and taken is None:
+                        taken = (i, task.result())
+                    elif task.result():
+                        self._give_back_later(i, task.result())       # two at once: this one is passed on
+                if taken is not None:
+                    return taken
+                if failed is not None:
+                    raise failed
+            return None
+        except asyncio.CancelledError:
+            for i in list(self._pending):
+                self._stop(i)
+            raise
+        finally:
+            self._waiting = False
+
+    def _stop(self, partition: int) -> None:
+        """Cancel a partition's pending pop; a token it took before the cancel landed is given back."""
+        _, task = self._pending.pop(partition)
+        task.cancel()
+        task.add_done_callback(functools.partial(self._give_back_taken, partition))
+
+    def _ended_between_waits(self, partition: int, task: asyncio.Task[_T]) -> None:
+        """A pop that ended while no wait runs (a wait harvests its own): pass on the token it took."""
+        if self._waiting or self._pending.get(partition, (None, None))[1] is not task:
+            return
+        del self._pending[partition]
+        self._give_back_taken(partition, task)
+
+    def _give_back_taken(self, partition: int, task: asyncio.Task[_T]) -> None:
+        if not task.cancelled() and task.exception() is None and task.result():
+            self._give_back_later(partition, task.result())
+
+    def _give_back_later(self, partition: int, token: _T) -> None:
+        async def give_back() -> None:
+            with contextlib.suppress(Exception):
+                await self._give_back(partition, token)
+
+        task = asyncio.ensure_future(give_back())
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+
+
 class PartitionedQueue:
     """The queue ``name`` with ``lanes`` split into ``partitions`` (2..64) queues on ``redis`` (see the
     module). ``keys`` are partition 0's: the queue's name, its lanes and its serving record."""
@@ -76,6 +165,16 @@ class PartitionedQueue:
         self.keys: QueueKeys = self.partitions[0].keys
         self.arq_keys = PartitionedKeys(tuple(part.keys for part in self.partitions))
         self._woken_from = 0            # the partition of the last wake token taken (return_wake_token's)
+
+        async def give_back_wake(partition: int, _token: bool) -> None:
+            await self.partitions[partition].return_wake_token()
+
+        async def give_back_busy(partition: int, token: BusyToken | None) -> None:
+            if token is not None:
+                await self.partitions[partition].return_busy_token(token)
+
+        self._wakes = PartitionWaits[bool](self.partitions, give_back_wake)
+        self._busy = PartitionWaits[BusyToken | None](self.partitions, give_back_busy)
 
     def of_job(self, job_id: str) -> RedisQueue:
         """The partition that holds ``job_id``."""
@@ -214,39 +313,9 @@ class PartitionedQueue:
                 return job
         return None
 
-    async def _first_token(self, wait: Callable[[RedisQueue], Awaitable[_T]],
-                           give_back: Callable[[int, _T], Awaitable[None]]) -> tuple[int, _T] | None:
-        """Run ``wait`` on every partition at once (a blocking pop each: one pop cannot span slots) until one
-        takes a token (a truthy result); the others are cancelled, and a token one of them took meanwhile is
-        given back to its partition. (partition, token), or None when every wait timed out. An error of a
-        wait is raised once no other took a token."""
-        tasks = [asyncio.ensure_future(wait(part)) for part in self.partitions]
-        winner: int | None = None
-        try:
-            pending: set[asyncio.Future[_T]] = set(tasks)
-            while pending and winner is None:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                winner = next((i for i, task in enumerate(tasks)
-                               if task in done and task.exception() is None and task.result()), None)
-                failed = next((task.exception() for task in done if task.exception() is not None), None)
-                if winner is None and failed is not None:
-                    raise failed
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for i, task in enumerate(tasks):
-                if i != winner and not task.cancelled() and task.exception() is None and task.result():
-                    with contextlib.suppress(Exception):
-                        await give_back(i, task.result())
-        return None if winner is None else (winner, tasks[winner].result())
-
     async def wait_for_work(self, timeout_s: float) -> bool:
-        """Block until a wake token of any partition arrives (:meth:`_first_token`) or the timeout."""
-        async def give_back(partition: int, _taken: bool) -> None:
-            await self.partitions[partition].return_wake_token()
-
-        taken = await self._first_token(lambda part: part.wait_for_work(timeout_s), give_back)
+        """Block until a wake token of any partition arrives (:class:`PartitionWaits`) or the timeout."""
+        taken = await self._wakes.first(lambda part, wait_s: part.wait_for_work(wait_s), (), timeout_s)
         if taken is None:
             return False
         self._woken_from = taken[0]
@@ -258,17 +327,13 @@ class PartitionedQueue:
 
     async def wait_for_busy_token(self, timeout_s: float, *, below_lane: str | None,
                                   fair_lane: str | None) -> BusyToken | None:
-        """:meth:`RedisQueue.wait_for_busy_token` on every partition at once: the first token, which names
-        its partition (preemption and the fair share's reserve work per partition)."""
+        """:meth:`RedisQueue.wait_for_busy_token` on every partition at once (:class:`PartitionWaits`): the
+        first token, which names its partition (preemption and the fair share's reserve work per partition)."""
         if below_lane is None and fair_lane is None:
             return None
-
-        async def give_back(partition: int, token: BusyToken | None) -> None:
-            assert token is not None
-            await self.partitions[partition].return_busy_token(token)
-
-        taken = await self._first_token(
-            lambda part: part.wait_for_busy_token(timeout_s, below_lane=below_lane, fair_lane=fair_lane), give_back)
+        taken = await self._busy.first(
+            lambda part, wait_s: part.wait_for_busy_token(wait_s, below_lane=below_lane, fair_lane=fair_lane),
+            (below_lane, fair_lane), timeout_s)
         if taken is None or taken[1] is None:
             return None
         return replace(taken[1], partition=taken[0])

@@ -6,7 +6,7 @@ So what an operator needs to see is each primary's share: keys, memory, commands
 clients, which shard holds the queue, and which of the stream buckets' slots each holds, with the
 keys in the slots slotq uses (the queue's and the buckets') and each shard's share of them and of
 the commands. One INFO and one DBSIZE per primary and one ``CLUSTER COUNTKEYSINSLOT`` per slot slotq
-uses (49), sent side by side; nothing scans keys.
+uses (49, and one per partition of a partitioned queue), sent side by side; nothing scans keys.
 
 The slot ranges and the queue's shard come from the slot map the client routes by (redis-py's, read
 anew when a failover moved slots), so the shard marked as the queue's is the one its commands go to.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
 from pydantic import BaseModel, Field
@@ -24,7 +25,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
 from slotq.jobs.protocol import catalog
-from slotq.jobs.protocol.keys import STREAM_TAGS, QueueKeys
+from slotq.jobs.protocol.keys import STREAM_TAGS, QueueKeys, partition_names
 
 STREAM_SLOTS = tuple(key_slot(f"{{{tag}}}".encode()) for tag in STREAM_TAGS)     # one per stream bucket
 
@@ -58,19 +59,28 @@ class ShardLoad(BaseModel):
     queues: list[str] = Field(
         default_factory=list,
         description="the queues of the fleet's models (the catalog's live entries) whose hash slot it serves: "
-                    "where each model's claim path lands (docs/cluster.md, 'Several models')")
+                    "where each model's claim path lands (docs/cluster.md, 'Several models'); of a partitioned "
+                    "queue, each partition (``<queue>#<n>``) whose slot it serves")
+    partitions: list[int] = Field(
+        default_factory=list,
+        description="of a queue split into partitions (SLOTQ_QUEUE_PARTITIONS > 1), the partitions whose hash slot "
+                    "it serves (0 is the queue's own slot, queue_slot): its share of the claim path; empty for a "
+                    "queue of one partition")
 
 
 class ShardLoadReader:
     """Reads the load of every primary of a cluster. It remembers each node's CPU time, so each read
     after the first gives the share of a core used in between (``slotq status --watch``)."""
 
-    def __init__(self, redis: Redis, queue_key: str) -> None:
+    def __init__(self, redis: Redis, queue_key: str, *, partition_keys: Sequence[str] = ()) -> None:
         """``redis``: a cluster client (:func:`slotq.jobs.protocol.connection.is_cluster`); ``queue_key``:
-        any key of the queue (they share one slot)."""
+        any key of the queue (they share one slot); ``partition_keys``: of a queue split into partitions, any
+        key of each partition, partition 0's (``queue_key``'s) first. The models' queues are read as split
+        into as many."""
         self._redis = redis
         self._cluster = cast(RedisCluster, redis)
         self._queue_key = queue_key
+        self._partition_keys = tuple(partition_keys)
         self._cpu_seen: dict[str, tuple[float, int]] = {}       # node -> (CPU seconds, server time in us)
 
     async def read(self) -> list[ShardLoad]:
@@ -79,24 +89,36 @@ class ShardLoadReader:
         primaries, ranges = _slot_ranges(self._cluster.nodes_manager.slots_cache)
         queue_node = self._cluster.get_node_from_key(self._queue_key)
         queue_slot = self._cluster.keyslot(self._queue_key)
+        partition_slots = [self._cluster.keyslot(key) for key in self._partition_keys]
+        # partition 0's slot is queue_slot; a partition's slot could (rarely) be a stream bucket's
+        other_partition_slots = sorted(set(partition_slots) - {queue_slot, *STREAM_SLOTS})
+        counted = (*STREAM_SLOTS, queue_slot, *other_partition_slots)
         stream_slots: dict[str, list[int]] = {node.name: [] for node in primaries}
         for slot in sorted(STREAM_SLOTS):
             if serving := self._cluster.nodes_manager.slots_cache.get(slot):       # none: a slot no node serves
                 stream_slots[serving[0].name].append(slot)
         figures, counts, models = await asyncio.gather(
             asyncio.gather(*(self._figures(node) for node in primaries)),
-            asyncio.gather(*(self._cluster.cluster_countkeysinslot(slot) for slot in (*STREAM_SLOTS, queue_slot))),
+            asyncio.gather(*(self._cluster.cluster_countkeysinslot(slot) for slot in counted)),
             catalog.read(self._redis, now=time.time()))
         queues: dict[str, list[str]] = {node.name: [] for node in primaries}
         for queue in sorted({model.queue for model in models.values()}):
-            # any key of the queue: its lanes do not change its slot
-            holder = self._cluster.get_node_from_key(QueueKeys(queue, ("any",), clustered=True).jobs)
-            if holder is not None and holder.name in queues:
-                queues[holder.name].append(queue)
-        keys_in = dict(zip((*STREAM_SLOTS, queue_slot), map(int, counts), strict=True))
+            for part in partition_names(queue, max(1, len(partition_slots))):
+                # any key of the queue: its lanes do not change its slot
+                holder = self._cluster.get_node_from_key(QueueKeys(part, ("any",), clustered=True).jobs)
+                if holder is not None and holder.name in queues:
+                    queues[holder.name].append(part)
+        holding: dict[str, list[int]] = {node.name: [] for node in primaries}
+        for index, slot in enumerate(partition_slots):
+            if (serving := self._cluster.nodes_manager.slots_cache.get(slot)) and serving[0].name in holding:
+                holding[serving[0].name].append(index)
+        keys_in = dict(zip(counted, map(int, counts), strict=True))
         slotq_keys = {node.name: sum(keys_in[slot] for slot in stream_slots[node.name]) for node in primaries}
         if queue_node is not None and queue_slot not in STREAM_SLOTS:
             slotq_keys[queue_node.name] = slotq_keys.get(queue_node.name, 0) + keys_in[queue_slot]
+        for slot in other_partition_slots:
+            if serving := self._cluster.nodes_manager.slots_cache.get(slot):
+                slotq_keys[serving[0].name] = slotq_keys.get(serving[0].name, 0) + keys_in[slot]
         all_ops = sum(int(info["instantaneous_ops_per_sec"]) for info, _ in figures)
         all_keys = sum(slotq_keys.values())
         return [ShardLoad(node=node.name, slots=ranges[node.name], replicas=int(info.get("connected_slaves", 0)),
@@ -106,7 +128,7 @@ class ShardLoadReader:
                           queue_slot=queue_slot if queue_node is not None and node.name == queue_node.name else None,
                           ops_share=int(info["instantaneous_ops_per_sec"]) / all_ops if all_ops else None,
                           stream_slots=stream_slots[node.name], slotq_keys=slotq_keys.get(node.name, 0),
-                          queues=queues[node.name],
+                          queues=queues[node.name], partitions=holding[node.name],
                           slotq_keys_share=slotq_keys.get(node.name, 0) / all_keys if all_keys else None)
                 for node, (info, keys) in zip(primaries, figures, strict=True)]
 

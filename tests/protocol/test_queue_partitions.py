@@ -16,10 +16,14 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
+from slotq.jobs.protocol import catalog
+from slotq.jobs.protocol.catalog import CatalogEntry
 from slotq.jobs.protocol.keys import CLUSTER_SLOTS, PartitionedKeys, QueueKeys, partition_names, partition_of
 from slotq.jobs.protocol.partitioned_queue import PartitionedQueue, open_queue
 from slotq.jobs.protocol.redis_queue import Enqueued, RedisQueue
+from slotq.jobs.protocol.schemas import JobKind
 from slotq.jobs.protocol.serialization import deserialize, serialize
+from slotq.jobs.protocol.shard_load import ShardLoadReader
 from tests.support.jobs import ON_EVERY_BACKEND
 
 LANES = ("interactive", "bulk")
@@ -170,6 +174,26 @@ async def test_an_idle_wait_wakes_on_any_partition_and_loses_no_token(redis: Red
     assert not await queue.wait_for_work(0.2)
 
 
+async def test_a_pop_left_pending_passes_on_the_token_it_takes_while_its_worker_does_not_wait(redis: Redis) -> None:
+    """Worker 1 woke on partition 0's token; its pops on the other partitions stay pending (not cancelled) and
+    are first in line there. A token they take while worker 1 does not wait is given back at once, so the
+    idle worker 2 behind them still wakes."""
+    one, two = (open_queue(redis, "slotq:queue", LANES, partitions=3) for _ in range(2))
+    assert isinstance(one, PartitionedQueue) and isinstance(two, PartitionedQueue)
+    first, second = ids_in_every_partition(3)[:2]
+    waiting = asyncio.create_task(one.wait_for_work(10))
+    await asyncio.sleep(0.2)
+    await enqueue(one, first)
+    assert await waiting and one._woken_from == partition_of(first, 3)
+    other = asyncio.create_task(two.wait_for_work(10))
+    await asyncio.sleep(0.2)                     # queued behind worker 1's pending pops
+    started = time.monotonic()
+    await enqueue(one, second)
+    assert await other and two._woken_from == partition_of(second, 3)
+    assert time.monotonic() - started < 2
+    assert await one.wait_for_work(0.3) is False     # worker 1's old pops took nothing it keeps
+
+
 async def test_preemption_works_within_a_partition(redis: Redis) -> None:
     """A higher lane's job preempts a lower lane's running job of its own partition only (given up: one of
     another partition leaves no preemption token); the token names its partition."""
@@ -191,3 +215,26 @@ async def test_preemption_works_within_a_partition(redis: Redis) -> None:
                                                                                 partition_of(low, 3))
     taken = await queue.preempt(victim.lane, "w1", 30_000)
     assert taken is not None and taken.id in (same, elsewhere)     # any partition's waiting job above
+
+
+@pytest.mark.parametrize("redis_backend", ["cluster"])
+async def test_status_shows_each_shards_partitions(redis: Redis) -> None:
+    """``slotq status``'s shard table on a partitioned queue: each primary names the partition whose slot it
+    serves and counts that partition's keys among slotq's; a model's queue in the catalog is listed by
+    partition on the shards of their slots."""
+    queue = open_queue(redis, "slotq:queue", LANES, partitions=3)
+    assert isinstance(queue, PartitionedQueue)
+    for job_id in ids_in_every_partition(3, per_partition=5):
+        await enqueue(queue, job_id)
+    await catalog.publish(redis, "w1", [CatalogEntry(model="m", queue="slotq:queue:m", kind=JobKind.GENERATION,
+                                                     fingerprint="f")], ttl_s=60, now=time.time())
+    keys = [part.keys.jobs for part in queue.partitions]
+    shards = await ShardLoadReader(redis, queue.keys.jobs, partition_keys=keys).read()
+    assert sorted(index for shard in shards for index in shard.partitions) == [0, 1, 2]
+    assert all(len(shard.partitions) == 1 for shard in shards)                  # one partition per primary
+    [home] = [shard for shard in shards if shard.queue_slot is not None]
+    assert home.partitions == [0]
+    # each partition holds 5 jobs: a record each, and its sets and hashes
+    assert all(shard.slotq_keys >= 5 for shard in shards)
+    assert sorted(name for shard in shards for name in shard.queues) == sorted(partition_names("slotq:queue:m", 3))
+    assert all(len(shard.queues) == 1 for shard in shards)

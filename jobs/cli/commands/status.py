@@ -22,9 +22,13 @@ def _reader(client: SlotqClient) -> Callable[[], Awaitable[Status]]:
     so each shard's CPU is measured since the look before."""
     from slotq.jobs.cli.status_view import Status
     from slotq.jobs.protocol.connection import is_cluster
+    from slotq.jobs.protocol.partitioned_queue import PartitionedQueue
     from slotq.jobs.protocol.shard_load import ShardLoadReader
 
-    shards = ShardLoadReader(client.redis, client.queue.keys.jobs) if is_cluster(client.redis) else None
+    queue = client.queue
+    partition_keys = [part.keys.jobs for part in queue.partitions] if isinstance(queue, PartitionedQueue) else []
+    shards = (ShardLoadReader(client.redis, client.queue.keys.jobs, partition_keys=partition_keys)
+              if is_cluster(client.redis) else None)
 
     async def read() -> Status:
         if shards is None:
