@@ -139,6 +139,23 @@ async def test_jobs_land_in_their_partitions_and_one_claim_takes_them_from_all(r
     assert await queue.forget([job.id for job in claimed[:6]]) == 6
 
 
+async def test_a_reap_requeues_expired_leases_in_every_partition(redis: Redis) -> None:
+    queue = open_queue(redis, "slotq:queue", LANES, partitions=3)
+    ids = ids_in_every_partition(3, per_partition=2)
+    for job_id in ids:
+        await enqueue(queue, job_id)
+    claimed = await queue.claim(6, "dead-worker", 200)
+    assert len(claimed) == 6
+    await asyncio.sleep(0.4)                           # every lease expires: its worker died
+    assert await queue.reap() == 6
+    [interactive, _] = await queue.counts()
+    assert (interactive.waiting, interactive.running) == (6, 0)
+    again = await queue.claim(6, "w2", 30_000)
+    assert sorted(job.id for job in again) == sorted(ids)
+    assert not any(await queue.renew(claimed, 30_000))          # the dead worker's leases are void
+    assert all(await queue.renew(again, 30_000))
+
+
 async def test_cancel_and_results_are_found_by_job_id(redis: Redis) -> None:
     queue = open_queue(redis, "slotq:queue", LANES, partitions=4)
     ids = ids_in_every_partition(4)
