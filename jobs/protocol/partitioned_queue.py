@@ -20,12 +20,17 @@ How each call is routed:
   its partition (:class:`PartitionWaits`: no token is lost but when a wait is cancelled).
 * **cancels of running jobs** are published on the job's partition's channel: a worker follows all P.
 
-What is given up, against one queue (docs/cluster.md, "One queue's load is spread by partitions"): order
+What is given up, against one queue (docs/cluster.md, "One queue's load spread by partitions"): order
 across partitions (a lane's jobs are claimed in order within a partition only), fair share and tenant
 quotas across partitions (each partition counts its own: a tenant's quota holds per partition, so a
 tenant may hold up to P times it; the queue's ``max_waiting`` is split evenly, ``ceil(max / P)`` per
-partition), preemption and the owed reserve per partition (a busy token names its partition, and the
-preemption claims from any partition), and counts that are P reads, not one.
+partition), preemption per partition (an enqueue leaves a preemption token only while a lower lane runs
+in its own partition; the token names its partition, and the preemption then claims from any), and
+counts that are P reads, not one.
+
+A partition count that producers and workers do not share would leave jobs in partitions nobody claims:
+workers name theirs in the queue's serving record, and a worker or producer of another count is refused
+(:class:`~slotq.jobs.errors.QueuePartitionsDiffer`).
 """
 
 from __future__ import annotations
