@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import cast
 
@@ -30,7 +31,7 @@ def redis_backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def partitioned_client(redis_url: str):
+async def partitioned_client(redis_url: str) -> AsyncIterator[SlotqClient]:
     client = await SlotqClient.connect(redis_url, settings_for(redis_url, queue_partitions=PARTITIONS))
     try:
         yield client
