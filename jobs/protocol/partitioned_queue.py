@@ -64,6 +64,9 @@ from slotq.jobs.protocol.redis_queue import (
 )
 
 _T = TypeVar("_T")
+# A blocking pop's shortest timeout: near a wait's deadline what is left may round to 0 ms, and BLPOP's 0 waits
+# for ever.
+MIN_POP_S = 0.01
 
 
 class PartitionWaits(Generic[_T]):
@@ -100,7 +103,7 @@ class PartitionWaits(Generic[_T]):
                     if i in self._pending and self._pending[i][0] != lists:
                         self._stop(i)                         # pops other lists: not this wait's
                     if i not in self._pending:
-                        task = asyncio.ensure_future(wait(part, left))
+                        task = asyncio.ensure_future(wait(part, max(left, MIN_POP_S)))
                         task.add_done_callback(functools.partial(self._ended_between_waits, i))
                         self._pending[i] = (lists, task)
                 await asyncio.wait([task for _, task in self._pending.values()], timeout=left,
