@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench.fleet_bench import READ_EVERY, FleetSettings, Plan, measure_step
+from bench.fleet_bench import READ_EVERY, FleetSettings, Plan, _capacity, _cluster_table, _queues_table, measure_step
 from bench.fleet_host import Design
 from bench.sim_engine import SimulationParams
 from slotq.jobs.cli.main import main
@@ -103,6 +103,9 @@ async def test_one_queue_split_into_partitions_puts_a_partition_on_each_primary(
     by_queue = row["queue_primary_by_queue"]
     assert list(by_queue) == list(partition_names("slotq:queue", 2))
     assert set(by_queue.values()) == set(row["valkey_cores_by_primary"])        # one partition on each primary
+    reported = [{**row, "stream_flush_ms": SETTINGS.stream_flush_ms, **_capacity(row), "capacity_vs_one_valkey": 1.0}]
+    assert "the queue split into 2 partitions" in _cluster_table(reported)
+    assert all(queue in _queues_table(reported) for queue in by_queue)
 
 
 def test_the_partitions_option_needs_the_cluster_option() -> None:
