@@ -19,7 +19,7 @@ from slotq.jobs.protocol.keys import partition_of
 from slotq.jobs.protocol.partitioned_queue import PartitionedQueue
 from slotq.jobs.protocol.schemas import JobStatus
 from tests.protocol.test_queue_partitions import ids_in_every_partition
-from tests.support.jobs import ON_EVERY_BACKEND, collect_stream, job_request, settings_for
+from tests.support.jobs import ON_EVERY_BACKEND, collect_stream, job_request, raw_entries, settings_for
 from tests.support.tiny_model import write_tiny_llama
 
 PARTITIONS = 3
@@ -119,3 +119,20 @@ async def test_a_worker_of_two_models_serves_both_partitioned_queues(partitioned
     for job_id, model in wanted.items():
         result = await queues[model].result(job_id, timeout=60)
         assert (result.status, result.model) == (JobStatus.SUCCEEDED, model)
+
+
+async def test_a_running_job_is_cancelled_through_its_partitions_channel(partitioned_client: SlotqClient,
+                                                                         start_worker) -> None:
+    """The worker follows every partition's cancel channel: a running job of each partition is cancelled at
+    once, not at the next poll (30 s here)."""
+    client = partitioned_client
+    await start_worker(queue_partitions=PARTITIONS, poll_delay_s=30, ctx=4096)
+    for job_id in ids_in_every_partition(PARTITIONS, prefix="running"):
+        handle = await client.enqueue(job_request(max_tokens=3000, idempotency_key=job_id))
+        async with asyncio.timeout(20):
+            while not await raw_entries(client, job_id):
+                await asyncio.sleep(0.05)
+        started = time.monotonic()
+        assert await client.cancel(job_id)
+        result = await handle.result(timeout=20)
+        assert result.status == JobStatus.CANCELLED and time.monotonic() - started < 10
