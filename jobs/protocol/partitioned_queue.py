@@ -64,6 +64,8 @@ from slotq.jobs.protocol.redis_queue import (
 )
 
 _T = TypeVar("_T")
+_Item = TypeVar("_Item")
+_Answer = TypeVar("_Answer")
 # A blocking pop's shortest timeout: near a wait's deadline what is left may round to 0 ms, and BLPOP's 0 waits
 # for ever.
 MIN_POP_S = 0.01
@@ -199,6 +201,20 @@ class PartitionedQueue:
             grouped[partition_of(job_id, len(self.partitions))].append(job_id)
         return grouped
 
+    async def _answered_in_order(self, items: Sequence[_Item], job_id: Callable[[_Item], str],
+                                 ask: Callable[[RedisQueue, list[_Item]], Awaitable[list[_Answer]]]) -> list[_Answer]:
+        """``ask`` each partition about its jobs among ``items`` (one call each, side by side), and give the
+        answers in the order of ``items``: a per-job answer of a call that takes many jobs (renew, in_queue)."""
+        positions: dict[int, list[int]] = defaultdict(list)       # partition -> where its items are in items
+        for position, item in enumerate(items):
+            positions[partition_of(job_id(item), len(self.partitions))].append(position)
+        answers = await asyncio.gather(*(ask(self.partitions[i], [items[p] for p in at])
+                                         for i, at in positions.items()))
+        ordered: dict[int, _Answer] = {}
+        for at, answer in zip(positions.values(), answers, strict=True):
+            ordered.update(zip(at, answer, strict=True))
+        return [ordered[position] for position in range(len(items))]
+
     def lane_of(self, index: int) -> str:
         return self.keys.lanes[index]
 
@@ -264,11 +280,7 @@ class PartitionedQueue:
         await self.of_job(job_id).clear_job(job_id)
 
     async def in_queue(self, job_ids: Sequence[str]) -> list[bool]:
-        grouped = self._by_partition(job_ids)
-        answers = await asyncio.gather(*(self.partitions[i].in_queue(ids) for i, ids in grouped.items()))
-        found = {job_id: queued for ids, answer in zip(grouped.values(), answers)
-                 for job_id, queued in zip(ids, answer)}
-        return [found[job_id] for job_id in job_ids]
+        return await self._answered_in_order(job_ids, str, lambda part, ids: part.in_queue(ids))
 
     async def attempt_outcomes(self) -> AttemptOutcomes:
         outcomes = await asyncio.gather(*(part.attempt_outcomes() for part in self.partitions))
@@ -350,12 +362,7 @@ class PartitionedQueue:
         await self.partitions[token.partition].return_busy_token(token)
 
     async def renew(self, jobs: Sequence[ClaimedJob], lease_ms: int) -> list[bool]:
-        grouped: dict[int, list[ClaimedJob]] = defaultdict(list)
-        for job in jobs:
-            grouped[partition_of(job.id, len(self.partitions))].append(job)
-        answers = await asyncio.gather(*(self.partitions[i].renew(held, lease_ms) for i, held in grouped.items()))
-        owned = {id(job): ok for held, oks in zip(grouped.values(), answers) for job, ok in zip(held, oks)}
-        return [owned[id(job)] for job in jobs]
+        return await self._answered_in_order(jobs, lambda job: job.id, lambda part, held: part.renew(held, lease_ms))
 
     async def start_attempt(self, job: ClaimedJob, attempt: int, delivered_tokens: int, *,
                             max_worker_deaths: int | None = None, isolated: bool = False) -> AttemptStart:
