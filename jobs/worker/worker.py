@@ -135,6 +135,7 @@ class SlotqWorker:
         self.served: ServedModel | None = None          # known once the model file is found
         self.membership: QueueMembership | None = None   # this worker's entry in its queue's serving record
         self.offers: dict[str, ModelOffer] = {}         # the models it can load, the loaded one first (catalog)
+        self._catalog = catalog.CatalogPublisher(self.id)   # each beat offers them
         self._load_started = 0.0
         self._switching = False                         # deciding to unload: claims nothing
         self.last_switch: SwitchTimes | None = None     # where the last switch's time went
@@ -654,8 +655,8 @@ class SlotqWorker:
             **({} if load_s is None else {"load_s": load_s}),
             **(self.elastic.heartbeat_fields() if self.elastic else {})}), interval_s=self.settings.lock_ttl_s / 3)
         if not self._draining:
-            await catalog.publish(self.queue.redis, self.id, [offer.entry for offer in self.offers.values()],
-                                  ttl_s=self.settings.lock_ttl_s, now=now)
+            await self._catalog.beat(self.queue.redis, [offer.entry for offer in self.offers.values()],
+                                     ttl_s=self.settings.lock_ttl_s, now=now)
         if self._loading_mark is not None and self._loading_mark == advertised:
             # this beat advertises the model switched to: other workers count it from now on
             await catalog.release_load(self.queue.redis, self._loading_mark)

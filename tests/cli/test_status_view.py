@@ -187,7 +187,7 @@ async def test_each_models_queue_is_shown_on_the_shard_of_its_slot(cluster: Loca
     queues = [f"slotq:queue:model-{k}" for k in range(3)]
     client = await SlotqClient.connect(cluster.url)
     try:
-        await catalog.publish(client.redis, "w1", [
+        await catalog.CatalogPublisher("w1").beat(client.redis, [
             CatalogEntry(model=queue.rpartition(":")[2], queue=queue, kind=JobKind.GENERATION, fingerprint="f")
             for queue in queues], ttl_s=60, now=time.time())
         shards = await ShardLoadReader(client.redis, client.queue.keys.jobs).read()

@@ -243,8 +243,8 @@ async def test_status_shows_each_shards_partitions(redis: Redis) -> None:
     assert isinstance(queue, PartitionedQueue)
     for job_id in ids_in_every_partition(3, per_partition=5):
         await enqueue(queue, job_id)
-    await catalog.publish(redis, "w1", [CatalogEntry(model="m", queue="slotq:queue:m", kind=JobKind.GENERATION,
-                                                     fingerprint="f")], ttl_s=60, now=time.time())
+    offer = CatalogEntry(model="m", queue="slotq:queue:m", kind=JobKind.GENERATION, fingerprint="f")
+    await catalog.CatalogPublisher("w1").beat(redis, [offer], ttl_s=60, now=time.time())
     keys = [part.keys.jobs for part in queue.partitions]
     shards = await ShardLoadReader(redis, queue.keys.jobs, partition_keys=keys).read()
     assert sorted(index for shard in shards for index in shard.partitions) == [0, 1, 2]

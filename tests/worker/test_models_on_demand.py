@@ -125,17 +125,22 @@ async def test_a_worker_of_two_models_offers_both_and_the_unloaded_one_is_routed
 async def test_catalog_entries_expire_and_disagreements_resolve_alike(client: SlotqClient) -> None:
     now = time.time()
     entry = CatalogEntry(model="m", queue="q:one", kind=JobKind.GENERATION, fingerprint="f1")
-    await catalog.publish(client.redis, "w1", [entry], ttl_s=10, now=now)
-    await catalog.publish(client.redis, "w2", [entry], ttl_s=10, now=now)
-    await catalog.publish(client.redis, "w3", [CatalogEntry("m", "q:two", JobKind.GENERATION, "f2", 1.5)], ttl_s=10,
-                          now=now)
+    w1, w2, w3 = (catalog.CatalogPublisher(name) for name in ("w1", "w2", "w3"))
+    await w1.beat(client.redis, [entry], ttl_s=10, now=now)
+    await w2.beat(client.redis, [entry], ttl_s=10, now=now)
+    await w3.beat(client.redis, [CatalogEntry("m", "q:two", JobKind.GENERATION, "f2", 1.5)], ttl_s=10, now=now)
     [model] = (await catalog.read(client.redis, now=now)).values()
     assert (model.queue, model.fingerprint, model.workers, model.load_s) == ("q:one", "f1", ("w1", "w2"), None)
-    await catalog.publish(client.redis, "w2", [], ttl_s=10, now=now)           # w2 no longer offers it
+    await w2.beat(client.redis, [], ttl_s=10, now=now)                          # w2 no longer offers it
     assert (await catalog.read(client.redis, now=now))["m"].workers == ("w1",)
     assert await catalog.read(client.redis, now=now + 11) == {}                   # past their time: gone
-    await catalog.publish(client.redis, "w4", [], ttl_s=10, now=now + catalog.FORGET_AFTER_S + 11)
-    assert await client.redis.hlen("slotq:catalog") == 0                          # forgotten by another's beat
+    forgotten = now + catalog.FORGET_AFTER_S + 11
+    await w1.beat(client.redis, [entry], ttl_s=10, now=forgotten - 1)            # w1 swept at its first beat:
+    assert await client.redis.hlen("slotq:catalog") == 2                          # w3's stays until its next sweep
+    await w1.beat(client.redis, [entry], ttl_s=10, now=forgotten + catalog.SWEEP_EVERY_S - 2)
+    assert await client.redis.hlen("slotq:catalog") == 2                          # not yet: one sweep per SWEEP_EVERY_S
+    await w1.beat(client.redis, [], ttl_s=10, now=forgotten + catalog.SWEEP_EVERY_S)
+    assert await client.redis.hlen("slotq:catalog") == 0                          # w3's forgotten by w1's sweep
     assert await catalog.claim_load(client.redis, "m", "w1") and not await catalog.claim_load(client.redis, "m", "w2")
     await catalog.release_load(client.redis, "m")
     assert await catalog.claim_load(client.redis, "m", "w2")
