@@ -23,7 +23,7 @@ def knobs(**kw: object) -> ElasticKnobs:
 
 
 def obs(now: float, *, mem: float = 0.5, kv: float = 0.1, speed: float | None = 20.0, running: int = 0,
-        waiting: int = 0) -> Observation:
+        waiting: int | None = 0) -> Observation:
     return Observation(now=now, memory_used_bytes=int(mem * LIMIT), memory_limit_bytes=LIMIT, kv_ratio=kv,
                        stream_tokens_per_s=speed, jobs_running=running, jobs_waiting=waiting)
 
@@ -67,6 +67,20 @@ def test_grows_back_when_jobs_wait_and_every_active_slot_is_busy() -> None:
     grew = run(c, 81, 100, mem=0.3, running=4, waiting=5)
     assert grew[0].startswith("active slots 1 -> 2: 5 jobs waiting, all 1 active slots busy")
     assert c.target_slots == 4 and len(grew) == 3                  # one per cooldown, up to n_seq_max
+
+
+def test_the_queue_is_asked_what_waits_only_when_growth_could_follow() -> None:
+    """The worker reads the queue's counts (two round trips) only when the controller could grow on them:
+    below its maximum, every active slot busy, no degradation step; not at every tick of every worker."""
+    c = SlotController(knobs(), max_slots=4)
+    assert not c.reads_demand(4)                                  # at its maximum: nothing to grow
+    run(c, 0, 20, mem=0.85)
+    assert c.target_slots == 1 and c.level > Degradation.NONE
+    assert not c.reads_demand(1)                                  # degraded: recovery comes first
+    run(c, 21, 60, mem=0.3)
+    assert c.level == Degradation.NONE
+    assert not c.reads_demand(0) and c.reads_demand(1)            # free slots: no demand to read
+    assert c.observe(obs(61, mem=0.3, running=1, waiting=None)) == []   # None (not read) is no demand
 
 
 def test_degradation_steps_in_order_under_sustained_memory_pressure_and_back() -> None:

@@ -67,7 +67,7 @@ class Observation:
     kv_ratio: float                      # KV cells held by running sequences / all cells
     stream_tokens_per_s: float | None    # decode speed of each stream since the last observation; None: none ran
     jobs_running: int                    # jobs this worker holds
-    jobs_waiting: int                    # jobs waiting in this worker's lanes
+    jobs_waiting: int | None             # jobs waiting in this worker's lanes; None: not read (reads_demand)
 
     @property
     def memory_ratio(self) -> float:
@@ -117,6 +117,14 @@ class SlotController:
         self._kv_high_since: float | None = None
         self._pressure_since: float | None = None
         self._clear_since: dict[Signal, float] = {}
+
+    def reads_demand(self, jobs_running: int) -> bool:
+        """Whether the next observation's ``jobs_waiting`` can change a decision: only growth on demand
+        reads it, and that needs active slots below the maximum, every one busy, and no degradation step.
+        The worker asks Redis for the queue's counts (two round trips) only then, not at every tick of
+        every worker."""
+        return (self.level == Degradation.NONE and self.target_slots < self.max_slots
+                and jobs_running >= self.target_slots)
 
     # ------------------------------------------------------------------ one observation
     def observe(self, obs: Observation) -> list[Change]:
@@ -168,7 +176,7 @@ class SlotController:
             return changes
         all_clear = len(reading.clear) == len(Signal)
         busy = obs.jobs_running >= self.target_slots
-        if (all_clear and busy and obs.jobs_waiting > 0 and self.target_slots < self.max_slots
+        if (all_clear and busy and (obs.jobs_waiting or 0) > 0 and self.target_slots < self.max_slots
                 and obs.now - self._last_slot_change >= self.knobs.adapt_cooldown_s):
             why = (f"{obs.jobs_waiting} jobs waiting, all {self.target_slots} active slots busy, memory "
                    f"{obs.memory_ratio:.0%}, KV {obs.kv_ratio:.0%}")

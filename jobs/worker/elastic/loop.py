@@ -65,10 +65,11 @@ class ElasticLoop:
         self.faults.hold_memory_ballast()
         stats = self.engine.stats()
         engine_pid = self.engine.pid if isinstance(self.engine, EngineProcess) else None
+        running = self.runtime.running
+        waiting = await self._waiting() if self.knobs.elastic and self.controller.reads_demand(running) else None
         obs = Observation(now=time.monotonic(), memory_used_bytes=worker_rss_bytes(engine_pid),
                           memory_limit_bytes=self.memory_limit.bytes, kv_ratio=stats.kv_active_ratio,
-                          stream_tokens_per_s=self._stream_speed(stats), jobs_running=self.runtime.running,
-                          jobs_waiting=await self._waiting())
+                          stream_tokens_per_s=self._stream_speed(stats), jobs_running=running, jobs_waiting=waiting)
         self.last = obs
         metrics.observed(obs)
         if not self.knobs.elastic:
