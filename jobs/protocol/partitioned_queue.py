@@ -10,9 +10,15 @@ How each call is routed:
 * **by job id** (enqueue, result, cancel, place, in_queue, forget, start_attempt, renew, finish, retry,
   hand back): a job lives in one partition, :func:`~slotq.jobs.protocol.keys.partition_of` its id, so any
   process that knows P finds it from the id alone, and every script stays atomic in one slot;
-* **claim** goes over the partitions in rotation from a random start until ``max_jobs`` are claimed (one
-  script per partition visited: a claim that finds little costs up to P round trips); ``preempt`` and
-  ``lend_reserve`` take the first job any partition gives, in the same order;
+* **claim** goes over the partitions in rotation from a random start until ``max_jobs`` are claimed, one
+  script per partition visited, but skips those the worker's claims found empty (:class:`DryPartitions`: a
+  claim that took fewer jobs than it asked left none waiting there) until it takes one of their tokens, or
+  for a poll delay at most. A claim that finds little thus costs one script per partition that got work
+  since (a token taken) or was last claimed a poll ago, and none when every partition is dry: it returns
+  nothing and the worker waits on every partition's wake list, which is what reveals new work. An idle
+  worker still claims every partition once per poll (a retry falls due without a token), P scripts, as
+  before. ``preempt`` and ``lend_reserve`` (rare) take the first job any partition gives, in the same
+  order, dry or not;
 * **counts, tenants, attempt outcomes** are sums of P reads; **reap** reaps every partition;
 * **waiting for a token** (a wake token while idle, a busy token while full): a blocking pop cannot span
   slots on a cluster, so each partition has its own BLPOP, all pending at once, and the first token wins;
@@ -40,6 +46,7 @@ import contextlib
 import functools
 import math
 import random
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import replace
@@ -163,24 +170,75 @@ class PartitionWaits(Generic[_T]):
         task.add_done_callback(self._giving_back.discard)
 
 
+class DryPartitions:
+    """Which partitions one worker's claims found empty, so that its next claims skip them: a claim costs one
+    script on each partition it visits, and without this a claim that finds one job or none visits all P.
+
+    A partition turns *dry* when a claim there took fewer jobs than it asked for. That CLAIM left no job
+    waiting there (it takes every lane's jobs up to what it asks: no tenant or lane holds one back), and it
+    trimmed the partition's wake list to one token per job still waiting, so none: a token found there
+    later was pushed after it, for new work, and a worker woken by a stale one claims, finds nothing and
+    leaves none behind (no spin). A dry partition is claimed again once this worker learns that it got
+    work -- it took a wake or busy token of that partition (an enqueue, a hand-back or a reap leaves one;
+    a token a pending pop takes and gives back counts too), or it enqueued, handed back or reaped a job
+    there itself -- or once ``recheck_s`` has passed since that claim was sent. The recheck is for work
+    that comes without a token: a retry that falls due is moved to waiting by a claim or a reap, neither
+    of which pushes a token for it. The worker passes its poll delay: a worker idle for a poll has every
+    mark expired when its poll ends, so it claims each partition once per poll, as before. Work seen while
+    a claim is on its way cancels the mark that claim would set (the work may have come after the claim
+    looked). ``recheck_s`` 0: nothing is ever skipped."""
+
+    def __init__(self, partitions: int, recheck_s: float) -> None:
+        self._recheck_s = recheck_s
+        self._dry_until = [0.0] * partitions      # monotonic time each mark ends; past: claimable
+        self._work_seen = [0] * partitions        # how often work was seen in each partition
+
+    def claimable(self, partitions: Sequence[int]) -> list[int]:
+        """Those of ``partitions`` not dry now, in the same order."""
+        now = time.monotonic()
+        return [i for i in partitions if self._dry_until[i] <= now]
+
+    def claim_sent(self, partition: int) -> Callable[[], None]:
+        """Call as a claim of ``partition`` is sent; call what it returns if that claim took fewer jobs than
+        it asked for."""
+        sent_at, seen_before = time.monotonic(), self._work_seen[partition]
+
+        def found_fewer() -> None:
+            if self._work_seen[partition] == seen_before:
+                self._dry_until[partition] = sent_at + self._recheck_s
+
+        return found_fewer
+
+    def got_work(self, partition: int) -> None:
+        """``partition`` has (or had) a job waiting: claim it again."""
+        self._work_seen[partition] += 1
+        self._dry_until[partition] = 0.0
+
+
 class PartitionedQueue:
     """The queue ``name`` with ``lanes`` split into ``partitions`` (2..64) queues on ``redis`` (see the
-    module). ``keys`` are partition 0's: the queue's name, its lanes and its serving record."""
+    module). ``keys`` are partition 0's: the queue's name, its lanes and its serving record. Claims skip the
+    partitions the last claims found empty for up to ``dry_recheck_s`` (:class:`DryPartitions`; a worker
+    passes its poll delay, 0 skips none)."""
 
     def __init__(self, redis: Redis, name: str, lanes: Sequence[str], *, partitions: int,
-                 clock_offset_s: float = 0.0) -> None:
+                 clock_offset_s: float = 0.0, dry_recheck_s: float = 0.0) -> None:
         self.redis = redis
         self.partitions = tuple(RedisQueue(redis, part, lanes, clock_offset_s=clock_offset_s)
                                 for part in partition_names(name, partitions))
         self.keys: QueueKeys = self.partitions[0].keys
         self.arq_keys = PartitionedKeys(tuple(part.keys for part in self.partitions))
         self._woken_from = 0            # the partition of the last wake token taken (return_wake_token's)
+        self._dry = DryPartitions(partitions, dry_recheck_s)
 
+        # a token one of the pops took means work in its partition, even though it goes back for another worker
         async def give_back_wake(partition: int, _token: bool) -> None:
+            self._dry.got_work(partition)
             await self.partitions[partition].return_wake_token()
 
         async def give_back_busy(partition: int, token: BusyToken | None) -> None:
             if token is not None:
+                self._dry.got_work(partition)
                 await self.partitions[partition].return_busy_token(token)
 
         self._wakes = PartitionWaits[bool](self.partitions, give_back_wake)
@@ -190,10 +248,10 @@ class PartitionedQueue:
         """The partition that holds ``job_id``."""
         return self.partitions[partition_of(job_id, len(self.partitions))]
 
-    def _rotation(self) -> list[RedisQueue]:
-        """Every partition once, from a random one on: claims spread over the partitions."""
+    def _rotation(self) -> list[int]:
+        """Every partition's index once, from a random one on: claims spread over the partitions."""
         start = random.randrange(len(self.partitions))
-        return [*self.partitions[start:], *self.partitions[:start]]
+        return [*range(start, len(self.partitions)), *range(start)]
 
     def _by_partition(self, job_ids: Sequence[str]) -> dict[int, list[str]]:
         grouped: dict[int, list[str]] = defaultdict(list)
@@ -229,9 +287,12 @@ class PartitionedQueue:
         """:meth:`RedisQueue.enqueue` into the job's partition; ``max_waiting`` is split evenly over the
         partitions (``ceil(max_waiting / P)`` each), the tenant's ``quotas`` hold per partition."""
         per_partition = None if max_waiting is None else math.ceil(max_waiting / len(self.partitions))
-        return await self.of_job(job_id).enqueue(
+        enqueued = await self.of_job(job_id).enqueue(
             job_id, function, payload, lane=lane, tenant=tenant, max_waiting=per_partition, serializer=serializer,
             quotas=quotas, tokens=tokens, wait_replicas=wait_replicas)
+        if enqueued is Enqueued.CREATED:
+            self._dry.got_work(partition_of(job_id, len(self.partitions)))
+        return enqueued
 
     async def tenant_counts(self, tenant: str) -> TenantCounts:
         counts = await asyncio.gather(*(part.tenant_counts(tenant) for part in self.partitions))
@@ -304,12 +365,17 @@ class PartitionedQueue:
     # ------------------------------------------------------------------ workers
     async def claim(self, max_jobs: int, token: str, lease_ms: int, *,
                     owed: Mapping[str, int] | None = None) -> list[ClaimedJob]:
-        """Up to ``max_jobs`` jobs from the partitions in rotation from a random one (each partition's
-        claim as :meth:`RedisQueue.claim`), the slots owed a lane counted down as they are filled."""
+        """Up to ``max_jobs`` jobs from the partitions not dry (:class:`DryPartitions`) in rotation from a
+        random one (each partition's claim as :meth:`RedisQueue.claim`), the slots owed a lane counted down as
+        they are filled. Every partition dry: nothing is sent, and the worker waits for their tokens."""
         owed_left = dict(owed or {})
         claimed: list[ClaimedJob] = []
-        for part in self._rotation():
-            jobs = await part.claim(max_jobs - len(claimed), token, lease_ms, owed=owed_left)
+        for i in self._dry.claimable(self._rotation()):
+            asked = max_jobs - len(claimed)
+            found_fewer = self._dry.claim_sent(i)
+            jobs = await self.partitions[i].claim(asked, token, lease_ms, owed=owed_left)
+            if len(jobs) < asked:
+                found_fewer()
             claimed += jobs
             for job in jobs:
                 if owed_left.get(job.lane):
@@ -321,15 +387,15 @@ class PartitionedQueue:
     async def preempt(self, victim_lane: str, token: str, lease_ms: int, *,
                       hand_back: bool = True) -> ClaimedJob | None:
         """:meth:`RedisQueue.preempt` on the partitions in rotation: the first job found."""
-        for part in self._rotation():
-            if (job := await part.preempt(victim_lane, token, lease_ms, hand_back=hand_back)) is not None:
+        for i in self._rotation():
+            if (job := await self.partitions[i].preempt(victim_lane, token, lease_ms, hand_back=hand_back)) is not None:
                 return job
         return None
 
     async def lend_reserve(self, lane: str, token: str, lease_ms: int) -> ClaimedJob | None:
         """:meth:`RedisQueue.lend_reserve` on the partitions in rotation: the first job found."""
-        for part in self._rotation():
-            if (job := await part.lend_reserve(lane, token, lease_ms)) is not None:
+        for i in self._rotation():
+            if (job := await self.partitions[i].lend_reserve(lane, token, lease_ms)) is not None:
                 return job
         return None
 
@@ -339,6 +405,7 @@ class PartitionedQueue:
         if taken is None:
             return False
         self._woken_from = taken[0]
+        self._dry.got_work(taken[0])
         return True
 
     async def return_wake_token(self) -> None:
@@ -356,6 +423,7 @@ class PartitionedQueue:
             (below_lane, fair_lane), timeout_s)
         if taken is None or taken[1] is None:
             return None
+        self._dry.got_work(taken[0])
         return replace(taken[1], partition=taken[0])
 
     async def return_busy_token(self, token: BusyToken) -> None:
@@ -379,19 +447,28 @@ class PartitionedQueue:
         return await self.of_job(job.id).retry_later(job, backoff_ms)
 
     async def hand_back(self, job: ClaimedJob) -> bool:
-        return await self.of_job(job.id).hand_back(job)
+        handed_back = await self.of_job(job.id).hand_back(job)
+        if handed_back:
+            self._dry.got_work(partition_of(job.id, len(self.partitions)))
+        return handed_back
 
     async def reap(self) -> int:
-        return sum(await asyncio.gather(*(part.reap() for part in self.partitions)))
+        reaped = await asyncio.gather(*(part.reap() for part in self.partitions))
+        for i, jobs in enumerate(reaped):
+            if jobs:
+                self._dry.got_work(i)
+        return sum(reaped)
 
 
 Queue: TypeAlias = RedisQueue | PartitionedQueue
 
 
 def open_queue(redis: Redis, name: str, lanes: Sequence[str], *, partitions: int = 1,
-               clock_offset_s: float = 0.0) -> Queue:
+               clock_offset_s: float = 0.0, dry_recheck_s: float = 0.0) -> Queue:
     """The queue ``name`` as producers and workers use it: a :class:`RedisQueue` for one partition (exactly
-    the unpartitioned queue), a :class:`PartitionedQueue` for more (``SLOTQ_QUEUE_PARTITIONS``)."""
+    the unpartitioned queue), a :class:`PartitionedQueue` for more (``SLOTQ_QUEUE_PARTITIONS``), whose claims
+    skip a partition found empty for up to ``dry_recheck_s`` (a worker's poll delay; unused with one)."""
     if partitions == 1:
         return RedisQueue(redis, name, lanes, clock_offset_s=clock_offset_s)
-    return PartitionedQueue(redis, name, lanes, partitions=partitions, clock_offset_s=clock_offset_s)
+    return PartitionedQueue(redis, name, lanes, partitions=partitions, clock_offset_s=clock_offset_s,
+                            dry_recheck_s=dry_recheck_s)

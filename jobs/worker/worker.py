@@ -210,9 +210,10 @@ class SlotqWorker:
 
     def _open_queue(self, redis: Redis, name: str) -> Queue:
         """The queue ``name`` in this worker's partitions (``SLOTQ_QUEUE_PARTITIONS``: every model's queue is
-        split the same way)."""
+        split the same way). Its claims skip a partition found empty for up to one poll delay: a partition is
+        still claimed once per poll, as the idle loop claims every poll (due retries get no wake token)."""
         return open_queue(redis, name, self.settings.lanes, partitions=self.settings.queue_partitions,
-                          clock_offset_s=self.settings.clock_offset_s)
+                          clock_offset_s=self.settings.clock_offset_s, dry_recheck_s=self.settings.poll_delay_s)
 
     def _may_claim(self) -> bool:
         """Claim only once warmed up, while the heartbeat renews leases, the engine runs and the

@@ -1,12 +1,14 @@
 """A queue split into partitions (``SLOTQ_QUEUE_PARTITIONS``, :mod:`slotq.jobs.protocol.partitioned_queue`):
 the names spread over the slot space, one partition is exactly the unpartitioned queue, and the facade
-routes by job id, claims over every partition, wakes on any, and sums the counts -- on one Valkey and on the
-session's 3-primary cluster, where every script passing is the check that it stayed in one slot."""
+routes by job id, claims over every partition but those its last claims found empty, wakes on any, and sums
+the counts -- on one Valkey and on the session's 3-primary cluster, where every script passing is the check
+that it stayed in one slot."""
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import itertools
 import time
 from typing import cast
@@ -17,14 +19,17 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from slotq.jobs.protocol import catalog
+from slotq.jobs.protocol.arq_adapter import Attempt, Retry
 from slotq.jobs.protocol.catalog import CatalogEntry
 from slotq.jobs.protocol.keys import CLUSTER_SLOTS, PartitionedKeys, QueueKeys, partition_names, partition_of
-from slotq.jobs.protocol.partitioned_queue import PartitionedQueue, open_queue
+from slotq.jobs.protocol.partitioned_queue import DryPartitions, PartitionedQueue, open_queue
 from slotq.jobs.protocol.redis_queue import Enqueued, RedisQueue
 from slotq.jobs.protocol.schemas import JobKind
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.protocol.shard_load import ShardLoadReader
+from slotq.jobs.worker.runtime import QueueRuntime
 from tests.support.jobs import ON_EVERY_BACKEND
+from tests.support.processes import wait_for_async
 
 LANES = ("interactive", "bulk")
 
@@ -255,3 +260,137 @@ async def test_status_shows_each_shards_partitions(redis: Redis) -> None:
     assert all(shard.slotq_keys >= 5 for shard in shards)
     assert sorted(name for shard in shards for name in shard.queues) == sorted(partition_names("slotq:queue:m", 3))
     assert all(len(shard.queues) == 1 for shard in shards)
+
+
+# ---------------------------------------------------------------------- claims skip the partitions found empty
+def test_a_partition_stays_dry_until_work_is_seen_there_or_its_recheck() -> None:
+    dry = DryPartitions(3, recheck_s=30)
+    dry.claim_sent(1)()                                  # a claim of partition 1 took fewer jobs than it asked
+    assert dry.claimable([2, 0, 1]) == [2, 0]
+    dry.got_work(1)
+    assert dry.claimable([1, 2, 0]) == [1, 2, 0]
+    found_fewer = dry.claim_sent(2)
+    dry.got_work(2)                                      # a token of partition 2 taken while its claim was on its way
+    found_fewer()
+    assert dry.claimable([0, 1, 2]) == [0, 1, 2]         # the work may have come after the claim looked
+    never = DryPartitions(3, recheck_s=0)
+    for i in range(3):
+        never.claim_sent(i)()
+    assert never.claimable([0, 1, 2]) == [0, 1, 2]
+
+
+async def pops(redis: Redis, queue: PartitionedQueue) -> int:
+    """ZPOPMIN calls on the nodes of ``queue``'s partitions together (``INFO commandstats`` counts a script's
+    commands under their own names): the claim scripts' pops, one per lane a claim looks at."""
+    if isinstance(redis, RedisCluster):
+        nodes = {node.name: node for node in (redis.get_node_from_key(part.keys.jobs) for part in queue.partitions)}
+        stats = [await redis.info("commandstats", target_nodes=node) for node in nodes.values()]
+    else:
+        stats = [await redis.info("commandstats")]
+    return sum(int(node_stats.get("cmdstat_zpopmin", {}).get("calls", 0)) for node_stats in stats)
+
+
+async def claimed_with_pops(redis: Redis, queue: PartitionedQueue, max_jobs: int) -> tuple[list[str], int]:
+    """The ids ``queue.claim(max_jobs)`` took, and how many partitions it claimed from (by their pops)."""
+    before = await pops(redis, queue)
+    claimed = await queue.claim(max_jobs, "w1", 30_000)
+    visited, rest = divmod(await pops(redis, queue) - before, len(LANES))
+    assert rest == 0, "each claim that finds fewer jobs than it asks looks at every lane"
+    return [job.id for job in claimed], visited
+
+
+async def test_a_claim_skips_the_partitions_found_empty_until_a_token_of_theirs_is_taken(redis: Redis,
+                                                                                         redis_backend: str) -> None:
+    """Each claim that took fewer jobs than it asked marks its partition dry for this worker: the next claim
+    sends nothing there, and nothing at all when every partition is dry. A wake token taken from a dry
+    partition (a job enqueued by another process) makes it claimable at once, and so does a token given back
+    (taken in the same instant as the first, or while nobody waited)."""
+    worker = open_queue(redis, "slotq:queue", LANES, partitions=3, dry_recheck_s=30)
+    producer = open_queue(redis, "slotq:queue", LANES, partitions=3)
+    assert isinstance(worker, PartitionedQueue) and isinstance(producer, PartitionedQueue)
+    first, second, _ = ids_in_every_partition(3)
+    await enqueue(producer, first)
+    assert await claimed_with_pops(redis, worker, 4) == ([first], 3)      # each partition gave fewer than 4
+    assert await claimed_with_pops(redis, worker, 4) == ([], 0)           # every one dry: nothing sent
+
+    await enqueue(producer, second)
+    assert await claimed_with_pops(redis, worker, 4) == ([], 0)           # not seen yet: no token taken
+    assert await worker.wait_for_work(5) and worker._woken_from == partition_of(second, 3)
+    assert await claimed_with_pops(redis, worker, 4) == ([second], 1)     # that partition alone
+
+    # two tokens at once: the wait takes one; the other partition's pop gives its token back, and that
+    # partition is claimable too
+    both = ids_in_every_partition(3, prefix="pair")[:2]
+    for job_id in both:
+        await enqueue(producer, job_id)
+    assert await worker.wait_for_work(5)
+    await asyncio.sleep(0.2)                           # the other pop took its token and gave it back
+    claimed, visited = await claimed_with_pops(redis, worker, 4)
+    assert sorted(claimed) == sorted(both) and visited == 2
+
+
+async def test_a_job_this_worker_hands_back_or_reaps_is_claimable_at_once(redis: Redis) -> None:
+    worker = open_queue(redis, "slotq:queue", LANES, partitions=3, dry_recheck_s=30)
+    assert isinstance(worker, PartitionedQueue)
+    ids = ids_in_every_partition(3)
+    for job_id in ids:
+        await enqueue(worker, job_id)
+    claimed = await worker.claim(6, "w1", 300)         # every partition dry
+    assert len(claimed) == 3
+    assert await worker.hand_back(claimed[0])
+    assert await claimed_with_pops(redis, worker, 6) == ([claimed[0].id], 1)
+    await asyncio.sleep(0.4)                           # the other two leases expire
+    assert await worker.reap() == 2
+    claimed_again, visited = await claimed_with_pops(redis, worker, 6)
+    assert sorted(claimed_again) == sorted(job.id for job in claimed[1:]) and visited == 2
+
+
+async def test_a_retry_due_in_a_dry_partition_is_claimed_once_its_mark_is_a_recheck_old(redis: Redis) -> None:
+    """A retry that falls due gets no wake token (only a claim or a reap moves it to waiting), so a dry
+    partition is still claimed once its mark is ``dry_recheck_s`` old."""
+    recheck_s = 0.6
+    worker = open_queue(redis, "slotq:queue", LANES, partitions=3, dry_recheck_s=recheck_s)
+    assert isinstance(worker, PartitionedQueue)
+    await enqueue(worker, "flaky")
+    [job] = await worker.claim(2, "w1", 30_000)        # every partition dry
+    marked = time.monotonic()
+    assert await worker.retry_later(job, 100)
+    assert not await worker.wait_for_work(0.3)         # due by now, and no token says so
+    assert await claimed_with_pops(redis, worker, 2) == ([], 0)
+    await asyncio.sleep(marked + recheck_s - time.monotonic())
+    assert await claimed_with_pops(redis, worker, 2) == (["flaky"], 3)
+
+
+async def test_the_claim_loop_runs_a_retry_in_a_dry_partition_within_a_poll_of_its_due_time(redis: Redis) -> None:
+    """The worker's loop (:class:`QueueRuntime`) on a partitioned queue whose claims skip dry partitions for a
+    poll delay: a job that asks for a retry in 0.2 s runs again within about a poll of that, as an idle
+    worker's poll claims it on one queue."""
+    poll_s = 1.0
+    queue = open_queue(redis, "slotq:queue", LANES, partitions=3, dry_recheck_s=poll_s)
+    started: list[float] = []
+
+    async def flaky(attempt: Attempt, payload: object) -> str:
+        started.append(time.monotonic())
+        if len(started) == 1:
+            raise Retry(defer=0.2)
+        return "done"
+
+    runtime = QueueRuntime(function_name="generate", job=flaky, queue=queue, token="w1", lease_ms=30_000, slots=2,
+                           job_timeout_s=60, keep_result_s=60, max_tries=5, poll_delay_s=poll_s, serializer=serialize,
+                           deserializer=deserialize)
+    loop = asyncio.create_task(runtime.run())
+    try:
+        await asyncio.sleep(0.3)                       # idle: its first claim found every partition empty
+        await enqueue(open_queue(redis, "slotq:queue", LANES, partitions=3), "flaky")
+        await wait_for_async(lambda: _finished(queue), timeout=10, what="the retried job to finish")
+        assert len(started) == 2 and started[1] - started[0] < 0.2 + poll_s + 0.5
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        await runtime.close()
+
+
+async def _finished(queue: PartitionedQueue | RedisQueue) -> bool:
+    return sum(c.waiting + c.deferred + c.running for c in await queue.counts()) == 0 and bool(
+        await queue.result_records(["flaky"], deserialize))
