@@ -13,12 +13,12 @@ How each call is routed:
 * **claim** goes over the partitions in rotation from a random start until ``max_jobs`` are claimed, one
   script per partition visited, but skips those the worker's claims found empty (:class:`DryPartitions`: a
   claim that took fewer jobs than it asked left none waiting there) until it takes one of their tokens, or
-  for a poll delay at most. A claim that finds little thus costs one script per partition that got work
-  since (a token taken) or was last claimed a poll ago, and none when every partition is dry: it returns
-  nothing and the worker waits on every partition's wake list, which is what reveals new work. An idle
-  worker still claims every partition once per poll (a retry falls due without a token), P scripts, as
-  before. ``preempt`` and ``lend_reserve`` (rare) take the first job any partition gives, in the same
-  order, dry or not;
+  for a poll delay at most. A claim that finds little thus costs one script per partition not known empty
+  (its last claim filled what it asked, it got work since: a token taken, or it was found empty a poll
+  ago), and none when every partition is dry: it returns nothing, and the worker waits on every
+  partition's wake list, which is what reveals new work. An idle worker still claims every partition once
+  per poll (a retry falls due without a token), P scripts, as before. ``preempt`` and ``lend_reserve``
+  (rare) take the first job any partition gives, in the same order, dry or not;
 * **counts, tenants, attempt outcomes** are sums of P reads; **reap** reaps every partition;
 * **waiting for a token** (a wake token while idle, a busy token while full): a blocking pop cannot span
   slots on a cluster, so each partition has its own BLPOP, all pending at once, and the first token wins;
