@@ -65,7 +65,7 @@ class _JobBatch:
 @dataclass
 class _Flush:
     id: str
-    jobs: list[tuple[str, _JobBatch]]
+    jobs: dict[str, _JobBatch]     # one batch per job, as pending held them
     since: float                   # when its oldest entry was added (monotonic)
     tokens: int                    # its chunk tokens
     refusals: int = 0              # tries Redis answered with a deterministic error (see StreamWriter.flush)
@@ -346,9 +346,8 @@ class StreamWriter:
     def unwritten(self, job_id: str) -> tuple[int, int]:
         """Entries of ``job_id`` not yet acknowledged by Redis (pending or in flight), and the chunk
         tokens among them."""
-        batches = [batch for j, batch in self._inflight.jobs if j == job_id] if self._inflight else []
-        if job_id in self._pending:
-            batches.append(self._pending[job_id])
+        batches = [batch for batch in (self._inflight.jobs.get(job_id) if self._inflight else None,
+                                       self._pending.get(job_id)) if batch is not None]
         entries = [entry for batch in batches for entry in batch.entries]
         return len(entries), sum(len(e.token_ids) for e in entries if isinstance(e, _Chunk))
 
@@ -359,7 +358,7 @@ class StreamWriter:
             if self._inflight is None:
                 if not self._pending:
                     return True
-                self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", list(self._pending.items()),
+                self._inflight = _Flush(f"{self._writer_id}:{next(self._flush_numbers)}", self._pending,
                                         since=self._since or time.monotonic(), tokens=self._tokens)
                 self._pending = {}
                 if self._buckets is not None:
@@ -372,12 +371,12 @@ class StreamWriter:
                 written = await self._appender.append(sent.id, [
                     JobEntries(job_id, batch.lease, batch.ttl,
                                [e.fields() if isinstance(e, _Chunk) else encode_entry(e) for e in batch.entries])
-                    for job_id, batch in sent.jobs])
+                    for job_id, batch in sent.jobs.items()])
             except (OSError, RedisError) as exc:
                 return self._failed(sent, exc)
             self._inflight = None
             self.round_trips += 1
-            for (job_id, batch), ok in zip(sent.jobs, written):
+            for (job_id, batch), ok in zip(sent.jobs.items(), written):
                 if ok:
                     self.entries_written += len(batch.entries)
                     continue
@@ -400,7 +399,7 @@ class StreamWriter:
         if sent.refusals < DETERMINISTIC_TRIES:
             return False
         self._inflight = None
-        for job_id, batch in sent.jobs:
+        for job_id, batch in sent.jobs.items():
             log.error("job %s: %d stream entries given up (Redis refused them %d times: %s); its attempt stops",
                       job_id, len(batch.entries), DETERMINISTIC_TRIES, error)
             self._refused(job_id, batch)
