@@ -16,12 +16,30 @@ class RedisUnavailable(SlotqError, ConnectionError):
 
 
 class QueueFull(SlotqError):
-    """The queue holds ``max_queue_length`` jobs; nothing was enqueued. Retry later (HTTP 429)."""
+    """The queue holds ``max_queue_length`` jobs; nothing was enqueued. Retry later (HTTP 429).
 
-    def __init__(self, depth: int, limit: int) -> None:
-        super().__init__(f"queue is full: {depth} jobs waiting, limit {limit} (SLOTQ_MAX_QUEUE_LENGTH)")
+    ``depth`` jobs were waiting where the job would have gone, against ``limit``. Of a queue split into
+    partitions (``SLOTQ_QUEUE_PARTITIONS``) that is the job's partition (``partition`` of ``partitions``) and
+    its share of ``SLOTQ_MAX_QUEUE_LENGTH`` (``max_queue_length``), ``ceil(max_queue_length / partitions)``: a
+    job's partition is its id's, so one partition may be full while the queue as a whole holds fewer jobs
+    than the setting says, and the message names the partition and the share rather than leave a limit the
+    user never set unexplained."""
+
+    def __init__(self, depth: int, limit: int, *, partition: int | None = None, partitions: int = 1,
+                 max_queue_length: int | None = None) -> None:
         self.depth = depth
         self.limit = limit
+        self.partition = partition
+        self.partitions = partitions
+        self.max_queue_length = limit if max_queue_length is None else max_queue_length
+        if partition is None:
+            super().__init__(f"queue is full: {depth} jobs waiting, limit {limit} (SLOTQ_MAX_QUEUE_LENGTH)")
+            return
+        super().__init__(
+            f"queue is full: partition {partition} of {partitions} holds {depth} jobs waiting, its share "
+            f"(ceil({self.max_queue_length} / {partitions}) = {limit}) of SLOTQ_MAX_QUEUE_LENGTH="
+            f"{self.max_queue_length} under SLOTQ_QUEUE_PARTITIONS={partitions} (partitions 0..{partitions - 1}: "
+            "a job's partition is its id's, so one may fill before the others)")
 
 
 class QuotaExceeded(SlotqError):

@@ -36,12 +36,13 @@ from slotq.jobs.producer.stream_reader import ClusterStreamReader, StreamReader,
 from slotq.jobs.protocol import catalog, dead_letters, registry, streams
 from slotq.jobs.protocol.arq_formats import ResultRecord
 from slotq.jobs.protocol.connection import connect
-from slotq.jobs.protocol.keys import JOB_FUNCTION
-from slotq.jobs.protocol.partitioned_queue import open_queue
+from slotq.jobs.protocol.keys import JOB_FUNCTION, partition_of
+from slotq.jobs.protocol.partitioned_queue import PartitionedQueue, open_queue, partition_share
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
 from slotq.jobs.protocol.redis_queue import (
     TOKENS_WINDOW_MS,
     Enqueued,
+    LaneCounts,
     ReplicasBehind,
     TenantQuotas,
     WaitReplicas,
@@ -292,11 +293,21 @@ class SlotqClient:
                 f"within {self.settings.redis_connect_timeout_s:g} s (SLOTQ_REDIS_WAIT_REPLICAS); a failover now "
                 "could lose it") from None
         if outcome == Enqueued.FULL:
-            counts = await self.queue.counts()
-            raise QueueFull(sum(c.waiting + c.deferred for c in counts), self.settings.max_queue_length)
+            raise await self._queue_full(job_id)
         if outcome in _QUOTA_REFUSALS:
             raise self._quota_exceeded(outcome, request)
         return JobHandle(self, job_id, created=outcome == Enqueued.CREATED)
+
+    async def _queue_full(self, job_id: str) -> QueueFull:
+        """Why ``job_id`` was refused: the waiting jobs against ``SLOTQ_MAX_QUEUE_LENGTH``, or of a queue split
+        into partitions those of the job's partition against its share of the setting."""
+        limit = self.settings.max_queue_length
+        if not isinstance(self.queue, PartitionedQueue):
+            return QueueFull(_waiting(await self.queue.counts()), limit)
+        partitions = len(self.queue.partitions)
+        partition = partition_of(job_id, partitions)
+        return QueueFull(_waiting(await self.queue.partitions[partition].counts()), partition_share(limit, partitions),
+                         partition=partition, partitions=partitions, max_queue_length=limit)
 
     async def _check_constraint(self, request: JobRequest) -> None:
         """Compile the request's JSON schema, grammar or tools' parameters as a worker would, under
@@ -606,6 +617,11 @@ class SlotqClient:
 
 
 _QUOTA_REFUSALS = frozenset({Enqueued.TENANT_WAITING, Enqueued.TENANT_IN_FLIGHT, Enqueued.TENANT_TOKENS})
+
+
+def _waiting(counts: Sequence[LaneCounts]) -> int:
+    """The jobs a queue's limit counts: waiting or deferred, in every lane."""
+    return sum(c.waiting + c.deferred for c in counts)
 
 
 def _to_job_result(job_id: str, record: ResultRecord) -> JobResult:

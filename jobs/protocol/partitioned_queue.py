@@ -78,6 +78,13 @@ _Answer = TypeVar("_Answer")
 MIN_POP_S = 0.01
 
 
+def partition_share(max_waiting: int, partitions: int) -> int:
+    """What each of ``partitions`` partitions may hold of a queue's ``max_waiting`` jobs
+    (``SLOTQ_MAX_QUEUE_LENGTH``): ``ceil(max_waiting / partitions)``, so the whole queue holds at least the
+    setting's count before every partition refuses."""
+    return math.ceil(max_waiting / partitions)
+
+
 class PartitionWaits(Generic[_T]):
     """Blocking pops of tokens on every partition at once, for one kind of token (wake, or busy), kept across
     waits so that none is cancelled while it may be taking a token.
@@ -285,8 +292,8 @@ class PartitionedQueue:
                       quotas: TenantQuotas = NO_QUOTAS, tokens: int = 0,
                       wait_replicas: WaitReplicas | None = None) -> Enqueued:
         """:meth:`RedisQueue.enqueue` into the job's partition; ``max_waiting`` is split evenly over the
-        partitions (``ceil(max_waiting / P)`` each), the tenant's ``quotas`` hold per partition."""
-        per_partition = None if max_waiting is None else math.ceil(max_waiting / len(self.partitions))
+        partitions (:func:`partition_share` each), the tenant's ``quotas`` hold per partition."""
+        per_partition = None if max_waiting is None else partition_share(max_waiting, len(self.partitions))
         enqueued = await self.of_job(job_id).enqueue(
             job_id, function, payload, lane=lane, tenant=tenant, max_waiting=per_partition, serializer=serializer,
             quotas=quotas, tokens=tokens, wait_replicas=wait_replicas)

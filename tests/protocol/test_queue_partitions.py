@@ -11,24 +11,30 @@ import bisect
 import contextlib
 import itertools
 import time
+from pathlib import Path
 from typing import cast
 
+import httpx
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from slotq.jobs.protocol import catalog
+from slotq.jobs.errors import QueueFull
+from slotq.jobs.gateway.app import create_app
+from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol import catalog, registry
 from slotq.jobs.protocol.arq_adapter import Attempt, Retry
 from slotq.jobs.protocol.catalog import CatalogEntry
 from slotq.jobs.protocol.keys import CLUSTER_SLOTS, PartitionedKeys, QueueKeys, partition_names, partition_of
 from slotq.jobs.protocol.partitioned_queue import DryPartitions, PartitionedQueue, open_queue
 from slotq.jobs.protocol.redis_queue import Enqueued, RedisQueue
-from slotq.jobs.protocol.schemas import JobKind
+from slotq.jobs.protocol.schemas import JobKind, JobStatus, WorkerInfo
 from slotq.jobs.protocol.serialization import deserialize, serialize
 from slotq.jobs.protocol.shard_load import ShardLoadReader
 from slotq.jobs.worker.runtime import QueueRuntime
-from tests.support.jobs import ON_EVERY_BACKEND
+from tests.support.jobs import ON_EVERY_BACKEND, job_request, settings_for
 from tests.support.processes import wait_for_async
 
 LANES = ("interactive", "bulk")
@@ -394,3 +400,64 @@ async def test_the_claim_loop_runs_a_retry_in_a_dry_partition_within_a_poll_of_i
 async def _finished(queue: PartitionedQueue | RedisQueue) -> bool:
     return sum(c.waiting + c.deferred + c.running for c in await queue.counts()) == 0 and bool(
         await queue.result_records(["flaky"], deserialize))
+
+
+# ---------------------------------------------------------------------- the queue's limit, split
+def ids_in_partition(partition: int, count: int, partitions: int = 3) -> list[str]:
+    ids = ids_in_every_partition(partitions, per_partition=count, prefix="full")
+    return [job_id for job_id in ids if partition_of(job_id, partitions) == partition]
+
+
+async def test_a_full_partition_is_named_with_its_share_of_the_limit(redis_url: str) -> None:
+    """SLOTQ_MAX_QUEUE_LENGTH=4 over 3 partitions: each holds ceil(4 / 3) = 2 waiting jobs. The job that a
+    full partition refuses is told which partition, its share and the setting -- not a limit of 2 the user
+    never set, beside a queue that holds fewer than 4 -- and the other partitions still take jobs."""
+    settings = settings_for(redis_url, queue_partitions=3, max_queue_length=4)
+    async with await SlotqClient.connect(redis_url, settings) as client:
+        held, refused = ids_in_partition(2, 2), ids_in_partition(2, 3)[2]
+        for job_id in held:
+            await client.enqueue(job_request(idempotency_key=job_id))
+        with pytest.raises(QueueFull) as full:
+            await client.enqueue(job_request(idempotency_key=refused))
+        error = full.value
+        assert (error.depth, error.limit, error.partition, error.partitions, error.max_queue_length) == (2, 2, 2, 3, 4)
+        assert str(error) == (
+            "queue is full: partition 2 of 3 holds 2 jobs waiting, its share (ceil(4 / 3) = 2) of "
+            "SLOTQ_MAX_QUEUE_LENGTH=4 under SLOTQ_QUEUE_PARTITIONS=3 (partitions 0..2: a job's partition is its "
+            "id's, so one may fill before the others)")
+        assert await client.status(refused) == JobStatus.NOT_FOUND
+        [elsewhere] = ids_in_partition(0, 1)
+        assert (await client.enqueue(job_request(idempotency_key=elsewhere))).created
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("redis_backend", ["single"])
+async def test_the_gateway_answers_a_full_partition_with_its_message(redis_url: str, tmp_path: Path) -> None:
+    """The gateway's 429 for that refusal carries the same words (OpenAI's error shape, ``queue_full``,
+    Retry-After unchanged)."""
+    redis = Redis.from_url(redis_url)
+    try:
+        now = time.time()
+        await registry.beat(redis, WorkerInfo(id="w1", queue="slotq:queue", model="m", slots_total=1, slots_busy=1,
+                                              waiting=0, generated_tokens=0, started_at=now, updated_at=now,
+                                              partitions=3), interval_s=60)
+    finally:
+        await redis.aclose()
+    settings = GatewaySettings(_env_file=None, gateway_files_dir=tmp_path, queue_partitions=3, max_queue_length=4)
+    app = create_app(settings, redis_url)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+        async def post(key: str) -> httpx.Response:
+            return await http.post("/v1/jobs", json={"model": "m", "prompt": "hi", "max_tokens": 1},
+                                   headers={"Idempotency-Key": key}, timeout=10)
+
+        for job_id in ids_in_partition(1, 2):
+            assert (await post(job_id)).status_code == 202
+        answer = await post(ids_in_partition(1, 3)[2])
+    assert answer.status_code == 429
+    assert answer.headers["retry-after"] == str(settings.gateway_retry_after_s)
+    error = answer.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_exceeded", "queue_full")
+    assert error["message"].startswith(
+        "queue is full: partition 1 of 3 holds 2 jobs waiting, its share (ceil(4 / 3) = 2) of "
+        "SLOTQ_MAX_QUEUE_LENGTH=4 under SLOTQ_QUEUE_PARTITIONS=3")
