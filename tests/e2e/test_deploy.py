@@ -1,8 +1,9 @@
 """The Kubernetes manifests in deploy/kubernetes agree with the code: every SLOTQ_* variable they
 set is a real setting, every probe path is served, KEDA reads the key the queue keeps its demand
 in (on a single Redis, and in deploy/kubernetes/cluster on a Redis Cluster, where the key carries the
-queue's hash tag), the worker's grace period outlasts its exit bound, and the gateway's files volume
-is where its setting points. (No cluster here: this checks what a typo would break on the first apply.)"""
+queue's hash tag; in cluster/partitioned, the keys of every partition, summed), the worker's grace
+period outlasts its exit bound, and the gateway's files volume is where its setting points. (No
+cluster here: this checks what a typo would break on the first apply.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import yaml
 from slotq.jobs.gateway.app import create_app
 from slotq.jobs.gateway.settings import GatewaySettings
 from slotq.jobs.protocol.connection import parse_cluster_url
-from slotq.jobs.protocol.keys import QueueKeys
+from slotq.jobs.protocol.keys import QueueKeys, partition_names
 from slotq.jobs.settings import ClientSettings
 from slotq.jobs.worker.health import Health, app
 from slotq.jobs.worker.settings import WorkerSettings
@@ -24,6 +25,7 @@ from tests.support import REPO_ROOT
 
 KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"
 ON_A_CLUSTER = KUBERNETES / "cluster"       # what replaces the single Redis' Secret and ScaledObject
+PARTITIONED = ON_A_CLUSTER / "partitioned"  # what replaces the cluster's ScaledObject for SLOTQ_QUEUE_PARTITIONS=3
 
 
 def _documents(directory: Path = KUBERNETES) -> dict[tuple[str, str], dict[str, Any]]:
@@ -33,6 +35,10 @@ def _documents(directory: Path = KUBERNETES) -> dict[tuple[str, str], dict[str, 
             if doc:
                 docs[(doc["kind"], doc["metadata"]["name"])] = doc
     return docs
+
+
+def _without(mapping: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in mapping.items() if k not in keys}
 
 
 def _container(doc: dict[str, Any]) -> dict[str, Any]:
@@ -65,12 +71,17 @@ def _config() -> dict[str, str]:
     return _documents()[("ConfigMap", "slotq-config")]["data"]
 
 
-def _demand_key(*, clustered: bool) -> str:
-    """QueueKeys.jobs of the ConfigMap's queue, which is the default queue."""
+def _demand_keys(*, clustered: bool, partitions: int = 1) -> list[str]:
+    """QueueKeys.jobs of each partition of the ConfigMap's queue, which is the default queue."""
     queue = _config()["SLOTQ_QUEUE_NAME"]
     assert queue == ClientSettings.model_fields["queue_name"].default
     lanes = tuple(ClientSettings.model_fields["lanes"].get_default(call_default_factory=True))
-    return QueueKeys(queue, lanes, clustered=clustered).jobs
+    return [QueueKeys(name, lanes, clustered=clustered).jobs for name in partition_names(queue, partitions)]
+
+
+def _demand_key(*, clustered: bool) -> str:
+    [key] = _demand_keys(clustered=clustered)
+    return key
 
 
 def test_keda_scales_on_the_queues_demand_key() -> None:
@@ -103,6 +114,31 @@ def test_keda_on_a_cluster_scales_on_the_queues_demand_key_in_its_slot() -> None
     assert url is not None, "SLOTQ_REDIS_URL is no redis+cluster:// URL"
     assert [f"{host}:{port}" for host, port in url.nodes] == trigger["metadata"]["addresses"].split(",")
     assert trigger["metadata"]["enableTLS"] == str(url.tls).lower()
+
+
+def test_keda_on_a_partitioned_queue_scales_on_the_sum_of_its_partitions_demand() -> None:
+    """The partitioned variant (SLOTQ_QUEUE_PARTITIONS=3): one `redis-cluster` trigger per partition on the
+    key QueueKeys(..., clustered=True).jobs of the name keys.partition_names gives it, each otherwise the
+    cluster trigger; a scalingModifiers formula sums them (the HPA alone would take the largest), scaled
+    on SLOTQ_SLOTS per pod. Two-digit trigger names: KEDA pairs metrics with triggers by name prefix. The
+    rest of the ScaledObject, and its TriggerAuthentication, are the cluster variant's."""
+    cluster, partitioned = _documents(ON_A_CLUSTER), _documents(PARTITIONED)
+    scaled, plain = partitioned[("ScaledObject", "slotq-worker")], cluster[("ScaledObject", "slotq-worker")]
+    triggers = scaled["spec"]["triggers"]
+    assert [t["metadata"]["listName"] for t in triggers] == _demand_keys(clustered=True, partitions=3) == [
+        "{slotq:queue}:jobs", "{slotq:queue#2784}:jobs", "{slotq:queue#42530}:jobs"]
+    names = [t["name"] for t in triggers]
+    assert names == [f"partition_{i:02d}" for i in range(3)]
+    [one] = plain["spec"]["triggers"]
+    for trigger in triggers:
+        assert _without(trigger, "name", "metadata") == _without(one, "metadata")
+        assert _without(trigger["metadata"], "listName") == _without(one["metadata"], "listName")
+    advanced = scaled["spec"]["advanced"]
+    assert advanced["scalingModifiers"] == {"formula": " + ".join(names), "target": _config()["SLOTQ_SLOTS"],
+                                            "metricType": "AverageValue", "activationTarget": "0"}
+    assert _without(advanced, "scalingModifiers") == plain["spec"]["advanced"]
+    assert _without(scaled["spec"], "triggers", "advanced") == _without(plain["spec"], "triggers", "advanced")
+    assert partitioned[("TriggerAuthentication", "slotq-redis")] == cluster[("TriggerAuthentication", "slotq-redis")]
 
 
 def test_the_worker_grace_period_outlasts_its_exit_bound() -> None:
