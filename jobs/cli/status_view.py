@@ -24,11 +24,13 @@ _DEGRADATION_STYLE = {"none": "green", "small_batch": "yellow", "cap_tokens": "d
 @dataclass(frozen=True)
 class Status:
     """What one look shows: the queue and its workers, on a cluster the load of each shard (none on
-    a single Redis), and the models of the fleet's catalog."""
+    a single Redis), the models of the fleet's catalog, and the keys that hold the queue's demand (one per
+    partition): what KEDA's triggers read."""
 
     queue: QueueInfo
     shards: Sequence[ShardLoad] = ()
     models: Sequence[ModelInfo] = ()
+    demand_keys: Sequence[str] = ()
 
 
 def _age(seconds: float | None) -> str:
@@ -99,9 +101,18 @@ def _share(share: float | None) -> str:
     return f"{share:.0%}" if share is not None else "-"
 
 
+def _demand(keys: Sequence[str]) -> str | None:
+    """Where KEDA reads the queue's demand: one trigger's listName, or of a queue split into partitions one
+    trigger per partition, their values summed (deploy/kubernetes/cluster/partitioned)."""
+    if len(keys) > 1:
+        return f"demand: KEDA's listNames, one trigger each, summed: {', '.join(keys)}"
+    return f"demand: KEDA's listName {keys[0]}" if keys else None
+
+
 def render(info: QueueInfo, *, shards: Sequence[ShardLoad] = (), models: Sequence[ModelInfo] = (),
-           at: float | None = None) -> RenderableType:
-    lanes = Table("lane", "queued", "oldest wait", "deferred", "running", "preempted", title=f"queue {info.queue}")
+           demand_keys: Sequence[str] = (), at: float | None = None) -> RenderableType:
+    lanes = Table("lane", "queued", "oldest wait", "deferred", "running", "preempted", title=f"queue {info.queue}",
+                  caption=_demand(demand_keys))
     for lane in info.lanes:
         lanes.add_row(lane.lane, str(lane.queued), _age(lane.oldest_queued_age_s), str(lane.deferred),
                       str(lane.running), str(lane.preempted))
@@ -143,7 +154,8 @@ async def watch(read: Callable[[], Awaitable[Status]], *, interval_s: float, con
     stop = stop or asyncio.Event()
     async def draw() -> RenderableType:
         status = await read()
-        return render(status.queue, shards=status.shards, models=status.models, at=time.time())
+        return render(status.queue, shards=status.shards, models=status.models, demand_keys=status.demand_keys,
+                      at=time.time())
 
     with Live(await draw(), console=console, auto_refresh=False, redirect_stderr=False) as live:
         done = 1

@@ -24,7 +24,7 @@ from slotq.jobs.cli.status_view import Status, render, watch
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol import catalog
 from slotq.jobs.protocol.catalog import CatalogEntry
-from slotq.jobs.protocol.keys import STREAM_BUCKETS
+from slotq.jobs.protocol.keys import STREAM_BUCKETS, QueueKeys, partition_names
 from slotq.jobs.protocol.schemas import JobKind
 from slotq.jobs.protocol.shard_load import STREAM_SLOTS, ShardLoadReader
 from slotq.jobs.protocol.streams import TTL, JobEntries, StreamAppender
@@ -99,14 +99,27 @@ def cluster(tmp_path: Path) -> Iterator[LocalValkeyCluster]:
         yield cluster
 
 
-async def _status(*args: str, redis_url: str) -> str:
+async def _status(*args: str, redis_url: str, **settings: str) -> str:
     """``slotq status ARGS``'s stdout (it must succeed, and say nothing on stderr)."""
-    proc = await asyncio.create_subprocess_exec(str(SLOTQ_BIN), "status", *args, env=clean_env(redis_url=redis_url),
+    proc = await asyncio.create_subprocess_exec(str(SLOTQ_BIN), "status", *args,
+                                                env=clean_env(redis_url=redis_url, **settings),
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     async with asyncio.timeout(60):
         out, err = await proc.communicate()
     assert (proc.returncode, err) == (0, b""), err.decode(errors="replace")
     return out.decode()
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+async def test_status_names_the_keys_of_the_queues_demand(redis_url: str, partitions: int) -> None:
+    """What KEDA's triggers must read (deploy/kubernetes): the jobs hash of each partition of the queue,
+    in ``--json`` and under the lanes table."""
+    keys = [QueueKeys(name, ("interactive", "bulk")).jobs for name in partition_names("slotq:queue", partitions)]
+    shown = json.loads(await _status("--json", redis_url=redis_url, queue_partitions=str(partitions)))
+    assert shown["demand_keys"] == keys
+    table = await _status(redis_url=redis_url, queue_partitions=str(partitions))
+    assert all(key in table for key in keys), table
+    assert ("summed" in table) == (partitions > 1)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """``slotq status``: the queue and its workers, and every model the fleet can load with the jobs waiting
 for it (``models`` in the JSON), once (a table or ``--json``) or live (``--watch``); on a Redis Cluster
-also each shard's load (``shards`` in the JSON)."""
+also each shard's load (``shards`` in the JSON). The keys of the queue's demand, one per partition, are
+what KEDA's triggers read (``demand_keys``; the lanes table's caption)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,16 @@ def _reader(client: SlotqClient) -> Callable[[], Awaitable[Status]]:
 
     queue = client.queue
     partition_keys = [part.keys.jobs for part in queue.partitions] if isinstance(queue, PartitionedQueue) else []
+    demand_keys = partition_keys or [queue.keys.jobs]
     shards = (ShardLoadReader(client.redis, client.queue.keys.jobs, partition_keys=partition_keys)
               if is_cluster(client.redis) else None)
 
     async def read() -> Status:
         if shards is None:
             info, models = await asyncio.gather(client.queue_info(), client.models())
-            return Status(info, models=models)
+            return Status(info, models=models, demand_keys=demand_keys)
         info, models, loads = await asyncio.gather(client.queue_info(), client.models(), shards.read())
-        return Status(info, loads, models)
+        return Status(info, loads, models, demand_keys)
     return read
 
 
@@ -55,7 +57,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         shards = {"shards": [s.model_dump(mode="json") for s in status.shards]} if status.shards else {}
         models = {"models": [m.model_dump(mode="json") for m in status.models]}
-        print_json(status.queue.model_dump(mode="json") | models | shards)
+        print_json(status.queue.model_dump(mode="json") | models | shards | {"demand_keys": list(status.demand_keys)})
         return 0
-    Console().print(render(status.queue, shards=status.shards, models=status.models))
+    Console().print(render(status.queue, shards=status.shards, models=status.models, demand_keys=status.demand_keys))
     return 0
