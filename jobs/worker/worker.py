@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -87,6 +88,9 @@ EXIT_STOP_OVERDUE = 70              # also EX_SOFTWARE: something kept the worke
 EXIT_MARGIN_S = 30
 # A stopping worker's farewell writes (registry, catalog, the queue's serving record) get this long in all
 FAREWELL_S = 5.0
+# How often a worker serving metrics reads the queue's gauges (slotq_queue_*): Prometheus scrapes every 15 s
+# or more, and every worker exports the same queue-wide figures
+QUEUE_SAMPLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -673,15 +677,21 @@ class SlotqWorker:
         await self.queue.follow_aborts(self.token, self.runtime.abort_now)
 
     async def _metrics_loop(self) -> None:
+        """The gauges: this worker's own every second; the queue's, which every worker exports alike (the
+        dashboard takes their max), every :data:`QUEUE_SAMPLE_S` (two round trips to Redis each: read every
+        second by every worker, a fleet of N workers asked N times a second what one answer says)."""
         assert self.queue is not None
         sampler = metrics.EngineSampler()
+        queue_sampled = -math.inf
         while True:
             if self.engine is not None:         # None while a worker of several models switches
                 sampler.update(self.engine.stats())
             if self.writer is not None:
                 metrics.sample_stream_backlog(*self.writer.backlog())
             elastic_metrics.WORKER_READY.set(int(self._readiness()[0]))
-            metrics.sample_queue(await self.queue.counts())
+            if time.monotonic() - queue_sampled >= QUEUE_SAMPLE_S:
+                metrics.sample_queue(await self.queue.counts())
+                queue_sampled = time.monotonic()
             await asyncio.sleep(1)
 
     async def _liveness_loop(self) -> None:
