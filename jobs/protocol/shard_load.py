@@ -25,7 +25,9 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
 from slotq.jobs.protocol import catalog
+from slotq.jobs.protocol.connection import is_cluster
 from slotq.jobs.protocol.keys import STREAM_TAGS, QueueKeys, partition_names
+from slotq.jobs.protocol.partitioned_queue import Queue, partition_job_keys
 
 STREAM_SLOTS = tuple(key_slot(f"{{{tag}}}".encode()) for tag in STREAM_TAGS)     # one per stream bucket
 
@@ -147,6 +149,17 @@ class ShardLoadReader:
         if seen is None or cpu_s < seen[0] or at_us <= seen[1]:
             return None
         return (cpu_s - seen[0]) / ((at_us - seen[1]) / 1e6)
+
+
+def shard_reader(redis: Redis, queue: Queue) -> ShardLoadReader | None:
+    """The reader of the shards under ``queue`` as producers and workers open it (of a queue split into
+    partitions, each partition's slot too); None on one Redis or Sentinel, which has no shards. Whoever shows
+    the shards (``slotq status``, the gateway's ``/api/shards``) keeps the one it gets for all its reads, so
+    each read's CPU shares are since the one before."""
+    if not is_cluster(redis):
+        return None
+    keys = partition_job_keys(queue)
+    return ShardLoadReader(redis, queue.keys.jobs, partition_keys=keys if len(keys) > 1 else ())
 
 
 def _slot_ranges(slots: dict[int, list[ClusterNode]]) -> tuple[list[ClusterNode], dict[str, list[tuple[int, int]]]]:

@@ -22,15 +22,11 @@ def _reader(client: SlotqClient) -> Callable[[], Awaitable[Status]]:
     """One look at the queue, and on a cluster at its shards; one reader for all looks of a ``--watch``,
     so each shard's CPU is measured since the look before."""
     from slotq.jobs.cli.status_view import Status
-    from slotq.jobs.protocol.connection import is_cluster
-    from slotq.jobs.protocol.partitioned_queue import PartitionedQueue
-    from slotq.jobs.protocol.shard_load import ShardLoadReader
+    from slotq.jobs.protocol.partitioned_queue import partition_job_keys
+    from slotq.jobs.protocol.shard_load import shard_reader
 
-    queue = client.queue
-    partition_keys = [part.keys.jobs for part in queue.partitions] if isinstance(queue, PartitionedQueue) else []
-    demand_keys = partition_keys or [queue.keys.jobs]
-    shards = (ShardLoadReader(client.redis, client.queue.keys.jobs, partition_keys=partition_keys)
-              if is_cluster(client.redis) else None)
+    demand_keys = partition_job_keys(client.queue)
+    shards = shard_reader(client.redis, client.queue)
 
     async def read() -> Status:
         if shards is None:
