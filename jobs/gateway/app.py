@@ -39,6 +39,7 @@ from slotq.jobs.gateway.metrics import MetricsMiddleware
 from slotq.jobs.gateway.response_watch import ResponseWatcher
 from slotq.jobs.gateway.service import Gateway
 from slotq.jobs.gateway.settings import GatewaySettings
+from slotq.jobs.gateway.shards import ShardsView
 from slotq.jobs.gateway.surfaces import PrivatePort, SecurityHeaders
 from slotq.jobs.gateway.webhook_delivery import WebhookSender
 from slotq.jobs.gateway.webhooks import WebhookStore
@@ -73,6 +74,7 @@ def create_app(settings: GatewaySettings, redis_url: str) -> FastAPI:
         files.start(in_use=batches.active_input_ids)
         app.state.history = history = FleetHistory(gateway)
         history.start()
+        app.state.shards = ShardsView(gateway)
         app.state.webhooks = WebhookStore(gateway.client.redis, allow_private=settings.gateway_webhook_allow_private,
                                           tenant_max_endpoints=settings.gateway_webhook_tenant_max_endpoints)
         app.state.webhook_sender = sender = WebhookSender(gateway.client.redis, settings)

@@ -25,6 +25,7 @@ from slotq.jobs.gateway.auth import KeyRing, authenticate, require_admin
 from slotq.jobs.gateway.history import FleetHistory
 from slotq.jobs.gateway.routes_openai import gateway_of
 from slotq.jobs.gateway.routing import ModelRoute
+from slotq.jobs.gateway.shards import ShardsView
 from slotq.jobs.gateway.surfaces import on_private_port
 from slotq.jobs.gateway.webhooks import WebhookStore
 from slotq.jobs.openai.errors import ApiError
@@ -130,6 +131,15 @@ async def fleet(request: Request) -> dict[str, Any]:
                                                                 "workers": len(i.workers)} for i in infos]
     return {"time": time.time(), "queues": queues, "workers": [w.model_dump() for w in workers],
             "dead_letters": await dead_letters.count(gateway.client.redis)}
+
+
+@api.get("/shards")
+async def shards(request: Request) -> dict[str, Any]:
+    """On a Redis Cluster, each primary and its share of the gateway's queue (``slotq status``' shard table):
+    what the dashboard's Shards section polls. ``clustered: false`` and no shards on one Redis. Read at most
+    once per few seconds per gateway process, however many dashboards ask (:mod:`slotq.jobs.gateway.shards`)."""
+    view: ShardsView = request.app.state.shards
+    return await view.answer()
 
 
 @api.get("/history")
