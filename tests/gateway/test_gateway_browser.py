@@ -3,7 +3,9 @@ a real gateway, worker and Redis: the fleet table shows the worker and each work
 decoding (draft source, acceptance, counts), a dead letter is requeued with its button, a
 playground reply streams in (preempting one of two tenants' bulk jobs that fill the slots), the
 lane charts draw that traffic and the tenant table its backlog, and a reply survives a page reload
-mid-stream. Behind API keys, the key typed into the page is kept for the tab (sessionStorage),
+mid-stream. The Shards section stays hidden on one Redis; on a 3-primary Valkey Cluster it lists each
+primary, marks the one that holds the queue's slot and where each partition of a partitioned queue
+lands. Behind API keys, the key typed into the page is kept for the tab (sessionStorage),
 never in localStorage; and the page runs under the gateway's Content-Security-Policy without a
 single violation.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import re
 import shutil
 import time
 import uuid
@@ -32,6 +35,7 @@ from slotq.engine import bundled_model_path
 from slotq.jobs.gateway.webhooks import emit_event
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol import dead_letters, registry
+from slotq.jobs.protocol.keys import CLUSTER_SLOTS, STREAM_BUCKETS
 from slotq.jobs.protocol.schemas import JobRequest
 from slotq.jobs.protocol.wire import ErrorInfo
 from tests.support import free_port
@@ -82,10 +86,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
         yield s
 
 
+@pytest.fixture(scope="module")
+def cluster_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
+    """A gateway of a queue split into 3 partitions on a 3-primary Valkey Cluster; no worker (the shards need none)."""
+    _require_chromium()
+    with Stack.started(tmp_path_factory.mktemp("dashboard-cluster"), tiny_model_path, cluster=True) as s:
+        s.start_gateway("cluster-gateway", queue_partitions=3).wait_ready()
+        yield s
+
+
 @pytest.fixture
-def page(stack: Stack, tmp_path: Path) -> Iterator[Any]:
+def page(tmp_path: Path) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
+    _require_chromium()
     with sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
             tmp_path / "profile", executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
@@ -290,6 +304,30 @@ def test_the_fleet_table_shows_each_workers_drafts(stack, page):
         real = page.inner_text('#workers tbody tr[data-worker="browser-worker"] td.spec')
         assert real.split()[0] in ("off", "ngram", "draft"), real
         assert "drafts kept" in page.text_content("#workers thead")
+        # one Redis: no shards, so no Shards section
+        assert page.wait_for_selector('#shards[data-clustered="false"]', state="attached").is_hidden()
         _assert_no_policy_violation(page)
     finally:
         _in_a_loop(lambda: heartbeat(leave=True))
+
+
+def test_the_shards_section_shows_each_primary_and_where_the_queue_is(cluster_stack, page):
+    page.goto(cluster_stack.url)
+    page.wait_for_selector('#shards[data-clustered="true"]', state="visible")
+    rows = page.query_selector_all("#shards tbody tr[data-node]")
+    assert len(rows) == 3
+    assert page.inner_text("#shards-queue") == "slotq:queue"
+    [home] = page.query_selector_all("#shards tbody tr:has(.queue-slot)")          # one primary holds the queue's slot
+    assert re.fullmatch(r"queue · slot \d+", home.query_selector(".queue-slot").inner_text())
+    held = sorted(int(n) for row in rows for mark in row.query_selector_all(".partitions")
+                  for n in re.findall(r"\d+", mark.inner_text()))
+    assert held == [0, 1, 2]                                        # each partition of the queue on its primary
+    assert "partition 0" in home.inner_text()
+    for row in rows:
+        assert row.query_selector(".buckets").inner_text() == f"16 / {STREAM_BUCKETS} stream buckets"
+        assert re.search(r"\d+–\d+ \d+ slots", row.inner_text()), row.inner_text()
+    slots = sum(int(n) for n in re.findall(r"(\d+) slots", page.inner_text("#shards tbody")))
+    assert slots == CLUSTER_SLOTS
+    # the ops/s share bars are drawn through the CSSOM, as the others
+    assert page.evaluate("document.querySelector('#shards .bar > span').style.width").endswith("%")
+    _assert_no_policy_violation(page)

@@ -151,12 +151,13 @@ def test_lists_hold_only_the_tenants_own(stack, owned):
 
 def test_the_fleet_view_is_for_admin_keys(stack, owned):
     for method, path in (("GET", "/api/fleet"), ("GET", "/api/dead-letters"), ("GET", "/api/history"),
-                         ("POST", f"/api/dead-letters/{owned['job']}/requeue")):
+                         ("GET", "/api/shards"), ("POST", f"/api/dead-letters/{owned['job']}/requeue")):
         for key in (A, C1):
             refused = httpx.request(method, f"{stack.url}{path}", headers=key, timeout=30)
             assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
     assert httpx.get(f"{stack.url}/api/fleet", headers=ADMIN, timeout=30).json()["workers"]
     assert "tenants_waiting" in httpx.get(f"{stack.url}/api/history", headers=ADMIN, timeout=30).json()
+    assert httpx.get(f"{stack.url}/api/shards", headers=ADMIN, timeout=30).json()["clustered"] is False
 
 
 def test_idempotency_keys_are_per_tenant(stack, owned):

@@ -201,6 +201,44 @@ async function refreshHistory() {
   renderHistory(await api("/api/history"));
 }
 
+// ------------------------------------------------------------------ cluster shards
+// /api/shards: on a Redis Cluster, each primary and its share of the gateway's queue (slotq status' shard
+// table), read by the gateway at most every few seconds however many pages ask; hidden on one Redis.
+const share = (x) => x == null ? "–" : `${(100 * x).toFixed(x < 0.1 ? 1 : 0)} %`;      // an idle shard's CPU: "0.4 %"
+const mebibytes = (n) => `${(n / 2 ** 20).toFixed(1)} MiB`;
+// "0–5460", or the first two runs and how many more (all of them in the tooltip)
+function slotRanges(ranges) {
+  const runs = ranges.map(([first, last]) => first === last ? `${first}` : `${first}–${last}`);
+  const shown = runs.length > 3 ? `${runs.slice(0, 2).join(", ")} +${runs.length - 2} more` : runs.join(", ");
+  const slots = ranges.reduce((n, [first, last]) => n + last - first + 1, 0);
+  return `<span title="${esc(runs.join(", "))}">${esc(shown)}</span> <span class="muted small">${slots} slots</span>`;
+}
+
+function renderShards(answer) {
+  const section = $("#shards");
+  section.hidden = !answer.clustered;
+  section.dataset.clustered = answer.clustered;
+  $("#shards-queue").textContent = answer.queue;
+  const buckets = answer.shards.reduce((n, s) => n + s.stream_slots.length, 0);
+  render("#shards tbody", answer.shards.map((s) => {
+    const holds = [
+      s.queue_slot == null ? "" : `<span class="lane mark queue-slot">queue · slot ${s.queue_slot}</span>`,
+      s.partitions.length ? `<span class="lane mark partitions">partition${s.partitions.length > 1 ? "s" : ""} ${s.partitions.join(", ")}</span>` : "",
+      `<span class="lane buckets">${s.stream_slots.length} / ${buckets} stream buckets</span>`,
+      s.queues.length ? `<span class="muted small">${esc(s.queues.join(", "))}</span>` : "",
+    ];
+    return `<tr data-node="${esc(s.node)}"><td>${esc(s.node)}</td><td>${slotRanges(s.slots)}</td>
+      <td class="num">${s.keys}</td><td class="num">${mebibytes(s.used_memory_bytes)}</td>
+      <td>${bar(s.ops_share || 0, 1)}${s.ops_per_s} <span class="muted small">${share(s.ops_share)}</span></td>
+      <td class="num">${share(s.cpu_share)}</td><td class="num">${s.clients}</td><td class="num">${s.replicas}</td>
+      <td class="holds">${holds.join(" ")}</td></tr>`;
+  }).join(""));
+}
+
+async function refreshShards() {
+  renderShards(await api("/api/shards"));
+}
+
 async function refreshModels() {
   const { data } = await api("/v1/models");
   const select = $("#play-model");
@@ -336,8 +374,10 @@ function start() {
   refreshDeadLetters().catch(() => {});
   refreshWebhookAttempts().catch(() => {});
   refreshHistory().catch(() => {});
+  refreshShards().catch(() => {});
   setInterval(refresh, 1000);
   setInterval(() => refreshHistory().catch(() => {}), 5000);
+  setInterval(() => refreshShards().catch(() => {}), 5000);     // the gateway reads them at most every 4 s
   setInterval(() => refreshModels().catch(() => {}), 5000);
   setInterval(() => refreshDeadLetters().catch(() => {}), 3000);
   setInterval(() => refreshWebhookAttempts().catch(() => {}), 3000);
