@@ -471,8 +471,8 @@ Queue: TypeAlias = RedisQueue | PartitionedQueue
 
 
 def partition_job_keys(queue: Queue) -> list[str]:
-    """Each partition's list of waiting jobs, partition 0's (the queue's own) first; of a queue of one
-    partition, its own alone. They hold the queue's demand (KEDA's triggers read them), and, as any key of a
+    """Each partition's jobs hash (every job not finished), partition 0's (the queue's own) first; of a queue
+    of one partition, its own alone. They hold the queue's demand (KEDA's triggers read them), and, as any key of a
     partition, name the hash slot its claim path lands on (:class:`~slotq.jobs.protocol.shard_load.ShardLoadReader`)."""
     return [part.keys.jobs for part in (queue.partitions if isinstance(queue, PartitionedQueue) else (queue,))]
 
