@@ -423,6 +423,10 @@ def _shards(start: fleet_counters.Counters, end: fleet_counters.Counters, layout
         "commands_per_s_by_primary": {
             node: dict(sorted(((name, round(calls / w.seconds, 1)) for name, calls in commands.items()),
                               key=lambda kv: -kv[1])) for node, commands in w.commands_by_node.items()},
+        # the same, microseconds each command took per second of the window (a script's include its commands')
+        "command_usec_per_s_by_primary": {
+            node: dict(sorted(((name, round(usec / w.seconds, 1)) for name, usec in usec.items()),
+                              key=lambda kv: -kv[1])) for node, usec in w.usec_by_node.items()},
         "valkey_cores_by_primary": {node: round(cores, 4) for node, cores in by_node.items()},
         "hottest_primary_cores": round(max(by_node.values()), 4),
         "queue_primary": queue_node,
@@ -693,6 +697,10 @@ def _commandstats_table(rows: list[dict[str, Any]]) -> str:
     def commands(per_s: dict[str, float]) -> str:
         return ", ".join(f"{name} {calls:,.0f}" for name, calls in list(per_s.items())[:6])
 
+    def times(usec_per_s: dict[str, float]) -> str:
+        """The six commands that took the most time, in ms per second; EVALSHA's includes its commands'."""
+        return ", ".join(f"{name} {usec / 1000:.1f}" for name, usec in list(usec_per_s.items())[:6])
+
     lines = []
     for r in rows:
         by_node: dict[str, dict[str, float]] = r["commands_per_s_by_primary"]
@@ -702,11 +710,15 @@ def _commandstats_table(rows: list[dict[str, Any]]) -> str:
             queues = _queue_mark(_queues_on(r, node)) if buckets else ""
             role = (f"{queues}, " if queues else "") + (f"{buckets[node]} buckets" if buckets else "everything")
             lines.append([f"{r['stream_flush_ms']:g}", _backend_label(r["primaries"]).removeprefix("a "), role,
-                          f"{cores[node]:.3f}", f"{sum(by_node[node].values()):,.0f}", commands(by_node[node])])
-    table = markdown_table(["stream flush ms", "Valkey", "primary", "cores", "commands/s", "busiest commands/s"],
-                           lines)
-    return (f"{table}\n\nINFO commandstats of each primary over the same windows, calls per second: a script's "
-            f"commands count under their own names as well as in its EVALSHA, so commands/s counts both.")
+                          f"{cores[node]:.3f}", f"{sum(by_node[node].values()):,.0f}", commands(by_node[node]),
+                          times(r.get("command_usec_per_s_by_primary", {}).get(node, {}))])
+    table = markdown_table(["stream flush ms", "Valkey", "primary", "cores", "commands/s", "busiest commands/s",
+                            "most time, ms/s"], lines)
+    return (f"{table}\n\nINFO commandstats of each primary over the same windows, calls per second and the time "
+            f"they took (ms per second of the window; 1,000 would be a whole core): a script's commands count "
+            f"under their own names as well as in its EVALSHA, whose time includes theirs, so commands/s counts "
+            f"both. What is not in any command's time (the event loop, parsing, replies, the cluster bus) is "
+            f"the rest of the primary's cores.")
 
 
 def _queues_table(rows: list[dict[str, Any]]) -> str:

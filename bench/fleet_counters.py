@@ -1,5 +1,6 @@
 """What the fleet benchmark reads at the start and end of each measured window: Valkey's own
-counters (``INFO commandstats``: commands run inside Lua scripts count, each under its own name;
+counters (``INFO commandstats``, calls and time: commands run inside Lua scripts count, each under its own
+name, and a script's time includes theirs;
 ``INFO cpu``; on a cluster, of every primary: the commands summed, each primary's CPU apart) and the
 CPU time of the benchmark's processes and of the whole machine (``/proc``), so a result can say
 whether Valkey or the simulator's Python side ran out of CPU first, and how late each process's
@@ -27,6 +28,7 @@ class Counters:
     wall: float
     commands: dict[str, int]     # command name -> calls, summed over the primaries
     commands_by_node: dict[str, dict[str, int]]   # "host:port" of each primary -> command name -> calls
+    usec_by_node: dict[str, dict[str, int]]       # the same, -> microseconds spent in the command
     valkey_cpu_s: dict[str, float]   # "host:port" of each primary (the one server's) -> its CPU seconds
     python_cpu_s: float          # the benchmark's Python processes (driver and fleet hosts)
     machine_busy_s: float        # every process on the machine, summed over cores
@@ -37,6 +39,7 @@ class Window:
     seconds: float
     commands: dict[str, int]
     commands_by_node: dict[str, dict[str, int]]
+    usec_by_node: dict[str, dict[str, int]]
     valkey_cores_by_node: dict[str, float]
     python_cores: float
     machine_busy_cores: float
@@ -56,11 +59,13 @@ async def read(redis: Redis, python_pids: list[int]) -> Counters:
     stats, cpu = await _info_by_node(redis, "commandstats"), await _info_by_node(redis, "cpu")
     by_node = {node: {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in node_stats.items()}
                for node, node_stats in stats.items()}
+    usec_by_node = {node: {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in node_stats.items()}
+                    for node, node_stats in stats.items()}
     commands: dict[str, int] = {}
     for node_commands in by_node.values():
         for command, calls in node_commands.items():
             commands[command] = commands.get(command, 0) + calls
-    return Counters(wall=time.monotonic(), commands=commands, commands_by_node=by_node,
+    return Counters(wall=time.monotonic(), commands=commands, commands_by_node=by_node, usec_by_node=usec_by_node,
                     valkey_cpu_s={node: float(c["used_cpu_sys"]) + float(c["used_cpu_user"])
                                   for node, c in cpu.items()},
                     python_cpu_s=sum(_process_cpu_s(pid) for pid in python_pids), machine_busy_s=_machine_busy_s())
@@ -82,6 +87,8 @@ def window(start: Counters, end: Counters) -> Window:
     return Window(seconds=seconds, commands=_delta(start.commands, end.commands),
                   commands_by_node={node: _delta(start.commands_by_node.get(node, {}), calls)
                                     for node, calls in end.commands_by_node.items()},
+                  usec_by_node={node: _delta(start.usec_by_node.get(node, {}), usec)
+                                for node, usec in end.usec_by_node.items()},
                   valkey_cores_by_node={node: (cpu_s - start.valkey_cpu_s.get(node, 0.0)) / seconds
                                         for node, cpu_s in end.valkey_cpu_s.items()},
                   python_cores=(end.python_cpu_s - start.python_cpu_s) / seconds,

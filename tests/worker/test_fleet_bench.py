@@ -66,6 +66,9 @@ async def test_the_step_on_a_cluster_splits_its_valkey_cpu_over_the_primaries(tm
     assert row["hottest_primary_cores"] == max(by_primary.values())
     assert row["stream_buckets_by_primary"].keys() == by_primary.keys()
     assert sum(row["stream_buckets_by_primary"].values()) == len(STREAM_TAGS)
+    # each primary's time by command: the flush scripts, every stream bucket's, took time on both
+    assert row["command_usec_per_s_by_primary"].keys() == by_primary.keys()
+    assert all(usec["evalsha"] > 0 for usec in row["command_usec_per_s_by_primary"].values())
 
 
 def test_the_cluster_option_is_the_fleet_benchmarks_only() -> None:
