@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from slotq.engine import GrammarError
 from slotq.jobs.errors import (
@@ -35,7 +37,7 @@ from slotq.jobs.errors import (
 from slotq.jobs.producer.stream_reader import ClusterStreamReader, StreamReader, stream_reader
 from slotq.jobs.protocol import catalog, dead_letters, registry, streams
 from slotq.jobs.protocol.arq_formats import ResultRecord
-from slotq.jobs.protocol.connection import connect
+from slotq.jobs.protocol.connection import connect, is_transient
 from slotq.jobs.protocol.keys import JOB_FUNCTION, partition_of
 from slotq.jobs.protocol.partitioned_queue import PartitionedQueue, open_queue, partition_share
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
@@ -73,6 +75,10 @@ __all__ = ["EmbeddingResult", "JobFailed", "JobHandle", "JobNotFound", "JobRejec
 EmbeddingInputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 
 WORKERS_CACHE_S = 5.0     # how long enqueue trusts its last read of the workers' advertised limits
+RESULT_OUTAGE_S = 30.0    # result() without a timeout: Redis failing this long in a row ends the wait
+RESULT_RETRY_PAUSE_S = 0.2   # result(): between reads while Redis fails
+
+log = logging.getLogger(__name__)
 
 
 class JobHandle:
@@ -386,23 +392,43 @@ class SlotqClient:
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the job's result. The job's stream doubles as the wake-up signal, so waiting
-        costs one blocked XREAD, not a poll loop."""
+        costs one blocked XREAD, not a poll loop.
+
+        A Redis error that trying again can outlast (a failover, a restart, a network cut:
+        :func:`~slotq.jobs.protocol.connection.is_transient`) does not end the wait the caller asked
+        for: each command gives up after the producer's own bound (0.8 x the connect timeout, so an
+        enqueue fails fast), but the wait reads again until ``timeout``, or, without one, until Redis
+        has failed for :data:`RESULT_OUTAGE_S` in a row. A cluster's failover takes longer than that
+        bound (its node timeout and an election), and a wait of 60 s failed in the middle of one."""
         deadline = None if timeout is None else time.monotonic() + timeout
         last_id: str | bytes = "0-0"
         missing = 0
+        failing_since: float | None = None
         while True:
-            result = await self._stored_result(job_id)
-            if result is not None:
-                return result
-            lane, _running = await self.queue.place(job_id)
-            missing = missing + 1 if lane is None else 0
-            if missing >= 3:   # not a momentary gap (e.g. a cancel between its two writes)
-                raise JobNotFound(job_id)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise JobTimeout(f"job {job_id} did not finish within {timeout} s")
-            block = 200 if remaining is None else max(1, min(200, int(remaining * 1000)))
-            entries = (await streams.read_new(self.redis, {job_id: last_id}, count=1000, block_ms=block)).get(job_id)
+            try:
+                result = await self._stored_result(job_id)
+                if result is not None:
+                    return result
+                lane, _running = await self.queue.place(job_id)
+                missing = missing + 1 if lane is None else 0
+                if missing >= 3:   # not a momentary gap (e.g. a cancel between its two writes)
+                    raise JobNotFound(job_id)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise JobTimeout(f"job {job_id} did not finish within {timeout} s")
+                block = 200 if remaining is None else max(1, min(200, int(remaining * 1000)))
+                entries = (await streams.read_new(self.redis, {job_id: last_id}, count=1000,
+                                                  block_ms=block)).get(job_id)
+            except (RedisError, OSError) as exc:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                outlasted = now >= deadline if deadline is not None else now - failing_since >= RESULT_OUTAGE_S
+                if not is_transient(exc) or outlasted:
+                    raise
+                log.warning("job %s: waiting for its result, Redis failed (%s); reading again", job_id, exc)
+                await asyncio.sleep(RESULT_RETRY_PAUSE_S)
+                continue
+            failing_since = None
             if entries:
                 last_id = entries[-1][0]
                 if any(streams.is_final(raw) for _id, raw in entries):

@@ -162,3 +162,29 @@ async def test_stream_write_whose_reply_is_lost_is_not_duplicated(fclient, fsync
         codes = await asyncio.to_thread(fleet.stop_all)     # the proxy runs on this loop: keep it serving
         await proxy.close()
     assert codes == {"p1": 0}, fleet.logs()
+
+
+async def test_a_result_waited_for_outlasts_an_outage_shorter_than_its_timeout(fclient, fsync_redis):
+    """A producer waiting for a job's result keeps waiting through a Redis outage that ends before its
+    timeout, although each of its commands gives up after its own bound (0.8 x the 5 s connect timeout):
+    the wait reads again, and the job's result, written once a worker runs it, ends it. An outage that
+    outlasts the timeout ends the wait with Redis' error, not a hang."""
+    handle = await fclient.enqueue(job_request("waits through an outage", max_tokens=2))
+    waiting = asyncio.create_task(handle.result(timeout=60))
+    await asyncio.sleep(0.5)
+    fsync_redis.kill()
+    await asyncio.sleep(10.0)                          # longer than a command's own retries (3.5 s), twice over:
+    assert not waiting.done(), waiting                 # without the reads again, the wait failed after 8 s
+    await asyncio.to_thread(fsync_redis.restart)
+    await fclient.cancel(handle.id)                    # ends the job: its result is written
+    async with asyncio.timeout(30):
+        result = await waiting
+    assert result.status == JobStatus.CANCELLED
+
+    second = await fclient.enqueue(job_request("outlasted", max_tokens=2))
+    fsync_redis.kill()
+    started = time.monotonic()
+    with pytest.raises(Exception) as failed:           # redis-py's ConnectionError, raised by the wait
+        await second.result(timeout=3)
+    assert time.monotonic() - started < 3 + 6, "ends at its timeout plus one command's own retries"
+    assert "Error" in type(failed.value).__name__, failed.value
