@@ -21,7 +21,7 @@ PYTHONS ?= 3.13
 # slow: tests that mostly wait (timeouts, failovers, clusters forming); `make test` runs them once, on .venv's Python
 FAST     = not real_model and not fault and not browser and not install and not slow
 # Processes the suite runs in (pytest-xdist): most tests wait on servers, timeouts and child processes, so two
-# share a 2-core machine well (the whole suite 23.0 -> 12.7 min there, 2026-12-07). Each process starts its own
+# share a 2-core machine well (the whole suite 23.0 -> 12.7-13.4 min there, 2026-12-07). Each process starts its own
 # session fixtures (Valkey servers, clusters, model files on free ports and in its own temporary folders).
 # More were not tried; TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
