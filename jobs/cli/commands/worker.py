@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from typing import Any
 
 from slotq.jobs.cli.commands.common import worker_settings
 
@@ -26,9 +27,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _init_sentry() -> None:
-    """Report worker errors to Sentry when SENTRY_DSN is set (sentry-sdk reads it itself).
-    Prompts and outputs are not sent: job payloads never appear in log messages."""
+    """Report worker errors to Sentry when SENTRY_DSN is set (sentry-sdk reads it itself)."""
     if os.environ.get("SENTRY_DSN"):
         import sentry_sdk
 
-        sentry_sdk.init(send_default_pii=False)
+        sentry_sdk.init(**sentry_privacy_options(sentry_sdk.VERSION))
+
+
+def sentry_privacy_options(sentry_version: str) -> dict[str, Any]:
+    """``sentry_sdk.init`` options that keep prompts and outputs out of error reports.
+
+    Job payloads never appear in log messages, but a stack frame's local variables would carry them
+    (the prompt, the text so far), and sentry-sdk sends those by default. Its 3.x replaced
+    ``send_default_pii`` and ``include_local_variables`` with one ``data_collection`` dict, so the
+    options depend on the installed major version (both are supported: ``sentry-sdk>=2.0``)."""
+    if int(sentry_version.split(".", 1)[0]) >= 3:
+        return {"data_collection": {"user_info": False, "stack_frame_variables": False}}
+    return {"send_default_pii": False, "include_local_variables": False}

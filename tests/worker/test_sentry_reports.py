@@ -1,0 +1,105 @@
+"""A worker's error reports reach Sentry without the job's prompt or text.
+
+``slotq worker`` calls ``sentry_sdk.init`` when SENTRY_DSN is set. sentry-sdk sends each stack
+frame's local variables by default, and a worker's frames hold prompts and replies; its 3.0 also
+renamed the options that turn that off (``send_default_pii`` became ``data_collection``), which broke
+``slotq worker`` at start-up under mypy before this test. Here the installed sentry-sdk reports a
+real exception to a local HTTP server standing in for sentry.io (the DSN's host), in a process of its
+own so that the SDK's global client touches no other test.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import zlib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from slotq.jobs.cli.commands.worker import sentry_privacy_options
+
+SECRET = "prompt-text-that-must-stay-private"
+
+
+class _Collector(BaseHTTPRequestHandler):
+    """Keeps every envelope POSTed to it, decompressed, on the server object."""
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        encoding = self.headers.get("Content-Encoding", "")
+        if encoding == "gzip":
+            body = gzip.decompress(body)
+        elif encoding == "deflate":
+            body = zlib.decompress(body)
+        elif encoding == "br":
+            import brotli  # only sent when the brotli package is installed
+
+            body = brotli.decompress(body)
+        self.server.envelopes.append(body.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+@pytest.fixture
+def sentry_ingest() -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    server.envelopes = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+REPORTING_PROCESS = textwrap.dedent(
+    f"""
+    import sentry_sdk
+    from slotq.jobs.cli.commands.worker import _init_sentry
+
+    _init_sentry()
+
+    def decode_step(prompt):
+        reply_so_far = prompt + " and then"
+        raise RuntimeError("engine step failed")
+
+    try:
+        decode_step({SECRET!r})
+    except RuntimeError as exc:
+        sentry_sdk.capture_exception(exc)
+    sentry_sdk.flush(timeout=10)
+    """
+)
+
+
+def test_a_worker_error_reaches_sentry_without_the_prompt_in_its_frames(
+    sentry_ingest: ThreadingHTTPServer,
+) -> None:
+    port = sentry_ingest.server_address[1]
+    env = {**os.environ, "SENTRY_DSN": f"http://publickey@127.0.0.1:{port}/1"}
+    command = [sys.executable, "-c", REPORTING_PROCESS]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    envelopes: list[str] = sentry_ingest.envelopes  # type: ignore[attr-defined]
+    reports = [envelope for envelope in envelopes if "engine step failed" in envelope]
+    assert reports, f"no error report among {len(envelopes)} envelopes"
+    assert "decode_step" in reports[0], "the report lost its stack trace"
+    assert all(SECRET not in envelope for envelope in envelopes), "a frame's local variables were sent"
+
+
+@pytest.mark.parametrize(
+    ("version", "option"),
+    [("2.76.0", "include_local_variables"), ("3.0.0", "data_collection"), ("3.1.2", "data_collection")],
+)
+def test_the_privacy_options_follow_the_sentry_sdk_major_version(version: str, option: str) -> None:
+    """The installed major is exercised above; this keeps the other one's spelling (an unknown
+    option is a TypeError in 2.x and a mypy error in 3.x)."""
+    assert option in sentry_privacy_options(version)
