@@ -58,7 +58,7 @@ from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
 import hiredis
-from redis._parsers import _AsyncHiredisParser
+from redis._parsers import AsyncCommandsParser, _AsyncHiredisParser
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, PipelineCommand, RedisCluster
 from redis.asyncio.connection import (
@@ -436,15 +436,41 @@ def _block_s(args: tuple[EncodableT, ...]) -> float | None:
         seconds = float(args[1] if name in _BLOCKS_FIRST_S else args[-1])
         return (seconds / 1000 if name in _BLOCKS_LAST_MS else seconds) or None
     if name in _BLOCKS_OPTION_MS:
-        options = iter(args[1:])
-        for option in map(_word, options):      # the options come before STREAMS, the keys and ids after it
-            if option == "STREAMS":
-                break
-            if option == "GROUP":               # XREADGROUP GROUP <group> <consumer>: names, not options
-                next(options, None), next(options, None)
-            elif option == "BLOCK":
-                return float(next(options)) / 1000 or None
+        block, _streams = _stream_read_parts(args)
+        return 0.0 if block is None else float(block) / 1000 or None
     return 0.0
+
+
+def _stream_read_parts(args: tuple[EncodableT, ...]) -> tuple[EncodableT | None, tuple[EncodableT, ...]]:
+    """An XREAD's or XREADGROUP's BLOCK value (None without one), and what follows STREAMS: its keys,
+    then as many ids. The options come before STREAMS; a group's and a consumer's names are no options."""
+    block: EncodableT | None = None
+    position = 1
+    while position < len(args):
+        option = _word(args[position])
+        if option == "STREAMS":
+            return block, args[position + 1:]
+        if option == "BLOCK":
+            block = args[position + 1]
+        position += {"GROUP": 3, "BLOCK": 2, "COUNT": 2}.get(option, 1)     # GROUP <group> <consumer>; NOACK
+    return block, ()
+
+
+class _StreamReadKeys(AsyncCommandsParser):
+    """redis-py's key finder for a cluster's commands, which finds an XREAD's keys itself.
+
+    redis-py asks a node (``COMMAND GETKEYS``) for the keys of every command flagged ``movablekeys``,
+    XREAD among them: each wait for a job's result paid a second round trip, all of a client's to the same
+    node, and failed with that node though its stream was on another (a producer's ``result()`` did in
+    the chaos run on a cluster). The keys are the first half of what follows STREAMS."""
+
+    async def get_keys(self, *args: Any) -> tuple[str, ...] | None:
+        if _word(args[0]) in _BLOCKS_OPTION_MS:
+            _block, streams = _stream_read_parts(args)
+            if streams and len(streams) % 2 == 0:
+                keys = streams[:len(streams) // 2]
+                return tuple(key.decode() if isinstance(key, bytes) else str(key) for key in keys)
+        return await super().get_keys(*args)
 
 
 class _HiredisPacking(AbstractConnection):
@@ -737,6 +763,7 @@ class _Cluster(RedisCluster):
         # redis-py takes no connection class for its nodes: every node made from here on (a startup node, one
         # of the slot map) gets those of connection_kwargs; the startup nodes made above are made again
         self.connection_kwargs["connection_class"] = _ReadBoundSSL if settings.ssl else _ReadBoundTCP
+        self.commands_parser = _StreamReadKeys()
         self.nodes_manager.startup_nodes = _StartupNodes(
             (node.name, ClusterNode(node.host, node.port, **self.connection_kwargs)) for node in self._url_nodes)
         self.settings = settings

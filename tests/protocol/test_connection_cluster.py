@@ -110,6 +110,35 @@ async def test_commands_and_pipelines_reach_every_shard(cluster: LocalValkeyClus
         await single.aclose()
 
 
+async def test_a_stream_read_goes_to_its_node_without_asking_another_for_its_keys(cluster: LocalValkeyCluster) -> None:
+    """redis-py asks a node for an XREAD's keys (``COMMAND GETKEYS``) before sending it, always the same
+    node; slotq's cluster client finds them itself. Each read reaches the stream's own primary, blocking
+    or not, and with options in any order."""
+    redis = await connect(cluster.url, patient=False)
+    ports = [node.port for node in cluster.nodes()]
+
+    def calls(command: str) -> list[int]:
+        counts = []
+        for port in ports:
+            with sync_redis.Redis(port=port) as node:
+                counts.append(int(node.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)))
+        return counts
+
+    try:
+        keys = key_per_shard(cluster, "getkeys")
+        for key in keys:
+            await redis.xadd(key, {"text": key})
+        getkeys_before, xread_before = calls("command|getkeys"), calls("xread")
+        for key in keys:
+            first = await redis.xread({key: "0-0"}, count=10)
+            assert [fields[b"text"] for _id, fields in first[0][1]] == [key.encode()]
+            assert not await redis.execute_command("XREAD", "BLOCK", 1, "COUNT", 5, "STREAMS", key, "$")
+        assert calls("command|getkeys") == getkeys_before
+        assert [after - before for after, before in zip(calls("xread"), xread_before, strict=True)] == [2] * SHARDS
+    finally:
+        await redis.aclose()
+
+
 async def test_a_producer_gives_up_on_an_unreachable_cluster_within_its_bound() -> None:
     url = "redis+cluster://:s3cret@" + ",".join(f"127.0.0.1:{port}" for port in distinct_free_ports(3))
     started = time.monotonic()
