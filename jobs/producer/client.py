@@ -44,10 +44,10 @@ from slotq.jobs.protocol.payload import decode_payload, encode_payload
 from slotq.jobs.protocol.redis_queue import (
     TOKENS_WINDOW_MS,
     Enqueued,
-    LaneCounts,
     ReplicasBehind,
     TenantQuotas,
     WaitReplicas,
+    not_started,
 )
 from slotq.jobs.protocol.schemas import (
     AnyJobRequest,
@@ -309,11 +309,12 @@ class SlotqClient:
         into partitions those of the job's partition against its share of the setting."""
         limit = self.settings.max_queue_length
         if not isinstance(self.queue, PartitionedQueue):
-            return QueueFull(_waiting(await self.queue.counts()), limit)
+            return QueueFull(not_started(await self.queue.counts()), limit)
         partitions = len(self.queue.partitions)
         partition = partition_of(job_id, partitions)
-        return QueueFull(_waiting(await self.queue.partitions[partition].counts()), partition_share(limit, partitions),
-                         partition=partition, partitions=partitions, max_queue_length=limit)
+        depth = not_started(await self.queue.partitions[partition].counts())
+        return QueueFull(depth, partition_share(limit, partitions), partition=partition, partitions=partitions,
+                         max_queue_length=limit)
 
     async def _check_constraint(self, request: JobRequest) -> None:
         """Compile the request's JSON schema, grammar or tools' parameters as a worker would, under
@@ -643,11 +644,6 @@ class SlotqClient:
 
 
 _QUOTA_REFUSALS = frozenset({Enqueued.TENANT_WAITING, Enqueued.TENANT_IN_FLIGHT, Enqueued.TENANT_TOKENS})
-
-
-def _waiting(counts: Sequence[LaneCounts]) -> int:
-    """The jobs a queue's limit counts: waiting or deferred, in every lane."""
-    return sum(c.waiting + c.deferred for c in counts)
 
 
 def _to_job_result(job_id: str, record: ResultRecord) -> JobResult:

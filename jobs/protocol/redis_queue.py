@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
@@ -147,6 +147,12 @@ class LaneCounts:
     running: int
     oldest_waiting_age_s: float | None   # how long the job next in line has been ready (Redis' clock)
     preempted: int = 0                   # jobs of this lane that yielded their slot to a higher lane, ever
+
+
+def not_started(counts: Iterable[LaneCounts]) -> int:
+    """The jobs of these lanes not started yet, waiting or deferred: what a queue's length limit counts,
+    and what a worker waits to see at zero before it may leave its model."""
+    return sum(lane.waiting + lane.deferred for lane in counts)
 
 
 class AttemptVerdict(Enum):

@@ -58,7 +58,7 @@ from slotq.jobs.protocol.connection import connect
 from slotq.jobs.protocol.keys import JOB_FUNCTION, loading_key
 from slotq.jobs.protocol.partitioned_queue import Queue, open_queue
 from slotq.jobs.protocol.preemption import NOT_STARTED, Progress
-from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob
+from slotq.jobs.protocol.redis_queue import AttemptLedger, ClaimedJob, not_started
 from slotq.jobs.protocol.registry import QueueMembership, QueueServer
 from slotq.jobs.protocol.replies import reply
 from slotq.jobs.protocol.schemas import JobKind, WorkerInfo
@@ -459,7 +459,7 @@ class SlotqWorker:
             if self.runtime.running:            # busy: not quiet, and no Redis read needed to know it
                 quiet_since = time.monotonic()
                 continue
-            pending = sum(lane.waiting + lane.deferred for lane in await self.queue.counts())
+            pending = not_started(await self.queue.counts())
             if pending:
                 quiet_since = time.monotonic()
             quiet_s = time.monotonic() - quiet_since
