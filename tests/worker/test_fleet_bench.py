@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from bench.fleet_bench import READ_EVERY, FleetSettings, Plan, _capacity, _cluster_table, _queues_table, measure_step
+from bench.fleet_bench import READ_EVERY, FleetSettings, Plan, _capacity, measure_step
+from bench.fleet_cluster_bench import _cluster_table, _queues_table
 from bench.fleet_host import Design
 from bench.sim_engine import SimulationParams
 from slotq.jobs.cli.main import main
