@@ -20,6 +20,12 @@ the jobs has been enqueued (so each finds jobs running):
 * one network cut between the workers and Valkey (on a cluster: between every client and every
   node, at once): nothing passes for 1.5 s, then every connection drops.
 
+``engine-process``: the ``single`` run with every worker's engine in a process of its own
+(``SLOTQ_ENGINE_PROCESS``); every other kill is of a worker's engine process instead of the worker
+(the worker hands its jobs back and exits with code 70, and is replaced), and each killed worker's
+engine process must exit by itself. Its SIGSTOP stops the worker and not its engine process, whose
+steps pile up unread until SIGCONT.
+
 Asserted: no job lost or failed; every follower ended with its job's final entry, and what it was
 given is exactly what the stream holds (nothing duplicated, nothing missing); stream text ==
 result text and completion tokens == max_tokens; the queue is empty; every worker exits on
@@ -41,8 +47,17 @@ import pytest
 from slotq.jobs.producer.client import SlotqClient
 from slotq.jobs.protocol.schemas import JobRequest, JobResult, JobStatus, StreamEntry
 from slotq.jobs.redis_server import EmbeddedRedis
-from slotq.jobs.worker.worker import EXIT_MARGIN_S
-from tests.support.faults import LOCK_TTL_S, Fleet, LatencyProxy, check_job, report, worker_env
+from slotq.jobs.worker.worker import EXIT_ENGINE_DIED, EXIT_MARGIN_S
+from tests.support.faults import (
+    LOCK_TTL_S,
+    Fleet,
+    LatencyProxy,
+    check_job,
+    engine_process_of,
+    report,
+    wait_exited,
+    worker_env,
+)
 from tests.support.jobs import job_request, raw_entries, settings_for
 from tests.support.proxied_cluster import ProxiedCluster
 
@@ -70,9 +85,10 @@ class ChaosValkey:
     outage: str                                   # the Valkey fault's name in the schedule
     fail: Callable[[Fleet, SlotqClient, random.Random], Awaitable[None]]
     cut: Callable[[float], Awaitable[int]]        # a network cut held that long; the connections dropped
+    engine_process: bool = False                  # the workers' engines in processes of their own
 
 
-@pytest.fixture(params=["single", "cluster"])
+@pytest.fixture(params=["single", "cluster", "engine-process"])
 async def chaos_valkey(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ChaosValkey]:
     if request.param == "cluster":
         cluster = ProxiedCluster(tmp_path / "cluster")
@@ -96,7 +112,8 @@ async def chaos_valkey(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncI
         await asyncio.to_thread(server.restart)
 
     try:
-        yield ChaosValkey("single", server.url, proxy.url, "redis_restart", restart, proxy.cut)
+        yield ChaosValkey(request.param, server.url, proxy.url, "redis_restart", restart, proxy.cut,
+                          engine_process=request.param == "engine-process")
     finally:
         await proxy.close()
 
@@ -109,8 +126,9 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(chaos_
     rng = random.Random(SEED)
     # max_worker_deaths 5 (max_tries' default): random kills may catch a job before its first token
     # twice in a row, which would dead-letter it as killed_its_worker; that quarantine is not under test
-    fleet = Fleet(client, worker_env(valkey.worker_url, tiny_model_path, slots=4, ctx=1024, drain_grace_s=DRAIN_GRACE_S,
-                                     max_worker_deaths=5), tmp_path)
+    env = worker_env(valkey.worker_url, tiny_model_path, slots=4, ctx=1024, drain_grace_s=DRAIN_GRACE_S,
+                     max_worker_deaths=5, engine_process=str(valkey.engine_process).lower())
+    fleet = Fleet(client, env, tmp_path)
     names = [fleet.spawn().name for _ in range(WORKERS)]
     requests = [job_request(f"chaos {i}", max_tokens=rng.randint(MIN_TOKENS, MAX_TOKENS)) for i in range(JOBS)]
     faults = ["kill"] * KILLS + ["sigstop", valkey.outage, "network_cut"]
@@ -118,6 +136,8 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(chaos_
     applied: list[tuple[str, int]] = []           # (fault, jobs outstanding when it hit)
     outstanding: set[str] = set()
     exits: dict[str, tuple[int | None, float]] = {}
+    orphans: list[int] = []                       # engine processes of killed workers, which must exit
+    engine_kills = 0
     try:
         await fleet.wait_ready(*names)
         started = time.monotonic()
@@ -162,13 +182,22 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(chaos_
 
         async def chaos() -> None:
             """Fault i hits once the producer reached milestone i (and holds there)."""
+            nonlocal engine_kills
             for milestone, fault in zip(milestones, faults):
                 async with enqueued_more:
                     await enqueued_more.wait_for(lambda milestone=milestone: enqueued >= milestone)
                 running = len(outstanding) - len(await client.finished(list(outstanding)))
-                if fault == "kill":
-                    fleet.kill(rng.choice(await serving()))
+                if fault == "kill" and valkey.engine_process and sum(f == "kill" for f, _ in applied) % 2 == 0:
+                    code = await fleet.kill_engine(rng.choice(await serving()))
+                    engine_kills += 1
+                    assert code == EXIT_ENGINE_DIED, (code, fleet.logs())
                     fleet.spawn()                         # the supervisor's replacement
+                elif fault == "kill":
+                    victim = rng.choice(await serving())
+                    if valkey.engine_process:
+                        orphans.append(engine_process_of(fleet.procs[victim].proc.pid))
+                    fleet.kill(victim)
+                    fleet.spawn()
                 elif fault == "sigstop":
                     victim = rng.choice(await serving())
                     fleet.pause(victim)
@@ -202,6 +231,8 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(chaos_
         info = await client.queue_info()
         assert info.queued == info.running == info.deferred == 0, info
         assert info.dead_letters == 0
+        for pid in orphans:
+            await wait_exited(pid, 20)
         retried = sum(r.attempts > 1 for _, r in outcomes)
         # the exit bound is a serving worker's: one SIGTERMed while it still starts (the last kill's
         # replacement, when the run ends soon after) dies of the signal before its handlers are set
@@ -219,5 +250,6 @@ async def test_chaos_nothing_lost_nothing_duplicated_no_stream_ends_early(chaos_
         await client.close()
     slow = {n: e for n, e in exits.items() if e[0] != 0 or e[1] > EXIT_BOUND_S}
     assert not slow, (slow, fleet.logs())
-    report(f"CHAOS backend={valkey.backend} jobs={JOBS} faults={[f for f, _ in applied]} retried={retried} lost=0 "
-           f"duplicated=0 ended_early=0 wall_s={wall:.1f} slowest_exit_s={max(e[1] for e in exits.values()):.1f}")
+    report(f"CHAOS backend={valkey.backend} jobs={JOBS} faults={[f for f, _ in applied]} engine_kills={engine_kills} "
+           f"retried={retried} lost=0 duplicated=0 ended_early=0 wall_s={wall:.1f} "
+           f"slowest_exit_s={max(e[1] for e in exits.values()):.1f}")

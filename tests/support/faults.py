@@ -8,6 +8,7 @@ llama.cpp thread each, SIGKILL/SIGTERM sent to real processes.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import resource
 import signal
@@ -140,6 +141,20 @@ class Fleet:
         self.retired.append(proc)
         return t
 
+    async def kill_engine(self, name: str) -> int | None:
+        """SIGKILL the engine process of a worker started with ``SLOTQ_ENGINE_PROCESS``: the worker hands
+        its jobs back and exits by itself, with code 70 (a supervisor restarts it). Returns its exit
+        code (None if it did not exit within 60 s). The wait runs off this event loop, which may carry
+        the proxies the worker's last writes pass through."""
+        proc = self.procs.pop(name)
+        os.kill(engine_process_of(proc.proc.pid), signal.SIGKILL)
+        try:
+            return await asyncio.to_thread(proc.proc.wait, 60)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self.retired.append(proc)
+
     def pause(self, name: str) -> None:
         """SIGSTOP: the worker holds still (claims nothing) until :meth:`resume`."""
         self.procs[name].proc.send_signal(signal.SIGSTOP)
@@ -182,6 +197,31 @@ class Fleet:
 
     def logs(self) -> str:
         return "\n".join(f"===== {p.name}\n{p.log_tail(6000)}" for p in [*self.retired, *self.procs.values()])
+
+
+def engine_process_of(worker_pid: int) -> int:
+    """The engine child of a `slotq worker` (multiprocessing's spawn, beside its resource tracker)."""
+    children = [pid for task in Path(f"/proc/{worker_pid}/task").iterdir()
+                for pid in (task / "children").read_text().split()]      # each thread's children
+    for pid in children:
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return int(pid)
+    raise AssertionError(f"worker {worker_pid} has no engine process among {children}")
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter as /proc gives it ("Z": exited, not yet reaped), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+async def wait_exited(pid: int, timeout: float) -> None:
+    """Until the process ``pid`` has exited (a zombie counts: its parent was killed, not it)."""
+    async with asyncio.timeout(timeout):
+        while process_state(pid) not in ("Z", "gone"):
+            await asyncio.sleep(0.05)
 
 
 def entry_time(entry: StreamEntry) -> float:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +15,7 @@ from slotq.jobs.protocol.schemas import EntryKind, JobStatus
 from slotq.jobs.protocol.wire import FinishReason
 from slotq.jobs.worker.elastic.memory import process_rss_bytes, worker_rss_bytes
 from slotq.jobs.worker.worker import EXIT_ENGINE_DIED
-from tests.support.faults import Fleet, check_job, worker_env
+from tests.support.faults import Fleet, check_job, engine_process_of, wait_exited, worker_env
 from tests.support.jobs import collect_stream, job_request
 
 
@@ -55,16 +53,6 @@ async def test_jobs_stream_what_their_results_say_and_cancel_reaches_the_engine(
     assert engine.failure is None
 
 
-def _engine_process_of(worker_pid: int) -> int:
-    """The engine child of a `slotq worker` (multiprocessing's spawn, beside its resource tracker)."""
-    children = [pid for task in Path(f"/proc/{worker_pid}/task").iterdir()
-                for pid in (task / "children").read_text().split()]      # each thread's children
-    for pid in children:
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return int(pid)
-    raise AssertionError(f"worker {worker_pid} has no engine process among {children}")
-
-
 @pytest.mark.fault
 async def test_a_killed_engine_process_ends_the_worker_with_70_and_loses_no_job(fclient, fsync_redis,
                                                                                tiny_model_path, tmp_path):
@@ -84,8 +72,7 @@ async def test_a_killed_engine_process_ends_the_worker_with_70_and_loses_no_job(
                 async for entry in handles[0].stream():
                     if entry.kind == EntryKind.CHUNK:
                         break
-            os.kill(_engine_process_of(broken.proc.pid), signal.SIGKILL)
-            code = await asyncio.to_thread(broken.proc.wait, 60)
+            code = await fleet.kill_engine("broken")
         finally:
             fleet.resume("healthy")
         log = broken.log.read_text(errors="replace")
@@ -111,17 +98,9 @@ async def test_the_engine_process_of_a_killed_worker_exits(fclient, fsync_redis,
     worker = fleet.spawn("killed", engine_process="true")
     try:
         await fleet.wait_ready("killed")
-        engine_pid = _engine_process_of(worker.proc.pid)
+        engine_pid = engine_process_of(worker.proc.pid)
         fleet.kill("killed")
-        async with asyncio.timeout(20):
-            while Path(f"/proc/{engine_pid}").exists() and _state(engine_pid) != "Z":
-                await asyncio.sleep(0.05)
+        await wait_exited(engine_pid, 20)
     finally:
         fleet.stop_all()
 
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
