@@ -5,11 +5,13 @@ frame's local variables by default, and a worker's frames hold prompts and repli
 renamed the options that turn that off (``send_default_pii`` became ``data_collection``), which broke
 ``slotq worker`` at start-up under mypy before this test. Here the installed sentry-sdk reports a
 real exception to a local HTTP server standing in for sentry.io (the DSN's host), in a process of its
-own so that the SDK's global client touches no other test.
+own so that the SDK's global client touches no other test. And a real ``slotq worker`` runs under the
+SDK's integrations (arq's among them) and reports its engine's death.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import os
 import subprocess
@@ -19,10 +21,17 @@ import threading
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from slotq.jobs.cli.commands.worker import sentry_privacy_options
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.schemas import EntryKind, JobStatus
+from slotq.jobs.redis_server import EmbeddedRedis
+from slotq.jobs.worker.worker import EXIT_ENGINE_DIED
+from tests.support.faults import Fleet, worker_env
+from tests.support.jobs import job_request
 
 SECRET = "prompt-text-that-must-stay-private"
 
@@ -103,3 +112,32 @@ def test_the_privacy_options_follow_the_sentry_sdk_major_version(version: str, o
     """The installed major is exercised above; this keeps the other one's spelling (an unknown
     option is a TypeError in 2.x and a mypy error in 3.x)."""
     assert option in sentry_privacy_options(version)
+
+
+@pytest.mark.fault
+async def test_a_worker_whose_engine_process_died_reports_it_without_the_jobs_prompt(
+        sentry_ingest: ThreadingHTTPServer, fclient: SlotqClient, fsync_redis: EmbeddedRedis, tiny_model_path: Path,
+        tmp_path: Path) -> None:
+    """A real ``slotq worker`` with SENTRY_DSN set (so sentry-sdk's own integrations for arq, asyncio and
+    logging wrap it too) serves a job, then its engine process is killed: the job still ends well (on
+    the worker that replaces it), and Sentry hears of the engine's death, without the job's prompt."""
+    dsn = f"http://publickey@127.0.0.1:{sentry_ingest.server_address[1]}/1"
+    fleet = Fleet(fclient, worker_env(fsync_redis.url, tiny_model_path, slots=2, ctx=4096) | {"SENTRY_DSN": dsn},
+                  tmp_path)
+    fleet.spawn("reported", engine_process="true")
+    try:
+        await fleet.wait_ready("reported")
+        handle = await fclient.enqueue(job_request(SECRET, max_tokens=1500))
+        async with asyncio.timeout(60):
+            async for entry in handle.stream():
+                if entry.kind == EntryKind.CHUNK:
+                    break
+        assert await fleet.kill_engine("reported") == EXIT_ENGINE_DIED, fleet.logs()
+        fleet.spawn("replacement")
+        result = await handle.result(timeout=120)
+        assert result.status == JobStatus.SUCCEEDED, result
+    finally:
+        fleet.stop_all()
+    envelopes: list[str] = sentry_ingest.envelopes  # type: ignore[attr-defined]
+    assert any("EngineDead" in envelope for envelope in envelopes), envelopes[:3]
+    assert all(SECRET not in envelope for envelope in envelopes)
