@@ -21,6 +21,12 @@ A text delta travels as a flat array (no pydantic on either side); a final event
 choice, as its model's dict. ``prompt_tokens`` (synchronous, rare: a cancelled or already
 delivered job's usage) is answered on a second pipe by a thread of the child.
 
+The child writes its step messages without waiting for the parent to read them (no ``drain``):
+the engine must not hold a step back for a slow event loop, which would slow every sequence, and
+what can pile up is bounded by what its running requests may still generate (at most the slots'
+``max_tokens``), as the in-process outbox's is. A worker held still (SIGSTOP) past its leases
+finds its jobs moved on when it resumes; the chaos run's ``engine-process`` variant does exactly that.
+
 Failure is a clean signal. When the child dies (killed, out of memory, its engine thread crashed)
 the parent's reader sees the socket close: the proxy becomes FAILED, ends every request it holds
 with the retryable ``engine_dead`` (as a crashed engine thread ends them in-process) and wakes
