@@ -17,15 +17,15 @@ def cmd_redis(args: argparse.Namespace) -> int:
     settings = from_command_line(ClientSettings, args, None)
     port = settings.embedded_redis_port if args.port is None else args.port
     server = EmbeddedRedis(port_data_dir(settings.data_dir, port), port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):     # before the line that says it serves: a stop sent on it is kept
+        signal.signal(sig, lambda *_: stop.set())
     try:
         url = server.start()
     except EmbeddedRedisError as exc:
         print(f"slotq redis: {exc}", file=sys.stderr)
         return 1
     print(f"embedded Redis (Valkey) listening on {url}; data in {server.data_dir}. Ctrl-C to stop.", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):          # also watch the server: if it dies, say so and exit (systemd restarts)
         code = server.exit_code()
         if code is not None:
