@@ -1,11 +1,12 @@
-"""A worker's error reports reach Sentry without the job's prompt or text.
+"""A worker's error reports reach Sentry without the job's prompt or text, or a Redis password.
 
 ``slotq worker`` calls ``sentry_sdk.init`` when SENTRY_DSN is set. sentry-sdk sends each stack
 frame's local variables by default, and a worker's frames hold prompts and replies; its 3.0 also
-renamed the options that turn that off (``send_default_pii`` became ``data_collection``), which broke
-``slotq worker`` at start-up under mypy before this test. Here the installed sentry-sdk reports a
-real exception to a local HTTP server standing in for sentry.io (the DSN's host), in a process of its
-own so that the SDK's global client touches no other test. And a real ``slotq worker`` runs under the
+renamed the options that turn that off (``send_default_pii`` became ``data_collection``): the old
+spelling failed ``slotq worker`` at start-up with "Unknown option". Each event also carries the
+command line, where ``--redis-url`` may hold a password. Here the installed sentry-sdk reports a real
+exception to a local HTTP server standing in for sentry.io (the DSN's host), in a process of its own
+so that the SDK's global client touches no other test. And a real ``slotq worker`` runs under the
 SDK's integrations (arq's among them) and reports its engine's death.
 """
 
@@ -96,7 +97,8 @@ def test_a_worker_error_reaches_sentry_without_the_prompt_in_its_frames(
 ) -> None:
     port = sentry_ingest.server_address[1]
     env = {**os.environ, "SENTRY_DSN": f"http://publickey@127.0.0.1:{port}/1"}
-    command = [sys.executable, "-c", REPORTING_PROCESS]
+    command = [sys.executable, "-c", REPORTING_PROCESS,                # a worker's command line, with passwords
+               "--redis-url", "redis://:hunter2@redis:6379/0", "--redis-url=rediss://u:hunter3@redis/0"]
     done = subprocess.run(command, env=env, input=SECRET, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     envelopes: list[str] = sentry_ingest.envelopes  # type: ignore[attr-defined]
@@ -104,6 +106,8 @@ def test_a_worker_error_reaches_sentry_without_the_prompt_in_its_frames(
     assert reports, f"no error report among {len(envelopes)} envelopes"
     assert "decode_step" in reports[0], "the report lost its stack trace"
     assert all(SECRET not in envelope for envelope in envelopes), "a frame's local variables were sent"
+    assert "redis://:***@redis:6379/0" in reports[0] and "--redis-url=rediss://u:***@redis/0" in reports[0]
+    assert not any("hunter" in envelope for envelope in envelopes), "a Redis password was sent"
 
 
 @pytest.mark.parametrize(

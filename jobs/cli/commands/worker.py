@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from slotq.jobs.cli.commands.common import worker_settings
+from slotq.jobs.protocol.connection import redacted
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -35,12 +36,28 @@ def _init_sentry() -> None:
 
 
 def sentry_privacy_options(sentry_version: str) -> dict[str, Any]:
-    """``sentry_sdk.init`` options that keep prompts and outputs out of error reports.
+    """``sentry_sdk.init`` options that keep prompts, outputs and Redis passwords out of error reports.
 
     Job payloads never appear in log messages, but a stack frame's local variables would carry them
     (the prompt, the text so far), and sentry-sdk sends those by default. Its 3.x replaced
     ``send_default_pii`` and ``include_local_variables`` with one ``data_collection`` dict, so the
-    options depend on the installed major version (both are supported: ``sentry-sdk>=2.0``)."""
+    options depend on the installed major version (both are supported: ``sentry-sdk>=2.0``). Every
+    event also carries the command line, where ``--redis-url`` may hold a password: it is redacted."""
+    common = {"before_send": _redact_command_line}
     if int(sentry_version.split(".", 1)[0]) >= 3:
-        return {"data_collection": {"user_info": False, "stack_frame_variables": False}}
-    return {"send_default_pii": False, "include_local_variables": False}
+        return common | {"data_collection": {"user_info": False, "stack_frame_variables": False}}
+    return common | {"send_default_pii": False, "include_local_variables": False}
+
+
+def _redact_command_line(event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any]:
+    """The event with any password in its ``sys.argv`` (sentry-sdk's argv integration) replaced by ``***``:
+    a URL given alone (``--redis-url URL``) or joined to its flag (``--redis-url=URL``)."""
+    extra = event.get("extra")
+    if isinstance(extra, dict) and isinstance(extra.get("sys.argv"), list):
+        extra["sys.argv"] = [_redacted_arg(arg) if isinstance(arg, str) else arg for arg in extra["sys.argv"]]
+    return event
+
+
+def _redacted_arg(arg: str) -> str:
+    flag, joined, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    return flag + joined + redacted(value)
