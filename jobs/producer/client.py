@@ -43,6 +43,7 @@ from slotq.jobs.protocol.partitioned_queue import PartitionedQueue, open_queue, 
 from slotq.jobs.protocol.payload import decode_payload, encode_payload
 from slotq.jobs.protocol.redis_queue import (
     TOKENS_WINDOW_MS,
+    Cancelled,
     Enqueued,
     ReplicasBehind,
     TenantQuotas,
@@ -465,12 +466,17 @@ class SlotqClient:
     # ------------------------------------------------------------------ cancel
     async def cancel(self, job_id: str) -> bool:
         """Cancel a job. A queued job never starts; a running one stops at the next decode step
-        and its stream ends with finish_reason 'cancelled'. False if it had already finished."""
+        and its stream ends with finish_reason 'cancelled'. False if it had already finished; True
+        when it ended during this call, cancelled (a worker may act on the abort this call notes
+        before the call has told it)."""
         taken = await self.queue.cancel(job_id)
-        if taken == -1:
+        if taken == Cancelled.ABORTING:
             return True          # running: its worker was told, and it ends the stream itself
-        if taken == 0:
+        if taken == Cancelled.NOT_IN_QUEUE:
             return False
+        if taken == Cancelled.ENDED_MEANWHILE:
+            ended = await self._stored_result(job_id)
+            return ended is not None and ended.status == JobStatus.CANCELLED
         # The final entry goes first, as a worker writes it: a follower that sees the result
         # then finds the stream's end in place.
         await streams.end_stream(self.redis, job_id, StreamEntry(id="", kind=EntryKind.DONE, attempt=0,

@@ -61,6 +61,7 @@ from slotq.jobs.protocol.redis_queue import (
     AttemptOutcomes,
     AttemptStart,
     BusyToken,
+    Cancelled,
     ClaimedJob,
     Enqueued,
     LaneCounts,
@@ -323,7 +324,7 @@ class PartitionedQueue:
                 total[tenant] += count
         return dict(total)
 
-    async def cancel(self, job_id: str) -> int:
+    async def cancel(self, job_id: str) -> Cancelled:
         return await self.of_job(job_id).cancel(job_id)
 
     async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int,

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any, cast
 
 from redis.asyncio import Redis
@@ -153,6 +153,17 @@ def not_started(counts: Iterable[LaneCounts]) -> int:
     """The jobs of these lanes not started yet, waiting or deferred: what a queue's length limit counts,
     and what a worker waits to see at zero before it may leave its model."""
     return sum(lane.waiting + lane.deferred for lane in counts)
+
+
+class Cancelled(IntEnum):
+    """What :meth:`RedisQueue.cancel` found (CANCEL's reply, but for ``ENDED_MEANWHILE``)."""
+
+    NOT_IN_QUEUE = 0        # finished before the call, or never enqueued
+    REMOVED = 1             # removed before it started (or while it waited out a retry)
+    ABORTING = -1           # running: its worker was told to abort it, and ends it
+    ENDED_MEANWHILE = 2     # in the queue as the call began, gone when CANCEL ran: it ended on its own, or
+    #                         by this call's abort (a worker's tick acts on the noted abort alone); its
+    #                         result says which
 
 
 class AttemptVerdict(Enum):
@@ -319,22 +330,24 @@ class RedisQueue:
         raw = await reply(self.redis.hgetall(self.keys.tenant_waiting))
         return {tenant.decode(): int(count) for tenant, count in raw.items() if int(count) > 0}
 
-    async def cancel(self, job_id: str) -> int:
-        """1: removed before it started; -1: running, abort requested (its worker is told at once);
-        0: not in the queue (finished, or never enqueued).
+    async def cancel(self, job_id: str) -> Cancelled:
+        """Remove ``job_id`` if it has not started, or ask its worker to abort it (:class:`Cancelled`).
 
         The abort is noted in ``arq:abort`` first, so the worker told of it finds it there; the
-        note is removed again when the job turned out not to run."""
+        note is removed again when the job turned out not to run. A job not in the queue when the
+        call begins is left without a note."""
         k = self.keys
+        if not await reply(self.redis.hexists(k.jobs, job_id)):
+            return Cancelled.NOT_IN_QUEUE
         arq_id = k.arq_id(job_id)
         await self._scripts.run(NoteAbort(aborts=ABORTS, arq_id=arq_id))
-        code = int(await self._scripts.run(Cancel(
+        code = Cancelled(int(await self._scripts.run(Cancel(
             jobs=k.jobs, owners=k.owners, record_key=job_record_key(arq_id), progress=k.progress,
             tenant_waiting=k.tenant_waiting, queued=self._queued_keys(), job_id=job_id,
-            abort_channel_prefix=k.abort_channel(""))))
-        if code != -1:
+            abort_channel_prefix=k.abort_channel("")))))
+        if code != Cancelled.ABORTING:
             await self._scripts.run(DropAbort(aborts=ABORTS, arq_id=arq_id))
-        return code
+        return Cancelled.ENDED_MEANWHILE if code == Cancelled.NOT_IN_QUEUE else code
 
     async def store_result(self, job_id: str, function: str, result: Any, *, ttl_ms: int,
                            serializer: Serializer) -> None:

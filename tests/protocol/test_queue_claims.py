@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import itertools
 import time
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,8 +15,17 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from slotq.jobs.producer.client import SlotqClient
+from slotq.jobs.protocol.arq_formats import result_record
 from slotq.jobs.protocol.connection import READ_TIMEOUT_S, connect
-from slotq.jobs.protocol.keys import ABORTS, QueueKeys, job_fences_key, job_record_key, retry_counter_key
+from slotq.jobs.protocol.keys import (
+    ABORTS,
+    JOB_FUNCTION,
+    QueueKeys,
+    job_fences_key,
+    job_record_key,
+    retry_counter_key,
+)
 from slotq.jobs.protocol.redis_queue import (
     NO_QUOTAS,
     AttemptOutcomes,
@@ -27,11 +37,13 @@ from slotq.jobs.protocol.redis_queue import (
     TenantQuotas,
     WaitReplicas,
 )
+from slotq.jobs.protocol.schemas import JobResult, JobStatus
+from slotq.jobs.protocol.scripts.admission import NoteAbort
 from slotq.jobs.protocol.serialization import serialize
 from slotq.jobs.protocol.streams import read_all
 from slotq.jobs.protocol.wire import FinishReason
 from tests.support.faults import FaultyProxy
-from tests.support.jobs import ON_EVERY_BACKEND, fences_raised
+from tests.support.jobs import ON_EVERY_BACKEND, fences_raised, job_request
 
 LEASE_MS = 60_000
 
@@ -490,6 +502,37 @@ async def test_a_tenants_counts_follow_its_jobs_through_every_move_and_return_to
         assert await queue.finish(job, b"done", 60_000)
     assert await counts_of(queue, "A") == (0, 0)
     assert await redis.hlen(queue.keys.tenant_waiting) == 0 and await redis.hlen(queue.keys.tenant_running) == 0
+
+
+@pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
+async def test_a_job_ended_by_the_abort_a_cancel_noted_was_cancelled_by_that_cancel(client: SlotqClient,
+                                                                                   monkeypatch) -> None:
+    """A worker's tick acts on an abort noted in arq:abort alone (``check_aborts``), so a running job can
+    end, cancelled, between the cancel's NOTE_ABORT and its CANCEL, which then finds it gone. The cancel
+    did it: the producer says True. It said False ("had already finished"), and `slotq enqueue`
+    interrupted on a loaded machine printed that for the job it had just cancelled (CI, Python 3.13).
+    A job that ends on its own in the same moment is not counted as cancelled."""
+    ids = [(await client.enqueue(job_request(f"cancel race {i}"))).id for i in range(2)]
+    running = {job.id: job for job in await client.queue.claim(2, "w1", LEASE_MS)}
+    assert set(running) == set(ids)
+    ends = {ids[0]: JobStatus.CANCELLED, ids[1]: JobStatus.SUCCEEDED}
+    run = client.queue._scripts.run
+
+    async def a_worker_ends_the_job_once_the_abort_is_noted(call: Any) -> Any:
+        answer = await run(call)
+        if isinstance(call, NoteAbort):
+            job_id = next(job_id for job_id in ids if client.queue.keys.arq_id(job_id) == call.arq_id)
+            ended = JobResult(id=job_id, status=ends[job_id])
+            record = result_record(job_id, JOB_FUNCTION, ended.model_dump(mode="json"), client.queue.keys.queue,
+                                   int(time.time() * 1000), serialize)
+            assert await client.queue.finish(running[job_id], record, 60_000)
+        return answer
+
+    monkeypatch.setattr(client.queue._scripts, "run", a_worker_ends_the_job_once_the_abort_is_noted)
+    assert await client.cancel(ids[0]) is True
+    assert await client.cancel(ids[1]) is False
+    assert await client.cancel("never-enqueued") is False
+    assert await client.redis.zcard(ABORTS) == 0          # every note dropped
 
 
 @pytest.mark.parametrize("redis_backend", ON_EVERY_BACKEND)
