@@ -45,7 +45,6 @@ import contextlib
 import functools
 import logging
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -57,7 +56,7 @@ from typing import Any, Literal
 import redis
 
 from slotq.jobs.child_processes import describe_returncode, die_with_parent, log_tail
-from slotq.jobs.redis_server import LOG_FILE, EmbeddedRedisError, valkey_binary
+from slotq.jobs.redis_server import LOG_FILE, EmbeddedRedisError, bound_spare_port, valkey_binary
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +87,7 @@ def distinct_free_ports(count: int) -> list[int]:
     """``count`` different TCP ports nobody listens on now. Each :func:`free_port` call closes its socket,
     after which the OS may hand out the same port again; here all stay bound until all are picked."""
     with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
+        sockets = [held.enter_context(bound_spare_port()) for _ in range(count)]
         return [int(sock.getsockname()[1]) for sock in sockets]
 
 

@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -96,10 +97,38 @@ def valkey_binary() -> Path:
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it), for a server about to start."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
+    """A TCP port nobody listens on right now, for a server about to start (:func:`bound_spare_port`)."""
+    with contextlib.closing(bound_spare_port()) as sock:
         return int(sock.getsockname()[1])
+
+
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+SPARE_PORTS_FROM = 10_000
+
+
+def bound_spare_port() -> socket.socket:
+    """A socket bound on 127.0.0.1 to a port picked at random below the kernel's ephemeral ports, which
+    its caller closes just before a server binds that port.
+
+    A port the OS picks (bind to 0) comes from the ephemeral range, where every outbound connection's
+    local end comes from too: between the pick and the server's bind (a gateway's start-up takes a
+    second or two) a client connecting anywhere could take it, and the server then failed with
+    "Address already in use" (the suite's gateways did, beside a second test process's connections).
+    Where that range leaves no room below it, the OS picks."""
+    try:
+        low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(64 if low > SPARE_PORTS_FROM + 1000 else 0):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", random.randrange(SPARE_PORTS_FROM, low)))
+            return sock
+        except OSError:
+            sock.close()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 class _DirLock:

@@ -19,6 +19,8 @@ import redis as sync_redis
 
 from slotq.jobs.errors import RedisUnavailable
 from slotq.jobs.redis_server import (
+    EPHEMERAL_PORTS,
+    SPARE_PORTS_FROM,
     DataDirInUse,
     EmbeddedRedis,
     free_port,
@@ -196,3 +198,13 @@ def test_with_no_server_a_producer_says_how_to_start_one() -> None:
         running_embedded_url(port, wait_s=0)
     assert str(raised.value) == (f"no Redis at redis://127.0.0.1:{port}/0; start one with `slotq worker` or "
                                  f"`slotq redis` (embedded, SLOTQ_EMBEDDED_REDIS_PORT), or set SLOTQ_REDIS_URL")
+
+
+@pytest.mark.skipif(not EPHEMERAL_PORTS.exists(), reason="no /proc/sys/net/ipv4/ip_local_port_range (not Linux)")
+def test_a_free_port_is_picked_below_the_ports_outbound_connections_take() -> None:
+    """A port picked by the OS can be taken by any client's connection before the server that was to
+    bind it starts (a gateway in the suite met "Address already in use"); these are not the OS's picks."""
+    ephemeral_from = int(EPHEMERAL_PORTS.read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert all(SPARE_PORTS_FROM <= port < ephemeral_from for port in ports), ports
+    assert len(set(ports)) > 40                 # at random, not the same few
