@@ -181,10 +181,17 @@ def test_limit_is_the_smallest_and_rss_is_real() -> None:
     assert resolve_memory_limit(64).bytes == 64 * MIB
     assert resolve_memory_limit(64).source == "SLOTQ_MEMORY_LIMIT_MB"
     assert resolve_memory_limit(None).bytes >= 64 * MIB
-    before = process_rss_bytes()
-    ballast = b"\x01" * (64 * MIB)
-    assert process_rss_bytes() - before >= 60 * MIB
-    del ballast
+
+    def growth_with_ballast() -> int:
+        before = process_rss_bytes()
+        ballast = b"\x01" * (64 * MIB)
+        grown = process_rss_bytes() - before
+        del ballast
+        return grown
+
+    # other threads of a test process (an engine an earlier test closed) may free memory meanwhile: in
+    # two test processes one try saw 39 MiB of the 64
+    assert any(growth_with_ballast() >= 60 * MIB for _ in range(5))
 
 
 # ---------------------------------------------------------------------- what a job gets
