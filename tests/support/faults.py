@@ -209,7 +209,7 @@ def engine_process_of(worker_pid: int) -> int:
     raise AssertionError(f"worker {worker_pid} has no engine process among {children}")
 
 
-def process_state(pid: int) -> str:
+def _process_state(pid: int) -> str:
     """A process's state letter as /proc gives it ("Z": exited, not yet reaped), or "gone"."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -220,7 +220,7 @@ def process_state(pid: int) -> str:
 async def wait_exited(pid: int, timeout: float) -> None:
     """Until the process ``pid`` has exited (a zombie counts: its parent was killed, not it)."""
     async with asyncio.timeout(timeout):
-        while process_state(pid) not in ("Z", "gone"):
+        while _process_state(pid) not in ("Z", "gone"):
             await asyncio.sleep(0.05)
 
 
